@@ -60,11 +60,12 @@ class DataConfig:
 class RolloutConfig:
     n: int = 8
     """Samples per prompt: the GRPO group size."""
-    temperature: float = 1.0
-    """Sampling temperature; log-probs for the loss use the same temperature."""
+    temperature: float = 0.7
+    """Sampling temperature; log-probs for the loss use the same temperature. Below 1 for a
+    135M model: at 1.0 its samples rarely reach a final answer and most groups carry no signal."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
-    max_response_length: int = 96
+    max_response_length: int = 80
     """Most generated tokens per response; a response cut here is flagged truncated."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Weights of the rollout engine (a copy of the actor, synced after each update)."""
@@ -108,7 +109,7 @@ class TrainerConfig:
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     ppo_epochs: int = 1
     """Passes over the global batch per iteration."""
-    lr: float = 5e-6
+    lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""

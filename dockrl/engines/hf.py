@@ -63,6 +63,17 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     return input_ids, attention_mask, positions, mask
 
 
+def _plain_lm_head(model: torch.nn.Module) -> bool:
+    """True when logits are exactly ``lm_head(final hidden state)`` (Llama, Qwen2, Mistral, ...)."""
+    cfg = model.config
+    return (
+        getattr(cfg, "final_logit_softcapping", None) is None
+        and getattr(cfg, "logit_scale", None) is None
+        and hasattr(model, "get_decoder")
+        and model.get_output_embeddings() is not None
+    )
+
+
 def response_log_probs(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -82,11 +93,18 @@ def response_log_probs(
         ``entropy (B, T)`` (no grad) when ``with_entropy``, else None.
     """
     input_ids, attention_mask, positions, mask = pack_sequences(prompts, responses, pad_id)
+    B, T = positions.shape
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
     with ctx:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    B, T = positions.shape
-    logits = logits.gather(1, positions.unsqueeze(-1).expand(B, T, logits.shape[-1])).float() / temperature
+        if _plain_lm_head(model):
+            # the output head only on response positions: prompt logits are never needed
+            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            hidden = hidden.gather(1, positions.unsqueeze(-1).expand(B, T, hidden.shape[-1]))
+            logits = model.get_output_embeddings()(hidden)
+        else:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = logits.gather(1, positions.unsqueeze(-1).expand(B, T, logits.shape[-1]))
+    logits = logits.float() / temperature
     targets = input_ids.gather(1, (positions + 1).clamp(max=input_ids.shape[1] - 1))
     log_prob = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
     entropy = None

@@ -36,8 +36,11 @@ def accumulate_mini_batch(
     """Forward/backward every micro-batch of one mini-batch, accumulating gradients.
 
     Args:
-        batch: ``prompt_ids``, ``response_ids``, ``old_log_prob``, ``advantages`` and, when
-            ``algo.kl_coef > 0``, ``ref_log_prob`` — one list entry per sequence.
+        batch: ``prompt_ids``, ``response_ids``, ``advantages``, ``old_log_prob`` and, when
+            ``algo.kl_coef > 0``, ``ref_log_prob`` — one list entry per sequence. When
+            ``old_log_prob`` is absent the update is on-policy: the detached log-probs of this
+            very forward pass are the old ones (ratio exactly 1, as in verl), and they are
+            added to ``batch["old_log_prob"]``, which saves a forward pass over the batch.
 
     The loss of each micro-batch is normalized by mini-batch totals (tokens or sequences), so
     the accumulated gradient does not depend on ``micro_batch``.
@@ -50,6 +53,9 @@ def accumulate_mini_batch(
     total_tokens = float(sum(len(r) for r in batch["response_ids"]))
     sums = dict.fromkeys(["loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean"], 0.0)
     ratio_max = 0.0
+    on_policy = "old_log_prob" not in batch
+    if on_policy:
+        batch["old_log_prob"] = []
     for s in range(0, n_seq, micro_batch):
         part = {k: v[s : s + micro_batch] for k, v in batch.items()}
         log_prob, mask, entropy = response_log_probs(
@@ -57,7 +63,11 @@ def accumulate_mini_batch(
             temperature=temperature, autocast_bf16=engine.autocast_bf16, with_entropy=True,
         )
         T = mask.shape[1]
-        old = _pad(part["old_log_prob"], T)
+        if on_policy:
+            old = log_prob.detach()
+            batch["old_log_prob"].extend(old[i, : len(r)].tolist() for i, r in enumerate(part["response_ids"]))
+        else:
+            old = _pad(part["old_log_prob"], T)
         adv = torch.tensor(part["advantages"], dtype=torch.float32)
         pg, clip_hit = policy_loss(log_prob, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
         token_loss = pg
@@ -91,10 +101,12 @@ class ActorWorker:
         columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])
         claim = dock.claim("actor", columns, dock.num_rows, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
-        batch["old_log_prob"] = self.engine.log_probs(
-            batch["prompt_ids"], batch["response_ids"], temperature=self.rollout.temperature, micro_batch=self.trainer.micro_batch
-        )
-        dock.put(claim.rows, {"old_log_prob": batch["old_log_prob"]})
+        on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
+        if not on_policy:  # later mini-batches need the log-probs from before the first step
+            batch["old_log_prob"] = self.engine.log_probs(
+                batch["prompt_ids"], batch["response_ids"], temperature=self.rollout.temperature, micro_batch=self.trainer.micro_batch
+            )
+            dock.put(claim.rows, {"old_log_prob": batch["old_log_prob"]})
         old_s = time.perf_counter() - start
 
         rows_per_step = self.trainer.mini_batch * dock.group_size
@@ -110,6 +122,8 @@ class ActorWorker:
                         )
                     )
                 )
+        if on_policy:
+            dock.put(claim.rows, {"old_log_prob": mini["old_log_prob"]})
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["actor/ratio_max"] = max(m["actor/ratio_max"] for m in steps)
         metrics["actor/first_step_ratio_mean"] = steps[0]["actor/ratio_mean"]

@@ -1,0 +1,12 @@
+"""Shared fixtures: a tiny random Qwen2-architecture model and tokenizer, built offline once."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from dockrl.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

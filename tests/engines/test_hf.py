@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, pack_sequences
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir):
+    return HFRolloutEngine(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(rollout):
+    tok = rollout.tokenizer
+    questions = ["Tom has 3 apples. How many apples?", "Sara has 12 coins and gets 4 more.", "Ali has 7 cards."]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
+
+
+def test_rollout_log_probs_match_teacher_forced_pass(tiny_model_dir, rollout, prompts):
+    torch.manual_seed(0)
+    samples = rollout.generate(prompts, max_new_tokens=12, temperature=0.7)
+    trainer = HFTrainEngine(tiny_model_dir, trainable=False, autocast_bf16=False)
+    recomputed = trainer.log_probs(prompts, [s.response_ids for s in samples], temperature=0.7, micro_batch=2)
+    for s, lp in zip(samples, recomputed):
+        assert len(lp) == len(s.response_ids) == len(s.log_probs)
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(s.log_probs), atol=1e-5, rtol=0)
+
+
+def test_truncated_response_is_flagged_without_fake_eos(rollout, prompts):
+    greedy = rollout.generate(prompts[:1], max_new_tokens=4, greedy=True)[0].response_ids
+    eos = rollout.eos_id
+    try:
+        rollout.eos_id = next(t for t in range(len(rollout.tokenizer)) if t not in greedy)
+        cut = rollout.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]
+        assert cut.truncated and len(cut.response_ids) == 4
+        assert rollout.eos_id not in cut.response_ids
+        rollout.eos_id = greedy[1]  # the 2nd greedy token now ends the response
+        ended = rollout.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]
+        assert not ended.truncated
+        assert ended.response_ids == greedy[: greedy.index(greedy[1]) + 1]
+        assert ended.response_ids[-1] == rollout.eos_id
+    finally:
+        rollout.eos_id = eos
+
+
+def test_eos_stays_in_loss_mask_when_pad_equals_eos(rollout):
+    eos = rollout.eos_id
+    assert rollout.pad_id == eos  # the tiny tokenizer pads with its EOS token
+    ids, attention, positions, mask = pack_sequences([[5, 6, 7], [8]], [[9, eos], [eos]], pad_id=eos)
+    assert ids[1].tolist() == [8, eos, eos, eos, eos]  # the response EOS, then padding with the same id
+    assert mask.tolist() == [[1, 1], [1, 0]]  # every EOS that ends a response counts; padding does not
+    assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert positions.tolist() == [[2, 3], [0, 0]]
+
+
+def test_weight_sync_copies_every_parameter(tiny_model_dir, rollout):
+    actor = HFTrainEngine(tiny_model_dir, trainable=True)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.add_(0.01)
+    nbytes = rollout.load_weights(actor.named_weights())
+    assert nbytes == sum(p.numel() * 4 for p in actor.model.parameters())
+    for (name, a), (_, b) in zip(actor.model.named_parameters(), rollout.model.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(KeyError, match="no parameter named 'nope'"):
+        rollout.load_weights([("nope", torch.zeros(1))])
