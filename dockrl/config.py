@@ -8,6 +8,7 @@ cross-field rules, and returns a ``Config``. The defaults are the demo run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,8 @@ class DataConfig:
     train_path: str = ""
     """JSONL/Parquet training prompts in GSM8K format; empty: generate seeded problems."""
     test_path: str = ""
-    """JSONL/Parquet evaluation prompts; empty: generate a seeded held-out split."""
+    """JSONL/Parquet evaluation prompts; empty: a seeded held-out split; ``champ``: the CHAMP
+    problems with numeric answers (needs the ``champ`` extra)."""
     generate_train: int = 2000
     """Number of generated training problems when ``train_path`` is empty."""
     generate_test: int = 200
@@ -189,14 +191,21 @@ def _check_rules(c: Config) -> None:
         raise _fail("trainer.mini_batch", t.mini_batch, f"must divide trainer.global_batch={t.global_batch}")
     if (t.mini_batch * r.n) % t.micro_batch:
         raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
-    if t.lr <= 0:
-        raise _fail("trainer.lr", t.lr, "expected > 0")
-    if min(t.weight_decay, t.grad_clip, t.save_every, a.kl_coef, a.adv_eps) < 0:
-        raise ConfigError("trainer.weight_decay, trainer.grad_clip, trainer.save_every, algorithm.kl_coef, algorithm.adv_eps must be >= 0")
-    if not (0 <= a.clip_low < 1 and a.clip_high >= 0):
-        raise _fail("algorithm.clip_low/clip_high", (a.clip_low, a.clip_high), "expected 0 <= clip_low < 1 and clip_high >= 0")
-    if a.reward_timeout_s <= 0 or c.dock.timeout_s <= 0:
-        raise ConfigError("algorithm.reward_timeout_s and dock.timeout_s must be > 0 seconds")
+    # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
+    finite_positive = {"trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s}
+    for where, v in finite_positive.items():
+        if not (0 < v < math.inf):
+            raise _fail(where, v, "expected a finite number > 0")
+    non_negative = {
+        "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
+        "algorithm.kl_coef": a.kl_coef, "algorithm.adv_eps": a.adv_eps, "algorithm.clip_high": a.clip_high,
+        "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
+    }
+    for where, v in non_negative.items():
+        if not (0 <= v < math.inf):
+            raise _fail(where, v, "expected a finite number >= 0")
+    if not (0 <= a.clip_low < 1):
+        raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
 
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:
@@ -257,8 +266,13 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r}: expected section.field=value, e.g. trainer.lr=1e-5")
         key, raw = item.split("=", 1)
         section, name = key.split(".", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
-        if isinstance(value, (dict, list)) or value is None:
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+        # anything but a plain scalar, and unquoted text (where YAML would cut a ' #' comment), stays verbatim
+        if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and not quoted):
             value = raw
         tree.setdefault(section, {})[name] = value
     return tree

@@ -7,9 +7,11 @@ tokenizes, and reports every unusable line with its number and reason.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -169,3 +171,30 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
     if not prompts:
         raise ValueError(f"no usable row in {report.summary()}")
     return prompts, report
+
+
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+(/\d+)?")
+
+
+def export_champ(path: str | Path) -> Path:
+    """Write the CHAMP competition-math problems with a numeric final answer as GSM8K JSONL.
+
+    CHAMP (Mao et al., 2024, arXiv 2401.06961; PyPI ``champ-dataset``, MIT) has 270
+    problems; those whose answer is an expression or a word (about two thirds) cannot be
+    scored by a numeric verifier and are skipped with a count in the log.
+
+    Raises:
+        FileNotFoundError: ``champ-dataset`` is not installed (``pip install 'dockrl[champ]'``).
+    """
+    spec = importlib.util.find_spec("champ_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("data.test_path=champ needs the PyPI package 'champ-dataset' (pip install 'dockrl[champ]')")
+    source = Path(list(spec.submodule_search_locations)[0]) / "dataset_files" / "v0.json"
+    problems = json.loads(source.read_text())["problems"]
+    rows = [
+        {"question": p["_text"], "answer": f"#### {p['_answer'].strip()}"}
+        for p in problems.values()
+        if _NUMBER.fullmatch(p["_answer"].strip())
+    ]
+    logger.info("CHAMP: %d problems with a numeric answer, %d skipped", len(rows), len(problems) - len(rows))
+    return write_jsonl(rows, path)

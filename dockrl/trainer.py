@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dockrl.config import Config, save_config
-from dockrl.data import generate_problems, load_prompts, write_jsonl
+from dockrl.data import export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
 from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine
 from dockrl.evaluate import greedy_accuracy
@@ -47,6 +47,10 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     folder = Path(cfg.run.cache_dir) / "data" / key
     train, test = Path(d.train_path) if d.train_path else None, Path(d.test_path) if d.test_path else None
     gen = dict(min_steps=d.min_steps, max_steps=d.max_steps, max_number=d.max_number)
+    if d.test_path == "champ":
+        test = Path(cfg.run.cache_dir) / "data" / "champ.jsonl"
+        if not test.is_file():
+            export_champ(test)
     if test is None:
         test = folder / f"test-{d.generate_test}.jsonl"
         if not test.is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 import yaml
@@ -28,10 +29,17 @@ def test_defaults_load():
     config = load_config()
     assert config == Config()
     assert config == load_config(None, [])
-    assert config.rollout.n == 8
-    assert config.trainer.lr == 5e-6
-    assert config.algorithm.loss_agg == "token"
     assert config.data.system_prompt == DEFAULT_SYSTEM_PROMPT
+    # every default has its declared type (a float field never holds an int, a bool never an int)
+    for section in dataclasses.fields(Config):
+        value = getattr(config, section.name)
+        hints = typing.get_type_hints(type(value))
+        for f in dataclasses.fields(value):
+            tp, v = hints[f.name], getattr(value, f.name)
+            if typing.get_origin(tp) is typing.Literal:
+                assert v in typing.get_args(tp), f"{section.name}.{f.name}"
+            else:
+                assert type(v) is tp, f"{section.name}.{f.name}: {v!r} is not {tp.__name__}"
 
 
 def test_empty_yaml_file_gives_defaults(tmp_path):
@@ -206,11 +214,6 @@ def test_save_then_load_round_trips(tmp_path):
     assert load_config(path) == Config()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: NaN passes the '> 0' rules (checks are written as `x <= 0`), e.g. trainer.lr=nan or "
-    "dock.timeout_s=nan, which makes every blocking claim wait forever",
-)
 @pytest.mark.parametrize("override", ["trainer.lr=nan", "dock.timeout_s=nan"])
 def test_nan_is_rejected(override):
     field = override.split("=")[0]
@@ -218,12 +221,6 @@ def test_nan_is_rejected(override):
         load_config(None, [override])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=yaml.YAMLError,
-    reason="bug: parse_overrides lets yaml.YAMLError escape for values that are not valid YAML "
-    "(e.g. '@data.jsonl', \"'open\"), instead of using the raw string or raising ConfigError",
-)
 @pytest.mark.parametrize("value", ["@data.jsonl", "'open", "x: y: z"])
 def test_override_value_that_is_not_yaml(value):
     try:
@@ -232,3 +229,9 @@ def test_override_value_that_is_not_yaml(value):
         assert "data.train_path" in str(e)
     else:
         assert config.data.train_path == value
+
+
+def test_override_text_with_hash_is_kept_verbatim():
+    config = load_config(None, ["data.system_prompt=Write the answer as #### N", "data.train_path='quoted.jsonl'"])
+    assert config.data.system_prompt == "Write the answer as #### N"
+    assert config.data.train_path == "quoted.jsonl"

@@ -38,7 +38,9 @@ def test_generator_is_seeded():
 
 @pytest.mark.parametrize(("min_steps", "max_steps", "max_number"), [(1, 1, 10), (1, 2, 20), (2, 4, 50), (3, 3, 3)])
 def test_answers_follow_the_worked_steps(min_steps, max_steps, max_number):
-    problems = generate_problems(150, seed=min_steps * 100 + max_number, min_steps=min_steps, max_steps=max_steps, max_number=max_number)
+    problems = generate_problems(
+        150, seed=min_steps * 100 + max_number, min_steps=min_steps, max_steps=max_steps, max_number=max_number
+    )
     seen_ops = set()
     for p in problems:
         assert set(p) == {"question", "answer"}

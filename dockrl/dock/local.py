@@ -8,6 +8,7 @@ size). Waiting is event-driven on a condition variable, never a sleep-poll loop.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -256,7 +257,7 @@ class TransferDock:
                         f"wanted {want} rows ready in {list(columns)}, {len(candidates)} ready; "
                         f"columns still missing (rows lacking): {missing}"
                     )
-                self._cond.wait(remaining)
+                self._cond.wait(remaining if math.isfinite(remaining) else None)
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read``, ``dock/wait_s``."""

@@ -203,12 +203,6 @@ def test_claim_timeout_names_missing_columns_and_consumer(per_call):
     assert dock.claim("reward", ["prompt_ids", "response_ids"], 4).rows == [0, 1, 2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="bug: TransferDock.claim passes an infinite timeout to Condition.wait, which raises OverflowError "
-    "(config accepts dock.timeout_s=.inf)",
-)
 def test_infinite_timeout_waits_instead_of_crashing():
     dock = make_dock(num_rows=2, group_size=2, timeout_s=math.inf)
     thread = threading.Thread(target=lambda: (time.sleep(0.1), put_prompts(dock, range(2))), daemon=True)
