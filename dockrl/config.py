@@ -204,6 +204,8 @@ def _check_rules(c: Config) -> None:
     for where, v in non_negative.items():
         if not (0 <= v < math.inf):
             raise _fail(where, v, "expected a finite number >= 0")
+    if not a.correct_reward > a.format_reward:
+        raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
     if not (0 <= a.clip_low < 1):
         raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
 

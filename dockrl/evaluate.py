@@ -6,11 +6,22 @@ from typing import Sequence
 
 from dockrl.data import Prompt
 from dockrl.engines.hf import HFRolloutEngine
-from dockrl.rewards import extract_final_answer, is_correct
+from dockrl.rewards import RewardScorer, extract_final_answer
 
 
-def greedy_accuracy(engine: HFRolloutEngine, prompts: Sequence[Prompt], *, max_new_tokens: int, batch_size: int) -> dict[str, float]:
+def greedy_accuracy(
+    engine: HFRolloutEngine,
+    prompts: Sequence[Prompt],
+    scorer: RewardScorer,
+    *,
+    correct_reward: float,
+    max_new_tokens: int,
+    batch_size: int,
+) -> dict[str, float]:
     """Greedy-decode every prompt and score it with the strict GSM8K verifier.
+
+    Scoring goes through ``scorer`` (per-sample timeout); a score ≥ ``correct_reward`` is a
+    correct answer.
 
     Returns:
         ``accuracy`` (fraction correct) and ``format_rate`` (fraction with a '#### <number>'
@@ -20,6 +31,7 @@ def greedy_accuracy(engine: HFRolloutEngine, prompts: Sequence[Prompt], *, max_n
         raise ValueError("greedy_accuracy: no test prompts")
     samples = engine.generate([p.prompt_ids for p in prompts], max_new_tokens=max_new_tokens, greedy=True, batch_size=batch_size)
     texts = engine.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    correct = sum(is_correct(t, p.ground_truth) for t, p in zip(texts, prompts))
+    scores = scorer.score(texts, [p.ground_truth for p in prompts])
+    correct = sum(score >= correct_reward for score in scores)
     formatted = sum(extract_final_answer(t) is not None for t in texts)
     return {"accuracy": correct / len(prompts), "format_rate": formatted / len(prompts), "count": len(prompts)}

@@ -98,7 +98,7 @@ def train(cfg: Config) -> dict[str, float]:
         autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
     )
     scorer = RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
-    workers = [RolloutWorker(rollout_engine, r), RewardWorker(scorer, tokenizer), AdvantageWorker(a)]
+    workers = [RolloutWorker(rollout_engine, r), RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
     if a.kl_coef > 0:
         reference = HFTrainEngine(model_path, trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
@@ -106,7 +106,10 @@ def train(cfg: Config) -> dict[str, float]:
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s)
 
     def evaluate(tag: str) -> dict[str, float]:
-        res = greedy_accuracy(rollout_engine, test_prompts, max_new_tokens=r.max_response_length, batch_size=t.eval_batch_size)
+        res = greedy_accuracy(
+            rollout_engine, test_prompts, scorer, correct_reward=a.correct_reward,
+            max_new_tokens=r.max_response_length, batch_size=t.eval_batch_size,
+        )
         logger.info("greedy test accuracy %s training: %.3f (format %.3f, %d prompts)", tag, res["accuracy"], res["format_rate"], res["count"])
         return {f"eval/accuracy_{tag}": res["accuracy"], f"eval/format_rate_{tag}": res["format_rate"]}
 
@@ -138,6 +141,7 @@ def train(cfg: Config) -> dict[str, float]:
                 metrics |= dock.stats()
                 dock.close_iteration()
                 metrics["timing_s/iteration"] = time.perf_counter() - start
+                metrics["perf/response_tokens_per_s"] = metrics["rollout/response_length_mean"] * B * n / metrics["timing_s/iteration"]
                 writer.log(it, metrics)
                 progress.update(metrics)
                 if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:

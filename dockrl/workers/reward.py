@@ -5,12 +5,17 @@ from __future__ import annotations
 import time
 
 from dockrl.dock import TransferDock
-from dockrl.rewards import RewardScorer, is_correct
+from dockrl.rewards import RewardScorer
 
 
 class RewardWorker:
-    def __init__(self, scorer: RewardScorer, tokenizer, batch_size: int = 64) -> None:
+    """Args: ``correct_reward`` — a score at or above it means a correct answer (the config
+    requires ``correct_reward > format_reward``), so correctness needs no second, untimed
+    verifier call."""
+
+    def __init__(self, scorer: RewardScorer, tokenizer, *, correct_reward: float, batch_size: int = 64) -> None:
         self.scorer, self.tokenizer, self.batch_size = scorer, tokenizer, batch_size
+        self.correct_reward = correct_reward
 
     def run_iteration(self, dock: TransferDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics."""
@@ -20,7 +25,7 @@ class RewardWorker:
             texts = self.tokenizer.batch_decode(claim.batch.column("response_ids").to_pylist(), skip_special_tokens=True)
             truths = claim.batch.column("ground_truth").to_pylist()
             batch_scores = self.scorer.score(texts, truths)
-            batch_correct = [is_correct(t, g) for t, g in zip(texts, truths)]
+            batch_correct = [score >= self.correct_reward for score in batch_scores]
             dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct})
             scores += batch_scores
             correct += batch_correct

@@ -1,0 +1,40 @@
+"""Reward and advantage stages through the dock, with the real verifier."""
+
+import pytest
+
+from dockrl.config import AlgorithmConfig
+from dockrl.dock import GRPO_SCHEMA, TransferDock
+from dockrl.rewards import RewardScorer
+from dockrl.workers.advantage import AdvantageWorker
+from dockrl.workers.reward import RewardWorker
+
+
+class FakeTokenizer:
+    """Fake tokenizer: token id k decodes to the k-th canned response."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [self.texts[row[0]] for row in ids]
+
+
+def test_reward_then_advantage_through_the_dock():
+    texts = ["so #### 7", "#### 8", "no answer 7", "#### 7.", "#### 1,000", "#### 1000", "#### 999", "1000"]
+    dock = TransferDock(GRPO_SCHEMA, timeout_s=5)
+    dock.open_iteration(0, 8, 4)
+    dock.put(range(8), {"prompt_ids": [[1]] * 8, "ground_truth": ["7"] * 4 + ["1000"] * 4})
+    dock.put(range(8), {"response_ids": [[k] for k in range(8)]})
+    with RewardScorer(timeout_s=5) as scorer:
+        m = RewardWorker(scorer, FakeTokenizer(texts), correct_reward=1.0, batch_size=3).run_iteration(dock)
+    got = dock.get(["rm_score", "correct"], range(8)).to_pydict()
+    assert got["rm_score"] == pytest.approx([1.1, 0.1, 0.0, 1.1, 1.1, 1.1, 0.1, 0.0])
+    assert got["correct"] == [True, False, False, True, True, True, False, False]
+    assert m["reward/accuracy"] == pytest.approx(4 / 8)
+    assert m["reward/verifier_timeouts"] == 0
+
+    a = AdvantageWorker(AlgorithmConfig()).run_iteration(dock)
+    adv = dock.get(["advantages"], range(8)).column("advantages").to_pylist()
+    assert a["rollout/frac_zero_std_groups"] == 0.0
+    assert adv[0] > 0 and adv[2] < 0 and adv[1] < 0
+    assert sum(adv[:4]) == pytest.approx(0.0, abs=1e-5)
