@@ -1,0 +1,495 @@
+"""Tests of the sharded transfer dock: DockClient over Arrow Flight shards behaves as TransferDock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, TransferDock
+from dockrl.dock.client import DockClient, shard_ranges, start_local_shards
+from dockrl.dock.flight import DockShardServer, dock_error_to_flight, raise_dock_error, serve_shard
+
+TOKEN = "test-token"
+TOKENS = pa.list_(pa.int32())
+LOGPROBS = pa.list_(pa.float32())
+
+
+@pytest.fixture(scope="module")
+def shards() -> Iterator[dict[int, list[str]]]:
+    """Shard servers for 1, 2 and 3-shard docks, started once for the module."""
+    servers: list[DockShardServer] = []
+    locations: dict[int, list[str]] = {}
+    for n in (1, 2, 3):
+        started, locations[n] = start_local_shards(n, GRPO_SCHEMA, token=TOKEN)
+        servers += started
+    yield locations
+    for server in servers:
+        server.close()
+
+
+def connect(locations: list[str], timeout_s: float = 5.0) -> DockClient:
+    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=timeout_s, rpc_timeout_s=10.0)
+
+
+@pytest.fixture(params=[1, 3], ids=["1shard", "3shards"])
+def client(request: pytest.FixtureRequest, shards: dict[int, list[str]]) -> Iterator[DockClient]:
+    dock = connect(shards[request.param])
+    yield dock
+    dock.close_iteration()
+    dock.close()
+
+
+def prompt_cell(row: int) -> list[int]:
+    return [row, row + 100, row + 200][: 1 + row % 3]
+
+
+def put_prompts(dock: DockClient, rows) -> None:
+    rows = list(rows)
+    dock.put(rows, {"prompt_ids": [prompt_cell(r) for r in rows]})
+
+
+def drain(dock: DockClient, consumer: str, columns: list[str], count: int, **kw) -> list[Claim]:
+    claims = []
+    while claim := dock.claim(consumer, columns, count, **kw):
+        claims.append(claim)
+        assert len(claims) <= dock.num_rows, "claims never ran dry"
+    return claims
+
+
+# --- delivery and grouping -------------------------------------------------------------------
+
+
+def test_row_to_shard_mapping_is_contiguous_whole_groups():
+    assert shard_ranges(12, 2, 3) == [(0, 4), (4, 8), (8, 12)]
+    assert shard_ranges(10, 2, 3) == [(0, 2), (2, 6), (6, 10)]
+    assert shard_ranges(2, 2, 3) == [(0, 0), (0, 0), (0, 2)]  # fewer groups than shards
+
+
+def test_each_consumer_gets_every_row_exactly_once(client):
+    client.open_iteration(0, 12, 2)
+    put_prompts(client, range(12))
+    client.put(range(12), {"ground_truth": [str(r) for r in range(12)]})
+    for consumer in ("reward", "reference"):
+        claims = drain(client, consumer, ["prompt_ids", "ground_truth"], 5)
+        assert [len(c) for c in claims] == [5, 5, 2]
+        assert sorted(r for c in claims for r in c.rows) == list(range(12))
+        for c in claims:
+            assert c.iteration == 0 and c.rows == sorted(c.rows)
+            assert c.batch.column("prompt_ids").to_pylist() == [prompt_cell(r) for r in c.rows]
+            assert c.batch.column("ground_truth").to_pylist() == [str(r) for r in c.rows]
+    empty = client.claim("reward", ["prompt_ids", "response_ids"], 4)
+    assert empty.rows == [] and empty.batch.num_rows == 0 and empty.batch.schema.names == ["prompt_ids", "response_ids"]
+    stats = client.stats()
+    assert stats["dock/controller_bytes"] > 0 and stats["dock/bytes_put"] > 0 and stats["dock/bytes_read"] > 0
+
+
+def test_whole_groups_never_returns_a_partial_group(client):
+    client.open_iteration(0, 12, 4)
+    put_prompts(client, [0, 1, 2, 4, 5, 6, 7, 9, 10])  # only group 1 (rows 4..7) is complete
+    assert client.claim("rollout", ["prompt_ids"], 4, whole_groups=True).rows == [4, 5, 6, 7]
+    with pytest.raises(DockTimeoutError):
+        client.claim("rollout", ["prompt_ids"], 4, whole_groups=True, timeout_s=0.2)
+    put_prompts(client, [3, 8, 11])
+    last = client.claim("rollout", ["prompt_ids"], 12, whole_groups=True)
+    assert last.rows == [0, 1, 2, 3, 8, 9, 10, 11]  # min(count, rows left): the failed claim took nothing
+    with pytest.raises(DockError, match="count=6 must be positive and a multiple of group_size=4"):
+        client.claim("reward", ["prompt_ids"], 6, whole_groups=True)
+
+
+def test_claim_draws_from_both_shards_when_both_have_ready_rows(shards):
+    dock = connect(shards[2])
+    try:
+        dock.open_iteration(0, 8, 2)  # shard 0 owns rows 0..3, shard 1 rows 4..7
+        put_prompts(dock, [0, 1, 4, 5])
+        claim = dock.claim("reward", ["prompt_ids"], 4)
+        assert claim.rows == [0, 1, 4, 5]
+        assert claim.batch.column(0).to_pylist() == [prompt_cell(r) for r in [0, 1, 4, 5]]
+        put_prompts(dock, [2, 3, 6, 7])
+        firsts = {dock.claim("reference", ["prompt_ids"], 1).rows[0] // 4 for _ in range(2)}
+        assert firsts == {0, 1}  # successive claims start at successive shards
+    finally:
+        dock.close_iteration()
+
+
+def test_fewer_groups_than_shards(client):
+    client.open_iteration(0, 2, 2)
+    put_prompts(client, [1, 0])
+    assert client.claim("actor", ["prompt_ids"], client.num_rows, whole_groups=True).rows == [0, 1]
+    assert client.get(["prompt_ids"], [1, 0]).column(0).to_pylist() == [prompt_cell(1), prompt_cell(0)]
+
+
+# --- blocking and timeouts ----------------------------------------------------------------
+
+
+def test_blocking_claim_is_released_by_a_put_from_another_thread(client, shards):
+    client.open_iteration(0, 6, 2)
+    producer = connect(client.locations)
+
+    def produce() -> None:
+        time.sleep(0.2)
+        producer.put([4, 5, 0, 1, 2, 3], {"prompt_ids": [prompt_cell(r) for r in [4, 5, 0, 1, 2, 3]]})
+
+    thread = threading.Thread(target=produce, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    try:
+        claim = client.claim("actor", ["prompt_ids"], 6, whole_groups=True)  # needs every shard's rows
+    finally:
+        thread.join(5)
+    assert claim.rows == list(range(6))
+    assert claim.batch.column(0).to_pylist() == [prompt_cell(r) for r in range(6)]
+    assert 0.15 <= time.monotonic() - start < 3.0
+
+
+def test_blocked_claim_fails_when_the_iteration_is_closed(client):
+    client.open_iteration(0, 4, 2)
+    errors: list[BaseException] = []
+    worker = connect(client.locations)
+
+    def consume() -> None:
+        try:
+            worker.claim("reward", ["prompt_ids"], 2)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    client.close_iteration()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and type(errors[0]) is DockError and "no iteration is open" in str(errors[0])
+
+
+def test_timeout_names_missing_column_and_shard_and_consumes_nothing(client):
+    client.open_iteration(0, 6, 2)
+    put_prompts(client, range(6))
+    client.put([0, 1], {"response_ids": [[0], [1]]})
+    start = time.monotonic()
+    with pytest.raises(DockTimeoutError) as info:
+        client.claim("reward", ["prompt_ids", "response_ids"], 4, timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - start < 2.0
+    msg = str(info.value)
+    assert isinstance(info.value, TimeoutError) and "'reward'" in msg and "wanted 4 rows" in msg
+    missing = msg.split("missing")[-1]
+    assert "'response_ids': 4" in missing or "'response_ids': 2" in missing
+    assert "prompt_ids" not in missing
+    last = len(client.locations) - 1
+    assert f"shard {last} at {client.locations[last]}" in missing  # rows 4, 5 live on the last shard
+    client.put(range(2, 6), {"response_ids": [[r] for r in range(2, 6)]})
+    assert client.claim("reward", ["prompt_ids", "response_ids"], 6).rows == list(range(6))
+
+
+def test_rows_ready_only_on_another_shard_are_taken_before_a_timeout(shards):
+    dock = connect(shards[2])
+    try:
+        dock.open_iteration(0, 8, 2)
+        # the claim blocks on shard 0 (first in rotation, as loaded as shard 1); rows arrive on shard 1 only
+        timer = threading.Timer(0.1, lambda: put_prompts(connect(shards[2]), [4, 5]))
+        timer.start()
+        start = time.monotonic()
+        claim = dock.claim("reward", ["prompt_ids"], 2, timeout_s=0.5)
+        timer.join(5)
+        assert claim.rows == [4, 5]
+        assert 0.4 <= time.monotonic() - start < 2.0  # seen by the last sweep at the deadline (documented limit)
+    finally:
+        dock.close_iteration()
+
+
+def test_rows_taken_for_a_client_that_gave_up_are_handed_back(shards):
+    dock = connect(shards[1])
+    try:
+        dock.open_iteration(0, 2, 2)
+        raw = flight.connect(shards[1][0])
+        body = b'{"iteration": 0, "consumer": "reward", "columns": ["prompt_ids"], "count": 2, "at_least": 1, ' \
+            b'"whole_groups": false, "timeout_s": 1.0}'
+        opts = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {TOKEN}".encode())], timeout=0.1)
+        with pytest.raises(flight.FlightTimedOutError):
+            list(raw.do_action(flight.Action("claim", body), opts))
+        put_prompts(dock, [0, 1])  # wakes the abandoned server-side claim, which takes, sees the cancel, releases
+        assert dock.claim("reward", ["prompt_ids"], 2).rows == [0, 1]
+        raw.close()
+    finally:
+        dock.close_iteration()
+
+
+def test_two_clients_of_one_consumer_share_the_rows_exactly_once(client):
+    client.open_iteration(0, 24, 2)
+    got: list[list[int]] = [[], []]
+
+    def consume(k: int) -> None:
+        worker = connect(client.locations)
+        while claim := worker.claim("reward", ["prompt_ids"], 3):
+            got[k] += claim.rows
+
+    threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for r in range(0, 24, 4):
+        put_prompts(client, range(r, r + 4))
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(got[0] + got[1]) == list(range(24))
+
+
+def test_a_waiting_claim_wakes_when_another_client_of_its_consumer_takes_the_last_row(client):
+    client.open_iteration(0, 2, 1)
+    put_prompts(client, [0])
+    results: list[list[int]] = []
+
+    def consume() -> None:
+        results.append(connect(client.locations).claim("reward", ["prompt_ids"], 2).rows)
+
+    threads = [threading.Thread(target=consume, daemon=True) for _ in range(2)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # both wait for row 1
+    put_prompts(client, [1])
+    for t in threads:
+        t.join(5)
+    assert sorted(r for rows in results for r in rows) == [0, 1] and len(results) == 2
+    assert time.monotonic() - start < 2.0  # the loser returned at once, not at its 5 s timeout
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+BAD_CALLS = {
+    "put unknown column": (lambda d: d.put([0], {"promptids": [[1]]}), ["'promptids'"]),
+    "claim unknown column": (lambda d: d.claim("reward", ["prompt_ids", "score"], 1), ["'score'"]),
+    "get unknown column": (lambda d: d.get(["score"], [0]), ["'score'"]),
+    "unknown consumer": (lambda d: d.claim("critic", ["prompt_ids"], 1), ["'critic'"]),
+    "wrong arrow type": (
+        lambda d: d.put([0, 1], {"prompt_ids": pa.array([1, 2], type=pa.int64())}),
+        ["'prompt_ids'", "int64", "list<item: int32>"],
+    ),
+    "put row out of range": (lambda d: d.put([0, 8], {"ground_truth": ["a", "b"]}), ["[8]", "out of range", "[0, 8)"]),
+    "get row out of range": (lambda d: d.get(["prompt_ids"], [-1]), ["[-1]", "out of range"]),
+    "repeated row": (lambda d: d.put([1, 6, 1], {"ground_truth": ["a", "b", "c"]}), ["repeated"]),
+    "too few values": (lambda d: d.put([0, 7], {"ground_truth": ["a"]}), ["1 values", "2 rows"]),
+    "second write": (lambda d: d.put([5, 7], {"prompt_ids": [[1], [2]]}), ["'prompt_ids' is already written for rows [7]"]),
+    "not yet written": (lambda d: d.get(["prompt_ids", "rm_score"], [7]), ["'rm_score' not yet written for rows [7]"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_input_raises_dock_error_naming_the_culprit(client, name):
+    call, fragments = BAD_CALLS[name]
+    client.open_iteration(0, 8, 2)
+    client.put([7], {"prompt_ids": [[7]]})
+    with pytest.raises(DockError) as info:
+        call(client)
+    assert type(info.value) is DockError
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    local = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    local.open_iteration(0, 8, 2)
+    local.put([7], {"prompt_ids": [[7]]})
+    with pytest.raises(DockError) as expected:
+        call(local)
+    assert str(info.value) == str(expected.value)  # same message as the in-process dock, wherever it was raised
+
+
+@pytest.mark.parametrize("error", [DockError("put: bad"), DockTimeoutError("claim by 'x' timed out")])
+def test_dock_errors_cross_flight_with_their_type_and_message(error):
+    carried = dock_error_to_flight(error)
+    assert str(carried).startswith(f"dockrl.{type(error).__name__}: ")
+    with pytest.raises(type(error)) as info:
+        raise_dock_error(carried)
+    assert type(info.value) is type(error) and str(info.value) == str(error)
+    raise_dock_error(flight.FlightServerError("not a dock error"))  # returns: the caller re-raises it as is
+
+
+def test_write_after_close_and_to_a_stale_iteration(client):
+    client.open_iteration(0, 4, 2)
+    client.close_iteration()
+    with pytest.raises(DockError, match="put: no iteration is open"):
+        put_prompts(client, [0])
+    worker = connect(client.locations)
+    client.open_iteration(1, 4, 2)
+    assert worker.num_rows == 4  # the worker learns the open iteration from the shards
+    client.close_iteration()
+    client.open_iteration(2, 6, 2)
+    with pytest.raises(DockError, match="put: iteration 1 is not open; the open iteration is 2"):
+        put_prompts(worker, [0])
+    put_prompts(client, range(6))
+    claim = worker.claim("reward", ["prompt_ids"], 6)  # a claim follows the newly opened iteration
+    assert claim.iteration == 2 and claim.rows == list(range(6)) and worker.num_rows == 6
+
+
+def test_open_iteration_twice_leaves_the_open_one_untouched(client):
+    client.open_iteration(0, 6, 2)
+    put_prompts(client, range(6))
+    with pytest.raises(DockError, match=r"open_iteration\(1\): iteration 0 is still open"):
+        client.open_iteration(1, 4, 2)
+    with pytest.raises(DockError, match="num_rows=5 must be a positive multiple of group_size=2"):
+        client.open_iteration(1, 5, 2)
+    assert client.claim("reward", ["prompt_ids"], 6).rows == list(range(6))
+
+
+# --- auth ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, "wrong"], ids=["missing", "wrong"])
+def test_calls_without_the_right_token_are_rejected(shards, token):
+    dock = DockClient(shards[2], GRPO_SCHEMA, token=token, rpc_timeout_s=10.0)
+    for call in (lambda: dock.open_iteration(0, 4, 2), lambda: dock.stats(), lambda: dock.num_rows):
+        with pytest.raises(flight.FlightUnauthenticatedError, match="Bearer <token>") as info:
+            call()
+        assert any("dock shard 0 at grpc://127.0.0.1:" in note for note in info.value.__notes__)
+
+
+def test_shard_without_token_accepts_every_call():
+    servers, locations = start_local_shards(1, GRPO_SCHEMA)
+    try:
+        dock = DockClient(locations, GRPO_SCHEMA, token="ignored")
+        dock.open_iteration(0, 2, 2)
+        put_prompts(dock, range(2))
+        assert dock.get(["prompt_ids"], [0]).column(0).to_pylist() == [prompt_cell(0)]
+    finally:
+        servers[0].close()
+
+
+# --- Arrow round trip ---------------------------------------------------------------------
+
+
+def test_arrow_round_trip_is_bit_exact(client):
+    rng = np.random.default_rng(0)
+    lengths = [0, 1, 5, 3, 7, 2]
+    tokens = [rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int32) for n in lengths]
+    logp = [(rng.standard_normal(n) * 10).astype(np.float32) for n in lengths]
+    logp[3][:3] = np.array([np.nan, -0.0, -np.inf], dtype=np.float32)
+    response, log_prob = pa.array(tokens, type=TOKENS), pa.array(logp, type=LOGPROBS)
+    client.open_iteration(0, 6, 2)
+    rows = [5, 0, 3, 1, 4, 2]
+    client.put(rows, {"response_ids": response, "rollout_log_prob": log_prob, "truncated": [r % 2 == 0 for r in rows]})
+    got = client.get(["response_ids", "rollout_log_prob", "truncated"], rows)
+    assert got.schema == GRPO_SCHEMA.arrow_schema(["response_ids", "rollout_log_prob", "truncated"])
+    assert got.column("response_ids").equals(response)
+    np.testing.assert_array_equal(got.column("rollout_log_prob").offsets.to_numpy(), log_prob.offsets.to_numpy())
+    bits = got.column("rollout_log_prob").flatten().to_numpy(zero_copy_only=False).view(np.uint32)
+    np.testing.assert_array_equal(bits, np.concatenate(logp).view(np.uint32))
+    claim = client.claim("actor", ["response_ids"], 6)
+    by_row = dict(zip(rows, tokens))
+    for r, cell in zip(claim.rows, claim.batch.column(0).to_pylist()):
+        np.testing.assert_array_equal(np.asarray(cell, dtype=np.int32), by_row[r])
+
+
+# --- property: exactly-once delivery with whole groups, over 2-3 shards ------------------------
+
+CONSUMERS = {"reward": ["prompt_ids", "response_ids"], "advantage": ["rm_score"]}
+PUT_COLUMNS = {"prompt_ids": prompt_cell, "response_ids": lambda r: [r % 7] * (r % 4), "rm_score": lambda r: float(r)}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_every_consumer_gets_every_row_once(shards, data):
+    n_shards = data.draw(st.sampled_from([2, 3]), label="shards")
+    g = data.draw(st.integers(1, 3), label="group_size")
+    num_rows = g * data.draw(st.integers(1, 6), label="groups")
+    whole = {c: data.draw(st.booleans(), label=f"whole_groups[{c}]") for c in CONSUMERS}
+    dock = connect(shards[n_shards], timeout_s=2.0)
+    dock.open_iteration(0, num_rows, g)
+    written: dict[str, set[int]] = {c: set() for c in PUT_COLUMNS}
+    received: dict[str, list[int]] = {c: [] for c in CONSUMERS}
+
+    def available(consumer: str) -> list[int]:
+        taken = set(received[consumer])
+        ok = [r not in taken and all(r in written[c] for c in CONSUMERS[consumer]) for r in range(num_rows)]
+        if whole[consumer]:
+            ok = [all(ok[r - r % g : r - r % g + g]) for r in range(num_rows)]
+        return [r for r in range(num_rows) if ok[r]]
+
+    def claim_and_check(consumer: str, count: int, expect: int) -> None:
+        ready = available(consumer)
+        claim = dock.claim(consumer, CONSUMERS[consumer], count, whole_groups=whole[consumer])
+        assert len(claim) == expect and set(claim.rows) <= set(ready)
+        assert not set(claim.rows) & set(received[consumer]) and len(set(claim.rows)) == len(claim.rows)
+        if whole[consumer]:
+            for r in claim.rows:
+                assert set(range(r - r % g, r - r % g + g)) <= set(claim.rows), f"partial group in {claim.rows}"
+        for column in CONSUMERS[consumer]:
+            assert claim.batch.column(column).to_pylist() == [PUT_COLUMNS[column](r) for r in claim.rows]
+        received[consumer] += claim.rows
+
+    try:
+        for _ in range(data.draw(st.integers(0, 12), label="steps")):
+            if data.draw(st.booleans(), label="put?"):
+                open_cols = [c for c in PUT_COLUMNS if len(written[c]) < num_rows]
+                if not open_cols:
+                    continue
+                column = data.draw(st.sampled_from(open_cols), label="column")
+                free = data.draw(st.permutations(sorted(set(range(num_rows)) - written[column])), label="order")
+                rows = free[: data.draw(st.integers(1, len(free)), label="how many")]
+                dock.put(rows, {column: [PUT_COLUMNS[column](r) for r in rows]})
+                written[column] |= set(rows)
+            else:
+                consumer = data.draw(st.sampled_from(sorted(CONSUMERS)), label="consumer")
+                ready = available(consumer)
+                if ready:
+                    unit = g if whole[consumer] else 1
+                    count = unit * data.draw(st.integers(1, len(ready) // unit), label="count")
+                    claim_and_check(consumer, count, count)
+        for column, fn in PUT_COLUMNS.items():
+            rest = sorted(set(range(num_rows)) - written[column])
+            if rest:
+                dock.put(rest, {column: [fn(r) for r in rest]})
+                written[column] |= set(rest)
+        for consumer in CONSUMERS:
+            while left := num_rows - len(received[consumer]):
+                claim_and_check(consumer, 2 * g, min(left, 2 * g))
+            assert len(dock.claim(consumer, CONSUMERS[consumer], g, whole_groups=whole[consumer])) == 0
+            assert sorted(received[consumer]) == list(range(num_rows))
+    finally:
+        dock.close_iteration()
+        dock.close()
+
+
+# --- a shard in its own process -------------------------------------------------------------
+
+
+def test_shard_runs_as_a_separate_process(shards):
+    env = {**os.environ, "DOCKRL_DOCK_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0", "--token-env", "DOCKRL_DOCK_TOKEN"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(30.0, proc.kill)  # a hung start fails the test instead of hanging it
+    watchdog.start()
+    try:
+        location = proc.stdout.readline().strip()
+        assert location.startswith("grpc://127.0.0.1:"), proc.stderr.read() if proc.poll() is not None else location
+        dock = connect([shards[1][0], location])  # one in-process shard, one in another process
+        dock.open_iteration(0, 8, 2)
+        put_prompts(dock, range(8))
+        claim = dock.claim("rollout", ["prompt_ids"], 8, whole_groups=True)
+        assert claim.rows == list(range(8)) and claim.batch.column(0).to_pylist() == [prompt_cell(r) for r in range(8)]
+        with pytest.raises(DockError, match=r"'prompt_ids' is already written for rows \[6\]"):
+            put_prompts(dock, [6])  # raised in the other process, same type and message here
+        dock.close_iteration()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        finally:
+            watchdog.cancel()
+    assert proc.returncode == 0, proc.stderr.read()
+
+
+def test_cli_refuses_an_unset_token_variable(monkeypatch, capsys):
+    monkeypatch.delenv("DOCKRL_TEST_UNSET_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as info:
+        serve_shard(["--token-env", "DOCKRL_TEST_UNSET_TOKEN"])
+    assert info.value.code == 2
+    assert "DOCKRL_TEST_UNSET_TOKEN" in capsys.readouterr().err
