@@ -1,7 +1,8 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
+    dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from dockrl.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pipeline"]:
+        from dockrl.pipeline_cli import main as pipeline_main
+
+        return pipeline_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [
@@ -25,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", help="YAML config file (default: the demo config)")
         p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=5")
+    sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -103,9 +103,9 @@ class AlgorithmConfig:
 class TrainerConfig:
     iterations: int = 20
     """RL iterations (one global batch each)."""
-    global_batch: int = 8
+    global_batch: int = 6
     """Prompts per iteration (rows = global_batch × rollout.n)."""
-    mini_batch: int = 8
+    mini_batch: int = 6
     """Prompts per optimizer step."""
     micro_batch: int = 8
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""

@@ -1,0 +1,33 @@
+"""KFP component: the launcher. Trains with GRPO and outputs the checkpoint, metrics and run folder.
+
+The work is ``dockrl.launch.launcher.run_training``. Per-iteration metrics land in the Metrics
+artifact as ``<key>/iter_<NNNN>``; the whole run folder (metrics.jsonl, TensorBoard, plot,
+resolved config) is the ``run_dir`` artifact.
+"""
+
+from typing import List
+
+from kfp import dsl
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
+
+from dockrl.launch.platform import CPU_IMAGE
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def train(
+    config_overrides: List[str],
+    dataset: Input[Dataset],
+    worker_backend: str,
+    model: Output[Model],
+    metrics: Output[Metrics],
+    run_dir: Output[Artifact],
+):
+    """GRPO on ``dataset`` with the config given by ``section.field=value`` overrides."""
+    import logging
+
+    from dockrl.launch.launcher import run_training
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run_training(config_overrides, dataset.path, model.path, run_dir.path,
+                 log_metric=metrics.log_metric, worker_backend=worker_backend)
+    model.metadata.update({"framework": "transformers", "format": "safetensors", "stage": "final-checkpoint"})

@@ -1,0 +1,1 @@
+"""KFP pipelines: the GRPO pipeline (grpo.py) and submitting or scheduling it (submit.py)."""

@@ -1,0 +1,198 @@
+"""Submit the compiled pipeline to Kubeflow Pipelines, or schedule it as a recurring run.
+
+    dockrl pipeline submit --host http://localhost:8080 --experiment grpo trainer.iterations=50
+    dockrl pipeline schedule --host http://localhost:8080 --cron "0 0 3 * * *"
+
+Both talk to the KFP API (v2beta1) through ``kfp.Client``. The host is probed first with a
+short timeout, so an unreachable host is a clear error in seconds (the client itself retries
+its health check for about half a minute). KFP's cron has six fields, seconds first, and the
+SDK passes it unchecked: ``validate_cron`` checks it here.
+"""
+
+import json
+import re
+import socket
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+HEALTHZ = "/apis/v2beta1/healthz"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline package, host or schedule is unusable; the message says what to change."""
+
+
+# ---- cron (robfig/cron with seconds, as KFP's scheduled workflows read it) ----
+
+_MONTHS = {m: i for i, m in enumerate("JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split(), start=1)}
+_DAYS = {d: i for i, d in enumerate("SUN MON TUE WED THU FRI SAT".split())}
+_FIELDS = (  # name, lowest, highest, names, '?' allowed
+    ("seconds", 0, 59, {}, False),
+    ("minutes", 0, 59, {}, False),
+    ("hours", 0, 23, {}, False),
+    ("day of month", 1, 31, {}, True),
+    ("month", 1, 12, _MONTHS, False),
+    ("day of week", 0, 6, _DAYS, True),
+)
+_DESCRIPTORS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+_DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
+CRON_HELP = "6 fields, seconds first: 'sec min hour day-of-month month day-of-week', e.g. '0 0 3 * * *' (03:00 every day)"
+
+
+def _cron_value(text: str, lo: int, hi: int, names: Dict[str, int], where: str) -> int:
+    value = names.get(text.upper()) if not text.isdigit() else int(text)
+    if value is None:
+        allowed = f"{lo}-{hi}" + (f" or {', '.join(names)}" if names else "")
+        raise ValueError(f"{where}: {text!r} is not a number; expected {allowed}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{where}: {value} is outside {lo}-{hi}")
+    return value
+
+
+def validate_cron(expr: str) -> str:
+    """Check a KFP cron expression; returns it stripped.
+
+    Accepts six fields (``*``, ``?`` in the day fields, ``a``, ``a-b``, ``*/n``, ``a-b/n``,
+    ``a/n``, comma lists, JAN-DEC and SUN-SAT), the descriptors ``@daily`` etc., and
+    ``@every <duration>`` (``@every 1h30m``).
+
+    Raises:
+        PipelineError: naming the expression, the field and the rule; a 5-field (Unix)
+            expression gets the 6-field version to use.
+    """
+    e = " ".join(expr.split())
+    if e.startswith("@"):
+        if e in _DESCRIPTORS or (e.startswith("@every ") and _DURATION.match(e[len("@every "):])):
+            return e
+        raise PipelineError(f"cron {expr!r}: unknown descriptor; expected one of {', '.join(sorted(_DESCRIPTORS))} "
+                            "or '@every <duration>' (e.g. '@every 6h')")
+    fields = e.split(" ") if e else []
+    if len(fields) != 6:
+        hint = f"; as a 5-field Unix cron this is '0 {e}' in KFP" if len(fields) == 5 else ""
+        raise PipelineError(f"cron {expr!r}: has {len(fields)} field(s); KFP cron needs {CRON_HELP}{hint}")
+    for text, (name, lo, hi, names, question) in zip(fields, _FIELDS):
+        where = f"cron {expr!r}, {name} field {text!r}"
+        try:
+            for part in text.split(","):
+                base, _, step = part.partition("/")
+                if step and not (step.isdigit() and int(step) >= 1):
+                    raise ValueError(f"{where}: step {step!r} must be a positive integer")
+                if base == "*" or (base == "?" and question):
+                    continue
+                if base == "?":
+                    raise ValueError(f"{where}: '?' is only allowed in the day-of-month and day-of-week fields")
+                first, dash, last = base.partition("-")
+                a = _cron_value(first, lo, hi, names, where)
+                if dash and a > _cron_value(last, lo, hi, names, where):
+                    raise ValueError(f"{where}: range {base!r} runs backwards")
+        except ValueError as err:
+            raise PipelineError(f"{err}; KFP cron needs {CRON_HELP}") from None
+    return e
+
+
+# ---- host and client ----
+
+def check_host(host: str, timeout_s: float = 10.0) -> str:
+    """Probe the KFP API's health endpoint; returns the host without a trailing slash.
+
+    Raises:
+        PipelineError: not an http(s) URL, unreachable within ``timeout_s``, or not answering
+            like a KFP API.
+    """
+    if not re.match(r"^https?://[^/\s]+", host or ""):
+        raise PipelineError(f"--host {host!r}: expected the KFP API URL, e.g. http://localhost:8080")
+    host = host.rstrip("/")
+    fix = ("check --host; from outside the cluster, e.g. "
+           "`kubectl port-forward -n kubeflow svc/ml-pipeline-ui 8080:80` and --host http://localhost:8080")
+    try:
+        with urllib.request.urlopen(host + HEALTHZ, timeout=timeout_s) as resp:
+            json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        raise PipelineError(f"KFP at {host} answered {HEALTHZ} with HTTP {err.code} {err.reason}; {fix}") from None
+    except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as err:
+        reason = getattr(err, "reason", err)
+        raise PipelineError(f"cannot reach KFP at {host} within {timeout_s:.0f} s ({reason}); {fix}") from None
+    except ValueError:
+        raise PipelineError(f"{host}{HEALTHZ} did not answer JSON: is {host} the KFP API? {fix}") from None
+    return host
+
+
+def _client(host: str, timeout_s: float):
+    import kfp
+
+    host = check_host(host, timeout_s)
+    with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": v2beta1 is what we use
+        warnings.filterwarnings("ignore", category=FutureWarning, module="kfp")
+        return kfp.Client(host=host)
+
+
+def _package(package: Union[str, Path]) -> str:
+    path = Path(package)
+    if not path.is_file():
+        raise PipelineError(f"pipeline package {path} does not exist; create it with `dockrl pipeline compile {path}`")
+    if path.suffix not in (".yaml", ".yml", ".json", ".zip", ".gz", ".tgz"):
+        raise PipelineError(f"pipeline package {path}: expected a compiled .yaml (from `dockrl pipeline compile`)")
+    return str(path)
+
+
+def _api_call(host: str, what: str, fn, *args, **kwargs):
+    from kfp_server_api import ApiException
+
+    try:
+        return fn(*args, **kwargs)
+    except ApiException as err:
+        body = (err.body or "")[:500] if isinstance(err.body, str) else str(err.body)[:500]
+        raise PipelineError(f"KFP at {host} refused to {what}: HTTP {err.status} {err.reason} {body}".rstrip()) from None
+
+
+def submit(host: str, package: Union[str, Path], *, params: Optional[Dict[str, Any]] = None,
+           experiment: str = "dockrl", run_name: str = "dockrl-grpo", service_account: str = "",
+           timeout_s: float = 10.0) -> Dict[str, str]:
+    """Start one run of ``package`` in ``experiment`` (created if missing).
+
+    ``service_account``: the run's pods' account ("" for KFP's default); ``dockrl-launcher``
+    (manifests/base) may start worker groups.
+
+    Returns:
+        ``{"experiment_id": ..., "run_id": ...}``.
+
+    Raises:
+        PipelineError: missing package, unreachable host, or the API refused a request.
+    """
+    package = _package(package)
+    client = _client(host, timeout_s)
+    exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment)
+    run = _api_call(host, "create the run", client.run_pipeline, experiment_id=exp.experiment_id, job_name=run_name,
+                    pipeline_package_path=package, params=params or {}, service_account=service_account or None)
+    return {"experiment_id": exp.experiment_id, "run_id": run.run_id}
+
+
+def schedule(host: str, package: Union[str, Path], *, cron: str, params: Optional[Dict[str, Any]] = None,
+             experiment: str = "dockrl", name: str = "dockrl-grpo-recurring", max_concurrency: int = 1,
+             service_account: str = "", timeout_s: float = 10.0) -> Dict[str, str]:
+    """Create a recurring run of ``package`` on a 6-field ``cron`` schedule, without catch-up.
+
+    ``no_catchup``: runs missed while the schedule was paused are not started afterwards.
+    ``max_concurrency``: runs of this schedule allowed at once (a GRPO run holds accelerators).
+    ``service_account``: as for ``submit``.
+
+    Returns:
+        ``{"experiment_id": ..., "recurring_run_id": ...}``.
+
+    Raises:
+        PipelineError: bad cron or max_concurrency (checked before connecting), missing
+            package, unreachable host, or the API refused a request.
+    """
+    cron = validate_cron(cron)
+    if not 1 <= max_concurrency <= 10:
+        raise PipelineError(f"--max-concurrency {max_concurrency}: expected 1-10 (KFP's limit)")
+    package = _package(package)
+    client = _client(host, timeout_s)
+    exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment)
+    rec = _api_call(host, "create the recurring run", client.create_recurring_run, experiment_id=exp.experiment_id,
+                    job_name=name, cron_expression=cron, max_concurrency=max_concurrency, no_catchup=True,
+                    pipeline_package_path=package, params=params or {}, service_account=service_account or None)
+    return {"experiment_id": exp.experiment_id, "recurring_run_id": rec.recurring_run_id}

@@ -1,0 +1,111 @@
+"""The local worker backend: real processes started, watched, failed fast and torn down."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from dockrl.launch.backend import WorkerFailed, WorkerGroup, teardown_run
+from dockrl.launch.local import LocalBackend
+
+PY = sys.executable
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_groups_get_their_identity_and_finish(tmp_path):
+    code = "import os; print(os.environ['DOCKRL_GROUP'], os.environ['DOCKRL_REPLICA'], os.environ['DOCKRL_REPLICAS'], os.environ.get('X', '-'))"
+    backend = LocalBackend("run-a", state_dir=tmp_path)
+    backend.start([WorkerGroup(name="reward", command=(PY, "-c", code), replicas=2, env={"X": "y"}),
+                   WorkerGroup(name="dock-shard", command=(PY, "-c", code))])
+    backend.wait_ready(timeout_s=5)
+    backend.wait(timeout_s=20)
+    logs = {p.name: p.read_text().strip() for p in (tmp_path / "run-a").glob("*.log")}
+    assert logs == {"reward-0.log": "reward 0 2 y", "reward-1.log": "reward 1 2 y", "dock-shard-0.log": "dock-shard 0 1 -"}
+    state = json.loads(backend.state_file.read_text())
+    assert [w["member"] for w in state["workers"]] == ["reward-0", "reward-1", "dock-shard-0"]
+    assert backend.teardown() == 0 and not backend.state_file.exists()
+
+
+def test_a_failing_worker_fails_fast_with_its_log_tail(tmp_path):
+    backend = LocalBackend("run-b", state_dir=tmp_path)
+    crash = "import sys; print('loading shard 3'); print('boom: out of memory', file=sys.stderr); sys.exit(3)"
+    backend.start([WorkerGroup(name="actor", command=(PY, "-c", "import time; time.sleep(60)")),
+                   WorkerGroup(name="reward", command=(PY, "-c", crash))])
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as err:
+        backend.wait(timeout_s=30)
+    assert time.monotonic() - start < 10  # did not wait for the sleeping actor
+    assert err.value.member == "reward-0" and "exited with code 3" in str(err.value)
+    assert "loading shard 3" in err.value.log_tail and "boom: out of memory" in err.value.log_tail
+    assert backend.teardown() == 1
+
+
+def test_teardown_from_another_process_stops_the_run(tmp_path):
+    starter = LocalBackend("run-c", state_dir=tmp_path)
+    # the worker starts a child of its own: teardown stops the whole process group
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    starter.start([WorkerGroup(name="reference", command=(PY, "-c", code))])
+    pid = starter._procs[0][2].pid
+    time.sleep(0.5)
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid]
+    # what the exit handler does: it only knows the run id
+    assert teardown_run("local", "run-c", state_dir=str(tmp_path)) == 1
+    starter._procs[0][2].wait(timeout=5)
+    deadline = time.monotonic() + 5
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert children and not any(_alive(c) for c in children)
+    assert not (tmp_path / "run-c.json").exists()
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def test_teardown_never_signals_a_reused_pid(tmp_path):
+    victim = __import__("subprocess").Popen([PY, "-c", "import time; time.sleep(30)"])
+    try:
+        state = {"run_id": "run-d", "workers": [{"group": "actor", "member": "actor-0", "pid": victim.pid, "start_time": 1, "log": ""}]}
+        (tmp_path / "run-d.json").write_text(json.dumps(state))
+        assert LocalBackend("run-d", state_dir=tmp_path).teardown() == 0
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_teardown_of_an_unknown_run_is_a_no_op(tmp_path):
+    assert teardown_run("local", "never-started", state_dir=str(tmp_path)) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="Actor", command=("x",)), "worker group name: got 'Actor'"),
+    (dict(name="actor", command=()), "command is empty"),
+    (dict(name="actor", command=("x",), replicas=0), "replicas=0"),
+    (dict(name="actor", command=("x",), port=70000), "port=70000"),
+])
+def test_worker_group_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerGroup(**kwargs)
+
+
+def test_teardown_run_errors():
+    with pytest.raises(ValueError, match="run_id is empty"):
+        teardown_run("local", "")
+    with pytest.raises(ValueError, match="backend 'slurm'"):
+        teardown_run("slurm", "r")

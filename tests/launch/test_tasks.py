@@ -1,0 +1,105 @@
+"""The pipeline steps' library functions, without KFP: dataset, export, evaluation, launcher reporting."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dockrl.config import ConfigError
+from dockrl.data import generate_problems, write_jsonl
+from dockrl.launch import launcher
+from dockrl.launch.tasks import dataset_files, evaluate_model, export_model, prepare_dataset
+
+SMALL = ["data.generate_train=30", "data.generate_test=6"]
+
+
+def test_prepare_dataset_writes_generated_splits_and_a_manifest(tmp_path):
+    info = prepare_dataset([*SMALL, "trainer.seed=3"], tmp_path / "ds")
+    assert info == {"train": "train.jsonl", "test": "test.jsonl", "train_rows": info["train_rows"], "test_rows": 6, "seed": 3}
+    assert 0 < info["train_rows"] <= 30  # held-out questions are removed from train
+    train, test = dataset_files(tmp_path / "ds")
+    questions = lambda p: {json.loads(x)["question"] for x in p.read_text().splitlines()}  # noqa: E731
+    assert not questions(train) & questions(test)
+    again = prepare_dataset([*SMALL, "trainer.seed=3"], tmp_path / "ds2")
+    assert (tmp_path / "ds2" / "train.jsonl").read_text() == train.read_text() and again == info  # seeded
+
+
+def test_prepare_dataset_copies_configured_files(tmp_path):
+    src = write_jsonl(generate_problems(5, seed=9), tmp_path / "mine.jsonl")
+    info = prepare_dataset([f"data.train_path={src}", f"data.test_path={src}"], tmp_path / "ds")
+    assert (info["train_rows"], info["test_rows"]) == (5, 5)
+    assert (tmp_path / "ds" / "test.jsonl").read_text() == src.read_text()
+
+
+def test_prepare_dataset_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        prepare_dataset([f"data.train_path={tmp_path / 'nope.jsonl'}"], tmp_path / "ds")
+    with pytest.raises(ConfigError, match="data.generate_test"):
+        prepare_dataset(["data.generate_test=many"], tmp_path / "ds")
+    with pytest.raises(FileNotFoundError, match="not a folder written by prepare_dataset"):
+        dataset_files(tmp_path)
+
+
+def test_export_model_in_bfloat16_reloads(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = export_model(tiny_model_dir, tmp_path / "out", "bfloat16")
+    assert info["dtype"] == "bfloat16" and info["format"] == "safetensors" and info["architecture"] == "Qwen2ForCausalLM"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    src = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert info["parameters"] == sum(p.numel() for p in src.parameters())
+    w, w0 = model.model.embed_tokens.weight, src.model.embed_tokens.weight
+    assert torch.allclose(w.float(), w0, atol=1e-2)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
+
+
+def test_export_model_errors(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="export dtype: got 'int8'"):
+        export_model(tiny_model_dir, tmp_path / "out", "int8")
+    with pytest.raises(FileNotFoundError, match="not an HF checkpoint"):
+        export_model(tmp_path, tmp_path / "out")
+
+
+def test_evaluate_model_reports_fractions(tiny_model_dir, tmp_path):
+    prepare_dataset(SMALL, tmp_path / "ds")
+    res = evaluate_model(tiny_model_dir, tmp_path / "ds", ["rollout.max_response_length=8", "data.eval_size=4", "rollout.dtype=float32"])
+    assert set(res) == {"eval/accuracy", "eval/format_rate", "eval/count"}
+    assert res["eval/count"] == 4.0 and 0 <= res["eval/accuracy"] <= 1 and 0 <= res["eval/format_rate"] <= 1
+
+
+def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, monkeypatch):
+    """The launcher's reporting, with the trainer replaced by one that writes a two-iteration run."""
+    seen = {}
+
+    def fake_train(cfg):
+        seen["cfg"] = cfg
+        run = Path(cfg.run.output_dir)
+        (run / "checkpoints" / "final").mkdir(parents=True)
+        (run / "checkpoints" / "final" / "config.json").write_text("{}")
+        rows = [{"iteration": 0, "reward/mean": 0.5, "actor/loss": 1.0}, {"iteration": 1, "reward/mean": 0.75, "actor/loss": None}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"eval/accuracy_after": 0.25, "run/seconds": math.nan}
+
+    from dockrl import trainer
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    prepare_dataset(SMALL, tmp_path / "ds")
+    logged: dict[str, float] = {}
+    (tmp_path / "model").mkdir()  # KFP may create the output folder beforehand
+    launcher.run_training(["data.train_path=elsewhere.jsonl", "trainer.lr=1e-4"], tmp_path / "ds", tmp_path / "model",
+                          tmp_path / "run", log_metric=logged.__setitem__)
+    cfg = seen["cfg"]
+    assert cfg.data.train_path == str(tmp_path / "ds" / "train.jsonl")  # the dataset wins over a given path
+    assert cfg.trainer.lr == 1e-4 and cfg.run.output_dir == str(tmp_path / "run") and not cfg.run.progress
+    assert (tmp_path / "model" / "config.json").is_file() and not (tmp_path / "run" / "checkpoints" / "final").exists()
+    assert logged == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0, "reward/mean/iter_0001": 0.75,
+                      "eval/accuracy_after": 0.25}
+
+
+def test_run_training_rejects_an_unknown_backend(tmp_path):
+    with pytest.raises(ValueError, match="worker_backend: got 'slurm'"):
+        launcher.run_training([], tmp_path, tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="slurm")

@@ -1,0 +1,69 @@
+"""`dockrl pipeline run --local`: the whole pipeline through kfp.local on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path):
+    overrides = [
+        f"model.path={tiny_model_dir}", f"run.cache_dir={tmp_path / 'cache'}", "trainer.iterations=2",
+        "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
+        "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false",
+        "trainer.eval_before=false", "trainer.save_every=0", "data.generate_train=40", "data.generate_test=8",
+        "data.eval_size=8",
+    ]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # kfp.local leaves a temp folder per task
+    proc = subprocess.run(
+        [sys.executable, "-m", "dockrl", "pipeline", "run", "--local", "--pipeline-root", str(tmp_path / "root"),
+         "--export-dtype", "float32", *overrides],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # the summary is the last thing printed
+    run = Path(out["run_dir"])
+    assert 0.0 <= out["eval/accuracy"] <= 1.0 and out["eval/count"] == 8.0
+
+    dataset = run / "prepare-dataset" / "dataset"
+    info = json.loads((dataset / "dataset.json").read_text())
+    assert info["test_rows"] == 8 and info["train_rows"] > 0
+    for task in ("train", "export-model"):
+        assert (run / task / "model" / "model.safetensors").is_file(), task
+        assert (run / task / "model" / "tokenizer.json").is_file(), task
+    rows = [json.loads(x) for x in (run / "train" / "run_dir" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+
+    train_metrics = json.loads((run / "train" / "executor_output.json").read_text())["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    for it in (0, 1):
+        assert math.isfinite(train_metrics[f"actor/loss/iter_{it:04d}"])
+        assert math.isfinite(train_metrics[f"reward/mean/iter_{it:04d}"])
+    assert math.isfinite(train_metrics["eval/accuracy_after"])
+    assert all(math.isfinite(v) for v in train_metrics.values())
+    exported = json.loads((run / "export-model" / "executor_output.json").read_text())["artifacts"]["model"]["artifacts"][0]["metadata"]
+    assert exported["dtype"] == "float32" and exported["parameters"] > 0
+    assert (run / "teardown-workers" / "executor_output.json").is_file()  # the exit task ran
+
+
+def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dockrl", "pipeline", "run", "--local", "--pipeline-root", str(tmp_path / "root"),
+         f"data.train_path={missing}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "prepare-dataset" in proc.stderr + proc.stdout and str(missing) in proc.stderr + proc.stdout
+    [run] = (tmp_path / "root").iterdir()
+    assert (run / "teardown-workers" / "executor_output.json").is_file()  # teardown ran after the failure
+    assert not (run / "train").exists()
