@@ -118,7 +118,7 @@ ERRORS = {
         ["trainer.mini_batch: got 8", "trainer.global_batch=12"],
     ),
     "micro_batch does not divide mini_batch x n": (
-        ["trainer.mini_batch=4", "rollout.n=4", "trainer.micro_batch=5"],
+        ["trainer.global_batch=8", "trainer.mini_batch=4", "rollout.n=4", "trainer.micro_batch=5"],
         ["trainer.micro_batch: got 5", "16"],
     ),
     "max_steps below min_steps": (
