@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,28 @@ class TrainerConfig:
 class DockConfig:
     timeout_s: float = 600.0
     """Longest a stage waits for rows before failing with the missing columns."""
+    warehouse: Literal["memory", "s3", "directory"] = "memory"
+    """Where column payload lives: the dock shards' memory, an S3 bucket, or a local directory."""
+    directory: str = ".cache/dockrl/warehouse"
+    """Root of the local object store (``warehouse: directory``); each run writes under ``<directory>/<run>``."""
+    endpoint: str = ""
+    """S3 endpoint ``host:port`` or ``http(s)://host:port`` (the scheme overrides ``secure``); empty: ``$AWS_ENDPOINT_URL``."""
+    bucket: str = "dockrl"
+    """S3 bucket of the run's objects (created if missing)."""
+    prefix: str = "dock"
+    """Key prefix inside the bucket; each run writes under ``<prefix>/<run>``."""
+    secure: bool = True
+    """HTTPS to an endpoint given without a scheme."""
+    region: str = ""
+    """Region of the bucket; empty: asked from the store once."""
+    access_key_env: str = "AWS_ACCESS_KEY_ID"
+    """Environment variable holding the S3 access key (keys never go in the config file)."""
+    secret_key_env: str = "AWS_SECRET_ACCESS_KEY"
+    """Environment variable holding the S3 secret key."""
+    store_timeout_s: float = 10.0
+    """Connect and read timeout of each S3 request attempt, seconds."""
+    store_retries: int = 2
+    """Retries of an S3 request after a connection error, timeout or 5xx answer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +191,45 @@ def _fail(where: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(f"{where}: got {value!r}; {rule}")
 
 
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PREFIX = re.compile(r"([A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*)?")
+
+
+def s3_endpoint(value: str, secure: bool, where: str) -> tuple[str, bool]:
+    """``(host:port, secure)`` of an S3 endpoint given as ``host:port`` or ``http(s)://host:port``.
+
+    Raises:
+        ConfigError: empty, another scheme, a path, or not a host with an optional port.
+    """
+    endpoint = value
+    scheme, sep, rest = value.partition("://")
+    if sep:
+        if scheme not in ("http", "https"):
+            raise _fail(where, value, "expected host:port or an http:// or https:// URL")
+        endpoint, secure = rest.rstrip("/"), scheme == "https"
+    if not _HOST_PORT.fullmatch(endpoint):
+        raise _fail(where, value, "expected host:port of the S3 endpoint, e.g. minio.kubeflow:9000 (no path)")
+    return endpoint, secure
+
+
+def _check_dock(k: DockConfig) -> None:
+    if k.warehouse == "directory" and not k.directory.strip():
+        raise _fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
+    if k.warehouse != "s3":
+        return
+    if k.endpoint:
+        s3_endpoint(k.endpoint, k.secure, "dock.endpoint")
+    if not _BUCKET.fullmatch(k.bucket) or ".." in k.bucket:
+        raise _fail("dock.bucket", k.bucket, "expected an S3 bucket name: 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
+    if not _PREFIX.fullmatch(k.prefix.strip("/")) or any(p in (".", "..") for p in k.prefix.split("/")):
+        raise _fail("dock.prefix", k.prefix, "expected '/'-separated names of A-Za-z0-9 . _ - (no empty, '.' or '..' parts)")
+    for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
+        if not _ENV_NAME.fullmatch(name):
+            raise _fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
+
+
 def _check_rules(c: Config) -> None:
     t, r, a, d = c.trainer, c.rollout, c.algorithm, c.data
     positive = {
@@ -192,7 +254,10 @@ def _check_rules(c: Config) -> None:
     if (t.mini_batch * r.n) % t.micro_batch:
         raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
     # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
-    finite_positive = {"trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s}
+    finite_positive = {
+        "trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
+        "dock.store_timeout_s": c.dock.store_timeout_s,
+    }
     for where, v in finite_positive.items():
         if not (0 < v < math.inf):
             raise _fail(where, v, "expected a finite number > 0")
@@ -208,6 +273,9 @@ def _check_rules(c: Config) -> None:
         raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
     if not (0 <= a.clip_low < 1):
         raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
+    if not 0 <= c.dock.store_retries <= 10:
+        raise _fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
+    _check_dock(c.dock)
 
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:

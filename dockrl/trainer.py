@@ -104,6 +104,8 @@ def train(cfg: Config) -> dict[str, float]:
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
     workers.append(ActorWorker(actor, trainer=t, algo=a, rollout=r))
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s)
+    if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
+        logger.warning("dock.warehouse=%r is not used: this driver keeps the dock in its own memory", cfg.dock.warehouse)
 
     def evaluate(tag: str) -> dict[str, float]:
         res = greedy_accuracy(

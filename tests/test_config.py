@@ -128,6 +128,16 @@ ERRORS = {
     "non-positive": (["trainer.global_batch=0"], ["trainer.global_batch: got 0", "positive"]),
     "top_p above 1": (["rollout.top_p=1.5"], ["rollout.top_p", "1.5"]),
     "negative lr": (["trainer.lr=-1e-5"], ["trainer.lr", "-1e-05"]),
+    "literal warehouse": (["dock.warehouse=minio"], ["dock.warehouse: got 'minio'; expected one of 'memory', 's3', 'directory'"]),
+    "endpoint with a path": (["dock.warehouse=s3", "dock.endpoint=http://minio:9000/bucket"], ["dock.endpoint", "no path"]),
+    "endpoint scheme": (["dock.warehouse=s3", "dock.endpoint=ftp://minio:9000"], ["dock.endpoint: got 'ftp://minio:9000'"]),
+    "bucket name": (["dock.warehouse=s3", "dock.bucket=My_Bucket"], ["dock.bucket: got 'My_Bucket'", "S3 bucket name"]),
+    "prefix with ..": (["dock.warehouse=s3", "dock.prefix=runs/../x"], ["dock.prefix: got 'runs/../x'"]),
+    "key variable name": (["dock.warehouse=s3", "dock.access_key_env=MY-KEY"], ["dock.access_key_env: got 'MY-KEY'"]),
+    "secret variable name": (["dock.warehouse=s3", "dock.secret_key_env="], ["dock.secret_key_env: got ''"]),
+    "store timeout": (["dock.store_timeout_s=0"], ["dock.store_timeout_s: got 0.0", "finite number > 0"]),
+    "store retries": (["dock.store_retries=-1"], ["dock.store_retries: got -1"]),
+    "empty directory": (["dock.warehouse=directory", "dock.directory= "], ["dock.directory"]),
 }
 
 
@@ -165,6 +175,18 @@ def test_valid_batch_combination_is_accepted():
     )
     assert (config.trainer.global_batch, config.trainer.mini_batch, config.trainer.micro_batch) == (12, 4, 8)
     assert load_config(None, ["data.min_steps=3", "data.max_steps=3"]).data.max_steps == 3
+
+
+def test_warehouse_settings_are_accepted():
+    config = load_config(None, ["dock.warehouse=s3", "dock.endpoint=https://minio.kubeflow:9000", "dock.bucket=rl.runs-1",
+                                "dock.prefix=team/a", "dock.secure=false", "dock.store_retries=0", "dock.store_timeout_s=2"])
+    dock = config.dock
+    assert (dock.warehouse, dock.endpoint, dock.bucket, dock.prefix, dock.secure) == ("s3", "https://minio.kubeflow:9000", "rl.runs-1", "team/a", False)
+    assert (dock.access_key_env, dock.secret_key_env) == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    assert load_config(None, ["dock.warehouse=s3", "dock.endpoint=127.0.0.1:9000"]).dock.endpoint == "127.0.0.1:9000"
+    assert load_config(None, ["dock.warehouse=directory", "dock.directory=/tmp/x"]).dock.directory == "/tmp/x"
+    # fields of an unused backend are not checked: a memory run may carry an s3 section
+    assert load_config(None, ["dock.bucket=Not_Checked"]).dock.warehouse == "memory"
 
 
 def test_rules_also_hold_for_directly_built_configs():

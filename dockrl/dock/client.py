@@ -20,6 +20,14 @@ are seen when that shard answers or at the deadline (a last sweep runs before ti
 Puts and gets go straight to the shards owning the rows. A put is fully checked on the
 client first, then is atomic per shard but not across shards (one shard may refuse an
 already written cell after another accepted its part).
+
+**Warehouse.** With ``warehouse=`` (a ``dockrl.dock.warehouse`` store; shards started with
+``payload="store"``) no payload passes through the shards: a put writes one object per
+(column, owning shard) straight to the store, all of them before any shard hears of it, then
+sends each shard a ``commit`` (keys and offsets); a shard that refuses its commit (a cell
+already written) or a store failure leaves no object of the refused part behind and no
+readiness bit set. A get or claim ``locate``s the cells on the shards and reads each object it
+needs once. ``close_iteration`` deletes the iteration's objects.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight import ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
 from dockrl.dock.local import Claim, arrow_columns
 from dockrl.dock.schema import Schema
+from dockrl.dock.warehouse import (
+    Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, new_key, read_cells, write_arrays,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +66,8 @@ class DockClient:
         timeout_s: default claim timeout, seconds.
         rpc_timeout_s: deadline of each non-blocking call, and the slack a blocking claim
             call gets past its own timeout.
+        warehouse: the object store of the payload, for shards started with ``payload="store"``;
+            None for shards that hold the payload in memory. The mode must match the shards'.
 
     Thread-safe; every method may raise ``DockError`` as ``TransferDock`` does, and Flight
     errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) annotated
@@ -63,7 +76,7 @@ class DockClient:
 
     def __init__(
         self, locations: Sequence[str], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
-        rpc_timeout_s: float = 60.0,
+        rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None,
     ) -> None:
         if not locations:
             raise ValueError("DockClient: locations is empty; expected at least one grpc://host:port")
@@ -75,6 +88,9 @@ class DockClient:
         self._layout: ShardLayout | None = None
         self._next = 0
         self.controller_bytes = 0
+        self.warehouse = warehouse
+        self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
+                      "dock/store_objects_written": 0, "dock/store_objects_read": 0}
 
     # --- calls --------------------------------------------------------------------------------
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
@@ -105,6 +121,13 @@ class DockClient:
             raise DockError(
                 f"dock shard {shard} at {self.locations[shard]} serves schema v{desc['schema_version']} "
                 f"{desc['columns']}; this client has v{self.schema.version} {names}"
+            )
+        payload = desc.get("payload", "memory")
+        if payload != ("memory" if self.warehouse is None else "store"):
+            mine = "has no warehouse" if self.warehouse is None else f"has the warehouse {self.warehouse.url}"
+            raise DockError(
+                f"dock shard {shard} at {self.locations[shard]} runs with payload={payload!r} but this client {mine}; "
+                "shards started with payload='store' need a DockClient with warehouse=..., payload='memory' ones one without"
             )
         return desc["layout"]
 
@@ -173,11 +196,21 @@ class DockClient:
             self._layout = layout
 
     def close_iteration(self) -> None:
-        """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``."""
+        """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``.
+
+        With a warehouse, the iteration's objects are deleted afterwards (a store failure there
+        is logged, not raised: the iteration is closed either way).
+        """
+        open_now = (self._describe(0) or {}).get("iteration") if self.warehouse is not None else None
         with self._lock:
             self._layout = None
         for s in range(len(self.locations)):
             self._action(s, "close_iteration", {})
+        if self.warehouse is not None and open_now is not None:
+            try:
+                delete_iteration(self.warehouse, open_now)
+            except WarehouseError as e:
+                logger.warning("iteration %d closed, but its objects stay in %s: %s", open_now, self.warehouse.url, e)
 
     # --- writes and reads ---------------------------------------------------------------------
     def _check_rows(self, layout: ShardLayout, rows: np.ndarray, what: str) -> None:
@@ -207,12 +240,54 @@ class DockClient:
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         layout = self._layout_for("put")
         self._check_rows(layout, rows_arr, "put")
+        if self.warehouse is not None:
+            return self._put_objects(self.warehouse, layout, rows_arr, arrays)
         for s, pos in layout.split(rows_arr).items():
             index = pa.array(pos)
             batch = pa.RecordBatch.from_arrays(
                 [pa.array(rows_arr[pos]), *(a.take(index) for a in arrays.values())], names=[ROW, *arrays]
             )
             self._call(s, "put", lambda: self._send(s, layout.iteration, batch))
+
+    def _put_objects(self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array]) -> None:
+        """A put through the warehouse: every object first, then one ``commit`` per owning shard."""
+        parts = layout.split(rows)
+        keys = {(s, name): new_key(layout.iteration, name, int(rows[pos].min())) for s, pos in parts.items() for name in arrays}
+        objects = [(keys[s, name], name, array.take(pa.array(pos))) for s, pos in parts.items() for name, array in arrays.items()]
+        nbytes = write_arrays(warehouse, objects)  # all or none
+        with self._lock:
+            self.store["dock/store_bytes_written"] += nbytes
+            self.store["dock/store_objects_written"] += len(objects)
+        committed: list[int] = []
+        unknown = None
+        try:
+            for s, pos in parts.items():
+                refs = {name: {"key": keys[s, name], "offsets": list(range(len(pos)))} for name in arrays}
+                try:
+                    self._action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs})
+                except DockError:
+                    raise  # refused: the shard recorded nothing of this part
+                except BaseException:
+                    unknown = s  # the commit may have landed: keep its objects (close_iteration deletes them)
+                    raise
+                committed.append(s)
+        finally:  # objects of the parts no shard recorded are referenced by nobody
+            delete_quietly(warehouse, [keys[s, name] for s in parts if s not in committed and s != unknown for name in arrays])
+
+    def _gather(self, layout: ShardLayout, columns: list[str], parts: dict[int, list[int]]) -> list[pa.Table]:
+        """The cells of ``parts`` (shard → rows), one table per shard in memory mode, one in all with a warehouse."""
+        parts = {s: rows for s, rows in parts.items() if rows}
+        if self.warehouse is None:
+            return [self._read(layout, s, columns, rows) for s, rows in parts.items()]
+        located = [
+            self._action(s, "locate", {"iteration": layout.iteration, "columns": columns, "rows": rows}) for s, rows in parts.items()
+        ]
+        merged = {name: Located.concat([Located.from_json(loc[name]) for loc in located]) for name in columns}
+        batch, objects, nbytes = read_cells(self.warehouse, self.schema, columns, merged)
+        with self._lock:
+            self.store["dock/store_bytes_read"] += nbytes
+            self.store["dock/store_objects_read"] += objects
+        return [pa.Table.from_batches([batch])]
 
     def _send(self, s: int, iteration: int, batch: pa.RecordBatch) -> None:
         descriptor = flight.FlightDescriptor.for_command(json.dumps({"iteration": iteration}).encode())
@@ -245,7 +320,7 @@ class DockClient:
         layout = self._layout_for("get")
         self._check_rows(layout, rows_arr, "get")
         parts = layout.split(rows_arr)
-        tables = [self._read(layout, s, columns, rows_arr[pos].tolist()) for s, pos in parts.items()]
+        tables = self._gather(layout, columns, {s: rows_arr[pos].tolist() for s, pos in parts.items()})
         return self._batch(tables, columns, np.concatenate([np.zeros(0, np.int64), *parts.values()]))
 
     # --- claims -------------------------------------------------------------------------------
@@ -271,7 +346,8 @@ class DockClient:
         try:
             return self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline)
         except DockError as e:
-            if isinstance(e, DockTimeoutError) or (self._describe(0) or {}).get("iteration") == layout.iteration:
+            shard0 = None if isinstance(e, DockTimeoutError) else self._describe(0)
+            if shard0 is None or shard0["iteration"] == layout.iteration:  # closed (maybe still closing), or the same one
                 raise
             # the iteration this client knew was closed and another opened: claim from that one
             return self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
@@ -329,7 +405,7 @@ class DockClient:
                         take(t, want - got(), at_least=0)
                 want = min(want, got() + sum(pending.values()))  # other clients of this consumer may take rows too
             rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
-            tables = [self._read(layout, s, columns, r) for s, r in zip(sorted(taken), rows) if r]
+            tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
             self._release(layout, consumer, taken)
             raise
@@ -359,13 +435,18 @@ class DockClient:
                     logger.warning("could not release %d rows of %r on dock shard %d: %s", len(rows), consumer, s, e)
 
     def stats(self) -> dict[str, float]:
-        """Counters summed over shards: ``dock/bytes_put``, ``dock/bytes_read`` (payload bytes),
-        ``dock/wait_s``, ``dock/controller_bytes`` (action bodies and results), and ``dock/shards``."""
+        """Counters summed over shards: ``dock/bytes_put``, ``dock/bytes_read`` (payload bytes
+        through the shards), ``dock/wait_s``, ``dock/controller_bytes`` (action bodies and
+        results), and ``dock/shards``; with a warehouse also this client's traffic to the store:
+        ``dock/store_bytes_written``, ``dock/store_bytes_read`` (Arrow IPC bytes),
+        ``dock/store_objects_written``, ``dock/store_objects_read``."""
         total: dict[str, float] = {}
         for s in range(len(self.locations)):
             for key, value in self._action(s, "stats", {}).items():
                 total[key] = total.get(key, 0) + value
-        return total | {"dock/shards": len(self.locations)}
+        with self._lock:
+            store = dict(self.store) if self.warehouse is not None else {}
+        return total | store | {"dock/shards": len(self.locations)}
 
     def close(self) -> None:
         """Close the connections to the shards (the shards keep running)."""

@@ -19,6 +19,12 @@ Protocol (every body and result is UTF-8 JSON):
 * ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
   stream, in the order of ``rows``. A client claims rows with the action, then reads them here.
 
+A shard started with ``payload="store"`` holds metadata only (``dockrl.dock.warehouse``): it
+refuses ``do_put``/``do_get`` and serves two more actions instead, ``commit`` {iteration, rows,
+objects: {column: {key, offsets}}} (the cells of ``rows`` now live in warehouse objects) and
+``locate`` {iteration, columns, rows} → {column: {keys, index, offsets}} (``Located``). A
+``memory`` shard refuses those two. ``describe`` names the mode (``payload``).
+
 ``DockError`` and ``DockTimeoutError`` raised in the shard travel as ``FlightServerError``
 whose message starts with ``dockrl.<type>:`` and whose ``extra_info`` is JSON {type, message};
 ``raise_dock_error`` turns them back into the same exception on the client side.
@@ -41,7 +47,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, Literal, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -138,14 +144,20 @@ class DockShardServer(flight.FlightServerBase):
         token: shared secret every call must present as ``authorization: Bearer <token>``;
             None accepts every call (single-machine runs).
         timeout_s: default claim timeout of the wrapped dock, seconds.
+        payload: ``memory`` (cells in this process, Flight ``do_put``/``do_get``) or ``store``
+            (cells in a warehouse that clients read and write; this shard keeps object keys).
 
     Serving starts in the constructor (gRPC threads); ``serve()`` only blocks. ``close()``
     wakes blocked claims (they fail with "no iteration is open") and shuts the server down.
     """
 
     def __init__(
-        self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0
+        self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0,
+        payload: Literal["memory", "store"] = "memory",
     ) -> None:
+        if payload not in ("memory", "store"):
+            raise ValueError(f"DockShardServer payload: got {payload!r}; expected 'memory' or 'store'")
+        self.payload = payload
         middleware = {"auth": BearerTokenMiddlewareFactory(token)} if token else {}
         super().__init__(location, middleware=middleware)
         self.schema = schema
@@ -164,6 +176,8 @@ class DockShardServer(flight.FlightServerBase):
             "release": lambda ctx, req: self.dock.release(req["consumer"], req["rows"], iteration=req["iteration"]),
             "missing": lambda ctx, req: self.dock.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
             "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
+            "commit": self._commit,
+            "locate": self._locate,
         }
         logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
 
@@ -227,7 +241,24 @@ class DockShardServer(flight.FlightServerBase):
     def _describe(self) -> dict[str, Any]:
         with self._lock:
             layout = self._layout
-        return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns], "layout": layout}
+        return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns], "layout": layout,
+                "payload": self.payload}
+
+    def _require(self, payload: str, what: str) -> None:
+        if self.payload != payload:
+            held = "holds metadata only (payload='store')" if self.payload == "store" else "keeps payload in memory (payload='memory')"
+            fix = "a DockClient with a warehouse" if self.payload == "store" else "a DockClient without a warehouse"
+            raise DockError(f"{what}: dock shard at {self._location} {held}; use {fix}")
+
+    def _commit(self, context: flight.ServerCallContext, req: dict) -> None:
+        self._require("store", "commit")
+        objects = {name: (ref["key"], ref["offsets"]) for name, ref in req["objects"].items()}
+        self.dock.commit(req["rows"], objects, iteration=req["iteration"])
+
+    def _locate(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
+        self._require("store", "locate")
+        located = self.dock.locate(req["columns"], req["rows"], iteration=req["iteration"])
+        return {name: loc.to_json() for name, loc in located.items()}
 
     def _claim(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
         timeout = math.inf if req["timeout_s"] is None else float(req["timeout_s"])
@@ -251,6 +282,7 @@ class DockShardServer(flight.FlightServerBase):
         writer: flight.FlightMetadataWriter,
     ) -> None:
         def put() -> None:
+            self._require("memory", "put")
             req = json.loads(descriptor.command)
             table = reader.read_all()
             if ROW not in table.schema.names:
@@ -263,6 +295,7 @@ class DockShardServer(flight.FlightServerBase):
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
         def get() -> pa.RecordBatch:
+            self._require("memory", "get")
             req = json.loads(ticket.ticket)
             return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
 
@@ -271,13 +304,16 @@ class DockShardServer(flight.FlightServerBase):
 
 
 def start_local_shards(
-    n: int, schema: Schema, token: str | None = None, *, timeout_s: float = 600.0
+    n: int, schema: Schema, token: str | None = None, *, timeout_s: float = 600.0,
+    payload: Literal["memory", "store"] = "memory",
 ) -> tuple[list[DockShardServer], list[str]]:
     """Start ``n`` shard servers in this process (gRPC threads) on free loopback ports.
 
     Returns the servers (call ``close()`` on each when done) and their locations.
     """
-    servers = [DockShardServer(schema, "grpc://127.0.0.1:0", token=token, timeout_s=timeout_s) for _ in range(n)]
+    servers = [
+        DockShardServer(schema, "grpc://127.0.0.1:0", token=token, timeout_s=timeout_s, payload=payload) for _ in range(n)
+    ]
     return servers, [s.location for s in servers]
 
 
@@ -314,6 +350,8 @@ def serve_shard(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-env", default=None, help="environment variable holding the shared bearer token")
     parser.add_argument("--schema", default="dockrl.dock.schema:GRPO_SCHEMA", help="module:attribute of the Schema")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="default claim timeout, seconds")
+    parser.add_argument("--payload", choices=("memory", "store"), default="memory",
+                        help="memory: cells in this shard; store: metadata only, cells in the run's warehouse")
     args = parser.parse_args(argv)
     token = None
     if args.token_env:
@@ -322,7 +360,8 @@ def serve_shard(argv: list[str] | None = None) -> int:
             parser.error(f"--token-env {args.token_env}: the environment variable is unset or empty; export the shard token")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = DockShardServer(
-        _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s
+        _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s,
+        payload=args.payload,
     )
     print(server.location, flush=True)
 

@@ -7,7 +7,9 @@ size). Waiting is event-driven on a condition variable, never a sleep-poll loop.
 
 A shard of the networked dock (``dockrl.dock.flight``) wraps one ``TransferDock`` over its
 slice of rows (``open_iteration(..., first_row=k)``, so errors name global rows); ``take``,
-``release`` and ``missing`` are the metadata-only building blocks of a claim across shards.
+``release`` and ``missing`` are the metadata-only building blocks of a claim across shards;
+``commit`` and ``locate`` those of a put and a read whose payload lives in a warehouse
+(``dockrl.dock.warehouse``): the dock then holds object keys and offsets, never cells.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pyarrow as pa
 
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
+from dockrl.dock.warehouse import Located
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class _Iteration:
         self.consumer_index = {c: i for i, c in enumerate(schema.consumers)}
         self.ready = np.zeros((num_rows, len(schema.columns)), dtype=bool)
         self.consumed = np.zeros((num_rows, len(schema.consumers)), dtype=bool)
-        # warehouse: per column, Arrow chunks and, per row, (chunk, offset)
+        # warehouse: per column, Arrow chunks (or keys of committed warehouse objects) and, per row, (chunk, offset)
         self.chunks: dict[str, list[pa.Array]] = {c.name: [] for c in schema.columns}
         self.where = {c.name: np.full((num_rows, 2), -1, dtype=np.int64) for c in schema.columns}
 
@@ -167,12 +170,7 @@ class TransferDock:
         with self._cond:
             it = self._current("put", iteration)
             rows_arr = self._check_rows(it, rows_arr, "put")
-            for name in arrays:
-                written = it.ready[rows_arr, it.col_index[name]]
-                if written.any():
-                    raise DockError(
-                        f"put: column {name!r} is already written for rows {(rows_arr[written] + it.first_row)[:10].tolist()}"
-                    )
+            self._refuse_written(it, rows_arr, arrays)
             for name, array in arrays.items():
                 chunk_id = len(it.chunks[name])
                 it.chunks[name].append(array)
@@ -181,6 +179,73 @@ class TransferDock:
                 it.ready[rows_arr, it.col_index[name]] = True
                 self.bytes_put += array.nbytes
             self._cond.notify_all()
+
+    @staticmethod
+    def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
+        for name in names:
+            written = it.ready[rows, it.col_index[name]]
+            if written.any():
+                raise DockError(f"put: column {name!r} is already written for rows {(rows[written] + it.first_row)[:10].tolist()}")
+
+    def commit(
+        self, rows: Sequence[int], objects: Mapping[str, tuple[str, Sequence[int]]], *, iteration: int | None = None
+    ) -> None:
+        """Record cells written to a warehouse: the controller half of a put (metadata only).
+
+        ``objects[name] = (key, offsets)``: the cell of column ``name`` for row ``rows[k]`` is
+        row ``offsets[k]`` of the object ``key`` (``dockrl.dock.warehouse``). Atomic as ``put``,
+        with the same errors and messages.
+
+        Raises:
+            DockError: unknown column, bad key or offsets, row out of range or repeated, a cell
+                already written, no open iteration, or another iteration open.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        refs: dict[str, tuple[str, np.ndarray]] = {}
+        for name, (key, offsets) in objects.items():
+            offsets_arr = np.asarray(offsets, dtype=np.int64)
+            if not isinstance(key, str) or not key:
+                raise DockError(f"put: column {name!r} has object key {key!r}; expected a non-empty string")
+            if offsets_arr.shape != rows_arr.shape or (offsets_arr < 0).any():
+                raise DockError(f"put: column {name!r} has {len(offsets_arr)} offsets for {len(rows_arr)} rows (or a negative one)")
+            refs[name] = (key, offsets_arr)
+        with self._cond:
+            it = self._current("put", iteration)
+            self._check_request(it, list(refs), None, "put")
+            rows_arr = self._check_rows(it, rows_arr, "put")
+            self._refuse_written(it, rows_arr, refs)
+            for name, (key, offsets_arr) in refs.items():
+                it.where[name][rows_arr, 0] = len(it.chunks[name])
+                it.where[name][rows_arr, 1] = offsets_arr
+                it.chunks[name].append(key)  # type: ignore[arg-type]  # a warehouse object, not an array
+                it.ready[rows_arr, it.col_index[name]] = True
+            self._cond.notify_all()
+
+    def locate(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> dict[str, Located]:
+        """Where the cells of ``rows`` live in the warehouse, per column, in the order of ``rows``.
+
+        Raises:
+            DockError: as ``get``; also a cell that was ``put`` (held in memory), not committed.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        with self._cond:
+            it = self._current("get", iteration)
+            self._check_request(it, columns, None, "get")
+            rows_arr = self._check_rows(it, rows_arr, "get")
+            out = {}
+            for name in columns:
+                missing = ~it.ready[rows_arr, it.col_index[name]]
+                if missing.any():
+                    raise DockError(
+                        f"get: column {name!r} not yet written for rows {(rows_arr[missing] + it.first_row)[:10].tolist()}"
+                    )
+                loc = it.where[name][rows_arr]
+                chunk_ids, index = np.unique(loc[:, 0], return_inverse=True)
+                keys = [it.chunks[name][c] for c in chunk_ids]
+                if not all(isinstance(k, str) for k in keys):
+                    raise DockError(f"get: column {name!r} is held in the dock's memory, not in a warehouse; read it with get")
+                out[name] = Located(tuple(keys), index.astype(np.int64).reshape(-1), loc[:, 1].copy())  # type: ignore[arg-type]
+            return out
 
     @staticmethod
     def _check_rows(it: _Iteration, rows: np.ndarray, what: str) -> np.ndarray:
@@ -199,6 +264,8 @@ class TransferDock:
         for name in columns:
             loc = it.where[name][rows]
             chunks = it.chunks[name]
+            if any(isinstance(c, str) for c in chunks):
+                raise DockError(f"get: column {name!r} lives in a warehouse (committed objects); read it with locate")
             offsets = np.cumsum([0] + [len(c) for c in chunks])
             flat = pa.chunked_array(chunks, type=self.schema.column(name).type)
             arrays.append(flat.take(pa.array(offsets[loc[:, 0]] + loc[:, 1])).combine_chunks())

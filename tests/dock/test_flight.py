@@ -1,4 +1,8 @@
-"""Tests of the sharded transfer dock: DockClient over Arrow Flight shards behaves as TransferDock."""
+"""Tests of the sharded transfer dock: DockClient over Arrow Flight shards behaves as TransferDock.
+
+Every test on the ``client`` fixture runs with the payload in the shards' memory (1 and 3
+shards) and in a warehouse (2 metadata-only shards; an S3 server, a local directory).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from hypothesis import strategies as st
 from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, TransferDock
 from dockrl.dock.client import DockClient, shard_ranges, start_local_shards
 from dockrl.dock.flight import DockShardServer, dock_error_to_flight, raise_dock_error, serve_shard
+from dockrl.dock.warehouse import DirectoryWarehouse, Warehouse
 
 TOKEN = "test-token"
 TOKENS = pa.list_(pa.int32())
@@ -38,13 +43,34 @@ def shards() -> Iterator[dict[int, list[str]]]:
         server.close()
 
 
-def connect(locations: list[str], timeout_s: float = 5.0) -> DockClient:
-    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=timeout_s, rpc_timeout_s=10.0)
+@pytest.fixture(scope="module")
+def store_shards() -> Iterator[list[str]]:
+    """Two metadata-only shards (payload in a warehouse), started once for the module."""
+    servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, payload="store")
+    yield locations
+    for server in servers:
+        server.close()
 
 
-@pytest.fixture(params=[1, 3], ids=["1shard", "3shards"])
-def client(request: pytest.FixtureRequest, shards: dict[int, list[str]]) -> Iterator[DockClient]:
-    dock = connect(shards[request.param])
+def connect(locations: list[str], timeout_s: float = 5.0, warehouse: Warehouse | None = None) -> DockClient:
+    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=timeout_s, rpc_timeout_s=10.0, warehouse=warehouse)
+
+
+def another(dock: DockClient) -> DockClient:
+    """A second client of the same dock (another worker)."""
+    return connect(dock.locations, warehouse=dock.warehouse)
+
+
+@pytest.fixture(params=["1shard", "3shards", "2shards-s3", "2shards-directory"])
+def client(
+    request: pytest.FixtureRequest, shards: dict[int, list[str]], store_shards: list[str], tmp_path
+) -> Iterator[DockClient]:
+    if request.param.endswith("s3"):
+        dock = connect(store_shards, warehouse=request.getfixturevalue("s3_server").warehouse())
+    elif request.param.endswith("directory"):
+        dock = connect(store_shards, warehouse=DirectoryWarehouse(tmp_path / "warehouse"))
+    else:
+        dock = connect(shards[int(request.param[0])])
     yield dock
     dock.close_iteration()
     dock.close()
@@ -91,7 +117,12 @@ def test_each_consumer_gets_every_row_exactly_once(client):
     empty = client.claim("reward", ["prompt_ids", "response_ids"], 4)
     assert empty.rows == [] and empty.batch.num_rows == 0 and empty.batch.schema.names == ["prompt_ids", "response_ids"]
     stats = client.stats()
-    assert stats["dock/controller_bytes"] > 0 and stats["dock/bytes_put"] > 0 and stats["dock/bytes_read"] > 0
+    assert stats["dock/controller_bytes"] > 0
+    if client.warehouse is None:
+        assert stats["dock/bytes_put"] > 0 and stats["dock/bytes_read"] > 0
+    else:  # no payload through the shards: it went to the store and came back from it
+        assert stats["dock/bytes_put"] == stats["dock/bytes_read"] == 0
+        assert stats["dock/store_bytes_written"] > 0 and stats["dock/store_bytes_read"] > 0
 
 
 def test_whole_groups_never_returns_a_partial_group(client):
@@ -134,7 +165,7 @@ def test_fewer_groups_than_shards(client):
 
 def test_blocking_claim_is_released_by_a_put_from_another_thread(client, shards):
     client.open_iteration(0, 6, 2)
-    producer = connect(client.locations)
+    producer = another(client)
 
     def produce() -> None:
         time.sleep(0.2)
@@ -155,7 +186,7 @@ def test_blocking_claim_is_released_by_a_put_from_another_thread(client, shards)
 def test_blocked_claim_fails_when_the_iteration_is_closed(client):
     client.open_iteration(0, 4, 2)
     errors: list[BaseException] = []
-    worker = connect(client.locations)
+    worker = another(client)
 
     def consume() -> None:
         try:
@@ -229,7 +260,7 @@ def test_two_clients_of_one_consumer_share_the_rows_exactly_once(client):
     got: list[list[int]] = [[], []]
 
     def consume(k: int) -> None:
-        worker = connect(client.locations)
+        worker = another(client)
         while claim := worker.claim("reward", ["prompt_ids"], 3):
             got[k] += claim.rows
 
@@ -250,7 +281,7 @@ def test_a_waiting_claim_wakes_when_another_client_of_its_consumer_takes_the_las
     results: list[list[int]] = []
 
     def consume() -> None:
-        results.append(connect(client.locations).claim("reward", ["prompt_ids"], 2).rows)
+        results.append(another(client).claim("reward", ["prompt_ids"], 2).rows)
 
     threads = [threading.Thread(target=consume, daemon=True) for _ in range(2)]
     start = time.monotonic()
@@ -318,7 +349,7 @@ def test_write_after_close_and_to_a_stale_iteration(client):
     client.close_iteration()
     with pytest.raises(DockError, match="put: no iteration is open"):
         put_prompts(client, [0])
-    worker = connect(client.locations)
+    worker = another(client)
     client.open_iteration(1, 4, 2)
     assert worker.num_rows == 4  # the worker learns the open iteration from the shards
     client.close_iteration()
@@ -394,14 +425,17 @@ CONSUMERS = {"reward": ["prompt_ids", "response_ids"], "advantage": ["rm_score"]
 PUT_COLUMNS = {"prompt_ids": prompt_cell, "response_ids": lambda r: [r % 7] * (r % 4), "rm_score": lambda r: float(r)}
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_property_every_consumer_gets_every_row_once(shards, data):
-    n_shards = data.draw(st.sampled_from([2, 3]), label="shards")
+def test_property_every_consumer_gets_every_row_once(shards, store_shards, tmp_path_factory, data):
+    mode = data.draw(st.sampled_from(["2 shards", "3 shards", "2 shards, directory warehouse"]), label="mode")
     g = data.draw(st.integers(1, 3), label="group_size")
     num_rows = g * data.draw(st.integers(1, 6), label="groups")
     whole = {c: data.draw(st.booleans(), label=f"whole_groups[{c}]") for c in CONSUMERS}
-    dock = connect(shards[n_shards], timeout_s=2.0)
+    if "warehouse" in mode:
+        dock = connect(store_shards, timeout_s=2.0, warehouse=DirectoryWarehouse(tmp_path_factory.mktemp("warehouse")))
+    else:
+        dock = connect(shards[int(mode[0])], timeout_s=2.0)
     dock.open_iteration(0, num_rows, g)
     written: dict[str, set[int]] = {c: set() for c in PUT_COLUMNS}
     received: dict[str, list[int]] = {c: [] for c in CONSUMERS}
