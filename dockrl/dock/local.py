@@ -86,7 +86,7 @@ class _Iteration:
         self.ready = np.zeros((num_rows, len(schema.columns)), dtype=bool)
         self.consumed = np.zeros((num_rows, len(schema.consumers)), dtype=bool)
         # warehouse: per column, Arrow chunks (or keys of committed warehouse objects) and, per row, (chunk, offset)
-        self.chunks: dict[str, list[pa.Array]] = {c.name: [] for c in schema.columns}
+        self.chunks: dict[str, list[pa.Array | str]] = {c.name: [] for c in schema.columns}
         self.where = {c.name: np.full((num_rows, 2), -1, dtype=np.int64) for c in schema.columns}
 
 
@@ -203,7 +203,10 @@ class TransferDock:
         rows_arr = np.asarray(rows, dtype=np.int64)
         refs: dict[str, tuple[str, np.ndarray]] = {}
         for name, (key, offsets) in objects.items():
-            offsets_arr = np.asarray(offsets, dtype=np.int64)
+            try:
+                offsets_arr = np.asarray(offsets, dtype=np.int64)
+            except (ValueError, TypeError, OverflowError):
+                raise DockError(f"put: column {name!r} has offsets {str(offsets)[:80]}; expected integers") from None
             if not isinstance(key, str) or not key:
                 raise DockError(f"put: column {name!r} has object key {key!r}; expected a non-empty string")
             if offsets_arr.shape != rows_arr.shape or (offsets_arr < 0).any():
@@ -217,7 +220,7 @@ class TransferDock:
             for name, (key, offsets_arr) in refs.items():
                 it.where[name][rows_arr, 0] = len(it.chunks[name])
                 it.where[name][rows_arr, 1] = offsets_arr
-                it.chunks[name].append(key)  # type: ignore[arg-type]  # a warehouse object, not an array
+                it.chunks[name].append(key)
                 it.ready[rows_arr, it.col_index[name]] = True
             self._cond.notify_all()
 
@@ -244,7 +247,7 @@ class TransferDock:
                 keys = [it.chunks[name][c] for c in chunk_ids]
                 if not all(isinstance(k, str) for k in keys):
                     raise DockError(f"get: column {name!r} is held in the dock's memory, not in a warehouse; read it with get")
-                out[name] = Located(tuple(keys), index.astype(np.int64).reshape(-1), loc[:, 1].copy())  # type: ignore[arg-type]
+                out[name] = Located(tuple(str(k) for k in keys), index.astype(np.int64).reshape(-1), loc[:, 1].copy())
             return out
 
     @staticmethod

@@ -273,14 +273,20 @@ class DirectoryWarehouse:
     def write(self, key: str, data: bytes) -> None:
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise WarehouseError(f"object store {self.url}: write {key!r} failed ({e})") from None
+        for attempt in range(3):  # a concurrent delete may prune the directory between mkdir and rename
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError as e:
+                error: OSError = e
+            except OSError as e:
+                error = e
+                break
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise WarehouseError(f"object store {self.url}: write {key!r} failed ({error})") from None
 
     def read(self, key: str) -> bytes:
         try:
@@ -348,6 +354,7 @@ class S3Warehouse:
         import certifi
         import urllib3
         from minio import Minio
+        from minio.helpers import check_bucket_name
 
         self.endpoint, self.bucket, self.prefix = endpoint, bucket, prefix.strip("/")
         self.timeout_s, self.retries, self.credentials_from = timeout_s, retries, credentials_from
@@ -365,10 +372,11 @@ class S3Warehouse:
             ),
         )
         try:
+            check_bucket_name(bucket, strict=True)
             self._client = Minio(
                 endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region or None, http_client=http
             )
-        except ValueError as e:  # the client refuses a malformed endpoint
+        except ValueError as e:  # the client refuses a malformed endpoint or bucket name
             raise WarehouseError(f"{self._where}: {e}") from None
 
     def _key(self, key: str) -> str:
@@ -398,7 +406,7 @@ class S3Warehouse:
                 f"{self._where}: {what} failed: store unreachable after {self.retries + 1} attempt(s) "
                 f"with a {self.timeout_s:g} s timeout each ({type(cause).__name__}: {cause})"
             ) from None
-        except (InvalidResponseError, ServerError, ValueError) as e:
+        except (InvalidResponseError, ServerError) as e:
             raise WarehouseError(f"{self._where}: {what} failed: unexpected answer ({e})") from None
 
     def ensure_bucket(self, create: bool = True) -> S3Warehouse:

@@ -20,7 +20,7 @@ import pyarrow.flight as flight
 import pytest
 
 from dockrl.config import ConfigError, DockConfig
-from dockrl.dock import GRPO_SCHEMA, DockError
+from dockrl.dock import GRPO_SCHEMA, DockError, TransferDock
 from dockrl.dock.client import DockClient, start_local_shards
 from dockrl.dock.flight import DockShardServer
 from dockrl.dock.warehouse import (
@@ -376,3 +376,27 @@ def test_client_and_shards_must_agree_on_the_payload_mode(store_servers, tmp_pat
         raw.close_iteration()
     finally:
         memory_servers[0].close()
+
+
+
+def test_commit_and_locate_on_the_in_process_dock():
+    dock = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    dock.open_iteration(0, 4, 2, first_row=4)  # a shard owning rows 4..7
+    a, b = "iter-00000000/rm_score/a.arrow", "iter-00000000/rm_score/b.arrow"
+    dock.commit([6, 4], {"rm_score": (a, [1, 0])})
+    dock.commit([5], {"rm_score": (b, [0])})
+    located = dock.locate(["rm_score"], [4, 5, 6])["rm_score"]
+    assert located.to_json() == {"keys": [a, b], "index": [0, 1, 0], "offsets": [0, 0, 1]}
+    assert Located.from_json(located.to_json()).to_json() == located.to_json()
+    assert dock.take("reward", ["rm_score"], 3) == ([4, 5, 6], 1)  # committed cells are ready like put ones
+    with pytest.raises(DockError, match=r"'rm_score' is already written for rows \[6\]"):
+        dock.commit([6, 7], {"rm_score": ("k", [0, 1])})
+    with pytest.raises(DockError, match="'rm_score' has 1 offsets for 2 rows"):
+        dock.commit([7, 5], {"rm_score": ("k", [0])})
+    with pytest.raises(DockError, match="'advantages' not yet written for rows \\[7\\]"):
+        dock.locate(["advantages"], [7])
+    with pytest.raises(DockError, match="lives in a warehouse"):
+        dock.get(["rm_score"], [4])
+    dock.put([4, 5], {"advantages": [0.5, -0.5]})
+    with pytest.raises(DockError, match="held in the dock's memory"):
+        dock.locate(["advantages"], [4])
