@@ -61,4 +61,4 @@ def test_benchmark_prints_every_configuration_with_finite_numbers():
     [independence] = [t for t in found if t.startswith("## controller bytes against payload")]
     assert [tuple(r[:3]) for r in found[independence]] == configs
     assert all(math.isfinite(number(c)) for r in found[independence] for c in r[3:])
-    assert "- dock vs centralized:" in text and "- dock vs loopback ceiling:" in text
+    assert "- dock speed / centralized speed:" in text and "- dock GB/s / loopback ceiling:" in text
