@@ -317,8 +317,10 @@ class WorkerPool:
                 conn.send(None)
             except OSError:
                 pass
+        deadline = time.monotonic() + 10.0  # idle workers exit at once; one stuck in a claim is terminated
         for proc in self.procs:
-            proc.join(10)
+            proc.join(max(deadline - time.monotonic(), 0.0))
+        for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)
