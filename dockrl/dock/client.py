@@ -56,6 +56,13 @@ T = TypeVar("T")
 __all__ = ["DockClient", "shard_ranges", "start_local_shards"]
 
 
+def _part(array: pa.Array, pos: np.ndarray) -> pa.Array:
+    """``array[pos]``: a zero-copy slice when ``pos`` is one contiguous run (the usual put), else a take."""
+    if len(pos) and pos[-1] - pos[0] + 1 == len(pos) and (np.diff(pos) == 1).all():
+        return array.slice(int(pos[0]), len(pos))
+    return array.take(pa.array(pos))
+
+
 class DockClient:
     """The transfer dock served by Flight shards, with the same API as ``TransferDock``.
 
@@ -243,9 +250,8 @@ class DockClient:
         if self.warehouse is not None:
             return self._put_objects(self.warehouse, layout, rows_arr, arrays)
         for s, pos in layout.split(rows_arr).items():
-            index = pa.array(pos)
             batch = pa.RecordBatch.from_arrays(
-                [pa.array(rows_arr[pos]), *(a.take(index) for a in arrays.values())], names=[ROW, *arrays]
+                [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
             )
             self._call(s, "put", lambda: self._send(s, layout.iteration, batch))
 
@@ -253,7 +259,7 @@ class DockClient:
         """A put through the warehouse: every object first, then one ``commit`` per owning shard."""
         parts = layout.split(rows)
         keys = {(s, name): new_key(layout.iteration, name, int(rows[pos].min())) for s, pos in parts.items() for name in arrays}
-        objects = [(keys[s, name], name, array.take(pa.array(pos))) for s, pos in parts.items() for name, array in arrays.items()]
+        objects = [(keys[s, name], name, _part(array, pos)) for s, pos in parts.items() for name, array in arrays.items()]
         nbytes = write_arrays(warehouse, objects)  # all or none
         with self._lock:
             self.store["dock/store_bytes_written"] += nbytes

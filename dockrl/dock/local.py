@@ -78,6 +78,20 @@ def arrow_columns(
     return arrays
 
 
+def _cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """The cells at ``loc`` (``(k, 2)`` rows of chunk id, offset), in order, as one array.
+
+    Runs of consecutive cells of one chunk are sliced (zero-copy) and the pieces concatenated
+    once, so a read costs what it returns, not the size of every chunk put so far.
+    """
+    if not len(loc):
+        return pa.array([], type=type_)
+    chunk, offset = loc[:, 0], loc[:, 1]
+    breaks = np.flatnonzero((chunk[1:] != chunk[:-1]) | (offset[1:] != offset[:-1] + 1)) + 1
+    starts, stops = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(loc)]])
+    return pa.concat_arrays([chunks[chunk[a]].slice(offset[a], b - a) for a, b in zip(starts, stops)])
+
+
 class _Iteration:
     def __init__(self, schema: Schema, iteration: int, num_rows: int, group_size: int, first_row: int) -> None:
         self.iteration, self.num_rows, self.group_size, self.first_row = iteration, num_rows, group_size, first_row
@@ -269,9 +283,7 @@ class TransferDock:
             chunks = it.chunks[name]
             if any(isinstance(c, str) for c in chunks):
                 raise DockError(f"get: column {name!r} lives in a warehouse (committed objects); read it with locate")
-            offsets = np.cumsum([0] + [len(c) for c in chunks])
-            flat = pa.chunked_array(chunks, type=self.schema.column(name).type)
-            arrays.append(flat.take(pa.array(offsets[loc[:, 0]] + loc[:, 1])).combine_chunks())
+            arrays.append(_cells(chunks, loc, self.schema.column(name).type))
         batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema.arrow_schema(list(columns)))
         self.bytes_read += batch.nbytes
         return batch

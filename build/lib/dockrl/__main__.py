@@ -1,0 +1,5 @@
+import sys
+
+from dockrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline``.
+
+    dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
+    dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
+    dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from dockrl.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pipeline"]:
+        from dockrl.pipeline_cli import main as pipeline_main
+
+        return pipeline_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in [
+        ("train", "run GRPO"),
+        ("prepare-model", "export the packaged SmolLM2-135M-Instruct (or check model.path)"),
+        ("prepare-data", "write the seeded train/test files"),
+    ]:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", help="YAML config file (default: the demo config)")
+        p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=5")
+    sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"dockrl: config error: {e}", file=sys.stderr)
+        return 2
+    from dockrl import trainer  # heavy imports after the config is known to be valid
+
+    if args.command == "prepare-model":
+        print(trainer.resolve_model(cfg))
+    elif args.command == "prepare-data":
+        print("\n".join(str(p) for p in trainer.resolve_data(cfg)))
+    else:
+        summary = trainer.train(cfg)
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

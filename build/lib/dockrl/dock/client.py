@@ -1,0 +1,380 @@
+"""Client of the sharded transfer dock: the ``TransferDock`` API over S Arrow Flight shards.
+
+**Rows → shards.** An iteration of G prompt groups of n rows is split into contiguous runs
+of whole groups: shard ``s`` owns groups ``[s·G//S, (s+1)·G//S)``, and global row ``r`` keeps
+its index on the shard that owns it (so shard errors name global rows). With fewer groups
+than shards some shards own none. Every client derives the mapping from ``(num_rows,
+group_size, S)`` (``flight.shard_ranges``); shards also check, store and ``describe`` it, so a
+worker that did not open the iteration learns it, and ``locations`` out of shard order is caught.
+
+**Claims.** The controller path is metadata only: the ``claim`` action returns row indexes,
+then the client reads the cells with ``do_get`` from each shard it took rows from. A claim
+sweeps the shards from a rotating start, taking what is ready without waiting; while short
+of ``min(count, rows the consumer has left)`` it blocks server-side on one shard (the one
+with most rows left for the consumer; for at least the rows no other shard can cover, else
+one row or group) with the remaining deadline, then sweeps the others again: no client
+sleep loop. On a timeout or any error the rows taken are released: a failed claim consumes
+nothing. Known limit: while blocked on one shard, rows that become ready only on another
+are seen when that shard answers or at the deadline (a last sweep runs before timing out).
+
+Puts and gets go straight to the shards owning the rows. A put is fully checked on the
+client first, then is atomic per shard but not across shards (one shard may refuse an
+already written cell after another accepted its part).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from dockrl.dock.errors import DockError, DockTimeoutError
+from dockrl.dock.flight import ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
+from dockrl.dock.local import Claim, arrow_columns
+from dockrl.dock.schema import Schema
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+__all__ = ["DockClient", "shard_ranges", "start_local_shards"]
+
+
+class DockClient:
+    """The transfer dock served by Flight shards, with the same API as ``TransferDock``.
+
+    Args:
+        locations: ``grpc://host:port`` of every shard, in shard order.
+        schema: the column schema (checked against each shard's).
+        token: shared bearer token of the shards; None when they run without auth.
+        timeout_s: default claim timeout, seconds.
+        rpc_timeout_s: deadline of each non-blocking call, and the slack a blocking claim
+            call gets past its own timeout.
+
+    Thread-safe; every method may raise ``DockError`` as ``TransferDock`` does, and Flight
+    errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) annotated
+    with the shard and call.
+    """
+
+    def __init__(
+        self, locations: Sequence[str], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
+        rpc_timeout_s: float = 60.0,
+    ) -> None:
+        if not locations:
+            raise ValueError("DockClient: locations is empty; expected at least one grpc://host:port")
+        self.locations, self.schema = list(locations), schema
+        self.timeout_s, self.rpc_timeout_s = timeout_s, rpc_timeout_s
+        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._clients = [flight.connect(loc) for loc in self.locations]
+        self._lock = threading.Lock()
+        self._layout: ShardLayout | None = None
+        self._next = 0
+        self.controller_bytes = 0
+
+    # --- calls --------------------------------------------------------------------------------
+    def _options(self, timeout: float | None) -> flight.FlightCallOptions:
+        return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+
+    def _call(self, shard: int, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (flight.FlightError, pa.ArrowException) as e:
+            raise_dock_error(e)
+            e.add_note(f"while calling {what} on dock shard {shard} at {self.locations[shard]}")
+            raise
+
+    def _action(self, shard: int, name: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+        data = json.dumps(body).encode()
+        opts = self._options(self.rpc_timeout_s if timeout is None else timeout)
+        results = self._call(shard, name, lambda: list(self._clients[shard].do_action(flight.Action(name, data), opts)))
+        out = results[0].body.to_pybytes() if results else b"null"
+        with self._lock:
+            self.controller_bytes += len(data) + len(out)
+        return json.loads(out)
+
+    # --- layout -------------------------------------------------------------------------------
+    def _describe(self, shard: int) -> dict[str, int] | None:
+        desc = self._action(shard, "describe", {})
+        names = [c.name for c in self.schema.columns]
+        if desc["schema_version"] != self.schema.version or desc["columns"] != names:
+            raise DockError(
+                f"dock shard {shard} at {self.locations[shard]} serves schema v{desc['schema_version']} "
+                f"{desc['columns']}; this client has v{self.schema.version} {names}"
+            )
+        return desc["layout"]
+
+    def _fetch_layout(self) -> ShardLayout | None:
+        raw = [self._describe(s) for s in range(len(self.locations))]
+        first = raw[0]
+        layout = None if first is None else ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(raw))
+        for s, got in enumerate(raw):
+            want = None if layout is None else layout.shard_meta(s)
+            if got != want:
+                raise DockError(
+                    f"dock shards disagree: shard {s} at {self.locations[s]} has layout {got}, expected {want} from shard 0; "
+                    "pass every shard, in the order the iteration was opened with, and do not open it concurrently"
+                )
+        with self._lock:
+            self._layout = layout
+        return layout
+
+    def _layout_for(self, what: str, *, fresh: bool = False) -> ShardLayout:
+        """The layout of the open iteration: the one this client knows, or (``fresh``) the shards'."""
+        layout = None if fresh else self._layout
+        if layout is None:
+            layout = self._fetch_layout()
+        if layout is None:
+            raise DockError(f"{what}: no iteration is open (call open_iteration first, or it was closed)")
+        return layout
+
+    def _open_layout(self, what: str) -> ShardLayout:
+        """The layout of the iteration open on the shards now (one ``describe`` when it is the known one)."""
+        shard0, known = self._describe(0), self._layout
+        return self._layout_for(what, fresh=shard0 is None or known is None or known.iteration != shard0["iteration"])
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the iteration open on the shards, all shards together; ``DockError`` if none is open."""
+        return self._open_layout("num_rows").num_rows
+
+    @property
+    def group_size(self) -> int:
+        """Rows per prompt group of the iteration open on the shards; ``DockError`` if none is open."""
+        return self._open_layout("group_size").group_size
+
+    # --- iteration lifecycle ------------------------------------------------------------------
+    def open_iteration(self, iteration: int, num_rows: int, group_size: int) -> None:
+        """Open the iteration on every shard, each for its range of whole groups.
+
+        Raises:
+            DockError: an iteration is still open (nothing is left opened), or bad sizes.
+        """
+        if group_size < 1 or num_rows < 1 or num_rows % group_size:
+            raise DockError(f"open_iteration: num_rows={num_rows} must be a positive multiple of group_size={group_size}")
+        layout = ShardLayout(int(iteration), int(num_rows), int(group_size), len(self.locations))
+        opened: list[int] = []
+        try:
+            for s in range(layout.num_shards):
+                self._action(s, "open_iteration", layout.shard_meta(s))
+                opened.append(s)
+        except BaseException:
+            for s in opened:  # leave no shard half-opened
+                try:
+                    self._action(s, "close_iteration", {})
+                except Exception as e:  # noqa: BLE001 - the open's own error is what the caller needs
+                    logger.warning("could not close half-opened iteration %d on dock shard %d: %s", iteration, s, e)
+            raise
+        with self._lock:
+            self._layout = layout
+
+    def close_iteration(self) -> None:
+        """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``."""
+        with self._lock:
+            self._layout = None
+        for s in range(len(self.locations)):
+            self._action(s, "close_iteration", {})
+
+    # --- writes and reads ---------------------------------------------------------------------
+    def _check_rows(self, layout: ShardLayout, rows: np.ndarray, what: str) -> None:
+        bad = rows[(rows < 0) | (rows >= layout.num_rows)]
+        if len(bad):
+            span = f"[0, {layout.num_rows}) in iteration {layout.iteration}"
+            raise DockError(f"{what}: rows {bad[:10].tolist()} out of range {span}")
+        if len(np.unique(rows)) != len(rows):
+            raise DockError(f"{what}: repeated row indexes in {rows[:20].tolist()}")
+
+    def _check_request(self, columns: Sequence[str], consumer: str | None, what: str) -> None:
+        names = [c.name for c in self.schema.columns]
+        for name in columns:
+            if name not in names:
+                raise DockError(f"{what}: unknown column {name!r}; schema v{self.schema.version} has {names}")
+        if consumer is not None and consumer not in self.schema.consumers:
+            raise DockError(f"{what}: unknown consumer {consumer!r}; schema has {list(self.schema.consumers)}")
+
+    def put(self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch) -> None:
+        """Write cells, sending each shard the rows it owns (``TransferDock.put`` semantics).
+
+        Raises:
+            DockError: as ``TransferDock.put``, or the iteration was closed since this client
+                learnt it; atomic per shard only.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        arrays = arrow_columns(self.schema, columns, len(rows_arr))
+        layout = self._layout_for("put")
+        self._check_rows(layout, rows_arr, "put")
+        for s, pos in layout.split(rows_arr).items():
+            index = pa.array(pos)
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array(rows_arr[pos]), *(a.take(index) for a in arrays.values())], names=[ROW, *arrays]
+            )
+            self._call(s, "put", lambda: self._send(s, layout.iteration, batch))
+
+    def _send(self, s: int, iteration: int, batch: pa.RecordBatch) -> None:
+        descriptor = flight.FlightDescriptor.for_command(json.dumps({"iteration": iteration}).encode())
+        writer, _ = self._clients[s].do_put(descriptor, batch.schema, self._options(self.rpc_timeout_s))
+        writer.write_batch(batch)
+        writer.close()
+
+    def _read(self, layout: ShardLayout, s: int, columns: list[str], rows: list[int]) -> pa.Table:
+        ticket = flight.Ticket(json.dumps({"iteration": layout.iteration, "columns": columns, "rows": rows}).encode())
+        opts = self._options(self.rpc_timeout_s)
+        return self._call(s, "get", lambda: self._clients[s].do_get(ticket, opts).read_all())
+
+    def _batch(self, tables: list[pa.Table], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
+        """One record batch of ``tables`` stacked, rows reordered so that row ``order[k]`` comes k-th."""
+        schema = self.schema.arrow_schema(columns)
+        table = pa.concat_tables(tables or [schema.empty_table()])
+        if order is not None:
+            table = table.take(pa.array(np.argsort(order), type=pa.int64()))
+        return pa.RecordBatch.from_arrays([table.column(c).combine_chunks() for c in columns], schema=schema)
+
+    def get(self, columns: Sequence[str], rows: Sequence[int]) -> pa.RecordBatch:
+        """Read cells without consuming them, gathered from the shards in the order of ``rows``.
+
+        Raises:
+            DockError: unknown column, row out of range, a cell not yet written, no open iteration.
+        """
+        columns = list(columns)
+        self._check_request(columns, None, "get")
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        layout = self._layout_for("get")
+        self._check_rows(layout, rows_arr, "get")
+        parts = layout.split(rows_arr)
+        tables = [self._read(layout, s, columns, rows_arr[pos].tolist()) for s, pos in parts.items()]
+        return self._batch(tables, columns, np.concatenate([np.zeros(0, np.int64), *parts.values()]))
+
+    # --- claims -------------------------------------------------------------------------------
+    def claim(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None
+    ) -> Claim:
+        """Take up to ``count`` rows over all shards, as ``TransferDock.claim`` does on one.
+
+        Returns rows in ascending order with their cells; an empty claim once ``consumer``
+        has taken every row of the iteration.
+
+        Raises:
+            DockError: unknown column or consumer, bad count, no open iteration.
+            DockTimeoutError: not enough rows became ready in time; names the columns still
+                missing on each shard. Nothing is consumed.
+        """
+        columns = list(columns)
+        what = f"claim by {consumer!r}"
+        self._check_request(columns, consumer, what)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        layout = self._layout_for(what)
+        try:
+            return self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline)
+        except DockError as e:
+            if isinstance(e, DockTimeoutError) or (self._describe(0) or {}).get("iteration") == layout.iteration:
+                raise
+            # the iteration this client knew was closed and another opened: claim from that one
+            return self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
+
+    def _claim(
+        self, layout: ShardLayout, consumer: str, columns: list[str], count: int, whole_groups: bool,
+        timeout: float, deadline: float,
+    ) -> Claim:
+        what = f"claim by {consumer!r}"
+        if count < 1 or (whole_groups and count % layout.group_size):
+            raise DockError(
+                f"{what}: count={count} must be positive"
+                + (f" and a multiple of group_size={layout.group_size}" if whole_groups else "")
+            )
+        unit = layout.group_size if whole_groups else 1
+        active = [s for s, (start, stop) in enumerate(layout.ranges) if stop > start]
+        with self._lock:
+            first, self._next = self._next % len(active), self._next + 1
+        order = active[first:] + active[:first]
+        taken: dict[int, list[int]] = {}
+        pending: dict[int, int] = {}
+
+        def take(s: int, limit: int, at_least: int, wait_s: float = 0.0) -> None:
+            body = {"iteration": layout.iteration, "consumer": consumer, "columns": columns, "count": int(limit),
+                    "at_least": at_least, "whole_groups": whole_groups,
+                    "timeout_s": wait_s if math.isfinite(wait_s) else None}
+            rpc = wait_s + self.rpc_timeout_s if math.isfinite(wait_s) else None
+            res = self._action(s, "claim", body, timeout=rpc)
+            taken.setdefault(s, []).extend(res["rows"])
+            pending[s] = res["pending"]
+
+        def got() -> int:
+            return sum(len(r) for r in taken.values())
+
+        try:
+            for s in order:  # sweep: take what is ready now
+                if got() < count:
+                    take(s, count - got(), at_least=0)
+            want = min(count, got() + sum(pending.values()))
+            while got() < want:
+                left = [s for s in order if pending.get(s, 0) > 0]
+                s = max(left, key=lambda t: pending[t])  # first of the most loaded shards, in rotation order
+                others = sum(pending[t] for t in left if t != s)
+                at_least = max(unit, min(pending[s], want - got() - others))
+                try:
+                    take(s, want - got(), at_least, max(deadline - time.monotonic(), 0.0))
+                except DockTimeoutError:
+                    for t in left:  # a last look at the other shards before giving up
+                        if t != s and got() < want:
+                            take(t, want - got(), at_least=0)
+                    if got() < want:
+                        raise self._timeout(layout, consumer, columns, timeout, want, got(), pending) from None
+                for t in left:
+                    if t != s and got() < want and pending[t] > 0:
+                        take(t, want - got(), at_least=0)
+                want = min(want, got() + sum(pending.values()))  # other clients of this consumer may take rows too
+            rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
+            tables = [self._read(layout, s, columns, r) for s, r in zip(sorted(taken), rows) if r]
+        except BaseException:
+            self._release(layout, consumer, taken)
+            raise
+        return Claim(layout.iteration, [r for part in rows for r in part], self._batch(tables, columns))
+
+    def _timeout(
+        self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,
+        pending: dict[int, int],
+    ) -> DockTimeoutError:
+        """The timeout error of a claim, with the columns each shard still lacks for ``consumer``."""
+        missing = {}
+        for s in sorted(t for t, n in pending.items() if n):
+            lacking = self._action(s, "missing", {"iteration": layout.iteration, "consumer": consumer, "columns": columns})
+            if lacking:
+                missing[f"shard {s} at {self.locations[s]}"] = lacking
+        return DockTimeoutError(
+            f"claim by {consumer!r} timed out after {timeout:.1f}s in iteration {layout.iteration}: "
+            f"wanted {want} rows ready in {columns}, {ready} ready; columns still missing (rows lacking) by shard: {missing}"
+        )
+
+    def _release(self, layout: ShardLayout, consumer: str, taken: dict[int, list[int]]) -> None:
+        for s, rows in taken.items():
+            if rows:
+                try:
+                    self._action(s, "release", {"iteration": layout.iteration, "consumer": consumer, "rows": rows})
+                except Exception as e:  # noqa: BLE001 - best effort: the claim's own error is what the caller needs
+                    logger.warning("could not release %d rows of %r on dock shard %d: %s", len(rows), consumer, s, e)
+
+    def stats(self) -> dict[str, float]:
+        """Counters summed over shards: ``dock/bytes_put``, ``dock/bytes_read`` (payload bytes),
+        ``dock/wait_s``, ``dock/controller_bytes`` (action bodies and results), and ``dock/shards``."""
+        total: dict[str, float] = {}
+        for s in range(len(self.locations)):
+            for key, value in self._action(s, "stats", {}).items():
+                total[key] = total.get(key, 0) + value
+        return total | {"dock/shards": len(self.locations)}
+
+    def close(self) -> None:
+        """Close the connections to the shards (the shards keep running)."""
+        for c in self._clients:
+            c.close()
+
+    def __enter__(self) -> DockClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

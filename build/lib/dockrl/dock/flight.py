@@ -1,0 +1,343 @@
+"""One shard of the networked transfer dock, served over Arrow Flight (DESIGN.md §2).
+
+A shard owns a contiguous range of whole prompt groups of each iteration (``shard_ranges``;
+the client documents the mapping) and holds, for those rows, the controller state and the
+payload: it wraps one in-process ``TransferDock`` whose rows keep their global indexes.
+
+Protocol (every body and result is UTF-8 JSON):
+
+* ``do_action`` — the controller path, metadata only:
+  ``open_iteration`` {iteration, num_rows, group_size, first_row, stop_row, shard, num_shards}
+  (checked against the row mapping ``ShardLayout``),
+  ``close_iteration`` {}, ``describe`` {} → {schema_version, columns, layout},
+  ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s} →
+  {rows, pending} (blocks on the dock's condition variable, never a sleep-poll; returns row
+  indexes only), ``release`` {iteration, consumer, rows}, ``missing`` {iteration, consumer,
+  columns} → {column: rows lacking}, ``stats`` {} → counters.
+* ``do_put`` — payload in: descriptor command {iteration}; one record batch with an int64
+  ``row`` column (global row indexes) plus the data columns.
+* ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
+  stream, in the order of ``rows``. A client claims rows with the action, then reads them here.
+
+``DockError`` and ``DockTimeoutError`` raised in the shard travel as ``FlightServerError``
+whose message starts with ``dockrl.<type>:`` and whose ``extra_info`` is JSON {type, message};
+``raise_dock_error`` turns them back into the same exception on the client side.
+
+Run one shard in its own process (prints its location as the first line of stdout)::
+
+    DOCKRL_DOCK_TOKEN=secret python -m dockrl.dock.flight --host 127.0.0.1 --port 0 --token-env DOCKRL_DOCK_TOKEN
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import importlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NoReturn
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from dockrl.dock.errors import DockError, DockTimeoutError
+from dockrl.dock.local import TransferDock
+from dockrl.dock.schema import Schema
+
+logger = logging.getLogger(__name__)
+
+ROW = "row"
+"""Name of the int64 column of global row indexes in every ``do_put`` batch."""
+_ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
+
+
+def dock_error_to_flight(e: DockError) -> flight.FlightServerError:
+    """The Flight error that carries ``e`` (type and message) to the client."""
+    info = json.dumps({"type": type(e).__name__, "message": str(e)}).encode()
+    return flight.FlightServerError(f"dockrl.{type(e).__name__}: {e}", extra_info=info)
+
+
+def raise_dock_error(e: BaseException) -> None:
+    """Re-raise a dock error carried by Flight error ``e`` as its own type; return if ``e`` is not one.
+
+    Raises:
+        DockError | DockTimeoutError: with the shard's message.
+    """
+    info = getattr(e, "extra_info", None)
+    if not info:
+        return
+    try:
+        payload = json.loads(info)
+        cls = _ERRORS[payload["type"]]
+        message = str(payload["message"])
+    except (ValueError, KeyError, TypeError):
+        return
+    raise cls(message) from None
+
+
+def shard_ranges(num_rows: int, group_size: int, num_shards: int) -> list[tuple[int, int]]:
+    """Global row range ``[start, stop)`` of each shard: contiguous runs of whole groups."""
+    groups = num_rows // group_size
+    return [(s * groups // num_shards * group_size, (s + 1) * groups // num_shards * group_size) for s in range(num_shards)]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where the rows of one iteration live: shard ``s`` owns ``ranges[s]``."""
+
+    iteration: int
+    num_rows: int
+    group_size: int
+    num_shards: int
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return shard_ranges(self.num_rows, self.group_size, self.num_shards)
+
+    def shard_meta(self, s: int) -> dict[str, int]:
+        """What shard ``s`` stores (and ``describe``s) for this iteration."""
+        first, stop = self.ranges[s]
+        return {"iteration": self.iteration, "num_rows": self.num_rows, "group_size": self.group_size,
+                "first_row": first, "stop_row": stop, "shard": s, "num_shards": self.num_shards}
+
+    def split(self, rows: np.ndarray) -> dict[int, np.ndarray]:
+        """Positions in ``rows`` of the rows each shard owns (shards with none left out)."""
+        shard = np.searchsorted(np.array([stop for _, stop in self.ranges]), rows, side="right")
+        return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
+
+
+class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
+    """Rejects every call whose ``authorization`` header is not ``Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
+        values = headers.get("authorization", [])
+        if len(values) != 1 or not hmac.compare_digest(str(values[0]).encode(), self._expected):
+            raise flight.FlightUnauthenticatedError(
+                "dock shard: missing or wrong 'authorization: Bearer <token>' header; "
+                "pass the token the shard was started with to DockClient(token=...)"
+            )
+        return None
+
+
+class DockShardServer(flight.FlightServerBase):
+    """One dock shard: controller state and in-memory payload for the rows it owns.
+
+    Args:
+        schema: the column schema shared by every shard and client.
+        location: where to listen; port 0 picks a free port (see ``location``).
+        token: shared secret every call must present as ``authorization: Bearer <token>``;
+            None accepts every call (single-machine runs).
+        timeout_s: default claim timeout of the wrapped dock, seconds.
+
+    Serving starts in the constructor (gRPC threads); ``serve()`` only blocks. ``close()``
+    wakes blocked claims (they fail with "no iteration is open") and shuts the server down.
+    """
+
+    def __init__(
+        self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0
+    ) -> None:
+        middleware = {"auth": BearerTokenMiddlewareFactory(token)} if token else {}
+        super().__init__(location, middleware=middleware)
+        self.schema = schema
+        self.dock = TransferDock(schema, timeout_s=timeout_s)
+        host = location.split("://", 1)[-1].rsplit(":", 1)[0]
+        self._location = f"grpc://{host}:{self.port}"
+        self._lock = threading.Lock()
+        self._layout: dict[str, int] | None = None
+        self.controller_bytes = 0
+        self._closed = False
+        self._actions: dict[str, Callable[[flight.ServerCallContext, dict], Any]] = {
+            "open_iteration": self._open_iteration,
+            "close_iteration": lambda ctx, req: self._close_iteration(),
+            "describe": lambda ctx, req: self._describe(),
+            "claim": self._claim,
+            "release": lambda ctx, req: self.dock.release(req["consumer"], req["rows"], iteration=req["iteration"]),
+            "missing": lambda ctx, req: self.dock.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
+            "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
+        }
+        logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
+
+    @property
+    def location(self) -> str:
+        """``grpc://host:port`` a client connects to (the real port when started with port 0)."""
+        return self._location
+
+    def close(self) -> None:
+        """Fail blocked claims, then shut the server down (waits for calls in flight). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._layout = None
+        self.dock.close_iteration()
+        self.shutdown()
+
+    def __enter__(self) -> DockShardServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- controller path ----------------------------------------------------------------------
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+        return [(name, "see dockrl.dock.flight") for name in self._actions]
+
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
+        body = action.body.to_pybytes()
+        handler = self._actions.get(action.type)
+        if handler is None:
+            _fail(DockError(f"dock shard: unknown action {action.type!r}; known: {sorted(self._actions)}"))
+        result = json.dumps(_guard(action.type, lambda: handler(context, json.loads(body or b"{}")))).encode()
+        with self._lock:
+            self.controller_bytes += len(body) + len(result)
+        return iter([result])
+
+    def _open_iteration(self, context: flight.ServerCallContext, req: dict) -> None:
+        iteration, first, stop = req["iteration"], req["first_row"], req["stop_row"]
+        with self._lock:
+            if self._closed:
+                raise DockError(f"open_iteration({iteration}): dock shard at {self._location} is shutting down")
+            if self._layout is not None:
+                raise DockError(f"open_iteration({iteration}): iteration {self._layout['iteration']} is still open")
+            num_rows, group_size, shard, num_shards = req["num_rows"], req["group_size"], req["shard"], req["num_shards"]
+            if group_size < 1 or num_rows < 1 or num_rows % group_size or not 0 <= shard < num_shards:
+                raise DockError(f"open_iteration({iteration}): invalid shard layout {req}")
+            expected = ShardLayout(iteration, num_rows, group_size, num_shards).shard_meta(shard)
+            if req != expected:
+                raise DockError(f"open_iteration({iteration}): shard layout {req} does not match the row mapping {expected}")
+            if stop > first:  # a shard may own no group when there are fewer groups than shards
+                self.dock.open_iteration(iteration, stop - first, req["group_size"], first_row=first)
+            self._layout = expected
+
+    def _close_iteration(self) -> None:
+        with self._lock:
+            self._layout = None
+            self.dock.close_iteration()
+
+    def _describe(self) -> dict[str, Any]:
+        with self._lock:
+            layout = self._layout
+        return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns], "layout": layout}
+
+    def _claim(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
+        timeout = math.inf if req["timeout_s"] is None else float(req["timeout_s"])
+        rows, pending = self.dock.take(
+            req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
+            at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
+        )
+        if rows and context.is_cancelled():
+            # the client gave up (deadline or disconnect): nobody will read these rows, hand them back
+            logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
+            self.dock.release(req["consumer"], rows, iteration=req["iteration"])
+            rows, pending = [], pending + len(rows)
+        return {"rows": rows, "pending": pending}
+
+    # --- payload path ---------------------------------------------------------------------------
+    def do_put(
+        self,
+        context: flight.ServerCallContext,
+        descriptor: flight.FlightDescriptor,
+        reader: flight.MetadataRecordBatchReader,
+        writer: flight.FlightMetadataWriter,
+    ) -> None:
+        def put() -> None:
+            req = json.loads(descriptor.command)
+            table = reader.read_all()
+            if ROW not in table.schema.names:
+                raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
+            rows = table.column(ROW).to_numpy()
+            columns = {name: table.column(name) for name in table.schema.names if name != ROW}
+            self.dock.put(rows, columns, iteration=req["iteration"])
+
+        _guard("put", put)
+
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        def get() -> pa.RecordBatch:
+            req = json.loads(ticket.ticket)
+            return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
+
+        batch = _guard("get", get)
+        return flight.RecordBatchStream(pa.Table.from_batches([batch], schema=batch.schema))
+
+
+def start_local_shards(
+    n: int, schema: Schema, token: str | None = None, *, timeout_s: float = 600.0
+) -> tuple[list[DockShardServer], list[str]]:
+    """Start ``n`` shard servers in this process (gRPC threads) on free loopback ports.
+
+    Returns the servers (call ``close()`` on each when done) and their locations.
+    """
+    servers = [DockShardServer(schema, "grpc://127.0.0.1:0", token=token, timeout_s=timeout_s) for _ in range(n)]
+    return servers, [s.location for s in servers]
+
+
+def _fail(e: DockError) -> NoReturn:
+    raise dock_error_to_flight(e)
+
+
+def _guard(what: str, fn: Callable[[], Any]) -> Any:
+    """Run a request; dock errors become their Flight form, malformed requests a DockError."""
+    try:
+        return fn()
+    except DockError as e:
+        _fail(e)
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        _fail(DockError(f"dock shard: malformed {what} request ({type(e).__name__}: {e})"))
+
+
+def _load_schema(spec: str) -> Schema:
+    module, _, attr = spec.partition(":")
+    schema = getattr(importlib.import_module(module), attr or "GRPO_SCHEMA")
+    if not isinstance(schema, Schema):
+        raise SystemExit(f"--schema {spec!r}: expected 'module:attribute' naming a dockrl Schema, got {type(schema).__name__}")
+    return schema
+
+
+def serve_shard(argv: list[str] | None = None) -> int:
+    """Run one dock shard in this process until SIGINT/SIGTERM; print its location first.
+
+    Returns the process exit code.
+    """
+    parser = argparse.ArgumentParser(prog="python -m dockrl.dock.flight", description="Run one transfer dock shard.")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (printed on stdout)")
+    parser.add_argument("--token-env", default=None, help="environment variable holding the shared bearer token")
+    parser.add_argument("--schema", default="dockrl.dock.schema:GRPO_SCHEMA", help="module:attribute of the Schema")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="default claim timeout, seconds")
+    args = parser.parse_args(argv)
+    token = None
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            parser.error(f"--token-env {args.token_env}: the environment variable is unset or empty; export the shard token")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = DockShardServer(
+        _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s
+    )
+    print(server.location, flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        logger.info("dock shard at %s stopping", server.location)
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_shard())

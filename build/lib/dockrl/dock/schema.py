@@ -1,0 +1,74 @@
+"""The experience table's column schema: declared once, versioned, checked on every put.
+
+Each column has an Arrow type, the stage that produces it and the stages that consume it
+(DESIGN.md §1). Token columns are variable-length lists: no padding is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True, kw_only=True)
+class Column:
+    """One column of the experience table."""
+
+    name: str
+    """Column name, e.g. ``response_ids``."""
+    type: pa.DataType
+    """Arrow type of one cell."""
+    producer: str
+    """Stage that writes the column (``driver`` for inputs)."""
+    doc: str
+    """What a cell holds, with its unit or shape."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A versioned set of columns and the consumers (stages) that claim rows."""
+
+    version: int
+    columns: tuple[Column, ...]
+    consumers: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.columns]
+        if len(set(names)) != len(names):
+            raise ValueError(f"schema v{self.version}: duplicate column names in {names}")
+
+    def column(self, name: str) -> Column:
+        """The column called ``name``.
+
+        Raises:
+            KeyError: unknown column; the message lists the known ones.
+        """
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"unknown column {name!r}; schema v{self.version} has {[c.name for c in self.columns]}")
+
+    def arrow_schema(self, names: list[str] | tuple[str, ...]) -> pa.Schema:
+        return pa.schema([pa.field(n, self.column(n).type) for n in names])
+
+
+_TOKENS = pa.list_(pa.int32())
+_LOGPROBS = pa.list_(pa.float32())
+
+GRPO_SCHEMA = Schema(
+    version=1,
+    columns=(
+        Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
+        Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
+        Column(name="response_ids", type=_TOKENS, producer="rollout", doc="sampled response token ids (R,), EOS included when emitted"),
+        Column(name="truncated", type=pa.bool_(), producer="rollout", doc="response hit the length limit before EOS"),
+        Column(name="rollout_log_prob", type=_LOGPROBS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
+        Column(name="rm_score", type=pa.float32(), producer="reward", doc="rule reward of the response"),
+        Column(name="correct", type=pa.bool_(), producer="reward", doc="final answer matches the ground truth"),
+        Column(name="advantages", type=pa.float32(), producer="advantage", doc="group-normalized advantage of the response"),
+        Column(name="ref_log_prob", type=_LOGPROBS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
+        Column(name="old_log_prob", type=_LOGPROBS, producer="actor", doc="per-token log-prob under the actor before the update (R,), nats"),
+    ),
+    consumers=("rollout", "reward", "advantage", "reference", "actor"),
+)

@@ -1,0 +1,1 @@
+"""Training and rollout engines behind small protocols (HF/torch reference engines first)."""

@@ -1,0 +1,37 @@
+"""Greedy accuracy on a test split: the number the demo reports before and after training."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dockrl.data import Prompt
+from dockrl.engines.hf import HFRolloutEngine
+from dockrl.rewards import RewardScorer, extract_final_answer
+
+
+def greedy_accuracy(
+    engine: HFRolloutEngine,
+    prompts: Sequence[Prompt],
+    scorer: RewardScorer,
+    *,
+    correct_reward: float,
+    max_new_tokens: int,
+    batch_size: int,
+) -> dict[str, float]:
+    """Greedy-decode every prompt and score it with the strict GSM8K verifier.
+
+    Scoring goes through ``scorer`` (per-sample timeout); a score ≥ ``correct_reward`` is a
+    correct answer.
+
+    Returns:
+        ``accuracy`` (fraction correct) and ``format_rate`` (fraction with a '#### <number>'
+        final answer), both in [0, 1], and ``count``.
+    """
+    if not prompts:
+        raise ValueError("greedy_accuracy: no test prompts")
+    samples = engine.generate([p.prompt_ids for p in prompts], max_new_tokens=max_new_tokens, greedy=True, batch_size=batch_size)
+    texts = engine.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    scores = scorer.score(texts, [p.ground_truth for p in prompts])
+    correct = sum(score >= correct_reward for score in scores)
+    formatted = sum(extract_final_answer(t) is not None for t in texts)
+    return {"accuracy": correct / len(prompts), "format_rate": formatted / len(prompts), "count": len(prompts)}

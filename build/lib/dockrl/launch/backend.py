@@ -1,0 +1,106 @@
+"""Worker backends: what a worker group is, how one fails, and tearing a run's workers down.
+
+A worker backend starts long-lived groups of stage workers for one run (actor, reference,
+reward, dock shards), watches them, and tears them down. Two implement ``WorkerBackend``:
+``LocalBackend`` (processes on this machine, ``local.py``) and ``KubernetesBackend``
+(a StatefulSet and a headless Service per group, ``kubernetes.py``).
+
+``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
+run id alone, so it works from a different process than the one that started them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerGroup:
+    """One group of identical stage workers (one StatefulSet, or N local processes)."""
+
+    name: str
+    """Group name (``actor``, ``reference``, ``reward``, ``dock-shard``): DNS label, ≤ 32 chars."""
+    command: tuple[str, ...]
+    """Program and arguments of every member (``("dockrl", "worker", "reward")``)."""
+    replicas: int = 1
+    """Members of the group; each gets its index in ``DOCKRL_REPLICA``."""
+    accelerators: bool = False
+    """Members take the platform's accelerators (and its node selector and tolerations)."""
+    cpu: str = "1"
+    """CPU request and limit of a member (Kubernetes quantity)."""
+    memory: str = "4Gi"
+    """Memory request and limit of a member (Kubernetes quantity)."""
+    port: int = 0
+    """Port a member serves on (the headless Service exposes it); 0 for none."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every member."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"worker group name: got {self.name!r}; "
+                             "expected a DNS label of at most 32 lowercase letters, digits and '-'")
+        if not self.command:
+            raise ValueError(f"worker group {self.name!r}: command is empty; give the program and its arguments")
+        if self.replicas < 1:
+            raise ValueError(f"worker group {self.name!r}: replicas={self.replicas}; expected >= 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"worker group {self.name!r}: port={self.port}; expected 0 (none) or 1-65535")
+
+
+class WorkerFailed(RuntimeError):
+    """A worker died or cannot start; carries the tail of its log."""
+
+    def __init__(self, group: str, member: str, reason: str, log_tail: str = ""):
+        self.group, self.member, self.reason, self.log_tail = group, member, reason, log_tail
+        msg = f"worker {member} of group {group!r} failed: {reason}"
+        if log_tail:
+            msg += "\n--- last lines of its log ---\n" + log_tail.rstrip("\n")
+        super().__init__(msg)
+
+
+class WorkerBackend(Protocol):
+    """Starts, watches and tears down the worker groups of one run."""
+
+    def start(self, groups: Sequence[WorkerGroup]) -> None:
+        """Start every group; returns without waiting for readiness."""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every member runs; raise ``WorkerFailed`` as soon as one fails, ``TimeoutError`` at the deadline."""
+
+    def check(self) -> None:
+        """Raise ``WorkerFailed`` (with its log tail) if any member has failed; cheap, call it often."""
+
+    def teardown(self) -> None:
+        """Stop and remove every worker of the run; safe to call twice."""
+
+
+def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: str = "") -> int:
+    """Tear down every worker registered for ``run_id``; returns how many objects were removed.
+
+    Args:
+        backend: ``local`` or ``kubernetes``.
+        run_id: the pipeline run's id (the value the launcher labelled its workers with).
+        namespace: Kubernetes namespace ("" for the pod's own namespace).
+        state_dir: local backend's state folder ("" for the default).
+
+    Raises:
+        ValueError: unknown backend or empty run id.
+    """
+    if not run_id:
+        raise ValueError("teardown: run_id is empty; pass the pipeline run's id")
+    if backend == "local":
+        from dockrl.launch.local import LocalBackend
+
+        return LocalBackend(run_id, state_dir=state_dir or None).teardown()
+    if backend == "kubernetes":
+        from dockrl.launch.kubernetes import KubernetesBackend
+
+        return KubernetesBackend.from_cluster(run_id, namespace=namespace).teardown()
+    raise ValueError(f"teardown: backend {backend!r}; expected 'local' or 'kubernetes'")

@@ -1,0 +1,158 @@
+"""Local worker backend: each worker is a process on this machine, in its own session.
+
+``LocalBackend(run_id).start(groups)`` starts ``replicas`` processes per group with
+``DOCKRL_RUN_ID``, ``DOCKRL_GROUP``, ``DOCKRL_REPLICA`` and ``DOCKRL_REPLICAS`` set and their
+output in ``<log_dir>/<group>-<i>.log``. It records the processes in
+``<state_dir>/<run_id>.json`` so that ``teardown`` from another process (the pipeline's exit
+handler) finds them; a recorded process is signalled only if its pid still has the start time
+recorded, so a reused pid is never hit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Sequence
+
+from dockrl.launch.backend import WorkerFailed, WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+
+
+def default_state_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "dockrl-local-workers"
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); None if gone, a zombie or unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces: split after its closing parenthesis
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # exited, not yet reaped: nothing left to stop
+        return None
+    return int(fields[19])
+
+
+def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file ("" if it does not exist)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except OSError:
+        return ""
+
+
+class LocalBackend:
+    """Worker groups as local processes (see the module docstring)."""
+
+    def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0):
+        if not run_id or "/" in run_id:
+            raise ValueError(f"local backend: run_id {run_id!r}; expected a non-empty name without '/'")
+        self.run_id = run_id
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.log_dir = Path(log_dir) if log_dir else self.state_dir / run_id
+        self.grace_s = grace_s
+        self._procs: list[tuple[str, str, subprocess.Popen, Path]] = []  # (group, member, process, log)
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / f"{self.run_id}.json"
+
+    def start(self, groups: Sequence[WorkerGroup]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for g in groups:
+                for i in range(g.replicas):
+                    member = f"{g.name}-{i}"
+                    env = {**os.environ, **g.env, "DOCKRL_RUN_ID": self.run_id, "DOCKRL_GROUP": g.name,
+                           "DOCKRL_REPLICA": str(i), "DOCKRL_REPLICAS": str(g.replicas)}
+                    log = self.log_dir / f"{member}.log"
+                    with open(log, "wb") as out:
+                        proc = subprocess.Popen(list(g.command), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+                    self._procs.append((g.name, member, proc, log))
+                    logger.info("started %s (pid %d): %s", member, proc.pid, " ".join(g.command))
+        finally:
+            self._write_state()
+
+    def _write_state(self) -> None:
+        rows = [{"group": g, "member": m, "pid": p.pid, "start_time": _start_time(p.pid), "log": str(log)}
+                for g, m, p, log in self._procs]
+        tmp = self.state_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"run_id": self.run_id, "workers": rows}, indent=2))
+        os.replace(tmp, self.state_file)
+
+    def check(self) -> None:
+        for group, member, proc, log in self._procs:
+            rc = proc.poll()
+            if rc is not None and rc != 0:
+                raise WorkerFailed(group, member, f"exited with code {rc}", log_tail(log))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        # a local process runs once it is started: readiness is "none has failed yet"
+        self.check()
+
+    def wait(self, timeout_s: float, poll_s: float = 0.2) -> None:
+        """Block until every worker has exited 0; fail fast with the first failure's log tail."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if all(p.poll() is not None for _, _, p, _ in self._procs):
+                return
+            if time.monotonic() > deadline:
+                running = [m for _, m, p, _ in self._procs if p.poll() is None]
+                raise TimeoutError(f"local workers still running after {timeout_s:.0f} s: {running}")
+            time.sleep(poll_s)
+
+    def teardown(self) -> int:
+        """Stop every worker of the run (SIGTERM, SIGKILL after ``grace_s``); returns how many were running."""
+        targets: dict[int, int | None] = {p.pid: _start_time(p.pid) for _, _, p, _ in self._procs if p.poll() is None}
+        if self.state_file.is_file():
+            for row in json.loads(self.state_file.read_text()).get("workers", []):
+                now = _start_time(row["pid"])
+                if now is not None and now == row["start_time"]:
+                    targets.setdefault(row["pid"], now)
+        for pid in targets:
+            self._signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(self._alive(pid, st) for pid, st in targets.items()):
+            time.sleep(0.05)
+        for pid, st in targets.items():
+            if self._alive(pid, st):
+                logger.warning("worker pid %d ignored SIGTERM for %.0f s; killing it", pid, self.grace_s)
+                self._signal(pid, signal.SIGKILL)
+        for _, _, p, _ in self._procs:
+            try:
+                p.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("worker pid %d did not exit after SIGKILL", p.pid)
+        self.state_file.unlink(missing_ok=True)
+        logger.info("local teardown of run %s: %d running worker(s) stopped", self.run_id, len(targets))
+        return len(targets)
+
+    def _alive(self, pid: int, start_time: int | None) -> bool:
+        own = next((p for _, _, p, _ in self._procs if p.pid == pid), None)
+        if own is not None:
+            return own.poll() is None
+        return start_time is not None and _start_time(pid) == start_time
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        # each worker leads its own session: signal its whole process group (its children too)
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,101 @@
+"""Hardware platforms a run can target: image, accelerator resource, scheduling and credentials.
+
+One ``Platform`` describes where the accelerator-bound work runs on Kubernetes. The KFP
+pipeline (``pipelines/grpo.py``) puts it on the train task; the Kubernetes worker backend
+(``dockrl/launch/kubernetes.py``) puts it on the accelerator worker groups. The three presets
+match the images under ``images/`` and the overlays under ``manifests/overlays/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+IMAGE_REPOSITORY = "ghcr.io/dockrl/dockrl"
+"""Image repository; the platform name is appended (``ghcr.io/dockrl/dockrl-npu``)."""
+IMAGE_TAG = "0.1.0"
+"""Image tag of this release (the package version); never ``latest``."""
+
+OBJECT_STORE_SECRET = "dockrl-object-store"
+"""Secret with the object-store credentials (``manifests/base/object-store-secret.yaml``)."""
+OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")
+"""Keys of that Secret; each becomes the environment variable of the same name."""
+
+ASCEND_RESOURCE = "huawei.com/Ascend910"
+NVIDIA_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Toleration:
+    """A Kubernetes toleration (``operator="Exists"`` ignores ``value``)."""
+
+    key: str
+    operator: Literal["Equal", "Exists"] = "Exists"
+    value: str = ""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
+
+    def to_k8s(self) -> dict[str, str]:
+        out = {"key": self.key, "operator": self.operator, "effect": self.effect}
+        if self.operator == "Equal":
+            out["value"] = self.value
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Platform:
+    """Where and how accelerator-bound pods run."""
+
+    name: Literal["npu", "gpu", "cpu"]
+    """Preset name; also the image suffix and the manifests overlay."""
+    accelerator: str = ""
+    """Extended resource of one accelerator (``huawei.com/Ascend910``, ``nvidia.com/gpu``); "" for none."""
+    accelerators_per_pod: int = 0
+    """Accelerators requested by one accelerator pod (0 with no accelerator)."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels an accelerator pod must match."""
+    tolerations: tuple[Toleration, ...] = ()
+    """Taints of accelerator nodes that accelerator pods tolerate."""
+    object_store_secret: str = OBJECT_STORE_SECRET
+    """Secret whose ``OBJECT_STORE_KEYS`` become environment variables ("" for none)."""
+    image_repository: str = IMAGE_REPOSITORY
+    image_tag: str = IMAGE_TAG
+
+    def __post_init__(self) -> None:
+        if bool(self.accelerator) != (self.accelerators_per_pod > 0):
+            raise ValueError(
+                f"platform {self.name!r}: accelerator={self.accelerator!r} with accelerators_per_pod="
+                f"{self.accelerators_per_pod}; set both (a resource name and a count >= 1) or neither"
+            )
+        if self.image_tag in ("", "latest"):
+            raise ValueError(f"platform {self.name!r}: image_tag={self.image_tag!r}; pin a release tag, never 'latest'")
+
+    @property
+    def image(self) -> str:
+        return f"{self.image_repository}-{self.name}:{self.image_tag}"
+
+
+PLATFORMS: dict[str, Platform] = {
+    # Ascend device plugin: nodes carry accelerator=huawei-Ascend910 and the resource huawei.com/Ascend910
+    "npu": Platform(
+        name="npu", accelerator=ASCEND_RESOURCE, accelerators_per_pod=8,
+        node_selector={"accelerator": "huawei-Ascend910"},
+        tolerations=(Toleration(key=ASCEND_RESOURCE),),
+    ),
+    # NVIDIA GPU operator: nodes carry nvidia.com/gpu.present=true; GPU pools are usually tainted
+    "gpu": Platform(
+        name="gpu", accelerator=NVIDIA_RESOURCE, accelerators_per_pod=8,
+        node_selector={"nvidia.com/gpu.present": "true"},
+        tolerations=(Toleration(key=NVIDIA_RESOURCE),),
+    ),
+    "cpu": Platform(name="cpu"),
+}
+
+CPU_IMAGE = PLATFORMS["cpu"].image
+"""Image of the components that need no accelerator (every component's ``base_image``)."""
+
+
+def get_platform(name: str) -> Platform:
+    """The preset ``name``; raises ``ValueError`` naming the allowed ones."""
+    if name not in PLATFORMS:
+        raise ValueError(f"platform: got {name!r}; expected one of {', '.join(repr(p) for p in PLATFORMS)}")
+    return PLATFORMS[name]

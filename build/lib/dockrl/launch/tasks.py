@@ -1,0 +1,161 @@
+"""The work of the short pipeline steps: prepare the data, export the model, evaluate it.
+
+Each function takes plain paths and the run's ``section.field=value`` overrides, so the KFP
+components in ``components/`` stay thin and every step is testable without KFP. Training, the
+long step, lives in ``dockrl/launch/launcher.py``.
+
+A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
+row counts); ``dataset_files`` reads it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from dockrl.config import load_config
+
+logger = logging.getLogger(__name__)
+
+DATASET_MANIFEST = "dataset.json"
+
+
+def _count_rows(path: Path) -> int:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with path.open() as f:
+        return sum(1 for line in f if line.strip())
+
+
+def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, int | str]:
+    """Write the run's train and test prompt files into ``out_dir``.
+
+    The files are the configured ones (``data.train_path``, ``data.test_path``, ``champ``) or
+    the seeded generated problems, exactly as ``dockrl train`` would use them.
+
+    Returns:
+        Metadata for the Dataset artifact: file names, row counts, seed.
+
+    Raises:
+        ConfigError: an override is invalid (the message names the field).
+        FileNotFoundError: a configured data file does not exist.
+    """
+    from dockrl.trainer import resolve_data
+
+    cfg = load_config(None, overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dockrl-data-") as tmp:
+        # generated files go to a scratch cache; configured files are read where they are
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, cache_dir=tmp))
+        train_src, test_src = resolve_data(cfg)
+        for src in (train_src, test_src):
+            if not Path(src).is_file():
+                raise FileNotFoundError(f"data file {src} does not exist")
+        train_dst, test_dst = out / f"train{train_src.suffix}", out / f"test{test_src.suffix}"
+        shutil.copyfile(train_src, train_dst)
+        shutil.copyfile(test_src, test_dst)
+    info: dict[str, int | str] = {
+        "train": train_dst.name, "test": test_dst.name,
+        "train_rows": _count_rows(train_dst), "test_rows": _count_rows(test_dst), "seed": cfg.trainer.seed,
+    }
+    (out / DATASET_MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
+    logger.info("dataset in %s: %d train rows, %d test rows", out, info["train_rows"], info["test_rows"])
+    return info
+
+
+def dataset_files(dataset_dir: str | Path) -> tuple[Path, Path]:
+    """Train and test files of a folder written by ``prepare_dataset``.
+
+    Raises:
+        FileNotFoundError: the folder lacks ``dataset.json`` or a file it names.
+    """
+    folder = Path(dataset_dir)
+    manifest = folder / DATASET_MANIFEST
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{manifest} does not exist: {folder} is not a folder written by prepare_dataset")
+    info = json.loads(manifest.read_text())
+    train, test = folder / info["train"], folder / info["test"]
+    for path in (train, test):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} (named in {manifest}) does not exist")
+    return train, test
+
+
+def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> dict[str, int | str]:
+    """Re-save an HF checkpoint as a self-contained safetensors folder in ``dtype``.
+
+    The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
+    tokenizer files, loadable with ``AutoModelForCausalLM.from_pretrained`` (and by vLLM).
+
+    Returns:
+        Metadata for the Model artifact: format, dtype, architecture, parameter count.
+
+    Raises:
+        ValueError: ``dtype`` is not ``float32``, ``bfloat16`` or ``float16``.
+        FileNotFoundError: ``checkpoint_dir`` has no ``config.json``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"export dtype: got {dtype!r}; expected one of {', '.join(repr(d) for d in dtypes)}")
+    src, out = Path(checkpoint_dir), Path(out_dir)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src / 'config.json'} does not exist: {src} is not an HF checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtypes[dtype])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    info: dict[str, int | str] = {
+        "format": "safetensors", "framework": "transformers", "dtype": dtype,
+        "architecture": model.config.architectures[0] if model.config.architectures else type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    logger.info("exported %s (%s, %d parameters) to %s", src, dtype, info["parameters"], out)
+    return info
+
+
+def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str]) -> dict[str, float]:
+    """Greedy accuracy of ``model_dir`` on the test split of ``dataset_dir``.
+
+    Prompt formatting, ``data.eval_size``, the response length, the rollout dtype and the
+    reward settings come from the run's config (``overrides``), as in ``dockrl train``.
+
+    Returns:
+        ``eval/accuracy``, ``eval/format_rate`` (fractions in [0, 1]) and ``eval/count``.
+    """
+    from dockrl.data import load_prompts
+    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.evaluate import greedy_accuracy
+    from dockrl.rewards import RewardScorer
+
+    cfg = load_config(None, overrides)
+    _, test_file = dataset_files(dataset_dir)
+    engine = HFRolloutEngine(Path(model_dir), dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    prompts, report = load_prompts(
+        test_file, engine.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+    )
+    if report.bad:
+        logger.warning("%s", report.summary())
+    if cfg.data.eval_size:
+        prompts = prompts[: cfg.data.eval_size]
+    a = cfg.algorithm
+    scorer = RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    try:
+        res = greedy_accuracy(
+            engine, prompts, scorer, correct_reward=a.correct_reward,
+            max_new_tokens=cfg.rollout.max_response_length, batch_size=cfg.trainer.eval_batch_size,
+        )
+    finally:
+        scorer.close()
+    logger.info("greedy test accuracy %.3f (format %.3f, %d prompts)", res["accuracy"], res["format_rate"], res["count"])
+    return {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"], "eval/count": float(res["count"])}

@@ -1,0 +1,244 @@
+"""Run metrics: a JSONL + TensorBoard writer, a summary file, a reader, a plot and a progress bar.
+
+Each training iteration produces a flat dict of namespaced scalars (``reward/mean``,
+``actor/kl``, ``timing_s/rollout``, ``perf/tokens_per_s``, ...). ``MetricsWriter`` appends it
+as one JSON line to ``<run_dir>/metrics.jsonl`` and mirrors it to TensorBoard under
+``<run_dir>/tensorboard``; run-level numbers (eval accuracy before/after, wall time) go to
+``<run_dir>/summary.json``. ``read_metrics`` and ``plot_metrics`` read the JSONL back, and
+``Progress`` shows an ETA bar with a few of the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Mapping, Sequence
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLOT_KEYS = ("reward/mean", "reward/accuracy", "rollout/response_length_mean", "actor/kl")
+DEFAULT_PROGRESS_KEYS = ("reward/mean", "reward/accuracy", "actor/kl")
+
+
+def _to_number(key: str, value: Any) -> float | int:
+    """Return ``value`` as a Python int/float; accepts numpy scalars and one-element tensors."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (str, bytes)):
+        try:
+            return _to_number(key, item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}: {value!r}")
+
+
+def _clean(metrics: Mapping[str, Any], where: str) -> tuple[dict[str, float | int], dict[str, float | int | None]]:
+    """Validate ``metrics``; return (numbers for TensorBoard, JSON-safe values with nan/inf -> None)."""
+    numeric: dict[str, float | int] = {}
+    json_safe: dict[str, float | int | None] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metric key {key!r} must be a str, got {type(key).__name__}")
+        number = _to_number(key, value)
+        numeric[key] = number
+        if isinstance(number, float) and not math.isfinite(number):
+            logger.warning("Metric %r is %s %s; written as null", key, number, where)
+            json_safe[key] = None
+        else:
+            json_safe[key] = number
+    return numeric, json_safe
+
+
+class MetricsWriter:
+    """Per-iteration metrics of a run: one JSON line per iteration plus TensorBoard scalars.
+
+    ``log(i, metrics)`` appends ``{"iteration": i, **metrics}`` to ``<run_dir>/metrics.jsonl``
+    (flushed after every line, so a crash keeps what was written; an existing file is appended
+    to, so a resumed run continues it) and writes each value as a TensorBoard scalar at step
+    ``i`` in ``<run_dir>/tensorboard``. Non-finite floats become ``null`` in the JSONL, with one
+    warning per value naming the key; non-numeric values raise ``TypeError`` naming the key and
+    nothing of that iteration is written.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.summary_path = self.run_dir / "summary.json"
+        self.tensorboard_dir = self.run_dir / "tensorboard"
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        self._closed = False
+
+    def log(self, iteration: int, metrics: Mapping[str, float | int]) -> None:
+        """Append one iteration's metrics to the JSONL file and TensorBoard."""
+        if self._closed:
+            raise RuntimeError("MetricsWriter is closed")
+        if "iteration" in metrics:
+            raise ValueError("metric key 'iteration' is reserved")
+        iteration = int(iteration)
+        numeric, json_safe = _clean(metrics, f"at iteration {iteration}")
+        line = json.dumps({"iteration": iteration, **json_safe}, allow_nan=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+        for key, value in numeric.items():
+            self._tb.add_scalar(key, value, global_step=iteration)
+        self._tb.flush()
+
+    def log_summary(self, metrics: Mapping[str, float | int]) -> None:
+        """Merge ``metrics`` into ``<run_dir>/summary.json`` (new values win), written atomically."""
+        _, json_safe = _clean(metrics, "in summary")
+        summary: dict[str, Any] = {}
+        if self.summary_path.exists():
+            try:
+                loaded = json.loads(self.summary_path.read_text(encoding="utf-8"))
+                if isinstance(loaded, dict):
+                    summary = loaded
+                else:
+                    logger.warning("%s does not hold a JSON object; replacing it", self.summary_path)
+            except json.JSONDecodeError as exc:
+                logger.warning("%s is not valid JSON (%s); replacing it", self.summary_path, exc)
+        summary.update(json_safe)
+        tmp = self.summary_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, self.summary_path)
+
+    def close(self) -> None:
+        """Flush and close the JSONL file and TensorBoard writer; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._file.close()
+        self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Parse a metrics.jsonl file into a list of dicts (``null`` values come back as None).
+
+    Blank lines are skipped. A malformed *last* line (a write cut short by a crash) is skipped
+    with a warning; a malformed line elsewhere raises ``ValueError`` with its line number.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    rows: list[dict] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+        except ValueError as exc:
+            if i == last:
+                logger.warning("%s line %d is malformed (%s); skipped as a truncated write", path, i + 1, exc)
+                continue
+            raise ValueError(f"{path} line {i + 1}: {exc}") from exc
+        rows.append(row)
+    return rows
+
+
+def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> Path:
+    """PNG with one subplot per key against iteration (2 columns; 2x2 for 4 keys).
+
+    Missing or null values are skipped; a key absent from every line gets an empty subplot
+    titled ``'<key> (no data)'``. Returns the path of the PNG.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = max(len(keys), 1)
+    ncols = 1 if n == 1 else 2
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.5 * nrows), squeeze=False)
+    try:
+        flat = list(axes.flat)
+        for ax, key in zip(flat, keys):
+            points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None and "iteration" in r]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3)
+                ax.set_title(key)
+            else:
+                ax.set_title(f"{key} (no data)")
+            ax.set_xlabel("iteration")
+            ax.grid(True, alpha=0.3)
+        for ax in flat[len(keys):]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
+    return out
+
+
+class Progress:
+    """Progress bar with ETA over iterations (tqdm), with a few metrics as postfix.
+
+    ``update(metrics)`` advances one iteration and shows ``keys`` present in ``metrics``
+    (floats to 3 decimals). With ``enable=False`` nothing is printed.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        enable: bool = True,
+        initial: int = 0,
+        keys: Sequence[str] = DEFAULT_PROGRESS_KEYS,
+    ):
+        self.keys = tuple(keys)
+        self._n = int(initial)
+        self._bar = tqdm(total=total, desc=desc, initial=initial, disable=not enable, dynamic_ncols=True)
+
+    @property
+    def n(self) -> int:
+        """Iterations counted so far (including ``initial``), also when disabled."""
+        return self._n
+
+    def update(self, metrics: Mapping[str, Any] | None = None) -> None:
+        """Advance by one iteration and refresh the postfix from ``metrics``."""
+        if metrics:
+            postfix = {}
+            for key in self.keys:
+                if key in metrics and metrics[key] is not None:
+                    value = metrics[key]
+                    is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+                    postfix[key] = f"{value:.3f}" if is_float else str(value)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+        self._n += 1
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,227 @@
+"""Rule-based GSM8K reward: strict ``#### <number>`` extraction, numeric matching, timed scoring.
+
+Extraction follows verl's GSM8K scorer in strict mode (``verl/utils/reward_score/gsm8k.py``:
+the number after the last ``####``); equivalence uses HuggingFace ``math-verify``
+(``math_verify.parse``/``verify``) with an exact :class:`fractions.Fraction` fallback.
+:class:`RewardScorer` runs each sample in a process pool so a hung verifier costs at most
+``timeout_s`` seconds and never blocks later samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from fractions import Fraction
+from types import TracebackType
+
+from math_verify import parse, verify
+
+# Optional '-' and '$' in either order, digits with optional thousands commas, then an optional
+# decimal part or '/denominator'. A trailing '.' (sentence end) is not part of the number.
+_NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)(\d(?:[\d,]*\d)?(?:\.\d+|/\d+)?|\.\d+)")
+_PLAIN_NUMBER = re.compile(r"-?(\d[\d,]*(\.\d+)?|\.\d+)(/\d+)?")
+_MV_TIMEOUT_S = 5  # math-verify's own signal.alarm timeout (whole seconds), main thread only
+
+
+def extract_final_answer(response: str) -> str | None:
+    """The number after the LAST ``####`` in ``response`` (GSM8K strict extraction).
+
+    Mirrors verl's ``gsm8k.extract_solution(method="strict")``, a little more lenient about
+    layout: whitespace/newlines after ``####``, a leading ``$`` and trailing text are allowed.
+    Thousands separators are dropped (``'1,234'`` -> ``'1234'``); negatives, decimals and
+    simple fractions (``'3/4'``) are kept as written; ``'#### 42.'`` -> ``'42'``.
+
+    Returns:
+        The number as a string, or None when there is no ``####`` or no number right after
+        the last one. Never raises for ``str`` input.
+    """
+    if "####" not in response:
+        return None
+    match = _NUMBER.match(response.rsplit("####", 1)[1])
+    if match is None:
+        return None
+    sign = "-" if (match.group(1) or match.group(2)) else ""
+    return sign + match.group(3).replace(",", "")
+
+
+def _normalize(answer: str) -> str:
+    """Strip spaces and '$'; drop thousands commas when the text is a plain number."""
+    text = answer.strip().replace("$", "").strip()
+    return text.replace(",", "") if _PLAIN_NUMBER.fullmatch(text) else text
+
+
+def _fraction_equal(predicted: str, ground_truth: str) -> bool:
+    try:
+        return Fraction(predicted) == Fraction(ground_truth)
+    except (ValueError, ZeroDivisionError, TypeError):
+        return False
+
+
+def answers_match(predicted: str, ground_truth: str) -> bool:
+    """Whether two final answers are numerically equivalent (``'0.5'`` == ``'1/2'``).
+
+    Uses ``math_verify.verify(parse(ground_truth), parse(predicted))`` (floats compared to
+    6 decimals, math-verify's default); when math-verify finds nothing to parse in either
+    string, or fails, falls back to exact ``Fraction`` comparison. math-verify's
+    ``signal.alarm`` timeouts are only enabled on the main thread (they cannot work
+    elsewhere); off the main thread the caller must bound time (see :class:`RewardScorer`).
+
+    Returns:
+        True when equivalent; False otherwise, including for junk or non-``str`` input
+        (never raises).
+    """
+    if not isinstance(predicted, str) or not isinstance(ground_truth, str):
+        return False
+    pred, gold = _normalize(predicted), _normalize(ground_truth)
+    if not pred or not gold:
+        return False
+    try:
+        timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+        gold_parsed = parse(gold, parsing_timeout=timeout)
+        pred_parsed = parse(pred, parsing_timeout=timeout)
+        if gold_parsed and pred_parsed:
+            return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 - math-verify failures fall through to the exact check
+        pass
+    return _fraction_equal(pred, gold)
+
+
+def is_correct(response: str, ground_truth: str) -> bool:
+    """Whether the strictly extracted final answer of ``response`` matches ``ground_truth``.
+
+    Used for evaluation accuracy. Returns False when ``response`` has no ``#### <number>``.
+    """
+    predicted = extract_final_answer(response)
+    return predicted is not None and answers_match(predicted, ground_truth)
+
+
+def score_response(response: str, ground_truth: str, *, correct_reward: float = 1.0, format_reward: float = 0.1) -> float:
+    """Rule reward of one response (reward units, no scaling).
+
+    ``correct_reward`` when the strictly extracted final answer matches ``ground_truth``, plus
+    ``format_reward`` whenever the response ends its reasoning with a well-formed
+    ``#### <number>`` (right or wrong). Defaults: correct 1.1, formatted but wrong 0.1, no
+    ``####`` 0.0 even when the right number appears elsewhere (strict, as verl's GSM8K scorer).
+    """
+    predicted = extract_final_answer(response)
+    if predicted is None:
+        return 0.0
+    return (correct_reward if answers_match(predicted, ground_truth) else 0.0) + format_reward
+
+
+class RewardScorer:
+    """Scores batches of ``(response, ground_truth)`` in worker processes, with a per-sample timeout.
+
+    Each sample is one task in a :class:`~concurrent.futures.ProcessPoolExecutor` using the
+    ``forkserver`` start method: workers are forked from a small, single-threaded server
+    process (which preloads this module), so they start in milliseconds yet never inherit the
+    trainer's CUDA context or thread locks, as ``fork`` would. As with ``spawn``, a script
+    that creates a scorer needs an ``if __name__ == "__main__":`` guard.
+
+    A sample whose verifier runs longer than ``timeout_s`` seconds scores 0.0 and counts in
+    ``timeouts``; one that raises (or crashes its worker) scores 0.0 and counts in ``errors``.
+    On a timeout, the pool's processes are killed, the pool is replaced and the unfinished
+    samples are resubmitted, so a call returns within about ``timeout_s`` per hung sample
+    plus normal work. Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 5.0,
+        correct_reward: float = 1.0,
+        format_reward: float = 0.1,
+        num_workers: int = 1,
+        verify_fn: Callable[[str, str], float] | None = None,
+    ) -> None:
+        """Args: ``timeout_s`` > 0 seconds per sample; ``num_workers`` >= 1 processes;
+        ``verify_fn(response, ground_truth) -> reward`` must be picklable (module-level or a
+        ``functools.partial`` of one); default :func:`score_response` with the rewards bound.
+
+        Raises:
+            ValueError: ``timeout_s <= 0`` or ``num_workers < 1``.
+        """
+        if timeout_s <= 0 or num_workers < 1:
+            raise ValueError(f"RewardScorer: need timeout_s > 0 and num_workers >= 1, got {timeout_s}, {num_workers}")
+        self.timeout_s = float(timeout_s)
+        self.num_workers = int(num_workers)
+        self.verify_fn = verify_fn or functools.partial(score_response, correct_reward=correct_reward, format_reward=format_reward)
+        self._counts = {"timeouts": 0, "errors": 0, "scored": 0}
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload([__name__, "math_verify"])
+            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+        return self._pool
+
+    def _kill_pool(self) -> None:
+        """Kill the workers (a hung one ignores shutdown) and drop the pool."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        processes = list((getattr(pool, "_processes", None) or {}).values())  # private, stable since 3.8
+        for proc in processes:
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:
+            proc.join(timeout=1.0)
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[float]:
+        """Rewards of ``responses[i]`` against ``ground_truths[i]``, in order.
+
+        Raises:
+            ValueError: the two sequences differ in length.
+        """
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"RewardScorer.score: {len(responses)} responses but {len(ground_truths)} ground truths")
+        rewards = [0.0] * len(responses)
+        pending = list(range(len(responses)))
+        while pending:
+            pool = self._get_pool()
+            futures: dict[int, Future[float]] = {i: pool.submit(self.verify_fn, responses[i], ground_truths[i]) for i in pending}
+            started = time.monotonic()  # sample k's clock starts once samples before it are done
+            for pos, i in enumerate(pending):
+                try:
+                    rewards[i] = float(futures[i].result(timeout=max(0.0, started + self.timeout_s - time.monotonic())))
+                    self._counts["scored"] += 1
+                except FutureTimeout:
+                    self._counts["timeouts"] += 1
+                    self._kill_pool()
+                    pending = pending[pos + 1 :]
+                    break
+                except BrokenProcessPool:  # a worker died (e.g. segfault); blame this sample
+                    self._counts["errors"] += 1
+                    self._kill_pool()
+                    pending = pending[pos + 1 :]
+                    break
+                except Exception:  # noqa: BLE001 - a raising verifier scores 0.0
+                    self._counts["errors"] += 1
+                started = time.monotonic()
+            else:
+                pending = []
+        return rewards
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative ``{'timeouts': n, 'errors': n, 'scored': n}`` over all :meth:`score` calls."""
+        return dict(self._counts)
+
+    def close(self) -> None:
+        """Shut the worker pool down; the scorer restarts one if used again."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,156 @@
+"""The GRPO driver: insert prompts into the dock, let each stage run, log, checkpoint.
+
+The driver never moves payload between stages: it writes the prompt rows of an iteration and
+each stage claims what it needs from the dock and writes its columns back. Run it with
+``dockrl train [--config FILE] [section.field=value ...]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from dockrl.config import Config, save_config
+from dockrl.data import export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.dock import GRPO_SCHEMA, TransferDock
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine
+from dockrl.evaluate import greedy_accuracy
+from dockrl.metrics import MetricsWriter, Progress, plot_metrics
+from dockrl.models import prepare_smollm2
+from dockrl.rewards import RewardScorer
+from dockrl.workers.actor import ActorWorker
+from dockrl.workers.advantage import AdvantageWorker
+from dockrl.workers.reference import ReferenceWorker
+from dockrl.workers.reward import RewardWorker
+from dockrl.workers.rollout import RolloutWorker
+
+logger = logging.getLogger(__name__)
+
+PACKAGED_MODEL = "smollm2-135m"
+
+
+def resolve_model(cfg: Config) -> Path:
+    """The model directory: the packaged SmolLM2 export (prepared once) or ``model.path``."""
+    if cfg.model.path == PACKAGED_MODEL:
+        return prepare_smollm2(Path(cfg.run.cache_dir) / "models" / "SmolLM2-135M-Instruct")
+    return Path(cfg.model.path)
+
+
+def resolve_data(cfg: Config) -> tuple[Path, Path]:
+    """Train and test files: the configured ones, or seeded generated problems (held-out test)."""
+    d = cfg.data
+    key = f"arith-s{cfg.trainer.seed}-steps{d.min_steps}-{d.max_steps}-max{d.max_number}"
+    folder = Path(cfg.run.cache_dir) / "data" / key
+    train, test = Path(d.train_path) if d.train_path else None, Path(d.test_path) if d.test_path else None
+    gen = dict(min_steps=d.min_steps, max_steps=d.max_steps, max_number=d.max_number)
+    if d.test_path == "champ":
+        test = Path(cfg.run.cache_dir) / "data" / "champ.jsonl"
+        if not test.is_file():
+            export_champ(test)
+    if test is None:
+        test = folder / f"test-{d.generate_test}.jsonl"
+        if not test.is_file():
+            write_jsonl(generate_problems(d.generate_test, seed=1_000_003 + cfg.trainer.seed, **gen), test)
+    if train is None:
+        train = folder / f"train-{d.generate_train}.jsonl"
+        if not train.is_file():
+            held_out = {row["question"] for row in generate_problems(d.generate_test, seed=1_000_003 + cfg.trainer.seed, **gen)}
+            rows = [r for r in generate_problems(d.generate_train, seed=cfg.trainer.seed, **gen) if r["question"] not in held_out]
+            write_jsonl(rows, train)
+    return train, test
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Run GRPO as configured; returns the run summary (accuracies, seconds).
+
+    Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
+    ``metrics.png``, ``summary.json`` and ``checkpoints/`` (HF format).
+    """
+    t0 = time.perf_counter()
+    run_dir = Path(cfg.run.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    _seed_everything(cfg.trainer.seed)
+    model_path = resolve_model(cfg)
+    train_file, test_file = resolve_data(cfg)
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+
+    rollout_engine = HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = rollout_engine.tokenizer
+    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+    train_prompts, _ = load_prompts(train_file, tokenizer, **load)
+    test_prompts, _ = load_prompts(test_file, tokenizer, **load)
+    if cfg.data.eval_size:
+        test_prompts = test_prompts[: cfg.data.eval_size]
+    actor = HFTrainEngine(
+        model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
+    )
+    scorer = RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    workers = [RolloutWorker(rollout_engine, r), RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
+    if a.kl_coef > 0:
+        reference = HFTrainEngine(model_path, trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
+        workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
+    workers.append(ActorWorker(actor, trainer=t, algo=a, rollout=r))
+    dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s)
+
+    def evaluate(tag: str) -> dict[str, float]:
+        res = greedy_accuracy(
+            rollout_engine, test_prompts, scorer, correct_reward=a.correct_reward,
+            max_new_tokens=r.max_response_length, batch_size=t.eval_batch_size,
+        )
+        logger.info("greedy test accuracy %s training: %.3f (format %.3f, %d prompts)", tag, res["accuracy"], res["format_rate"], res["count"])
+        return {f"eval/accuracy_{tag}": res["accuracy"], f"eval/format_rate_{tag}": res["format_rate"]}
+
+    summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
+    order = list(range(len(train_prompts)))
+    rng = random.Random(t.seed)
+    rng.shuffle(order)
+    n, B = r.n, t.global_batch
+    try:
+        with MetricsWriter(run_dir) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
+            if t.eval_before:
+                summary |= evaluate("before")
+            for it in range(t.iterations):
+                start = time.perf_counter()
+                if (it + 1) * B > len(order):  # next epoch over the prompts
+                    rng.shuffle(order)
+                picked = [train_prompts[order[(it * B + k) % len(order)]] for k in range(B)]
+                dock.open_iteration(it, B * n, n)
+                dock.put(range(B * n), {
+                    "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
+                    "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
+                })
+                metrics: dict[str, float] = {}
+                for worker in workers:
+                    metrics |= worker.run_iteration(dock)
+                sync_start = time.perf_counter()
+                metrics["weight_sync/bytes"] = rollout_engine.load_weights(actor.named_weights())
+                metrics["timing_s/weight_sync"] = time.perf_counter() - sync_start
+                metrics |= dock.stats()
+                dock.close_iteration()
+                metrics["timing_s/iteration"] = time.perf_counter() - start
+                metrics["perf/response_tokens_per_s"] = metrics["rollout/response_length_mean"] * B * n / metrics["timing_s/iteration"]
+                writer.log(it, metrics)
+                progress.update(metrics)
+                if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:
+                    actor.save(run_dir / "checkpoints" / f"iter_{it + 1:06d}")
+            actor.save(run_dir / "checkpoints" / "final")
+            summary |= evaluate("after")
+            summary["run/seconds"] = time.perf_counter() - t0
+            writer.log_summary(summary)
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
+    finally:
+        scorer.close()
+    return summary

@@ -1,0 +1,133 @@
+"""Actor stage: claim scored groups, put ``old_log_prob``, run the GRPO update.
+
+One iteration: claim every row (whole groups) with its advantages (and reference log-probs
+when β > 0); compute the log-probs before the update; then ``ppo_epochs`` passes over the
+global batch in mini-batches, each one optimizer step accumulated over micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
+from dockrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+from dockrl.dock import TransferDock
+from dockrl.engines.hf import HFTrainEngine, response_log_probs
+
+
+def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def accumulate_mini_batch(
+    engine: HFTrainEngine,
+    batch: dict[str, list],
+    *,
+    algo: AlgorithmConfig,
+    temperature: float,
+    micro_batch: int,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch of one mini-batch, accumulating gradients.
+
+    Args:
+        batch: ``prompt_ids``, ``response_ids``, ``advantages``, ``old_log_prob`` and, when
+            ``algo.kl_coef > 0``, ``ref_log_prob`` — one list entry per sequence. When
+            ``old_log_prob`` is absent the update is on-policy: the detached log-probs of this
+            very forward pass are the old ones (ratio exactly 1, as in verl), and they are
+            added to ``batch["old_log_prob"]``, which saves a forward pass over the batch.
+
+    The loss of each micro-batch is normalized by mini-batch totals (tokens or sequences), so
+    the accumulated gradient does not depend on ``micro_batch``.
+
+    Returns:
+        ``actor/*`` metrics: loss, pg_loss, kl, entropy, clip_ratio, ratio_mean, ratio_max
+        (token means over the mini-batch).
+    """
+    n_seq = len(batch["response_ids"])
+    total_tokens = float(sum(len(r) for r in batch["response_ids"]))
+    sums = dict.fromkeys(["loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean"], 0.0)
+    ratio_max = 0.0
+    on_policy = "old_log_prob" not in batch
+    if on_policy:
+        batch["old_log_prob"] = []
+    for s in range(0, n_seq, micro_batch):
+        part = {k: v[s : s + micro_batch] for k, v in batch.items()}
+        log_prob, mask, entropy = response_log_probs(
+            engine.model, part["prompt_ids"], part["response_ids"], pad_id=engine.pad_id,
+            temperature=temperature, autocast_bf16=engine.autocast_bf16, with_entropy=True,
+        )
+        T = mask.shape[1]
+        if on_policy:
+            old = log_prob.detach()
+            batch["old_log_prob"].extend(old[i, : len(r)].tolist() for i, r in enumerate(part["response_ids"]))
+        else:
+            old = _pad(part["old_log_prob"], T)
+        adv = torch.tensor(part["advantages"], dtype=torch.float32)
+        pg, clip_hit = policy_loss(log_prob, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
+        token_loss = pg
+        if algo.kl_coef > 0:
+            kl = kl_k3(log_prob, _pad(part["ref_log_prob"], T)) * mask
+            token_loss = pg + algo.kl_coef * kl
+            sums["kl"] += float(kl.detach().sum())
+        loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=total_tokens, total_sequences=n_seq)
+        loss.backward()
+        with torch.no_grad():
+            ratio = torch.exp(log_prob - old) * mask
+            sums["loss"] += float(loss)
+            sums["pg_loss"] += float(pg.sum())
+            sums["entropy"] += float(entropy.sum())
+            sums["clip_ratio"] += float(clip_hit.sum())
+            sums["ratio_mean"] += float(ratio.sum())
+            ratio_max = max(ratio_max, float(ratio.max()))
+    metrics = {f"actor/{k}": v / total_tokens for k, v in sums.items() if k != "loss"}
+    metrics["actor/loss"] = sums["loss"]
+    metrics["actor/ratio_max"] = ratio_max
+    return metrics
+
+
+class ActorWorker:
+    def __init__(self, engine: HFTrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig) -> None:
+        self.engine, self.trainer, self.algo, self.rollout = engine, trainer, algo, rollout
+
+    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+        """Update the actor on the whole global batch; returns ``actor/*`` and timing metrics."""
+        start = time.perf_counter()
+        columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])
+        claim = dock.claim("actor", columns, dock.num_rows, whole_groups=True)
+        batch = {c: claim.batch.column(c).to_pylist() for c in columns}
+        on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
+        if not on_policy:  # later mini-batches need the log-probs from before the first step
+            batch["old_log_prob"] = self.engine.log_probs(
+                batch["prompt_ids"], batch["response_ids"], temperature=self.rollout.temperature, micro_batch=self.trainer.micro_batch
+            )
+            dock.put(claim.rows, {"old_log_prob": batch["old_log_prob"]})
+        old_s = time.perf_counter() - start
+
+        rows_per_step = self.trainer.mini_batch * dock.group_size
+        steps: list[dict[str, float]] = []
+        for _ in range(self.trainer.ppo_epochs):
+            for s in range(0, len(claim.rows), rows_per_step):
+                mini = {k: v[s : s + rows_per_step] for k, v in batch.items()}
+                steps.append(
+                    self.engine.optimizer_step(
+                        lambda: accumulate_mini_batch(
+                            self.engine, mini, algo=self.algo, temperature=self.rollout.temperature,
+                            micro_batch=self.trainer.micro_batch,
+                        )
+                    )
+                )
+        if on_policy:
+            dock.put(claim.rows, {"old_log_prob": mini["old_log_prob"]})
+        metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+        metrics["actor/ratio_max"] = max(m["actor/ratio_max"] for m in steps)
+        metrics["actor/first_step_ratio_mean"] = steps[0]["actor/ratio_mean"]
+        tokens = sum(len(r) for r in batch["response_ids"])
+        seconds = time.perf_counter() - start
+        metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds, "perf/actor_tokens_per_s": tokens * self.trainer.ppo_epochs / seconds})
+        return metrics
