@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dockrl.resharding import device as devices
-from dockrl.resharding.buckets import Bucket, bucket_checksum, copy_to_inference, plan_buckets
+from dockrl.resharding.buckets import Bucket, bucket_checksum, checksum_temp_bytes, copy_to_inference, plan_buckets
 from dockrl.resharding.host_swap import MemoryTracker, TrainState, nbytes
 from dockrl.resharding.layout import ParallelLayout
 from dockrl.resharding.spec import shard_range
@@ -306,10 +306,9 @@ class AllGatherSwap:
         copy_to_inference(gathered, bucket, infer, self.layout, self.infer_tp_rank)
         del mine, gathered
         tracker.free("gather", gathered_bytes)
-        # int64 words, weights and products of one checksum chunk: 24 B per 32-bit word
-        tracker.alloc("checksum", min(nbytes(infer) // 4, 1 << 20) * 24)
+        tracker.alloc("checksum", checksum_temp_bytes(nbytes(infer)))
         checksum = bucket_checksum(infer)
-        tracker.free("checksum", tracker.by_kind["checksum"])
+        tracker.free("checksum", checksum_temp_bytes(nbytes(infer)))
         devices.synchronize(self.device)
         record = BucketRecord(
             index=bucket.index, stage=bucket.stage, params=len(bucket.entries), gathered_bytes=gathered_bytes,

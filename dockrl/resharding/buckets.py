@@ -20,12 +20,12 @@ import torch
 from dockrl.resharding.layout import ParallelLayout
 from dockrl.resharding.spec import ParamSpec, model_spec, shard_range
 
-# Inference buckets are padded to a multiple of 4 elements so their bytes view as 32-bit words.
-_WORD_PAD = 4
-# Words per chunk of the checksum: bounds its int64 temporaries to 24 MiB (3 tensors × 8 MiB).
-_CHECKSUM_CHUNK = 1 << 20
-# Weights of the position-weighted checksum: i mod 65521 (the largest prime < 2^16), plus one.
-_CHECKSUM_MOD = 65521
+# Inference buckets are padded to a multiple of 8 elements so their bytes view as 64-bit words.
+_WORD_PAD = 8
+# The checksum lays the words out as rows of this many columns.
+_CHECKSUM_COLS = 4096
+# Odd multiplier that mixes the row sums into the column sums.
+_ROW_MIX = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Bucket:
     chunk_numel: int
     """Elements of one TP rank's packed training shards."""
     infer_numel: int
-    """Elements of the inference bucket (padded to a multiple of 4)."""
+    """Elements of the inference bucket (padded to a multiple of 8)."""
 
 
 def plan_buckets(layout: ParallelLayout, bucket_bytes: int, element_size: int) -> list[Bucket]:
@@ -138,27 +138,40 @@ def copy_to_inference(
                 dest.narrow(d, lo - start, hi - lo).copy_(source(j).narrow(d, lo - j * size, hi - lo))
 
 
-def bucket_checksum(flat: torch.Tensor) -> int:
-    """Position-weighted sum of a bucket's 32-bit words, modulo 2^64.
+def checksum_temp_bytes(nbytes: int) -> int:
+    """Device bytes of the temporaries of ``bucket_checksum`` on a tensor of ``nbytes`` bytes
+    (column and row sums and their weighted products, int64)."""
+    words = nbytes // 8
+    cols = max(1, min(words, _CHECKSUM_COLS))
+    return 16 * (cols + words // cols + 2)
 
-    ``Σ_i w_i · (i mod 65521 + 1)`` over the signed 32-bit words ``w_i`` of the tensor's bytes,
-    in int64 arithmetic that wraps modulo 2^64 (addition mod 2^64 is associative, so the value
-    does not depend on the reduction order or the device). Equal bytes give equal sums; a
-    changed or moved word changes it with high probability. Runs on the tensor's device in
-    chunks of 2^20 words (24 MiB of temporaries).
+
+def bucket_checksum(flat: torch.Tensor) -> int:
+    """Checksum of a bucket's bytes: position-weighted column and row sums of its 64-bit words, mod 2^64.
+
+    The words ``w`` (the tensor's bytes as int64) are laid out as rows of ``K = min(4096, words)``
+    columns (the last row may be short); with column sums ``C_j`` and row sums ``R_r``, the
+    checksum is ``Σ_j (j+1)·C_j + 1000003 · Σ_r (r+1)·R_r`` in int64 arithmetic, which wraps
+    modulo 2^64. Addition mod 2^64 is associative, so the value does not depend on the
+    reduction order or the device. A changed word changes it (but for a vanishing set of
+    deltas); two swapped words change a row or a column weight.
+    Two native int64 reductions over the data, no full-size temporary (``checksum_temp_bytes``).
 
     Args:
-        flat: a contiguous 1-D tensor whose size in bytes is a multiple of 4.
+        flat: a contiguous 1-D tensor whose size in bytes is a multiple of 8.
 
     Returns:
         The checksum as a Python int in ``[0, 2^64)``.
     """
-    assert flat.dim() == 1 and flat.is_contiguous() and flat.numel() * flat.element_size() % 4 == 0
-    words = flat.view(torch.uint8).view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
-        part = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device)
-        weight.remainder_(_CHECKSUM_MOD).add_(1)
-        total += (part * weight).sum()
+    assert flat.dim() == 1 and flat.is_contiguous() and flat.numel() * flat.element_size() % 8 == 0
+    words = flat.view(torch.uint8).view(torch.int64)
+    k = max(1, min(words.numel(), _CHECKSUM_COLS))
+    rows, tail = divmod(words.numel(), k)
+    grid = words[: rows * k].view(rows, k)
+    col, row = grid.sum(0), grid.sum(1)
+    if tail:
+        col[:tail] += words[rows * k :]
+        row = torch.cat([row, words[rows * k :].sum().view(1)])
+    ones = dict(dtype=torch.int64, device=flat.device)
+    total = (col * torch.arange(1, k + 1, **ones)).sum() + (row * torch.arange(1, row.numel() + 1, **ones)).sum() * _ROW_MIX
     return int(total.item()) % (1 << 64)
