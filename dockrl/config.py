@@ -159,6 +159,28 @@ class DockConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Layout of the actor's devices: training (Megatron TP/PP/DP) and rollout (vLLM TP') on the same ones."""
+
+    tp: int = 1
+    """Training tensor-parallel size; must divide the model's heads, KV heads and MLP width."""
+    pp: int = 1
+    """Training pipeline-parallel size; at most the model's layer count."""
+    dp: int = 1
+    """Training data-parallel size."""
+    infer_tp: int = 1
+    """Rollout tensor-parallel size TP'; at most tp × dp and dividing it."""
+    infer_pp: int = 1
+    """Rollout pipeline-parallel size; only 1 is supported."""
+    world_size: int = 0
+    """Devices of the actor group; 0: tp × pp × dp, else it must equal that product."""
+    device: Literal["cpu", "cuda", "npu"] = "cpu"
+    """Device kind; collectives use gloo, nccl or hccl."""
+    bucket_mb: int = 256
+    """Bound of one gathered bucket of the weight sync, in MiB."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     output_dir: str = "runs/demo"
     """Run directory: metrics, plot, config, checkpoints."""
@@ -178,6 +200,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dock: DockConfig = field(default_factory=DockConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -237,6 +260,7 @@ def _check_rules(c: Config) -> None:
         "trainer.iterations": t.iterations, "trainer.global_batch": t.global_batch, "trainer.mini_batch": t.mini_batch,
         "trainer.micro_batch": t.micro_batch, "trainer.ppo_epochs": t.ppo_epochs, "trainer.eval_batch_size": t.eval_batch_size,
         "data.max_prompt_length": d.max_prompt_length, "data.min_steps": d.min_steps, "data.max_number": d.max_number,
+        "parallel.bucket_mb": c.parallel.bucket_mb,
     }
     for where, v in positive.items():
         if v < 1:
@@ -276,6 +300,24 @@ def _check_rules(c: Config) -> None:
     if not 0 <= c.dock.store_retries <= 10:
         raise _fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
     _check_dock(c.dock)
+    _check_parallel(c)
+
+
+def _check_parallel(c: Config) -> None:
+    """Layout rules (dockrl.resharding.layout); the model-dependent ones when the model is a local
+    directory and the layout shards it (tp, pp or infer_tp > 1)."""
+    from dockrl.resharding.layout import LayoutError, ModelShape, check_counts, check_model
+
+    p = c.parallel
+    if p.world_size < 0:
+        raise _fail("parallel.world_size", p.world_size, "expected >= 0 (0: tp × pp × dp)")
+    try:
+        world_size = p.world_size or p.tp * p.pp * p.dp
+        check_counts(tp=p.tp, pp=p.pp, dp=p.dp, infer_tp=p.infer_tp, infer_pp=p.infer_pp, world_size=world_size, device=p.device)
+        if max(p.tp, p.pp, p.infer_tp) > 1 and (Path(c.model.path) / "config.json").is_file():
+            check_model(tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, model=ModelShape.from_model_dir(c.model.path))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:
@@ -353,7 +395,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
     Args:
         path: YAML file with any of the sections ``model, data, rollout, algorithm, trainer,
-            dock, run``; ``None`` for the defaults (the demo run).
+            dock, parallel, run``; ``None`` for the defaults (the demo run).
         overrides: ``section.field=value`` strings applied on top.
 
     Raises:

@@ -257,3 +257,42 @@ def test_override_text_with_hash_is_kept_verbatim():
     config = load_config(None, ["data.system_prompt=Write the answer as #### N", "data.train_path='quoted.jsonl'"])
     assert config.data.system_prompt == "Write the answer as #### N"
     assert config.data.train_path == "quoted.jsonl"
+
+
+def test_parallel_layout_defaults_and_a_valid_layout(tiny_model_dir):
+    assert load_config().parallel.world_size == 0 and load_config().parallel.device == "cpu"
+    config = load_config(None, [f"model.path={tiny_model_dir}", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+                                "parallel.infer_tp=2", "parallel.world_size=8", "parallel.device=cuda"])
+    assert (config.parallel.tp, config.parallel.pp, config.parallel.infer_tp) == (2, 2, 2)
+
+
+PARALLEL_ERRORS = {
+    # tiny model: 4 heads, 2 KV heads, 2 layers, MLP width 128
+    "world size not tp x pp x dp": (["parallel.tp=2", "parallel.world_size=3"], ["parallel.world_size: got 3", "2 × 1 × 1 = 2"]),
+    "tp not dividing heads": (["parallel.tp=3"], ["parallel.tp: got 3", "num_attention_heads=4"]),
+    "tp not dividing kv heads": (["parallel.tp=4"], ["parallel.tp: got 4", "num_key_value_heads=2"]),
+    "infer_tp not dividing kv heads": (["parallel.dp=4", "parallel.infer_tp=4"], ["parallel.infer_tp: got 4", "num_key_value_heads=2"]),
+    "infer_tp above tp x dp": (["parallel.pp=2", "parallel.infer_tp=2"], ["parallel.infer_tp: got 2", "parallel.tp × parallel.dp = 1 × 1 = 1"]),
+    "inference pp": (["parallel.infer_pp=2"], ["parallel.infer_pp: got 2", "expected 1"]),
+    "pp above layers": (["parallel.pp=3"], ["parallel.pp: got 3", "num_hidden_layers=2"]),
+    "zero tp": (["parallel.tp=0"], ["parallel.tp: got 0", "positive"]),
+    "negative world size": (["parallel.world_size=-1"], ["parallel.world_size: got -1"]),
+    "unknown device": (["parallel.device=tpu"], ["parallel.device: got 'tpu'", "'cpu', 'cuda', 'npu'"]),
+    "zero bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb: got 0"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PARALLEL_ERRORS))
+def test_impossible_parallel_layouts_fail_at_load(tiny_model_dir, name):
+    overrides, fragments = PARALLEL_ERRORS[name]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.path={tiny_model_dir}", *overrides])
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_model_rules_wait_for_a_local_model():
+    # the packaged model is exported at run time: its sizes are checked when the layout is built
+    assert load_config(None, ["parallel.tp=3"]).parallel.tp == 3
+    with pytest.raises(ConfigError, match="parallel.world_size"):
+        load_config(None, ["parallel.tp=3", "parallel.world_size=2"])

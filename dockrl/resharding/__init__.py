@@ -1,0 +1,9 @@
+"""Resharding between the training layout (TP, PP, DP) and the rollout layout (TP') on the same devices.
+
+* ``device``: device kinds (cpu, cuda, npu), their collective backends, process-group init.
+* ``layout``: the frozen, validated parallel layout built once from the config and the model.
+* ``spec``: which dim of each HF weight is split for TP and which PP stage holds it; cuts a
+  full HF state dict into one rank's training shard.
+* ``allgather_swap``: the hybrid actor's weight sync (DESIGN.md §3): host swap of optimizer
+  state, gradients and training weights; bucketed all-gather into inference-layout buckets.
+"""

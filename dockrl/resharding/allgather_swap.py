@@ -1,0 +1,338 @@
+"""Allgather–swap weight sync of the hybrid actor (DESIGN.md §3; MindSpeed RL, arXiv 2507.19017 §4).
+
+The actor trains in the Megatron layout (TP, PP, DP) and generates in the vLLM layout (TP') on
+the same devices. ``AllGatherSwap.sync`` on every rank, collectively:
+
+1. swaps optimizer state and gradients to host memory;
+2. for each bucket (``buckets.plan_buckets``), in the same order on all ranks: the ranks of the
+   bucket's PP stage pack their training shards into their chunk of the gathered buffer and
+   swap those training weights to host; the chunk is broadcast over the PP group (so every
+   stage gets the layers it does not train) and all-gathered over the TP group; each rank
+   copies its own TP' shards into a new inference bucket and the gathered buffer is freed;
+3. swaps the remaining training weights to host; the rollout engine's weights are views into
+   the inference buckets (``InferenceWeights``), or are loaded from them bucket by bucket
+   (``on_bucket``).
+
+``finish_generation`` frees the buckets and brings weights, gradients and optimizer state
+back. Peak device memory of a sync is about the inference weights plus one gathered bucket
+(see ``benchmarks/reshard.py``), instead of the training state plus the inference weights.
+
+Phases of the hybrid actor: training → syncing → generating → training; a call in the wrong
+phase raises ``PhaseError``. Every collective is bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from dockrl.resharding import device as devices
+from dockrl.resharding.buckets import Bucket, bucket_checksum, checksum_temp_bytes, copy_to_inference, plan_buckets
+from dockrl.resharding.host_swap import MemoryTracker, TrainState, nbytes
+from dockrl.resharding.layout import ParallelLayout
+from dockrl.resharding.spec import shard_range
+
+logger = logging.getLogger(__name__)
+
+# torch >= 2.13 renames all_gather_into_tensor; older torch (torch_npu images) has only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Phase(enum.Enum):
+    TRAINING = "training"
+    SYNCING = "syncing"
+    GENERATING = "generating"
+
+
+class PhaseError(RuntimeError):
+    """A hybrid-actor call came in the wrong phase (order: training → syncing → generating → training)."""
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's training TP and PP process groups (``None`` where the size is 1)."""
+
+    tp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+
+    @classmethod
+    def create(cls, layout: ParallelLayout, rank: int) -> ParallelGroups:
+        """Create every TP and PP group; collective: all ranks call it, in the same order.
+
+        Megatron's own groups (``parallel_state.get_tensor_model_parallel_group()``, ...) have
+        the same members and may be passed instead.
+        """
+        found: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None}
+        for kind, size, groups in (("tp", layout.tp, layout.tp_groups()), ("pp", layout.pp, layout.pp_groups())):
+            if size == 1:
+                continue
+            for ranks in groups:
+                group = dist.new_group(ranks)  # group rank = index in sorted ranks = tp/pp rank
+                if rank in ranks:
+                    found[kind] = group
+        return cls(tp=found["tp"], pp=found["pp"])
+
+
+@dataclass(frozen=True)
+class BucketRecord:
+    index: int
+    stage: int
+    params: int
+    gathered_bytes: int
+    """Size of the gathered buffer (TP × chunk)."""
+    infer_bytes: int
+    """Size of this rank's inference bucket."""
+    bytes_moved: int
+    """Bytes this rank received over collectives for the bucket."""
+    seconds: float
+    checksum: int
+    """``buckets.bucket_checksum`` of this rank's inference bucket."""
+
+
+@dataclass
+class SyncReport:
+    """What one sync did on this rank."""
+
+    buckets: list[BucketRecord] = field(default_factory=list)
+    seconds: float = 0.0
+    swapped_out_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes swapped to host by kind (weights, grads, optimizer)."""
+    peak_tracked_bytes: int = 0
+    """Peak of the explicit accounting (``MemoryTracker``) from the moment optimizer state and
+    gradients are swapped out to the end of the sync."""
+    peak_allocator_bytes: int | None = None
+    """Peak of the device allocator over the same span (cuda/npu; ``None`` on cpu)."""
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(b.bytes_moved for b in self.buckets)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metrics: ``timing_s/weight_sync``, ``reshard/*``."""
+        return {
+            "timing_s/weight_sync": self.seconds,
+            "reshard/bytes_moved": float(self.bytes_moved),
+            "reshard/buckets": float(len(self.buckets)),
+            "reshard/swapped_out_bytes": float(sum(self.swapped_out_bytes.values())),
+            "reshard/peak_tracked_bytes": float(self.peak_tracked_bytes),
+        }
+
+
+class InferenceWeights:
+    """This rank's inference-layout (TP') weights: named views into the inference buckets."""
+
+    def __init__(self, layout: ParallelLayout, infer_tp_rank: int, buckets: list[tuple[Bucket, torch.Tensor]]) -> None:
+        self.layout = layout
+        self.infer_tp_rank = infer_tp_rank
+        self.buckets = buckets
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(t) for _, t in self.buckets)
+
+    def named_tensors(self, trim_padding: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, shard)`` views in spec order; with tied embeddings ``lm_head.weight`` too.
+
+        Args:
+            trim_padding: cut vocab-parallel shards to their real rows (for TP' = 1 the full
+                HF shapes), instead of the padded shard shape.
+        """
+        yield from _named(self.layout, self.infer_tp_rank, self.buckets, trim_padding)
+
+
+def _named(
+    layout: ParallelLayout, infer_tp_rank: int, buckets: list[tuple[Bucket, torch.Tensor]], trim: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket, flat in buckets:
+        for e in bucket.entries:
+            view = flat.narrow(0, e.infer_offset, math.prod(e.infer_shape)).view(e.infer_shape)
+            if trim and e.spec.vocab:
+                start, stop = shard_range(e.spec.shape[0], layout.infer_vocab_size, layout.infer_tp, infer_tp_rank)
+                view = view.narrow(0, 0, stop - start)
+            yield e.name, view
+            if e.name == "model.embed_tokens.weight" and layout.model.tie_word_embeddings:
+                yield "lm_head.weight", view
+
+
+class AllGatherSwap:
+    """The hybrid actor's weight sync on one rank (see the module docstring).
+
+    Args:
+        layout: the parallel layout.
+        rank: this process's global rank.
+        state: the training state of this rank (``host_swap.TrainState``).
+        groups: this rank's TP and PP groups (``ParallelGroups.create``).
+        device: the training/inference device.
+        bucket_bytes: bound of one gathered buffer, in bytes.
+        train_dtype: dtype of the training shards (fp32 or bf16).
+        infer_dtype: dtype of the inference weights; defaults to ``train_dtype``.
+        swap: ``False`` keeps the training state on the device (naive co-residence; benchmarks).
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: ParallelLayout,
+        rank: int,
+        state: TrainState,
+        groups: ParallelGroups,
+        device: torch.device,
+        bucket_bytes: int,
+        train_dtype: torch.dtype,
+        infer_dtype: torch.dtype | None = None,
+        swap: bool = True,
+    ) -> None:
+        self.layout, self.rank, self.state, self.groups, self.device = layout, rank, state, groups, device
+        self.train_dtype, self.infer_dtype = train_dtype, infer_dtype or train_dtype
+        self.swap = swap
+        self.coords = layout.train_coords(rank)
+        self.infer_tp_rank = layout.infer_coords(rank).tp_rank
+        self.plan = plan_buckets(layout, bucket_bytes, torch.empty((), dtype=train_dtype).element_size())
+        self.tracker = MemoryTracker()
+        self.phase = Phase.TRAINING
+        self._weights: InferenceWeights | None = None
+        self.last_report: SyncReport | None = None
+
+    def _expect(self, phase: Phase, what: str) -> None:
+        if self.phase is not phase:
+            hint = " (a sync is in progress, or failed)" if self.phase is Phase.SYNCING else ""
+            raise PhaseError(
+                f"{what}: the hybrid actor is in phase {self.phase.value!r}{hint}; allowed only in {phase.value!r} "
+                "(order: training → syncing → generating → training)"
+            )
+
+    def require_training(self, what: str = "train step") -> None:
+        """Raise ``PhaseError`` unless the actor is training (call before forward/backward/step)."""
+        self._expect(Phase.TRAINING, what)
+
+    @property
+    def weights(self) -> InferenceWeights:
+        """The inference weights; only while generating."""
+        self._expect(Phase.GENERATING, "weights")
+        assert self._weights is not None
+        return self._weights
+
+    def sync(
+        self,
+        on_bucket: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+        keep_buckets: bool = True,
+    ) -> SyncReport:
+        """Training → syncing → generating: build the inference weights (collective on all ranks).
+
+        Args:
+            on_bucket: called with each finished bucket's ``(hf_name, shard)`` views, in order
+                (for a rollout engine that copies weights in).
+            keep_buckets: keep the buckets as ``weights`` (a rollout engine pointing at them);
+                ``False`` frees each after ``on_bucket``.
+
+        Raises:
+            PhaseError: not in the training phase.
+        """
+        self._expect(Phase.TRAINING, "sync")
+        self.phase = Phase.SYNCING
+        t0 = time.perf_counter()
+        tracker = self.tracker = MemoryTracker()
+        report = SyncReport()
+        for kind, n in self.state.device_bytes().items():
+            tracker.alloc(kind, n)
+        swapped: dict[str, int] = {}
+
+        def swapped_out(moved: dict[str, int]) -> None:
+            for kind, n in moved.items():
+                tracker.free(kind, n)
+                swapped[kind] = swapped.get(kind, 0) + n
+
+        if self.swap:
+            swapped_out(self.state.offload_optimizer_and_grads())
+        # The peak of the sync counts from here: what the training step left is freed, or kept (swap=False).
+        tracker.reset_peak()
+        devices.reset_allocator_peak(self.device)
+        kept: list[tuple[Bucket, torch.Tensor]] = []
+        for bucket in self.plan:
+            record, infer = self._sync_bucket(bucket, swapped_out)
+            report.buckets.append(record)
+            if on_bucket is not None:
+                on_bucket(list(_named(self.layout, self.infer_tp_rank, [(bucket, infer)], False)))
+            if keep_buckets:
+                kept.append((bucket, infer))
+            else:
+                tracker.free("buckets", nbytes(infer))
+        if self.swap:
+            swapped_out(self.state.offload_weights(None))
+        devices.synchronize(self.device)
+        report.seconds = time.perf_counter() - t0
+        report.swapped_out_bytes = swapped
+        report.peak_tracked_bytes = tracker.peak
+        report.peak_allocator_bytes = devices.allocator_peak_bytes(self.device)
+        self._weights = InferenceWeights(self.layout, self.infer_tp_rank, kept)
+        self.last_report = report
+        self.phase = Phase.GENERATING
+        logger.debug("rank %d: weight sync %.3f s, %d buckets, %d B moved", self.rank, report.seconds, len(report.buckets), report.bytes_moved)
+        return report
+
+    def _sync_bucket(self, bucket: Bucket, swapped_out: Callable[[dict[str, int]], None]) -> tuple[BucketRecord, torch.Tensor]:
+        t0 = time.perf_counter()
+        tp, pp, tracker = self.layout.tp, self.layout.pp, self.tracker
+        chunk = bucket.chunk_numel
+        gathered = torch.empty(tp * chunk, dtype=self.train_dtype, device=self.device)
+        gathered_bytes = nbytes(gathered)
+        tracker.alloc("gather", gathered_bytes)
+        mine = gathered.narrow(0, self.coords.tp_rank * chunk, chunk)
+        holder = self.coords.pp_rank == bucket.stage
+        if holder:
+            for e in bucket.entries:
+                shard = self.state.shard(e.name)
+                if tuple(shard.shape) != e.train_shape:
+                    raise ValueError(f"training shard {e.name!r}: shape {tuple(shard.shape)}; expected {e.train_shape}")
+                mine.narrow(0, e.train_offset, shard.numel()).view(e.train_shape).copy_(shard)
+            if self.swap:
+                swapped_out(self.state.offload_weights([e.name for e in bucket.entries]))
+        moved = 0
+        if pp > 1:
+            dist.broadcast(mine, group=self.groups.pp, group_src=bucket.stage)
+            moved += 0 if holder else nbytes(mine)
+        if tp > 1:
+            _all_gather(gathered, mine, group=self.groups.tp)  # in place: input is this rank's chunk
+            moved += nbytes(gathered) - nbytes(mine)
+        infer = torch.zeros(bucket.infer_numel, dtype=self.infer_dtype, device=self.device)
+        tracker.alloc("buckets", nbytes(infer))
+        copy_to_inference(gathered, bucket, infer, self.layout, self.infer_tp_rank)
+        del mine, gathered
+        tracker.free("gather", gathered_bytes)
+        tracker.alloc("checksum", checksum_temp_bytes(nbytes(infer)))
+        checksum = bucket_checksum(infer)
+        tracker.free("checksum", checksum_temp_bytes(nbytes(infer)))
+        devices.synchronize(self.device)
+        record = BucketRecord(
+            index=bucket.index, stage=bucket.stage, params=len(bucket.entries), gathered_bytes=gathered_bytes,
+            infer_bytes=nbytes(infer), bytes_moved=moved, seconds=time.perf_counter() - t0, checksum=checksum,
+        )
+        return record, infer
+
+    def finish_generation(self) -> dict[str, int]:
+        """Generating → training: free the inference buckets, swap the training state back in.
+
+        The rollout engine must drop its references to ``weights`` first (views keep buckets alive).
+
+        Returns:
+            Bytes swapped back in, by kind.
+
+        Raises:
+            PhaseError: not in the generating phase.
+        """
+        self._expect(Phase.GENERATING, "finish_generation")
+        assert self._weights is not None
+        self.tracker.free("buckets", self._weights.nbytes)
+        self._weights = None
+        moved = self.state.reload() if self.swap else {}
+        for kind, n in moved.items():
+            self.tracker.alloc(kind, n)
+        self.phase = Phase.TRAINING
+        return moved

@@ -1,0 +1,104 @@
+"""Parallel layout: every rule rejected with its field, Megatron/vLLM rank arithmetic, stage split."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dockrl.resharding.layout import LayoutError, ModelShape, ParallelLayout
+
+# heads 4, KV heads 2, 3 layers, MLP width 64: TP ∈ {1, 2}
+SHAPE = ModelShape.from_hf_config(
+    {
+        "model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+        "vocab_size": 251, "hidden_size": 32, "intermediate_size": 64, "tie_word_embeddings": False,
+    }
+)
+
+
+def layout(**kw) -> ParallelLayout:
+    values = {"tp": 1, "pp": 1, "dp": 1, "infer_tp": 1, "world_size": 1, "device": "cpu", "model": SHAPE} | kw
+    return ParallelLayout(**values)
+
+
+def test_model_shape_from_hf_config():
+    assert SHAPE.head_dim == 8 and SHAPE.num_kv_heads == 2 and SHAPE.num_layers == 3
+    assert SHAPE.qkv_bias and not SHAPE.o_bias and not SHAPE.mlp_bias  # Qwen2: q/k/v biases only
+    llama = ModelShape.from_hf_config(dataclasses.asdict(SHAPE) | {"model_type": "llama", "num_attention_heads": 4,
+                                                                   "num_hidden_layers": 3, "attention_bias": True})
+    assert llama.qkv_bias and llama.o_bias and llama.num_kv_heads == 4  # no num_key_value_heads: MHA
+
+
+def test_model_shape_rejects_unknown_architecture_and_missing_sizes():
+    with pytest.raises(LayoutError, match="model_type 'gpt2'"):
+        ModelShape.from_hf_config({"model_type": "gpt2"})
+    with pytest.raises(LayoutError, match="num_hidden_layers is None"):
+        ModelShape.from_hf_config({"model_type": "qwen2", "num_attention_heads": 4, "vocab_size": 8})
+
+
+def test_model_shape_of_the_tiny_model_dir(tiny_model_dir):
+    shape = ModelShape.from_model_dir(tiny_model_dir)
+    assert (shape.num_heads, shape.num_kv_heads, shape.num_layers, shape.tie_word_embeddings) == (4, 2, 2, True)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ModelShape.from_model_dir(tiny_model_dir / "missing")
+
+
+REJECTED = {
+    "world size not the product": (dict(tp=2, pp=1, dp=1, world_size=4), ["parallel.world_size: got 4", "2 × 1 × 1 = 2"]),
+    "tp does not divide heads": (dict(tp=3, world_size=3, model=dataclasses.replace(SHAPE, num_kv_heads=3)),
+                                 ["parallel.tp: got 3", "num_attention_heads=4"]),
+    "tp does not divide kv heads": (dict(tp=4, world_size=4), ["parallel.tp: got 4", "num_key_value_heads=2"]),
+    "infer_tp does not divide kv heads": (dict(dp=4, world_size=4, infer_tp=4), ["parallel.infer_tp: got 4", "num_key_value_heads=2"]),
+    "infer_tp above tp x dp": (dict(pp=2, world_size=2, infer_tp=2), ["parallel.infer_tp: got 2", "parallel.tp × parallel.dp = 1 × 1 = 1"]),
+    "infer_tp not dividing tp x dp": (dict(dp=3, world_size=3, infer_tp=2), ["parallel.infer_tp: got 2", "must divide"]),
+    "inference pp": (dict(infer_pp=2), ["parallel.infer_pp: got 2", "expected 1"]),
+    "pp above layers": (dict(pp=4, world_size=4), ["parallel.pp: got 4", "num_hidden_layers=3"]),
+    "zero dp": (dict(dp=0, world_size=0), ["parallel.dp: got 0", "positive"]),
+    "unknown device": (dict(device="tpu"), ["parallel.device: got 'tpu'", "'npu'"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REJECTED))
+def test_impossible_layouts_are_rejected_with_the_reason(name):
+    kw, fragments = REJECTED[name]
+    with pytest.raises(LayoutError) as info:
+        layout(**kw)
+    assert isinstance(info.value, ValueError)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_layout_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout().tp = 2
+
+
+def test_megatron_rank_order_tp_then_dp_then_pp():
+    lay = layout(tp=2, pp=2, dp=2, infer_tp=2, world_size=8, model=dataclasses.replace(SHAPE, num_layers=4))
+    coords = [lay.train_coords(r) for r in range(8)]
+    assert coords[:4] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]  # (tp_rank, dp_rank, pp_rank)
+    assert coords[5] == (1, 0, 1)
+    assert all(lay.train_rank(*c) == r for r, c in enumerate(coords))
+    assert lay.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [lay.infer_coords(r) for r in (0, 1, 2, 7)] == [(0, 0), (1, 0), (0, 1), (1, 3)]
+    assert lay.infer_dp == 4
+    with pytest.raises(ValueError, match="rank: got 8"):
+        lay.train_coords(8)
+
+
+def test_layers_split_contiguously_earlier_stages_take_the_remainder():
+    lay = layout(pp=2, world_size=2)
+    assert [lay.stage_layers(p) for p in range(2)] == [range(0, 2), range(2, 3)]
+    assert [lay.stage_of_layer(i) for i in range(3)] == [0, 0, 1]
+    lay3 = layout(pp=3, world_size=3)
+    assert [list(lay3.stage_layers(p)) for p in range(3)] == [[0], [1], [2]]
+
+
+def test_vocab_padding_megatron_and_inference():
+    assert layout().train_vocab_size == 256  # 251 up to a multiple of 128 × 1
+    assert layout(tp=2, world_size=2).train_vocab_size == 256  # multiple of 128 × 2
+    assert layout(tp=2, world_size=2, make_vocab_size_divisible_by=1).train_vocab_size == 252
+    assert layout(dp=2, world_size=2, infer_tp=2).infer_vocab_size == 252
+    assert layout().infer_vocab_size == 251
