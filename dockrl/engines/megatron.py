@@ -41,7 +41,7 @@ with warnings.catch_warnings():  # "Apex/Transformer Engine not installed": the 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, param_is_not_tensor_parallel_duplicate
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import param_is_not_shared
 
@@ -240,8 +240,11 @@ class MegatronTrainEngine:
             out.append(dict(start=s, input_ids=ids, position_ids=pos_ids, positions=positions, targets=targets, mask=mask))
         return out
 
-    def _score(self, mb: dict[str, Any], temperature: float, loss_fn: LossFn | None, logits: torch.Tensor):
-        """Last-stage loss function of megatron's schedule: ``(loss, num_tokens, reported)``."""
+    def _score(self, temperature: float, loss_fn: LossFn | None, mb: dict[str, Any], logits: torch.Tensor):
+        """Last-stage loss function of megatron's schedule: ``(loss, num_tokens, reported)``.
+
+        ``logits (b, L, V_r)``: this TP rank's vocabulary columns of every position.
+        """
         B, T = mb["positions"].shape
         z = logits.gather(1, mb["positions"].unsqueeze(-1).expand(B, T, logits.shape[-1]))
         z = z[..., : self.vocab_local].float() / temperature
@@ -249,15 +252,20 @@ class MegatronTrainEngine:
         mask = mb["mask"]
         log_prob, entropy = log_prob * mask, entropy * mask
         if loss_fn is None:
-            return log_prob.sum().detach() * 0, torch.tensor(1), log_prob.detach()
+            return torch.zeros(()), torch.tensor(1), log_prob.detach()
         loss, aux = loss_fn(mb["start"], log_prob, mask, entropy)
         return loss, torch.tensor(1), aux
 
-    def _run_schedule(self, micro_batches, temperature: float, loss_fn: LossFn | None, forward_only: bool) -> list[Any]:
+    def _run_schedule(self, micro_batches: list[dict[str, Any]], score: Callable, forward_only: bool) -> list[Any]:
+        """megatron's forward/backward schedule (1F1B when PP > 1) over ``micro_batches``.
+
+        ``score(mb, logits) -> (loss, num_tokens, reported)`` runs on the last stage; the
+        ``reported`` values of all micro-batches are returned on every rank.
+        """
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["input_ids"], mb["position_ids"], None)
-            return output, partial(self._score, mb, temperature, loss_fn)
+            return model(mb["input_ids"], mb["position_ids"], None), partial(score, mb)
 
         with cpu_device():
             reported = get_forward_backward_func()(
@@ -275,13 +283,24 @@ class MegatronTrainEngine:
             reported = box[0]
         return list(reported)
 
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``(B, L, vocab)`` fp32 of right-padded ``input_ids (B, L)``, on every rank."""
+        mb = dict(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids))
+
+        def gather(mb, logits):
+            full = gather_from_tensor_model_parallel_region(logits)[..., : self.arch.vocab_size]
+            return torch.zeros(()), torch.tensor(1), full.float()
+
+        return self._run_schedule([mb], gather, forward_only=True)[0]
+
     def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
         """Per-token log-probs (nats) of each response, ``micro_batch`` rows at a time, no grad."""
         if not prompts:
             return []
         mbs = self._micro_batches(prompts, responses, micro_batch)
         with torch.no_grad():
-            rows = self._run_schedule(mbs, temperature, None, forward_only=True)
+            rows = self._run_schedule(mbs, partial(self._score, temperature, None), forward_only=True)
         return [lp[i, : len(r)].tolist() for mb, lp in zip(mbs, rows) for i, r in enumerate(responses[mb["start"] : mb["start"] + micro_batch])]
 
     def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
@@ -292,7 +311,8 @@ class MegatronTrainEngine:
         """
         if not prompts:
             return []
-        return self._run_schedule(self._micro_batches(prompts, responses, micro_batch), temperature, loss_fn, forward_only=False)
+        mbs = self._micro_batches(prompts, responses, micro_batch)
+        return self._run_schedule(mbs, partial(self._score, temperature, loss_fn), forward_only=False)
 
     def _finish_grads(self) -> torch.Tensor:
         """Tied-embedding and data-parallel gradient reductions; returns the global grad norm."""
@@ -339,7 +359,9 @@ class MegatronTrainEngine:
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full weights under HF names, in HF ``named_parameters`` order, on every rank.
 
-        All-gathers each sharded parameter over TP, then every stage's tensors over PP.
+        All-gathers each sharded parameter over TP, then every stage's tensors over PP. A
+        parameter that is whole on this rank is returned as a view of the live weight, as in
+        ``HFTrainEngine``: clone it to keep it across an optimizer step.
         """
         local: list[tuple[str, torch.Tensor]] = []
         for name, p in self.model.named_parameters():

@@ -65,7 +65,13 @@ class Redirection:
 REDIRECTIONS: tuple[Redirection, ...] = (
     Redirection(
         "torch.cuda", "current_device", _current_device,
-        "RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
+        "RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device(); "
+        "P2PCommunicator._communicate allocates its receive buffers there",
+    ),
+    Redirection(
+        "torch.cuda", "synchronize", _synchronize,
+        "P2PCommunicator._communicate_shapes and _communicate wait for the stream after "
+        "batched p2p ops (PP > 1); gloo's wait() has already completed them on CPU",
     ),
     Redirection(
         "torch.cuda", "manual_seed", _manual_seed,
@@ -104,13 +110,17 @@ class CudaFactoriesOnCpu(TorchFunctionMode):
     ``transformer.utils.get_default_causal_mask`` (the causal mask of
     ``FusedScaleMaskSoftmax.forward_torch_softmax`` when no attention mask is passed) and
     ``total_num_tokens`` in ``pipeline_parallel.schedules.forward_backward_no_pipelining`` and
-    ``forward_backward_pipelining_without_interleaving``. A torch-function mode sees those
-    factory calls; every other call passes through unchanged. Like every torch-function mode
+    ``forward_backward_pipelining_without_interleaving``; and with PP > 1 and tied embeddings
+    ``LanguageModule.setup_embeddings_and_output_layer`` moves the shared weight with
+    ``Tensor.cuda()`` before all-reducing it (here it stays on CPU). A torch-function mode sees
+    those calls; every other call passes through unchanged. Like every torch-function mode
     it applies to the thread that entered it (and to the autograd work that thread starts).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0].cpu()
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": CPU}
         return func(*args, **kwargs)
