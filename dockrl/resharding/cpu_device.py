@@ -10,7 +10,9 @@ CPU equivalents while it is active and restores every original on exit:
   literal ``device="cuda"``.
 
 The list was found by running GPTModel forward/backward with TP=2 and PP=2, megatron's
-pipeline schedules and its RNG tracker on a CPU-only torch build.
+pipeline schedules and its RNG tracker on a CPU-only torch build (what
+``dockrl.engines.megatron`` uses). Not covered: megatron's own DDP wrapper, its optimizer and
+dist-checkpointing, which call more of ``torch.cuda`` (``current_stream``, ``Stream``, ...).
 
 The attribute redirections apply to the whole process while a scope is active: keep scopes
 around megatron-core calls only. Scopes nest and may be entered from several threads; the
@@ -92,7 +94,6 @@ REDIRECTIONS: tuple[Redirection, ...] = (
         "version is queued by _lazy_call and never runs: the fork would silently not fork)",
     ),
 )
-
 
 
 def _is_cuda(device: Any) -> bool:
