@@ -11,12 +11,13 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dockrl.algorithms import entropy_from_logits
+from dockrl.engines.train_protocol import LossFn
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,8 @@ class HFRolloutEngine:
 class HFTrainEngine:
     """The actor (or frozen reference) on torch: fp32 weights, optional bf16 autocast, AdamW.
 
+    Implements ``dockrl.engines.train_protocol.TrainEngine``.
+
     Args:
         model_path: local HF model directory.
         trainable: build an optimizer and allow updates (False for the reference).
@@ -258,6 +261,23 @@ class HFTrainEngine:
                 pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
             )
             out.extend(lp[i, : len(r)].tolist() for i, r in enumerate(responses[s : s + micro_batch]))
+        return out
+
+    def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
+        """For each micro-batch: ``response_log_probs`` (with entropy), ``loss_fn``, backward.
+
+        Returns:
+            The ``aux`` of each micro-batch, in order.
+        """
+        out = []
+        for s in range(0, len(prompts), micro_batch):
+            log_prob, mask, entropy = response_log_probs(
+                self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
+                temperature=temperature, autocast_bf16=self.autocast_bf16, with_entropy=True,
+            )
+            loss, aux = loss_fn(s, log_prob, mask, entropy)
+            loss.backward()
+            out.append(aux)
         return out
 
     def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:

@@ -15,7 +15,7 @@ import torch
 from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
 from dockrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from dockrl.dock import TransferDock
-from dockrl.engines.hf import HFTrainEngine, response_log_probs
+from dockrl.engines.train_protocol import TrainEngine
 
 
 def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
 
 
 def accumulate_mini_batch(
-    engine: HFTrainEngine,
+    engine: TrainEngine,
     batch: dict[str, list],
     *,
     algo: AlgorithmConfig,
@@ -51,48 +51,43 @@ def accumulate_mini_batch(
     """
     n_seq = len(batch["response_ids"])
     total_tokens = float(sum(len(r) for r in batch["response_ids"]))
-    sums = dict.fromkeys(["loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean"], 0.0)
-    ratio_max = 0.0
     on_policy = "old_log_prob" not in batch
-    if on_policy:
-        batch["old_log_prob"] = []
-    for s in range(0, n_seq, micro_batch):
-        part = {k: v[s : s + micro_batch] for k, v in batch.items()}
-        log_prob, mask, entropy = response_log_probs(
-            engine.model, part["prompt_ids"], part["response_ids"], pad_id=engine.pad_id,
-            temperature=temperature, autocast_bf16=engine.autocast_bf16, with_entropy=True,
-        )
+
+    def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
+        part = {k: v[start : start + log_prob.shape[0]] for k, v in batch.items()}
         T = mask.shape[1]
-        if on_policy:
-            old = log_prob.detach()
-            batch["old_log_prob"].extend(old[i, : len(r)].tolist() for i, r in enumerate(part["response_ids"]))
-        else:
-            old = _pad(part["old_log_prob"], T)
+        old = log_prob.detach() if on_policy else _pad(part["old_log_prob"], T)
         adv = torch.tensor(part["advantages"], dtype=torch.float32)
         pg, clip_hit = policy_loss(log_prob, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
-        token_loss = pg
+        token_loss, kl_sum = pg, 0.0
         if algo.kl_coef > 0:
             kl = kl_k3(log_prob, _pad(part["ref_log_prob"], T)) * mask
             token_loss = pg + algo.kl_coef * kl
-            sums["kl"] += float(kl.detach().sum())
+            kl_sum = float(kl.detach().sum())
         loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=total_tokens, total_sequences=n_seq)
-        loss.backward()
         with torch.no_grad():
             ratio = torch.exp(log_prob - old) * mask
-            sums["loss"] += float(loss)
-            sums["pg_loss"] += float(pg.sum())
-            sums["entropy"] += float(entropy.sum())
-            sums["clip_ratio"] += float(clip_hit.sum())
-            sums["ratio_mean"] += float(ratio.sum())
-            ratio_max = max(ratio_max, float(ratio.max()))
+            sums = {
+                "loss": float(loss), "pg_loss": float(pg.sum()), "kl": kl_sum, "entropy": float(entropy.sum()),
+                "clip_ratio": float(clip_hit.sum()), "ratio_mean": float(ratio.sum()),
+            }
+        old_rows = [old[i, : len(r)].tolist() for i, r in enumerate(part["response_ids"])] if on_policy else None
+        return loss, (sums, float(ratio.max()), old_rows)
+
+    parts = engine.forward_backward(
+        batch["prompt_ids"], batch["response_ids"], temperature=temperature, micro_batch=micro_batch, loss_fn=loss_fn
+    )
+    if on_policy:
+        batch["old_log_prob"] = [row for _, _, rows in parts for row in rows]
+    sums = {k: sum(p[0][k] for p in parts) for k in parts[0][0]}
     metrics = {f"actor/{k}": v / total_tokens for k, v in sums.items() if k != "loss"}
     metrics["actor/loss"] = sums["loss"]
-    metrics["actor/ratio_max"] = ratio_max
+    metrics["actor/ratio_max"] = max(p[1] for p in parts)
     return metrics
 
 
 class ActorWorker:
-    def __init__(self, engine: HFTrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig) -> None:
+    def __init__(self, engine: TrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig) -> None:
         self.engine, self.trainer, self.algo, self.rollout = engine, trainer, algo, rollout
 
     def run_iteration(self, dock: TransferDock) -> dict[str, float]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 
 from dockrl.dock import TransferDock
-from dockrl.engines.hf import HFTrainEngine
+from dockrl.engines.train_protocol import TrainEngine
 
 
 class ReferenceWorker:
-    def __init__(self, engine: HFTrainEngine, *, temperature: float, micro_batch: int) -> None:
+    def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int) -> None:
         self.engine, self.temperature, self.micro_batch = engine, temperature, micro_batch
 
     def run_iteration(self, dock: TransferDock) -> dict[str, float]:

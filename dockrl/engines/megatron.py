@@ -1,0 +1,397 @@
+"""Training engine on megatron-core: a GPTModel (Llama/Qwen2) with TP/PP/DP from ``parallel_state``.
+
+``MegatronTrainEngine`` implements ``dockrl.engines.train_protocol.TrainEngine`` like
+``HFTrainEngine``: it loads a local HF checkpoint into its TP/PP shard
+(``megatron_convert.hf_to_megatron``), scores responses with megatron's pipeline schedules,
+steps a torch AdamW on its shard, and hands weights back under HF names.
+
+Every method is a collective over all ranks (``torch.distributed`` must be initialized by the
+caller; collectives time out after the process group's ``timeout``). Ranks of one data-parallel
+replica pass the same rows; the results are the same on all of them.
+
+On CPU the model runs in fp32 over gloo inside ``dockrl.resharding.cpu_device.cpu_device()``
+(``use_cpu_initialization=True``, every fusion off). ``get_megatron_optimizer`` hard-codes
+CUDA, so the optimizer is ``torch.optim.AdamW`` over the local shard and the gradient norm is
+computed here from megatron's shared/duplicate parameter predicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from dockrl.engines.hf import load_tokenizer, pack_sequences
+from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_param_to_hf
+from dockrl.engines.train_protocol import LossFn
+from dockrl.resharding.cpu_device import cpu_device
+
+with warnings.catch_warnings():  # "Apex/Transformer Engine not installed": the local fallbacks are what CPU needs
+    warnings.simplefilter("ignore", UserWarning)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, param_is_not_tensor_parallel_duplicate
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import param_is_not_shared
+
+logger = logging.getLogger(__name__)
+
+
+def transformer_config(arch: GPTArch, *, tp: int, pp: int) -> TransformerConfig:
+    """megatron-core config of a Llama/Qwen2 model: RMSNorm, SwiGLU, GQA, fp32, CPU-safe flags."""
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,  # dropout would make the on-policy ratio differ from 1
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        # perform_initialization stays on: with CPU initialization it is also what marks the
+        # TP-sharded parameters (tensor_model_parallel, partition_dim)
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        variable_seq_lengths=True,  # micro-batches are padded to their own longest row
+        moe_token_dispatcher_type="alltoall",  # no MoE; the default 'allgather' rejects variable lengths
+        calculate_per_token_loss=True,  # the schedule must not rescale our (already normalized) loss
+    )
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` and entropy under vocab-parallel logits, over the TP group.
+
+    Args:
+        logits: ``(B, T, V_r)`` fp32, this rank's vocabulary columns ``[vocab_start, vocab_start + V_r)``.
+        targets: ``(B, T)`` global token ids.
+
+    Returns:
+        ``log_prob (B, T)`` = ``z_t − m − log Σ_v exp(z_v − m)`` (``m`` the global max), whose
+        gradient on this rank's logits is ``onehot − softmax`` (the sums are all-reduced with
+        megatron's ``reduce_from_tensor_model_parallel_region``: identity backward, as in its
+        vocab-parallel cross entropy); ``entropy (B, T)`` = ``log S − Σ p (z − m)``, no grad.
+    """
+    with torch.no_grad():
+        m = logits.max(dim=-1).values
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - m.unsqueeze(-1)
+    sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1))
+    local = targets - vocab_start
+    here = (local >= 0) & (local < logits.shape[-1])
+    target = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * here
+    log_prob = reduce_from_tensor_model_parallel_region(target.contiguous()) - sum_exp.log()
+    with torch.no_grad():
+        p_z = (shifted.exp() * shifted).sum(dim=-1) / sum_exp
+        entropy = sum_exp.log() - reduce_from_tensor_model_parallel_region(p_z.contiguous())
+    return log_prob, entropy
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file or sharded with an index).
+
+    Raises:
+        FileNotFoundError: the directory has no ``*.safetensors`` file.
+    """
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.path {path}: no *.safetensors files; the megatron engine loads safetensors checkpoints")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            out.update({k: st.get_tensor(k).float() for k in st.keys()})
+    return out
+
+
+def init_parallel_state(tp: int, pp: int) -> None:
+    """Build megatron's TP/PP/DP groups over the default process group, or check existing ones.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized.
+        ValueError: the world size is not a multiple of TP×PP, or existing groups differ.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("MegatronTrainEngine: call torch.distributed.init_process_group first (backend 'gloo' on CPU)")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"parallel layout: world size {world} is not a multiple of TP×PP = {tp}×{pp}")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"parallel layout: megatron groups exist with TP, PP = {have}; asked for {(tp, pp)}")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+class MegatronTrainEngine:
+    """The actor (or frozen reference) on megatron-core: fp32 TP/PP shard, torch AdamW.
+
+    Args:
+        model_path: local HF Llama/Qwen2 directory with safetensors weights.
+        trainable: build an optimizer and allow updates (False for the reference).
+        tp, pp: tensor- and pipeline-parallel sizes; data-parallel size is world / (tp·pp).
+        seed: megatron's model-parallel RNG seed (reseeds torch's CPU generator).
+
+    Raises:
+        ValueError: unsupported architecture or a layout that does not divide the model.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        trainable: bool,
+        tp: int = 1,
+        pp: int = 1,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.model_path = Path(model_path)
+        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.arch = GPTArch.from_hf(self.hf_config)
+        self.arch.check_layout(tp, pp)
+        self.tp, self.pp, self.grad_clip = tp, pp, grad_clip
+        with cpu_device():
+            init_parallel_state(tp, pp)
+            model_parallel_cuda_manual_seed(seed)
+            self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+            self.dp = ps.get_data_parallel_world_size()
+            self.model = GPTModel(
+                transformer_config(self.arch, tp=tp, pp=pp),
+                get_gpt_layer_local_spec(normalization="RMSNorm"),
+                vocab_size=self.arch.padded_vocab(tp),
+                max_sequence_length=self.arch.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(),
+                share_embeddings_and_output_weights=self.arch.tied_embeddings,
+                position_embedding_type="rope",
+                rotary_base=self.arch.rope_theta,
+            )
+        self.load_hf_weights(load_hf_state_dict(model_path))
+        self.layer_offset = self.pp_rank * (self.arch.num_layers // pp)
+        per_rank = self.arch.padded_vocab(tp) // tp
+        self.vocab_start = self.tp_rank * per_rank
+        self.vocab_local = min(per_rank, self.arch.vocab_size - self.vocab_start)  # padded columns dropped
+        self.optimizer = None
+        if trainable:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        else:
+            self.model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def load_hf_weights(self, hf: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of a full HF state dict into the model.
+
+        Raises:
+            ValueError: the converted names differ from the model's parameters.
+        """
+        shard = hf_to_megatron(hf, self.arch, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp, pp_rank=self.pp_rank)
+        params = dict(self.model.named_parameters())
+        if set(shard) != set(params):
+            raise ValueError(f"megatron shard: missing {sorted(set(params) - set(shard))}, unexpected {sorted(set(shard) - set(params))}")
+        for name, tensor in shard.items():
+            params[name].copy_(tensor)
+
+    def _micro_batches(self, prompts, responses, micro_batch: int) -> list[dict[str, Any]]:
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch: got {micro_batch}; expected >= 1")
+        if len(prompts) != len(responses):
+            raise ValueError(f"prompts/responses: got {len(prompts)} prompts and {len(responses)} responses")
+        out = []
+        for s in range(0, len(prompts), micro_batch):
+            ids, _, positions, mask = pack_sequences(prompts[s : s + micro_batch], responses[s : s + micro_batch], self.pad_id)
+            targets = ids.gather(1, (positions + 1).clamp(max=ids.shape[1] - 1))
+            # right padding under a causal mask never reaches the real tokens: no attention mask needed
+            pos_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            out.append(dict(start=s, input_ids=ids, position_ids=pos_ids, positions=positions, targets=targets, mask=mask))
+        return out
+
+    def _score(self, temperature: float, loss_fn: LossFn | None, mb: dict[str, Any], logits: torch.Tensor):
+        """Last-stage loss function of megatron's schedule: ``(loss, num_tokens, reported)``.
+
+        ``logits (b, L, V_r)``: this TP rank's vocabulary columns of every position.
+        """
+        B, T = mb["positions"].shape
+        z = logits.gather(1, mb["positions"].unsqueeze(-1).expand(B, T, logits.shape[-1]))
+        z = z[..., : self.vocab_local].float() / temperature
+        log_prob, entropy = vocab_parallel_log_probs(z, mb["targets"], vocab_start=self.vocab_start)
+        mask = mb["mask"]
+        log_prob, entropy = log_prob * mask, entropy * mask
+        if loss_fn is None:
+            return torch.zeros(()), torch.tensor(1), log_prob.detach()
+        loss, aux = loss_fn(mb["start"], log_prob, mask, entropy)
+        return loss, torch.tensor(1), aux
+
+    def _run_schedule(self, micro_batches: list[dict[str, Any]], score: Callable, forward_only: bool) -> list[Any]:
+        """megatron's forward/backward schedule (1F1B when PP > 1) over ``micro_batches``.
+
+        ``score(mb, logits) -> (loss, num_tokens, reported)`` runs on the last stage; the
+        ``reported`` values of all micro-batches are returned on every rank.
+        """
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return model(mb["input_ids"], mb["position_ids"], None), partial(score, mb)
+
+        with cpu_device():
+            reported = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=self.model,
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
+                micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        if self.pp > 1:  # only the last stage computed them
+            box = [reported if ps.is_pipeline_last_stage() else None]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            reported = box[0]
+        return list(reported)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``(B, L, vocab)`` fp32 of right-padded ``input_ids (B, L)``, on every rank."""
+        mb = dict(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids))
+
+        def gather(mb, logits):
+            full = gather_from_tensor_model_parallel_region(logits)[..., : self.arch.vocab_size]
+            return torch.zeros(()), torch.tensor(1), full.float()
+
+        return self._run_schedule([mb], gather, forward_only=True)[0]
+
+    def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
+        """Per-token log-probs (nats) of each response, ``micro_batch`` rows at a time, no grad."""
+        if not prompts:
+            return []
+        mbs = self._micro_batches(prompts, responses, micro_batch)
+        with torch.no_grad():
+            rows = self._run_schedule(mbs, partial(self._score, temperature, None), forward_only=True)
+        return [lp[i, : len(r)].tolist() for mb, lp in zip(mbs, rows) for i, r in enumerate(responses[mb["start"] : mb["start"] + micro_batch])]
+
+    def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
+        """Forward and backward every micro-batch through megatron's (pipelined) schedule.
+
+        ``loss_fn`` runs on the last PP stage; its ``aux`` values are broadcast to every stage.
+        Gradients accumulate into ``.grad``.
+        """
+        if not prompts:
+            return []
+        mbs = self._micro_batches(prompts, responses, micro_batch)
+        return self._run_schedule(mbs, partial(self._score, temperature, loss_fn), forward_only=False)
+
+    def _finish_grads(self) -> torch.Tensor:
+        """Tied-embedding and data-parallel gradient reductions; returns the global grad norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.pp > 1 and self.arch.tied_embeddings and ps.is_rank_in_embedding_group():
+            # the first stage's embedding and the last stage's output layer are one HF tensor
+            dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+        if self.dp > 1:  # the mean over replicas, as DDP does
+            for p in params:
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                p.grad.div_(self.dp)
+        # each element once: TP-replicated norms on TP rank 0 only, a tied copy on the first stage only
+        sq = sum((p.grad.double().pow(2).sum() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)), torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        return sq.sqrt().float()
+
+    def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Zero grads, run ``accumulate`` (``forward_backward`` calls), reduce, clip, step.
+
+        Clipping scales every shard by ``min(1, clip / (‖g‖ + 1e-6))`` with the global norm,
+        as ``torch.nn.utils.clip_grad_norm_`` does on the full model.
+
+        Returns:
+            The metrics of ``accumulate`` plus ``actor/grad_norm`` (before clipping).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_step on a frozen engine (trainable=False)")
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = accumulate()
+        grad_norm = self._finish_grads()
+        if not torch.isfinite(grad_norm):
+            logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm.item())
+        else:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.grad_clip, grad_norm)
+            self.optimizer.step()
+        metrics["actor/grad_norm"] = float(grad_norm)
+        return metrics
+
+    @torch.no_grad()
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Full weights under HF names, in HF ``named_parameters`` order, on every rank.
+
+        All-gathers each sharded parameter over TP, then every stage's tensors over PP. A
+        parameter that is whole on this rank is returned as a view of the live weight, as in
+        ``HFTrainEngine``: clone it to keep it across an optimizer step.
+        """
+        local: list[tuple[str, torch.Tensor]] = []
+        for name, p in self.model.named_parameters():
+            shards = [p.detach()]
+            if self.tp > 1 and getattr(p, "tensor_model_parallel", False):
+                shards = [torch.empty_like(p) for _ in range(self.tp)]
+                dist.all_gather(shards, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+            local += megatron_param_to_hf(name, shards, self.arch, layer_offset=self.layer_offset)
+        if self.pp > 1:
+            stages: list[Any] = [None] * self.pp
+            dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+            local = [item for stage in stages for item in stage]
+        weights = dict(local)
+        return [(n, weights[n]) for n in hf_param_names(self.arch)]
+
+    def save(self, path: str | Path) -> Path:
+        """Write an HF checkpoint (safetensors, config, tokenizer) from global rank 0; all ranks return after it."""
+        path = Path(path)
+        weights = dict(self.named_weights())
+        if dist.get_rank() == 0:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+            missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise ValueError(f"HF export: missing {missing}, unexpected {unexpected}")
+            if self.arch.tied_embeddings:
+                model.tie_weights()
+            if (self.model_path / "generation_config.json").is_file():
+                model.generation_config = GenerationConfig.from_pretrained(self.model_path)
+            model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        dist.barrier()
+        return path

@@ -1,0 +1,61 @@
+"""The training-engine protocol: what the actor and reference stages need from an engine.
+
+Two engines implement it: ``HFTrainEngine`` (torch + transformers, one process) and
+``MegatronTrainEngine`` (megatron-core with TP/PP/DP). On a distributed engine every method is
+a collective: all ranks call it with the same arguments (the same rows on every TP/PP rank of a
+data-parallel replica) and get the same result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+LossFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+"""``loss_fn(start, log_prob, mask, entropy) -> (loss, aux)`` for one micro-batch.
+
+``start`` is the index of the micro-batch's first row in the engine call; ``log_prob (b, T)``
+(fp32, differentiable), ``mask (b, T)`` and ``entropy (b, T)`` (no grad) are as returned by
+``dockrl.engines.hf.response_log_probs``. ``loss`` is a scalar the engine back-propagates
+unchanged (normalize it by mini-batch totals); ``aux`` is any picklable value handed back.
+"""
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """A causal LM that scores responses and takes optimizer steps (the actor or the reference)."""
+
+    tokenizer: Any
+    pad_id: int
+
+    def log_probs(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float, micro_batch: int
+    ) -> list[list[float]]:
+        """Per-token log-probs (nats) of each response, ``micro_batch`` rows per forward pass, no grad."""
+        ...
+
+    def forward_backward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        micro_batch: int,
+        loss_fn: LossFn,
+    ) -> list[Any]:
+        """Forward and backward every micro-batch, accumulating gradients; returns each ``aux``."""
+        ...
+
+    def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Zero grads, run ``accumulate``, clip, step; returns its metrics plus ``actor/grad_norm``."""
+        ...
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights under HF parameter names, in HF ``named_parameters`` order."""
+        ...
+
+    def save(self, path: str | Path) -> Path:
+        """Write an HF checkpoint loadable with ``AutoModelForCausalLM.from_pretrained``."""
+        ...
