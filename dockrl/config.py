@@ -133,6 +133,9 @@ class TrainerConfig:
 class DockConfig:
     timeout_s: float = 600.0
     """Longest a stage waits for rows before failing with the missing columns."""
+    lease_s: float = 300.0
+    """Lease term of a claim, seconds: rows a worker claimed and did not ack return to the
+    ready pool this long after its last renewal (a live client renews every lease_s/3)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +195,8 @@ def _check_rules(c: Config) -> None:
     if (t.mini_batch * r.n) % t.micro_batch:
         raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
     # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
-    finite_positive = {"trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s}
+    finite_positive = {"trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
+                      "dock.lease_s": c.dock.lease_s}
     for where, v in finite_positive.items():
         if not (0 < v < math.inf):
             raise _fail(where, v, "expected a finite number > 0")

@@ -128,6 +128,8 @@ ERRORS = {
     "non-positive": (["trainer.global_batch=0"], ["trainer.global_batch: got 0", "positive"]),
     "top_p above 1": (["rollout.top_p=1.5"], ["rollout.top_p", "1.5"]),
     "negative lr": (["trainer.lr=-1e-5"], ["trainer.lr", "-1e-05"]),
+    "zero lease": (["dock.lease_s=0"], ["dock.lease_s: got 0.0", "finite number > 0"]),
+    "infinite lease": (["dock.lease_s=.inf"], ["dock.lease_s: got inf", "finite number > 0"]),
 }
 
 
@@ -214,7 +216,7 @@ def test_save_then_load_round_trips(tmp_path):
     assert load_config(path) == Config()
 
 
-@pytest.mark.parametrize("override", ["trainer.lr=nan", "dock.timeout_s=nan"])
+@pytest.mark.parametrize("override", ["trainer.lr=nan", "dock.timeout_s=nan", "dock.lease_s=nan"])
 def test_nan_is_rejected(override):
     field = override.split("=")[0]
     with pytest.raises(ConfigError, match=field):

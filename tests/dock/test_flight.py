@@ -232,6 +232,7 @@ def test_two_clients_of_one_consumer_share_the_rows_exactly_once(client):
         worker = connect(client.locations)
         while claim := worker.claim("reward", ["prompt_ids"], 3):
             got[k] += claim.rows
+            worker.ack(claim)  # the other worker's last claim returns empty only once every row is acked
 
     threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(2)]
     for t in threads:
@@ -250,7 +251,10 @@ def test_a_waiting_claim_wakes_when_another_client_of_its_consumer_takes_the_las
     results: list[list[int]] = []
 
     def consume() -> None:
-        results.append(connect(client.locations).claim("reward", ["prompt_ids"], 2).rows)
+        worker = connect(client.locations)
+        claim = worker.claim("reward", ["prompt_ids"], 2)
+        results.append(claim.rows)
+        worker.ack(claim)  # a loser left with nothing waits for this ack, then returns empty
 
     threads = [threading.Thread(target=consume, daemon=True) for _ in range(2)]
     start = time.monotonic()
@@ -261,7 +265,7 @@ def test_a_waiting_claim_wakes_when_another_client_of_its_consumer_takes_the_las
     for t in threads:
         t.join(5)
     assert sorted(r for rows in results for r in rows) == [0, 1] and len(results) == 2
-    assert time.monotonic() - start < 2.0  # the loser returned at once, not at its 5 s timeout
+    assert time.monotonic() - start < 2.0  # the loser returned at the winner's ack, not at its 5 s timeout
 
 
 # --- bad input ----------------------------------------------------------------------------
