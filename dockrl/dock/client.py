@@ -371,8 +371,8 @@ class DockClient:
                     if got() < want or got() == 0:
                         raise self._timeout(layout, consumer, columns, timeout, want, got(), pending, held) from None
                     break
-                for t in order:
-                    if t != s and got() < count and pending.get(t, 0) > 0:
+                for t in order:  # rows held elsewhere may have come back too (leases of one claim expire together)
+                    if t != s and got() < count and (pending.get(t, 0) > 0 or held.get(t, 0) > 0):
                         take(t, count - got(), at_least=0)
                 want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
             rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
@@ -482,7 +482,9 @@ class DockClient:
             with self._beat:
                 while not self._held and not self._closed:
                     self._beat.wait()
-                self._beat.wait(period)  # close() wakes it early
+                deadline = time.monotonic() + period
+                while not self._closed and (left := deadline - time.monotonic()) > 0:
+                    self._beat.wait(left)  # close() wakes it early
                 if self._closed:
                     return
                 if not self._held:
