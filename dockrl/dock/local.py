@@ -666,8 +666,9 @@ class TransferDock:
                 tables["state"] = pa.table({k: pa.array(v) for k, v in state.items()})
                 for i, c in enumerate(self.schema.columns):
                     rows = np.flatnonzero(it.ready[:, i])
-                    values = self._cells(it, c.name, rows)
-                    tables[f"payload.{c.name}"] = pa.table({"row": pa.array(rows + it.first_row), c.name: values})
+                    if len(rows):  # a column with no cell written has no file
+                        values = self._cells(it, c.name, rows)
+                        tables[f"payload.{c.name}"] = pa.table({"row": pa.array(rows + it.first_row), c.name: values})
         write_snapshot(uri, meta, tables)
 
     def restore(self, uri: str, *, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -712,6 +713,8 @@ class TransferDock:
             raise DockError(f"{what}: state table has {state.num_rows} rows; the iteration has {it.num_rows}")
         for i, c in enumerate(self.schema.columns):
             it.ready[:, i] = state.column(f"ready:{c.name}").to_numpy(zero_copy_only=False)
+            if not it.ready[:, i].any():
+                continue
             payload = read_table(uri, meta, f"payload.{c.name}")
             rows = payload.column("row").to_numpy() - it.first_row
             if not np.array_equal(rows, np.flatnonzero(it.ready[:, i])):
