@@ -143,6 +143,7 @@ class _Iteration:
         self.lease_at = np.full((num_rows, len(schema.consumers)), None, dtype=object)  # _Lease of a consumed, un-acked row
         self.leases: dict[str, _Lease] = {}
         self.acked_by = np.full((num_rows, len(schema.consumers)), None, dtype=object)  # lease id acked under (an ack is idempotent)
+        self.ended: dict[str, tuple[int, set[int]]] = {}  # lease id → (consumer, local rows) when it ended un-acked
         # output columns of each consumer: a row whose outputs are all written is finished
         self.outputs = [[self.col_index[c.name] for c in schema.columns if c.producer == name] for name in schema.consumers]
         # warehouse: per column, Arrow chunks and, per row, (chunk, offset)
@@ -518,6 +519,7 @@ class TransferDock:
         for lease in leases:
             del it.leases[lease.id]
             rows, done = self._lease_done(it, lease)
+            it.ended[lease.id] = (lease.consumer, set(rows.tolist()))
             it.lease_at[rows, lease.consumer] = None
             it.acked[rows[done], lease.consumer] = True
             it.acked_by[rows[done], lease.consumer] = lease.id
@@ -592,20 +594,32 @@ class TransferDock:
             self._expire_locked(it)
             held = np.array([getattr(it.lease_at[r, ci], "id", None) == lease for r in local.tolist()], dtype=bool)
             done = it.acked_by[local, ci] == lease  # acked before, or finished when the lease ended
-            unclaimed = ~it.consumed[local, ci]  # back in the pool and not re-claimed: a late ack still counts
-            lost = ~(held | done | unclaimed)
+            ended_ci, ended = it.ended.get(lease, (ci, set()))
+            ended = ended if ended_ci == ci else set()
+            was_leased = np.array([r in ended for r in local.tolist()], dtype=bool)
+            late = was_leased & ~it.consumed[local, ci]  # back in the pool and not re-claimed: a late ack still counts
+            bad = ~(held | done | late)
             self._unlease_locked(it, ci, local[held])
-            ok = local[~lost]
+            ok = local[~bad]
             it.consumed[ok, ci] = True
             it.acked[ok, ci] = True
             it.acked_by[ok, ci] = lease
             self._cond.notify_all()
-            if lost.any():
-                raise DockError(
-                    f"{what}: lease {lease!r} ended before this ack (it expired or its owner was released) and rows "
-                    f"{(local[lost] + it.first_row)[:10].tolist()} were re-delivered to another claim of {consumer!r}; "
-                    "keep workers renewing their leases (DockClient does, while its process lives) or raise lease_s"
+            errors = []
+            if (bad & was_leased).any():
+                errors.append(
+                    f"lease {lease!r} ended before this ack (it expired or its owner was released) and rows "
+                    f"{(local[bad & was_leased] + it.first_row)[:10].tolist()} were re-delivered to another claim of "
+                    f"{consumer!r}; keep workers renewing their leases (DockClient does, while its process lives) or raise lease_s"
                 )
+            if (bad & ~was_leased).any():
+                errors.append(
+                    f"rows {(local[bad & ~was_leased] + it.first_row)[:10].tolist()} are not leased to {consumer!r} under "
+                    f"lease {lease!r} in iteration {it.iteration} (never granted here, or granted before a restore, which "
+                    "returned its rows to the pool to be re-delivered)"
+                )
+            if errors:
+                raise DockError(f"{what}: " + "; ".join(errors))
 
     def renew(self, owner: str) -> int:
         """Push the expiry of every lease of ``owner`` a full term ahead (a heartbeat).

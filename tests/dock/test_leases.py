@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -73,6 +74,15 @@ def test_expired_lease_returns_rows_and_a_late_ack_names_the_re_delivered_rows()
     assert "ack by 'reward'" in msg and "[0, 1, 2]" in msg and "re-delivered" in msg
     dock.ack(again)
     assert dock.stats()["dock/leases_expired"] == 1 and dock.stats()["dock/rows_returned"] == 3
+
+
+def test_ack_of_rows_never_leased_under_the_lease_is_refused():
+    dock = make_dock()
+    claim = dock.claim("reward", ["prompt_ids"], 2)
+    forged = dataclasses.replace(claim, rows=[1, 2, 3])
+    with pytest.raises(DockError, match=r"rows \[2, 3\] are not leased to 'reward' under lease '[0-9a-f]+' in iteration 0"):
+        dock.ack(forged)
+    assert dock.claim("reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]  # the refused rows stay free
 
 
 def test_late_ack_is_accepted_when_nobody_re_claimed_the_rows():
