@@ -434,7 +434,8 @@ class DockClient:
             self._check_rows(layout, rows, what)
             errors = []
             for s, pos in layout.split(rows).items():
-                body = {"iteration": claim.iteration, "consumer": claim.consumer, "lease": claim.lease, "rows": rows[pos].tolist()}
+                body = {"iteration": claim.iteration, "consumer": claim.consumer, "lease": claim.lease,
+                        "rows": rows[pos].tolist()}
                 try:
                     self._action(s, "ack", body)
                 except DockError as e:
@@ -535,11 +536,15 @@ class DockClient:
                 "locations (restore into as many shards, in the same order)"
             )
         first = meta["layout"]
-        layout = None if first is None else ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(self.locations))
+        layout = None
+        if first is not None:
+            layout = ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(self.locations))
         for s in range(len(self.locations)):
             open_now = self._describe(s)
             if open_now is not None:
-                raise DockError(f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first")
+                raise DockError(
+                    f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
+                )
         for s, name in enumerate(meta["shards"]):
             self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})
         with self._lock:

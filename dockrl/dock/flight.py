@@ -173,7 +173,8 @@ class DockShardServer(flight.FlightServerBase):
             "missing": lambda ctx, req: self.dock.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
             "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
             "ack": lambda ctx, req: self.dock.ack_rows(req["consumer"], req["lease"], req["rows"], iteration=req["iteration"]),
-            "renew": lambda ctx, req: {"leases": self.dock.renew(req["owner"]), "iteration": (self._describe()["layout"] or {}).get("iteration")},
+            # the layout is read without the server lock: a snapshot in progress holds it, and beats must not wait
+            "renew": lambda ctx, req: {"leases": self.dock.renew(req["owner"]), "iteration": (self._layout or {}).get("iteration")},
             "release_owner": lambda ctx, req: {"rows": self.dock.release_owner(req["owner"])},
             "snapshot": lambda ctx, req: self._snapshot(req["uri"]),
             "restore": lambda ctx, req: self._restore(req["uri"], req["layout"]),
@@ -266,7 +267,9 @@ class DockShardServer(flight.FlightServerBase):
             if self._closed:
                 raise DockError(f"restore from {uri!r}: dock shard at {self._location} is shutting down")
             if self._layout is not None:
-                raise DockError(f"restore from {uri!r}: iteration {self._layout['iteration']} is open on this shard; close it first")
+                raise DockError(
+                    f"restore from {uri!r}: iteration {self._layout['iteration']} is open on this shard; close it first"
+                )
             self.dock.restore(uri, extra={"layout": layout})
             self._layout = layout
 

@@ -142,7 +142,8 @@ class _Iteration:
         self.acked = np.zeros((num_rows, len(schema.consumers)), dtype=bool)  # implies consumed
         self.lease_at = np.full((num_rows, len(schema.consumers)), None, dtype=object)  # _Lease of a consumed, un-acked row
         self.leases: dict[str, _Lease] = {}
-        self.acked_by = np.full((num_rows, len(schema.consumers)), None, dtype=object)  # lease id acked under (an ack is idempotent)
+        # lease id a row was acked under: a repeated ack is accepted
+        self.acked_by = np.full((num_rows, len(schema.consumers)), None, dtype=object)
         self.ended: dict[str, tuple[int, set[int]]] = {}  # lease id → (consumer, local rows) when it ended un-acked
         # output columns of each consumer: a row whose outputs are all written is finished
         self.outputs = [[self.col_index[c.name] for c in schema.columns if c.producer == name] for name in schema.consumers]
@@ -527,7 +528,8 @@ class TransferDock:
             returned += int((~done).sum())
             logger.warning(
                 "lease %s of owner %r (consumer %r, iteration %d) %s: %d rows back to the ready pool, %d finished",
-                lease.id, lease.owner, self.schema.consumers[lease.consumer], it.iteration, why, int((~done).sum()), int(done.sum()),
+                lease.id, lease.owner, self.schema.consumers[lease.consumer], it.iteration, why,
+                int((~done).sum()), int(done.sum()),
             )
         self.rows_returned += returned
         if leases:
@@ -610,7 +612,8 @@ class TransferDock:
                 errors.append(
                     f"lease {lease!r} ended before this ack (it expired or its owner was released) and rows "
                     f"{(local[bad & was_leased] + it.first_row)[:10].tolist()} were re-delivered to another claim of "
-                    f"{consumer!r}; keep workers renewing their leases (DockClient does, while its process lives) or raise lease_s"
+                    f"{consumer!r}; keep workers renewing their leases (DockClient does, while its process lives) "
+                    "or raise lease_s"
                 )
             if (bad & ~was_leased).any():
                 errors.append(
@@ -702,7 +705,8 @@ class TransferDock:
         columns = [[c.name, str(c.type)] for c in self.schema.columns]
         if meta.get("kind") != "transfer_dock":
             raise DockError(f"{what}: the snapshot there is a {meta.get('kind')!r}, not a transfer_dock snapshot")
-        if (meta["schema_version"], meta["columns"], meta["consumers"]) != (self.schema.version, columns, list(self.schema.consumers)):
+        ours = (self.schema.version, columns, list(self.schema.consumers))
+        if (meta["schema_version"], meta["columns"], meta["consumers"]) != ours:
             raise DockError(
                 f"{what}: snapshot has schema v{meta['schema_version']} columns {meta['columns']} consumers {meta['consumers']}; "
                 f"this dock has v{self.schema.version} columns {columns} consumers {list(self.schema.consumers)}"
