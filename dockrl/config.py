@@ -134,6 +134,9 @@ class TrainerConfig:
 class DockConfig:
     timeout_s: float = 600.0
     """Longest a stage waits for rows before failing with the missing columns."""
+    lease_s: float = 300.0
+    """Lease term of a claim, seconds: rows a worker claimed and did not ack return to the
+    ready pool this long after its last renewal (a live client renews every lease_s/3)."""
     warehouse: Literal["memory", "s3", "directory"] = "memory"
     """Where column payload lives: the dock shards' memory, an S3 bucket, or a local directory."""
     directory: str = ".cache/dockrl/warehouse"
@@ -280,7 +283,7 @@ def _check_rules(c: Config) -> None:
     # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
     finite_positive = {
         "trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
-        "dock.store_timeout_s": c.dock.store_timeout_s,
+        "dock.store_timeout_s": c.dock.store_timeout_s, "dock.lease_s": c.dock.lease_s,
     }
     for where, v in finite_positive.items():
         if not (0 < v < math.inf):

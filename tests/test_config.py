@@ -138,6 +138,8 @@ ERRORS = {
     "store timeout": (["dock.store_timeout_s=0"], ["dock.store_timeout_s: got 0.0", "finite number > 0"]),
     "store retries": (["dock.store_retries=-1"], ["dock.store_retries: got -1"]),
     "empty directory": (["dock.warehouse=directory", "dock.directory= "], ["dock.directory"]),
+    "zero lease": (["dock.lease_s=0"], ["dock.lease_s: got 0.0", "finite number > 0"]),
+    "infinite lease": (["dock.lease_s=.inf"], ["dock.lease_s: got inf", "finite number > 0"]),
 }
 
 
@@ -236,7 +238,7 @@ def test_save_then_load_round_trips(tmp_path):
     assert load_config(path) == Config()
 
 
-@pytest.mark.parametrize("override", ["trainer.lr=nan", "dock.timeout_s=nan"])
+@pytest.mark.parametrize("override", ["trainer.lr=nan", "dock.timeout_s=nan", "dock.lease_s=nan"])
 def test_nan_is_rejected(override):
     field = override.split("=")[0]
     with pytest.raises(ConfigError, match=field):

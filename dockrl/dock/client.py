@@ -17,6 +17,22 @@ sleep loop. On a timeout or any error the rows taken are released: a failed clai
 nothing. Known limit: while blocked on one shard, rows that become ready only on another
 are seen when that shard answers or at the deadline (a last sweep runs before timing out).
 
+**Leases.** Every client has a unique ``owner`` id (``host:pid:random`` unless given) and
+claims under a fresh lease id per claim, on every shard it takes rows from, with its own
+``lease_s`` term. While it holds un-acked claims a daemon thread renews all leases of its
+owner on every shard each ``lease_s/3`` seconds, so a live but slow worker never loses rows;
+when its process dies the renewals stop and the rows return to the pool ``lease_s`` later,
+or at once when the launcher calls ``release_owner``. ``ack`` goes to the shards owning the
+claim's rows. A claim with nothing to take while other owners hold rows of the consumer
+blocks on the shard holding most of them (``wait_held``), for the same reason as
+``TransferDock.claim``; rows coming back on another shard are seen when that one answers.
+
+**Snapshots.** ``snapshot(uri)`` has every shard write its own snapshot under
+``<uri>/<id>/shard-<s>``, then writes ``<uri>/meta.json`` (shard count, layout) last, so a
+snapshot cut short is never read as complete. It is consistent per shard, not across shards
+(rows are independent, so each row's state is one some moment had). ``restore(uri)`` loads
+shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there).
+
 Puts and gets go straight to the shards owning the rows. A put is fully checked on the
 client first, then is atomic per shard but not across shards (one shard may refuse an
 already written cell after another accepted its part).
@@ -35,8 +51,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 import threading
 import time
+import uuid
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -50,6 +69,7 @@ from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import (
     Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, new_key, read_cells, write_arrays,
 )
+from dockrl.dock.snapshot import join_uri, new_id, read_meta, write_snapshot
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,20 +95,33 @@ class DockClient:
             call gets past its own timeout.
         warehouse: the object store of the payload, for shards started with ``payload="store"``;
             None for shards that hold the payload in memory. The mode must match the shards'.
+        lease_s: lease term of this client's claims, seconds; renewed every ``lease_s/3``.
+        owner: lease owner id; default ``host:pid:random``, unique per client. A launcher that
+            passes a known id can ``release_owner`` it when the worker's process dies.
 
     Thread-safe; every method may raise ``DockError`` as ``TransferDock`` does, and Flight
     errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) annotated
     with the shard and call.
+
+    Raises:
+        ValueError: no locations, or ``lease_s`` not a finite number > 0.
     """
 
     def __init__(
         self, locations: Sequence[str], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
-        rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None,
+        rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
     ) -> None:
         if not locations:
             raise ValueError("DockClient: locations is empty; expected at least one grpc://host:port")
+        if not 0 < lease_s < math.inf:
+            raise ValueError(f"DockClient: lease_s={lease_s!r}; expected a finite number of seconds > 0")
         self.locations, self.schema = list(locations), schema
-        self.timeout_s, self.rpc_timeout_s = timeout_s, rpc_timeout_s
+        self.timeout_s, self.rpc_timeout_s, self.lease_s = timeout_s, rpc_timeout_s, lease_s
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._beat = threading.Condition()
+        self._held: dict[str, int] = {}  # un-acked lease id → its iteration
+        self._beat_thread: threading.Thread | None = None
+        self._closed = False
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients = [flight.connect(loc) for loc in self.locations]
         self._lock = threading.Lock()
@@ -350,13 +383,16 @@ class DockClient:
         deadline = time.monotonic() + timeout
         layout = self._layout_for(what)
         try:
-            return self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline)
+            claim = self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline)
         except DockError as e:
             shard0 = None if isinstance(e, DockTimeoutError) else self._describe(0)
             if shard0 is None or shard0["iteration"] == layout.iteration:  # closed (maybe still closing), or the same one
                 raise
             # the iteration this client knew was closed and another opened: claim from that one
-            return self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
+            claim = self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
+        if claim.rows:
+            self._hold(claim.lease, claim.iteration)
+        return claim
 
     def _claim(
         self, layout: ShardLayout, consumer: str, columns: list[str], count: int, whole_groups: bool,
@@ -373,17 +409,20 @@ class DockClient:
         with self._lock:
             first, self._next = self._next % len(active), self._next + 1
         order = active[first:] + active[:first]
+        lease = uuid.uuid4().hex
         taken: dict[int, list[int]] = {}
         pending: dict[int, int] = {}
+        held: dict[int, int] = {}  # rows of the consumer other owners lease, by shard: they may come back
 
-        def take(s: int, limit: int, at_least: int, wait_s: float = 0.0) -> None:
+        def take(s: int, limit: int, at_least: int, wait_s: float = 0.0, wait_held: bool = False) -> None:
             body = {"iteration": layout.iteration, "consumer": consumer, "columns": columns, "count": int(limit),
                     "at_least": at_least, "whole_groups": whole_groups,
-                    "timeout_s": wait_s if math.isfinite(wait_s) else None}
+                    "timeout_s": wait_s if math.isfinite(wait_s) else None,
+                    "owner": self.owner, "lease": lease, "lease_s": self.lease_s, "wait_held": wait_held}
             rpc = wait_s + self.rpc_timeout_s if math.isfinite(wait_s) else None
             res = self._action(s, "claim", body, timeout=rpc)
             taken.setdefault(s, []).extend(res["rows"])
-            pending[s] = res["pending"]
+            pending[s], held[s] = res["pending"], res.get("held", 0)
 
         def got() -> int:
             return sum(len(r) for r in taken.values())
@@ -393,33 +432,42 @@ class DockClient:
                 if got() < count:
                     take(s, count - got(), at_least=0)
             want = min(count, got() + sum(pending.values()))
-            while got() < want:
-                left = [s for s in order if pending.get(s, 0) > 0]
-                s = max(left, key=lambda t: pending[t])  # first of the most loaded shards, in rotation order
-                others = sum(pending[t] for t in left if t != s)
-                at_least = max(unit, min(pending[s], want - got() - others))
+            # block while short of rows the consumer still has pending, or, with nothing to take at all,
+            # while other owners hold rows (an empty claim means the consumer is done)
+            while got() < want or (got() == 0 and sum(held.values()) > 0):
+                if got() < want:
+                    left = [s for s in order if pending.get(s, 0) > 0]
+                    s = max(left, key=lambda t: pending[t])  # first of the most loaded shards, in rotation order
+                    others = sum(pending[t] for t in left if t != s)
+                    at_least, wait_held = max(unit, min(pending[s], want - got() - others)), False
+                else:
+                    left = [s for s in order if held.get(s, 0) > 0]
+                    s = max(left, key=lambda t: held[t])
+                    at_least, wait_held = unit, True
                 try:
-                    take(s, want - got(), at_least, max(deadline - time.monotonic(), 0.0))
+                    take(s, count - got(), at_least, max(deadline - time.monotonic(), 0.0), wait_held)
                 except DockTimeoutError:
-                    for t in left:  # a last look at the other shards before giving up
-                        if t != s and got() < want:
-                            take(t, want - got(), at_least=0)
-                    if got() < want:
-                        raise self._timeout(layout, consumer, columns, timeout, want, got(), pending) from None
-                for t in left:
-                    if t != s and got() < want and pending[t] > 0:
-                        take(t, want - got(), at_least=0)
-                want = min(want, got() + sum(pending.values()))  # other clients of this consumer may take rows too
+                    for t in order:  # a last look at the other shards before giving up
+                        if t != s and got() < count:
+                            take(t, count - got(), at_least=0)
+                    if got() < want or got() == 0:
+                        raise self._timeout(layout, consumer, columns, timeout, want, got(), pending, held) from None
+                    break
+                for t in order:  # rows held elsewhere may have come back too (leases of one claim expire together)
+                    if t != s and got() < count and (pending.get(t, 0) > 0 or held.get(t, 0) > 0):
+                        take(t, count - got(), at_least=0)
+                want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
             rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
             tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
             self._release(layout, consumer, taken)
             raise
-        return Claim(layout.iteration, [r for part in rows for r in part], self._batch(tables, columns))
+        claimed = [r for part in rows for r in part]
+        return Claim(layout.iteration, claimed, self._batch(tables, columns), lease if claimed else "", consumer)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,
-        pending: dict[int, int],
+        pending: dict[int, int], held: dict[int, int],
     ) -> DockTimeoutError:
         """The timeout error of a claim, with the columns each shard still lacks for ``consumer``."""
         missing = {}
@@ -427,9 +475,14 @@ class DockClient:
             lacking = self._action(s, "missing", {"iteration": layout.iteration, "consumer": consumer, "columns": columns})
             if lacking:
                 missing[f"shard {s} at {self.locations[s]}"] = lacking
+        held_note = (
+            f"; {sum(held.values())} rows are leased by other owners and not yet acked (they come back if their "
+            "leases expire or are released)" if sum(held.values()) else ""
+        )
         return DockTimeoutError(
             f"claim by {consumer!r} timed out after {timeout:.1f}s in iteration {layout.iteration}: "
-            f"wanted {want} rows ready in {columns}, {ready} ready; columns still missing (rows lacking) by shard: {missing}"
+            f"wanted {want} rows ready in {columns}, {ready} ready; columns still missing (rows lacking) by shard: "
+            f"{missing}{held_note}"
         )
 
     def _release(self, layout: ShardLayout, consumer: str, taken: dict[int, list[int]]) -> None:
@@ -439,6 +492,145 @@ class DockClient:
                     self._action(s, "release", {"iteration": layout.iteration, "consumer": consumer, "rows": rows})
                 except Exception as e:  # noqa: BLE001 - best effort: the claim's own error is what the caller needs
                     logger.warning("could not release %d rows of %r on dock shard %d: %s", len(rows), consumer, s, e)
+
+    # --- leases -------------------------------------------------------------------------------
+    def ack(self, claim: Claim) -> None:
+        """The claim's consumer is done with its rows (call after its put): ends the lease on
+        the shards owning them (``TransferDock.ack`` semantics; an empty claim is a no-op).
+
+        Raises:
+            DockError: the claim's iteration is no longer open, or rows of the lease ended before
+                the ack and were re-delivered (every shard is acked first; the message names the
+                rows of each shard that refused).
+        """
+        if not claim.rows:
+            return
+        what = f"ack by {claim.consumer!r}"
+        try:
+            layout = self._layout_for(what)
+            if layout.iteration != claim.iteration:
+                layout = self._layout_for(what, fresh=True)
+            if layout.iteration != claim.iteration:
+                raise DockError(f"{what}: iteration {claim.iteration} is not open; the open iteration is {layout.iteration}")
+            rows = np.asarray(claim.rows, dtype=np.int64)
+            self._check_rows(layout, rows, what)
+            errors = []
+            for s, pos in layout.split(rows).items():
+                body = {"iteration": claim.iteration, "consumer": claim.consumer, "lease": claim.lease,
+                        "rows": rows[pos].tolist()}
+                try:
+                    self._action(s, "ack", body)
+                except DockError as e:
+                    errors.append(f"shard {s}: {e}" if len(self.locations) > 1 else str(e))
+            if errors:
+                raise DockError("; ".join(errors))
+        finally:
+            with self._beat:
+                self._held.pop(claim.lease, None)
+
+    def renew(self, owner: str | None = None) -> int:
+        """Push every lease of ``owner`` (default this client's) a full term ahead on every shard.
+
+        Returns the number of leases renewed, over all shards.
+        """
+        return sum(self._renew(owner or self.owner)[0])
+
+    def _renew(self, owner: str) -> tuple[list[int], int | None]:
+        results = [self._action(s, "renew", {"owner": owner}) for s in range(len(self.locations))]
+        return [r["leases"] for r in results], results[0]["iteration"]
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` on every shard now (its process died): un-finished rows
+        return to the ready pool at once instead of at expiry.
+
+        Returns the number of rows returned, over all shards.
+        """
+        return sum(self._action(s, "release_owner", {"owner": owner})["rows"] for s in range(len(self.locations)))
+
+    def _hold(self, lease: str, iteration: int) -> None:
+        """Track an un-acked lease; start the heartbeat thread on the first."""
+        with self._beat:
+            if self._closed:
+                return
+            self._held[lease] = iteration
+            if self._beat_thread is None:
+                self._beat_thread = threading.Thread(target=self._heartbeat, name=f"dock-lease-{self.owner}", daemon=True)
+                self._beat_thread.start()
+            self._beat.notify_all()
+
+    def _heartbeat(self) -> None:
+        """Renew this owner's leases every ``lease_s/3`` while it holds any; sleep on a condition otherwise."""
+        period = self.lease_s / 3
+        while True:
+            with self._beat:
+                while not self._held and not self._closed:
+                    self._beat.wait()
+                deadline = time.monotonic() + period
+                while not self._closed and (left := deadline - time.monotonic()) > 0:
+                    self._beat.wait(left)  # close() wakes it early
+                if self._closed:
+                    return
+                if not self._held:
+                    continue
+            try:
+                _, iteration = self._renew(self.owner)
+            except Exception as e:  # noqa: BLE001 - a missed beat is retried; expiry is what protects the rows
+                logger.warning("dock lease heartbeat of %s failed: %s", self.owner, e)
+                continue
+            with self._beat:  # claims of a closed iteration will never be acked: stop renewing for them
+                for lease in [k for k, it in self._held.items() if it != iteration]:
+                    del self._held[lease]
+
+    # --- snapshots ----------------------------------------------------------------------------
+    def snapshot(self, uri: str) -> None:
+        """Snapshot every shard to ``<uri>/<id>/shard-<s>``, then ``<uri>/meta.json`` last.
+
+        Raises:
+            DockError: the shards disagree on the layout, or a shard's filesystem refused a write.
+        """
+        layout = self._fetch_layout()
+        sid = new_id()
+        shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.locations))]
+        for s, name in enumerate(shards):
+            self._action(s, "snapshot", {"uri": join_uri(uri, name)})
+        meta = {"kind": "dock_client", "schema_version": self.schema.version, "num_shards": len(self.locations),
+                "layout": None if layout is None else layout.shard_meta(0), "shards": shards}
+        write_snapshot(uri, meta, {}, snapshot_id=sid)
+
+    def restore(self, uri: str) -> None:
+        """Load the snapshot at ``uri`` into the shards, shard ``s``'s into shard ``s``.
+
+        Un-acked leases of the snapshot end (``TransferDock.restore``).
+
+        Raises:
+            DockError: no complete snapshot, another schema version, another shard count, or
+                an iteration open on a shard (checked before any shard is touched).
+        """
+        meta = read_meta(uri)
+        what = f"restore from {uri!r}"
+        if meta.get("kind") != "dock_client":
+            raise DockError(f"{what}: the snapshot there is a {meta.get('kind')!r}, not a sharded dock snapshot")
+        if meta["schema_version"] != self.schema.version:
+            raise DockError(f"{what}: snapshot has schema v{meta['schema_version']}; this client has v{self.schema.version}")
+        if meta["num_shards"] != len(self.locations):
+            raise DockError(
+                f"{what}: snapshot was taken over {meta['num_shards']} shards; this client has {len(self.locations)} "
+                "locations (restore into as many shards, in the same order)"
+            )
+        first = meta["layout"]
+        layout = None
+        if first is not None:
+            layout = ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(self.locations))
+        for s in range(len(self.locations)):
+            open_now = self._describe(s)
+            if open_now is not None:
+                raise DockError(
+                    f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
+                )
+        for s, name in enumerate(meta["shards"]):
+            self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})
+        with self._lock:
+            self._layout = layout
 
     def stats(self) -> dict[str, float]:
         """Counters summed over shards: ``dock/bytes_put``, ``dock/bytes_read`` (payload bytes
@@ -455,7 +647,13 @@ class DockClient:
         return total | store | {"dock/shards": len(self.locations)}
 
     def close(self) -> None:
-        """Close the connections to the shards (the shards keep running)."""
+        """Stop renewing leases and close the connections to the shards (the shards keep running)."""
+        with self._beat:
+            self._closed = True
+            self._beat.notify_all()
+            thread = self._beat_thread
+        if thread is not None:
+            thread.join(self.rpc_timeout_s)
         for c in self._clients:
             c.close()
 

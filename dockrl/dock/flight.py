@@ -10,10 +10,16 @@ Protocol (every body and result is UTF-8 JSON):
   ``open_iteration`` {iteration, num_rows, group_size, first_row, stop_row, shard, num_shards}
   (checked against the row mapping ``ShardLayout``),
   ``close_iteration`` {}, ``describe`` {} → {schema_version, columns, layout},
-  ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s} →
-  {rows, pending} (blocks on the dock's condition variable, never a sleep-poll; returns row
-  indexes only), ``release`` {iteration, consumer, rows}, ``missing`` {iteration, consumer,
+  ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
+  lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable,
+  never a sleep-poll; returns row indexes only; the rows are leased to ``owner`` under
+  ``lease``), ``release`` {iteration, consumer, rows}, ``missing`` {iteration, consumer,
   columns} → {column: rows lacking}, ``stats`` {} → counters.
+* leases (``dockrl.dock.local``): ``ack`` {iteration, consumer, lease, rows},
+  ``renew`` {owner} → {leases, iteration}, ``release_owner`` {owner} → {rows}.
+* snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri``;
+  ``restore`` {uri, layout} loads it into a shard with no open iteration, checking that the
+  snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null).
 * ``do_put`` — payload in: descriptor command {iteration}; one record batch with an int64
   ``row`` column (global row indexes) plus the data columns.
 * ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
@@ -54,7 +60,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.local import TransferDock
+from dockrl.dock.local import DEFAULT_OWNER, TransferDock
 from dockrl.dock.schema import Schema
 
 logger = logging.getLogger(__name__)
@@ -146,6 +152,7 @@ class DockShardServer(flight.FlightServerBase):
         timeout_s: default claim timeout of the wrapped dock, seconds.
         payload: ``memory`` (cells in this process, Flight ``do_put``/``do_get``) or ``store``
             (cells in a warehouse that clients read and write; this shard keeps object keys).
+        lease_s: default lease term of the wrapped dock, seconds (clients send their own).
 
     Serving starts in the constructor (gRPC threads); ``serve()`` only blocks. ``close()``
     wakes blocked claims (they fail with "no iteration is open") and shuts the server down.
@@ -154,6 +161,7 @@ class DockShardServer(flight.FlightServerBase):
     def __init__(
         self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0,
         payload: Literal["memory", "store"] = "memory",
+        lease_s: float = 300.0,
     ) -> None:
         if payload not in ("memory", "store"):
             raise ValueError(f"DockShardServer payload: got {payload!r}; expected 'memory' or 'store'")
@@ -161,7 +169,7 @@ class DockShardServer(flight.FlightServerBase):
         middleware = {"auth": BearerTokenMiddlewareFactory(token)} if token else {}
         super().__init__(location, middleware=middleware)
         self.schema = schema
-        self.dock = TransferDock(schema, timeout_s=timeout_s)
+        self.dock = TransferDock(schema, timeout_s=timeout_s, lease_s=lease_s)
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         self._location = f"grpc://{host}:{self.port}"
         self._lock = threading.Lock()
@@ -178,6 +186,12 @@ class DockShardServer(flight.FlightServerBase):
             "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
             "commit": self._commit,
             "locate": self._locate,
+            "ack": lambda ctx, req: self.dock.ack_rows(req["consumer"], req["lease"], req["rows"], iteration=req["iteration"]),
+            # the layout is read without the server lock: a snapshot in progress holds it, and beats must not wait
+            "renew": lambda ctx, req: {"leases": self.dock.renew(req["owner"]), "iteration": (self._layout or {}).get("iteration")},
+            "release_owner": lambda ctx, req: {"rows": self.dock.release_owner(req["owner"])},
+            "snapshot": lambda ctx, req: self._snapshot(req["uri"]),
+            "restore": lambda ctx, req: self._restore(req["uri"], req["layout"]),
         }
         logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
 
@@ -262,16 +276,33 @@ class DockShardServer(flight.FlightServerBase):
 
     def _claim(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
         timeout = math.inf if req["timeout_s"] is None else float(req["timeout_s"])
-        rows, pending = self.dock.take(
+        rows, pending, held, _ = self.dock.take(
             req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
             at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
+            owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
+            wait_held=req.get("wait_held", True),
         )
         if rows and context.is_cancelled():
             # the client gave up (deadline or disconnect): nobody will read these rows, hand them back
             logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
             self.dock.release(req["consumer"], rows, iteration=req["iteration"])
             rows, pending = [], pending + len(rows)
-        return {"rows": rows, "pending": pending}
+        return {"rows": rows, "pending": pending, "held": held}
+
+    def _snapshot(self, uri: str) -> None:
+        with self._lock:  # no open/close while the layout and the dock are written together
+            self.dock.snapshot(uri, extra={"layout": self._layout})
+
+    def _restore(self, uri: str, layout: dict[str, int] | None) -> None:
+        with self._lock:
+            if self._closed:
+                raise DockError(f"restore from {uri!r}: dock shard at {self._location} is shutting down")
+            if self._layout is not None:
+                raise DockError(
+                    f"restore from {uri!r}: iteration {self._layout['iteration']} is open on this shard; close it first"
+                )
+            self.dock.restore(uri, extra={"layout": layout})
+            self._layout = layout
 
     # --- payload path ---------------------------------------------------------------------------
     def do_put(
@@ -304,7 +335,7 @@ class DockShardServer(flight.FlightServerBase):
 
 
 def start_local_shards(
-    n: int, schema: Schema, token: str | None = None, *, timeout_s: float = 600.0,
+    n: int, schema: Schema, token: str | None = None, *, timeout_s: float = 600.0, lease_s: float = 300.0,
     payload: Literal["memory", "store"] = "memory",
 ) -> tuple[list[DockShardServer], list[str]]:
     """Start ``n`` shard servers in this process (gRPC threads) on free loopback ports.
@@ -312,7 +343,8 @@ def start_local_shards(
     Returns the servers (call ``close()`` on each when done) and their locations.
     """
     servers = [
-        DockShardServer(schema, "grpc://127.0.0.1:0", token=token, timeout_s=timeout_s, payload=payload) for _ in range(n)
+        DockShardServer(schema, "grpc://127.0.0.1:0", token=token, timeout_s=timeout_s, lease_s=lease_s, payload=payload)
+        for _ in range(n)
     ]
     return servers, [s.location for s in servers]
 
@@ -352,7 +384,10 @@ def serve_shard(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="default claim timeout, seconds")
     parser.add_argument("--payload", choices=("memory", "store"), default="memory",
                         help="memory: cells in this shard; store: metadata only, cells in the run's warehouse")
+    parser.add_argument("--lease-s", type=float, default=300.0, help="default lease term of a claim, seconds")
     args = parser.parse_args(argv)
+    if not 0 < args.lease_s < math.inf:
+        parser.error(f"--lease-s {args.lease_s}: expected a finite number of seconds > 0")
     token = None
     if args.token_env:
         token = os.environ.get(args.token_env)
@@ -362,6 +397,7 @@ def serve_shard(argv: list[str] | None = None) -> int:
     server = DockShardServer(
         _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s,
         payload=args.payload,
+        lease_s=args.lease_s,
     )
     print(server.location, flush=True)
 

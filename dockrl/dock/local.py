@@ -7,18 +7,40 @@ size). Waiting is event-driven on a condition variable, never a sleep-poll loop.
 
 A shard of the networked dock (``dockrl.dock.flight``) wraps one ``TransferDock`` over its
 slice of rows (``open_iteration(..., first_row=k)``, so errors name global rows); ``take``,
-``release`` and ``missing`` are the metadata-only building blocks of a claim across shards;
-``commit`` and ``locate`` those of a put and a read whose payload lives in a warehouse
-(``dockrl.dock.warehouse``): the dock then holds object keys and offsets, never cells.
+``release``, ``missing`` and ``ack_rows`` are the metadata-only building blocks of a claim
+across shards; ``commit`` and ``locate`` those of a put and a read whose payload lives in a
+warehouse (``dockrl.dock.warehouse``): the dock then holds object keys and offsets, never cells.
+
+**Leases.** A claim is a lease: for each (row, consumer) it took, the dock records the
+claim's ``lease`` id, its ``owner`` (the claiming client; ``DEFAULT_OWNER`` in-process) and an
+expiry ``lease_s`` seconds ahead. The consumer ``ack``s the claim after its put, which ends
+the lease for good. ``renew(owner)`` pushes the expiry of every lease of an owner ahead (the
+networked client does it from a heartbeat thread); ``release_owner(owner)`` ends them at once
+(a launcher that saw the owner's process die). A lease that ends without an ack (expiry,
+``release_owner``, ``restore``) returns its rows to the ready pool, except rows whose output
+columns for that consumer (schema columns whose producer is the consumer) are all written:
+the put is the commit, so those rows count as acked and are not computed twice. Blocked
+claims wake at the next expiry (the condition wait is bounded by it), never by polling.
+
+**When a consumer is done.** An empty claim means every row of the consumer is acked,
+finished (outputs written), or leased by the claiming owner itself. While rows are leased by
+another owner and not finished, a claim with nothing to take blocks: they may come back.
+
+**Snapshots.** ``snapshot(uri)`` writes the open iteration's metadata (layout, readiness,
+consumed and acked bits) and payload as Arrow IPC files through ``pyarrow.fs``
+(``dockrl.dock.snapshot``); ``restore(uri)`` loads it into a dock with no open iteration, and
+un-acked leases end there (their holders belong to the old run).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +48,12 @@ import pyarrow as pa
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import Located
+from dockrl.dock.snapshot import read_meta, read_table, write_snapshot
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OWNER = "local"
+"""Lease owner of claims made without one (the stages of one process share it)."""
 
 
 @dataclass(frozen=True)
@@ -33,12 +61,17 @@ class Claim:
     """Rows handed to one consumer: their indexes and the requested columns.
 
     ``batch`` has one record per row, in the order of ``rows``. An empty claim (no rows) means
-    the consumer has taken every row of the iteration.
+    the consumer is done with the iteration: every row is acked, finished, or leased by the
+    claiming owner itself (see the module docstring).
     """
 
     iteration: int
     rows: list[int]
     batch: pa.RecordBatch
+    lease: str = ""
+    """Id of the lease on ``rows`` (empty for an empty claim): ``ack`` the claim after the put."""
+    consumer: str = ""
+    """The consumer that claimed the rows."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -78,7 +111,7 @@ def arrow_columns(
     return arrays
 
 
-def _cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) -> pa.Array:
+def _slice_cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) -> pa.Array:
     """The cells at ``loc`` (``(k, 2)`` rows of chunk id, offset), in order, as one array.
 
     Runs of consecutive cells of one chunk are sliced (zero-copy) and the pieces concatenated
@@ -92,6 +125,29 @@ def _cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) -> pa.Ar
     return pa.concat_arrays([chunks[chunk[a]].slice(offset[a], b - a) for a, b in zip(starts, stops)])
 
 
+class Taken(NamedTuple):
+    """What ``take`` did: rows taken (global indexes) and the consumer's rows left."""
+
+    rows: list[int]
+    pending: int
+    """Rows the consumer has not taken yet (after this take)."""
+    held: int
+    """Rows of the consumer leased by other owners, not acked nor finished: they may come back."""
+    lease: str
+    """Lease id the rows were taken under."""
+
+
+@dataclass
+class _Lease:
+    id: str
+    owner: str
+    consumer: int
+    term_s: float
+    expiry: float  # time.monotonic()
+    rows: set[int]  # local row indexes
+    whole_groups: bool
+
+
 class _Iteration:
     def __init__(self, schema: Schema, iteration: int, num_rows: int, group_size: int, first_row: int) -> None:
         self.iteration, self.num_rows, self.group_size, self.first_row = iteration, num_rows, group_size, first_row
@@ -99,9 +155,23 @@ class _Iteration:
         self.consumer_index = {c: i for i, c in enumerate(schema.consumers)}
         self.ready = np.zeros((num_rows, len(schema.columns)), dtype=bool)
         self.consumed = np.zeros((num_rows, len(schema.consumers)), dtype=bool)
+        self.acked = np.zeros((num_rows, len(schema.consumers)), dtype=bool)  # implies consumed
+        self.lease_at = np.full((num_rows, len(schema.consumers)), None, dtype=object)  # _Lease of a consumed, un-acked row
+        self.leases: dict[str, _Lease] = {}
+        # lease id a row was acked under: a repeated ack is accepted
+        self.acked_by = np.full((num_rows, len(schema.consumers)), None, dtype=object)
+        self.ended: dict[str, tuple[int, set[int]]] = {}  # lease id → (consumer, local rows) when it ended un-acked
+        # output columns of each consumer: a row whose outputs are all written is finished
+        self.outputs = [[self.col_index[c.name] for c in schema.columns if c.producer == name] for name in schema.consumers]
         # warehouse: per column, Arrow chunks (or keys of committed warehouse objects) and, per row, (chunk, offset)
         self.chunks: dict[str, list[pa.Array | str]] = {c.name: [] for c in schema.columns}
         self.where = {c.name: np.full((num_rows, 2), -1, dtype=np.int64) for c in schema.columns}
+
+    def finished(self, ci: int, rows: np.ndarray) -> np.ndarray:
+        """Whether consumer ``ci`` has written every output column of each of ``rows`` (local)."""
+        if not self.outputs[ci]:
+            return np.zeros(len(rows), dtype=bool)
+        return self.ready[np.ix_(rows, self.outputs[ci])].all(axis=1)
 
 
 class TransferDock:
@@ -110,13 +180,22 @@ class TransferDock:
     Args:
         schema: the column schema; every put is checked against it.
         timeout_s: default claim timeout in seconds.
+        lease_s: default lease term of a claim, seconds (``math.inf``: leases never expire).
 
     Thread-safe: stages may run as threads and block in ``claim``.
+
+    Raises:
+        ValueError: ``lease_s`` is not > 0.
     """
 
-    def __init__(self, schema: Schema, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, schema: Schema, *, timeout_s: float = 600.0, lease_s: float = 300.0) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"TransferDock: lease_s={lease_s!r}; expected a number of seconds > 0")
         self.schema = schema
         self.timeout_s = timeout_s
+        self.lease_s = lease_s
+        self.leases_expired = 0
+        self.rows_returned = 0
         self._cond = threading.Condition()
         self._it: _Iteration | None = None
         self.bytes_put = 0
@@ -276,14 +355,15 @@ class TransferDock:
         return rows - it.first_row
 
     # --- reads -----------------------------------------------------------------------------
+    def _cells(self, it: _Iteration, name: str, rows: np.ndarray) -> pa.Array:
+        """The written cells of column ``name`` at local ``rows``, in that order."""
+        chunks = it.chunks[name]
+        if any(isinstance(c, str) for c in chunks):
+            raise DockError(f"get: column {name!r} lives in a warehouse (committed objects); read it with locate")
+        return _slice_cells(chunks, it.where[name][rows], self.schema.column(name).type)
+
     def _gather(self, it: _Iteration, columns: Sequence[str], rows: np.ndarray) -> pa.RecordBatch:
-        arrays = []
-        for name in columns:
-            loc = it.where[name][rows]
-            chunks = it.chunks[name]
-            if any(isinstance(c, str) for c in chunks):
-                raise DockError(f"get: column {name!r} lives in a warehouse (committed objects); read it with locate")
-            arrays.append(_cells(chunks, loc, self.schema.column(name).type))
+        arrays = [self._cells(it, name, rows) for name in columns]
         batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema.arrow_schema(list(columns)))
         self.bytes_read += batch.nbytes
         return batch
@@ -323,24 +403,34 @@ class TransferDock:
         *,
         whole_groups: bool = False,
         timeout_s: float | None = None,
+        owner: str | None = None,
+        lease_s: float | None = None,
     ) -> Claim:
         """Atomically take up to ``count`` rows ready in all ``columns`` and not yet taken by ``consumer``.
 
         Blocks until ``min(count, rows this consumer has not taken yet)`` rows are ready, so
-        each call returns a full batch except the last of an iteration; returns an empty claim
-        once the consumer has taken every row. With ``whole_groups`` only complete prompt
-        groups are taken and ``count`` must be a multiple of the group size.
+        each call returns a full batch except the last of an iteration. The rows are leased to
+        ``owner`` (default ``DEFAULT_OWNER``) for ``lease_s`` seconds (default the dock's):
+        ``ack`` the claim once its outputs are put. Returns an empty claim once every row of
+        the consumer is acked, finished or leased by ``owner``; while other owners hold
+        un-finished rows it blocks instead (they come back if their lease ends). With
+        ``whole_groups`` only complete prompt groups are taken and ``count`` must be a
+        multiple of the group size.
 
         Raises:
-            DockError: unknown column or consumer, bad count, or no open iteration.
+            DockError: unknown column or consumer, bad count or lease term, or no open iteration.
             DockTimeoutError: not enough rows became ready within the timeout; names the
-                columns still missing and how many rows lack each.
+                columns still missing and how many rows lack each, and the rows other owners hold.
         """
+        lease = uuid.uuid4().hex
         with self._cond:
-            it, rows, _ = self._take_locked(consumer, columns, count, whole_groups, count, timeout_s, None)
+            it, rows, _, _ = self._take_locked(
+                consumer, columns, count, whole_groups, count, timeout_s, None, owner or DEFAULT_OWNER, lease, lease_s, True
+            )
             if not len(rows):
-                return Claim(it.iteration, [], pa.RecordBatch.from_pylist([], schema=self.schema.arrow_schema(list(columns))))
-            return Claim(it.iteration, (rows + it.first_row).tolist(), self._gather(it, columns, rows))
+                empty = pa.RecordBatch.from_pylist([], schema=self.schema.arrow_schema(list(columns)))
+                return Claim(it.iteration, [], empty, consumer=consumer)
+            return Claim(it.iteration, (rows + it.first_row).tolist(), self._gather(it, columns, rows), lease, consumer)
 
     def take(
         self,
@@ -352,31 +442,44 @@ class TransferDock:
         at_least: int | None = None,
         timeout_s: float | None = None,
         iteration: int | None = None,
-    ) -> tuple[list[int], int]:
+        owner: str | None = None,
+        lease: str | None = None,
+        lease_s: float | None = None,
+        wait_held: bool = True,
+    ) -> Taken:
         """Claim rows without reading their cells: the controller half of ``claim``.
 
         Takes up to ``count`` ready rows once ``min(at_least, rows pending)`` are ready
-        (``at_least=None`` means ``count``, as in ``claim``; ``0`` never blocks). Returns the
-        rows taken and how many rows the consumer still has pending (not taken) afterwards.
+        (``at_least=None`` means ``count``, as in ``claim``; ``0`` never blocks), under lease
+        ``lease`` of ``owner`` (a fresh lease id when None; taking again under an existing id
+        adds rows to it and renews it). With no row pending, ``at_least > 0`` and
+        ``wait_held``, it blocks while other owners hold rows of the consumer, as ``claim``.
 
         Raises:
-            DockError: as ``claim``; also a negative ``at_least`` or another iteration open.
+            DockError: as ``claim``; also a negative ``at_least``, another iteration open, or a
+                ``lease`` id of another owner or consumer.
             DockTimeoutError: as ``claim``.
         """
+        lease = lease or uuid.uuid4().hex
         with self._cond:
-            it, rows, left = self._take_locked(
-                consumer, columns, count, whole_groups, count if at_least is None else at_least, timeout_s, iteration
+            it, rows, pending, held = self._take_locked(
+                consumer, columns, count, whole_groups, count if at_least is None else at_least, timeout_s, iteration,
+                owner or DEFAULT_OWNER, lease, lease_s, wait_held,
             )
-            return (rows + it.first_row).tolist(), left
+            return Taken((rows + it.first_row).tolist(), pending, held, lease)
 
     def _take_locked(  # caller holds self._cond; returns local row indexes
         self, consumer: str, columns: Sequence[str], count: int, whole_groups: bool, at_least: int,
-        timeout_s: float | None, iteration: int | None,
-    ) -> tuple[_Iteration, np.ndarray, int]:
+        timeout_s: float | None, iteration: int | None, owner: str, lease_id: str, lease_s: float | None,
+        wait_held: bool,
+    ) -> tuple[_Iteration, np.ndarray, int, int]:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        term = self.lease_s if lease_s is None else lease_s
         start = time.monotonic()
         deadline = start + timeout
         what = f"claim by {consumer!r}"
+        if not term > 0:
+            raise DockError(f"{what}: lease_s={term!r} must be > 0 seconds")
         while True:
             it = self._current(what, iteration)
             self._check_request(it, columns, consumer, what)
@@ -388,28 +491,44 @@ class TransferDock:
             if at_least < 0:
                 raise DockError(f"{what}: at_least={at_least} must be >= 0")
             ci = it.consumer_index[consumer]
+            known = it.leases.get(lease_id)
+            if known is not None and (known.owner != owner or known.consumer != ci):
+                raise DockError(
+                    f"{what}: lease {lease_id!r} belongs to owner {known.owner!r} and consumer "
+                    f"{self.schema.consumers[known.consumer]!r}, not owner {owner!r}"
+                )
+            next_expiry = self._expire_locked(it)
             pending = ~it.consumed[:, ci]
             num_pending = int(pending.sum())
+            held = self._held_locked(it, ci, owner)
             want = min(at_least, num_pending)
             ok = pending & it.ready[:, [it.col_index[c] for c in columns]].all(axis=1)
             if whole_groups:
                 ok = np.repeat(ok.reshape(-1, it.group_size).all(axis=1), it.group_size)
             candidates = np.flatnonzero(ok)
-            if num_pending == 0 or (len(candidates) >= want and (want > 0 or at_least == 0)):
+            wait_for_held = num_pending == 0 and held > 0 and at_least > 0 and wait_held
+            if not wait_for_held and (num_pending == 0 or (len(candidates) >= want and (want > 0 or at_least == 0))):
                 rows = candidates[:count]
-                it.consumed[rows, ci] = True
                 if len(rows):  # waiters for this consumer re-check how many rows they can still get
+                    it.consumed[rows, ci] = True
+                    self._grant_locked(it, ci, rows, owner, lease_id, term, whole_groups)
                     self._cond.notify_all()
                 self.wait_s += time.monotonic() - start
-                return it, rows, num_pending - len(rows)
-            remaining = deadline - time.monotonic()
+                return it, rows, num_pending - len(rows), held
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
+                held_note = (
+                    f"; {held} rows are leased by other owners and not yet acked (they come back if their leases "
+                    "expire or are released)" if held else ""
+                )
                 raise DockTimeoutError(
                     f"{what} timed out after {timeout:.1f}s in iteration {it.iteration}: "
                     f"wanted {want} rows ready in {list(columns)}, {len(candidates)} ready; "
-                    f"columns still missing (rows lacking): {self._missing_locked(it, ci, columns)}"
+                    f"columns still missing (rows lacking): {self._missing_locked(it, ci, columns)}{held_note}"
                 )
-            self._cond.wait(remaining if math.isfinite(remaining) else None)
+            wait = max(min(remaining, next_expiry - now), 0.0)  # wake at the next lease expiry: rows may come back
+            self._cond.wait(wait if math.isfinite(wait) else None)
 
     def _missing_locked(self, it: _Iteration, ci: int, columns: Sequence[str]) -> dict[str, int]:
         pending = ~it.consumed[:, ci]
@@ -432,7 +551,7 @@ class TransferDock:
 
         Raises:
             DockError: unknown consumer, row out of range or repeated, a row not taken by
-                ``consumer``, no open iteration, or another iteration open.
+                ``consumer`` or already acked, no open iteration, or another iteration open.
         """
         what = f"release by {consumer!r}"
         with self._cond:
@@ -443,10 +562,297 @@ class TransferDock:
             not_taken = ~it.consumed[local, ci]
             if not_taken.any():
                 raise DockError(f"{what}: rows {(local[not_taken] + it.first_row)[:10].tolist()} were not taken by it")
+            acked = it.acked[local, ci]
+            if acked.any():
+                raise DockError(f"{what}: rows {(local[acked] + it.first_row)[:10].tolist()} are already acked")
+            self._unlease_locked(it, ci, local)
             it.consumed[local, ci] = False
             self._cond.notify_all()
 
-    def stats(self) -> dict[str, float]:
-        """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read``, ``dock/wait_s``."""
+    # --- leases ------------------------------------------------------------------------------
+    def _grant_locked(
+        self, it: _Iteration, ci: int, rows: np.ndarray, owner: str, lease_id: str, term: float, whole_groups: bool
+    ) -> None:
+        lease = it.leases.get(lease_id)
+        if lease is None:
+            lease = it.leases[lease_id] = _Lease(lease_id, owner, ci, term, 0.0, set(), whole_groups)
+        lease.whole_groups |= whole_groups
+        lease.rows.update(rows.tolist())
+        lease.expiry = time.monotonic() + term
+        it.lease_at[rows, ci] = lease
+
+    def _unlease_locked(self, it: _Iteration, ci: int, local: np.ndarray) -> None:
+        """Detach rows from their leases (an ack or a release); drop leases left empty."""
+        for r in local.tolist():
+            lease = it.lease_at[r, ci]
+            if lease is not None:
+                lease.rows.discard(r)
+                if not lease.rows:
+                    it.leases.pop(lease.id, None)
+        it.lease_at[local, ci] = None
+
+    def _end_leases_locked(self, it: _Iteration, leases: list[_Lease], why: str) -> int:
+        """End un-acked leases: finished rows count as acked, the others go back to the ready pool.
+
+        Returns the number of rows returned to the pool.
+        """
+        returned = 0
+        for lease in leases:
+            del it.leases[lease.id]
+            rows, done = self._lease_done(it, lease)
+            it.ended[lease.id] = (lease.consumer, set(rows.tolist()))
+            it.lease_at[rows, lease.consumer] = None
+            it.acked[rows[done], lease.consumer] = True
+            it.acked_by[rows[done], lease.consumer] = lease.id
+            it.consumed[rows[~done], lease.consumer] = False
+            returned += int((~done).sum())
+            logger.warning(
+                "lease %s of owner %r (consumer %r, iteration %d) %s: %d rows back to the ready pool, %d finished",
+                lease.id, lease.owner, self.schema.consumers[lease.consumer], it.iteration, why,
+                int((~done).sum()), int(done.sum()),
+            )
+        self.rows_returned += returned
+        if leases:
+            self._cond.notify_all()
+        return returned
+
+    @staticmethod
+    def _lease_done(it: _Iteration, lease: _Lease) -> tuple[np.ndarray, np.ndarray]:
+        """The lease's rows (local, ascending) and which count as finished if it ended now.
+
+        A whole-group lease finishes group by group (a group with any row unfinished goes
+        back whole), so whole-group claims never meet a partial group.
+        """
+        rows = np.fromiter(sorted(lease.rows), dtype=np.int64, count=len(lease.rows))
+        done = it.finished(lease.consumer, rows)
+        if lease.whole_groups and len(rows):
+            groups = rows // it.group_size
+            unfinished = np.unique(groups[~done])
+            done &= ~np.isin(groups, unfinished)
+        return rows, done
+
+    def _expire_locked(self, it: _Iteration) -> float:
+        """End the leases past their expiry; return the next expiry (``time.monotonic``), inf if none."""
+        now = time.monotonic()
+        expired = [lease for lease in it.leases.values() if lease.expiry <= now]
+        if expired:
+            self.leases_expired += len(expired)
+            self._end_leases_locked(it, expired, f"expired (not renewed within its {expired[0].term_s:g}s term)")
+        return min((lease.expiry for lease in it.leases.values()), default=math.inf)
+
+    def _held_locked(self, it: _Iteration, ci: int, owner: str) -> int:
+        held = 0
+        for lease in it.leases.values():
+            if lease.consumer == ci and lease.owner != owner:
+                held += int((~self._lease_done(it, lease)[1]).sum())
+        return held
+
+    def ack(self, claim: Claim) -> None:
+        """The claim's consumer is done with its rows (call after its put): end the lease for good.
+
+        Idempotent; an empty claim is a no-op. A lease that already ended (expired, or
+        ``release_owner``) is still accepted for rows it finished or that nobody re-claimed since.
+
+        Raises:
+            DockError: the claim's iteration is not open, unknown consumer, or rows of the
+                lease ended before the ack and were re-delivered to another claim (the message
+                names them; the claim's other rows are acked).
+        """
+        if claim.rows:
+            self.ack_rows(claim.consumer, claim.lease, claim.rows, iteration=claim.iteration)
+
+    def ack_rows(self, consumer: str, lease: str, rows: Sequence[int], *, iteration: int | None = None) -> None:
+        """``ack`` of ``rows`` (global indexes) leased to ``consumer`` under ``lease``: the shard's half.
+
+        Raises:
+            DockError: as ``ack``; also a row out of range or repeated.
+        """
+        what = f"ack by {consumer!r}"
         with self._cond:
-            return {"dock/bytes_put": self.bytes_put, "dock/bytes_read": self.bytes_read, "dock/wait_s": self.wait_s}
+            it = self._current(what, iteration)
+            self._check_request(it, [], consumer, what)
+            local = self._check_rows(it, np.asarray(rows, dtype=np.int64), what)
+            ci = it.consumer_index[consumer]
+            self._expire_locked(it)
+            held = np.array([getattr(it.lease_at[r, ci], "id", None) == lease for r in local.tolist()], dtype=bool)
+            done = it.acked_by[local, ci] == lease  # acked before, or finished when the lease ended
+            ended_ci, ended = it.ended.get(lease, (ci, set()))
+            ended = ended if ended_ci == ci else set()
+            was_leased = np.array([r in ended for r in local.tolist()], dtype=bool)
+            late = was_leased & ~it.consumed[local, ci]  # back in the pool and not re-claimed: a late ack still counts
+            bad = ~(held | done | late)
+            self._unlease_locked(it, ci, local[held])
+            ok = local[~bad]
+            it.consumed[ok, ci] = True
+            it.acked[ok, ci] = True
+            it.acked_by[ok, ci] = lease
+            self._cond.notify_all()
+            errors = []
+            if (bad & was_leased).any():
+                errors.append(
+                    f"lease {lease!r} ended before this ack (it expired or its owner was released) and rows "
+                    f"{(local[bad & was_leased] + it.first_row)[:10].tolist()} were re-delivered to another claim of "
+                    f"{consumer!r}; keep workers renewing their leases (DockClient does, while its process lives) "
+                    "or raise lease_s"
+                )
+            if (bad & ~was_leased).any():
+                errors.append(
+                    f"rows {(local[bad & ~was_leased] + it.first_row)[:10].tolist()} are not leased to {consumer!r} under "
+                    f"lease {lease!r} in iteration {it.iteration} (never granted here, or granted before a restore, which "
+                    "returned its rows to the pool to be re-delivered)"
+                )
+            if errors:
+                raise DockError(f"{what}: " + "; ".join(errors))
+
+    def renew(self, owner: str) -> int:
+        """Push the expiry of every lease of ``owner`` a full term ahead (a heartbeat).
+
+        Returns the number of leases renewed (0 when no iteration is open).
+        """
+        with self._cond:
+            if self._it is None:
+                return 0
+            self._expire_locked(self._it)
+            now, renewed = time.monotonic(), 0
+            for lease in self._it.leases.values():
+                if lease.owner == owner:
+                    lease.expiry, renewed = now + lease.term_s, renewed + 1
+            return renewed
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` now, as if expired (the owner's process died).
+
+        Returns the number of rows returned to the ready pool (finished rows count as acked).
+        """
+        with self._cond:
+            if self._it is None:
+                return 0
+            leases = [lease for lease in self._it.leases.values() if lease.owner == owner]
+            return self._end_leases_locked(self._it, leases, f"released (owner {owner!r} is gone)")
+
+    # --- snapshots ---------------------------------------------------------------------------
+    def snapshot(self, uri: str, *, extra: dict[str, Any] | None = None) -> None:
+        """Write the dock's state to ``uri`` (a directory: local path, ``file://`` or ``s3://``).
+
+        Stores the open iteration (or none), its readiness, consumed and acked bits, and every
+        written cell as Arrow IPC; ``extra`` is stored beside it (a shard stores its layout).
+        Atomic: a snapshot cut short is never read as complete (``dockrl.dock.snapshot``).
+
+        Raises:
+            DockError: the filesystem refused a write.
+        """
+        with self._cond:
+            meta: dict[str, Any] = {
+                "kind": "transfer_dock", "schema_version": self.schema.version,
+                "columns": [[c.name, str(c.type)] for c in self.schema.columns],
+                "consumers": list(self.schema.consumers), "extra": extra, "iteration": None,
+            }
+            tables: dict[str, pa.Table] = {}
+            it = self._it
+            if it is not None:
+                self._expire_locked(it)
+                meta |= {"iteration": it.iteration, "num_rows": it.num_rows, "group_size": it.group_size,
+                         "first_row": it.first_row, "leases": len(it.leases)}
+                acked = it.acked.copy()  # un-acked leases end at restore: store what they finished as acked
+                for lease in it.leases.values():
+                    rows, done = self._lease_done(it, lease)
+                    acked[rows[done], lease.consumer] = True
+                state = {f"ready:{c.name}": it.ready[:, i] for i, c in enumerate(self.schema.columns)}
+                state |= {f"consumed:{c}": it.consumed[:, i] for i, c in enumerate(self.schema.consumers)}
+                state |= {f"acked:{c}": acked[:, i] for i, c in enumerate(self.schema.consumers)}
+                tables["state"] = pa.table({k: pa.array(v) for k, v in state.items()})
+                meta["objects"] = []
+                for i, c in enumerate(self.schema.columns):
+                    rows = np.flatnonzero(it.ready[:, i])
+                    if not len(rows):  # a column with no cell written has no file
+                        continue
+                    chunks = it.chunks[c.name]
+                    if any(isinstance(ch, str) for ch in chunks):
+                        # payload in a warehouse: store where the cells are; the objects stay in the store
+                        loc = it.where[c.name][rows]
+                        tables[f"objects.{c.name}"] = pa.table({
+                            "row": pa.array(rows + it.first_row), "key": pa.array([chunks[k] for k in loc[:, 0]]),
+                            "offset": pa.array(loc[:, 1]),
+                        })
+                        meta["objects"].append(c.name)
+                    else:
+                        values = self._cells(it, c.name, rows)
+                        tables[f"payload.{c.name}"] = pa.table({"row": pa.array(rows + it.first_row), c.name: values})
+        write_snapshot(uri, meta, tables)
+
+    def restore(self, uri: str, *, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Load the snapshot at ``uri`` into this dock, which must have no open iteration.
+
+        Un-acked leases of the snapshot end here (their holders belong to the old run): their
+        rows return to the ready pool, or count as acked where the consumer's outputs are
+        written. With ``extra`` the snapshot's stored ``extra`` must equal it (a shard checks
+        its layout). Returns the stored ``extra``.
+
+        Raises:
+            DockError: no complete snapshot at ``uri``, another snapshot version, schema or
+                ``extra``, an inconsistent snapshot, or an iteration is open here.
+        """
+        meta = read_meta(uri)
+        what = f"restore from {uri!r}"
+        columns = [[c.name, str(c.type)] for c in self.schema.columns]
+        if meta.get("kind") != "transfer_dock":
+            raise DockError(f"{what}: the snapshot there is a {meta.get('kind')!r}, not a transfer_dock snapshot")
+        ours = (self.schema.version, columns, list(self.schema.consumers))
+        if (meta["schema_version"], meta["columns"], meta["consumers"]) != ours:
+            raise DockError(
+                f"{what}: snapshot has schema v{meta['schema_version']} columns {meta['columns']} consumers {meta['consumers']}; "
+                f"this dock has v{self.schema.version} columns {columns} consumers {list(self.schema.consumers)}"
+            )
+        if extra is not None and meta["extra"] != extra:
+            raise DockError(f"{what}: snapshot was taken with {meta['extra']}; expected {extra}")
+        it = None if meta["iteration"] is None else self._load_iteration(uri, meta, what)
+        with self._cond:
+            if self._it is not None:
+                raise DockError(f"{what}: iteration {self._it.iteration} is open here; close it first")
+            self._it = it
+            if it is not None:
+                self.rows_returned += int((it.consumed & ~it.acked).sum())
+                it.consumed &= it.acked
+            self._cond.notify_all()
+        return meta["extra"]
+
+    def _load_iteration(self, uri: str, meta: dict[str, Any], what: str) -> _Iteration:
+        it = _Iteration(self.schema, meta["iteration"], meta["num_rows"], meta["group_size"], meta["first_row"])
+        state = read_table(uri, meta, "state")
+        if state.num_rows != it.num_rows:
+            raise DockError(f"{what}: state table has {state.num_rows} rows; the iteration has {it.num_rows}")
+        for i, c in enumerate(self.schema.columns):
+            it.ready[:, i] = state.column(f"ready:{c.name}").to_numpy(zero_copy_only=False)
+            if not it.ready[:, i].any():
+                continue
+            in_store = c.name in meta.get("objects", [])
+            payload = read_table(uri, meta, f"{'objects' if in_store else 'payload'}.{c.name}")
+            rows = payload.column("row").to_numpy() - it.first_row
+            if not np.array_equal(rows, np.flatnonzero(it.ready[:, i])):
+                raise DockError(f"{what}: payload of column {c.name!r} does not hold exactly the rows marked written")
+            if not len(rows):
+                continue
+            if in_store:  # keys of warehouse objects, one chunk per key
+                keys = payload.column("key").to_pylist()
+                it.chunks[c.name] = list(dict.fromkeys(keys))
+                chunk_of = {key: k for k, key in enumerate(it.chunks[c.name])}
+                it.where[c.name][rows, 0] = [chunk_of[key] for key in keys]
+                it.where[c.name][rows, 1] = payload.column("offset").to_numpy()
+            else:
+                it.chunks[c.name].append(payload.column(c.name).combine_chunks())
+                it.where[c.name][rows, 0] = 0
+                it.where[c.name][rows, 1] = np.arange(len(rows))
+        for i, c in enumerate(self.schema.consumers):
+            it.acked[:, i] = state.column(f"acked:{c}").to_numpy(zero_copy_only=False)
+            it.consumed[:, i] = state.column(f"consumed:{c}").to_numpy(zero_copy_only=False)  # narrowed to acked on install
+        if (it.acked & ~it.consumed).any():
+            raise DockError(f"{what}: state table marks rows acked that are not consumed")
+        return it
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read``, ``dock/wait_s``,
+        ``dock/leases_expired`` and ``dock/rows_returned`` (rows back to the pool after a lease
+        ended un-acked)."""
+        with self._cond:
+            return {"dock/bytes_put": self.bytes_put, "dock/bytes_read": self.bytes_read, "dock/wait_s": self.wait_s,
+                    "dock/leases_expired": self.leases_expired, "dock/rows_returned": self.rows_returned}

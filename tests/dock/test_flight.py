@@ -263,6 +263,7 @@ def test_two_clients_of_one_consumer_share_the_rows_exactly_once(client):
         worker = another(client)
         while claim := worker.claim("reward", ["prompt_ids"], 3):
             got[k] += claim.rows
+            worker.ack(claim)  # the other worker's last claim returns empty only once every row is acked
 
     threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(2)]
     for t in threads:
@@ -281,7 +282,10 @@ def test_a_waiting_claim_wakes_when_another_client_of_its_consumer_takes_the_las
     results: list[list[int]] = []
 
     def consume() -> None:
-        results.append(another(client).claim("reward", ["prompt_ids"], 2).rows)
+        worker = another(client)
+        claim = worker.claim("reward", ["prompt_ids"], 2)
+        results.append(claim.rows)
+        worker.ack(claim)  # a loser left with nothing waits for this ack, then returns empty
 
     threads = [threading.Thread(target=consume, daemon=True) for _ in range(2)]
     start = time.monotonic()
@@ -292,7 +296,7 @@ def test_a_waiting_claim_wakes_when_another_client_of_its_consumer_takes_the_las
     for t in threads:
         t.join(5)
     assert sorted(r for rows in results for r in rows) == [0, 1] and len(results) == 2
-    assert time.monotonic() - start < 2.0  # the loser returned at once, not at its 5 s timeout
+    assert time.monotonic() - start < 2.0  # the loser returned at the winner's ack, not at its 5 s timeout
 
 
 # --- bad input ----------------------------------------------------------------------------
@@ -369,6 +373,123 @@ def test_open_iteration_twice_leaves_the_open_one_untouched(client):
     with pytest.raises(DockError, match="num_rows=5 must be a positive multiple of group_size=2"):
         client.open_iteration(1, 5, 2)
     assert client.claim("reward", ["prompt_ids"], 6).rows == list(range(6))
+
+
+def raw_call(location: str, fn, token: str | None = TOKEN):
+    """Run ``fn(flight_client, call_options)`` against a shard directly, bypassing DockClient's own checks;
+    a dock error the shard raised comes back as its own type."""
+    raw = flight.connect(location)
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    try:
+        return fn(raw, flight.FlightCallOptions(headers=headers, timeout=10.0))
+    except flight.FlightError as e:
+        raise_dock_error(e)
+        raise
+    finally:
+        raw.close()
+
+
+def raw_put(iteration, columns: dict[str, pa.Array], command: bytes | None = None):
+    def call(raw, opts):
+        batch = pa.RecordBatch.from_pydict(columns)
+        descriptor = flight.FlightDescriptor.for_command(command or f'{{"iteration": {iteration}}}'.encode())
+        writer, _ = raw.do_put(descriptor, batch.schema, opts)
+        writer.write_batch(batch)
+        writer.close()
+
+    return call
+
+
+def raw_action(name: str, body: bytes):
+    return lambda raw, opts: [r.body.to_pybytes() for r in raw.do_action(flight.Action(name, body), opts)]
+
+
+def raw_get(ticket: bytes):
+    return lambda raw, opts: raw.do_get(flight.Ticket(ticket), opts).read_all()
+
+
+ROWS = pa.array([2, 3], type=pa.int64())  # shard 1 of 2 owns rows 2..3 of a 4-row iteration
+RAW_BAD_CALLS = {
+    "unknown column": (raw_put(0, {"row": ROWS, "promptids": pa.array([[1], [2]])}), ["unknown column 'promptids'"]),
+    "wrong arrow type": (
+        raw_put(0, {"row": ROWS, "prompt_ids": pa.array([1, 2], type=pa.int64())}),
+        ["'prompt_ids' has Arrow type int64; schema says list<item: int32>"],
+    ),
+    "row out of range": (
+        raw_put(0, {"row": pa.array([1, 2], type=pa.int64()), "rm_score": pa.array([1.0, 2.0], type=pa.float32())}),
+        ["rows [1] out of range [2, 4) in iteration 0"],
+    ),
+    "second write": (
+        raw_put(0, {"row": ROWS, "prompt_ids": pa.array([[1], [2]], type=pa.list_(pa.int32()))}),
+        ["'prompt_ids' is already written for rows [3]"],
+    ),
+    "stale iteration": (
+        raw_put(5, {"row": ROWS, "rm_score": pa.array([1.0, 2.0], type=pa.float32())}),
+        ["iteration 5 is not open; the open iteration is 0"],
+    ),
+    "no row column": (raw_put(0, {"rm_score": pa.array([1.0, 2.0], type=pa.float32())}), ["no 'row' column"]),
+    "descriptor not json": (
+        raw_put(0, {"row": ROWS, "rm_score": pa.array([1.0, 2.0], type=pa.float32())}, command=b"iteration=0"),
+        ["malformed put request"],
+    ),
+    "get unknown column": (raw_get(b'{"iteration": 0, "columns": ["score"], "rows": [2]}'), ["unknown column 'score'"]),
+    "get row out of range": (raw_get(b'{"iteration": 0, "columns": ["prompt_ids"], "rows": [0]}'), ["rows [0] out of range"]),
+    "unknown action": (raw_action("steal", b"{}"), ["unknown action 'steal'"]),
+    "action missing a field": (raw_action("ack", b'{"iteration": 0, "consumer": "reward", "rows": [2]}'), ["malformed ack request", "lease"]),
+    "ack of a lease never granted": (
+        raw_action("ack", b'{"iteration": 0, "consumer": "reward", "lease": "nope", "rows": [2]}'),
+        ["ack by 'reward'", "rows [2] are not leased to 'reward' under lease 'nope' in iteration 0"],
+    ),
+    "restore without snapshot": (raw_action("restore", b'{"uri": "/nonexistent/dock-snapshot", "layout": null}'), ["iteration 0 is open"]),
+}
+
+
+@pytest.mark.parametrize("name", list(RAW_BAD_CALLS))
+def test_shard_refuses_bad_input_sent_around_the_client(shards, name):
+    call, fragments = RAW_BAD_CALLS[name]
+    dock = connect(shards[2])
+    dock.open_iteration(0, 4, 2)
+    try:
+        dock.put([3], {"prompt_ids": [[3]]})
+        other = connect(shards[2])
+        other.claim("reward", ["prompt_ids"], 1)  # row 3, leased by another owner
+        with pytest.raises(DockError) as info:
+            raw_call(shards[2][1], call)
+        assert type(info.value) is DockError
+        for fragment in fragments:
+            assert fragment in str(info.value)
+        other.close()
+    finally:
+        dock.close_iteration()
+
+
+def test_write_after_the_iteration_closed_is_refused_by_the_shard(shards):
+    dock = connect(shards[1])
+    dock.open_iteration(0, 2, 2)
+    dock.close_iteration()
+    with pytest.raises(DockError, match="put: no iteration is open"):
+        raw_call(shards[1][0], raw_put(0, {"row": pa.array([0], type=pa.int64()), "rm_score": pa.array([1.0], type=pa.float32())}))
+    with pytest.raises(DockError, match="ack by 'reward': no iteration is open"):
+        raw_call(shards[1][0], raw_action("ack", b'{"iteration": 0, "consumer": "reward", "lease": "x", "rows": [0]}'))
+
+
+@pytest.mark.parametrize("token", [None, "wrong"], ids=["missing", "wrong"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        raw_put(0, {"row": pa.array([0], type=pa.int64()), "rm_score": pa.array([1.0], type=pa.float32())}),
+        raw_get(b'{"iteration": 0, "columns": ["prompt_ids"], "rows": [0]}'),
+        raw_action("ack", b'{"iteration": 0, "consumer": "reward", "lease": "x", "rows": [0]}'),
+        raw_action("renew", b'{"owner": "x"}'),
+        raw_action("release_owner", b'{"owner": "x"}'),
+        raw_action("snapshot", b'{"uri": "/tmp/never-written"}'),
+        raw_action("restore", b'{"uri": "/tmp/never-written", "layout": null}'),
+    ],
+    ids=["put", "get", "ack", "renew", "release_owner", "snapshot", "restore"],
+)
+def test_every_call_needs_the_token(shards, token, call):
+    with pytest.raises(flight.FlightUnauthenticatedError, match="Bearer <token>"):
+        raw_call(shards[1][0], call, token=token)
 
 
 # --- auth ---------------------------------------------------------------------------------

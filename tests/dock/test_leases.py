@@ -1,0 +1,312 @@
+"""Tests of claim leases: ack, expiry, renewal, release of a dead owner, and when a consumer is done."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError, TransferDock
+from dockrl.dock.client import DockClient, start_local_shards
+from dockrl.dock.flight import DockShardServer
+
+TOKEN = "lease-token"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def warm_arrow() -> None:
+    """Load Arrow's compute kernels once: the first ``take`` costs ~0.4 s, longer than the short leases here."""
+    make_dock().claim("reward", ["prompt_ids"], 4)
+
+
+def prompt_cell(row: int) -> list[int]:
+    return [row, row + 100]
+
+
+def make_dock(num_rows: int = 4, group_size: int = 2, lease_s: float = 300.0) -> TransferDock:
+    dock = TransferDock(GRPO_SCHEMA, timeout_s=5.0, lease_s=lease_s)
+    dock.open_iteration(0, num_rows, group_size)
+    dock.put(range(num_rows), {"prompt_ids": [prompt_cell(r) for r in range(num_rows)]})
+    return dock
+
+
+def in_thread(fn) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+# --- in-process dock ---------------------------------------------------------------------------
+
+
+def test_claim_carries_a_lease_and_ack_ends_it_for_good():
+    dock = make_dock()
+    claim = dock.claim("reward", ["prompt_ids"], 4, owner="a")
+    assert claim.lease and claim.consumer == "reward"
+    dock.ack(claim)
+    dock.ack(claim)  # idempotent
+    empty = dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=0.1)  # would wait if a still held rows
+    assert empty.rows == [] and empty.lease == ""
+    dock.ack(empty)  # no rows, no lease: a no-op
+    assert dock.release_owner("a") == 0  # nothing left to return
+
+
+def test_expired_lease_returns_rows_and_a_late_ack_names_the_re_delivered_rows():
+    dock = make_dock(lease_s=0.2)
+    first = dock.claim("reward", ["prompt_ids"], 3, owner="slow")
+    time.sleep(0.3)
+    again = dock.claim("reward", ["prompt_ids"], 4, owner="fresh")
+    assert again.rows == [0, 1, 2, 3]  # the expired rows are back in the ready pool
+    with pytest.raises(DockError) as info:
+        dock.ack(first)
+    msg = str(info.value)
+    assert "ack by 'reward'" in msg and "[0, 1, 2]" in msg and "re-delivered" in msg
+    dock.ack(again)
+    assert dock.stats()["dock/leases_expired"] == 1 and dock.stats()["dock/rows_returned"] == 3
+
+
+def test_ack_of_rows_never_leased_under_the_lease_is_refused():
+    dock = make_dock()
+    claim = dock.claim("reward", ["prompt_ids"], 2)
+    forged = dataclasses.replace(claim, rows=[1, 2, 3])
+    with pytest.raises(DockError, match=r"rows \[2, 3\] are not leased to 'reward' under lease '[0-9a-f]+' in iteration 0"):
+        dock.ack(forged)
+    assert dock.claim("reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]  # the refused rows stay free
+
+
+def test_late_ack_is_accepted_when_nobody_re_claimed_the_rows():
+    dock = make_dock(lease_s=0.2)
+    claim = dock.claim("reward", ["prompt_ids"], 4)
+    time.sleep(0.3)
+    dock.ack(claim)  # expired, but nobody took the rows since: the work stands
+    assert dock.claim("reward", ["prompt_ids"], 4, owner="other", timeout_s=0.1).rows == []
+
+
+def test_rows_whose_outputs_are_written_are_not_re_delivered_when_the_lease_ends():
+    dock = make_dock()
+    claim = dock.claim("reward", ["prompt_ids"], 4, owner="dies-after-put")
+    dock.put([0, 1], {"rm_score": [1.0, 2.0], "correct": [True, False]})  # every column reward produces
+    dock.put([2], {"rm_score": [3.0]})  # one output of two: not finished
+    assert dock.release_owner("dies-after-put") == 2  # ends the lease as an expiry would, without a clock
+    assert dock.claim("reward", ["prompt_ids"], 4, owner="replacement").rows == [2, 3]
+    with pytest.raises(DockError, match=r"rows \[2, 3\] were re-delivered"):
+        dock.ack(claim)  # rows 0 and 1 are accepted, the others were handed on
+
+
+def test_a_whole_group_lease_returns_a_partly_finished_group_whole():
+    dock = make_dock(num_rows=4, group_size=2)
+    dock.put(range(4), {"rm_score": [0.0] * 4})
+    claim = dock.claim("advantage", ["rm_score"], 4, whole_groups=True, owner="a")
+    dock.put([0, 1, 2], {"advantages": [0.5, -0.5, 0.1]})  # group 0 finished, group 1 half
+    assert dock.release_owner("a") == 2
+    again = dock.claim("advantage", ["rm_score"], 4, whole_groups=True, owner="b")
+    assert again.rows == [2, 3]
+    with pytest.raises(DockError, match=r"rows \[2, 3\]"):
+        dock.ack(claim)
+
+
+def test_empty_claim_waits_for_rows_other_owners_hold_then_returns_at_their_ack():
+    dock = make_dock()
+    held = dock.claim("reward", ["prompt_ids"], 4, owner="a")
+    assert dock.claim("reward", ["prompt_ids"], 4, owner="a").rows == []  # its own leases: done at once
+    with pytest.raises(DockTimeoutError) as info:
+        dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=0.2)
+    assert "4 rows are leased by other owners" in str(info.value)
+    thread, out = in_thread(lambda: dock.claim("reward", ["prompt_ids"], 4, owner="b"))
+    time.sleep(0.1)
+    assert thread.is_alive()
+    dock.ack(held)
+    thread.join(2)
+    assert out[0].rows == []
+
+
+def test_a_blocked_claim_wakes_at_the_expiry_of_another_owners_lease():
+    dock = make_dock(lease_s=0.3)
+    dock.claim("reward", ["prompt_ids"], 4, owner="dead")
+    start = time.monotonic()
+    claim = dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=30.0)  # woken by the expiry, not a poll
+    assert claim.rows == [0, 1, 2, 3]
+    assert 0.25 <= time.monotonic() - start < 10.0  # far below the claim's timeout
+
+
+def test_renew_keeps_a_slow_owners_rows():
+    dock = make_dock(lease_s=1.0)
+    claim = dock.claim("reward", ["prompt_ids"], 4, owner="slow")
+    thread, out = in_thread(lambda: dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=1.6))
+    for _ in range(8):
+        time.sleep(0.25)
+        assert dock.renew("slow") == 1
+    thread.join(3)
+    assert isinstance(out[0], DockTimeoutError)
+    dock.ack(claim)
+    assert dock.renew("slow") == 0
+
+
+def test_release_owner_returns_its_rows_at_once():
+    dock = make_dock()
+    dock.claim("reward", ["prompt_ids"], 3, owner="dead")
+    dock.claim("reference", ["prompt_ids"], 2, owner="dead")
+    acked = dock.claim("reward", ["prompt_ids"], 1, owner="alive")
+    dock.ack(acked)
+    thread, out = in_thread(lambda: dock.claim("reward", ["prompt_ids"], 4, owner="b"))
+    time.sleep(0.1)
+    assert dock.release_owner("dead") == 5
+    thread.join(2)
+    assert out[0].rows == [0, 1, 2]
+    assert dock.release_owner("dead") == 0
+    assert dock.claim("reference", ["prompt_ids"], 4, owner="b").rows == [0, 1, 2, 3]
+
+
+def test_lease_misuse_is_refused():
+    with pytest.raises(ValueError, match="lease_s=0"):
+        TransferDock(GRPO_SCHEMA, lease_s=0)
+    dock = make_dock()
+    taken = dock.take("reward", ["prompt_ids"], 2, owner="a", lease="L1")
+    assert taken.rows == [0, 1] and taken.lease == "L1" and taken.pending == 2 and taken.held == 0
+    with pytest.raises(DockError, match="lease 'L1' belongs to owner 'a'"):
+        dock.take("reward", ["prompt_ids"], 2, owner="b", lease="L1")
+    with pytest.raises(DockError, match="lease_s=-1"):
+        dock.claim("reward", ["prompt_ids"], 1, lease_s=-1)
+    dock.ack_rows("reward", "L1", [0])
+    with pytest.raises(DockError, match=r"rows \[0\] are already acked"):
+        dock.release("reward", [0, 1])
+    assert dock.take("reward", ["prompt_ids"], 2, owner="c").held == 1  # row 1 is still a's
+    with pytest.raises(DockError, match="iteration 3 is not open"):
+        dock.ack_rows("reward", "L1", [1], iteration=3)
+
+
+def test_no_open_iteration_renew_and_release_owner_are_no_ops():
+    dock = TransferDock(GRPO_SCHEMA)
+    assert dock.renew("x") == 0 and dock.release_owner("x") == 0
+
+
+# --- over Flight ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards() -> Iterator[list[str]]:
+    servers, locations = start_local_shards(3, GRPO_SCHEMA, token=TOKEN)
+    yield locations
+    for server in servers:
+        server.close()
+
+
+def connect(locations: list[str], **kw) -> DockClient:
+    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=5.0, rpc_timeout_s=10.0, **kw)
+
+
+@pytest.fixture
+def opened(shards: list[str]) -> Iterator[DockClient]:
+    driver = connect(shards)
+    driver.open_iteration(0, 12, 2)  # shards own rows 0..3, 4..7, 8..11
+    driver.put(range(12), {"prompt_ids": [prompt_cell(r) for r in range(12)]})
+    yield driver
+    driver.close_iteration()
+    driver.close()
+
+
+def test_client_ack_reaches_every_shard_of_the_claim(opened, shards):
+    a, b = connect(shards), connect(shards)
+    assert a.owner != b.owner
+    claim = a.claim("reward", ["prompt_ids"], 12)
+    assert claim.rows == list(range(12)) and claim.consumer == "reward" and claim.lease
+    thread, out = in_thread(lambda: b.claim("reward", ["prompt_ids"], 4))
+    time.sleep(0.2)
+    assert thread.is_alive()  # a holds every row on every shard
+    a.ack(claim)
+    thread.join(3)
+    assert out[0].rows == []
+    a.close(), b.close()
+
+
+def test_client_heartbeat_keeps_a_slow_workers_rows(opened, shards):
+    slow, other = connect(shards, lease_s=0.9), connect(shards)
+    claim = slow.claim("reward", ["prompt_ids"], 12)
+    with pytest.raises(DockTimeoutError, match="12 rows are leased by other owners"):
+        other.claim("reward", ["prompt_ids"], 4, timeout_s=2.0)  # > 2 lease terms: the heartbeat renewed them
+    slow.ack(claim)
+    assert other.claim("reward", ["prompt_ids"], 4).rows == []
+    slow.close(), other.close()
+
+
+def test_rows_of_a_client_that_stopped_renewing_come_back(opened, shards):
+    dead = connect(shards, lease_s=0.3)
+    claim = dead.claim("reward", ["prompt_ids"], 6)
+    dead.close()  # stops the heartbeat, as the death of its process would
+    survivor = connect(shards)
+    start = time.monotonic()
+    assert survivor.claim("reward", ["prompt_ids"], 12).rows == list(range(6, 12))  # the rows nobody held
+    got = []
+    while len(got) < 6:  # nothing free: waits for the dead owner's rows on shards 0, 1 (they expire within ms)
+        claim_back = survivor.claim("reward", ["prompt_ids"], 12)
+        assert claim_back.rows
+        got += claim_back.rows
+        survivor.ack(claim_back)
+    assert sorted(got) == list(range(6)) and time.monotonic() - start < 4.0  # the claims' timeout is 5 s
+    lost = connect(shards)
+    with pytest.raises(DockError) as info:
+        lost.ack(claim)
+    msg = str(info.value)
+    assert "re-delivered" in msg and "'reward'" in msg and "[0, 1, 2, 3]" in msg and "[4, 5]" in msg
+    assert survivor.claim("reward", ["prompt_ids"], 12).rows == []  # the first survivor claim is its own
+    survivor.close(), lost.close()
+
+
+def test_release_owner_over_flight(opened, shards):
+    worker = connect(shards, owner="rollout-0")
+    assert worker.owner == "rollout-0"
+    worker.claim("rollout", ["prompt_ids"], 8, whole_groups=True)
+    worker.close()
+    launcher = connect(shards)
+    assert launcher.release_owner("rollout-0") == 8
+    assert launcher.claim("rollout", ["prompt_ids"], 12, whole_groups=True).rows == list(range(12))
+    launcher.close()
+
+
+def test_renew_over_flight_counts_leases_on_every_shard(opened, shards):
+    worker = connect(shards)
+    worker.claim("reward", ["prompt_ids"], 12)  # one lease id, on three shards
+    worker.claim("reference", ["prompt_ids"], 2)
+    assert worker.renew() == 4
+    worker.close()
+
+
+def test_client_refuses_a_bad_lease_term(shards):
+    with pytest.raises(ValueError, match="lease_s=0"):
+        connect(shards, lease_s=0)
+
+
+def test_heartbeat_thread_stops_on_close(opened, shards):
+    worker = connect(shards, lease_s=0.3)
+    worker.claim("reward", ["prompt_ids"], 2)
+    beat = worker._beat_thread
+    assert beat is not None and beat.is_alive()
+    worker.close()
+    assert not beat.is_alive()
+
+
+def test_shard_cli_refuses_a_bad_lease_term(capsys):
+    from dockrl.dock.flight import serve_shard
+
+    with pytest.raises(SystemExit):
+        serve_shard(["--lease-s", "0"])
+    assert "--lease-s" in capsys.readouterr().err
+
+
+def test_server_default_lease_applies_to_claims_without_a_term():
+    server = DockShardServer(GRPO_SCHEMA, lease_s=0.2)
+    try:
+        assert server.dock.lease_s == 0.2
+    finally:
+        server.close()
