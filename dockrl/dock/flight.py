@@ -14,6 +14,11 @@ Protocol (every body and result is UTF-8 JSON):
   {rows, pending} (blocks on the dock's condition variable, never a sleep-poll; returns row
   indexes only), ``release`` {iteration, consumer, rows}, ``missing`` {iteration, consumer,
   columns} → {column: rows lacking}, ``stats`` {} → counters.
+* ``do_action`` — the control channel (``dockrl.dock.control``; clients use shard 0's):
+  ``wait_iteration`` {after, timeout_s} → {iteration} (null once finished),
+  ``report`` {iteration, stage, metrics}, ``wait_reports`` {iteration, stages, timeout_s} →
+  {stage: metrics}, ``finish`` {}. The waits block on a condition variable; ``timeout_s``
+  null waits without limit.
 * ``do_put`` — payload in: descriptor command {iteration}; one record batch with an int64
   ``row`` column (global row indexes) plus the data columns.
 * ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
@@ -164,6 +169,13 @@ class DockShardServer(flight.FlightServerBase):
             "release": lambda ctx, req: self.dock.release(req["consumer"], req["rows"], iteration=req["iteration"]),
             "missing": lambda ctx, req: self.dock.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
             "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
+            # control channel
+            "wait_iteration": lambda ctx, req: {
+                "iteration": self.dock.wait_iteration(req["after"], _timeout(req["timeout_s"]))
+            },
+            "report": lambda ctx, req: self.dock.report(req["iteration"], req["stage"], req["metrics"]),
+            "wait_reports": lambda ctx, req: self.dock.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
+            "finish": lambda ctx, req: self.dock.finish(),
         }
         logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
 
@@ -179,6 +191,7 @@ class DockShardServer(flight.FlightServerBase):
                 return
             self._closed = True
             self._layout = None
+        self.dock.control.shutdown(f"dock shard at {self._location} is shutting down")
         self.dock.close_iteration()
         self.shutdown()
 
@@ -218,6 +231,7 @@ class DockShardServer(flight.FlightServerBase):
             if stop > first:  # a shard may own no group when there are fewer groups than shards
                 self.dock.open_iteration(iteration, stop - first, req["group_size"], first_row=first)
             self._layout = expected
+            self.dock.control.set_open(iteration)  # also on a shard that owns no group of it
 
     def _close_iteration(self) -> None:
         with self._lock:
@@ -293,6 +307,11 @@ def _guard(what: str, fn: Callable[[], Any]) -> Any:
         _fail(e)
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         _fail(DockError(f"dock shard: malformed {what} request ({type(e).__name__}: {e})"))
+
+
+def _timeout(value: float | None) -> float:
+    """A wait's ``timeout_s`` from a request body: null means no limit."""
+    return math.inf if value is None else float(value)
 
 
 def _load_schema(spec: str) -> Schema:
