@@ -20,6 +20,7 @@ are seen when that shard answers or at the deadline (a last sweep runs before ti
 **Control channel.** ``wait_iteration``, ``report``, ``wait_reports`` and ``finish``
 (``dockrl.dock.control``) go to shard 0, which holds the run's control state for every client;
 the waits block server-side with the client's timeout (plus ``rpc_timeout_s`` of slack).
+``open_iteration`` announces the iteration on shard 0 only once every shard has opened it.
 
 Puts and gets go straight to the shards owning the rows. A put is fully checked on the
 client first, then is atomic per shard but not across shards (one shard may refuse an
@@ -176,6 +177,7 @@ class DockClient:
             raise
         with self._lock:
             self._layout = layout
+        self._action(0, "announce_iteration", {"iteration": layout.iteration})  # control channel: now stages may start
 
     def close_iteration(self) -> None:
         """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``."""

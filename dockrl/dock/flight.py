@@ -15,6 +15,8 @@ Protocol (every body and result is UTF-8 JSON):
   indexes only), ``release`` {iteration, consumer, rows}, ``missing`` {iteration, consumer,
   columns} → {column: rows lacking}, ``stats`` {} → counters.
 * ``do_action`` — the control channel (``dockrl.dock.control``; clients use shard 0's):
+  ``announce_iteration`` {iteration} (the client's ``open_iteration`` sends it once every
+  shard is open: only then does ``wait_iteration`` hand the iteration out),
   ``wait_iteration`` {after, timeout_s} → {iteration} (null once finished),
   ``report`` {iteration, stage, metrics}, ``wait_reports`` {iteration, stages, timeout_s} →
   {stage: metrics}, ``finish`` {}. The waits block on a condition variable; ``timeout_s``
@@ -52,6 +54,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.local import TransferDock
 from dockrl.dock.schema import Schema
@@ -161,6 +164,8 @@ class DockShardServer(flight.FlightServerBase):
         self._layout: dict[str, int] | None = None
         self.controller_bytes = 0
         self._closed = False
+        # the run's control channel (used on shard 0): an iteration is announced once open on every shard
+        self.control = RunControl(timeout_s=timeout_s)
         self._actions: dict[str, Callable[[flight.ServerCallContext, dict], Any]] = {
             "open_iteration": self._open_iteration,
             "close_iteration": lambda ctx, req: self._close_iteration(),
@@ -170,12 +175,11 @@ class DockShardServer(flight.FlightServerBase):
             "missing": lambda ctx, req: self.dock.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
             "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
             # control channel
-            "wait_iteration": lambda ctx, req: {
-                "iteration": self.dock.wait_iteration(req["after"], _timeout(req["timeout_s"]))
-            },
-            "report": lambda ctx, req: self.dock.report(req["iteration"], req["stage"], req["metrics"]),
-            "wait_reports": lambda ctx, req: self.dock.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
-            "finish": lambda ctx, req: self.dock.finish(),
+            "announce_iteration": lambda ctx, req: self._announce_iteration(req["iteration"]),
+            "wait_iteration": lambda ctx, req: {"iteration": self.control.wait_iteration(req["after"], _timeout(req["timeout_s"]))},
+            "report": lambda ctx, req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
+            "wait_reports": lambda ctx, req: self.control.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
+            "finish": lambda ctx, req: self.control.finish(),
         }
         logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
 
@@ -191,7 +195,7 @@ class DockShardServer(flight.FlightServerBase):
                 return
             self._closed = True
             self._layout = None
-        self.dock.control.shutdown(f"dock shard at {self._location} is shutting down")
+        self.control.shutdown(f"dock shard at {self._location} is shutting down")
         self.dock.close_iteration()
         self.shutdown()
 
@@ -231,12 +235,19 @@ class DockShardServer(flight.FlightServerBase):
             if stop > first:  # a shard may own no group when there are fewer groups than shards
                 self.dock.open_iteration(iteration, stop - first, req["group_size"], first_row=first)
             self._layout = expected
-            self.dock.control.set_open(iteration)  # also on a shard that owns no group of it
 
     def _close_iteration(self) -> None:
         with self._lock:
             self._layout = None
             self.dock.close_iteration()
+            self.control.set_open(None)
+
+    def _announce_iteration(self, iteration: int) -> None:
+        with self._lock:
+            open_now = None if self._layout is None else self._layout["iteration"]
+            if open_now != iteration:
+                raise DockError(f"announce_iteration({iteration}): iteration {open_now} is open on this shard")
+            self.control.set_open(iteration)
 
     def _describe(self) -> dict[str, Any]:
         with self._lock:

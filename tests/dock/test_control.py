@@ -150,3 +150,22 @@ def test_closing_the_shard_fails_blocked_waits():
     assert time.monotonic() - start < 5.0
     assert isinstance(out.get("error"), DockError) and "shutting down" in str(out["error"])
     client.close()
+
+
+def test_an_iteration_is_handed_out_only_once_open_on_every_shard():
+    servers, locations = start_local_shards(2, GRPO_SCHEMA)
+    try:
+        with DockClient(locations, GRPO_SCHEMA, timeout_s=5.0) as driver, DockClient(locations, GRPO_SCHEMA, timeout_s=5.0) as stage:
+            # shard 0 (the control shard) alone opened, as midway through the driver's open_iteration
+            driver._action(0, "open_iteration", {"iteration": 0, "num_rows": 4, "group_size": 2, "first_row": 0,
+                                                 "stop_row": 2, "shard": 0, "num_shards": 2})
+            with pytest.raises(DockTimeoutError):
+                stage.wait_iteration(-1, timeout_s=0.2)
+            driver.close_iteration()
+            driver.open_iteration(0, 4, 2)
+            assert stage.wait_iteration(-1) == 0 and stage.num_rows == 4  # every shard agrees on the layout
+            with pytest.raises(DockError, match=r"announce_iteration\(3\): iteration 0 is open"):
+                driver._action(0, "announce_iteration", {"iteration": 3})
+    finally:
+        for server in servers:
+            server.close()
