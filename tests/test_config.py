@@ -128,6 +128,14 @@ ERRORS = {
     "non-positive": (["trainer.global_batch=0"], ["trainer.global_batch: got 0", "positive"]),
     "top_p above 1": (["rollout.top_p=1.5"], ["rollout.top_p", "1.5"]),
     "negative lr": (["trainer.lr=-1e-5"], ["trainer.lr", "-1e-05"]),
+    "literal dock mode": (["dock.mode=cluster"], ["dock.mode: got 'cluster'; expected one of 'inprocess', 'distributed'"]),
+    "no shard": (["dock.shards=0"], ["dock.shards: got 0", "positive"]),
+    "more shards than prompt groups": (
+        ["dock.mode=distributed", "dock.shards=7", "trainer.global_batch=6"],
+        ["dock.shards: got 7", "trainer.global_batch=6", "whole prompt groups"],
+    ),
+    "off-policy in flight": (["dock.max_inflight=2"], ["dock.max_inflight: got 2", "only 1"]),
+    "scorer not an import path": (["algorithm.scorer=my_scorer"], ["algorithm.scorer: got 'my_scorer'", "'package.module:Class'"]),
 }
 
 
@@ -235,3 +243,10 @@ def test_override_text_with_hash_is_kept_verbatim():
     config = load_config(None, ["data.system_prompt=Write the answer as #### N", "data.train_path='quoted.jsonl'"])
     assert config.data.system_prompt == "Write the answer as #### N"
     assert config.data.train_path == "quoted.jsonl"
+
+
+def test_distributed_mode_settings():
+    config = load_config(None, ["dock.mode=distributed", "dock.shards=3", "algorithm.scorer=my.rewards:Scorer"])
+    assert (config.dock.mode, config.dock.shards, config.dock.max_inflight) == ("distributed", 3, 1)
+    assert config.algorithm.scorer == "my.rewards:Scorer"
+    assert load_config(None, ["dock.shards=7"]).dock.shards == 7  # unused, so unchecked, in the in-process mode

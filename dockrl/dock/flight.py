@@ -354,15 +354,19 @@ def serve_shard(argv: list[str] | None = None) -> int:
     server = DockShardServer(
         _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s
     )
-    print(server.location, flush=True)
+    # gRPC threads serve already; the main thread only waits for a signal. Not server.serve():
+    # on a signal it shuts gRPC down first, which waits for claims blocked in the shard (up to
+    # their timeout), and only then runs Python's handler; close() wakes them first.
+    stopping = threading.Event()
 
     def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(server.location, flush=True)  # after the handlers: whoever reads it may stop the shard at once
     try:
-        server.serve()
-    except KeyboardInterrupt:
+        stopping.wait()
         logger.info("dock shard at %s stopping", server.location)
     finally:
         server.close()

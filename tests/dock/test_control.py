@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -169,3 +171,30 @@ def test_an_iteration_is_handed_out_only_once_open_on_every_shard():
     finally:
         for server in servers:
             server.close()
+
+
+def test_a_shard_process_stops_at_once_on_sigterm_while_calls_block_in_it():
+    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(60.0, proc.kill)  # a hung shard fails the test instead of hanging it
+    watchdog.start()
+    try:
+        location = proc.stdout.readline().strip()
+        client = DockClient([location], GRPO_SCHEMA, timeout_s=60.0)
+        client.open_iteration(0, 2, 2)
+        claim, claim_out = in_thread(client.claim, "reward", ["response_ids"], 2)
+        wait, wait_out = in_thread(client.wait_reports, 0, ["actor"])
+        time.sleep(0.5)
+        assert claim.is_alive() and wait.is_alive()
+        start = time.monotonic()
+        proc.terminate()
+        proc.wait(timeout=30)
+        assert time.monotonic() - start < 5.0  # not after the blocked calls' 60 s
+        assert proc.returncode == 0, proc.stderr.read()
+        claim.join(10)
+        wait.join(10)
+        assert "error" in claim_out and "error" in wait_out
+        client.close()
+    finally:
+        watchdog.cancel()
+        proc.kill()

@@ -78,6 +78,15 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
 
 
+def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKES))
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer")
+    scorer = trainer.build_scorer(cfg.algorithm)
+    assert type(scorer).__name__ == "FakeRandomScorer" and len(scorer.score(["a", "b"], ["1", "2"])) == 2
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
+
+
 @pytest.mark.slow
 def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, tmp_path, workers_path):
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer")
