@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -145,13 +147,33 @@ def wait_reports(
     return reports
 
 
-def train_distributed(cfg: Config, *, backend: LocalBackend | None = None) -> dict[str, float]:
+def _log_eval(metrics: dict[str, float], tag: str) -> dict[str, float]:
+    logger.info("greedy test accuracy %s training: %.3f (format %.3f)", tag, metrics[f"eval/accuracy_{tag}"],
+                metrics[f"eval/format_rate_{tag}"])
+    return metrics
+
+
+def _raise_on_sigterm():
+    """Turn SIGTERM into ``SystemExit`` while the workers run, so that the teardown in ``finally``
+    runs when the driver is stopped (a pod deleted, ``kill``): the workers lead sessions of
+    their own and would outlive it. Returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> dict[str, float]:
     """Run GRPO with every stage in its own process; returns the run summary.
 
     Writes the same run folder as ``dockrl.trainer.train`` plus ``logs/`` (one log per process).
 
     Args:
-        backend: where to start the processes; default a ``LocalBackend`` for a fresh run id.
+        backend: where to start the processes (all on this machine: they listen on loopback);
+            default a ``LocalBackend`` for a fresh run id.
 
     Raises:
         WorkerFailed: a worker process died; the message has its log tail.
@@ -177,6 +199,7 @@ def train_distributed(cfg: Config, *, backend: LocalBackend | None = None) -> di
     stages = iteration_stages(cfg)
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
     dock = None
+    previous = _raise_on_sigterm()
     try:
         backend.start(groups[: cfg.dock.shards])
         wait_for_shards(locations, token, backend, timeout_s=60.0)
@@ -192,7 +215,7 @@ def train_distributed(cfg: Config, *, backend: LocalBackend | None = None) -> di
                 start = time.perf_counter()
                 open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1
                 if it == 0 and t.eval_before:
-                    summary |= reports(BEFORE_TRAINING, ["rollout"])["rollout"]
+                    summary |= _log_eval(reports(BEFORE_TRAINING, ["rollout"])["rollout"], "before")
                     start = time.perf_counter()  # the evaluation is not part of the iteration
                 metrics: dict[str, float] = {}
                 for stage_metrics in reports(it, stages).values():
@@ -204,7 +227,7 @@ def train_distributed(cfg: Config, *, backend: LocalBackend | None = None) -> di
                 progress.update(metrics)
             dock.finish()
             final = reports(AFTER_TRAINING, [g.name for g in groups[cfg.dock.shards :]])
-            summary |= final["rollout"]
+            summary |= _log_eval(final["rollout"], "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)
     finally:
@@ -212,5 +235,7 @@ def train_distributed(cfg: Config, *, backend: LocalBackend | None = None) -> di
             dock.close()
         backend.teardown()
         del weight_store
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
     return summary
