@@ -8,6 +8,7 @@ the driver, starts through a ``LocalBackend`` (logs in ``RUN/logs/<group>-0.log`
 2. one process per stage (``python -m dockrl.workers.main``): rollout, reward (with the
    advantage step), reference (only when ``algorithm.kl_coef > 0``) and actor. Rollout and
    actor also meet on the weight channel, a gloo group whose ``TCPStore`` this process hosts.
+   The rollout starts first and evaluates; the others start once it has reported.
 
 Then, per iteration (at most ``dock.max_inflight`` open at once), it opens the iteration, puts
 its prompts, waits for the report of every stage and of the weight sync — in short slices,
@@ -201,22 +202,26 @@ def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> d
     dock = None
     previous = _raise_on_sigterm()
     try:
-        backend.start(groups[: cfg.dock.shards])
+        shards, rollout, others = groups[: cfg.dock.shards], groups[cfg.dock.shards], groups[cfg.dock.shards + 1 :]
+        backend.start(shards)
         wait_for_shards(locations, token, backend, timeout_s=60.0)
-        backend.start(groups[cfg.dock.shards :])
-        logger.info("started %d dock shards and stages %s; logs in %s", cfg.dock.shards, [g.name for g in groups[cfg.dock.shards :]], log_dir)
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s)
 
         def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
             return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, log_dir)
 
+        # the other stages start once the rollout has evaluated: the evaluation, which can take
+        # longer than a training step, never counts against their waits on the dock
+        backend.start([rollout])
+        if t.eval_before:
+            summary |= _log_eval(reports(BEFORE_TRAINING, ["rollout"])["rollout"], "before")
+        backend.start(others)
+        logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], log_dir)
+
         with MetricsWriter(run_dir) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
             for it, picked in enumerate(prompt_batches(train_prompts, t)):
                 start = time.perf_counter()
                 open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1
-                if it == 0 and t.eval_before:
-                    summary |= _log_eval(reports(BEFORE_TRAINING, ["rollout"])["rollout"], "before")
-                    start = time.perf_counter()  # the evaluation is not part of the iteration
                 metrics: dict[str, float] = {}
                 for stage_metrics in reports(it, stages).values():
                     metrics |= stage_metrics
@@ -226,7 +231,7 @@ def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> d
                 writer.log(it, metrics)
                 progress.update(metrics)
             dock.finish()
-            final = reports(AFTER_TRAINING, [g.name for g in groups[cfg.dock.shards :]])
+            final = reports(AFTER_TRAINING, [g.name for g in groups[len(shards) :]])
             summary |= _log_eval(final["rollout"], "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)

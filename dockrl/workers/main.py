@@ -8,8 +8,9 @@ then loops until the driver calls ``finish()``: ``wait_iteration`` → the stage
 ``run_iteration(dock)`` (the same classes as in-process) → ``report(iteration, stage, metrics)``.
 The stages share nothing but the dock, and the actor → rollout weight channel:
 
-* ``rollout``   generates; evaluates greedily before and after training; after each
-  iteration waits for the actor's report, receives its weights and reports ``weight_sync``.
+* ``rollout``   evaluates greedily before training (the launcher starts the other stages
+  once it reported), generates, and after each iteration waits for the actor's report,
+  receives its weights and reports ``weight_sync``; evaluates again after training.
 * ``reward``    scores the responses and computes the group advantages.
 * ``reference`` log-probs under the frozen initial policy (only when β > 0).
 * ``actor``     updates, sends its weights, writes the checkpoints.
@@ -80,9 +81,9 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
     engine = HFRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
-    channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s)
     params = list(engine.model.named_parameters())
     worker = RolloutWorker(engine, cfg.rollout)
+    channel = None
 
     def sync(it: int) -> None:
         dock.wait_reports(it, ["actor"], cfg.dock.timeout_s)  # updated: its weights come next on the channel
@@ -91,13 +92,15 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
         dock.report(it, WEIGHT_SYNC, metrics)
 
     try:
-        if cfg.trainer.eval_before:
+        if cfg.trainer.eval_before:  # the launcher starts the other stages once this is reported
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
+        channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s)  # waits for the actor
         serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync)
         dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after"))
     finally:
         scorer.close()
-        channel.close()
+        if channel is not None:
+            channel.close()
 
 
 def run_reward(cfg: Config, dock) -> None:
