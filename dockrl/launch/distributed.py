@@ -22,6 +22,7 @@ training, the final checkpoint). Every process is torn down in ``finally``.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import signal
 import socket
@@ -213,8 +214,12 @@ def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> d
         # the other stages start once the rollout has evaluated: the evaluation, which can take
         # longer than a training step, never counts against their waits on the dock
         backend.start([rollout])
+        # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for
+        # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches
+        eval_timeout_s = cfg.dock.timeout_s * math.ceil(len(test_prompts) / r.batch_size)
         if t.eval_before:
-            summary |= _log_eval(reports(BEFORE_TRAINING, ["rollout"])["rollout"], "before")
+            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s, log_dir)
+            summary |= _log_eval(before["rollout"], "before")
         backend.start(others)
         logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], log_dir)
 
@@ -231,8 +236,9 @@ def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> d
                 writer.log(it, metrics)
                 progress.update(metrics)
             dock.finish()
-            final = reports(AFTER_TRAINING, [g.name for g in groups[len(shards) :]])
-            summary |= _log_eval(final["rollout"], "after")
+            reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
+            after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, log_dir)
+            summary |= _log_eval(after["rollout"], "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)
     finally:
