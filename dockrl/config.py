@@ -98,6 +98,10 @@ class AlgorithmConfig:
     """Reward for a well-formed '#### <number>' final answer."""
     reward_timeout_s: float = 5.0
     """Per-sample verifier timeout; a timeout scores 0 and is counted."""
+    scorer: str = ""
+    """Custom reward scorer as ``module:Class`` (built with ``timeout_s``, ``correct_reward``,
+    ``format_reward``; methods ``score``, ``counters``, ``close`` as ``RewardScorer``); empty:
+    the strict GSM8K rule verifier."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +163,16 @@ class DockConfig:
     """Connect and read timeout of each S3 request attempt, seconds."""
     store_retries: int = 2
     """Retries of an S3 request after a connection error, timeout or 5xx answer."""
+    mode: Literal["inprocess", "distributed"] = "inprocess"
+    """``inprocess``: every stage runs in the driver's process over an in-memory dock;
+    ``distributed``: each stage is its own process and they share only ``shards`` Arrow Flight
+    dock shard processes (and the actor → rollout weight channel)."""
+    shards: int = 1
+    """Dock shard processes in ``distributed`` mode; an iteration's rows are split over them by
+    whole prompt groups, so at most ``trainer.global_batch``."""
+    max_inflight: int = 1
+    """Iterations open at once in ``distributed`` mode (backpressure on the driver). 1 is
+    on-policy and the only value supported: the dock holds one open iteration at a time."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +225,9 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def _fail(where: str, value: Any, rule: str) -> ConfigError:
@@ -302,6 +319,16 @@ def _check_rules(c: Config) -> None:
         raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
     if not 0 <= c.dock.store_retries <= 10:
         raise _fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
+    if a.scorer and not _IMPORT_PATH.match(a.scorer):
+        raise _fail("algorithm.scorer", a.scorer, "expected an import path 'package.module:Class', or '' for the built-in verifier")
+    k = c.dock
+    if k.shards < 1:
+        raise _fail("dock.shards", k.shards, "expected a positive integer")
+    if k.mode == "distributed" and k.shards > t.global_batch:
+        raise _fail("dock.shards", k.shards, f"expected at most trainer.global_batch={t.global_batch}: a shard holds whole prompt groups")
+    if k.max_inflight != 1:
+        raise _fail("dock.max_inflight", k.max_inflight,
+                    "only 1 (on-policy) is supported: the dock holds one open iteration at a time")
     _check_dock(c.dock)
     _check_parallel(c)
 

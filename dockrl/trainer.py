@@ -2,20 +2,24 @@
 
 The driver never moves payload between stages: it writes the prompt rows of an iteration and
 each stage claims what it needs from the dock and writes its columns back. Run it with
-``dockrl train [--config FILE] [section.field=value ...]``.
+``dockrl train [--config FILE] [section.field=value ...]``. Here every stage runs in this
+process; with ``dock.mode=distributed`` each runs as its own process
+(``dockrl/launch/distributed.py``), sharing the set-up functions of this module.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import random
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from dockrl.config import Config, save_config
-from dockrl.data import export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.config import AlgorithmConfig, Config, TrainerConfig, save_config
+from dockrl.data import Prompt, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
 from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine
 from dockrl.evaluate import greedy_accuracy
@@ -64,76 +68,124 @@ def resolve_data(cfg: Config) -> tuple[Path, Path]:
     return train, test
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def build_scorer(a: AlgorithmConfig):
+    """The reward scorer: ``algorithm.scorer`` (``module:Class``) if set, else the GSM8K rule verifier.
+
+    Raises:
+        ImportError, AttributeError: ``algorithm.scorer`` names no importable class.
+    """
+    cls = RewardScorer
+    if a.scorer:
+        module, _, name = a.scorer.partition(":")
+        cls = importlib.import_module(module)
+        for part in name.split("."):
+            cls = getattr(cls, part)
+    return cls(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+
+
+def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
+    """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
+    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+    train_prompts, _ = load_prompts(train_file, tokenizer, **load)
+    test_prompts, _ = load_prompts(test_file, tokenizer, **load)
+    if cfg.data.eval_size:
+        test_prompts = test_prompts[: cfg.data.eval_size]
+    return train_prompts, test_prompts
+
+
+def evaluate(engine: HFRolloutEngine, prompts: list[Prompt], scorer, cfg: Config, tag: str) -> dict[str, float]:
+    """Greedy test accuracy as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
+    res = greedy_accuracy(
+        engine, prompts, scorer, correct_reward=cfg.algorithm.correct_reward,
+        max_new_tokens=cfg.rollout.max_response_length, batch_size=cfg.trainer.eval_batch_size,
+    )
+    logger.info("greedy test accuracy %s training: %.3f (format %.3f, %d prompts)", tag, res["accuracy"], res["format_rate"], res["count"])
+    return {f"eval/accuracy_{tag}": res["accuracy"], f"eval/format_rate_{tag}": res["format_rate"]}
+
+
+def prompt_batches(prompts: list[Prompt], t: TrainerConfig) -> Iterator[list[Prompt]]:
+    """The ``trainer.global_batch`` prompts of each iteration: a seeded shuffle, reshuffled past the first epoch."""
+    order = list(range(len(prompts)))
+    rng = random.Random(t.seed)
+    rng.shuffle(order)
+    B = t.global_batch
+    for it in range(t.iterations):
+        if (it + 1) * B > len(order):  # next epoch over the prompts
+            rng.shuffle(order)
+        yield [prompts[order[(it * B + k) % len(order)]] for k in range(B)]
+
+
+def open_with_prompts(dock, iteration: int, picked: list[Prompt], n: int) -> None:
+    """Open ``iteration`` with ``len(picked)·n`` rows; prompt ``i`` fills rows ``[i·n, (i+1)·n)``."""
+    dock.open_iteration(iteration, len(picked) * n, n)
+    dock.put(range(len(picked) * n), {
+        "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
+        "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
+    })
+
+
+def add_iteration_metrics(metrics: dict[str, float], seconds: float, rows: int) -> dict[str, float]:
+    """Add ``timing_s/iteration`` and ``perf/response_tokens_per_s`` (response tokens of all rows per second)."""
+    metrics["timing_s/iteration"] = seconds
+    metrics["perf/response_tokens_per_s"] = metrics["rollout/response_length_mean"] * rows / seconds
+    return metrics
 
 
 def train(cfg: Config) -> dict[str, float]:
     """Run GRPO as configured; returns the run summary (accuracies, seconds).
 
+    ``dock.mode=distributed`` runs every stage as its own process
+    (``dockrl.launch.distributed.train_distributed``); the default runs them all here.
     Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
     ``metrics.png``, ``summary.json`` and ``checkpoints/`` (HF format).
     """
+    if cfg.dock.mode == "distributed":
+        from dockrl.launch.distributed import train_distributed
+
+        return train_distributed(cfg)
+    if cfg.dock.shards != 1:
+        logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
     t0 = time.perf_counter()
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    _seed_everything(cfg.trainer.seed)
+    seed_everything(cfg.trainer.seed)
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
 
     rollout_engine = HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = rollout_engine.tokenizer
-    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
-    train_prompts, _ = load_prompts(train_file, tokenizer, **load)
-    test_prompts, _ = load_prompts(test_file, tokenizer, **load)
-    if cfg.data.eval_size:
-        test_prompts = test_prompts[: cfg.data.eval_size]
+    train_prompts, test_prompts = load_run_prompts(cfg, tokenizer, train_file, test_file)
     actor = HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
     )
-    scorer = RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    scorer = build_scorer(a)
     workers = [RolloutWorker(rollout_engine, r), RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
     if a.kl_coef > 0:
         reference = HFTrainEngine(model_path, trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
     workers.append(ActorWorker(actor, trainer=t, algo=a, rollout=r))
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s)
+    dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
     if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
         logger.warning("dock.warehouse=%r is not used: this driver keeps the dock in its own memory", cfg.dock.warehouse)
 
-    def evaluate(tag: str) -> dict[str, float]:
-        res = greedy_accuracy(
-            rollout_engine, test_prompts, scorer, correct_reward=a.correct_reward,
-            max_new_tokens=r.max_response_length, batch_size=t.eval_batch_size,
-        )
-        logger.info("greedy test accuracy %s training: %.3f (format %.3f, %d prompts)", tag, res["accuracy"], res["format_rate"], res["count"])
-        return {f"eval/accuracy_{tag}": res["accuracy"], f"eval/format_rate_{tag}": res["format_rate"]}
-
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
-    order = list(range(len(train_prompts)))
-    rng = random.Random(t.seed)
-    rng.shuffle(order)
-    n, B = r.n, t.global_batch
     try:
         with MetricsWriter(run_dir) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
             if t.eval_before:
-                summary |= evaluate("before")
-            for it in range(t.iterations):
+                summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "before")
+            for it, picked in enumerate(prompt_batches(train_prompts, t)):
                 start = time.perf_counter()
-                if (it + 1) * B > len(order):  # next epoch over the prompts
-                    rng.shuffle(order)
-                picked = [train_prompts[order[(it * B + k) % len(order)]] for k in range(B)]
-                dock.open_iteration(it, B * n, n)
-                dock.put(range(B * n), {
-                    "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
-                    "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
-                })
+                open_with_prompts(dock, it, picked, r.n)
                 metrics: dict[str, float] = {}
                 for worker in workers:
                     metrics |= worker.run_iteration(dock)
@@ -142,14 +194,13 @@ def train(cfg: Config) -> dict[str, float]:
                 metrics["timing_s/weight_sync"] = time.perf_counter() - sync_start
                 metrics |= dock.stats()
                 dock.close_iteration()
-                metrics["timing_s/iteration"] = time.perf_counter() - start
-                metrics["perf/response_tokens_per_s"] = metrics["rollout/response_length_mean"] * B * n / metrics["timing_s/iteration"]
+                add_iteration_metrics(metrics, time.perf_counter() - start, len(picked) * r.n)
                 writer.log(it, metrics)
                 progress.update(metrics)
                 if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:
                     actor.save(run_dir / "checkpoints" / f"iter_{it + 1:06d}")
             actor.save(run_dir / "checkpoints" / "final")
-            summary |= evaluate("after")
+            summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")

@@ -140,6 +140,14 @@ ERRORS = {
     "empty directory": (["dock.warehouse=directory", "dock.directory= "], ["dock.directory"]),
     "zero lease": (["dock.lease_s=0"], ["dock.lease_s: got 0.0", "finite number > 0"]),
     "infinite lease": (["dock.lease_s=.inf"], ["dock.lease_s: got inf", "finite number > 0"]),
+    "literal dock mode": (["dock.mode=cluster"], ["dock.mode: got 'cluster'; expected one of 'inprocess', 'distributed'"]),
+    "no shard": (["dock.shards=0"], ["dock.shards: got 0", "positive"]),
+    "more shards than prompt groups": (
+        ["dock.mode=distributed", "dock.shards=7", "trainer.global_batch=6"],
+        ["dock.shards: got 7", "trainer.global_batch=6", "whole prompt groups"],
+    ),
+    "off-policy in flight": (["dock.max_inflight=2"], ["dock.max_inflight: got 2", "only 1"]),
+    "scorer not an import path": (["algorithm.scorer=my_scorer"], ["algorithm.scorer: got 'my_scorer'", "'package.module:Class'"]),
 }
 
 
@@ -298,3 +306,8 @@ def test_model_rules_wait_for_a_local_model():
     assert load_config(None, ["parallel.tp=3"]).parallel.tp == 3
     with pytest.raises(ConfigError, match="parallel.world_size"):
         load_config(None, ["parallel.tp=3", "parallel.world_size=2"])
+def test_distributed_mode_settings():
+    config = load_config(None, ["dock.mode=distributed", "dock.shards=3", "algorithm.scorer=my.rewards:Scorer"])
+    assert (config.dock.mode, config.dock.shards, config.dock.max_inflight) == ("distributed", 3, 1)
+    assert config.algorithm.scorer == "my.rewards:Scorer"
+    assert load_config(None, ["dock.shards=7"]).dock.shards == 7  # unused, so unchecked, in the in-process mode

@@ -33,6 +33,11 @@ snapshot cut short is never read as complete. It is consistent per shard, not ac
 (rows are independent, so each row's state is one some moment had). ``restore(uri)`` loads
 shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there).
 
+**Control channel.** ``wait_iteration``, ``report``, ``wait_reports`` and ``finish``
+(``dockrl.dock.control``) go to shard 0, which holds the run's control state for every client;
+the waits block server-side with the client's timeout (plus ``rpc_timeout_s`` of slack).
+``open_iteration`` announces the iteration on shard 0 only once every shard has opened it.
+
 Puts and gets go straight to the shards owning the rows. A put is fully checked on the
 client first, then is atomic per shard but not across shards (one shard may refuse an
 already written cell after another accepted its part).
@@ -62,6 +67,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from dockrl.dock.control import check_metrics
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight import ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
 from dockrl.dock.local import Claim, arrow_columns
@@ -234,6 +240,7 @@ class DockClient:
             raise
         with self._lock:
             self._layout = layout
+        self._action(0, "announce_iteration", {"iteration": layout.iteration})  # control channel: now stages may start
 
     def close_iteration(self) -> None:
         """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``.
@@ -645,6 +652,43 @@ class DockClient:
         with self._lock:
             store = dict(self.store) if self.warehouse is not None else {}
         return total | store | {"dock/shards": len(self.locations)}
+
+    # --- control channel (shard 0) -------------------------------------------------------------
+    def _wait_action(self, name: str, body: dict[str, Any], timeout_s: float | None) -> Any:
+        """A blocking control action on shard 0: the server waits ``timeout_s``, the call a little longer."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        finite = math.isfinite(timeout)
+        body = body | {"timeout_s": timeout if finite else None}
+        return self._action(0, name, body, timeout=timeout + self.rpc_timeout_s if finite else None)
+
+    def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
+        """Block until an iteration newer than ``after`` is open and return it; ``None`` after ``finish()``.
+
+        Raises:
+            DockTimeoutError: nothing happened within ``timeout_s`` (default: the client's).
+            DockError: the shard is shutting down.
+        """
+        return self._wait_action("wait_iteration", {"after": int(after)}, timeout_s)["iteration"]
+
+    def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
+        """Record ``stage``'s metrics of ``iteration`` on shard 0 (``RunControl.report``).
+
+        Raises:
+            DockError: bad metrics, or the stage already reported this iteration.
+        """
+        self._action(0, "report", {"iteration": iteration, "stage": stage, "metrics": check_metrics(metrics, "report")})
+
+    def wait_reports(self, iteration: int, stages: Sequence[str], timeout_s: float | None = None) -> dict[str, dict[str, float]]:
+        """Block until each of ``stages`` reported ``iteration``; return ``{stage: metrics}``.
+
+        Raises:
+            DockTimeoutError: stages missing at the timeout (default: the client's); names them.
+        """
+        return self._wait_action("wait_reports", {"iteration": int(iteration), "stages": list(stages)}, timeout_s)
+
+    def finish(self) -> None:
+        """No further iteration will open: idle ``wait_iteration`` calls return ``None``."""
+        self._action(0, "finish", {})
 
     def close(self) -> None:
         """Stop renewing leases and close the connections to the shards (the shards keep running)."""

@@ -20,6 +20,13 @@ Protocol (every body and result is UTF-8 JSON):
 * snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri``;
   ``restore`` {uri, layout} loads it into a shard with no open iteration, checking that the
   snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null).
+* ``do_action`` — the control channel (``dockrl.dock.control``; clients use shard 0's):
+  ``announce_iteration`` {iteration} (the client's ``open_iteration`` sends it once every
+  shard is open: only then does ``wait_iteration`` hand the iteration out),
+  ``wait_iteration`` {after, timeout_s} → {iteration} (null once finished),
+  ``report`` {iteration, stage, metrics}, ``wait_reports`` {iteration, stages, timeout_s} →
+  {stage: metrics}, ``finish`` {}. The waits block on a condition variable; ``timeout_s``
+  null waits without limit.
 * ``do_put`` — payload in: descriptor command {iteration}; one record batch with an int64
   ``row`` column (global row indexes) plus the data columns.
 * ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
@@ -59,6 +66,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.local import DEFAULT_OWNER, TransferDock
 from dockrl.dock.schema import Schema
@@ -176,6 +184,8 @@ class DockShardServer(flight.FlightServerBase):
         self._layout: dict[str, int] | None = None
         self.controller_bytes = 0
         self._closed = False
+        # the run's control channel (used on shard 0): an iteration is announced once open on every shard
+        self.control = RunControl(timeout_s=timeout_s)
         self._actions: dict[str, Callable[[flight.ServerCallContext, dict], Any]] = {
             "open_iteration": self._open_iteration,
             "close_iteration": lambda ctx, req: self._close_iteration(),
@@ -192,6 +202,12 @@ class DockShardServer(flight.FlightServerBase):
             "release_owner": lambda ctx, req: {"rows": self.dock.release_owner(req["owner"])},
             "snapshot": lambda ctx, req: self._snapshot(req["uri"]),
             "restore": lambda ctx, req: self._restore(req["uri"], req["layout"]),
+            # control channel
+            "announce_iteration": lambda ctx, req: self._announce_iteration(req["iteration"]),
+            "wait_iteration": lambda ctx, req: {"iteration": self.control.wait_iteration(req["after"], _timeout(req["timeout_s"]))},
+            "report": lambda ctx, req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
+            "wait_reports": lambda ctx, req: self.control.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
+            "finish": lambda ctx, req: self.control.finish(),
         }
         logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
 
@@ -207,6 +223,7 @@ class DockShardServer(flight.FlightServerBase):
                 return
             self._closed = True
             self._layout = None
+        self.control.shutdown(f"dock shard at {self._location} is shutting down")
         self.dock.close_iteration()
         self.shutdown()
 
@@ -251,6 +268,14 @@ class DockShardServer(flight.FlightServerBase):
         with self._lock:
             self._layout = None
             self.dock.close_iteration()
+            self.control.set_open(None)
+
+    def _announce_iteration(self, iteration: int) -> None:
+        with self._lock:
+            open_now = None if self._layout is None else self._layout["iteration"]
+            if open_now != iteration:
+                raise DockError(f"announce_iteration({iteration}): iteration {open_now} is open on this shard")
+            self.control.set_open(iteration)
 
     def _describe(self) -> dict[str, Any]:
         with self._lock:
@@ -363,6 +388,11 @@ def _guard(what: str, fn: Callable[[], Any]) -> Any:
         _fail(DockError(f"dock shard: malformed {what} request ({type(e).__name__}: {e})"))
 
 
+def _timeout(value: float | None) -> float:
+    """A wait's ``timeout_s`` from a request body: null means no limit."""
+    return math.inf if value is None else float(value)
+
+
 def _load_schema(spec: str) -> Schema:
     module, _, attr = spec.partition(":")
     schema = getattr(importlib.import_module(module), attr or "GRPO_SCHEMA")
@@ -399,15 +429,19 @@ def serve_shard(argv: list[str] | None = None) -> int:
         payload=args.payload,
         lease_s=args.lease_s,
     )
-    print(server.location, flush=True)
+    # gRPC threads serve already; the main thread only waits for a signal. Not server.serve():
+    # on a signal it shuts gRPC down first, which waits for claims blocked in the shard (up to
+    # their timeout), and only then runs Python's handler; close() wakes them first.
+    stopping = threading.Event()
 
     def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(server.location, flush=True)  # after the handlers: whoever reads it may stop the shard at once
     try:
-        server.serve()
-    except KeyboardInterrupt:
+        stopping.wait()
         logger.info("dock shard at %s stopping", server.location)
     finally:
         server.close()

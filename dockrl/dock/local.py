@@ -30,6 +30,9 @@ another owner and not finished, a claim with nothing to take blocks: they may co
 consumed and acked bits) and payload as Arrow IPC files through ``pyarrow.fs``
 (``dockrl.dock.snapshot``); ``restore(uri)`` loads it into a dock with no open iteration, and
 un-acked leases end there (their holders belong to the old run).
+
+The control channel of a run whose stages are separate processes (``wait_iteration``,
+``report``, ``wait_reports``, ``finish``) is ``dockrl.dock.control``; each dock owns one.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 import pyarrow as pa
 
+from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import Located
@@ -201,6 +205,7 @@ class TransferDock:
         self.bytes_put = 0
         self.bytes_read = 0
         self.wait_s = 0.0
+        self.control = RunControl(timeout_s=timeout_s)
 
     # --- iteration lifecycle -------------------------------------------------------------
     def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, first_row: int = 0) -> None:
@@ -220,12 +225,14 @@ class TransferDock:
             if self._it is not None:
                 raise DockError(f"open_iteration({iteration}): iteration {self._it.iteration} is still open")
             self._it = _Iteration(self.schema, iteration, num_rows, group_size, first_row)
+            self.control.set_open(iteration)
             self._cond.notify_all()
 
     def close_iteration(self) -> None:
         """Drop the current iteration's table; later puts and claims raise ``DockError``."""
         with self._cond:
             self._it = None
+            self.control.set_open(None)
             self._cond.notify_all()
 
     def _current(self, what: str, iteration: int | None = None) -> _Iteration:
@@ -856,3 +863,32 @@ class TransferDock:
         with self._cond:
             return {"dock/bytes_put": self.bytes_put, "dock/bytes_read": self.bytes_read, "dock/wait_s": self.wait_s,
                     "dock/leases_expired": self.leases_expired, "dock/rows_returned": self.rows_returned}
+
+    # --- control channel (dockrl.dock.control) ------------------------------------------------
+    def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
+        """Block until an iteration newer than ``after`` is open and return it; ``None`` after ``finish()``.
+
+        Raises:
+            DockTimeoutError: nothing happened within ``timeout_s`` (default: the dock's).
+        """
+        return self.control.wait_iteration(after, timeout_s)
+
+    def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
+        """Record ``stage``'s metrics of ``iteration`` (``RunControl.report``).
+
+        Raises:
+            DockError: bad metrics, or the stage already reported this iteration.
+        """
+        self.control.report(iteration, stage, metrics)
+
+    def wait_reports(self, iteration: int, stages: Sequence[str], timeout_s: float | None = None) -> dict[str, dict[str, float]]:
+        """Block until each of ``stages`` reported ``iteration``; return ``{stage: metrics}``.
+
+        Raises:
+            DockTimeoutError: stages missing at the timeout (default: the dock's); names them.
+        """
+        return self.control.wait_reports(iteration, stages, timeout_s)
+
+    def finish(self) -> None:
+        """No further iteration will open: idle ``wait_iteration`` calls return ``None``."""
+        self.control.finish()

@@ -1,9 +1,9 @@
 """The launcher: runs one GRPO training job for a pipeline's train step and reports it.
 
-``run_training`` is what the KFP ``train`` component calls. Today the stages run in-process
-in the launcher (``dockrl.trainer.train``); the worker backends in this package
-(``local.py``, ``kubernetes.py``) are where separate stage processes will be started from, and
-the pipeline's exit handler already tears down whatever a run registered with them.
+``run_training`` is what the KFP ``train`` component calls. The stages run in-process in the
+launcher (``dockrl.trainer.train``), or with ``dock.mode=distributed`` as local processes
+started through ``LocalBackend`` (``distributed.py``); the Kubernetes backend does not start
+stage pods yet. The pipeline's exit handler tears down whatever a run registered with them.
 
 Per-iteration metrics go to ``log_metric`` as ``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``),
 run-level numbers (``eval/accuracy_before``, ``run/seconds``, ...) under their own names.

@@ -119,6 +119,7 @@ class ActorWorker:
                 )
         if on_policy:
             dock.put(claim.rows, {"old_log_prob": mini["old_log_prob"]})
+        dock.ack(claim)  # the update is done: the lease on these rows ends for good
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["actor/ratio_max"] = max(m["actor/ratio_max"] for m in steps)
         metrics["actor/first_step_ratio_mean"] = steps[0]["actor/ratio_mean"]

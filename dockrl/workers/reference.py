@@ -25,4 +25,5 @@ class ReferenceWorker:
                 micro_batch=self.micro_batch,
             )
             dock.put(claim.rows, {"ref_log_prob": lps})
+            dock.ack(claim)
         return {"timing_s/reference": time.perf_counter() - start}

@@ -37,6 +37,7 @@ class RolloutWorker:
                     "truncated": [s.truncated for s in samples],
                 },
             )
+            dock.ack(claim)  # after the put: a worker that dies before it leaves its rows to another
             lengths += [len(s.response_ids) for s in samples]
             truncated += sum(s.truncated for s in samples)
         seconds = time.perf_counter() - start

@@ -1,0 +1,180 @@
+"""Actor → rollout weights over torch.distributed: a bucketed broadcast of the named parameters.
+
+When the actor and the rollout engine are separate processes, the updated weights travel over
+a process group of their own: the actor is rank 0, each rollout process one of the ranks
+``1 .. world_size-1``. They meet through a ``TCPStore`` the launcher hosts (``address`` =
+``host:port``). After each update the actor casts its parameters to the rollout dtype (fp32 →
+bf16 halves the bytes), packs consecutive ones into buckets of at most ``bucket_bytes`` (a
+larger tensor gets a bucket of its own) and broadcasts bucket by bucket; a receiver unpacks
+every bucket straight into its engine's parameters, so peak extra memory is one bucket.
+
+Both sides derive the same bucket plan from the parameter names, shapes and the dtype; a
+fingerprint of those is broadcast first, so two different models fail with a clear error
+instead of silently mixing weights. Collectives use gloo on CPU (NCCL/HCCL later, same code).
+
+This is the seed of the allgather–swap resharding of a hybrid actor (DESIGN.md §3), which
+will replace the broadcast with an all-gather of training shards into inference buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from datetime import timedelta
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Bytes per broadcast bucket (in the rollout dtype)."""
+SENDER = 0
+"""Rank of the actor in the weight group."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` → (host, port).
+
+    Raises:
+        ValueError: not ``host:port`` with a port in 1-65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"weight sync address: got {address!r}; expected host:port, e.g. 127.0.0.1:29500")
+    return host, int(port)
+
+
+def plan_buckets(numels: Sequence[int], element_size: int, bucket_bytes: int) -> list[list[int]]:
+    """Group consecutive tensors (by index) into buckets of at most ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"weight sync: bucket_bytes={bucket_bytes}; expected a positive number of bytes")
+    buckets: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        nbytes = n * element_size
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def fingerprint(specs: Iterable[tuple[str, Sequence[int]]], dtype: torch.dtype) -> int:
+    """A signed 64-bit digest of the parameter names, shapes (in order) and the wire dtype."""
+    text = ";".join(f"{name}:{tuple(shape)}" for name, shape in specs) + f"|{dtype}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+class WeightChannel:
+    """One process's end of the weight group (the actor sends, rollout processes receive).
+
+    Args:
+        address: ``host:port`` of the launcher's ``TCPStore``.
+        rank: 0 for the actor (``SENDER``), 1.. for rollout processes.
+        world_size: 1 + the number of rollout processes.
+        timeout_s: longest the rendezvous and each collective may wait, seconds; a timeout
+            raises from torch.distributed naming the collective.
+        bucket_bytes: bucket size, bytes of the wire dtype.
+
+    The constructor blocks until every rank joined. Uses the process's default group.
+
+    Raises:
+        ValueError: bad address or rank.
+        RuntimeError: a process group already exists in this process.
+    """
+
+    def __init__(
+        self, address: str, *, rank: int, world_size: int = 2, timeout_s: float = 600.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        host, port = parse_address(address)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"weight sync: rank={rank}; expected 0 <= rank < world_size={world_size}")
+        if dist.is_initialized():
+            raise RuntimeError("weight sync: this process already has a default process group")
+        self.rank, self.world_size, self.bucket_bytes = rank, world_size, bucket_bytes
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore("dockrl/weights", store), rank=rank, world_size=world_size, timeout=timeout)
+        logger.info("weight channel: rank %d of %d joined at %s", rank, world_size, address)
+
+    def _check_fingerprint(self, mine: int) -> None:
+        theirs = torch.tensor([mine], dtype=torch.int64)
+        dist.broadcast(theirs, src=SENDER)
+        if int(theirs) != mine:
+            raise ValueError(
+                "weight sync: the actor's parameters (names, shapes, wire dtype) differ from this rollout engine's; "
+                "both must load the same model.path and use rollout.dtype"
+            )
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, float]:
+        """Broadcast ``named`` weights cast to ``dtype`` (rank 0 only); returns ``weight_sync/*`` metrics.
+
+        Returns:
+            ``weight_sync/bytes`` (bytes sent per receiver), ``weight_sync/buckets`` and
+            ``weight_sync/seconds`` (cast, pack and broadcast, wall clock).
+        """
+        if self.rank != SENDER:
+            raise RuntimeError(f"weight sync: send() on rank {self.rank}; only rank {SENDER} (the actor) sends")
+        start = time.perf_counter()
+        names, tensors = zip(*((n, t.detach()) for n, t in named))
+        self._check_fingerprint(fingerprint(((n, t.shape) for n, t in zip(names, tensors)), dtype))
+        element_size = torch.empty((), dtype=dtype).element_size()
+        buckets = plan_buckets([t.numel() for t in tensors], element_size, self.bucket_bytes)
+        sent = 0
+        with torch.no_grad():
+            for bucket in buckets:
+                flat = torch.cat([tensors[i].to(dtype).reshape(-1) for i in bucket])
+                dist.broadcast(flat, src=SENDER)
+                sent += flat.numel() * element_size
+        return {"weight_sync/bytes": sent, "weight_sync/buckets": len(buckets), "weight_sync/seconds": time.perf_counter() - start}
+
+    def receive(
+        self, params: Sequence[tuple[str, torch.Tensor]], load: Callable[[Iterable[tuple[str, torch.Tensor]]], int]
+    ) -> dict[str, float]:
+        """Receive one broadcast into ``params`` (a rollout rank); returns ``weight_sync/*`` metrics.
+
+        Args:
+            params: this engine's ``(name, parameter)`` pairs, in the sender's order (same
+                model); all of one dtype, the wire dtype.
+            load: copies received ``(name, tensor)`` pairs into the engine and returns the
+                bytes copied (``HFRolloutEngine.load_weights``).
+
+        Returns:
+            ``weight_sync/bytes`` (bytes loaded), ``weight_sync/buckets``,
+            ``weight_sync/seconds`` (from the first byte to the last copy, wall clock).
+
+        Raises:
+            ValueError: the sender's parameters differ (fingerprint), or ``params`` mix dtypes.
+        """
+        if self.rank == SENDER:
+            raise RuntimeError("weight sync: receive() on the sending rank")
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"weight sync: the rollout parameters mix dtypes {sorted(map(str, dtypes))}; expected one")
+        (dtype,) = dtypes
+        self._check_fingerprint(fingerprint(((n, p.shape) for n, p in params), dtype))
+        start = time.perf_counter()  # after the fingerprint: waiting for the sender is not transfer time
+        element_size = torch.empty((), dtype=dtype).element_size()
+        buckets = plan_buckets([p.numel() for _, p in params], element_size, self.bucket_bytes)
+        loaded = 0
+        for bucket in buckets:
+            flat = torch.empty(sum(params[i][1].numel() for i in bucket), dtype=dtype)
+            dist.broadcast(flat, src=SENDER)
+            views = flat.split([params[i][1].numel() for i in bucket])
+            loaded += load((params[i][0], v.view(params[i][1].shape)) for i, v in zip(bucket, views))
+        return {"weight_sync/bytes": loaded, "weight_sync/buckets": len(buckets), "weight_sync/seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Leave the group (idempotent)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

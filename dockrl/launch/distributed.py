@@ -1,0 +1,264 @@
+"""Distributed mode: every GRPO stage its own process, sharing only the sharded dock.
+
+``train_distributed(cfg)`` is what ``dockrl train dock.mode=distributed`` runs. This process,
+the driver, starts through a ``LocalBackend`` (logs in ``RUN/logs/<group>-0.log``):
+
+1. ``dock.shards`` dock shard processes (``python -m dockrl.dock.flight``) on free loopback
+   ports, with a bearer token generated for the run and passed in the environment;
+2. one process per stage (``python -m dockrl.workers.main``): rollout, reward (with the
+   advantage step), reference (only when ``algorithm.kl_coef > 0``) and actor. Rollout and
+   actor also meet on the weight channel, a gloo group whose ``TCPStore`` this process hosts.
+   The rollout starts first and evaluates; the others start once it has reported.
+
+Then, per iteration (at most ``dock.max_inflight`` open at once), it opens the iteration, puts
+its prompts, waits for the report of every stage and of the weight sync — in short slices,
+checking the workers in between, so a dead worker fails the run within a second with
+``WorkerFailed`` and its log tail — merges the metrics into the same ``metrics.jsonl``,
+TensorBoard, progress bar and ``summary.json`` as the in-process mode, and closes it. After
+the last one it calls ``finish()`` and collects the final reports (the evaluation after
+training, the final checkpoint). Every process is torn down in ``finally``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow.flight as flight
+import torch.distributed as dist
+
+from dockrl.config import Config, save_config
+from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
+from dockrl.dock.client import DockClient
+from dockrl.dock.warehouse import make_warehouse
+from dockrl.engines.hf import load_tokenizer
+from dockrl.launch.backend import WorkerBackend, WorkerGroup
+from dockrl.launch.local import LocalBackend
+from dockrl.metrics import MetricsWriter, Progress, plot_metrics
+from dockrl.trainer import add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model
+from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, TOKEN_ENV, WEIGHT_SYNC
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+"""Every process of a local run listens on loopback only."""
+CHECK_EVERY_S = 0.5
+"""Longest the driver waits for reports between two checks of the workers, seconds."""
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct ports free on ``host`` right now (bound together, then released)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def iteration_stages(cfg: Config) -> list[str]:
+    """Reports the driver waits for in each iteration, in the order their metrics are merged."""
+    return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", WEIGHT_SYNC]
+
+
+def worker_groups(
+    cfg: Config, config_path: Path, ports: Sequence[int], weight_port: int, token: str, run: str = "run",
+) -> list[WorkerGroup]:
+    """The dock shard groups (one per shard, each on its port) and the stage groups of a run.
+
+    With ``dock.warehouse`` other than ``memory`` the shards keep metadata only (``--payload
+    store``) and every stage reads and writes the run's objects (named by ``run``) itself.
+    """
+    env = {TOKEN_ENV: token}
+    payload = "memory" if cfg.dock.warehouse == "memory" else "store"
+    shards = [
+        WorkerGroup(name=f"dock-shard-{s}", env=env, port=port, command=(
+            sys.executable, "-m", "dockrl.dock.flight", "--host", HOST, "--port", str(port),
+            "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
+            "--payload", payload,
+        ))
+        for s, port in enumerate(ports)
+    ]
+    dock = ",".join(f"grpc://{HOST}:{p}" for p in ports)
+    stages = [s for s in ("rollout", "reward", "reference", "actor") if s != "reference" or cfg.algorithm.kl_coef > 0]
+    return shards + [
+        WorkerGroup(name=stage, env=env, command=(
+            sys.executable, "-m", "dockrl.workers.main", "--stage", stage, "--config", str(config_path),
+            "--dock", dock, "--weight-sync", f"{HOST}:{weight_port}", "--run", run,
+        ))
+        for stage in stages
+    ]
+
+
+def wait_for_shards(locations: Sequence[str], token: str, backend: WorkerBackend, timeout_s: float) -> None:
+    """Block until every shard answers; fail at once if a shard process died.
+
+    A readiness probe (as a kubelet's): the shard listens only once its process has imported
+    pyarrow, and gRPC offers no readiness event through pyarrow, so it asks every 0.1 s on a
+    fresh connection (a failed channel would otherwise back off for seconds).
+
+    Raises:
+        WorkerFailed: a shard process exited.
+        TimeoutError: a shard did not answer within ``timeout_s``.
+    """
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())], timeout=2.0)
+    deadline = time.monotonic() + timeout_s
+    for location in locations:
+        while True:
+            backend.check()
+            client = flight.connect(location)
+            try:
+                list(client.list_actions(options))
+                break
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"dock shard at {location} did not answer within {timeout_s:.0f} s") from None
+                time.sleep(0.1)
+            finally:
+                client.close()
+
+
+def wait_reports(
+    dock: DockClient, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, log_dir: Path,
+) -> dict[str, dict[str, float]]:
+    """The reports of ``stages`` for ``iteration``, watching the workers while waiting.
+
+    Waits in slices of ``CHECK_EVERY_S`` and calls ``backend.check()`` between them. Each
+    stage may take ``timeout_s`` after the previous one reported.
+
+    Raises:
+        WorkerFailed: a worker died (its log tail is in the message).
+        DockTimeoutError: a stage did not report in time; names the stages missing.
+    """
+    reports: dict[str, dict[str, float]] = {}
+    for stage in stages:
+        deadline = time.monotonic() + timeout_s
+        while stage not in reports:
+            backend.check()
+            try:
+                reports |= dock.wait_reports(iteration, [stage], timeout_s=min(CHECK_EVERY_S, timeout_s))
+            except DockTimeoutError:
+                if time.monotonic() >= deadline:
+                    missing = [s for s in stages if s not in reports]
+                    raise DockTimeoutError(
+                        f"iteration {iteration}: no report from {missing} within dock.timeout_s={timeout_s:.0f} s "
+                        f"while their processes run; see their logs in {log_dir}"
+                    ) from None
+    return reports
+
+
+def _log_eval(metrics: dict[str, float], tag: str) -> dict[str, float]:
+    logger.info("greedy test accuracy %s training: %.3f (format %.3f)", tag, metrics[f"eval/accuracy_{tag}"],
+                metrics[f"eval/format_rate_{tag}"])
+    return metrics
+
+
+def _raise_on_sigterm():
+    """Turn SIGTERM into ``SystemExit`` while the workers run, so that the teardown in ``finally``
+    runs when the driver is stopped (a pod deleted, ``kill``): the workers lead sessions of
+    their own and would outlive it. Returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> dict[str, float]:
+    """Run GRPO with every stage in its own process; returns the run summary.
+
+    Writes the same run folder as ``dockrl.trainer.train`` plus ``logs/`` (one log per process).
+
+    Args:
+        backend: where to start the processes (all on this machine: they listen on loopback);
+            default a ``LocalBackend`` for a fresh run id.
+
+    Raises:
+        WorkerFailed: a worker process died; the message has its log tail.
+        DockTimeoutError: a stage stopped reporting while its process kept running.
+    """
+    t0 = time.perf_counter()
+    t, r = cfg.trainer, cfg.rollout
+    run_dir = Path(cfg.run.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    save_config(cfg, config_path)
+    model_path = resolve_model(cfg)  # prepared here once, before the workers look for it
+    train_file, test_file = resolve_data(cfg)
+    train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
+
+    log_dir = run_dir / "logs"
+    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir)
+    run = getattr(backend, "run_id", None) or f"dockrl-{secrets.token_hex(6)}"
+    warehouse = make_warehouse(cfg.dock, run)  # checked here once, before any worker starts
+    token = secrets.token_urlsafe(24)
+    weight_store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.dock.timeout_s))
+    ports = free_ports(cfg.dock.shards)
+    locations = [f"grpc://{HOST}:{p}" for p in ports]
+    groups = worker_groups(cfg, config_path, ports, weight_store.port, token, run)
+    stages = iteration_stages(cfg)
+    summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
+    dock = None
+    previous = _raise_on_sigterm()
+    try:
+        shards, rollout, others = groups[: cfg.dock.shards], groups[cfg.dock.shards], groups[cfg.dock.shards + 1 :]
+        backend.start(shards)
+        wait_for_shards(locations, token, backend, timeout_s=60.0)
+        dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
+                          lease_s=cfg.dock.lease_s, owner=f"{run}/driver")
+
+        def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
+            return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, log_dir)
+
+        # the other stages start once the rollout has evaluated: the evaluation, which can take
+        # longer than a training step, never counts against their waits on the dock
+        backend.start([rollout])
+        # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for
+        # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches
+        eval_timeout_s = cfg.dock.timeout_s * math.ceil(len(test_prompts) / r.batch_size)
+        if t.eval_before:
+            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s, log_dir)
+            summary |= _log_eval(before["rollout"], "before")
+        backend.start(others)
+        logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], log_dir)
+
+        with MetricsWriter(run_dir) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
+            for it, picked in enumerate(prompt_batches(train_prompts, t)):
+                start = time.perf_counter()
+                open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1
+                metrics: dict[str, float] = {}
+                for stage_metrics in reports(it, stages).values():
+                    metrics |= stage_metrics
+                metrics |= dock.stats()
+                dock.close_iteration()
+                add_iteration_metrics(metrics, time.perf_counter() - start, len(picked) * r.n)
+                writer.log(it, metrics)
+                progress.update(metrics)
+            dock.finish()
+            reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
+            after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, log_dir)
+            summary |= _log_eval(after["rollout"], "after")
+            summary["run/seconds"] = time.perf_counter() - t0
+            writer.log_summary(summary)
+    finally:
+        if dock is not None:
+            dock.close()
+        backend.teardown()
+        del weight_store
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
+    return summary

@@ -1,0 +1,211 @@
+"""Entry point of one stage process of a distributed run (``dock.mode=distributed``).
+
+    DOCKRL_DOCK_TOKEN=... python -m dockrl.workers.main --stage rollout --config RUN/config.yaml \\
+        --dock grpc://127.0.0.1:5001,grpc://127.0.0.1:5002 --weight-sync 127.0.0.1:29500
+
+The launcher (``dockrl/launch/distributed.py``) starts one per stage. Each builds its engine,
+then loops until the driver calls ``finish()``: ``wait_iteration`` → the stage worker's
+``run_iteration(dock)`` (the same classes as in-process) → ``report(iteration, stage, metrics)``.
+The stages share nothing but the dock, and the actor → rollout weight channel:
+
+* ``rollout``   evaluates greedily before training (the launcher starts the other stages
+  once it reported), generates, and after each iteration waits for the actor's report,
+  receives its weights and reports ``weight_sync``; evaluates again after training.
+* ``reward``    scores the responses and computes the group advantages.
+* ``reference`` log-probs under the frozen initial policy (only when β > 0).
+* ``actor``     updates, sends its weights, writes the checkpoints.
+
+Besides the iterations, stages report the pseudo-iterations ``BEFORE_TRAINING`` (the rollout's
+evaluation) and ``AFTER_TRAINING`` (every stage once its loop ended: the rollout's evaluation,
+the actor after the final checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dockrl.config import Config, load_config
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("rollout", "reward", "reference", "actor")
+WEIGHT_SYNC = "weight_sync"
+"""Report the rollout process makes once it holds the weights of an iteration's update."""
+BEFORE_TRAINING = -1
+"""Pseudo-iteration of the evaluation before training."""
+AFTER_TRAINING = -2
+"""Pseudo-iteration of the final reports (evaluation after training, final checkpoint)."""
+TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
+"""Environment variable with the dock shards' bearer token."""
+ROLLOUT_RANK, ACTOR_RANK = 1, 0
+
+
+def serve_iterations(
+    dock, stage: str, step: Callable[[int], dict[str, float]], *, timeout_s: float,
+    after_report: Callable[[int], None] | None = None,
+) -> int:
+    """Run ``step(iteration)`` for every iteration the driver opens and report its metrics.
+
+    ``after_report(iteration)`` runs after the report (weight sync, checkpoints). Returns the
+    number of iterations served once the driver called ``finish()``.
+
+    Raises:
+        DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one.
+    """
+    last, served = BEFORE_TRAINING, 0
+    while (it := dock.wait_iteration(last, timeout_s)) is not None:
+        logger.info("%s: iteration %d", stage, it)
+        dock.report(it, stage, step(it))
+        if after_report is not None:
+            after_report(it)
+        last, served = it, served + 1
+    logger.info("%s: finished after %d iterations", stage, served)
+    return served
+
+
+def run_rollout(cfg: Config, dock, weights: str) -> None:
+    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.weight_sync import WeightChannel
+    from dockrl.trainer import build_scorer, evaluate, load_run_prompts, resolve_data, resolve_model
+    from dockrl.workers.rollout import RolloutWorker
+
+    model_path = resolve_model(cfg)
+    train_file, test_file = resolve_data(cfg)
+    engine = HFRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
+    scorer = build_scorer(cfg.algorithm)
+    params = list(engine.model.named_parameters())
+    worker = RolloutWorker(engine, cfg.rollout)
+    channel = None
+
+    def sync(it: int) -> None:
+        dock.wait_reports(it, ["actor"], cfg.dock.timeout_s)  # updated: its weights come next on the channel
+        metrics = channel.receive(params, engine.load_weights)
+        metrics["timing_s/weight_sync"] = metrics["weight_sync/seconds"]
+        dock.report(it, WEIGHT_SYNC, metrics)
+
+    try:
+        if cfg.trainer.eval_before:  # the launcher starts the other stages once this is reported
+            dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
+        channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s)  # waits for the actor
+        serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync)
+        dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after"))
+    finally:
+        scorer.close()
+        if channel is not None:
+            channel.close()
+
+
+def run_reward(cfg: Config, dock) -> None:
+    from dockrl.engines.hf import load_tokenizer
+    from dockrl.trainer import build_scorer, resolve_model
+    from dockrl.workers.advantage import AdvantageWorker
+    from dockrl.workers.reward import RewardWorker
+
+    tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
+    scorer = build_scorer(cfg.algorithm)
+    workers = [RewardWorker(scorer, tokenizer, correct_reward=cfg.algorithm.correct_reward), AdvantageWorker(cfg.algorithm)]
+
+    def step(_: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for worker in workers:
+            metrics |= worker.run_iteration(dock)
+        return metrics
+
+    try:
+        serve_iterations(dock, "reward", step, timeout_s=cfg.dock.timeout_s)
+        dock.report(AFTER_TRAINING, "reward", {})
+    finally:
+        scorer.close()
+
+
+def run_reference(cfg: Config, dock) -> None:
+    from dockrl.engines.hf import HFTrainEngine
+    from dockrl.trainer import resolve_model
+    from dockrl.workers.reference import ReferenceWorker
+
+    t = cfg.trainer
+    engine = HFTrainEngine(resolve_model(cfg), trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
+    worker = ReferenceWorker(engine, temperature=cfg.rollout.temperature, micro_batch=t.micro_batch)
+    serve_iterations(dock, "reference", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s)
+    dock.report(AFTER_TRAINING, "reference", {})
+
+
+def run_actor(cfg: Config, dock, weights: str) -> None:
+    from dockrl.engines.hf import HFTrainEngine
+    from dockrl.engines.weight_sync import WeightChannel
+    from dockrl.trainer import resolve_model
+    from dockrl.workers.actor import ActorWorker
+
+    t = cfg.trainer
+    engine = HFTrainEngine(
+        resolve_model(cfg), trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
+    )
+    channel = WeightChannel(weights, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s)
+    worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
+    checkpoints = Path(cfg.run.output_dir) / "checkpoints"
+    wire_dtype = getattr(torch, cfg.rollout.dtype)
+
+    def after_update(it: int) -> None:
+        sent = channel.send(engine.named_weights(), wire_dtype)
+        logger.info("actor: sent %.1f MB of weights in %d buckets in %.2f s", sent["weight_sync/bytes"] / 1e6,
+                    sent["weight_sync/buckets"], sent["weight_sync/seconds"])
+        if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:
+            engine.save(checkpoints / f"iter_{it + 1:06d}")
+
+    try:
+        serve_iterations(dock, "actor", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=after_update)
+        engine.save(checkpoints / "final")
+        dock.report(AFTER_TRAINING, "actor", {})
+    finally:
+        channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dockrl.workers.main", description="Run one GRPO stage against a dock.")
+    parser.add_argument("--stage", required=True, choices=STAGES)
+    parser.add_argument("--config", required=True, help="the run's config.yaml")
+    parser.add_argument("--dock", required=True, help="comma-separated grpc://host:port of every dock shard, in shard order")
+    parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
+    parser.add_argument("--weight-sync", default="", help="host:port of the weight channel's TCPStore (rollout and actor)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
+    if args.stage in ("rollout", "actor") and not args.weight_sync:
+        parser.error(f"--stage {args.stage} needs --weight-sync host:port")
+
+    from dockrl.dock import GRPO_SCHEMA
+    from dockrl.dock.client import DockClient
+    from dockrl.dock.warehouse import make_warehouse
+    from dockrl.trainer import seed_everything
+
+    cfg = load_config(args.config)
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    seed_everything(cfg.trainer.seed)
+    locations = [loc for loc in args.dock.split(",") if loc]
+    warehouse = make_warehouse(cfg.dock, args.run)
+    with DockClient(
+        locations, GRPO_SCHEMA, token=os.environ.get(TOKEN_ENV) or None, timeout_s=cfg.dock.timeout_s,
+        warehouse=warehouse, lease_s=cfg.dock.lease_s, owner=f"{args.run}/{args.stage}",
+    ) as dock:
+        if args.stage == "rollout":
+            run_rollout(cfg, dock, args.weight_sync)
+        elif args.stage == "reward":
+            run_reward(cfg, dock)
+        elif args.stage == "reference":
+            run_reference(cfg, dock)
+        else:
+            run_actor(cfg, dock, args.weight_sync)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Distributed mode: dock shards and every stage as separate processes, driven through the dock."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dockrl import trainer
+from dockrl.config import load_config
+from dockrl.launch.backend import WorkerFailed
+from dockrl.launch.distributed import free_ports, iteration_stages, worker_groups
+from dockrl.workers.main import TOKEN_ENV, WEIGHT_SYNC
+
+FAKES = Path(__file__).parent  # fake_scorers.py, importable by the worker processes
+
+
+def run_config(tiny_model_dir, tmp_path, *extra: str):
+    return load_config(None, [
+        f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
+        "run.progress=false", "dock.mode=distributed", "dock.shards=2", "dock.timeout_s=120",
+        "trainer.iterations=2", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
+        "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-2",
+        "trainer.save_every=1", "algorithm.kl_coef=0.05", "data.generate_train=40", "data.generate_test=8", "data.eval_size=8",
+        *extra,
+    ])
+
+
+def run_processes() -> dict[int, str]:
+    """pid → run id of every live process started for a dockrl run (``DOCKRL_RUN_ID`` in its environment)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        for var in env:
+            if var.startswith(b"DOCKRL_RUN_ID=") and state != "Z":
+                found[int(entry.name)] = var.split(b"=", 1)[1].decode()
+    return found
+
+
+@pytest.fixture
+def workers_path(monkeypatch):
+    """Let the worker processes import the fake scorers; afterwards, check that none of the run's processes is left."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(FAKES), os.environ.get("PYTHONPATH", "")] if p))
+    before = set(run_processes())
+    yield
+    left = {pid: run for pid, run in run_processes().items() if pid not in before}
+    assert not left, f"processes left behind: {left}"
+
+
+def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(tiny_model_dir, tmp_path):
+    cfg = run_config(tiny_model_dir, tmp_path)
+    groups = worker_groups(cfg, tmp_path / "config.yaml", [5001, 5002], 29500, "secret")
+    assert [g.name for g in groups] == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
+    assert all(g.env == {TOKEN_ENV: "secret"} for g in groups)  # the token travels in the environment only
+    assert all("secret" not in " ".join(g.command) for g in groups)
+    shard = groups[1].command
+    assert shard[shard.index("--port"):shard.index("--port") + 6] == ("--port", "5002", "--token-env", TOKEN_ENV, "--timeout-s", "120.0")
+    assert shard[shard.index("--payload") + 1] == "memory"
+    stored = worker_groups(run_config(tiny_model_dir, tmp_path, "dock.warehouse=directory"), tmp_path / "c.yaml", [1], 2, "t", "run-7")
+    assert stored[0].command[stored[0].command.index("--payload") + 1] == "store"  # shards keep metadata only
+    assert stored[1].command[stored[1].command.index("--run") + 1] == "run-7"  # stages name the run's objects
+    rollout = groups[2].command
+    assert rollout[rollout.index("--dock") + 1] == "grpc://127.0.0.1:5001,grpc://127.0.0.1:5002"
+    assert rollout[rollout.index("--weight-sync") + 1] == "127.0.0.1:29500"
+    assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor", WEIGHT_SYNC]
+
+    no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0")
+    assert [g.name for g in worker_groups(no_kl, tmp_path / "c.yaml", [1], 2, "t")] == ["dock-shard-0", "rollout", "reward", "actor"]
+    assert "reference" not in iteration_stages(no_kl)
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
+
+
+def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKES))
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer")
+    scorer = trainer.build_scorer(cfg.algorithm)
+    assert type(scorer).__name__ == "FakeRandomScorer" and len(scorer.score(["a", "b"], ["1", "2"])) == 2
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warehouse", ["memory", "directory"])
+def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, tmp_path, workers_path, warehouse):
+    cfg = run_config(
+        tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", f"dock.warehouse={warehouse}",
+        f"dock.directory={tmp_path / 'store'}",
+    )
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    summary = trainer.train(cfg)
+
+    run = tmp_path / "run"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1]
+    n_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())  # fp32 rollout
+    for x in lines:
+        assert math.isfinite(x["actor/loss"]) and x["actor/grad_norm"] > 0
+        assert x["rollout/response_length_mean"] > 0 and x["timing_s/reference"] > 0 and x["actor/kl"] >= 0
+        assert x["weight_sync/bytes"] == n_bytes and x["weight_sync/seconds"] > 0
+        assert x["dock/shards"] == 2
+        if warehouse == "memory":
+            assert x["dock/bytes_put"] > 0
+        else:  # payload goes to the store, never through the shards
+            assert x["dock/bytes_put"] == 0 and x["dock/store_bytes_written"] > 0
+    assert abs(lines[0]["actor/first_step_ratio_mean"] - 1.0) < 1e-5
+    # the rollout generated iteration 1 with the weights of update 0, so its log-probs match the actor's again
+    assert abs(lines[1]["actor/first_step_ratio_mean"] - 1.0) < 1e-5
+    assert {"eval/accuracy_before", "eval/accuracy_after", "run/seconds"} <= summary.keys()
+    assert json.loads((run / "summary.json").read_text())["eval/test_prompts"] == 8
+    assert (run / "metrics.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
+    assert {p.name for p in (run / "logs").iterdir()} == {
+        "dock-shard-0-0.log", "dock-shard-1-0.log", "rollout-0.log", "reward-0.log", "reference-0.log", "actor-0.log"
+    }
+
+    after = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "final")
+    assert [n for n, p in after.named_parameters() if torch.equal(p, before[n])] == []
+
+
+@pytest.mark.slow
+def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, tmp_path, workers_path):
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeCrashingScorer", "trainer.eval_before=false")
+    with pytest.raises(WorkerFailed) as err:
+        trainer.train(cfg)
+    failed_at = time.time()
+    assert err.value.member == "reward-0" and "exited with code 1" in str(err.value)
+    assert "RuntimeError: fake scorer crash: the verifier blew up" in err.value.log_tail
+    crashed_at = (tmp_path / "run" / "logs" / "reward-0.log").stat().st_mtime  # its traceback is its last write
+    assert failed_at - crashed_at < 10, f"the run failed {failed_at - crashed_at:.1f} s after the crash"
+    # workers_path checks that no process of the run is left
