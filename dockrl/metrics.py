@@ -17,7 +17,7 @@ import numbers
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -69,10 +69,11 @@ class MetricsWriter:
     to, so a resumed run continues it) and writes each value as a TensorBoard scalar at step
     ``i`` in ``<run_dir>/tensorboard``. Non-finite floats become ``null`` in the JSONL, with one
     warning per value naming the key; non-numeric values raise ``TypeError`` naming the key and
-    nothing of that iteration is written.
+    nothing of that iteration is written. ``on_log(i, metrics)``, when given, is called after
+    each line is written (the pipeline's launcher streams the metrics to its KFP artifact).
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, on_log: Callable[[int, dict[str, float]], None] | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
@@ -83,6 +84,7 @@ class MetricsWriter:
         self._file = open(self.metrics_path, "a", encoding="utf-8")
         self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
         self._closed = False
+        self._on_log = on_log
 
     def log(self, iteration: int, metrics: Mapping[str, float | int]) -> None:
         """Append one iteration's metrics to the JSONL file and TensorBoard."""
@@ -98,6 +100,8 @@ class MetricsWriter:
         for key, value in numeric.items():
             self._tb.add_scalar(key, value, global_step=iteration)
         self._tb.flush()
+        if self._on_log is not None:
+            self._on_log(iteration, dict(metrics))
 
     def log_summary(self, metrics: Mapping[str, float | int]) -> None:
         """Merge ``metrics`` into ``<run_dir>/summary.json`` (new values win), written atomically."""

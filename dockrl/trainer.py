@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -136,8 +136,10 @@ def add_iteration_metrics(metrics: dict[str, float], seconds: float, rows: int) 
     return metrics
 
 
-def train(cfg: Config) -> dict[str, float]:
+def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
     """Run GRPO as configured; returns the run summary (accuracies, seconds).
+
+    ``on_iteration(i, metrics)`` is called once each iteration's metrics are written.
 
     ``dock.mode=distributed`` runs every stage as its own process
     (``dockrl.launch.distributed.train_distributed``); the default runs them all here.
@@ -147,7 +149,7 @@ def train(cfg: Config) -> dict[str, float]:
     if cfg.dock.mode == "distributed":
         from dockrl.launch.distributed import train_distributed
 
-        return train_distributed(cfg)
+        return train_distributed(cfg, on_iteration=on_iteration)
     if cfg.dock.shards != 1:
         logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
     t0 = time.perf_counter()
@@ -180,7 +182,7 @@ def train(cfg: Config) -> dict[str, float]:
 
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
     try:
-        with MetricsWriter(run_dir) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
+        with MetricsWriter(run_dir, on_log=on_iteration) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
             if t.eval_before:
                 summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "before")
             for it, picked in enumerate(prompt_batches(train_prompts, t)):

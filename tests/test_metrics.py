@@ -31,6 +31,19 @@ def test_log_writes_jsonl_lines(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl") == rows
 
 
+def test_on_log_sees_each_iteration_after_it_is_written(tmp_path):
+    seen = []
+
+    def on_log(i, metrics):
+        seen.append((i, metrics, len((tmp_path / "metrics.jsonl").read_text().splitlines())))
+
+    with MetricsWriter(tmp_path, on_log=on_log) as writer:
+        writer.log(0, {"reward/mean": 0.5})
+        writer.log(1, {"reward/mean": float("nan")})
+    assert seen[0] == (0, {"reward/mean": 0.5}, 1)
+    assert seen[1][0] == 1 and seen[1][2] == 2 and math.isnan(seen[1][1]["reward/mean"])
+
+
 def test_log_appends_when_reopened(tmp_path):
     _log_three(tmp_path)
     with MetricsWriter(tmp_path) as writer:

@@ -31,7 +31,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pyarrow.flight as flight
 import torch.distributed as dist
@@ -177,7 +177,9 @@ def _raise_on_sigterm():
     return signal.signal(signal.SIGTERM, stop)
 
 
-def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> dict[str, float]:
+def train_distributed(
+    cfg: Config, *, backend: WorkerBackend | None = None, on_iteration: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, float]:
     """Run GRPO with every stage in its own process; returns the run summary.
 
     Writes the same run folder as ``dockrl.trainer.train`` plus ``logs/`` (one log per process).
@@ -235,7 +237,7 @@ def train_distributed(cfg: Config, *, backend: WorkerBackend | None = None) -> d
         backend.start(others)
         logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], log_dir)
 
-        with MetricsWriter(run_dir) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
+        with MetricsWriter(run_dir, on_log=on_iteration) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
             for it, picked in enumerate(prompt_batches(train_prompts, t)):
                 start = time.perf_counter()
                 open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1

@@ -1,12 +1,15 @@
 """The launcher: runs one GRPO training job for a pipeline's train step and reports it.
 
-``run_training`` is what the KFP ``train`` component calls. The stages run in-process in the
-launcher (``dockrl.trainer.train``), or with ``dock.mode=distributed`` as local processes
-started through ``LocalBackend`` (``distributed.py``); the Kubernetes backend does not start
-stage pods yet. The pipeline's exit handler tears down whatever a run registered with them.
+``run_training`` is what the KFP ``train`` component calls. It runs the distributed mode
+(``dock.mode=distributed`` unless the overrides say otherwise): the dock shards and every
+stage as separate processes started through ``LocalBackend`` (``distributed.py``); the
+pipeline's exit handler tears down whatever a run registered with it. The Kubernetes backend
+renders and manages worker pods (``kubernetes.py``) but does not host the stages yet: with it
+they still start as processes of the launcher's pod.
 
-Per-iteration metrics go to ``log_metric`` as ``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``),
-run-level numbers (``eval/accuracy_before``, ``run/seconds``, ...) under their own names.
+Per-iteration metrics stream to ``log_metric`` as each iteration ends, as
+``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``); run-level numbers
+(``eval/accuracy_before``, ``run/seconds``, ...) follow under their own names.
 """
 
 from __future__ import annotations
@@ -62,20 +65,25 @@ def run_training(
         ConfigError: an invalid override (the message names the field).
     """
     from dockrl import trainer
-    from dockrl.metrics import read_metrics
 
     if worker_backend not in WORKER_BACKENDS:
         raise ValueError(f"worker_backend: got {worker_backend!r}; expected one of {', '.join(map(repr, WORKER_BACKENDS))}")
     if worker_backend != "local":
-        logger.warning("worker_backend=%r: the stages still run inside the launcher; the backend is used for teardown only",
-                       worker_backend)
+        logger.warning("worker_backend=%r: the stages still start as processes of the launcher; the backend is used "
+                       "for teardown only", worker_backend)
     train_file, test_file = dataset_files(dataset_dir)
     run = Path(run_dir)
     cfg = load_config(None, [
-        *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
+        "dock.mode=distributed", *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
         f"run.output_dir={run}", "run.progress=false",
     ])
-    summary = trainer.train(cfg)
+    skipped: list[str] = []
+
+    def stream(it: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            _log_finite(log_metric, f"{key}/iter_{it:04d}", value, skipped)
+
+    summary = trainer.train(cfg, on_iteration=stream)
 
     final = run / "checkpoints" / "final"
     if not (final / "config.json").is_file():
@@ -85,11 +93,6 @@ def run_training(
         dst.rmdir()
     shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
 
-    skipped: list[str] = []
-    for row in read_metrics(run / "metrics.jsonl"):
-        it = int(row.pop("iteration"))
-        for key, value in row.items():
-            _log_finite(log_metric, f"{key}/iter_{it:04d}", value, skipped)
     for key, value in summary.items():
         _log_finite(log_metric, key, value, skipped)
     if skipped:

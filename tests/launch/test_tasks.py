@@ -75,13 +75,14 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
     """The launcher's reporting, with the trainer replaced by one that writes a two-iteration run."""
     seen = {}
 
-    def fake_train(cfg):
+    def fake_train(cfg, *, on_iteration):
         seen["cfg"] = cfg
+        on_iteration(0, {"reward/mean": 0.5, "actor/loss": 1.0})
+        seen["streamed"] = dict(logged)  # logged while training runs, not after
+        on_iteration(1, {"reward/mean": 0.75, "actor/loss": math.nan})
         run = Path(cfg.run.output_dir)
         (run / "checkpoints" / "final").mkdir(parents=True)
         (run / "checkpoints" / "final" / "config.json").write_text("{}")
-        rows = [{"iteration": 0, "reward/mean": 0.5, "actor/loss": 1.0}, {"iteration": 1, "reward/mean": 0.75, "actor/loss": None}]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {"eval/accuracy_after": 0.25, "run/seconds": math.nan}
 
     from dockrl import trainer
@@ -95,6 +96,8 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
     cfg = seen["cfg"]
     assert cfg.data.train_path == str(tmp_path / "ds" / "train.jsonl")  # the dataset wins over a given path
     assert cfg.trainer.lr == 1e-4 and cfg.run.output_dir == str(tmp_path / "run") and not cfg.run.progress
+    assert cfg.dock.mode == "distributed"  # stages as processes unless the overrides say otherwise
+    assert seen["streamed"] == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0}
     assert (tmp_path / "model" / "config.json").is_file() and not (tmp_path / "run" / "checkpoints" / "final").exists()
     assert logged == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0, "reward/mean/iter_0001": 0.75,
                       "eval/accuracy_after": 0.25}
