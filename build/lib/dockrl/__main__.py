@@ -1,5 +1,0 @@
-import sys
-
-from dockrl.cli import main
-
-sys.exit(main())

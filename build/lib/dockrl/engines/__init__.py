@@ -1,1 +1,0 @@
-"""Training and rollout engines behind small protocols (HF/torch reference engines first)."""

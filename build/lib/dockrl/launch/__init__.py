@@ -1,9 +1,0 @@
-"""Launching runs: the pipeline steps' library functions and the worker backends.
-
-* ``tasks.py``     prepare the dataset, export the model, evaluate it (short pipeline steps)
-* ``launcher.py``  run a training job for the pipeline's train step and report its metrics
-* ``backend.py``   worker groups, the backend protocol, ``teardown_run`` for the exit handler
-* ``local.py``     worker groups as local processes
-* ``kubernetes.py`` worker groups as StatefulSets + headless Services
-* ``platform.py``  npu / gpu / cpu presets: image, accelerator resource, node selector, tolerations
-"""

@@ -1,1 +1,0 @@
-"""Stage loops: each claims rows from the dock, computes, and puts its columns back."""
