@@ -232,6 +232,7 @@ def dock_stage(dock: DockClient, stage: str, job: Job, cells: Cells) -> tuple[in
         out = cells.run(stage, np.asarray(claim.rows), claim.batch, job.shape)
         if out:
             dock.put(claim.rows, out)
+        dock.ack(claim)  # done with these rows: their lease ends (as the stage loops do)
         rows += len(claim)
         moved += claim.batch.nbytes + sum(a.nbytes for a in out.values())
     return rows, moved
