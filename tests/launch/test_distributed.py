@@ -55,7 +55,8 @@ def workers_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(FAKES), os.environ.get("PYTHONPATH", "")] if p))
     before = set(run_processes())
     yield
-    left = {pid: run for pid, run in run_processes().items() if pid not in before}
+    # the launcher names its runs dockrl-<hex>; processes of other runs on this machine are not ours
+    left = {pid: run for pid, run in run_processes().items() if pid not in before and run.startswith("dockrl-")}
     assert not left, f"processes left behind: {left}"
 
 
