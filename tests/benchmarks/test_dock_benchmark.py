@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKERS, SHARDS, TOKENS = (1, 2), (1, 2), (16, 8)
-ARGS = ["--rows", "64", "--group-size", "8", "--prompt-tokens", "8", "--tokens", "16", "--tokens2", "8",
+WORKERS, SHARDS, TOKENS = (1, 2), (1, 2), (64, 32)
+ARGS = ["--rows", "64", "--group-size", "8", "--prompt-tokens", "8", "--tokens", "64", "--tokens2", "32",
         "--workers", "1,2", "--shards", "1,2", "--repeats", "1", "--warmup", "0", "--claim-rows", "16", "--timeout-s", "60"]
 
 
