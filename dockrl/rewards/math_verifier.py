@@ -28,6 +28,7 @@ from math_verify import parse, verify
 _NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)(\d(?:[\d,]*\d)?(?:\.\d+|/\d+)?|\.\d+)")
 _PLAIN_NUMBER = re.compile(r"-?(\d[\d,]*(\.\d+)?|\.\d+)(/\d+)?")
 _MV_TIMEOUT_S = 5  # math-verify's own signal.alarm timeout (whole seconds), main thread only
+_START_TIMEOUT_S = 60.0  # longest a fresh verifier worker may take to start (fork, imports), seconds
 
 
 def extract_final_answer(response: str) -> str | None:
@@ -157,10 +158,23 @@ class RewardScorer:
         self._pool: ProcessPoolExecutor | None = None
 
     def _get_pool(self) -> ProcessPoolExecutor:
+        """The worker pool, started and warm: per-sample clocks never include a worker's start-up.
+
+        Raises:
+            TimeoutError: the workers did not start within ``_START_TIMEOUT_S`` seconds.
+        """
         if self._pool is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload([__name__, "math_verify"])
             self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+            try:  # the verifier itself, so its module is imported too (a worker unpickles it on first use)
+                for ready in [self._pool.submit(self.verify_fn, "#### 1", "1") for _ in range(self.num_workers)]:
+                    ready.result(timeout=_START_TIMEOUT_S)
+            except FutureTimeout:
+                self._kill_pool()
+                raise TimeoutError(
+                    f"RewardScorer: {self.num_workers} verifier worker processes did not start within {_START_TIMEOUT_S:.0f} s"
+                ) from None
         return self._pool
 
     def _kill_pool(self) -> None:

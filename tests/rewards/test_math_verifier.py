@@ -115,20 +115,21 @@ def test_scorer_normal_batch() -> None:
 def test_scorer_hanging_verifier_times_out_and_recovers() -> None:
     responses = ["#### 1", "HANG #### 2", "#### 3", "#### 9"]
     truths = ["1", "2", "3", "4"]
-    with RewardScorer(timeout_s=0.5, verify_fn=fake_hang, num_workers=2) as scorer:
+    # 2 s: a replacement worker forks and imports this module within it even on a slow, busy core
+    with RewardScorer(timeout_s=2.0, verify_fn=fake_hang, num_workers=2) as scorer:
         start = time.monotonic()
         assert scorer.score(responses, truths) == [1.0, 0.0, 1.0, 0.0]
-        assert time.monotonic() - start < 4.0
+        assert time.monotonic() - start < 12.0
         assert scorer.counters() == {"timeouts": 1, "errors": 0, "scored": 3}
         assert scorer.score(["#### 5", "#### 6"], ["5", "7"]) == [1.0, 0.0]
         assert scorer.counters() == {"timeouts": 1, "errors": 0, "scored": 5}
 
 
 def test_scorer_two_hangs_single_worker() -> None:
-    with RewardScorer(timeout_s=0.5, verify_fn=fake_hang, num_workers=1) as scorer:
+    with RewardScorer(timeout_s=2.0, verify_fn=fake_hang, num_workers=1) as scorer:
         start = time.monotonic()
         assert scorer.score(["HANG", "#### 1", "HANG", "#### 2"], ["1", "1", "2", "2"]) == [0.0, 1.0, 0.0, 1.0]
-        assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < 15.0
         assert scorer.counters()["timeouts"] == 2
 
 
