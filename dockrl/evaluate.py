@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from dockrl.data import Prompt
-from dockrl.engines.hf import HFRolloutEngine
+from dockrl.engines.protocols import RolloutEngine
 from dockrl.rewards import RewardScorer, extract_final_answer
 
 
 def greedy_accuracy(
-    engine: HFRolloutEngine,
+    engine: RolloutEngine,
     prompts: Sequence[Prompt],
     scorer: RewardScorer,
     *,

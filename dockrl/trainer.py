@@ -163,7 +163,12 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     train_file, test_file = resolve_data(cfg)
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
 
-    rollout_engine = HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    if r.engine == "vllm":
+        from dockrl.engines.vllm import VLLMRolloutEngine  # optional dependency: imported only when chosen
+
+        rollout_engine = VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=t.seed)
+    else:
+        rollout_engine = HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = rollout_engine.tokenizer
     train_prompts, test_prompts = load_run_prompts(cfg, tokenizer, train_file, test_file)
     actor = HFTrainEngine(

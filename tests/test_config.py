@@ -111,6 +111,7 @@ ERRORS = {
     "int for string": (["model.path=3"], ["model.path", "3", "string"]),
     "literal loss_agg": (["algorithm.loss_agg=seq"], ["algorithm.loss_agg: got 'seq'; expected one of 'token', 'sequence'"]),
     "literal dtype": (["rollout.dtype=float16"], ["rollout.dtype: got 'float16'; expected one of 'float32', 'bfloat16'"]),
+    "literal engine": (["rollout.engine=sglang"], ["rollout.engine: got 'sglang'; expected one of 'hf', 'vllm'"]),
     "literal name": (["algorithm.name=ppo"], ["algorithm.name", "'ppo'", "'grpo'"]),
     "group of one": (["rollout.n=1"], ["rollout.n: got 1", "at least 2"]),
     "mini_batch does not divide global_batch": (
@@ -226,6 +227,7 @@ def test_save_then_load_round_trips(tmp_path):
             "algorithm.loss_agg=sequence",
             "algorithm.norm_adv_by_std=false",
             "rollout.dtype=float32",
+            "rollout.engine=vllm",
             "rollout.n=4",
             "run.progress=false",
             "dock.timeout_s=12.5",

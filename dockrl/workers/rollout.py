@@ -9,11 +9,11 @@ import time
 
 from dockrl.config import RolloutConfig
 from dockrl.dock import TransferDock
-from dockrl.engines.hf import HFRolloutEngine
+from dockrl.engines.protocols import RolloutEngine
 
 
 class RolloutWorker:
-    def __init__(self, engine: HFRolloutEngine, cfg: RolloutConfig) -> None:
+    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig) -> None:
         self.engine, self.cfg = engine, cfg
 
     def run_iteration(self, dock: TransferDock) -> dict[str, float]:

