@@ -17,6 +17,8 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 from dockrl.config import DEFAULT_SYSTEM_PROMPT
 from dockrl.data import generate_problems
 from dockrl.engines.hf import HFRolloutEngine
@@ -33,7 +35,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model = build_tiny_model(tempfile.mkdtemp(prefix="tiny-model-")) if args.model == "tiny" else args.model
     engines = {"hf": HFRolloutEngine(model, dtype=args.dtype), "vllm": VLLMRolloutEngine(model, dtype=args.dtype)}
@@ -60,7 +65,7 @@ def main() -> None:
             tokens[name].append(sum(len(s.response_ids) for s in samples))
     rate = {name: sum(tokens[name]) / sum(seconds[name]) for name in engines}
     print(f"{len(prompts)} sequences ({args.prompts} prompts × {args.n}), ≤{args.max_new_tokens} tokens, "
-          f"τ={args.temperature}, {args.dtype}, {args.repeats} repeats")
+          f"τ={args.temperature}, {args.dtype}, {args.repeats} repeats, {torch.get_num_threads()} threads")
     print(f"{'engine':<8}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'× hf':>8}")
     for name in engines:
         print(f"{name:<8}{statistics.median(tokens[name]):>10.0f}{statistics.median(seconds[name]):>10.2f}"

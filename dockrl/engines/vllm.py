@@ -81,12 +81,17 @@ def layer_groups(names: Iterable[str], packed_modules: dict[str, list[str]]) -> 
 class VLLMRolloutEngine:
     """Samples responses with vLLM from a copy of the actor's weights.
 
+    One engine per process: vLLM keeps its parallel state (and a torch.distributed group of
+    one) in module globals, and dropping an engine tears them down under any other.
+    ``close`` releases them for whatever runs next.
+
     Args:
         model_path: local HF model directory.
         dtype: weights of this copy (``float32`` / ``bfloat16``).
         seed: seed of vLLM's sampler.
-        kv_cache_gib: memory reserved for the KV cache (GiB). On CPU it is host memory;
-            vLLM's default would reserve a fraction of all of it.
+        kv_cache_gib: memory reserved for the KV cache (GiB). On CPU it is host memory, and
+            vLLM's default (None) reserves 90% of it; on a GPU None means vLLM's
+            ``gpu_memory_utilization``.
         max_model_len: longest prompt + response in tokens (None: the model's).
         enforce_eager: no graph compilation (starts in seconds; on CPU compiling takes
             minutes and needs a C++ compiler).
@@ -103,7 +108,7 @@ class VLLMRolloutEngine:
         dtype: str = "bfloat16",
         trust_remote_code: bool = False,
         seed: int = 0,
-        kv_cache_gib: float = 1.0,
+        kv_cache_gib: float | None = 1.0,
         max_model_len: int | None = None,
         enforce_eager: bool = True,
     ) -> None:
@@ -139,7 +144,7 @@ class VLLMRolloutEngine:
                 distributed_executor_backend="uni",
                 # log-probs after temperature scaling: log_softmax(z / τ), what the actor computes
                 logprobs_mode="processed_logprobs",
-                kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
                 max_model_len=max_model_len,
                 enforce_eager=enforce_eager,
                 enable_sleep_mode=self.sleep_supported,
@@ -167,10 +172,10 @@ class VLLMRolloutEngine:
     ) -> list[Sample]:
         """One response per prompt (repeat a prompt n times for a group), ``batch_size`` at a time.
 
-        Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(z / τ)`` of the sampled
-        token, after temperature and before nothing else when ``top_p = 1`` (with
-        ``top_p < 1`` vLLM renormalizes over the nucleus, unlike the actor). Greedy decoding
-        gives ``log_softmax(z)``. Only ``eos_id`` ends a response; one that reaches
+        Log-probs are vLLM's ``processed_logprobs`` of the sampled token: the log-softmax of
+        the temperature-scaled logits, ``log_softmax(z / τ)``, as the actor computes it (with
+        ``top_p < 1`` vLLM renormalizes over the nucleus and the actor does not: one
+        warning). Greedy decoding gives ``log_softmax(z)``. Only ``eos_id`` ends a response; one that reaches
         ``max_new_tokens`` is ``truncated`` and gets no EOS appended.
 
         Raises:
@@ -211,7 +216,7 @@ class VLLMRolloutEngine:
         Goes through vLLM's ``reload_weights`` (the repacked CPU kernels are rebuilt), sends
         the output head with the embedding of a tied model (vLLM keeps its own copy, which
         would silently stay old) and clears the prefix cache (its KV was computed with the
-        old weights). Tensors are cast to this engine's dtype.
+        old weights). Tensors are cast to this engine's dtype one at a time.
 
         Raises:
             KeyError: a name the model does not have (checked before anything is written).
@@ -233,9 +238,20 @@ class VLLMRolloutEngine:
                     f"rollout engine: vLLM layer {group!r} reloads as a whole; got {sorted(self._members[group] - missing)} "
                     f"without {sorted(missing)}: send all of a layer's tensors in one load_weights call"
                 )
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        # cast one tensor at a time as vLLM consumes them (it warns on every mismatched dtype)
+        cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         return sum(t.numel() for _, t in weights) * self.dtype.itemsize
+
+    def close(self) -> None:
+        """Shut the engine down and destroy the torch.distributed group (world size 1) that
+        vLLM initialized in this process, so that other code can start its own."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory between rollouts (level 1: weights to host, KV cache dropped).
