@@ -8,6 +8,7 @@ cross-field rules, and returns a ``Config``. The defaults are the demo run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 import typing
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
+
+_logger = logging.getLogger(__name__)
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. Then write the final answer as '#### <number>'."
@@ -73,8 +76,10 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     max_response_length: int = 80
     """Most generated tokens per response; a response cut here is flagged truncated."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Weights of the rollout engine (a copy of the actor, synced after each update)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights of the rollout engine (a copy of the actor, synced after each update). ``auto``:
+    ``bfloat16`` where the device computes it natively (GPU, NPU, a CPU with AVX512-BF16 or
+    AMX), else ``float32`` — emulated bf16 on an AVX2 CPU is several times slower than fp32."""
     batch_size: int = 64
     """Sequences generated together."""
 
@@ -125,8 +130,9 @@ class TrainerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm (0: no clipping)."""
-    autocast_bf16: bool = True
-    """bf16 autocast for actor and reference forward/backward (weights stay fp32)."""
+    autocast_bf16: Literal["auto", True, False] = "auto"
+    """bf16 autocast for actor and reference forward/backward (weights stay fp32). ``auto``:
+    on where the device computes bf16 natively (as ``rollout.dtype``)."""
     seed: int = 0
     """Seed of data order, sampling and initialization."""
     save_every: int = 10
@@ -224,6 +230,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        _resolve_auto_dtypes(self)
         _check_rules(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -353,11 +360,32 @@ def _check_parallel(c: Config) -> None:
         raise ConfigError(str(e)) from e
 
 
+def _resolve_auto_dtypes(c: Config) -> None:
+    """Replace ``auto`` in ``rollout.dtype`` and ``trainer.autocast_bf16`` by what the device
+    computes natively (``dockrl.resharding.device.native_bf16``), and warn when bf16 is asked
+    for explicitly on a CPU that only emulates it. Runs once, when the config is built."""
+    r, t = c.rollout, c.trainer
+    if "auto" not in (r.dtype, t.autocast_bf16) and not (c.parallel.device == "cpu" and (r.dtype == "bfloat16" or t.autocast_bf16)):
+        return
+    from dockrl.resharding.device import native_bf16
+
+    native = native_bf16(c.parallel.device)
+    if r.dtype == "auto":
+        object.__setattr__(c, "rollout", dataclasses.replace(r, dtype="bfloat16" if native else "float32"))
+    if t.autocast_bf16 == "auto":
+        object.__setattr__(c, "trainer", dataclasses.replace(t, autocast_bf16=native))
+    if not native and (r.dtype == "bfloat16" or t.autocast_bf16 is True):
+        _logger.warning("rollout.dtype=%s, trainer.autocast_bf16=%s: this %s has no native bf16, so bf16 is emulated "
+                        "and runs several times slower than float32 ('auto' picks float32 here)",
+                        r.dtype, t.autocast_bf16, c.parallel.device)
+
+
 def _check_type(where: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
+        # by type too: 1 == True, and YAML's 1 is no boolean
+        if not any(type(value) is type(a) and value == a for a in allowed):
             raise _fail(where, value, f"expected one of {', '.join(repr(x) for x in allowed)}")
         return value
     if tp is bool:

@@ -6,6 +6,7 @@ import dataclasses
 import typing
 
 import pytest
+import torch
 import yaml
 
 from dockrl.config import (
@@ -110,7 +111,7 @@ ERRORS = {
     "bool for float": (["trainer.lr=true"], ["trainer.lr", "True", "number"]),
     "int for string": (["model.path=3"], ["model.path", "3", "string"]),
     "literal loss_agg": (["algorithm.loss_agg=seq"], ["algorithm.loss_agg: got 'seq'; expected one of 'token', 'sequence'"]),
-    "literal dtype": (["rollout.dtype=float16"], ["rollout.dtype: got 'float16'; expected one of 'float32', 'bfloat16'"]),
+    "literal dtype": (["rollout.dtype=float16"], ["rollout.dtype: got 'float16'; expected one of 'auto', 'float32', 'bfloat16'"]),
     "literal engine": (["rollout.engine=sglang"], ["rollout.engine: got 'sglang'; expected one of 'hf', 'vllm'"]),
     "literal name": (["algorithm.name=ppo"], ["algorithm.name", "'ppo'", "'grpo'"]),
     "group of one": (["rollout.n=1"], ["rollout.n: got 1", "at least 2"]),
@@ -313,3 +314,27 @@ def test_distributed_mode_settings():
     assert (config.dock.mode, config.dock.shards, config.dock.max_inflight) == ("distributed", 3, 1)
     assert config.algorithm.scorer == "my.rewards:Scorer"
     assert load_config(None, ["dock.shards=7"]).dock.shards == 7  # unused, so unchecked, in the in-process mode
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_bf16_follows_what_the_device_computes_natively(monkeypatch, native):
+    """``auto`` resolves when the config is built: bf16 only where it is not emulated."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": native})
+    config = load_config(None, [])
+    assert config.rollout.dtype == ("bfloat16" if native else "float32")
+    assert config.trainer.autocast_bf16 is native
+    explicit = load_config(None, ["rollout.dtype=float32", "trainer.autocast_bf16=false"])
+    assert (explicit.rollout.dtype, explicit.trainer.autocast_bf16) == ("float32", False)
+
+
+def test_explicit_bf16_on_an_emulating_cpu_warns(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": False, "amx_bf16": False})
+    with caplog.at_level("WARNING", logger="dockrl.config"):
+        config = load_config(None, ["rollout.dtype=bfloat16"])
+    assert config.rollout.dtype == "bfloat16" and config.trainer.autocast_bf16 is False
+    assert any("no native bf16" in r.getMessage() and "emulated" in r.getMessage() for r in caplog.records)
+
+
+def test_autocast_literal_is_checked_by_type():
+    with pytest.raises(ConfigError, match=r"trainer.autocast_bf16: got 1; expected one of 'auto', True, False"):
+        load_config(None, ["trainer.autocast_bf16=1"])

@@ -45,6 +45,22 @@ def backend_for(kind: str) -> str:
     return BACKENDS[check_kind(kind)]
 
 
+def native_bf16(kind: str) -> bool:
+    """Whether devices of ``kind`` compute bf16 natively, not by emulation.
+
+    CPU: AVX512-BF16 or AMX-BF16 (``torch.cpu.get_capabilities``); on an AVX2-only CPU torch
+    emulates bf16 matmuls and they run several times slower than fp32. CUDA: compute
+    capability 8.0 or newer (``torch.cuda.is_bf16_supported``). NPU: Ascend 910 computes bf16.
+    Without a GPU present, ``cuda`` answers True (the config is written for the cluster).
+    """
+    if check_kind(kind) == "cpu":
+        caps = torch.cpu.get_capabilities()
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16") or caps.get("bf16"))
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
 def _import_torch_npu() -> None:
     try:
         importlib.import_module("torch_npu")
