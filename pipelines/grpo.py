@@ -6,8 +6,9 @@
 The four steps run inside a ``dsl.ExitHandler`` whose exit task tears down the run's worker
 groups whatever happened. The train task (the launcher) carries the platform's settings
 (``dockrl/launch/platform.py``): image, accelerator type and count, node selector,
-tolerations, the object-store Secret as environment, and its own pod name, namespace and uid
-(owner of the workers it starts). Local runs ignore those settings (kfp.local).
+tolerations, the object-store Secret as environment, the shared volume (where the run folder
+lives when the stages run as pods), and its own pod name, namespace, uid (owner of the workers
+it starts) and IP (where the workers reach it). Local runs ignore those settings (kfp.local).
 
 Pipeline parameters: ``config_overrides`` (``section.field=value`` strings, as for
 ``dockrl train``), ``worker_backend`` (``local`` or ``kubernetes``), ``namespace`` (workers'
@@ -28,7 +29,8 @@ from components.train import train
 from dockrl.launch.platform import OBJECT_STORE_KEYS, Platform, get_platform
 
 PIPELINE_NAME = "dockrl-grpo"
-POD_FIELDS_AS_ENV = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid"}
+POD_FIELDS_AS_ENV = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid",
+                     "POD_IP": "status.podIP"}
 
 
 def _configure_launcher(task: dsl.PipelineTask, platform: Platform) -> None:
@@ -44,6 +46,8 @@ def _configure_launcher(task: dsl.PipelineTask, platform: Platform) -> None:
     if platform.object_store_secret:
         kubernetes.use_secret_as_env(task, secret_name=platform.object_store_secret,
                                      secret_key_to_env={k: k for k in OBJECT_STORE_KEYS})
+    if platform.shared_volume_claim:
+        kubernetes.mount_pvc(task, pvc_name=platform.shared_volume_claim, mount_path=platform.shared_mount_path)
     for env, path in POD_FIELDS_AS_ENV.items():
         kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
     kubernetes.add_pod_label(task, label_key="app.kubernetes.io/part-of", label_value="dockrl")
@@ -65,7 +69,8 @@ def build_pipeline(platform: Union[Platform, str] = "npu"):
         kubernetes.use_field_path_as_env(teardown, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(teardown, name="grpo-run"):
             data = prepare_dataset(config_overrides=config_overrides)
-            trained = train(config_overrides=config_overrides, dataset=data.outputs["dataset"], worker_backend=worker_backend)
+            trained = train(config_overrides=config_overrides, dataset=data.outputs["dataset"], worker_backend=worker_backend,
+                            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, namespace=namespace, platform=platform.to_json())
             _configure_launcher(trained, platform)
             exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype)
             evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=config_overrides)
