@@ -87,6 +87,9 @@ class WorkerBackend(Protocol):
     launcher's machine, as for local processes)."""
     logs: str
     """Where the members' logs are, for error messages (a folder, a ``kubectl logs`` command)."""
+    restarts_exited: bool
+    """A member that exits is started again (a StatefulSet's pod): stages then stay up after
+    their last report until torn down (``dockrl worker --stay``)."""
 
     @property
     def launcher_host(self) -> str:

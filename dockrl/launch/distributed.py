@@ -104,7 +104,7 @@ def worker_groups(
     return shards + [
         WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
-            "--dock", dock, "--weight-sync", weight_address, "--run", run,
+            "--dock", dock, "--weight-sync", weight_address, "--run", run, *(["--stay"] if backend.restarts_exited else []),
         ))
         for stage in stages
     ]

@@ -17,6 +17,9 @@ How a run's stages find what they need, in pods that cannot see the launcher's f
 * program: the images' entry point ``dockrl`` (``images/*/Dockerfile``), so a member's command
   is ``dockrl worker ...`` / ``dockrl dock-shard ...`` (``program``);
 * serving: a dock shard binds ``0.0.0.0`` on ``SHARD_PORT`` in its own pod (``serve_ports``);
+* finishing: a StatefulSet restarts a container that exits, even with code 0 (a crash loop
+  of finished stages), so stages stay up after their last report until torn down
+  (``restarts_exited``: ``dockrl worker --stay``);
 * the launcher: members reach servers of the launcher's process (the weight channel's
   ``TCPStore``) at the launcher pod's IP, ``POD_IP`` from the downward API (``status.podIP``;
   the pipeline's train task sets it). A pod IP, not a Service: the store lives exactly as long
@@ -197,6 +200,7 @@ class KubernetesBackend:
     """
 
     bind_host = "0.0.0.0"  # a pod's own network namespace: every interface is the pod's
+    restarts_exited = True  # StatefulSet pods restart always, even after exit code 0
 
     def __init__(self, run_id: str, *, namespace: str, platform: Platform, core_api: Any, apps_api: Any,
                  owner: OwnerPod | None = None, launcher_ip: str = "", start_timeout_s: float = 900.0,

@@ -79,6 +79,7 @@ class LocalBackend:
     bind_host = HOST
     launcher_host = HOST
     shared_dir = None  # one machine: every path is the same for all
+    restarts_exited = False  # a finished stage exits and frees its memory
     start_timeout_s = 60.0
 
     def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0):

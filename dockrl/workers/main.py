@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dock", required=True, help="comma-separated grpc://host:port of every dock shard, in shard order")
     parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
     parser.add_argument("--weight-sync", default="", help="host:port of the weight channel's TCPStore (rollout and actor)")
+    parser.add_argument("--stay", action="store_true",
+                        help="after the last report, stay up until SIGTERM (a StatefulSet restarts a container that exits)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
     if args.stage in ("rollout", "actor") and not args.weight_sync:
@@ -216,7 +220,23 @@ def main(argv: list[str] | None = None) -> int:
             run_reference(cfg, dock)
         else:
             run_actor(cfg, dock, args.weight_sync)
+    if args.stay:
+        wait_for_stop(args.stage)
     return 0
+
+
+def wait_for_stop(stage: str) -> None:
+    """Block until SIGTERM or SIGINT (the launcher's teardown deletes the pod); no timeout on
+    purpose: a pod whose launcher is gone is removed with it (owner reference)."""
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    logger.info("%s: done; staying up until the run's workers are torn down", stage)
+    stopping.wait()
 
 
 if __name__ == "__main__":

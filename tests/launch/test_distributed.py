@@ -85,6 +85,7 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert rollout[rollout.index("--config-env") + 1] == CONFIG_ENV
     assert rollout[rollout.index("--dock") + 1] == "grpc://127.0.0.1:5001,grpc://127.0.0.1:5002"
     assert rollout[rollout.index("--weight-sync") + 1] == "127.0.0.1:29500"
+    assert "--stay" not in rollout  # a finished local stage exits and frees its memory
     assert [g.name for g in groups if g.accelerators] == ["rollout", "reference", "actor"]
     assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor", WEIGHT_SYNC]
 

@@ -84,6 +84,7 @@ def test_a_distributed_run_renders_valid_stage_pods_with_cluster_addresses(clust
         assert cmd[cmd.index("--dock") + 1] == ",".join(locations)
         assert cmd[cmd.index("--weight-sync") + 1] == f"{LAUNCHER_IP}:29500"  # the launcher pod's IP
         assert cmd[cmd.index("--run") + 1] == RUN
+        assert cmd[-1] == "--stay"  # a finished stage must not exit: its StatefulSet would restart it
         assert "secret-token" not in " ".join(cmd)
         env = env_of(c)
         assert env[TOKEN_ENV] == "secret-token"
