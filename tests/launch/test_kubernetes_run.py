@@ -211,3 +211,25 @@ def test_platform_travels_as_json():
         Platform.from_json('{"name": "cpu", "gpus": 2}')
     with pytest.raises(ValueError, match="platform: not JSON"):
         Platform.from_json("npu")
+
+
+def test_a_finished_stage_stays_up_until_it_is_stopped(tmp_path):
+    """``dockrl worker --stay``: after its last report a stage pod waits for SIGTERM (the teardown)
+    instead of exiting, which its StatefulSet would answer with a restart."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = "import logging; logging.basicConfig(level=logging.INFO); from dockrl.workers.main import wait_for_stop; wait_for_stop('reward')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # logged once the handlers are in place
+        assert "staying up until the run's workers are torn down" in line, line
+        time.sleep(0.2)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -108,6 +108,24 @@ def test_other_platforms(platform, resource, tmp_path):
     assert k8s["exec-train"].secret_as_env[0].secret_name == "dockrl-object-store"
 
 
+def test_compiled_for_stage_pods_the_launcher_holds_no_accelerators(tmp_path):
+    from pipelines.grpo import compile_pipeline
+
+    spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "k8s.yaml", platform="npu", worker_backend="kubernetes"))
+    train = deployment.executors["exec-train"].container
+    assert train.image == CPU_IMAGE and not train.resources.HasField("accelerator")
+    cfg = k8s["exec-train"]
+    assert not cfg.node_selector.labels and not cfg.tolerations
+    # still what the launcher needs to start the pods: credentials, shared volume, its own pod
+    assert cfg.secret_as_env[0].secret_name == "dockrl-object-store" and cfg.pvc_mount[0].mount_path == "/mnt/dockrl"
+    assert "POD_IP" in {f.name for f in cfg.field_path_as_env}
+    assert spec.root.input_definitions.parameters["worker_backend"].default_value.string_value == "kubernetes"
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
+    assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == PLATFORMS["npu"]  # the pods' platform
+    with pytest.raises(ValueError, match="worker_backend: got 'slurm'"):
+        compile_pipeline(tmp_path / "x.yaml", worker_backend="slurm")
+
+
 def test_strict_parsing_rejects_a_misspelt_field(compiled_npu):
     docs = list(yaml.safe_load_all(compiled_npu.read_text()))
     bad = copy.deepcopy(docs[1])
