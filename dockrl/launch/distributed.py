@@ -191,7 +191,8 @@ def train_distributed(
 ) -> dict[str, float]:
     """Run GRPO with every stage in its own process; returns the run summary.
 
-    Writes the same run folder as ``dockrl.trainer.train`` plus ``logs/`` (one log per process).
+    Writes the same run folder as ``dockrl.trainer.train``, plus ``logs/`` (one log per process)
+    with the local backend.
 
     Args:
         backend: where to start the workers (see the module docstring); default a

@@ -10,7 +10,7 @@ Member ``i`` of group ``g`` is the pod ``<statefulset>-i``, reachable at
 ``<statefulset>-i.<service>.<namespace>.svc`` (``address``); it gets ``DOCKRL_RUN_ID``,
 ``DOCKRL_GROUP``, ``DOCKRL_REPLICA``, ``DOCKRL_REPLICAS``, ``DOCKRL_SERVICE`` and the
 object-store credentials from the platform's Secret. Accelerator groups take the platform's
-accelerators, node selector, tolerations and stage pod size.
+image, accelerators, node selector, tolerations and stage pod size; the others its cpu image.
 
 How a run's stages find what they need, in pods that cannot see the launcher's files:
 
@@ -147,7 +147,7 @@ def render_group(group: WorkerGroup, *, run_id: str, namespace: str, platform: P
         mounts.append({"name": SHARED_VOLUME, "mountPath": platform.shared_mount_path})
         volumes.append({"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": platform.shared_volume_claim}})
     container: dict[str, Any] = {
-        "name": CONTAINER, "image": platform.image, "imagePullPolicy": "IfNotPresent",
+        "name": CONTAINER, "image": platform.image if group.accelerators else platform.cpu_image, "imagePullPolicy": "IfNotPresent",
         "command": list(group.command), "env": _env(run_id, group, name, platform),
         "resources": _resources(group, platform),
         "volumeMounts": mounts,

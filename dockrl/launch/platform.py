@@ -117,7 +117,13 @@ class Platform:
 
     @property
     def image(self) -> str:
+        """Image of the accelerator-bound pods (``<repository>-<name>:<tag>``)."""
         return f"{self.image_repository}-{self.name}:{self.image_tag}"
+
+    @property
+    def cpu_image(self) -> str:
+        """Image of the pods without accelerators (reward, dock shards): the cpu image of the same release."""
+        return f"{self.image_repository}-cpu:{self.image_tag}"
 
 
 PLATFORMS: dict[str, Platform] = {

@@ -35,20 +35,24 @@ def run_config(tiny_model_dir, tmp_path, *extra: str):
     ])
 
 
-def run_processes() -> dict[int, str]:
-    """pid → run id of every live process started for a dockrl run (``DOCKRL_RUN_ID`` in its environment)."""
+MARK_ENV = "DOCKRL_TEST_MARK"
+"""Set by ``workers_path`` to a value of its own; every process a test starts inherits it."""
+
+
+def run_processes(mark: str) -> dict[int, str]:
+    """pid → run id of every live process started for a dockrl run (``DOCKRL_RUN_ID`` in its
+    environment) by the test that set ``MARK_ENV`` to ``mark``: other runs on this machine are not ours."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            env = (entry / "environ").read_bytes().split(b"\0")
+            env = dict(var.split(b"=", 1) for var in (entry / "environ").read_bytes().split(b"\0") if b"=" in var)
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        for var in env:
-            if var.startswith(b"DOCKRL_RUN_ID=") and state != "Z":
-                found[int(entry.name)] = var.split(b"=", 1)[1].decode()
+        if b"DOCKRL_RUN_ID" in env and env.get(MARK_ENV.encode()) == mark.encode() and state != "Z":
+            found[int(entry.name)] = env[b"DOCKRL_RUN_ID"].decode()
     return found
 
 
@@ -56,10 +60,10 @@ def run_processes() -> dict[int, str]:
 def workers_path(monkeypatch):
     """Let the worker processes import the fake scorers; afterwards, check that none of the run's processes is left."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(FAKES), os.environ.get("PYTHONPATH", "")] if p))
-    before = set(run_processes())
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv(MARK_ENV, mark)
     yield
-    # the launcher names its runs dockrl-<hex>; processes of other runs on this machine are not ours
-    left = {pid: run for pid, run in run_processes().items() if pid not in before and run.startswith("dockrl-")}
+    left = run_processes(mark)
     assert not left, f"processes left behind: {left}"
 
 

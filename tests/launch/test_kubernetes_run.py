@@ -95,12 +95,15 @@ def test_a_distributed_run_renders_valid_stage_pods_with_cluster_addresses(clust
         limits = c["resources"]["limits"]
         if stage == "reward":
             assert set(limits) == {"cpu", "memory"} and "nodeSelector" not in spec and "tolerations" not in spec
+            assert c["image"] == "ghcr.io/dockrl/dockrl-cpu:0.1.0"
         else:
+            assert c["image"] == "ghcr.io/dockrl/dockrl-npu:0.1.0"
             assert limits == {"cpu": "32", "memory": "256Gi", "huawei.com/Ascend910": 8}
             assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
     for s in (0, 1):
         assert "huawei.com/Ascend910" not in pod(f"dock-shard-{s}")["containers"][0]["resources"]["limits"]
         assert "nodeSelector" not in pod(f"dock-shard-{s}")
+        assert pod(f"dock-shard-{s}")["containers"][0]["image"] == PLATFORMS["cpu"].image
 
 
 def use_fake_cluster(cluster, monkeypatch, *, pod_ip: str | None = LAUNCHER_IP) -> None:
