@@ -14,7 +14,8 @@ registered with it.
   its checkpoints there, and at the end the final checkpoint moves to ``checkpoint_dir`` and
   the rest of the folder to ``run_dir``. ``model.path`` must be visible in the pods: the
   packaged model (every image holds it), a path on the shared volume, or one baked into the
-  image. A ``directory`` warehouse must be on the shared volume.
+  image. A ``directory`` warehouse must be on the shared volume. After a failed run the
+  shared folder stays for inspection.
 
 Per-iteration metrics stream to ``log_metric`` as each iteration ends, as
 ``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``); run-level numbers
