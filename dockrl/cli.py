@@ -1,8 +1,13 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | worker | dock-shard``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
     dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
+    dockrl worker -h                               # one stage of a distributed run (dockrl/workers/main.py)
+    dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
+
+``worker`` and ``dock-shard`` are what the launcher starts, as local processes and as the
+command of the stage pods (the images' entry point is ``dockrl``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.pipeline_cli import main as pipeline_main
 
         return pipeline_main(argv[1:])
+    if argv[:1] == ["worker"]:
+        from dockrl.workers.main import main as worker_main
+
+        return worker_main(argv[1:])
+    if argv[:1] == ["dock-shard"]:
+        from dockrl.dock.flight import serve_shard
+
+        return serve_shard(argv[1:])
     parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [
@@ -32,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="YAML config file (default: the demo config)")
         p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=5")
     sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
+    sub.add_parser("worker", help="one stage of a distributed run, against its dock (dockrl worker -h)")
+    sub.add_parser("dock-shard", help="one transfer dock shard (dockrl dock-shard -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -464,14 +464,31 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             or a broken cross-field rule; the message names the field and the value.
         FileNotFoundError: ``path`` does not exist.
     """
-    data: dict[str, Any] = {}
+    text, source = "", "defaults"
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a YAML mapping of sections")
+        text, source = p.read_text(), str(p)
+    return load_config_text(text, source, overrides)
+
+
+def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> Config:
+    """``load_config`` from YAML text (a stage pod gets its run's config in an environment variable).
+
+    Args:
+        text: the YAML of a config file ("" for the defaults).
+        source: where the text came from, for error messages (a file, ``env DOCKRL_CONFIG_YAML``).
+
+    Raises:
+        ConfigError: as ``load_config``; also text that is not a YAML mapping of sections.
+    """
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a YAML mapping of sections")
     for section, fields in parse_overrides(overrides).items():
         if not isinstance(data.setdefault(section, {}), dict):
             raise ConfigError(f"{section}: expected a mapping of fields")
@@ -479,8 +496,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return _build(Config, data, "")
 
 
+def dump_config(config: Config) -> str:
+    """The fully resolved config as YAML text (loadable by ``load_config_text``)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
 def save_config(config: Config, path: str | Path) -> None:
     """Write the fully resolved config as YAML (loadable by ``load_config``)."""
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    Path(path).write_text(dump_config(config))
 
 

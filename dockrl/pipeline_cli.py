@@ -45,7 +45,8 @@ def _params(args: argparse.Namespace) -> dict:
 def _package(args: argparse.Namespace, tmp: str) -> Path:
     if args.package:
         return Path(args.package)
-    return _import("grpo").compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", platform=args.platform)
+    return _import("grpo").compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", platform=args.platform,
+                                            worker_backend=args.worker_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="write the pipeline IR (YAML) for the Kubeflow UI or kfp.Client")
     p.add_argument("out", help="output file, e.g. grpo.yaml")
     p.add_argument("--platform", choices=PLATFORM_CHOICES, default="npu", help="accelerators of the train task (default: npu)")
+    p.add_argument("--worker-backend", default="local", choices=("local", "kubernetes"),
+                   help="default worker backend; kubernetes: stages as pods, the train task without accelerators")
 
     p = sub.add_parser("run", help="run the whole pipeline on this machine (kfp.local, no cluster)")
     p.add_argument("--local", action="store_true", required=True, help="required: run with kfp.local (use `submit` for a cluster)")
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "overrides", None) is not None:
             load_config(None, args.overrides)  # a bad override fails here, naming its field
         if args.action == "compile":
-            print(_import("grpo").compile_pipeline(args.out, platform=args.platform))
+            print(_import("grpo").compile_pipeline(args.out, platform=args.platform, worker_backend=args.worker_backend))
             return 0
         if args.action == "run":
             grpo = _import("grpo")

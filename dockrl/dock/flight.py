@@ -406,7 +406,7 @@ def serve_shard(argv: list[str] | None = None) -> int:
 
     Returns the process exit code.
     """
-    parser = argparse.ArgumentParser(prog="python -m dockrl.dock.flight", description="Run one transfer dock shard.")
+    parser = argparse.ArgumentParser(prog="dockrl dock-shard", description="Run one transfer dock shard.")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (printed on stdout)")
     parser.add_argument("--token-env", default=None, help="environment variable holding the shared bearer token")

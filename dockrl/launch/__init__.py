@@ -2,9 +2,9 @@
 
 * ``tasks.py``     prepare the dataset, export the model, evaluate it (short pipeline steps)
 * ``launcher.py``  run a training job for the pipeline's train step and report its metrics
-* ``distributed.py`` the driver of ``dock.mode=distributed``: dock shards and stages as processes
+* ``distributed.py`` the driver of ``dock.mode=distributed``: dock shards and stages as worker groups
 * ``backend.py``   worker groups, the backend protocol, ``teardown_run`` for the exit handler
 * ``local.py``     worker groups as local processes
-* ``kubernetes.py`` worker groups as StatefulSets + headless Services
+* ``kubernetes.py`` worker groups as StatefulSets + headless Services (stage pods)
 * ``platform.py``  npu / gpu / cpu presets: image, accelerator resource, node selector, tolerations
 """

@@ -5,6 +5,12 @@ reward, dock shards), watches them, and tears them down. Two implement ``WorkerB
 ``LocalBackend`` (processes on this machine, ``local.py``) and ``KubernetesBackend``
 (a StatefulSet and a headless Service per group, ``kubernetes.py``).
 
+A backend also says how the members are addressed, so that the driver
+(``distributed.py``) builds the same groups for either: the program that runs the ``dockrl``
+command line in a member, the interface a serving member binds, the ports it serves on, the
+``host:port`` of a member, the host at which members reach servers of the launcher (the
+weight channel's ``TCPStore``), and the folder both see (``shared_dir``).
+
 ``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
 run id alone, so it works from a different process than the one that started them.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, Sequence
 
 logger = logging.getLogger(__name__)
@@ -32,11 +39,12 @@ class WorkerGroup:
     replicas: int = 1
     """Members of the group; each gets its index in ``DOCKRL_REPLICA``."""
     accelerators: bool = False
-    """Members take the platform's accelerators (and its node selector and tolerations)."""
+    """Members take the platform's accelerators (and its node selector, tolerations and the
+    size of a stage pod, ``Platform.stage_cpu`` / ``stage_memory``, instead of ``cpu``/``memory``)."""
     cpu: str = "1"
-    """CPU request and limit of a member (Kubernetes quantity)."""
+    """CPU request and limit of a member without accelerators (Kubernetes quantity)."""
     memory: str = "4Gi"
-    """Memory request and limit of a member (Kubernetes quantity)."""
+    """Memory request and limit of a member without accelerators (Kubernetes quantity)."""
     port: int = 0
     """Port a member serves on (the headless Service exposes it); 0 for none."""
     env: dict[str, str] = field(default_factory=dict)
@@ -66,7 +74,35 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerBackend(Protocol):
-    """Starts, watches and tears down the worker groups of one run."""
+    """Starts, watches and tears down the worker groups of one run, and addresses their members."""
+
+    run_id: str
+    """The run's id: labels every worker, names the run's objects."""
+    bind_host: str
+    """Interface a serving member binds (``127.0.0.1`` for local processes, ``0.0.0.0`` in a pod)."""
+    start_timeout_s: float
+    """Longest a started member may take to run (scheduling, image pull), seconds."""
+    shared_dir: Path | None
+    """Folder the launcher and every member see at the same path (None: every path of the
+    launcher's machine, as for local processes)."""
+    logs: str
+    """Where the members' logs are, for error messages (a folder, a ``kubectl logs`` command)."""
+    restarts_exited: bool
+    """A member that exits is started again (a StatefulSet's pod): stages then stay up after
+    their last report until torn down (``dockrl worker --stay``)."""
+
+    @property
+    def launcher_host(self) -> str:
+        """Host at which members reach a server of the launcher's process (the weight channel's store)."""
+
+    def program(self) -> tuple[str, ...]:
+        """The command that runs the ``dockrl`` command line in a member (``dockrl worker ...``)."""
+
+    def serve_ports(self, n: int) -> list[int]:
+        """Ports for ``n`` serving groups (one member each), in order."""
+
+    def address(self, group: str, replica: int, port: int) -> str:
+        """``host:port`` at which the launcher and other members reach member ``replica`` of ``group``."""
 
     def start(self, groups: Sequence[WorkerGroup]) -> None:
         """Start every group; returns without waiting for readiness."""

@@ -1,14 +1,23 @@
 """Distributed mode: every GRPO stage its own process, sharing only the sharded dock.
 
 ``train_distributed(cfg)`` is what ``dockrl train dock.mode=distributed`` runs. This process,
-the driver, starts through a ``LocalBackend`` (logs in ``RUN/logs/<group>-0.log``):
+the driver, starts through a worker backend: a ``LocalBackend`` by default (processes on this
+machine, logs in ``RUN/logs/<group>-0.log``), or a ``KubernetesBackend`` (a StatefulSet per
+group; ``launcher.run_training(worker_backend="kubernetes")``):
 
-1. ``dock.shards`` dock shard processes (``python -m dockrl.dock.flight``) on free loopback
-   ports, with a bearer token generated for the run and passed in the environment;
-2. one process per stage (``python -m dockrl.workers.main``): rollout, reward (with the
-   advantage step), reference (only when ``algorithm.kl_coef > 0``) and actor. Rollout and
-   actor also meet on the weight channel, a gloo group whose ``TCPStore`` this process hosts.
-   The rollout starts first and evaluates; the others start once it has reported.
+1. ``dock.shards`` dock shards (``dockrl dock-shard``), each a group of its own on a port the
+   backend gives, with a bearer token generated for the run and passed in the environment;
+2. one group per stage (``dockrl worker``): rollout, reward (with the advantage step),
+   reference (only when ``algorithm.kl_coef > 0``) and actor; rollout, reference and actor
+   take the platform's accelerators. Rollout and actor also meet on the weight channel, a
+   gloo group whose ``TCPStore`` this process hosts. The rollout starts first and evaluates;
+   the others start once it has reported.
+
+Every address comes from the backend (``backend.address``, ``backend.launcher_host``) and the
+config travels as YAML in an environment variable (``CONFIG_ENV``), so the same groups run as
+local processes and as pods, which cannot read this process's files. Paths in the config
+(model, data, run folder) must be ones the members see: any path for local processes, the
+shared volume (``backend.shared_dir``) or the image for pods.
 
 Then, per iteration (at most ``dock.max_inflight`` open at once), it opens the iteration, puts
 its prompts, waits for the report of every stage and of the weight sync — in short slices,
@@ -25,8 +34,6 @@ import logging
 import math
 import secrets
 import signal
-import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -36,7 +43,7 @@ from typing import Callable, Sequence
 import pyarrow.flight as flight
 import torch.distributed as dist
 
-from dockrl.config import Config, save_config
+from dockrl.config import Config, dump_config, save_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse import make_warehouse
@@ -45,26 +52,14 @@ from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.trainer import add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model
-from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, TOKEN_ENV, WEIGHT_SYNC
+from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
-"""Every process of a local run listens on loopback only."""
 CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
-
-
-def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct ports free on ``host`` right now (bound together, then released)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+ACCELERATOR_STAGES = ("rollout", "reference", "actor")
+"""Stages that hold a model and take the platform's accelerators (reward and dock shards do not)."""
 
 
 def iteration_stages(cfg: Config) -> list[str]:
@@ -72,30 +67,44 @@ def iteration_stages(cfg: Config) -> list[str]:
     return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", WEIGHT_SYNC]
 
 
-def worker_groups(
-    cfg: Config, config_path: Path, ports: Sequence[int], weight_port: int, token: str, run: str = "run",
-) -> list[WorkerGroup]:
-    """The dock shard groups (one per shard, each on its port) and the stage groups of a run.
+def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
+    """``grpc://host:port`` of every dock shard (group ``dock-shard-<s>`` on ``ports[s]``), in shard order."""
+    return [f"grpc://{backend.address(f'dock-shard-{s}', 0, port)}" for s, port in enumerate(ports)]
 
-    With ``dock.warehouse`` other than ``memory`` the shards keep metadata only (``--payload
-    store``) and every stage reads and writes the run's objects (named by ``run``) itself.
+
+def worker_groups(
+    cfg: Config, backend: WorkerBackend, ports: Sequence[int], weight_address: str, token: str, run: str = "run",
+) -> list[WorkerGroup]:
+    """The dock shard groups (one per shard, each serving on its port) and the stage groups of a run.
+
+    Args:
+        backend: gives the members' program, bind interface and addresses.
+        ports: the shards' ports (``backend.serve_ports(dock.shards)``).
+        weight_address: ``host:port`` of the weight channel's ``TCPStore`` as the members reach it.
+        token: the shards' bearer token; travels in the environment (``TOKEN_ENV``) only.
+        run: the run's name (lease owners, the warehouse objects' root).
+
+    The config travels as YAML in ``CONFIG_ENV``. With ``dock.warehouse`` other than
+    ``memory`` the shards keep metadata only (``--payload store``) and every stage reads and
+    writes the run's objects (named by ``run``) itself.
     """
-    env = {TOKEN_ENV: token}
+    program = backend.program()
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
     shards = [
-        WorkerGroup(name=f"dock-shard-{s}", env=env, port=port, command=(
-            sys.executable, "-m", "dockrl.dock.flight", "--host", HOST, "--port", str(port),
+        WorkerGroup(name=f"dock-shard-{s}", env={TOKEN_ENV: token}, port=port, command=(
+            *program, "dock-shard", "--host", backend.bind_host, "--port", str(port),
             "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
             "--payload", payload,
         ))
         for s, port in enumerate(ports)
     ]
-    dock = ",".join(f"grpc://{HOST}:{p}" for p in ports)
+    dock = ",".join(shard_locations(backend, ports))
+    env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg)}
     stages = [s for s in ("rollout", "reward", "reference", "actor") if s != "reference" or cfg.algorithm.kl_coef > 0]
     return shards + [
-        WorkerGroup(name=stage, env=env, command=(
-            sys.executable, "-m", "dockrl.workers.main", "--stage", stage, "--config", str(config_path),
-            "--dock", dock, "--weight-sync", f"{HOST}:{weight_port}", "--run", run,
+        WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, command=(
+            *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
+            "--dock", dock, "--weight-sync", weight_address, "--run", run, *(["--stay"] if backend.restarts_exited else []),
         ))
         for stage in stages
     ]
@@ -130,7 +139,7 @@ def wait_for_shards(locations: Sequence[str], token: str, backend: WorkerBackend
 
 
 def wait_reports(
-    dock: DockClient, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, log_dir: Path,
+    dock: DockClient, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, logs: str,
 ) -> dict[str, dict[str, float]]:
     """The reports of ``stages`` for ``iteration``, watching the workers while waiting.
 
@@ -153,7 +162,7 @@ def wait_reports(
                     missing = [s for s in stages if s not in reports]
                     raise DockTimeoutError(
                         f"iteration {iteration}: no report from {missing} within dock.timeout_s={timeout_s:.0f} s "
-                        f"while their processes run; see their logs in {log_dir}"
+                        f"while their processes run; see their logs in {logs}"
                     ) from None
     return reports
 
@@ -182,11 +191,12 @@ def train_distributed(
 ) -> dict[str, float]:
     """Run GRPO with every stage in its own process; returns the run summary.
 
-    Writes the same run folder as ``dockrl.trainer.train`` plus ``logs/`` (one log per process).
+    Writes the same run folder as ``dockrl.trainer.train``, plus ``logs/`` (one log per process)
+    with the local backend.
 
     Args:
-        backend: where to start the processes (all on this machine: they listen on loopback);
-            default a ``LocalBackend`` for a fresh run id.
+        backend: where to start the workers (see the module docstring); default a
+            ``LocalBackend`` for a fresh run id.
 
     Raises:
         WorkerFailed: a worker process died; the message has its log tail.
@@ -196,21 +206,23 @@ def train_distributed(
     t, r = cfg.trainer, cfg.rollout
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    save_config(cfg, config_path)
+    save_config(cfg, run_dir / "config.yaml")
     model_path = resolve_model(cfg)  # prepared here once, before the workers look for it
     train_file, test_file = resolve_data(cfg)
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
 
     log_dir = run_dir / "logs"
     backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir)
-    run = getattr(backend, "run_id", None) or f"dockrl-{secrets.token_hex(6)}"
+    run = backend.run_id
     warehouse = make_warehouse(cfg.dock, run)  # checked here once, before any worker starts
     token = secrets.token_urlsafe(24)
-    weight_store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.dock.timeout_s))
-    ports = free_ports(cfg.dock.shards)
-    locations = [f"grpc://{HOST}:{p}" for p in ports]
-    groups = worker_groups(cfg, config_path, ports, weight_store.port, token, run)
+    launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
+    # the store's server listens on every interface; members connect to launcher_host
+    weight_store = dist.TCPStore(backend.bind_host, 0, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=cfg.dock.timeout_s))
+    ports = backend.serve_ports(cfg.dock.shards)
+    locations = shard_locations(backend, ports)
+    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, run)
     stages = iteration_stages(cfg)
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
     dock = None
@@ -218,24 +230,27 @@ def train_distributed(
     try:
         shards, rollout, others = groups[: cfg.dock.shards], groups[cfg.dock.shards], groups[cfg.dock.shards + 1 :]
         backend.start(shards)
-        wait_for_shards(locations, token, backend, timeout_s=60.0)
+        backend.wait_ready(backend.start_timeout_s)
+        wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
                           lease_s=cfg.dock.lease_s, owner=f"{run}/driver")
 
         def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
-            return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, log_dir)
+            return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, backend.logs)
 
         # the other stages start once the rollout has evaluated: the evaluation, which can take
         # longer than a training step, never counts against their waits on the dock
         backend.start([rollout])
+        backend.wait_ready(backend.start_timeout_s)  # pods: scheduled and pulled before the evaluation's clock runs
         # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for
         # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches
         eval_timeout_s = cfg.dock.timeout_s * math.ceil(len(test_prompts) / r.batch_size)
         if t.eval_before:
-            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s, log_dir)
+            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
             summary |= _log_eval(before["rollout"], "before")
         backend.start(others)
-        logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], log_dir)
+        backend.wait_ready(backend.start_timeout_s)
+        logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], backend.logs)
 
         with MetricsWriter(run_dir, on_log=on_iteration) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
             for it, picked in enumerate(prompt_batches(train_prompts, t)):
@@ -251,7 +266,7 @@ def train_distributed(
                 progress.update(metrics)
             dock.finish()
             reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
-            after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, log_dir)
+            after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
             summary |= _log_eval(after["rollout"], "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)

@@ -7,10 +7,27 @@ Kubernetes garbage-collects the workers if the launcher pod goes away; ``teardow
 pipeline's exit handler) deletes them by label as soon as the run ends.
 
 Member ``i`` of group ``g`` is the pod ``<statefulset>-i``, reachable at
-``<statefulset>-i.<service>.<namespace>.svc``; it gets ``DOCKRL_RUN_ID``, ``DOCKRL_GROUP``,
-``DOCKRL_REPLICA``, ``DOCKRL_REPLICAS``, ``DOCKRL_SERVICE`` and the object-store credentials
-from the platform's Secret. Accelerator groups take the platform's accelerators, node
-selector and tolerations.
+``<statefulset>-i.<service>.<namespace>.svc`` (``address``); it gets ``DOCKRL_RUN_ID``,
+``DOCKRL_GROUP``, ``DOCKRL_REPLICA``, ``DOCKRL_REPLICAS``, ``DOCKRL_SERVICE`` and the
+object-store credentials from the platform's Secret. Accelerator groups take the platform's
+image, accelerators, node selector, tolerations and stage pod size; the others its cpu image.
+
+How a run's stages find what they need, in pods that cannot see the launcher's files:
+
+* program: the images' entry point ``dockrl`` (``images/*/Dockerfile``), so a member's command
+  is ``dockrl worker ...`` / ``dockrl dock-shard ...`` (``program``);
+* serving: a dock shard binds ``0.0.0.0`` on ``SHARD_PORT`` in its own pod (``serve_ports``);
+* finishing: a StatefulSet restarts a container that exits, even with code 0 (a crash loop
+  of finished stages), so stages stay up after their last report until torn down
+  (``restarts_exited``: ``dockrl worker --stay``);
+* the launcher: members reach servers of the launcher's process (the weight channel's
+  ``TCPStore``) at the launcher pod's IP, ``POD_IP`` from the downward API (``status.podIP``;
+  the pipeline's train task sets it). A pod IP, not a Service: the store lives exactly as long
+  as the launcher's process, in that pod, and a Service would need a selector matching only
+  that pod and one more object to create and delete;
+* files: every pod mounts the platform's shared volume (``Platform.shared_volume_claim``) at
+  ``shared_mount_path``, the launcher too; the launcher puts the run's folder (data,
+  checkpoints) under ``shared_dir`` (``launcher.py``).
 
 ``check`` fails fast: a member that exited non-zero, crash-loops, or cannot pull its image
 raises ``WorkerFailed`` with the tail of its log (the previous container's, after a restart).
@@ -35,6 +52,11 @@ logger = logging.getLogger(__name__)
 RUN_LABEL = "dockrl.io/run"
 GROUP_LABEL = "dockrl.io/group"
 CONTAINER = "worker"
+ENTRY_POINT = ("dockrl",)
+"""The images' entry point: the program of every member's command."""
+SHARD_PORT = 8815
+"""Port of a dock shard in its pod (Arrow Flight's customary port; each shard has its own pod IP)."""
+SHARED_VOLUME = "shared"
 WORKER_UID = 10001  # the non-root user of the images (images/*/Dockerfile)
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # waiting reasons that will not resolve by waiting
@@ -71,8 +93,10 @@ def run_labels(run_id: str, group: str) -> dict[str, str]:
 
 def _resources(group: WorkerGroup, platform: Platform) -> dict[str, dict[str, Any]]:
     amounts: dict[str, Any] = {"cpu": group.cpu, "memory": group.memory}
-    if group.accelerators and platform.accelerator:
-        amounts[platform.accelerator] = platform.accelerators_per_pod
+    if group.accelerators:
+        amounts = {"cpu": platform.stage_cpu, "memory": platform.stage_memory}
+        if platform.accelerator:
+            amounts[platform.accelerator] = platform.accelerators_per_pod
     # requests = limits: Guaranteed QoS, so a worker is the last to be evicted
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
@@ -116,11 +140,17 @@ def render_group(group: WorkerGroup, *, run_id: str, namespace: str, platform: P
         # headless, and publishing members before they are ready: peers find each other to rendezvous
         "spec": {"clusterIP": "None", "selector": selector, "publishNotReadyAddresses": True, "ports": ports},
     }
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    # torch's dataloaders and collectives need more shared memory than the default 64 MiB
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if platform.shared_volume_claim:
+        mounts.append({"name": SHARED_VOLUME, "mountPath": platform.shared_mount_path})
+        volumes.append({"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": platform.shared_volume_claim}})
     container: dict[str, Any] = {
-        "name": CONTAINER, "image": platform.image, "imagePullPolicy": "IfNotPresent",
+        "name": CONTAINER, "image": platform.image if group.accelerators else platform.cpu_image, "imagePullPolicy": "IfNotPresent",
         "command": list(group.command), "env": _env(run_id, group, name, platform),
         "resources": _resources(group, platform),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     if group.port:
@@ -130,8 +160,7 @@ def render_group(group: WorkerGroup, *, run_id: str, namespace: str, platform: P
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID},
         "terminationGracePeriodSeconds": 30,
         "containers": [container],
-        # torch's dataloaders and collectives need more shared memory than the default 64 MiB
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": volumes,
     }
     if group.accelerators:
         if platform.node_selector:
@@ -165,23 +194,69 @@ class KubernetesBackend:
         platform: image, accelerators, scheduling and Secret of the workers.
         core_api, apps_api: ``kubernetes.client.CoreV1Api`` / ``AppsV1Api`` (or fakes).
         owner: the launcher pod; None leaves the objects unowned (teardown still finds them).
+        launcher_ip: the launcher pod's IP (``POD_IP``); "" if unknown (then only
+            ``launcher_host`` fails: teardown needs none).
+        start_timeout_s: longest a member may take to run (scheduling, image pull), seconds.
     """
 
+    bind_host = "0.0.0.0"  # a pod's own network namespace: every interface is the pod's
+    restarts_exited = True  # StatefulSet pods restart always, even after exit code 0
+
     def __init__(self, run_id: str, *, namespace: str, platform: Platform, core_api: Any, apps_api: Any,
-                 owner: OwnerPod | None = None, poll_s: float = 2.0, log_lines: int = 50):
+                 owner: OwnerPod | None = None, launcher_ip: str = "", start_timeout_s: float = 900.0,
+                 poll_s: float = 2.0, log_lines: int = 50):
         if not namespace:
             raise ValueError("kubernetes backend: namespace is empty")
+        if not _LABEL_VALUE.match(run_id):
+            raise ValueError(f"run_id {run_id!r}: must be a Kubernetes label value (≤ 63 alphanumerics, '-', '_', '.')")
         self.run_id, self.namespace, self.platform, self.owner = run_id, namespace, platform, owner
         self.core, self.apps = core_api, apps_api
+        self.launcher_ip, self.start_timeout_s = launcher_ip, start_timeout_s
         self.poll_s, self.log_lines = poll_s, log_lines
         self.selector = f"{RUN_LABEL}={run_id}"
+
+    # ---- addressing (see the module docstring) ----
+
+    @property
+    def launcher_host(self) -> str:
+        if not self.launcher_ip:
+            raise ValueError("kubernetes backend: the launcher pod's IP is unknown; set POD_IP from the downward API "
+                             "(fieldPath status.podIP) on the launcher pod, as the pipeline's train task does")
+        return self.launcher_ip
+
+    @property
+    def shared_dir(self) -> Path:
+        """The shared volume's mount path, the same in the launcher and in every member.
+
+        Raises:
+            ValueError: the platform has no shared volume.
+        """
+        if not self.platform.shared_volume_claim:
+            raise ValueError(f"kubernetes backend: platform {self.platform.name!r} has no shared_volume_claim; stage pods "
+                             "need one shared with the launcher (manifests/base/shared-volume.yaml)")
+        return Path(self.platform.shared_mount_path)
+
+    @property
+    def logs(self) -> str:
+        return f"`kubectl logs -n {self.namespace} -l {self.selector} --prefix`"
+
+    def program(self) -> tuple[str, ...]:
+        return ENTRY_POINT
+
+    def serve_ports(self, n: int) -> list[int]:
+        return [SHARD_PORT] * n
+
+    def address(self, group: str, replica: int, port: int) -> str:
+        name = object_name(self.run_id, group)
+        return f"{name}-{replica}.{name}.{self.namespace}.svc:{port}"
 
     @classmethod
     def from_cluster(cls, run_id: str, *, namespace: str = "", platform: str | Platform = "cpu", **kwargs) -> KubernetesBackend:
         """A backend with the pod's in-cluster credentials (or ``~/.kube/config`` outside a cluster).
 
         The namespace defaults to ``POD_NAMESPACE`` or the service account's namespace; the owner
-        is the pod named by ``POD_NAME`` / ``POD_UID`` (the pipeline's train task sets both).
+        is the pod named by ``POD_NAME`` / ``POD_UID``, the launcher's IP ``POD_IP`` (the
+        pipeline's train task sets all three).
         """
         from kubernetes import client, config
 
@@ -199,6 +274,7 @@ class KubernetesBackend:
         if os.environ.get("POD_NAME") and os.environ.get("POD_UID"):
             owner = OwnerPod(name=os.environ["POD_NAME"], uid=os.environ["POD_UID"])
         platform = get_platform(platform) if isinstance(platform, str) else platform
+        kwargs.setdefault("launcher_ip", os.environ.get("POD_IP", ""))
         return cls(run_id, namespace=namespace, platform=platform, core_api=client.CoreV1Api(),
                    apps_api=client.AppsV1Api(), owner=owner, **kwargs)
 

@@ -1,11 +1,21 @@
 """The launcher: runs one GRPO training job for a pipeline's train step and reports it.
 
 ``run_training`` is what the KFP ``train`` component calls. It runs the distributed mode
-(``dock.mode=distributed`` unless the overrides say otherwise): the dock shards and every
-stage as separate processes started through ``LocalBackend`` (``distributed.py``); the
-pipeline's exit handler tears down whatever a run registered with it. The Kubernetes backend
-renders and manages worker pods (``kubernetes.py``) but does not host the stages yet: with it
-they still start as processes of the launcher's pod.
+(``distributed.py``): the dock shards and every stage as separate workers, started through
+the worker backend the pipeline names; the pipeline's exit handler tears down whatever a run
+registered with it.
+
+* ``local``: processes in the launcher's pod (``dock.mode=distributed`` unless the overrides
+  say otherwise), the run folder is ``run_dir`` itself.
+* ``kubernetes``: a StatefulSet per dock shard and per stage (``KubernetesBackend.from_cluster``;
+  rollout, reference and actor on the platform's accelerators). The pods cannot see the
+  launcher's files, so the run folder lives on the platform's shared volume,
+  ``<shared_dir>/runs/<run_id>/``: the dataset is copied to its ``data/``, the actor writes
+  its checkpoints there, and at the end the final checkpoint moves to ``checkpoint_dir`` and
+  the rest of the folder to ``run_dir``. ``model.path`` must be visible in the pods: the
+  packaged model (every image holds it), a path on the shared volume, or one baked into the
+  image. A ``directory`` warehouse must be on the shared volume. After a failed run the
+  shared folder stays for inspection.
 
 Per-iteration metrics stream to ``log_metric`` as each iteration ends, as
 ``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``); run-level numbers
@@ -20,7 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dockrl.config import load_config
+from dockrl.config import Config, load_config
+from dockrl.launch.platform import Platform
 from dockrl.launch.tasks import dataset_files
 
 logger = logging.getLogger(__name__)
@@ -43,6 +54,9 @@ def run_training(
     *,
     log_metric: Callable[[str, float], None],
     worker_backend: str = "local",
+    run_id: str = "",
+    namespace: str = "",
+    platform: str | Platform = "cpu",
 ) -> dict[str, float]:
     """Train with GRPO on a prepared dataset; write the final checkpoint and report metrics.
 
@@ -55,27 +69,39 @@ def run_training(
         run_dir: receives the rest of the run folder (config.yaml, metrics.jsonl,
             tensorboard/, metrics.png, summary.json, intermediate checkpoints).
         log_metric: called once per (name, value); non-finite values are skipped with a warning.
-        worker_backend: ``local`` or ``kubernetes``: where stage workers would be started.
+        worker_backend: ``local`` or ``kubernetes``: where the stage workers start.
+        run_id: the pipeline run's id (labels the pods; names the shared run folder); needed
+            for ``kubernetes``.
+        namespace: the workers' namespace ("" for the launcher pod's own).
+        platform: preset name or ``Platform`` of the worker pods (image, accelerators, shared volume).
 
     Returns:
         The run summary (accuracies before/after, seconds).
 
     Raises:
-        ValueError: unknown ``worker_backend``.
+        ValueError: unknown ``worker_backend``; for ``kubernetes``: no ``run_id``, no shared
+            volume, ``dock.mode`` not distributed, a ``directory`` warehouse off the shared volume.
         ConfigError: an invalid override (the message names the field).
+        WorkerFailed: a worker died or cannot start (its log tail in the message).
     """
     from dockrl import trainer
 
     if worker_backend not in WORKER_BACKENDS:
         raise ValueError(f"worker_backend: got {worker_backend!r}; expected one of {', '.join(map(repr, WORKER_BACKENDS))}")
-    if worker_backend != "local":
-        logger.warning("worker_backend=%r: the stages still start as processes of the launcher; the backend is used "
-                       "for teardown only", worker_backend)
+    if worker_backend == "kubernetes" and not run_id:
+        raise ValueError("run_training: worker_backend='kubernetes' needs run_id (the pipeline run's id)")
     train_file, test_file = dataset_files(dataset_dir)
     run = Path(run_dir)
+    out, backend = run, None
+    if worker_backend == "kubernetes":
+        from dockrl.launch.kubernetes import KubernetesBackend
+
+        backend = KubernetesBackend.from_cluster(run_id, namespace=namespace, platform=platform)
+        out = backend.shared_dir / "runs" / run_id
+        train_file, test_file = _copy_into([train_file, test_file], out / "data")
     cfg = load_config(None, [
         "dock.mode=distributed", *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
-        f"run.output_dir={run}", "run.progress=false",
+        f"run.output_dir={out}", "run.progress=false",
     ])
     skipped: list[str] = []
 
@@ -83,18 +109,63 @@ def run_training(
         for key, value in metrics.items():
             _log_finite(log_metric, f"{key}/iter_{it:04d}", value, skipped)
 
-    summary = trainer.train(cfg, on_iteration=stream)
+    if backend is None:
+        summary = trainer.train(cfg, on_iteration=stream)
+    else:
+        from dockrl.launch.distributed import train_distributed
 
-    final = run / "checkpoints" / "final"
+        check_shared_config(cfg, backend.shared_dir)
+        summary = train_distributed(cfg, backend=backend, on_iteration=stream)
+
+    final = out / "checkpoints" / "final"
     if not (final / "config.json").is_file():
         raise RuntimeError(f"training finished without a final checkpoint in {final}")
     dst = Path(checkpoint_dir)
     if dst.is_dir() and not any(dst.iterdir()):
         dst.rmdir()
     shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
+    if out != run:  # the rest of the shared run folder becomes the run_dir artifact
+        shutil.rmtree(out / "data", ignore_errors=True)
+        run.mkdir(parents=True, exist_ok=True)
+        for entry in sorted(out.iterdir()):
+            shutil.move(entry, run / entry.name)
+        out.rmdir()
 
     for key, value in summary.items():
         _log_finite(log_metric, key, value, skipped)
     if skipped:
         logger.warning("%d metric values were null or non-finite and not logged, e.g. %s", len(skipped), skipped[:5])
     return summary
+
+
+def _copy_into(files: Sequence[Path], folder: Path) -> list[Path]:
+    """Copy ``files`` into ``folder`` (created); returns the copies' paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy2(f, folder / f.name)) for f in files]
+
+
+def _under(path: str | Path, root: Path) -> bool:
+    return Path(path).resolve().is_relative_to(root.resolve())
+
+
+def check_shared_config(cfg: Config, shared: Path) -> None:
+    """Check that the stage pods can run ``cfg``: what they read or write must be on ``shared``.
+
+    Raises:
+        ValueError: ``dock.mode`` is not ``distributed``; ``run.output_dir`` or a ``directory``
+            warehouse (``dock.directory``) is not under ``shared``.
+    """
+    if cfg.dock.mode != "distributed":
+        raise ValueError(f"dock.mode={cfg.dock.mode!r}: the kubernetes worker backend runs the stages as pods; "
+                         "use dock.mode=distributed")
+    if not _under(cfg.run.output_dir, shared):
+        raise ValueError(f"run.output_dir={cfg.run.output_dir!r}: with the kubernetes worker backend the run folder "
+                         f"must be on the shared volume (under {shared})")
+    if cfg.dock.warehouse == "directory" and not _under(cfg.dock.directory, shared):
+        raise ValueError(f"dock.directory={cfg.dock.directory!r}: with the kubernetes worker backend a directory "
+                         f"warehouse must be on the shared volume (under {shared}); or use dock.warehouse=s3")
+    from dockrl.trainer import PACKAGED_MODEL
+
+    if cfg.model.path != PACKAGED_MODEL and not _under(cfg.model.path, shared):
+        logger.warning("model.path=%r is not on the shared volume (%s): the stage pods must find it in their image",
+                       cfg.model.path, shared)

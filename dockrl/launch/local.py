@@ -6,6 +6,9 @@ output in ``<log_dir>/<group>-<i>.log``. It records the processes in
 ``<state_dir>/<run_id>.json`` so that ``teardown`` from another process (the pipeline's exit
 handler) finds them; a recorded process is signalled only if its pid still has the start time
 recorded, so a reused pid is never hit.
+
+Addressing: members run this interpreter's ``dockrl`` (``sys.executable -m dockrl``), serve on
+free loopback ports and reach the launcher on loopback; every path is shared.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections import deque
@@ -26,6 +31,20 @@ from dockrl.launch.backend import WorkerFailed, WorkerGroup
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
+HOST = "127.0.0.1"
+"""Every member of a local run listens on loopback only."""
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct ports free on ``host`` right now (bound together, then released)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def default_state_dir() -> Path:
@@ -57,6 +76,12 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
 class LocalBackend:
     """Worker groups as local processes (see the module docstring)."""
 
+    bind_host = HOST
+    launcher_host = HOST
+    shared_dir = None  # one machine: every path is the same for all
+    restarts_exited = False  # a finished stage exits and frees its memory
+    start_timeout_s = 60.0
+
     def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0):
         if not run_id or "/" in run_id:
             raise ValueError(f"local backend: run_id {run_id!r}; expected a non-empty name without '/'")
@@ -65,6 +90,19 @@ class LocalBackend:
         self.log_dir = Path(log_dir) if log_dir else self.state_dir / run_id
         self.grace_s = grace_s
         self._procs: list[tuple[str, str, subprocess.Popen, Path]] = []  # (group, member, process, log)
+
+    @property
+    def logs(self) -> str:
+        return str(self.log_dir)
+
+    def program(self) -> tuple[str, ...]:
+        return (sys.executable, "-m", "dockrl")
+
+    def serve_ports(self, n: int) -> list[int]:
+        return free_ports(n)
+
+    def address(self, group: str, replica: int, port: int) -> str:
+        return f"{HOST}:{port}"
 
     @property
     def state_file(self) -> Path:

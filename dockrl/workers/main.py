@@ -1,9 +1,11 @@
 """Entry point of one stage process of a distributed run (``dock.mode=distributed``).
 
-    DOCKRL_DOCK_TOKEN=... python -m dockrl.workers.main --stage rollout --config RUN/config.yaml \\
+    DOCKRL_DOCK_TOKEN=... dockrl worker --stage rollout --config RUN/config.yaml \\
         --dock grpc://127.0.0.1:5001,grpc://127.0.0.1:5002 --weight-sync 127.0.0.1:29500
 
-The launcher (``dockrl/launch/distributed.py``) starts one per stage. Each builds its engine,
+(``python -m dockrl.workers.main`` is the same.) The launcher (``dockrl/launch/distributed.py``)
+starts one per stage, with the run's config as YAML in the environment variable ``CONFIG_ENV``
+(``--config-env DOCKRL_CONFIG_YAML``): a stage pod cannot read the launcher's files. Each builds its engine,
 then loops until the driver calls ``finish()``: ``wait_iteration`` → the stage worker's
 ``run_iteration(dock)`` (the same classes as in-process) → ``report(iteration, stage, metrics)``.
 The stages share nothing but the dock, and the actor → rollout weight channel:
@@ -25,13 +27,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from dockrl.config import Config, load_config
+from dockrl.config import Config, load_config, load_config_text
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ AFTER_TRAINING = -2
 """Pseudo-iteration of the final reports (evaluation after training, final checkpoint)."""
 TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
 """Environment variable with the dock shards' bearer token."""
+CONFIG_ENV = "DOCKRL_CONFIG_YAML"
+"""Environment variable with the run's fully resolved config (YAML) for ``--config-env``."""
 ROLLOUT_RANK, ACTOR_RANK = 1, 0
 
 
@@ -170,12 +176,16 @@ def run_actor(cfg: Config, dock, weights: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dockrl.workers.main", description="Run one GRPO stage against a dock.")
+    parser = argparse.ArgumentParser(prog="dockrl worker", description="Run one GRPO stage against a dock.")
     parser.add_argument("--stage", required=True, choices=STAGES)
-    parser.add_argument("--config", required=True, help="the run's config.yaml")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="the run's config.yaml")
+    source.add_argument("--config-env", metavar="NAME", help=f"environment variable holding the run's config as YAML (e.g. {CONFIG_ENV})")
     parser.add_argument("--dock", required=True, help="comma-separated grpc://host:port of every dock shard, in shard order")
     parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
     parser.add_argument("--weight-sync", default="", help="host:port of the weight channel's TCPStore (rollout and actor)")
+    parser.add_argument("--stay", action="store_true",
+                        help="after the last report, stay up until SIGTERM (a StatefulSet restarts a container that exits)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
     if args.stage in ("rollout", "actor") and not args.weight_sync:
@@ -186,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     from dockrl.dock.warehouse import make_warehouse
     from dockrl.trainer import seed_everything
 
-    cfg = load_config(args.config)
+    if args.config_env:
+        text = os.environ.get(args.config_env)
+        if not text:
+            parser.error(f"--config-env {args.config_env}: the environment variable is unset or empty; the launcher sets it")
+        cfg = load_config_text(text, f"environment variable {args.config_env}")
+    else:
+        cfg = load_config(args.config)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
@@ -204,7 +220,23 @@ def main(argv: list[str] | None = None) -> int:
             run_reference(cfg, dock)
         else:
             run_actor(cfg, dock, args.weight_sync)
+    if args.stay:
+        wait_for_stop(args.stage)
     return 0
+
+
+def wait_for_stop(stage: str) -> None:
+    """Block until SIGTERM or SIGINT (the launcher's teardown deletes the pod); no timeout on
+    purpose: a pod whose launcher is gone is removed with it (owner reference)."""
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    logger.info("%s: done; staying up until the run's workers are torn down", stage)
+    stopping.wait()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class FakeCluster:
         self.logs: dict[tuple[str, bool], str] = {}
         self.calls: list[tuple[str, dict]] = []
         self.fail_create: dict[str, int] = {}  # kind -> HTTP status to answer create with
+        # group label -> (pod status, log, previous container's log): what the StatefulSet controller
+        # and the kubelet would report for every member as soon as the group's StatefulSet is created
+        self.pods_on_create: dict[str, tuple[dict, str, str]] = {}
         self._client = ApiClient()
 
     def create(self, kind: str, namespace: str, body: dict) -> dict:
@@ -51,6 +54,11 @@ class FakeCluster:
         if kind == "StatefulSet":
             obj["status"] = {"replicas": 0, "readyReplicas": 0}
         self.objects[key] = obj
+        group = obj["metadata"]["labels"].get("dockrl.io/group")
+        if kind == "StatefulSet" and group in self.pods_on_create:
+            status, log, previous_log = self.pods_on_create[group]
+            for i in range(obj["spec"]["replicas"]):
+                self.add_pod(namespace, obj["metadata"]["name"], i, copy.deepcopy(status), log, previous_log)
         return obj
 
     def listed(self, kind: str, namespace: str, selector: str | None, model: str):

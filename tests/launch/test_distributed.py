@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from transformers import AutoModelForCausalLM
 from dockrl import trainer
 from dockrl.config import load_config
 from dockrl.launch.backend import WorkerFailed
-from dockrl.launch.distributed import free_ports, iteration_stages, worker_groups
-from dockrl.workers.main import TOKEN_ENV, WEIGHT_SYNC
+from dockrl.config import load_config_text
+from dockrl.launch.distributed import iteration_stages, worker_groups
+from dockrl.launch.local import LocalBackend, free_ports
+from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC
 
 FAKES = Path(__file__).parent  # fake_scorers.py, importable by the worker processes
 
@@ -32,20 +35,24 @@ def run_config(tiny_model_dir, tmp_path, *extra: str):
     ])
 
 
-def run_processes() -> dict[int, str]:
-    """pid → run id of every live process started for a dockrl run (``DOCKRL_RUN_ID`` in its environment)."""
+MARK_ENV = "DOCKRL_TEST_MARK"
+"""Set by ``workers_path`` to a value of its own; every process a test starts inherits it."""
+
+
+def run_processes(mark: str) -> dict[int, str]:
+    """pid → run id of every live process started for a dockrl run (``DOCKRL_RUN_ID`` in its
+    environment) by the test that set ``MARK_ENV`` to ``mark``: other runs on this machine are not ours."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            env = (entry / "environ").read_bytes().split(b"\0")
+            env = dict(var.split(b"=", 1) for var in (entry / "environ").read_bytes().split(b"\0") if b"=" in var)
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        for var in env:
-            if var.startswith(b"DOCKRL_RUN_ID=") and state != "Z":
-                found[int(entry.name)] = var.split(b"=", 1)[1].decode()
+        if b"DOCKRL_RUN_ID" in env and env.get(MARK_ENV.encode()) == mark.encode() and state != "Z":
+            found[int(entry.name)] = env[b"DOCKRL_RUN_ID"].decode()
     return found
 
 
@@ -53,32 +60,41 @@ def run_processes() -> dict[int, str]:
 def workers_path(monkeypatch):
     """Let the worker processes import the fake scorers; afterwards, check that none of the run's processes is left."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(FAKES), os.environ.get("PYTHONPATH", "")] if p))
-    before = set(run_processes())
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv(MARK_ENV, mark)
     yield
-    # the launcher names its runs dockrl-<hex>; processes of other runs on this machine are not ours
-    left = {pid: run for pid, run in run_processes().items() if pid not in before and run.startswith("dockrl-")}
+    left = run_processes(mark)
     assert not left, f"processes left behind: {left}"
 
 
 def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path)
-    groups = worker_groups(cfg, tmp_path / "config.yaml", [5001, 5002], 29500, "secret")
+    local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
+    groups = worker_groups(cfg, local, [5001, 5002], "127.0.0.1:29500", "secret")
     assert [g.name for g in groups] == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
-    assert all(g.env == {TOKEN_ENV: "secret"} for g in groups)  # the token travels in the environment only
+    assert all(g.env[TOKEN_ENV] == "secret" for g in groups)  # the token travels in the environment only
     assert all("secret" not in " ".join(g.command) for g in groups)
+    assert all(load_config_text(g.env[CONFIG_ENV], "env") == cfg for g in groups[2:])  # so does the config
+    # this interpreter's dockrl command line, as the images' entry point is dockrl
+    assert all(g.command[:4] == (sys.executable, "-m", "dockrl", "dock-shard") for g in groups[:2])
+    assert all(g.command[:6] == (sys.executable, "-m", "dockrl", "worker", "--stage", g.name) for g in groups[2:])
     shard = groups[1].command
-    assert shard[shard.index("--port"):shard.index("--port") + 6] == ("--port", "5002", "--token-env", TOKEN_ENV, "--timeout-s", "120.0")
+    assert shard[shard.index("--host"):shard.index("--host") + 8] == (
+        "--host", "127.0.0.1", "--port", "5002", "--token-env", TOKEN_ENV, "--timeout-s", "120.0")
     assert shard[shard.index("--payload") + 1] == "memory"
-    stored = worker_groups(run_config(tiny_model_dir, tmp_path, "dock.warehouse=directory"), tmp_path / "c.yaml", [1], 2, "t", "run-7")
+    stored = worker_groups(run_config(tiny_model_dir, tmp_path, "dock.warehouse=directory"), local, [1], "h:2", "t", "run-7")
     assert stored[0].command[stored[0].command.index("--payload") + 1] == "store"  # shards keep metadata only
     assert stored[1].command[stored[1].command.index("--run") + 1] == "run-7"  # stages name the run's objects
     rollout = groups[2].command
+    assert rollout[rollout.index("--config-env") + 1] == CONFIG_ENV
     assert rollout[rollout.index("--dock") + 1] == "grpc://127.0.0.1:5001,grpc://127.0.0.1:5002"
     assert rollout[rollout.index("--weight-sync") + 1] == "127.0.0.1:29500"
+    assert "--stay" not in rollout  # a finished local stage exits and frees its memory
+    assert [g.name for g in groups if g.accelerators] == ["rollout", "reference", "actor"]
     assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor", WEIGHT_SYNC]
 
     no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0")
-    assert [g.name for g in worker_groups(no_kl, tmp_path / "c.yaml", [1], 2, "t")] == ["dock-shard-0", "rollout", "reward", "actor"]
+    assert [g.name for g in worker_groups(no_kl, local, [1], "h:2", "t")] == ["dock-shard-0", "rollout", "reward", "actor"]
     assert "reference" not in iteration_stages(no_kl)
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from dockrl.launch.kubernetes import ENTRY_POINT
 from dockrl.launch.platform import IMAGE_TAG, PLATFORMS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +50,8 @@ def test_dockerfile_is_pinned_non_root_and_enters_dockrl(folder):
     assert "dockrl prepare-model" in runs  # the model is in the image: nothing fetched at pod start
     users = [a for op, a in ins if op == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
-    assert [a for op, a in ins if op == "ENTRYPOINT"] == ['["dockrl"]']
+    # the program of every worker pod's command (dockrl worker ..., dockrl dock-shard ...)
+    assert [json.loads(a) for op, a in ins if op == "ENTRYPOINT"] == [list(ENTRY_POINT)]
     assert ins[-1][0] in ("CMD", "ENTRYPOINT") and not any("pip" in a for op, a in ins if op in ("CMD", "ENTRYPOINT"))
     for op, a in ins:
         if op == "COPY":
@@ -65,3 +69,11 @@ def test_the_commands_the_images_run_exist(capsys):
         main(["--help"])  # the images' default command
     assert exit_.value.code == 0
     assert "prepare-model" in capsys.readouterr().out
+    # what the worker pods run: the console script of the entry point, and its two worker commands
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts[ENTRY_POINT[0]] == "dockrl.cli:main"
+    for command, usage in [("worker", "usage: dockrl worker"), ("dock-shard", "usage: dockrl dock-shard")]:
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0
+        assert capsys.readouterr().out.startswith(usage), command

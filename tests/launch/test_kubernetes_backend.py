@@ -57,6 +57,8 @@ def test_accelerator_groups_get_the_platform_resources_scheduling_and_credential
     reward = sets["reward"]["spec"]["template"]["spec"]
     assert "nodeSelector" not in reward and "tolerations" not in reward
     assert set(reward["containers"][0]["resources"]["limits"]) == {"cpu", "memory"}
+    assert reward["containers"][0]["image"] == PLATFORMS["cpu"].image  # no accelerator: the cpu image of the release
+    assert container["resources"]["limits"]["memory"] == PLATFORMS["npu"].stage_memory  # the platform sizes stage pods
     assert {"name": "REWARD_TIMEOUT_S", "value": "5"} in reward["containers"][0]["env"]
 
     gpu = by_kind(backend(cluster, "gpu").render(GROUPS), "StatefulSet")["reference"]["spec"]["template"]["spec"]

@@ -48,7 +48,16 @@ def test_overlay_builds_and_validates_strictly(overlay, built, validate_strict):
         assert obj["metadata"]["labels"]["dockrl.io/platform"] == overlay
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert {("ServiceAccount", "dockrl-launcher"), ("Role", "dockrl-launcher"), ("RoleBinding", "dockrl-launcher"),
-            ("Secret", "dockrl-object-store")} <= kinds
+            ("Secret", "dockrl-object-store"), ("PersistentVolumeClaim", "dockrl-shared")} <= kinds
+
+
+def test_shared_volume_is_the_claim_the_launcher_and_workers_mount(built):
+    from dockrl.launch.platform import PLATFORMS
+
+    for overlay, objects in built.items():
+        [claim] = [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "dockrl-shared"]
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], overlay  # pods on many nodes mount it at once
+        assert PLATFORMS[overlay].shared_volume_claim == "dockrl-shared"
 
 
 def test_launcher_role_allows_exactly_what_the_backend_does(built):

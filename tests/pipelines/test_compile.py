@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from kfp.kubernetes.kubernetes_executor_config_pb2 import KubernetesExecutorConfig
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
-from dockrl.launch.platform import CPU_IMAGE, PLATFORMS
+from dockrl.launch.platform import CPU_IMAGE, PLATFORMS, Platform
 
 GOLDEN = Path(__file__).parent / "golden" / "grpo_npu.yaml"
 STEPS = ["prepare-dataset", "train", "export-model", "evaluate"]
@@ -53,7 +53,14 @@ def test_train_task_carries_npu_accelerators_scheduling_and_credentials(compiled
         ("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY"),
         ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL")}
     assert {(f.name, f.field_path) for f in cfg.field_path_as_env} == {
-        ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_UID", "metadata.uid")}
+        ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_UID", "metadata.uid"),
+        ("POD_IP", "status.podIP")}  # the workers reach the launcher's weight channel store there
+    # the shared volume of the run folder, where the worker pods mount it too
+    assert [(v.constant, v.mount_path) for v in cfg.pvc_mount] == [("dockrl-shared", "/mnt/dockrl")]
+    # the launcher learns its run id (the workers' label), namespace and the worker pods' platform
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
+    assert inputs["run_id"].runtime_value.constant.string_value == "{{$.pipeline_job_uuid}}"
+    assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == npu
     assert dict(cfg.pod_metadata.labels) == {"app.kubernetes.io/part-of": "dockrl"}
     # nothing but the launcher gets accelerators or the credentials
     assert set(k8s) == {"exec-train", "exec-teardown-workers"}
@@ -99,6 +106,24 @@ def test_other_platforms(platform, resource, tmp_path):
         assert not train.resources.HasField("accelerator")
         assert not k8s["exec-train"].node_selector.labels and not k8s["exec-train"].tolerations
     assert k8s["exec-train"].secret_as_env[0].secret_name == "dockrl-object-store"
+
+
+def test_compiled_for_stage_pods_the_launcher_holds_no_accelerators(tmp_path):
+    from pipelines.grpo import compile_pipeline
+
+    spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "k8s.yaml", platform="npu", worker_backend="kubernetes"))
+    train = deployment.executors["exec-train"].container
+    assert train.image == CPU_IMAGE and not train.resources.HasField("accelerator")
+    cfg = k8s["exec-train"]
+    assert not cfg.node_selector.labels and not cfg.tolerations
+    # still what the launcher needs to start the pods: credentials, shared volume, its own pod
+    assert cfg.secret_as_env[0].secret_name == "dockrl-object-store" and cfg.pvc_mount[0].mount_path == "/mnt/dockrl"
+    assert "POD_IP" in {f.name for f in cfg.field_path_as_env}
+    assert spec.root.input_definitions.parameters["worker_backend"].default_value.string_value == "kubernetes"
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
+    assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == PLATFORMS["npu"]  # the pods' platform
+    with pytest.raises(ValueError, match="worker_backend: got 'slurm'"):
+        compile_pipeline(tmp_path / "x.yaml", worker_backend="slurm")
 
 
 def test_strict_parsing_rejects_a_misspelt_field(compiled_npu):

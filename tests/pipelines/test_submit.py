@@ -55,6 +55,17 @@ def test_cli_submit_without_package_compiles_for_the_platform(kfp_server, capsys
     assert executors["exec-train"]["container"]["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
 
 
+def test_cli_submit_for_stage_pods_compiles_a_launcher_without_accelerators(kfp_server, capsys):
+    rc, _, _ = _cli(capsys, "submit", "--host", kfp_server.url, "--platform", "gpu", "--worker-backend", "kubernetes",
+                    "--service-account", "dockrl-launcher")
+    assert rc == 0
+    [run] = kfp_server.posts("/apis/v2beta1/runs")
+    assert run["runtime_config"]["parameters"]["worker_backend"] == "kubernetes"
+    assert run["service_account"] == "dockrl-launcher"
+    executors = run["pipeline_spec"]["pipeline_spec"]["deploymentSpec"]["executors"]
+    assert "accelerator" not in executors["exec-train"]["container"].get("resources", {})
+
+
 def test_schedule_creates_a_recurring_run_without_catchup(kfp_server, compiled_npu, capsys):
     rc, out, _ = _cli(capsys, "schedule", "--host", kfp_server.url, "--cron", "0 0 3 * * *", "--package", str(compiled_npu),
                       "--max-concurrency", "2", "--name", "nightly-grpo", *OVERRIDES)

@@ -1,0 +1,238 @@
+"""A distributed run set up on the Kubernetes worker backend, against the fake API (FakeCluster in
+conftest.py): the groups it renders, the launcher's shared run folder, a failing pod, teardown.
+
+No cluster here: nothing in these tests reaches a stage that talks to a real pod (see README,
+"Kubeflow Pipelines", for what needs one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dockrl.config import load_config, load_config_text
+from dockrl.launch import launcher
+from dockrl.launch.backend import WorkerFailed
+from dockrl.launch.distributed import shard_locations, worker_groups
+from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend, OwnerPod, object_name
+from dockrl.launch.platform import PLATFORMS, Platform
+from dockrl.launch.tasks import prepare_dataset
+from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV
+
+RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
+NS = "team-rl"
+OWNER = OwnerPod(name="dockrl-grpo-abcde-train-123", uid="8c7e6d5f-0000-4000-8000-123456789abc")
+LAUNCHER_IP = "10.44.3.17"
+DATA = ["data.generate_train=12", "data.generate_test=4", "data.max_steps=2"]
+
+
+def npu_platform(tmp_path: Path) -> Platform:
+    """The npu preset with the shared volume mounted under tmp_path (as in the pods, on this machine)."""
+    fields = json.loads(PLATFORMS["npu"].to_json()) | {"shared_mount_path": str(tmp_path / "shared")}
+    return Platform.from_json(json.dumps(fields))
+
+
+def small_config(tiny_model_dir, out: Path, *extra: str):
+    return load_config(None, [
+        f"model.path={tiny_model_dir}", f"run.output_dir={out}", "dock.mode=distributed", "dock.shards=2",
+        "algorithm.kl_coef=0.05", "trainer.iterations=1", "trainer.global_batch=2", "trainer.mini_batch=2",
+        "trainer.micro_batch=2", "rollout.n=2", *extra,
+    ])
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_a_distributed_run_renders_valid_stage_pods_with_cluster_addresses(cluster, tiny_model_dir, tmp_path, validate_strict):
+    platform = npu_platform(tmp_path)
+    backend = KubernetesBackend(RUN, namespace=NS, platform=platform, core_api=cluster.core_api(), apps_api=cluster.apps_api(),
+                                owner=OWNER, launcher_ip=LAUNCHER_IP)
+    cfg = small_config(tiny_model_dir, backend.shared_dir / "runs" / RUN)
+    ports = backend.serve_ports(2)
+    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN)
+    objects = backend.render(groups)
+    for obj in objects:
+        validate_strict(obj)
+    sets = {o["metadata"]["labels"]["dockrl.io/group"]: o for o in objects if o["kind"] == "StatefulSet"}
+    services = {o["metadata"]["labels"]["dockrl.io/group"]: o for o in objects if o["kind"] == "Service"}
+    assert list(sets) == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
+
+    def pod(group: str) -> dict:
+        return sets[group]["spec"]["template"]["spec"]
+
+    shard_names = [object_name(RUN, f"dock-shard-{s}") for s in (0, 1)]
+    locations = [f"grpc://{n}-0.{n}.{NS}.svc:{SHARD_PORT}" for n in shard_names]
+    assert shard_locations(backend, ports) == locations  # where the launcher connects, too
+    for s, name in enumerate(shard_names):
+        [c] = pod(f"dock-shard-{s}")["containers"]
+        assert c["command"][:8] == ["dockrl", "dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
+        assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
+        assert services[f"dock-shard-{s}"]["spec"]["ports"][0]["port"] == SHARD_PORT
+        assert sets[f"dock-shard-{s}"]["spec"]["serviceName"] == name  # the DNS name's second label
+        assert env_of(c)[TOKEN_ENV] == "secret-token" and CONFIG_ENV not in env_of(c)
+
+    for stage in ("rollout", "reward", "reference", "actor"):
+        spec = pod(stage)
+        [c] = spec["containers"]
+        cmd = c["command"]
+        assert tuple(cmd[:1]) == ENTRY_POINT and cmd[1:6] == ["worker", "--stage", stage, "--config-env", CONFIG_ENV]
+        assert cmd[cmd.index("--dock") + 1] == ",".join(locations)
+        assert cmd[cmd.index("--weight-sync") + 1] == f"{LAUNCHER_IP}:29500"  # the launcher pod's IP
+        assert cmd[cmd.index("--run") + 1] == RUN
+        assert cmd[-1] == "--stay"  # a finished stage must not exit: its StatefulSet would restart it
+        assert "secret-token" not in " ".join(cmd)
+        env = env_of(c)
+        assert env[TOKEN_ENV] == "secret-token"
+        assert load_config_text(env[CONFIG_ENV], "env") == cfg  # the whole config, no file of the launcher
+        # the shared volume, where the run folder (data, checkpoints) is, at the same path as in the launcher
+        assert {"name": "shared", "mountPath": str(backend.shared_dir)} in c["volumeMounts"]
+        assert {"name": "shared", "persistentVolumeClaim": {"claimName": "dockrl-shared"}} in spec["volumes"]
+        limits = c["resources"]["limits"]
+        if stage == "reward":
+            assert set(limits) == {"cpu", "memory"} and "nodeSelector" not in spec and "tolerations" not in spec
+            assert c["image"] == "ghcr.io/dockrl/dockrl-cpu:0.1.0"
+        else:
+            assert c["image"] == "ghcr.io/dockrl/dockrl-npu:0.1.0"
+            assert limits == {"cpu": "32", "memory": "256Gi", "huawei.com/Ascend910": 8}
+            assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+    for s in (0, 1):
+        assert "huawei.com/Ascend910" not in pod(f"dock-shard-{s}")["containers"][0]["resources"]["limits"]
+        assert "nodeSelector" not in pod(f"dock-shard-{s}")
+        assert pod(f"dock-shard-{s}")["containers"][0]["image"] == PLATFORMS["cpu"].image
+
+
+def use_fake_cluster(cluster, monkeypatch, *, pod_ip: str | None = LAUNCHER_IP) -> None:
+    """What ``KubernetesBackend.from_cluster`` reads in the launcher pod, served by the fake."""
+    import kubernetes
+
+    monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: cluster.core_api())
+    monkeypatch.setattr(kubernetes.client, "AppsV1Api", lambda: cluster.apps_api())
+    for name, value in {"POD_NAMESPACE": NS, "POD_NAME": OWNER.name, "POD_UID": OWNER.uid, "POD_IP": pod_ip}.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def test_a_crashing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_everything(
+    cluster, tiny_model_dir, tmp_path, monkeypatch,
+):
+    use_fake_cluster(cluster, monkeypatch)
+    cluster.pods_on_create["dock-shard-1"] = ({"phase": "Running", "containerStatuses": [{
+        "name": "worker", "ready": False, "restartCount": 2, "image": "x", "imageID": "",
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+        "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}}}]},
+        "", "dockrl dock-shard: error: --token-env DOCKRL_DOCK_TOKEN: the environment variable is unset or empty\n")
+    prepare_dataset(DATA, tmp_path / "ds")
+    platform = npu_platform(tmp_path)
+    with pytest.raises(WorkerFailed) as err:
+        launcher.run_training([f"model.path={tiny_model_dir}", "dock.shards=2"], tmp_path / "ds", tmp_path / "model",
+                              tmp_path / "run", log_metric=lambda k, v: None, worker_backend="kubernetes",
+                              run_id=RUN, platform=platform)
+    e = err.value
+    assert e.group == "dock-shard-1" and e.member == f"{object_name(RUN, 'dock-shard-1')}-0"
+    assert "CrashLoopBackOff" in e.reason and "environment variable is unset" in e.log_tail
+    created = [c[1]["name"] for c in cluster.calls if c[0] == "create StatefulSet"]
+    assert created == [object_name(RUN, "dock-shard-0"), object_name(RUN, "dock-shard-1")]  # no stage before the shards run
+    assert cluster.objects == {}  # torn down: StatefulSets, their pods and the Services
+    shared_run = tmp_path / "shared" / "runs" / RUN
+    assert sorted(p.name for p in (shared_run / "data").iterdir()) == ["test.jsonl", "train.jsonl"]
+    config = yaml.safe_load((shared_run / "config.yaml").read_text())
+    assert config["data"]["train_path"] == str(shared_run / "data" / "train.jsonl")
+    assert config["run"]["output_dir"] == str(shared_run)
+
+
+def test_the_launcher_needs_its_pod_ip_before_anything_starts(cluster, tiny_model_dir, tmp_path, monkeypatch):
+    use_fake_cluster(cluster, monkeypatch, pod_ip=None)
+    prepare_dataset(DATA, tmp_path / "ds")
+    with pytest.raises(ValueError, match=r"launcher pod's IP is unknown; set POD_IP .*status\.podIP"):
+        launcher.run_training([f"model.path={tiny_model_dir}"], tmp_path / "ds", tmp_path / "model", tmp_path / "run",
+                              log_metric=lambda k, v: None, worker_backend="kubernetes", run_id=RUN, platform=npu_platform(tmp_path))
+    assert cluster.calls == []
+
+
+def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hands_it_over(cluster, tmp_path, monkeypatch):
+    """The launcher's part, with train_distributed replaced by one that writes a one-iteration run."""
+    from dockrl.launch import distributed
+
+    use_fake_cluster(cluster, monkeypatch)
+    seen = {}
+
+    def fake_train_distributed(cfg, *, backend, on_iteration):
+        seen["cfg"], seen["backend"] = cfg, backend
+        out = Path(cfg.run.output_dir)
+        assert Path(cfg.data.train_path).read_text() == (tmp_path / "ds" / "train.jsonl").read_text()
+        (out / "checkpoints" / "final").mkdir(parents=True)
+        (out / "checkpoints" / "final" / "config.json").write_text("{}")
+        (out / "metrics.jsonl").write_text("{}\n")
+        on_iteration(0, {"reward/mean": 0.5})
+        return {"run/seconds": 1.0, "eval/accuracy_after": math.nan}
+
+    monkeypatch.setattr(distributed, "train_distributed", fake_train_distributed)
+    prepare_dataset(DATA, tmp_path / "ds")
+    logged: dict[str, float] = {}
+    summary = launcher.run_training([], tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=logged.__setitem__,
+                                    worker_backend="kubernetes", run_id=RUN, platform=npu_platform(tmp_path))
+    backend, cfg = seen["backend"], seen["cfg"]
+    assert isinstance(backend, KubernetesBackend)
+    assert (backend.run_id, backend.namespace, backend.owner, backend.launcher_host) == (RUN, NS, OWNER, LAUNCHER_IP)
+    assert backend.platform.image == PLATFORMS["npu"].image
+    shared_run = tmp_path / "shared" / "runs" / RUN
+    assert cfg.run.output_dir == str(shared_run) and cfg.data.test_path == str(shared_run / "data" / "test.jsonl")
+    assert summary["run/seconds"] == 1.0 and logged == {"reward/mean/iter_0000": 0.5, "run/seconds": 1.0}
+    assert (tmp_path / "model" / "config.json").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert not (tmp_path / "run" / "data").exists() and not shared_run.exists()  # nothing left on the shared volume
+
+
+def test_the_launcher_refuses_what_stage_pods_cannot_run(tiny_model_dir, tmp_path):
+    shared = tmp_path / "shared"
+    with pytest.raises(ValueError, match="dock.mode='inprocess': the kubernetes worker backend runs the stages as pods"):
+        launcher.check_shared_config(small_config(tiny_model_dir, shared / "r", "dock.mode=inprocess"), shared)
+    with pytest.raises(ValueError, match=r"dock.directory=.*must be on the shared volume .*or use dock.warehouse=s3"):
+        launcher.check_shared_config(small_config(tiny_model_dir, shared / "r", "dock.warehouse=directory",
+                                                  f"dock.directory={tmp_path / 'store'}"), shared)
+    with pytest.raises(ValueError, match="run.output_dir=.*must be on the shared volume"):
+        launcher.check_shared_config(small_config(tiny_model_dir, tmp_path / "r"), shared)
+    with pytest.raises(ValueError, match="worker_backend='kubernetes' needs run_id"):
+        launcher.run_training([], tmp_path / "ds", tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="kubernetes")
+    no_volume = Platform(name="cpu", shared_volume_claim="")
+    backend = KubernetesBackend(RUN, namespace=NS, platform=no_volume, core_api=None, apps_api=None)
+    with pytest.raises(ValueError, match="has no shared_volume_claim"):
+        backend.shared_dir
+
+
+def test_platform_travels_as_json():
+    for platform in PLATFORMS.values():
+        assert Platform.from_json(platform.to_json()) == platform
+    with pytest.raises(ValueError, match="unexpected keyword argument 'gpus'"):
+        Platform.from_json('{"name": "cpu", "gpus": 2}')
+    with pytest.raises(ValueError, match="platform: not JSON"):
+        Platform.from_json("npu")
+
+
+def test_a_finished_stage_stays_up_until_it_is_stopped(tmp_path):
+    """``dockrl worker --stay``: after its last report a stage pod waits for SIGTERM (the teardown)
+    instead of exiting, which its StatefulSet would answer with a restart."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = "import logging; logging.basicConfig(level=logging.INFO); from dockrl.workers.main import wait_for_stop; wait_for_stop('reward')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # logged once the handlers are in place
+        assert "staying up until the run's workers are torn down" in line, line
+        time.sleep(0.2)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
