@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   creates .venv, installs dockrl, trains SmolLM2-135M-Instruct with GRPO (runs/demo)
+#   make demo   creates .venv, installs dockrl, runs the GRPO pipeline on SmolLM2-135M-Instruct (runs/pipeline)
 #   make test   creates .venv, installs dockrl with test extras, runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dockrl train $(ARGS)
+	$(VENV)/bin/dockrl pipeline run --local $(ARGS)
 
 # DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing
 test: $(STAMP)

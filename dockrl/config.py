@@ -141,6 +141,9 @@ class TrainerConfig:
     """Prompts per greedy evaluation batch."""
     eval_before: bool = True
     """Measure greedy test accuracy before training."""
+    eval_after: bool = True
+    """Measure greedy test accuracy after training. The pipeline's train step turns it off:
+    its ``evaluate`` step measures the exported model instead."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "run":
             grpo = _import("grpo")
             run_dir = grpo.run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
-            print(json.dumps({"run_dir": str(run_dir), **grpo.task_metadata(run_dir, "evaluate", "metrics")}, indent=2))
+            print(json.dumps(grpo.local_summary(run_dir), indent=2))
             return 0
         submit = _import("submit")
         if args.action == "schedule":

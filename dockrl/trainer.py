@@ -207,7 +207,8 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
                 if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:
                     actor.save(run_dir / "checkpoints" / f"iter_{it + 1:06d}")
             actor.save(run_dir / "checkpoints" / "final")
-            summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "after")
+            if t.eval_after:
+                summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")

@@ -140,6 +140,22 @@ def run_local(overrides: List[str], pipeline_root: Union[str, Path], *, export_d
     return new[0]
 
 
+def local_summary(run_dir: Union[str, Path]) -> dict:
+    """What ``dockrl pipeline run --local`` prints: where the artifacts are, the greedy test
+    accuracy before training (train step) and of the exported model (evaluate step), and the
+    training seconds."""
+    run = Path(run_dir)
+    train = task_metadata(run, "train", "metrics")
+    summary = {
+        "run_dir": str(run),
+        "dataset": str(run / "prepare-dataset" / "dataset"),
+        "model": str(run / "export-model" / "model"),
+        "train_run_dir": str(run / "train" / "run_dir"),
+    }
+    summary |= {k: train[k] for k in ("eval/accuracy_before", "eval/format_rate_before", "run/seconds") if k in train}
+    return summary | task_metadata(run, "evaluate", "metrics")
+
+
 def task_metadata(run_dir: Union[str, Path], task: str, artifact: str) -> dict:
     """Metadata of output ``artifact`` of ``task`` in a local run folder (metrics for Metrics)."""
     import json

@@ -267,7 +267,8 @@ def train_distributed(
             dock.finish()
             reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
             after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
-            summary |= _log_eval(after["rollout"], "after")
+            if t.eval_after:
+                summary |= _log_eval(after["rollout"], "after")
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)
     finally:

@@ -17,6 +17,9 @@ registered with it.
   image. A ``directory`` warehouse must be on the shared volume. After a failed run the
   shared folder stays for inspection.
 
+Unless the overrides say otherwise, the train step skips the evaluation after training
+(``trainer.eval_after=false``): the pipeline's ``evaluate`` step measures the exported model.
+
 Per-iteration metrics stream to ``log_metric`` as each iteration ends, as
 ``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``); run-level numbers
 (``eval/accuracy_before``, ``run/seconds``, ...) follow under their own names.
@@ -76,7 +79,8 @@ def run_training(
         platform: preset name or ``Platform`` of the worker pods (image, accelerators, shared volume).
 
     Returns:
-        The run summary (accuracies before/after, seconds).
+        The run summary (accuracy before training, seconds; after training too if
+        ``trainer.eval_after=true`` is among the overrides).
 
     Raises:
         ValueError: unknown ``worker_backend``; for ``kubernetes``: no ``run_id``, no shared
@@ -100,7 +104,8 @@ def run_training(
         out = backend.shared_dir / "runs" / run_id
         train_file, test_file = _copy_into([train_file, test_file], out / "data")
     cfg = load_config(None, [
-        "dock.mode=distributed", *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
+        # the pipeline's evaluate step measures the exported model: no second evaluation here
+        "dock.mode=distributed", "trainer.eval_after=false", *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
         f"run.output_dir={out}", "run.progress=false",
     ])
     skipped: list[str] = []

@@ -102,7 +102,7 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
         channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s)  # waits for the actor
         serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync)
-        dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after"))
+        dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after") if cfg.trainer.eval_after else {})
     finally:
         scorer.close()
         if channel is not None:

@@ -97,6 +97,7 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
     assert cfg.data.train_path == str(tmp_path / "ds" / "train.jsonl")  # the dataset wins over a given path
     assert cfg.trainer.lr == 1e-4 and cfg.run.output_dir == str(tmp_path / "run") and not cfg.run.progress
     assert cfg.dock.mode == "distributed"  # stages as processes unless the overrides say otherwise
+    assert not cfg.trainer.eval_after  # the pipeline's evaluate step measures the exported model
     assert seen["streamed"] == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0}
     assert (tmp_path / "model" / "config.json").is_file() and not (tmp_path / "run" / "checkpoints" / "final").exists()
     assert logged == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0, "reward/mean/iter_0001": 0.75,
