@@ -28,10 +28,14 @@ blocks on the shard holding most of them (``wait_held``), for the same reason as
 ``TransferDock.claim``; rows coming back on another shard are seen when that one answers.
 
 **Snapshots.** ``snapshot(uri)`` has every shard write its own snapshot under
-``<uri>/<id>/shard-<s>``, then writes ``<uri>/meta.json`` (shard count, layout) last, so a
+``<uri>/<id>/shard-<s>``, copies the warehouse objects the rows live in (with a warehouse) to
+``<uri>/<id>/objects/<key>`` (objects are deleted with their iteration, a snapshot must outlive
+it), then writes ``<uri>/meta.json`` (shard count, layout, object keys) last, so a
 snapshot cut short is never read as complete. It is consistent per shard, not across shards
 (rows are independent, so each row's state is one some moment had). ``restore(uri)`` loads
-shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there).
+shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there),
+after writing the copied objects back into this client's warehouse under their keys. A restored
+open iteration is not announced: the driver calls ``announce``.
 
 **Control channel.** ``wait_iteration``, ``report``, ``wait_reports`` and ``finish``
 (``dockrl.dock.control``) go to shard 0, which holds the run's control state for every client;
@@ -75,10 +79,12 @@ from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import (
     Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, new_key, read_cells, write_arrays,
 )
-from dockrl.dock.snapshot import join_uri, new_id, read_meta, write_snapshot
+from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+OBJECTS_DIR = "objects"
+"""Folder of a snapshot (under its id) with copies of the warehouse objects its rows live in."""
 __all__ = ["DockClient", "shard_ranges", "start_local_shards"]
 
 
@@ -217,8 +223,11 @@ class DockClient:
         return self._open_layout("group_size").group_size
 
     # --- iteration lifecycle ------------------------------------------------------------------
-    def open_iteration(self, iteration: int, num_rows: int, group_size: int) -> None:
+    def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, announce: bool = True) -> None:
         """Open the iteration on every shard, each for its range of whole groups.
+
+        Then announce it on the control channel, unless ``announce=False``: stages see it
+        only after ``announce(iteration)`` (the driver fills and snapshots it first).
 
         Raises:
             DockError: an iteration is still open (nothing is left opened), or bad sizes.
@@ -240,7 +249,16 @@ class DockClient:
             raise
         with self._lock:
             self._layout = layout
-        self._action(0, "announce_iteration", {"iteration": layout.iteration})  # control channel: now stages may start
+        if announce:
+            self.announce(layout.iteration)
+
+    def announce(self, iteration: int) -> None:
+        """Let the stages' ``wait_iteration`` return ``iteration``, which must be open on shard 0.
+
+        Raises:
+            DockError: another iteration, or none, is open on shard 0.
+        """
+        self._action(0, "announce_iteration", {"iteration": int(iteration)})  # control channel: now stages may start
 
     def close_iteration(self) -> None:
         """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``.
@@ -600,9 +618,24 @@ class DockClient:
         shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.locations))]
         for s, name in enumerate(shards):
             self._action(s, "snapshot", {"uri": join_uri(uri, name)})
+        keys = self._object_keys(uri, shards, "snapshot")
+        if keys:  # payload in a warehouse: copy the objects, which die with their iteration, into the snapshot
+            for key in keys:
+                write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
         meta = {"kind": "dock_client", "schema_version": self.schema.version, "num_shards": len(self.locations),
-                "layout": None if layout is None else layout.shard_meta(0), "shards": shards}
+                "layout": None if layout is None else layout.shard_meta(0), "shards": shards, "objects": keys}
         write_snapshot(uri, meta, {}, snapshot_id=sid)
+
+    @staticmethod
+    def _object_keys(uri: str, shards: Sequence[str], what: str) -> list[str]:
+        """Warehouse keys the shard snapshots ``<uri>/<shard>`` refer to, sorted."""
+        keys: set[str] = set()
+        for name in shards:
+            shard_uri = join_uri(uri, name)
+            meta = read_meta(shard_uri, what)
+            for column in meta.get("objects", []):
+                keys.update(read_table(shard_uri, meta, f"objects.{column}", what).column("key").to_pylist())
+        return sorted(keys)
 
     def restore(self, uri: str) -> None:
         """Load the snapshot at ``uri`` into the shards, shard ``s``'s into shard ``s``.
@@ -634,6 +667,11 @@ class DockClient:
                 raise DockError(
                     f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
                 )
+        keys = meta.get("objects", [])
+        if keys and self.warehouse is None:
+            raise DockError(f"{what}: the snapshot's payload was in a warehouse; restore it with a DockClient with warehouse=...")
+        for key in keys:  # the snapshot's copies of the objects, back into this run's warehouse
+            self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
             self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})
         with self._lock:
