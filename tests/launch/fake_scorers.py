@@ -46,18 +46,15 @@ class FakeHashScorer(FakeRandomScorer):
 
 class FakeKillingScorer(FakeHashScorer):
     """Fake: scores as ``FakeHashScorer``, but SIGKILLs its own process on the first batch that
-    comes after ``FAKE_KILL_AFTER_ROWS`` scored rows (an iteration boundary when that is a
-    multiple of the rows per iteration), unless the file ``FAKE_KILL_MARKER`` exists; it
-    creates that file first, so a resumed run is not killed again."""
+    comes after ``FAKE_KILL_AFTER_ROWS`` (environment) scored rows: with a multiple of the rows
+    per iteration, at the start of scoring an iteration, its rollout done, its actor not."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.scored = 0
 
     def score(self, responses, ground_truths):
-        marker = os.environ["FAKE_KILL_MARKER"]
-        if self.scored >= int(os.environ["FAKE_KILL_AFTER_ROWS"]) and not os.path.exists(marker):
-            open(marker, "w").close()
+        if self.scored >= int(os.environ["FAKE_KILL_AFTER_ROWS"]):
             os.kill(os.getpid(), signal.SIGKILL)
         self.scored += len(responses)
         return super().score(responses, ground_truths)
