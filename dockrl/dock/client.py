@@ -73,7 +73,7 @@ import pyarrow.flight as flight
 
 from dockrl.dock.control import check_metrics
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.flight import ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
+from dockrl.dock.flight import CLAIM_META, ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
 from dockrl.dock.local import Claim, arrow_columns
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import (
@@ -294,27 +294,46 @@ class DockClient:
         if consumer is not None and consumer not in self.schema.consumers:
             raise DockError(f"{what}: unknown consumer {consumer!r}; schema has {list(self.schema.consumers)}")
 
-    def put(self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch) -> None:
+    def put(
+        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, ack: Claim | None = None,
+    ) -> None:
         """Write cells, sending each shard the rows it owns (``TransferDock.put`` semantics).
 
+        With ``ack`` the claim is acked once the put succeeded: when the put covers exactly the
+        claim's rows each shard acks its part with the put itself (one round trip per shard
+        instead of two), else ``put`` then ``ack``.
+
         Raises:
-            DockError: as ``TransferDock.put``, or the iteration was closed since this client
-                learnt it; atomic per shard only.
+            DockError: as ``TransferDock.put`` and ``ack``, or the iteration was closed since
+                this client learnt it; atomic per shard only.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         layout = self._layout_for("put")
         self._check_rows(layout, rows_arr, "put")
-        if self.warehouse is not None:
-            return self._put_objects(self.warehouse, layout, rows_arr, arrays)
-        for s, pos in layout.split(rows_arr).items():
-            batch = pa.RecordBatch.from_arrays(
-                [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
-            )
-            self._call(s, "put", lambda: self._send(s, layout.iteration, batch))
+        fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
+                 and np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64))))
+        extra = {"ack": {"consumer": ack.consumer, "lease": ack.lease}} if fused else {}
+        try:
+            if self.warehouse is not None:
+                self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
+            else:
+                for s, pos in layout.split(rows_arr).items():
+                    batch = pa.RecordBatch.from_arrays(
+                        [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
+                    )
+                    self._call(s, "put", lambda: self._send(s, layout.iteration, batch, extra))
+        finally:
+            if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
+                with self._beat:
+                    self._held.pop(ack.lease, None)
+        if ack is not None and not fused:
+            self.ack(ack)
 
-    def _put_objects(self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array]) -> None:
-        """A put through the warehouse: every object first, then one ``commit`` per owning shard."""
+    def _put_objects(
+        self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array], extra: dict[str, Any],
+    ) -> None:
+        """A put through the warehouse: every object first, then one ``commit`` per owning shard (with ``extra``)."""
         parts = layout.split(rows)
         keys = {(s, name): new_key(layout.iteration, name, int(rows[pos].min())) for s, pos in parts.items() for name in arrays}
         objects = [(keys[s, name], name, _part(array, pos)) for s, pos in parts.items() for name, array in arrays.items()]
@@ -328,7 +347,7 @@ class DockClient:
             for s, pos in parts.items():
                 refs = {name: {"key": keys[s, name], "offsets": list(range(len(pos)))} for name in arrays}
                 try:
-                    self._action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs})
+                    self._action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs} | extra)
                 except DockError:
                     raise  # refused: the shard recorded nothing of this part
                 except BaseException:
@@ -353,8 +372,11 @@ class DockClient:
             self.store["dock/store_objects_read"] += objects
         return [pa.Table.from_batches([batch])]
 
-    def _send(self, s: int, iteration: int, batch: pa.RecordBatch) -> None:
-        descriptor = flight.FlightDescriptor.for_command(json.dumps({"iteration": iteration}).encode())
+    def _send(self, s: int, iteration: int, batch: pa.RecordBatch, extra: dict[str, Any]) -> None:
+        command = json.dumps({"iteration": iteration} | extra).encode()
+        with self._lock:
+            self.controller_bytes += len(command)
+        descriptor = flight.FlightDescriptor.for_command(command)
         writer, _ = self._clients[s].do_put(descriptor, batch.schema, self._options(self.rpc_timeout_s))
         writer.write_batch(batch)
         writer.close()
@@ -438,6 +460,7 @@ class DockClient:
         taken: dict[int, list[int]] = {}
         pending: dict[int, int] = {}
         held: dict[int, int] = {}  # rows of the consumer other owners lease, by shard: they may come back
+        cells: dict[int, list[pa.Table]] = {}  # memory payload: the cells each take brought along, by shard
 
         def take(s: int, limit: int, at_least: int, wait_s: float = 0.0, wait_held: bool = False) -> None:
             body = {"iteration": layout.iteration, "consumer": consumer, "columns": columns, "count": int(limit),
@@ -445,7 +468,11 @@ class DockClient:
                     "timeout_s": wait_s if math.isfinite(wait_s) else None,
                     "owner": self.owner, "lease": lease, "lease_s": self.lease_s, "wait_held": wait_held}
             rpc = wait_s + self.rpc_timeout_s if math.isfinite(wait_s) else None
-            res = self._action(s, "claim", body, timeout=rpc)
+            if self.warehouse is None:  # claim and read in one do_get
+                res, table = self._claim_and_read(s, body, rpc)
+                cells.setdefault(s, []).append(table)
+            else:
+                res = self._action(s, "claim", body, timeout=rpc)
             taken.setdefault(s, []).extend(res["rows"])
             pending[s], held[s] = res["pending"], res.get("held", 0)
 
@@ -483,12 +510,25 @@ class DockClient:
                         take(t, count - got(), at_least=0)
                 want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
             rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
-            tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
+            if self.warehouse is None:
+                tables = [self._batch(cells[s], columns, np.asarray(taken[s], dtype=np.int64)) for s in sorted(taken) if taken[s]]
+                tables = [pa.Table.from_batches([b]) for b in tables]
+            else:
+                tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
             self._release(layout, consumer, taken)
             raise
         claimed = [r for part in rows for r in part]
         return Claim(layout.iteration, claimed, self._batch(tables, columns), lease if claimed else "", consumer)
+
+    def _claim_and_read(self, s: int, body: dict[str, Any], rpc: float | None) -> tuple[dict[str, Any], pa.Table]:
+        """One claim on shard ``s`` with the cells of its rows (``DockShardServer.do_get`` with a claim ticket)."""
+        data = json.dumps({"claim": body}).encode()
+        table = self._call(s, "claim", lambda: self._clients[s].do_get(flight.Ticket(data), self._options(rpc)).read_all())
+        meta = table.schema.metadata[CLAIM_META]
+        with self._lock:
+            self.controller_bytes += len(data) + len(meta)
+        return json.loads(meta), table.replace_schema_metadata(None)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,

@@ -267,16 +267,18 @@ class TransferDock:
 
     # --- writes ----------------------------------------------------------------------------
     def put(
-        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None
+        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None,
+        ack: Claim | None = None,
     ) -> None:
         """Write cells: ``columns[name][k]`` is the cell of row ``rows[k]``.
 
         Atomic: either every cell is written or none. With ``iteration`` the put is refused
-        unless that iteration is the open one.
+        unless that iteration is the open one. With ``ack`` the claim is acked once the put
+        succeeded (``put`` then ``ack``; the sharded dock does both in one round trip per shard).
 
         Raises:
             DockError: unknown column, wrong Arrow type or length, row out of range or repeated,
-                a cell already written, no open iteration, or another iteration open.
+                a cell already written, no open iteration, or another iteration open; as ``ack``.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
@@ -292,6 +294,8 @@ class TransferDock:
                 it.ready[rows_arr, it.col_index[name]] = True
                 self.bytes_put += array.nbytes
             self._cond.notify_all()
+        if ack is not None:
+            self.ack(ack)
 
     @staticmethod
     def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
