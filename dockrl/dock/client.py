@@ -7,8 +7,10 @@ than shards some shards own none. Every client derives the mapping from ``(num_r
 group_size, S)`` (``flight.shard_ranges``); shards also check, store and ``describe`` it, so a
 worker that did not open the iteration learns it, and ``locations`` out of shard order is caught.
 
-**Claims.** The controller path is metadata only: the ``claim`` action returns row indexes,
-then the client reads the cells with ``do_get`` from each shard it took rows from. A claim
+**Claims.** The controller path is metadata only: a claim takes row indexes on a shard and,
+with the payload in the shards' memory, brings their cells in the same ``do_get`` (the indexes
+travel as schema metadata); with a warehouse the ``claim`` action returns the indexes and the
+client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard. A claim
 sweeps the shards from a rotating start, taking what is ready without waiting; while short
 of ``min(count, rows the consumer has left)`` it blocks server-side on one shard (the one
 with most rows left for the consumer; for at least the rows no other shard can cover, else
