@@ -94,7 +94,8 @@ def prompts_fingerprint(prompt_ids: Sequence[Sequence[int]]) -> str:
 def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
     """Where the dock snapshot of ``checkpoint`` goes.
 
-    ``CHECKPOINT/dock`` (absolute path), or with ``dock.warehouse=s3`` the run's store:
+    ``CHECKPOINT/dock`` (absolute path), or with ``dock.warehouse=s3`` in distributed mode
+    (in-process mode keeps the dock in memory and uses no warehouse) the run's store:
     ``s3://<bucket>/<prefix>/<run>/checkpoints/<folder>/dock?endpoint_override=…`` (pyarrow
     reads the credentials from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``; with other
     ``dock.access_key_env``/``dock.secret_key_env`` names the snapshot stays in the run folder).
@@ -103,7 +104,7 @@ def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
 
     k = cfg.dock
     local = str((checkpoint / DOCK_DIR).resolve())
-    if k.warehouse != "s3":
+    if k.warehouse != "s3" or k.mode != "distributed":
         return local
     if (k.access_key_env, k.secret_key_env) != ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         logger.warning("dock snapshot kept in %s: pyarrow reads S3 credentials from AWS_ACCESS_KEY_ID and "

@@ -89,10 +89,13 @@ def test_resume_refuses_what_would_lose_or_repeat_rows(tmp_path):
 def test_dock_snapshots_go_to_the_run_folder_or_the_runs_s3_store(tmp_path):
     ckpt = checkpoint_dir(tmp_path / "run", 4)
     assert dock_snapshot_uri(config(tmp_path), ckpt, "r1") == str((ckpt / "dock").resolve())
-    s3 = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=http://minio:9000", "dock.bucket=rl-runs", "dock.prefix=team/dock")
+    s3 = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=http://minio:9000", "dock.bucket=rl-runs", "dock.prefix=team/dock",
+                "dock.mode=distributed")
     assert dock_snapshot_uri(s3, ckpt, "r1") == "s3://rl-runs/team/dock/r1/checkpoints/iter_000004/dock?endpoint_override=minio:9000&scheme=http"
-    custom = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=minio:9000", "dock.access_key_env=MY_KEY")
+    custom = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=minio:9000", "dock.access_key_env=MY_KEY", "dock.mode=distributed")
     assert dock_snapshot_uri(custom, ckpt, "r1").startswith("/")  # pyarrow reads AWS_* only: kept local
+    inprocess = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=minio:9000")
+    assert dock_snapshot_uri(inprocess, ckpt, "r1").startswith("/")  # its dock lives in memory, no store
 
 
 def test_a_resumed_writer_keeps_the_iterations_before_the_checkpoint(tmp_path):
