@@ -231,8 +231,9 @@ def dock_stage(dock: DockClient, stage: str, job: Job, cells: Cells) -> tuple[in
     while claim := dock.claim(stage, READS[stage], job.claim_rows, whole_groups=WHOLE_GROUPS[stage]):
         out = cells.run(stage, np.asarray(claim.rows), claim.batch, job.shape)
         if out:
-            dock.put(claim.rows, out)
-        dock.ack(claim)  # done with these rows: their lease ends (as the stage loops do)
+            dock.put(claim.rows, out, ack=claim)  # and done with these rows: their lease ends (as the stage loops do)
+        else:
+            dock.ack(claim)
         rows += len(claim)
         moved += claim.batch.nbytes + sum(a.nbytes for a in out.values())
     return rows, moved

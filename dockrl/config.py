@@ -219,6 +219,9 @@ class RunConfig:
     """Show a progress bar with ETA."""
     num_threads: int = 0
     """torch intra-op threads (0: torch's default)."""
+    resume: str = ""
+    """Resume from a checkpoint: '' (a fresh run), 'latest' (the newest complete one under
+    output_dir/checkpoints) or a checkpoint folder (``dockrl.resume``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

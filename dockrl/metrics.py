@@ -61,6 +61,15 @@ def _clean(metrics: Mapping[str, Any], where: str) -> tuple[dict[str, float | in
     return numeric, json_safe
 
 
+def _iteration_of(line: str, path: Path) -> float:
+    """The iteration of one metrics.jsonl line; ``inf`` (dropped) for a line cut short by a crash."""
+    try:
+        return int(json.loads(line)["iteration"]) if line.endswith("\n") else math.inf
+    except (ValueError, KeyError, TypeError):
+        logger.warning("%s: dropping an unreadable line %r", path, line[:80])
+        return math.inf
+
+
 class MetricsWriter:
     """Per-iteration metrics of a run: one JSON line per iteration plus TensorBoard scalars.
 
@@ -71,9 +80,15 @@ class MetricsWriter:
     warning per value naming the key; non-numeric values raise ``TypeError`` naming the key and
     nothing of that iteration is written. ``on_log(i, metrics)``, when given, is called after
     each line is written (the pipeline's launcher streams the metrics to its KFP artifact).
+
+    ``resume_from=k`` (a run resumed at iteration ``k``) first drops the lines of iterations
+    ``>= k`` that an interrupted run wrote after its checkpoint, and has TensorBoard purge its
+    steps ``>= k``, so every iteration is logged once.
     """
 
-    def __init__(self, run_dir: str | Path, on_log: Callable[[int, dict[str, float]], None] | None = None):
+    def __init__(
+        self, run_dir: str | Path, on_log: Callable[[int, dict[str, float]], None] | None = None, *, resume_from: int | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
@@ -81,8 +96,14 @@ class MetricsWriter:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.summary_path = self.run_dir / "summary.json"
         self.tensorboard_dir = self.run_dir / "tensorboard"
+        if resume_from is not None and self.metrics_path.exists():
+            kept = [line for line in self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if _iteration_of(line, self.metrics_path) < resume_from]
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.metrics_path)
         self._file = open(self.metrics_path, "a", encoding="utf-8")
-        self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=resume_from)
         self._closed = False
         self._on_log = on_log
 

@@ -21,10 +21,14 @@ import torch
 from dockrl.config import AlgorithmConfig, Config, TrainerConfig, save_config
 from dockrl.data import Prompt, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
-from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, load_tokenizer
 from dockrl.evaluate import greedy_accuracy
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.models import prepare_smollm2
+from dockrl.resume import (
+    checkpoint_dir, checkpoint_due, dock_snapshot_uri, find_resume, load_optimizer, prompts_fingerprint, save_optimizer,
+    seed_iteration, write_driver_state,
+)
 from dockrl.rewards import RewardScorer
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.advantage import AdvantageWorker
@@ -120,13 +124,30 @@ def prompt_batches(prompts: list[Prompt], t: TrainerConfig) -> Iterator[list[Pro
         yield [prompts[order[(it * B + k) % len(order)]] for k in range(B)]
 
 
-def open_with_prompts(dock, iteration: int, picked: list[Prompt], n: int) -> None:
-    """Open ``iteration`` with ``len(picked)·n`` rows; prompt ``i`` fills rows ``[i·n, (i+1)·n)``."""
-    dock.open_iteration(iteration, len(picked) * n, n)
+def open_with_prompts(dock, iteration: int, picked: list[Prompt], n: int, *, announce: bool = True) -> None:
+    """Open ``iteration`` with ``len(picked)·n`` rows; prompt ``i`` fills rows ``[i·n, (i+1)·n)``.
+
+    ``announce=False`` leaves it unannounced to the stages (a checkpoint snapshots it first).
+    """
+    dock.open_iteration(iteration, len(picked) * n, n, announce=announce)
     dock.put(range(len(picked) * n), {
         "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
         "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
     })
+
+
+def snapshot_for_checkpoint(
+    dock, cfg: Config, checkpoint: Path, *, next_iteration: int, picked: list[Prompt], summary: dict[str, float],
+    prompts: str, run: str,
+) -> None:
+    """The driver's part of a checkpoint, after the actor wrote weights and optimizer there:
+    open ``next_iteration`` with its prompts (unannounced), snapshot the dock, write the driver state last."""
+    open_with_prompts(dock, next_iteration, picked, cfg.rollout.n, announce=False)
+    uri = dock_snapshot_uri(cfg, checkpoint, run)
+    dock.snapshot(uri)
+    write_driver_state(checkpoint, cfg, next_iteration=next_iteration, dock_uri=uri, open_iteration=next_iteration,
+                       summary=summary, prompts=prompts)
+    logger.info("checkpoint %s written; iteration %d resumes from it", checkpoint, next_iteration)
 
 
 def add_iteration_metrics(metrics: dict[str, float], seconds: float, rows: int) -> dict[str, float]:
@@ -140,6 +161,8 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     """Run GRPO as configured; returns the run summary (accuracies, seconds).
 
     ``on_iteration(i, metrics)`` is called once each iteration's metrics are written.
+    ``run.resume`` continues from a checkpoint (``dockrl.resume``): weights, optimizer, dock
+    and the next iteration come from it; ``metrics.jsonl`` keeps the iterations before it.
 
     ``dock.mode=distributed`` runs every stage as its own process
     (``dockrl.launch.distributed.train_distributed``); the default runs them all here.
@@ -162,19 +185,24 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    train_prompts, test_prompts = load_run_prompts(cfg, tokenizer, train_file, test_file)
+    fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
+    point = find_resume(cfg, fingerprint)
+    weights = point.checkpoint if point else model_path  # the actor and the rollout start from the same weights
 
     if r.engine == "vllm":
         from dockrl.engines.vllm import VLLMRolloutEngine  # optional dependency: imported only when chosen
 
-        rollout_engine = VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=t.seed)
+        rollout_engine = VLLMRolloutEngine(weights, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=t.seed)
     else:
-        rollout_engine = HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    tokenizer = rollout_engine.tokenizer
-    train_prompts, test_prompts = load_run_prompts(cfg, tokenizer, train_file, test_file)
+        rollout_engine = HFRolloutEngine(weights, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
     actor = HFTrainEngine(
-        model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        weights, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
     )
+    if point:
+        load_optimizer(actor, point.checkpoint)
     scorer = build_scorer(a)
     workers = [RolloutWorker(rollout_engine, r), RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
     if a.kl_coef > 0:
@@ -184,15 +212,25 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
     if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
         logger.warning("dock.warehouse=%r is not used: this driver keeps the dock in its own memory", cfg.dock.warehouse)
+    first, open_now = 0, None
+    if point:
+        dock.restore(point.dock_uri)
+        first, open_now = point.next_iteration, point.open_iteration
+        logger.info("resuming at iteration %d from %s", first, point.checkpoint)
+    batches = list(prompt_batches(train_prompts, t))
 
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
+    summary |= point.summary if point else {}
     try:
-        with MetricsWriter(run_dir, on_log=on_iteration) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
-            if t.eval_before:
+        with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
+                Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
+            if t.eval_before and not point:
                 summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "before")
-            for it, picked in enumerate(prompt_batches(train_prompts, t)):
-                start = time.perf_counter()
-                open_with_prompts(dock, it, picked, r.n)
+            for it in range(first, t.iterations):
+                picked, start = batches[it], time.perf_counter()
+                seed_iteration(t.seed, it)
+                if open_now != it:  # else restored from the checkpoint with its prompts
+                    open_with_prompts(dock, it, picked, r.n)
                 metrics: dict[str, float] = {}
                 for worker in workers:
                     metrics |= worker.run_iteration(dock)
@@ -204,8 +242,12 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
                 add_iteration_metrics(metrics, time.perf_counter() - start, len(picked) * r.n)
                 writer.log(it, metrics)
                 progress.update(metrics)
-                if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:
-                    actor.save(run_dir / "checkpoints" / f"iter_{it + 1:06d}")
+                if checkpoint_due(t, it):
+                    ckpt = actor.save(checkpoint_dir(run_dir, it + 1))
+                    save_optimizer(actor, ckpt)
+                    snapshot_for_checkpoint(dock, cfg, ckpt, next_iteration=it + 1, picked=batches[it + 1], summary=summary,
+                                            prompts=fingerprint, run="inprocess")
+                    open_now = it + 1
             actor.save(run_dir / "checkpoints" / "final")
             if t.eval_after:
                 summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "after")

@@ -7,8 +7,10 @@ than shards some shards own none. Every client derives the mapping from ``(num_r
 group_size, S)`` (``flight.shard_ranges``); shards also check, store and ``describe`` it, so a
 worker that did not open the iteration learns it, and ``locations`` out of shard order is caught.
 
-**Claims.** The controller path is metadata only: the ``claim`` action returns row indexes,
-then the client reads the cells with ``do_get`` from each shard it took rows from. A claim
+**Claims.** The controller path is metadata only: a claim takes row indexes on a shard and,
+with the payload in the shards' memory, brings their cells in the same ``do_get`` (the indexes
+travel as schema metadata); with a warehouse the ``claim`` action returns the indexes and the
+client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard. A claim
 sweeps the shards from a rotating start, taking what is ready without waiting; while short
 of ``min(count, rows the consumer has left)`` it blocks server-side on one shard (the one
 with most rows left for the consumer; for at least the rows no other shard can cover, else
@@ -28,10 +30,14 @@ blocks on the shard holding most of them (``wait_held``), for the same reason as
 ``TransferDock.claim``; rows coming back on another shard are seen when that one answers.
 
 **Snapshots.** ``snapshot(uri)`` has every shard write its own snapshot under
-``<uri>/<id>/shard-<s>``, then writes ``<uri>/meta.json`` (shard count, layout) last, so a
+``<uri>/<id>/shard-<s>``, copies the warehouse objects the rows live in (with a warehouse) to
+``<uri>/<id>/objects/<key>`` (objects are deleted with their iteration, a snapshot must outlive
+it), then writes ``<uri>/meta.json`` (shard count, layout, object keys) last, so a
 snapshot cut short is never read as complete. It is consistent per shard, not across shards
 (rows are independent, so each row's state is one some moment had). ``restore(uri)`` loads
-shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there).
+shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there),
+after writing the copied objects back into this client's warehouse under their keys. A restored
+open iteration is not announced: the driver calls ``announce``.
 
 **Control channel.** ``wait_iteration``, ``report``, ``wait_reports`` and ``finish``
 (``dockrl.dock.control``) go to shard 0, which holds the run's control state for every client;
@@ -69,16 +75,18 @@ import pyarrow.flight as flight
 
 from dockrl.dock.control import check_metrics
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.flight import ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
+from dockrl.dock.flight import CLAIM_META, ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
 from dockrl.dock.local import Claim, arrow_columns
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import (
     Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, new_key, read_cells, write_arrays,
 )
-from dockrl.dock.snapshot import join_uri, new_id, read_meta, write_snapshot
+from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+OBJECTS_DIR = "objects"
+"""Folder of a snapshot (under its id) with copies of the warehouse objects its rows live in."""
 __all__ = ["DockClient", "shard_ranges", "start_local_shards"]
 
 
@@ -217,8 +225,11 @@ class DockClient:
         return self._open_layout("group_size").group_size
 
     # --- iteration lifecycle ------------------------------------------------------------------
-    def open_iteration(self, iteration: int, num_rows: int, group_size: int) -> None:
+    def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, announce: bool = True) -> None:
         """Open the iteration on every shard, each for its range of whole groups.
+
+        Then announce it on the control channel, unless ``announce=False``: stages see it
+        only after ``announce(iteration)`` (the driver fills and snapshots it first).
 
         Raises:
             DockError: an iteration is still open (nothing is left opened), or bad sizes.
@@ -240,7 +251,16 @@ class DockClient:
             raise
         with self._lock:
             self._layout = layout
-        self._action(0, "announce_iteration", {"iteration": layout.iteration})  # control channel: now stages may start
+        if announce:
+            self.announce(layout.iteration)
+
+    def announce(self, iteration: int) -> None:
+        """Let the stages' ``wait_iteration`` return ``iteration``, which must be open on shard 0.
+
+        Raises:
+            DockError: another iteration, or none, is open on shard 0.
+        """
+        self._action(0, "announce_iteration", {"iteration": int(iteration)})  # control channel: now stages may start
 
     def close_iteration(self) -> None:
         """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``.
@@ -276,27 +296,46 @@ class DockClient:
         if consumer is not None and consumer not in self.schema.consumers:
             raise DockError(f"{what}: unknown consumer {consumer!r}; schema has {list(self.schema.consumers)}")
 
-    def put(self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch) -> None:
+    def put(
+        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, ack: Claim | None = None,
+    ) -> None:
         """Write cells, sending each shard the rows it owns (``TransferDock.put`` semantics).
 
+        With ``ack`` the claim is acked once the put succeeded: when the put covers exactly the
+        claim's rows each shard acks its part with the put itself (one round trip per shard
+        instead of two), else ``put`` then ``ack``.
+
         Raises:
-            DockError: as ``TransferDock.put``, or the iteration was closed since this client
-                learnt it; atomic per shard only.
+            DockError: as ``TransferDock.put`` and ``ack``, or the iteration was closed since
+                this client learnt it; atomic per shard only.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         layout = self._layout_for("put")
         self._check_rows(layout, rows_arr, "put")
-        if self.warehouse is not None:
-            return self._put_objects(self.warehouse, layout, rows_arr, arrays)
-        for s, pos in layout.split(rows_arr).items():
-            batch = pa.RecordBatch.from_arrays(
-                [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
-            )
-            self._call(s, "put", lambda: self._send(s, layout.iteration, batch))
+        fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
+                 and np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64))))
+        extra = {"ack": {"consumer": ack.consumer, "lease": ack.lease}} if fused else {}
+        try:
+            if self.warehouse is not None:
+                self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
+            else:
+                for s, pos in layout.split(rows_arr).items():
+                    batch = pa.RecordBatch.from_arrays(
+                        [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
+                    )
+                    self._call(s, "put", lambda: self._send(s, layout.iteration, batch, extra))
+        finally:
+            if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
+                with self._beat:
+                    self._held.pop(ack.lease, None)
+        if ack is not None and not fused:
+            self.ack(ack)
 
-    def _put_objects(self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array]) -> None:
-        """A put through the warehouse: every object first, then one ``commit`` per owning shard."""
+    def _put_objects(
+        self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array], extra: dict[str, Any],
+    ) -> None:
+        """A put through the warehouse: every object first, then one ``commit`` per owning shard (with ``extra``)."""
         parts = layout.split(rows)
         keys = {(s, name): new_key(layout.iteration, name, int(rows[pos].min())) for s, pos in parts.items() for name in arrays}
         objects = [(keys[s, name], name, _part(array, pos)) for s, pos in parts.items() for name, array in arrays.items()]
@@ -310,7 +349,7 @@ class DockClient:
             for s, pos in parts.items():
                 refs = {name: {"key": keys[s, name], "offsets": list(range(len(pos)))} for name in arrays}
                 try:
-                    self._action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs})
+                    self._action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs} | extra)
                 except DockError:
                     raise  # refused: the shard recorded nothing of this part
                 except BaseException:
@@ -335,8 +374,11 @@ class DockClient:
             self.store["dock/store_objects_read"] += objects
         return [pa.Table.from_batches([batch])]
 
-    def _send(self, s: int, iteration: int, batch: pa.RecordBatch) -> None:
-        descriptor = flight.FlightDescriptor.for_command(json.dumps({"iteration": iteration}).encode())
+    def _send(self, s: int, iteration: int, batch: pa.RecordBatch, extra: dict[str, Any]) -> None:
+        command = json.dumps({"iteration": iteration} | extra).encode()
+        with self._lock:
+            self.controller_bytes += len(command)
+        descriptor = flight.FlightDescriptor.for_command(command)
         writer, _ = self._clients[s].do_put(descriptor, batch.schema, self._options(self.rpc_timeout_s))
         writer.write_batch(batch)
         writer.close()
@@ -420,6 +462,7 @@ class DockClient:
         taken: dict[int, list[int]] = {}
         pending: dict[int, int] = {}
         held: dict[int, int] = {}  # rows of the consumer other owners lease, by shard: they may come back
+        cells: dict[int, list[pa.Table]] = {}  # memory payload: the cells each take brought along, by shard
 
         def take(s: int, limit: int, at_least: int, wait_s: float = 0.0, wait_held: bool = False) -> None:
             body = {"iteration": layout.iteration, "consumer": consumer, "columns": columns, "count": int(limit),
@@ -427,7 +470,11 @@ class DockClient:
                     "timeout_s": wait_s if math.isfinite(wait_s) else None,
                     "owner": self.owner, "lease": lease, "lease_s": self.lease_s, "wait_held": wait_held}
             rpc = wait_s + self.rpc_timeout_s if math.isfinite(wait_s) else None
-            res = self._action(s, "claim", body, timeout=rpc)
+            if self.warehouse is None:  # claim and read in one do_get
+                res, table = self._claim_and_read(s, body, rpc)
+                cells.setdefault(s, []).append(table)
+            else:
+                res = self._action(s, "claim", body, timeout=rpc)
             taken.setdefault(s, []).extend(res["rows"])
             pending[s], held[s] = res["pending"], res.get("held", 0)
 
@@ -465,12 +512,25 @@ class DockClient:
                         take(t, count - got(), at_least=0)
                 want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
             rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
-            tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
+            if self.warehouse is None:
+                tables = [self._batch(cells[s], columns, np.asarray(taken[s], dtype=np.int64)) for s in sorted(taken) if taken[s]]
+                tables = [pa.Table.from_batches([b]) for b in tables]
+            else:
+                tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
             self._release(layout, consumer, taken)
             raise
         claimed = [r for part in rows for r in part]
         return Claim(layout.iteration, claimed, self._batch(tables, columns), lease if claimed else "", consumer)
+
+    def _claim_and_read(self, s: int, body: dict[str, Any], rpc: float | None) -> tuple[dict[str, Any], pa.Table]:
+        """One claim on shard ``s`` with the cells of its rows (``DockShardServer.do_get`` with a claim ticket)."""
+        data = json.dumps({"claim": body}).encode()
+        table = self._call(s, "claim", lambda: self._clients[s].do_get(flight.Ticket(data), self._options(rpc)).read_all())
+        meta = table.schema.metadata[CLAIM_META]
+        with self._lock:
+            self.controller_bytes += len(data) + len(meta)
+        return json.loads(meta), table.replace_schema_metadata(None)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,
@@ -600,9 +660,24 @@ class DockClient:
         shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.locations))]
         for s, name in enumerate(shards):
             self._action(s, "snapshot", {"uri": join_uri(uri, name)})
+        keys = self._object_keys(uri, shards, "snapshot")
+        if keys:  # payload in a warehouse: copy the objects, which die with their iteration, into the snapshot
+            for key in keys:
+                write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
         meta = {"kind": "dock_client", "schema_version": self.schema.version, "num_shards": len(self.locations),
-                "layout": None if layout is None else layout.shard_meta(0), "shards": shards}
+                "layout": None if layout is None else layout.shard_meta(0), "shards": shards, "objects": keys}
         write_snapshot(uri, meta, {}, snapshot_id=sid)
+
+    @staticmethod
+    def _object_keys(uri: str, shards: Sequence[str], what: str) -> list[str]:
+        """Warehouse keys the shard snapshots ``<uri>/<shard>`` refer to, sorted."""
+        keys: set[str] = set()
+        for name in shards:
+            shard_uri = join_uri(uri, name)
+            meta = read_meta(shard_uri, what)
+            for column in meta.get("objects", []):
+                keys.update(read_table(shard_uri, meta, f"objects.{column}", what).column("key").to_pylist())
+        return sorted(keys)
 
     def restore(self, uri: str) -> None:
         """Load the snapshot at ``uri`` into the shards, shard ``s``'s into shard ``s``.
@@ -634,6 +709,11 @@ class DockClient:
                 raise DockError(
                     f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
                 )
+        keys = meta.get("objects", [])
+        if keys and self.warehouse is None:
+            raise DockError(f"{what}: the snapshot's payload was in a warehouse; restore it with a DockClient with warehouse=...")
+        for key in keys:  # the snapshot's copies of the objects, back into this run's warehouse
+            self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
             self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})
         with self._lock:

@@ -75,6 +75,8 @@ logger = logging.getLogger(__name__)
 
 ROW = "row"
 """Name of the int64 column of global row indexes in every ``do_put`` batch."""
+CLAIM_META = b"dockrl.claim"
+"""Schema metadata key of a claim-and-read ``do_get`` answer: JSON ``{rows, pending, held}``."""
 _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
 
 
@@ -293,6 +295,8 @@ class DockShardServer(flight.FlightServerBase):
         self._require("store", "commit")
         objects = {name: (ref["key"], ref["offsets"]) for name, ref in req["objects"].items()}
         self.dock.commit(req["rows"], objects, iteration=req["iteration"])
+        if "ack" in req:  # commit and ack in one round trip (DockClient.put(..., ack=claim))
+            self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], req["rows"], iteration=req["iteration"])
 
     def _locate(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
         self._require("store", "locate")
@@ -346,17 +350,37 @@ class DockShardServer(flight.FlightServerBase):
             rows = table.column(ROW).to_numpy()
             columns = {name: table.column(name) for name in table.schema.names if name != ROW}
             self.dock.put(rows, columns, iteration=req["iteration"])
+            if "ack" in req:  # put and ack in one round trip (DockClient.put(..., ack=claim))
+                self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], rows, iteration=req["iteration"])
+            with self._lock:  # the descriptor is metadata: it counts as controller bytes
+                self.controller_bytes += len(descriptor.command)
 
         _guard("put", put)
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
-        def get() -> pa.RecordBatch:
+        """A read (ticket ``{iteration, columns, rows}``), or with ticket ``{"claim": <claim action
+        body>}`` a claim and the read of its rows in one round trip (memory payload): the claim's
+        result, metadata only, travels as the schema metadata ``CLAIM_META`` and counts as
+        controller bytes."""
+        def get() -> pa.Table:
             self._require("memory", "get")
             req = json.loads(ticket.ticket)
-            return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
+            if "claim" not in req:
+                batch = self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
+                return pa.Table.from_batches([batch], schema=batch.schema)
+            claim = req["claim"]
+            res = self._claim(context, claim)
+            try:
+                batch = self.dock.get(claim["columns"], res["rows"], iteration=claim["iteration"])
+            except BaseException:
+                self.dock.release(claim["consumer"], res["rows"], iteration=claim["iteration"])
+                raise
+            meta = json.dumps(res).encode()
+            with self._lock:
+                self.controller_bytes += len(ticket.ticket) + len(meta)
+            return pa.Table.from_batches([batch], schema=batch.schema.with_metadata({CLAIM_META: meta}))
 
-        batch = _guard("get", get)
-        return flight.RecordBatchStream(pa.Table.from_batches([batch], schema=batch.schema))
+        return flight.RecordBatchStream(_guard("get", get))
 
 
 def start_local_shards(

@@ -208,11 +208,13 @@ class TransferDock:
         self.control = RunControl(timeout_s=timeout_s)
 
     # --- iteration lifecycle -------------------------------------------------------------
-    def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, first_row: int = 0) -> None:
+    def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, first_row: int = 0, announce: bool = True) -> None:
         """Start an empty table of ``num_rows`` rows in groups of ``group_size``.
 
         Rows are numbered ``first_row .. first_row+num_rows-1`` (a shard's slice of the
         iteration); ``first_row`` must be a multiple of ``group_size`` so groups stay whole.
+        With ``announce=False`` stages waiting in ``wait_iteration`` do not see it until
+        ``announce(iteration)`` (the driver fills and snapshots it first).
 
         Raises:
             DockError: an iteration is still open, or the sizes are invalid.
@@ -225,8 +227,19 @@ class TransferDock:
             if self._it is not None:
                 raise DockError(f"open_iteration({iteration}): iteration {self._it.iteration} is still open")
             self._it = _Iteration(self.schema, iteration, num_rows, group_size, first_row)
-            self.control.set_open(iteration)
+            if announce:
+                self.control.set_open(iteration)
             self._cond.notify_all()
+
+    def announce(self, iteration: int) -> None:
+        """Let the stages' ``wait_iteration`` return ``iteration``, which must be the open one.
+
+        Raises:
+            DockError: ``iteration`` is not open.
+        """
+        with self._cond:
+            self._current(f"announce({iteration})", iteration)
+            self.control.set_open(iteration)
 
     def close_iteration(self) -> None:
         """Drop the current iteration's table; later puts and claims raise ``DockError``."""
@@ -254,16 +267,18 @@ class TransferDock:
 
     # --- writes ----------------------------------------------------------------------------
     def put(
-        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None
+        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None,
+        ack: Claim | None = None,
     ) -> None:
         """Write cells: ``columns[name][k]`` is the cell of row ``rows[k]``.
 
         Atomic: either every cell is written or none. With ``iteration`` the put is refused
-        unless that iteration is the open one.
+        unless that iteration is the open one. With ``ack`` the claim is acked once the put
+        succeeded (``put`` then ``ack``; the sharded dock does both in one round trip per shard).
 
         Raises:
             DockError: unknown column, wrong Arrow type or length, row out of range or repeated,
-                a cell already written, no open iteration, or another iteration open.
+                a cell already written, no open iteration, or another iteration open; as ``ack``.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
@@ -279,6 +294,8 @@ class TransferDock:
                 it.ready[rows_arr, it.col_index[name]] = True
                 self.bytes_put += array.nbytes
             self._cond.notify_all()
+        if ack is not None:
+            self.ack(ack)
 
     @staticmethod
     def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:

@@ -130,3 +130,33 @@ def read_table(uri: str, meta: dict[str, Any], name: str, what: str = "restore")
             return pa.ipc.open_file(f).read_all()
     except (OSError, pa.ArrowException) as e:
         raise DockError(f"{what}: reading table {name!r} of the snapshot at {uri!r} failed: {e}") from None
+
+
+def write_blob(uri: str, name: str, data: bytes) -> None:
+    """Write ``data`` as the file ``<uri>/<name>`` (parent directories created).
+
+    Raises:
+        DockError: the filesystem refused the write; names the URI and file.
+    """
+    fs, root = _filesystem(uri, "snapshot")
+    path = f"{root}/{name.strip('/')}"
+    try:
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+    except (OSError, pa.ArrowException) as e:
+        raise DockError(f"snapshot: writing {name!r} under {uri!r} failed: {e}") from None
+
+
+def read_blob(uri: str, name: str, what: str = "restore") -> bytes:
+    """The bytes of the file ``<uri>/<name>``.
+
+    Raises:
+        DockError: the file is missing or unreadable; names the URI and file.
+    """
+    fs, root = _filesystem(uri, what)
+    try:
+        with fs.open_input_stream(f"{root}/{name.strip('/')}") as f:
+            return f.read()
+    except (OSError, pa.ArrowException) as e:
+        raise DockError(f"{what}: reading {name!r} under {uri!r} failed: {e}") from None

@@ -30,6 +30,7 @@ training, the final checkpoint). Every process is torn down in ``finally``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -51,7 +52,10 @@ from dockrl.engines.hf import load_tokenizer
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
-from dockrl.trainer import add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model
+from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, find_resume, prompts_fingerprint
+from dockrl.trainer import (
+    add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model, snapshot_for_checkpoint,
+)
 from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC
 
 logger = logging.getLogger(__name__)
@@ -193,6 +197,11 @@ def train_distributed(
 
     Writes the same run folder as ``dockrl.trainer.train``, plus ``logs/`` (one log per process)
     with the local backend.
+        A checkpoint (``dockrl.resume``) is written after iteration ``k`` when it is due: the actor
+    writes weights and optimizer and reports ``checkpoint``; this driver then opens iteration
+    ``k+1`` with its prompts, snapshots the dock, writes the driver state and only then
+    announces ``k+1`` to the stages. With ``run.resume`` it restores that dock snapshot before
+    the stages start, which load their weights (and the actor its optimizer) from the checkpoint.
 
     Args:
         backend: where to start the workers (see the module docstring); default a
@@ -206,10 +215,14 @@ def train_distributed(
     t, r = cfg.trainer, cfg.rollout
     run_dir = Path(cfg.run.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     model_path = resolve_model(cfg)  # prepared here once, before the workers look for it
     train_file, test_file = resolve_data(cfg)
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
+    fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
+    point = find_resume(cfg, fingerprint)
+    if point:  # the workers read the checkpoint folder itself, never 'latest' (a newer one may appear)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
+    save_config(cfg, run_dir / "config.yaml")
 
     log_dir = run_dir / "logs"
     backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir)
@@ -225,6 +238,9 @@ def train_distributed(
     groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, run)
     stages = iteration_stages(cfg)
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
+    summary |= point.summary if point else {}
+    batches = list(prompt_batches(train_prompts, t))
+    first, open_now = (point.next_iteration, point.open_iteration) if point else (0, None)
     dock = None
     previous = _raise_on_sigterm()
     try:
@@ -234,6 +250,9 @@ def train_distributed(
         wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
                           lease_s=cfg.dock.lease_s, owner=f"{run}/driver")
+        if point:
+            dock.restore(point.dock_uri)  # before any stage starts
+            logger.info("resuming at iteration %d from %s", first, point.checkpoint)
 
         def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
             return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, backend.logs)
@@ -245,17 +264,21 @@ def train_distributed(
         # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for
         # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches
         eval_timeout_s = cfg.dock.timeout_s * math.ceil(len(test_prompts) / r.batch_size)
-        if t.eval_before:
+        if t.eval_before and not point:
             before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
             summary |= _log_eval(before["rollout"], "before")
         backend.start(others)
         backend.wait_ready(backend.start_timeout_s)
         logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], backend.logs)
 
-        with MetricsWriter(run_dir, on_log=on_iteration) as writer, Progress(t.iterations, "GRPO", enable=cfg.run.progress) as progress:
-            for it, picked in enumerate(prompt_batches(train_prompts, t)):
-                start = time.perf_counter()
-                open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1
+        with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
+                Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
+            for it in range(first, t.iterations):
+                picked, start = batches[it], time.perf_counter()
+                if open_now == it:  # opened and filled before a checkpoint's snapshot: the stages may start now
+                    dock.announce(it)
+                else:
+                    open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1
                 metrics: dict[str, float] = {}
                 for stage_metrics in reports(it, stages).values():
                     metrics |= stage_metrics
@@ -264,6 +287,11 @@ def train_distributed(
                 add_iteration_metrics(metrics, time.perf_counter() - start, len(picked) * r.n)
                 writer.log(it, metrics)
                 progress.update(metrics)
+                if checkpoint_due(t, it):
+                    reports(it, [CHECKPOINT_STAGE])  # the actor wrote weights and optimizer
+                    snapshot_for_checkpoint(dock, cfg, checkpoint_dir(run_dir, it + 1), next_iteration=it + 1,
+                                            picked=batches[it + 1], summary=summary, prompts=fingerprint, run=run)
+                    open_now = it + 1
             dock.finish()
             reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
             after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, backend.logs)

@@ -22,8 +22,7 @@ class AdvantageWorker:
         while claim := dock.claim("advantage", ["rm_score"], dock.num_rows, whole_groups=True):
             scores = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float32)
             adv = grpo_advantages(scores, n, eps=self.cfg.adv_eps, norm_by_std=self.cfg.norm_adv_by_std)
-            dock.put(claim.rows, {"advantages": adv.tolist()})
-            dock.ack(claim)
+            dock.put(claim.rows, {"advantages": adv.tolist()}, ack=claim)
             per_group = scores.view(-1, n)
             groups += per_group.shape[0]
             zero_std += int((per_group.max(dim=1).values == per_group.min(dim=1).values).sum())

@@ -15,7 +15,12 @@ The stages share nothing but the dock, and the actor → rollout weight channel:
   receives its weights and reports ``weight_sync``; evaluates again after training.
 * ``reward``    scores the responses and computes the group advantages.
 * ``reference`` log-probs under the frozen initial policy (only when β > 0).
-* ``actor``     updates, sends its weights, writes the checkpoints.
+* ``actor``     updates, sends its weights, writes the checkpoints (weights and optimizer,
+  then reports ``checkpoint``; the driver adds the dock snapshot, ``dockrl.resume``).
+
+With ``run.resume`` (a checkpoint folder; the driver resolves ``latest``) the rollout and actor
+load their weights from it, the actor its optimizer, and the rollout skips the evaluation before
+training. Every stage reseeds its generators per iteration (``dockrl.resume.seed_iteration``).
 
 Besides the iterations, stages report the pseudo-iterations ``BEFORE_TRAINING`` (the rollout's
 evaluation) and ``AFTER_TRAINING`` (every stage once its loop ended: the rollout's evaluation,
@@ -36,6 +41,7 @@ from typing import Callable
 import torch
 
 from dockrl.config import Config, load_config, load_config_text
+from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, load_optimizer, save_optimizer, seed_iteration, weights_path
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +61,12 @@ ROLLOUT_RANK, ACTOR_RANK = 1, 0
 
 def serve_iterations(
     dock, stage: str, step: Callable[[int], dict[str, float]], *, timeout_s: float,
-    after_report: Callable[[int], None] | None = None,
+    after_report: Callable[[int], None] | None = None, seed: int | None = None,
 ) -> int:
     """Run ``step(iteration)`` for every iteration the driver opens and report its metrics.
 
-    ``after_report(iteration)`` runs after the report (weight sync, checkpoints). Returns the
+    ``after_report(iteration)`` runs after the report (weight sync, checkpoints). With ``seed``
+    the generators are reseeded from ``(seed, iteration)`` before each step. Returns the
     number of iterations served once the driver called ``finish()``.
 
     Raises:
@@ -68,6 +75,8 @@ def serve_iterations(
     last, served = BEFORE_TRAINING, 0
     while (it := dock.wait_iteration(last, timeout_s)) is not None:
         logger.info("%s: iteration %d", stage, it)
+        if seed is not None:
+            seed_iteration(seed, it)
         dock.report(it, stage, step(it))
         if after_report is not None:
             after_report(it)
@@ -84,7 +93,7 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    engine = HFRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    engine = HFRolloutEngine(weights_path(cfg, model_path), dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     params = list(engine.model.named_parameters())
@@ -98,10 +107,11 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
         dock.report(it, WEIGHT_SYNC, metrics)
 
     try:
-        if cfg.trainer.eval_before:  # the launcher starts the other stages once this is reported
+        if cfg.trainer.eval_before and not cfg.run.resume:  # the launcher starts the other stages once this is reported
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
         channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s)  # waits for the actor
-        serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync)
+        serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync,
+                         seed=cfg.trainer.seed)
         dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after") if cfg.trainer.eval_after else {})
     finally:
         scorer.close()
@@ -126,7 +136,7 @@ def run_reward(cfg: Config, dock) -> None:
         return metrics
 
     try:
-        serve_iterations(dock, "reward", step, timeout_s=cfg.dock.timeout_s)
+        serve_iterations(dock, "reward", step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed)
         dock.report(AFTER_TRAINING, "reward", {})
     finally:
         scorer.close()
@@ -140,7 +150,7 @@ def run_reference(cfg: Config, dock) -> None:
     t = cfg.trainer
     engine = HFTrainEngine(resolve_model(cfg), trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
     worker = ReferenceWorker(engine, temperature=cfg.rollout.temperature, micro_batch=t.micro_batch)
-    serve_iterations(dock, "reference", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s)
+    serve_iterations(dock, "reference", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed)
     dock.report(AFTER_TRAINING, "reference", {})
 
 
@@ -152,24 +162,28 @@ def run_actor(cfg: Config, dock, weights: str) -> None:
 
     t = cfg.trainer
     engine = HFTrainEngine(
-        resolve_model(cfg), trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        weights_path(cfg, resolve_model(cfg)), trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
     )
+    if cfg.run.resume:
+        load_optimizer(engine, Path(cfg.run.resume))
     channel = WeightChannel(weights, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s)
     worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
-    checkpoints = Path(cfg.run.output_dir) / "checkpoints"
+    run_dir = Path(cfg.run.output_dir)
     wire_dtype = getattr(torch, cfg.rollout.dtype)
 
     def after_update(it: int) -> None:
         sent = channel.send(engine.named_weights(), wire_dtype)
         logger.info("actor: sent %.1f MB of weights in %d buckets in %.2f s", sent["weight_sync/bytes"] / 1e6,
                     sent["weight_sync/buckets"], sent["weight_sync/seconds"])
-        if t.save_every and (it + 1) % t.save_every == 0 and it + 1 < t.iterations:
-            engine.save(checkpoints / f"iter_{it + 1:06d}")
+        if checkpoint_due(t, it):  # the driver snapshots the dock once this is reported
+            save_optimizer(engine, engine.save(checkpoint_dir(run_dir, it + 1)))
+            dock.report(it, CHECKPOINT_STAGE, {})
 
     try:
-        serve_iterations(dock, "actor", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=after_update)
-        engine.save(checkpoints / "final")
+        serve_iterations(dock, "actor", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
+                         after_report=after_update, seed=cfg.trainer.seed)
+        engine.save(run_dir / "checkpoints" / "final")
         dock.report(AFTER_TRAINING, "actor", {})
     finally:
         channel.close()

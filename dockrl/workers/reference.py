@@ -24,6 +24,5 @@ class ReferenceWorker:
                 temperature=self.temperature,
                 micro_batch=self.micro_batch,
             )
-            dock.put(claim.rows, {"ref_log_prob": lps})
-            dock.ack(claim)
+            dock.put(claim.rows, {"ref_log_prob": lps}, ack=claim)
         return {"timing_s/reference": time.perf_counter() - start}

@@ -26,8 +26,7 @@ class RewardWorker:
             truths = claim.batch.column("ground_truth").to_pylist()
             batch_scores = self.scorer.score(texts, truths)
             batch_correct = [score >= self.correct_reward for score in batch_scores]
-            dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct})
-            dock.ack(claim)
+            dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct}, ack=claim)
             scores += batch_scores
             correct += batch_correct
         after = self.scorer.counters()

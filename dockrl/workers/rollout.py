@@ -36,8 +36,8 @@ class RolloutWorker:
                     "rollout_log_prob": [s.log_probs for s in samples],
                     "truncated": [s.truncated for s in samples],
                 },
+                ack=claim,  # acked with the put: a worker that dies before it leaves its rows to another
             )
-            dock.ack(claim)  # after the put: a worker that dies before it leaves its rows to another
             lengths += [len(s.response_ids) for s in samples]
             truncated += sum(s.truncated for s in samples)
         seconds = time.perf_counter() - start

@@ -230,6 +230,40 @@ def test_client_ack_reaches_every_shard_of_the_claim(opened, shards):
     a.close(), b.close()
 
 
+def test_put_with_ack_ends_the_lease_in_process():
+    dock = make_dock()
+    claim = dock.claim("reward", ["prompt_ids"], 4, owner="a")
+    dock.put(claim.rows, {"rm_score": [1.0] * 4, "correct": [True] * 4}, ack=claim)
+    assert dock.release_owner("a") == 0 and dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=0.1).rows == []
+
+
+@pytest.mark.parametrize("rows", [None, [0, 5, 9]])  # the claim's rows: acked with the put; others: put, then ack
+def test_client_put_with_ack_ends_the_lease_on_every_shard(opened, shards, rows):
+    a = connect(shards)
+    claim = a.claim("reward", ["prompt_ids"], 12)
+    put_rows = claim.rows if rows is None else rows
+    before = a.controller_bytes
+    a.put(put_rows, {"rm_score": [float(r) for r in put_rows], "correct": [True] * len(put_rows)}, ack=claim)
+    assert (a.controller_bytes - before > 0) and not a._held  # the ack's metadata counted; nothing left to renew
+    assert a.release_owner(a.owner) == 0  # every row acked
+    assert opened.get(["rm_score"], put_rows).column(0).to_pylist() == [float(r) for r in put_rows]
+    assert connect(shards).claim("reward", ["prompt_ids"], 4, timeout_s=0.2).rows == []
+    a.close()
+
+
+def test_client_put_with_a_stale_ack_still_writes_then_fails(opened, shards):
+    a = connect(shards)
+    claim = a.claim("reward", ["prompt_ids"], 12)
+    a.release_owner(a.owner)  # the lease ended: its rows went back to the pool
+    b = connect(shards)
+    again = b.claim("reward", ["prompt_ids"], 12)  # and were re-delivered
+    with pytest.raises(DockError, match="re-delivered"):
+        a.put(claim.rows, {"rm_score": [0.0] * 12, "correct": [False] * 12}, ack=claim)
+    assert opened.get(["rm_score"], [0]).column(0).to_pylist() == [0.0]  # the put itself landed, as put-then-ack would
+    b.ack(again)
+    a.close(), b.close()
+
+
 def test_client_heartbeat_keeps_a_slow_workers_rows(opened, shards):
     slow, other = connect(shards, lease_s=0.9), connect(shards)
     claim = slow.claim("reward", ["prompt_ids"], 12)

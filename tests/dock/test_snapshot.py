@@ -264,3 +264,34 @@ def s3_uri(monkeypatch) -> Iterator[str]:
 @pytest.mark.slow  # a moto server start and ~100 S3 requests: 5-25 s on 2 loaded cores
 def test_sharded_snapshot_on_s3(two_docks, s3_uri):
     snapshot_and_restore(two_docks, s3_uri)
+
+
+def test_a_store_mode_snapshot_outlives_its_iterations_objects(tmp_path):
+    """Objects die with their iteration: the snapshot keeps copies and restores them into the new run's store."""
+    from dockrl.dock.warehouse import DirectoryWarehouse
+
+    servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, payload="store")
+    more, fresh = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, payload="store")
+    old_store, new_store = DirectoryWarehouse(tmp_path / "store" / "run-1"), DirectoryWarehouse(tmp_path / "store" / "run-2")
+    old = DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, warehouse=old_store)
+    new = DockClient(fresh, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, warehouse=new_store)
+    try:
+        old.open_iteration(3, 8, 2, announce=False)
+        fill(old)
+        before = state_of(old)
+        uri = str(tmp_path / "snap")
+        old.snapshot(uri)
+        old.close_iteration()
+        assert old_store.list() == []  # the iteration's objects are gone from the store
+        new.restore(uri)
+        assert same(state_of(new), before)
+        assert sorted(new_store.list()) == sorted(json.loads((tmp_path / "snap" / "meta.json").read_text())["objects"])
+        with pytest.raises(DockError, match="timed out"):
+            new.wait_iteration(-1, timeout_s=0.2)  # restored, not yet announced: no stage starts on it
+        new.announce(3)
+        assert new.wait_iteration(-1, timeout_s=1.0) == 3
+    finally:
+        for dock in (old, new):
+            dock.close()
+        for server in servers + more:
+            server.close()

@@ -7,7 +7,10 @@ workers' ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import zlib
 
 
 class FakeRandomScorer:
@@ -31,3 +34,27 @@ class FakeCrashingScorer(FakeRandomScorer):
 
     def score(self, responses, ground_truths):
         raise RuntimeError("fake scorer crash: the verifier blew up")
+
+
+class FakeHashScorer(FakeRandomScorer):
+    """Fake: a reward from a hash of the response text (CRC-32, the same in every process), so a
+    resumed run scores a response exactly as the uninterrupted run did."""
+
+    def score(self, responses, ground_truths):
+        return [(0.0, 0.1, 1.1)[zlib.crc32(r.encode()) % 3] for r in responses]
+
+
+class FakeKillingScorer(FakeHashScorer):
+    """Fake: scores as ``FakeHashScorer``, but SIGKILLs its own process on the first batch that
+    comes after ``FAKE_KILL_AFTER_ROWS`` (environment) scored rows: with a multiple of the rows
+    per iteration, at the start of scoring an iteration, its rollout done, its actor not."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.scored = 0
+
+    def score(self, responses, ground_truths):
+        if self.scored >= int(os.environ["FAKE_KILL_AFTER_ROWS"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.scored += len(responses)
+        return super().score(responses, ground_truths)

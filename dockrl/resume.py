@@ -1,0 +1,251 @@
+"""Checkpoints a run can resume from, and resuming one (``dockrl train ... run.resume=latest``).
+
+A checkpoint is the folder ``RUN/checkpoints/iter_<k:06d>/`` written after iteration ``k-1``
+(every ``trainer.save_every`` iterations) and holds all a run needs to go on at iteration ``k``:
+
+* the actor's weights as an HF checkpoint (``model.safetensors``, config, tokenizer), loadable
+  with ``from_pretrained``; the rollout of the resumed run starts from the same weights;
+* ``optimizer.pt``: the actor optimizer's ``state_dict`` (AdamW moments and step counts, which
+  an HF checkpoint lacks; ``save_optimizer``/``load_optimizer``);
+* the dock snapshot (``dockrl.dock.snapshot``) under ``dock/``, or on S3 when
+  ``dock.warehouse=s3`` (``dock_snapshot_uri``). It is taken with iteration ``k`` already open
+  and its prompts put but not yet announced to the stages, so the snapshot holds the rows of
+  iteration ``k`` exactly as the driver inserted them, before any stage touched them;
+* ``driver_state.json``, written last and atomically: the next iteration ``k``, where the dock
+  snapshot is, the run summary so far (the evaluation before training) and what the checkpoint
+  depends on (seed, global batch, group size, a fingerprint of the training prompts). A folder
+  without it is an incomplete checkpoint and is never resumed from.
+
+**Where a resumed run goes on.** The data sampler is a pure function of ``(trainer.seed,
+iteration)`` (``dockrl.trainer.prompt_batches``), so its position is the iteration number.
+Randomness is reseeded at the start of every iteration in every process from ``(trainer.seed,
+iteration)`` (``seed_iteration``), so no RNG state needs to be saved: a resumed iteration draws
+what the uninterrupted run drew. ``metrics.jsonl`` keeps the rows of the iterations before
+``k`` and drops those a killed run wrote after the checkpoint; TensorBoard purges its steps from
+``k`` on (``MetricsWriter(resume_from=k)``). Each iteration index is then logged exactly once,
+and the dock rows of iteration ``k`` are neither lost nor repeated: those the snapshot holds are
+restored, every later one is inserted once by the resumed driver.
+
+Known limit: the vLLM rollout engine seeds its sampler at start, not per iteration, so a run
+resumed with ``rollout.engine=vllm`` does not redraw the samples the interrupted run drew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dockrl.config import Config, ConfigError, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dockrl.checkpoint"
+VERSION = 1
+STATE_FILE = "driver_state.json"
+"""Written last into a checkpoint folder: its presence marks the checkpoint complete."""
+OPTIMIZER_FILE = "optimizer.pt"
+DOCK_DIR = "dock"
+CHECKPOINT_STAGE = "checkpoint"
+"""Report the actor makes (distributed mode) once the model and optimizer of a checkpoint are written."""
+_ITER_DIR = re.compile(r"iter_(\d{6,})")
+
+
+def checkpoint_dir(run_dir: str | Path, next_iteration: int) -> Path:
+    """``RUN/checkpoints/iter_<next_iteration:06d>``: the checkpoint written after iteration ``next_iteration - 1``."""
+    return Path(run_dir) / "checkpoints" / f"iter_{next_iteration:06d}"
+
+
+def checkpoint_due(t: TrainerConfig, iteration: int) -> bool:
+    """Whether a checkpoint is written after ``iteration`` (not after the last: that one is ``final``)."""
+    return bool(t.save_every) and (iteration + 1) % t.save_every == 0 and iteration + 1 < t.iterations
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """The seed of ``iteration``: a 63-bit integer from SHA-256 of ``(seed, iteration)``."""
+    digest = hashlib.sha256(f"dockrl:{seed}:{iteration}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_iteration(seed: int, iteration: int) -> None:
+    """Reseed Python's and torch's global generators for ``iteration`` (every stage, every process)."""
+    s = iteration_seed(seed, iteration)
+    random.seed(s)
+    torch.manual_seed(s)
+
+
+def prompts_fingerprint(prompt_ids: Sequence[Sequence[int]]) -> str:
+    """SHA-256 (hex, 16 chars) of the training prompts' token ids in order: the sampler's input."""
+    h = hashlib.sha256()
+    for ids in prompt_ids:
+        h.update(json.dumps(list(ids)).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
+    """Where the dock snapshot of ``checkpoint`` goes.
+
+    ``CHECKPOINT/dock`` (absolute path), or with ``dock.warehouse=s3`` in distributed mode
+    (in-process mode keeps the dock in memory and uses no warehouse) the run's store:
+    ``s3://<bucket>/<prefix>/<run>/checkpoints/<folder>/dock?endpoint_override=…`` (pyarrow
+    reads the credentials from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``; with other
+    ``dock.access_key_env``/``dock.secret_key_env`` names the snapshot stays in the run folder).
+    """
+    from dockrl.config import s3_endpoint
+
+    k = cfg.dock
+    local = str((checkpoint / DOCK_DIR).resolve())
+    if k.warehouse != "s3" or k.mode != "distributed":
+        return local
+    if (k.access_key_env, k.secret_key_env) != ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        logger.warning("dock snapshot kept in %s: pyarrow reads S3 credentials from AWS_ACCESS_KEY_ID and "
+                       "AWS_SECRET_ACCESS_KEY, not from %s and %s", local, k.access_key_env, k.secret_key_env)
+        return local
+    endpoint, secure = s3_endpoint(k.endpoint or os.environ.get("AWS_ENDPOINT_URL", ""), k.secure, "dock.endpoint")
+    key = "/".join(p for p in (k.prefix.strip("/"), run, "checkpoints", checkpoint.name, DOCK_DIR) if p)
+    query = f"endpoint_override={endpoint}&scheme={'https' if secure else 'http'}" + (f"&region={k.region}" if k.region else "")
+    return f"s3://{k.bucket}/{key}?{query}"
+
+
+def save_optimizer(engine: Any, checkpoint: Path) -> Path:
+    """Write ``engine.optimizer.state_dict()`` to ``CHECKPOINT/optimizer.pt``.
+
+    Raises:
+        ValueError: the engine has no optimizer (a frozen engine).
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(f"save_optimizer: {type(engine).__name__} has no optimizer to checkpoint (trainable=False?)")
+    path = Path(checkpoint) / OPTIMIZER_FILE
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(optimizer.state_dict(), tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_optimizer(engine: Any, checkpoint: Path) -> None:
+    """Load ``CHECKPOINT/optimizer.pt`` into ``engine.optimizer`` (built over the checkpoint's weights).
+
+    Raises:
+        ValueError: the engine has no optimizer, or the file is missing.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    path = Path(checkpoint) / OPTIMIZER_FILE
+    if optimizer is None:
+        raise ValueError(f"load_optimizer: {type(engine).__name__} has no optimizer to restore into")
+    if not path.is_file():
+        raise ValueError(f"run.resume: checkpoint {checkpoint} has no {OPTIMIZER_FILE} (written by an older version?)")
+    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePoint:
+    """A complete checkpoint to resume from (``find_resume``)."""
+
+    checkpoint: Path
+    """The checkpoint folder (HF weights, ``optimizer.pt``, ``driver_state.json``)."""
+    next_iteration: int
+    """The first iteration the resumed run runs."""
+    dock_uri: str
+    """The dock snapshot; iteration ``open_iteration`` is open in it (or none)."""
+    open_iteration: int | None
+    summary: dict[str, float]
+    """Run summary at checkpoint time (evaluation before training)."""
+
+
+def write_driver_state(
+    checkpoint: Path, cfg: Config, *, next_iteration: int, dock_uri: str, open_iteration: int | None,
+    summary: dict[str, float], prompts: str,
+) -> None:
+    """Write ``CHECKPOINT/driver_state.json`` atomically; call it last, after weights, optimizer and dock."""
+    doc = {
+        "format": FORMAT, "version": VERSION, "next_iteration": next_iteration, "dock_snapshot": dock_uri,
+        "open_iteration": open_iteration, "summary": summary, "seed": cfg.trainer.seed,
+        "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts,
+    }
+    path = Path(checkpoint) / STATE_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def _read_state(checkpoint: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((checkpoint / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint of ``run_dir`` with the highest iteration; None when there is none."""
+    folder = Path(run_dir) / "checkpoints"
+    found = [(int(m.group(1)), p) for p in folder.glob("iter_*") if (m := _ITER_DIR.fullmatch(p.name)) and p.is_dir()]
+    for _, path in sorted(found, reverse=True):
+        if _read_state(path) is not None:
+            return path
+        logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
+    return None
+
+
+def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
+    """The checkpoint ``run.resume`` names, checked against this run; None for a fresh run.
+
+    ``run.resume`` is ``''`` (fresh), ``'latest'`` (the newest complete checkpoint under
+    ``run.output_dir/checkpoints``) or a checkpoint folder. ``prompts`` is this run's
+    ``prompts_fingerprint``.
+
+    Raises:
+        ConfigError: no such folder, no complete checkpoint, another format or version, or a
+            setting the sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
+            ``rollout.n``, the training prompts), or nothing is left to run.
+    """
+    value = cfg.run.resume
+    if not value:
+        return None
+    if value == "latest":
+        path = latest_checkpoint(cfg.run.output_dir)
+        if path is None:
+            raise ConfigError(
+                f"run.resume: got 'latest'; no complete checkpoint under {Path(cfg.run.output_dir) / 'checkpoints'} "
+                f"(folders iter_NNNNNN with {STATE_FILE}); run without run.resume to start fresh"
+            )
+    else:
+        path = Path(value)
+        if not path.is_dir():
+            raise ConfigError(f"run.resume: got {value!r}; expected 'latest' or an existing checkpoint folder")
+    doc = _read_state(path)
+    if doc is None:
+        raise ConfigError(f"run.resume: {path} is not a complete checkpoint: no readable {STATE_FILE} of format {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise ConfigError(f"run.resume: {path} has checkpoint version {doc.get('version')!r}; this dockrl reads {VERSION}")
+    ours = {"seed": cfg.trainer.seed, "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts}
+    fields = {"seed": "trainer.seed", "global_batch": "trainer.global_batch", "group_size": "rollout.n", "prompts": "the training prompts"}
+    for key, mine in ours.items():
+        if doc.get(key) != mine:
+            raise ConfigError(
+                f"run.resume: {path} was written with {fields[key]}={doc.get(key)!r}, this run has {mine!r}; "
+                "the data order depends on it: resume with the checkpoint's settings"
+            )
+    nxt = doc["next_iteration"]
+    if not nxt < cfg.trainer.iterations:
+        raise ConfigError(
+            f"trainer.iterations: got {cfg.trainer.iterations}; the checkpoint {path} resumes at iteration {nxt}: "
+            "expected more iterations than that"
+        )
+    return ResumePoint(checkpoint=path.resolve(), next_iteration=nxt, dock_uri=doc["dock_snapshot"],
+                       open_iteration=doc["open_iteration"], summary=dict(doc.get("summary") or {}))
+
+
+def weights_path(cfg: Config, model_path: Path) -> Path:
+    """Where the actor and rollout load their starting weights: the resumed checkpoint, else ``model_path``."""
+    return Path(cfg.run.resume) if cfg.run.resume else model_path

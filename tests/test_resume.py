@@ -1,0 +1,165 @@
+"""Checkpoints with dock snapshots and resumed runs (dockrl/resume.py), in-process mode end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dockrl import trainer
+from dockrl.config import ConfigError, load_config
+from dockrl.metrics import MetricsWriter
+from dockrl.resume import (
+    STATE_FILE, checkpoint_dir, checkpoint_due, dock_snapshot_uri, find_resume, iteration_seed, latest_checkpoint,
+    prompts_fingerprint, write_driver_state,
+)
+
+FAKES = Path(__file__).parent / "launch"  # fake_scorers.py
+VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")
+"""Metrics that depend on the clock or count a process's traffic: not compared between runs."""
+
+
+def config(tmp_path, *extra: str):
+    return load_config(None, [f"run.output_dir={tmp_path / 'run'}", "trainer.iterations=5", "trainer.save_every=2", *extra])
+
+
+def complete(cfg, next_iteration: int, **changes) -> Path:
+    ckpt = checkpoint_dir(cfg.run.output_dir, next_iteration)
+    ckpt.mkdir(parents=True)
+    write_driver_state(ckpt, cfg, next_iteration=next_iteration, dock_uri=str(ckpt / "dock"), open_iteration=next_iteration,
+                       summary={"eval/accuracy_before": 0.5}, prompts="p")
+    if changes:
+        doc = json.loads((ckpt / STATE_FILE).read_text()) | changes
+        (ckpt / STATE_FILE).write_text(json.dumps(doc))
+    return ckpt
+
+
+def test_checkpoints_fall_every_save_every_iterations_but_not_after_the_last():
+    cfg = load_config(None, ["trainer.iterations=5", "trainer.save_every=2"])
+    assert [it for it in range(5) if checkpoint_due(cfg.trainer, it)] == [1, 3]
+    assert not any(checkpoint_due(load_config(None, ["trainer.save_every=0"]).trainer, it) for it in range(20))
+
+
+def test_iteration_seeds_are_fixed_distinct_and_63_bit():
+    seeds = [iteration_seed(0, it) for it in range(100)] + [iteration_seed(1, 0)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
+    assert iteration_seed(0, 7) == iteration_seed(0, 7)
+    assert prompts_fingerprint([[1, 2], [3]]) != prompts_fingerprint([[1], [2, 3]])
+
+
+def test_latest_is_the_newest_complete_checkpoint(tmp_path):
+    cfg = config(tmp_path, "run.resume=latest")
+    assert latest_checkpoint(cfg.run.output_dir) is None
+    with pytest.raises(ConfigError, match="run.resume: got 'latest'; no complete checkpoint"):
+        find_resume(cfg, "p")
+    complete(cfg, 2)
+    checkpoint_dir(cfg.run.output_dir, 4).mkdir()  # cut short before its driver state: never resumed from
+    point = find_resume(cfg, "p")
+    assert point.checkpoint == checkpoint_dir(cfg.run.output_dir, 2).resolve()
+    assert (point.next_iteration, point.open_iteration, point.summary) == (2, 2, {"eval/accuracy_before": 0.5})
+    assert find_resume(config(tmp_path), "p") is None  # run.resume unset: a fresh run
+    explicit = config(tmp_path, f"run.resume={checkpoint_dir(cfg.run.output_dir, 2)}")
+    assert find_resume(explicit, "p").next_iteration == 2
+
+
+def test_resume_refuses_what_would_lose_or_repeat_rows(tmp_path):
+    cfg = config(tmp_path)
+    ckpt = complete(cfg, 2)
+    cases = [
+        (config(tmp_path, f"run.resume={tmp_path / 'nowhere'}"), "p", "expected 'latest' or an existing checkpoint folder"),
+        (config(tmp_path, f"run.resume={tmp_path}"), "p", "is not a complete checkpoint"),
+        (config(tmp_path, f"run.resume={ckpt}", "trainer.seed=3"), "p", r"trainer.seed=0, this run has 3"),
+        (config(tmp_path, f"run.resume={ckpt}", "trainer.global_batch=12", "trainer.mini_batch=12"), "p", "trainer.global_batch"),
+        (config(tmp_path, f"run.resume={ckpt}", "rollout.n=4"), "p", "rollout.n"),
+        (config(tmp_path, f"run.resume={ckpt}"), "other", "the training prompts"),
+        (config(tmp_path, f"run.resume={ckpt}", "trainer.iterations=2"), "p", "trainer.iterations: got 2; .* resumes at iteration 2"),
+    ]
+    for cfg_, prompts, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            find_resume(cfg_, prompts)
+    complete(cfg, 3, version=99)
+    with pytest.raises(ConfigError, match="checkpoint version 99"):
+        find_resume(config(tmp_path, "run.resume=latest"), "p")
+
+
+def test_dock_snapshots_go_to_the_run_folder_or_the_runs_s3_store(tmp_path):
+    ckpt = checkpoint_dir(tmp_path / "run", 4)
+    assert dock_snapshot_uri(config(tmp_path), ckpt, "r1") == str((ckpt / "dock").resolve())
+    s3 = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=http://minio:9000", "dock.bucket=rl-runs", "dock.prefix=team/dock",
+                "dock.mode=distributed")
+    assert dock_snapshot_uri(s3, ckpt, "r1") == "s3://rl-runs/team/dock/r1/checkpoints/iter_000004/dock?endpoint_override=minio:9000&scheme=http"
+    custom = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=minio:9000", "dock.access_key_env=MY_KEY", "dock.mode=distributed")
+    assert dock_snapshot_uri(custom, ckpt, "r1").startswith("/")  # pyarrow reads AWS_* only: kept local
+    inprocess = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=minio:9000")
+    assert dock_snapshot_uri(inprocess, ckpt, "r1").startswith("/")  # its dock lives in memory, no store
+
+
+def test_a_resumed_writer_keeps_the_iterations_before_the_checkpoint(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        for it in range(4):
+            w.log(it, {"x": it})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 4, "x"')  # a line cut short by a kill
+    with MetricsWriter(tmp_path, resume_from=2) as w:
+        w.log(2, {"x": 20})
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["iteration"], x["x"]) for x in lines] == [(0, 0), (1, 1), (2, 20)]
+
+
+class Interrupt(Exception):
+    pass
+
+
+def tiny_run(tiny_model_dir, tmp_path, name: str, *extra: str):
+    return load_config(None, [
+        f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / name}", f"run.cache_dir={tmp_path / 'cache'}",
+        "run.progress=false", "trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=2",
+        "trainer.micro_batch=4", "rollout.n=4", "rollout.max_response_length=12", "rollout.dtype=float32",
+        "trainer.autocast_bf16=false", "trainer.lr=1e-2", "trainer.save_every=1", "algorithm.kl_coef=0.05",
+        "algorithm.scorer=fake_scorers:FakeHashScorer", "trainer.eval_before=false",
+        "data.generate_train=40", "data.generate_test=8", "data.eval_size=8", *extra,
+    ])
+
+
+def same_rows(a: list[dict], b: list[dict]) -> None:
+    """Equal iteration indexes; every metric but the clock's and the traffic counters' equal to fp32 rounding."""
+    assert [x["iteration"] for x in a] == [x["iteration"] for x in b]
+    for x, y in zip(a, b):
+        keys = sorted(k for k in x if not k.startswith(VARYING))
+        assert keys == sorted(k for k in y if not k.startswith(VARYING))
+        for k in keys:
+            assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["iteration"], k, x[k], y[k])
+
+
+def read_rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # three short runs of the tiny model
+def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKES))
+    trainer.train(tiny_run(tiny_model_dir, tmp_path, "straight"))
+
+    def stop_in_iteration_2(it: int, metrics: dict) -> None:
+        if it == 2:  # its metrics line is written, the checkpoint after iteration 1 is complete
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        trainer.train(tiny_run(tiny_model_dir, tmp_path, "cut"), on_iteration=stop_in_iteration_2)
+    cut = tmp_path / "cut"
+    assert [x["iteration"] for x in read_rows(cut)] == [0, 1, 2]
+    assert (checkpoint_dir(cut, 2) / "optimizer.pt").is_file() and (checkpoint_dir(cut, 2) / "dock" / "meta.json").is_file()
+    snapshot = json.loads((checkpoint_dir(cut, 2) / "dock" / "meta.json").read_text())
+    assert snapshot["iteration"] == 2 and snapshot["files"]  # iteration 2 open with its prompts
+
+    trainer.train(tiny_run(tiny_model_dir, tmp_path, "cut", "run.resume=latest"))
+    same_rows(read_rows(cut), read_rows(tmp_path / "straight"))
+    resumed = AutoModelForCausalLM.from_pretrained(cut / "checkpoints" / "final").state_dict()
+    straight = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoints" / "final").state_dict()
+    assert resumed.keys() == straight.keys()
+    for name, p in straight.items():
+        torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
