@@ -1,17 +1,19 @@
 """Fixtures of the dock tests: a real S3-compatible server on 127.0.0.1 (moto's server mode).
 
 The server checks request signatures against its IAM users (as MinIO does), so a wrong key
-is refused instead of silently accepted. One server per test module.
+is refused instead of silently accepted. One server per test module, each in a process of its own.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import urllib.request
+import select
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -38,25 +40,21 @@ class S3Server:
 
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[S3Server]:
-    boto3 = pytest.importorskip("boto3")
-    from moto.core.authorization import enable_iam_authentication
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one access-log line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    """moto's S3 server in a child process (``s3_server_process.py`` says why not in this one)."""
+    pytest.importorskip("boto3")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("s3_server_process.py"))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
-        # moto's state is per process: start from an empty account, then make a user with an S3 key
-        urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=10).close()
-        iam = boto3.client("iam", endpoint_url=url, region_name=REGION, aws_access_key_id="setup", aws_secret_access_key="setup")
-        iam.create_user(UserName="dock")
-        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
-        arn = iam.create_policy(PolicyName="dock-s3", PolicyDocument=json.dumps(policy))["Policy"]["Arn"]
-        iam.attach_user_policy(UserName="dock", PolicyArn=arn)
-        key = iam.create_access_key(UserName="dock")["AccessKey"]
-        with enable_iam_authentication():
-            yield S3Server(f"{host}:{port}", key["AccessKeyId"], key["SecretAccessKey"])
+        ready = select.select([proc.stdout], [], [], 60.0)[0]
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"the test S3 server did not start within 60 s (exit code {proc.poll()})")
+        info = json.loads(line)
+        yield S3Server(info["endpoint"], info["access_key"], info["secret_key"])
     finally:
-        server.stop()
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

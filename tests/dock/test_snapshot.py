@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,24 +240,17 @@ def test_shard_refuses_a_snapshot_of_another_layout(two_docks, tmp_path):
 
 
 @pytest.fixture
-def s3_uri(monkeypatch) -> Iterator[str]:
-    """A bucket on a local moto S3 server (the same S3 API pyarrow speaks to MinIO)."""
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+def s3_uri(s3_server, monkeypatch) -> Iterator[str]:
+    """A bucket on the local moto S3 server (the same S3 API pyarrow speaks to MinIO)."""
     import pyarrow.fs as pafs
 
-    fs = pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", scheme="http", region="us-east-1",
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    query = f"endpoint_override=http://{s3_server.endpoint}&scheme=http&region=us-east-1"
+    fs = pafs.S3FileSystem(endpoint_override=f"http://{s3_server.endpoint}", scheme="http", region="us-east-1",
                            allow_bucket_creation=True)
     fs.create_dir("dock-snapshots")
-    yield f"s3://dock-snapshots/run-1?endpoint_override=http://127.0.0.1:{port}&scheme=http&region=us-east-1"
-    server.stop()
+    yield f"s3://dock-snapshots/run-1?{query}"
 
 
 @pytest.mark.slow  # a moto server start and ~100 S3 requests: 5-25 s on 2 loaded cores
