@@ -244,6 +244,17 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()
         return sum(t.numel() for _, t in weights) * self.dtype.itemsize
 
+    def layer_members(self, name: str) -> frozenset[str]:
+        """HF names of every tensor of the vLLM layer that loads ``name`` (``name`` included):
+        the tensors one ``load_weights`` call must carry together.
+
+        Raises:
+            KeyError: a name the model does not have.
+        """
+        if name not in self._groups:
+            raise KeyError(f"rollout engine: no parameter named {name!r}")
+        return frozenset(self._members[self._groups[name]])
+
     def close(self) -> None:
         """Shut the engine down and destroy the torch.distributed group (world size 1) that
         vLLM initialized in this process, so that other code can start its own."""

@@ -45,7 +45,7 @@ from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.trainer import add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model
-from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, TOKEN_ENV, WEIGHT_SYNC
+from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, TOKEN_ENV, WEIGHT_SYNC, stage_processes
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
 
 def iteration_stages(cfg: Config) -> list[str]:
     """Reports the driver waits for in each iteration, in the order their metrics are merged."""
-    return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", WEIGHT_SYNC]
+    sync = [] if cfg.trainer.hybrid else [WEIGHT_SYNC]  # the hybrid actor syncs inside its "actor" report
+    return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", *sync]
 
 
 def worker_groups(
@@ -91,7 +92,7 @@ def worker_groups(
         for s, port in enumerate(ports)
     ]
     dock = ",".join(f"grpc://{HOST}:{p}" for p in ports)
-    stages = [s for s in ("rollout", "reward", "reference", "actor") if s != "reference" or cfg.algorithm.kl_coef > 0]
+    stages = stage_processes(cfg)
     return shards + [
         WorkerGroup(name=stage, env=env, command=(
             sys.executable, "-m", "dockrl.workers.main", "--stage", stage, "--config", str(config_path),
