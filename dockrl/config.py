@@ -360,10 +360,6 @@ def _check_engines(c: Config) -> None:
             if getattr(p, name) != 1:
                 raise _fail(f"parallel.{name}", getattr(p, name), "trainer.engine='megatron' runs the actor as one process "
                             "(one rank) so far; launching a multi-rank actor group (one process per device) is not built: use 1")
-        if c.dock.mode == "distributed" and not t.hybrid:
-            raise _fail("trainer.engine", t.engine, "with dock.mode='distributed' the megatron engine runs only in the hybrid "
-                        "actor (trainer.hybrid=true): a separate actor process meets the rollout process on the weight channel, "
-                        "a process group that megatron would take for its data-parallel group")
     if t.hybrid:
         if t.engine != "megatron":
             raise _fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "

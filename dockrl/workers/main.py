@@ -154,16 +154,13 @@ def run_reference(cfg: Config, dock) -> None:
 
 
 def run_actor(cfg: Config, dock, weights: str) -> None:
-    from dockrl.engines.hf import HFTrainEngine
+    from dockrl.engines.factory import build_train_engine
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.trainer import resolve_model
     from dockrl.workers.actor import ActorWorker
 
     t = cfg.trainer
-    engine = HFTrainEngine(
-        resolve_model(cfg), trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
-    )
+    engine = build_train_engine(cfg, resolve_model(cfg))
     channel = WeightChannel(weights, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s)
     worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
     checkpoints = Path(cfg.run.output_dir) / "checkpoints"
