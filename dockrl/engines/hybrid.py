@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.megatron_state import MegatronTrainState, layout_for
-from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups, PhaseError, SyncReport
+from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups, Phase, PhaseError, SyncReport
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class HybridActor:
         self.last_sync = self.sync()
 
     @property
-    def phase(self):
+    def phase(self) -> Phase:
         return self.swap.phase
 
     def sync(self) -> dict[str, float]:
@@ -135,7 +135,7 @@ class HybridActor:
         Raises:
             PhaseError: during a sync, or while generating with more than one rank.
         """
-        if self.phase.value == "syncing" or (self.phase.value != "training" and self.layout.world_size > 1):
+        if self.phase is Phase.SYNCING or (self.phase is not Phase.TRAINING and self.layout.world_size > 1):
             raise PhaseError(f"save: the hybrid actor is in phase {self.phase.value!r}; with {self.layout.world_size} ranks save while training")
         return self.train.save(path)
 

@@ -8,6 +8,7 @@ the driver, starts through a ``LocalBackend`` (logs in ``RUN/logs/<group>-0.log`
 2. one process per stage (``python -m dockrl.workers.main``): rollout, reward (with the
    advantage step), reference (only when ``algorithm.kl_coef > 0``) and actor. Rollout and
    actor also meet on the weight channel, a gloo group whose ``TCPStore`` this process hosts.
+   With ``trainer.hybrid`` one ``hybrid`` process plays rollout and actor (no weight channel).
    The rollout starts first and evaluates; the others start once it has reported.
 
 Then, per iteration (at most ``dock.max_inflight`` open at once), it opens the iteration, puts

@@ -124,7 +124,7 @@ def test_sync_reaches_the_tied_head_and_drops_prefix_cache(actor):
     def move_embedding():
         to_training(actor)
         with torch.no_grad():
-            embedding.add_(torch.randn(embedding.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
+            embedding.copy_(torch.randn(embedding.shape, generator=torch.Generator().manual_seed(4)) * 0.02)  # a fresh embedding
 
     def sync():
         to_training(actor)

@@ -104,7 +104,7 @@ def test_same_prompt_after_an_update_uses_new_weights_not_cached_kv_nor_old_head
 
     def move_embedding():
         with torch.no_grad():
-            embedding.add_(torch.randn(embedding.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
+            embedding.copy_(torch.randn(embedding.shape, generator=torch.Generator().manual_seed(4)) * 0.02)  # a fresh embedding
 
     check_sync_reaches_head_and_prefix_cache(
         generate=lambda p: engine.generate(p, max_new_tokens=6, greedy=True),

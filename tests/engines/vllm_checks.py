@@ -37,7 +37,7 @@ def check_sync_reaches_head_and_prefix_cache(
         generate: ``generate(prompts) -> samples`` greedy, a few tokens.
         sync: pushes the trainer's weights into the engine.
         recompute: ``recompute(prompts, samples) -> log-probs`` by the trainer (τ = 1).
-        move_embedding: changes the trainer's input embedding only (the tied head with it).
+        move_embedding: changes the trainer's input embedding only (the tied head with it), e.g. to a fresh one.
     """
     prompt = long_prompt(tokenizer)
     sync()
