@@ -166,3 +166,23 @@ def test_layer_members_name_what_one_load_must_carry(engine):
     assert engine.layer_members("model.norm.weight") == {"model.norm.weight"}
     with pytest.raises(KeyError, match="no parameter named 'nope'"):
         engine.layer_members("nope")
+
+
+def test_modules_that_break_vllms_startup_scan_are_hidden_only_during_it(monkeypatch):
+    import sys
+    import types
+
+    from dockrl.engines.vllm import _hide_unscannable_modules
+
+    class FakeLocalProxy:
+        """Fake of werkzeug's LocalProxy outside an app context: any attribute look-up raises RuntimeError."""
+
+        def __getattribute__(self, name):
+            raise RuntimeError("Working outside of application context.")
+
+    module = types.ModuleType("fake_flask_globals")
+    module.request = FakeLocalProxy()
+    monkeypatch.setitem(sys.modules, "fake_flask_globals", module)
+    with _hide_unscannable_modules():
+        assert "fake_flask_globals" not in sys.modules and "torch" in sys.modules
+    assert sys.modules["fake_flask_globals"] is module
