@@ -144,6 +144,15 @@ class TrainerConfig:
     eval_after: bool = True
     """Measure greedy test accuracy after training. The pipeline's train step turns it off:
     its ``evaluate`` step measures the exported model instead."""
+    engine: Literal["hf", "megatron"] = "hf"
+    """Training engine of the actor: ``hf`` (torch + transformers, fp32 weights, optional bf16
+    autocast) or ``megatron`` (megatron-core GPTModel in fp32 with the ``parallel.*`` layout; on
+    CPU over gloo). The reference stays on ``hf``."""
+    hybrid: bool = False
+    """Hybrid actor: one worker trains (``trainer.engine=megatron``) and generates
+    (``rollout.engine=vllm``) on the same devices, and hands the updated weights from one to
+    the other by the allgather–swap (``dockrl/engines/hybrid.py``) instead of a second process
+    and a weight channel."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,6 +356,33 @@ def _check_rules(c: Config) -> None:
                     "only 1 (on-policy) is supported: the dock holds one open iteration at a time")
     _check_dock(c.dock)
     _check_parallel(c)
+    _check_engines(c)
+
+
+def _check_engines(c: Config) -> None:
+    """What the megatron engine and the hybrid actor can run today; each rule says why.
+
+    With one actor rank, ``parallel.infer_tp`` is 1 too (``check_counts``: TP' divides TP × DP).
+    """
+    t, p = c.trainer, c.parallel
+    if t.engine == "megatron":
+        if p.device != "cpu":
+            raise _fail("parallel.device", p.device, "trainer.engine='megatron' runs on CPU only so far (its device layer "
+                        "redirects megatron-core's CUDA calls to CPU; cuda/npu placement is not wired): use 'cpu'")
+        for name in ("tp", "pp", "dp"):
+            if getattr(p, name) != 1:
+                raise _fail(f"parallel.{name}", getattr(p, name), "trainer.engine='megatron' runs the actor as one process "
+                            "(one rank) so far; launching a multi-rank actor group (one process per device) is not built: use 1")
+    if t.hybrid:
+        if t.engine != "megatron":
+            raise _fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "
+                        "reshards megatron's TP/PP training shards into the rollout layout; the hf engine holds no shards")
+        if c.rollout.engine != "vllm":
+            raise _fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' (got {c.rollout.engine!r}): the hybrid "
+                        "actor generates with vLLM on the devices it trains on")
+        if c.run.resume:
+            raise _fail("run.resume", c.run.resume, "trainer.hybrid does not resume yet (its checkpoints hold the weights and "
+                        "optimizer, but restoring megatron's state under the swap is not built): resume without the hybrid actor")
 
 
 def _check_parallel(c: Config) -> None:

@@ -21,7 +21,8 @@ import torch
 from dockrl.config import AlgorithmConfig, Config, TrainerConfig, save_config
 from dockrl.data import Prompt, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
-from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, load_tokenizer
+from dockrl.engines.factory import build_rollout_engine, build_train_engine
+from dockrl.engines.hf import HFTrainEngine, load_tokenizer
 from dockrl.evaluate import greedy_accuracy
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.models import prepare_smollm2
@@ -102,7 +103,7 @@ def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) 
     return train_prompts, test_prompts
 
 
-def evaluate(engine: HFRolloutEngine, prompts: list[Prompt], scorer, cfg: Config, tag: str) -> dict[str, float]:
+def evaluate(engine: RolloutEngine, prompts: list[Prompt], scorer, cfg: Config, tag: str) -> dict[str, float]:
     """Greedy test accuracy as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
     res = greedy_accuracy(
         engine, prompts, scorer, correct_reward=cfg.algorithm.correct_reward,
@@ -191,24 +192,24 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     point = find_resume(cfg, fingerprint)
     weights = point.checkpoint if point else model_path  # the actor and the rollout start from the same weights
 
-    if r.engine == "vllm":
-        from dockrl.engines.vllm import VLLMRolloutEngine  # optional dependency: imported only when chosen
+    hybrid = None
+    if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
+        from dockrl.workers.hybrid import build_hybrid_worker
 
-        rollout_engine = VLLMRolloutEngine(weights, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=t.seed)
+        hybrid = build_hybrid_worker(cfg, weights)
+        rollout_engine, actor = hybrid.actor.rollout_engine, hybrid.actor
+        rollout_stage, actor_stage = hybrid.generation, hybrid.update
     else:
-        rollout_engine = HFRolloutEngine(weights, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    actor = HFTrainEngine(
-        weights, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
-    )
+        rollout_engine, actor = build_rollout_engine(cfg, weights), build_train_engine(cfg, weights)
+        rollout_stage, actor_stage = RolloutWorker(rollout_engine, r), ActorWorker(actor, trainer=t, algo=a, rollout=r)
     if point:
         load_optimizer(actor, point.checkpoint)
     scorer = build_scorer(a)
-    workers = [RolloutWorker(rollout_engine, r), RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
+    workers = [rollout_stage, RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
     if a.kl_coef > 0:
         reference = HFTrainEngine(model_path, trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
-    workers.append(ActorWorker(actor, trainer=t, algo=a, rollout=r))
+    workers.append(actor_stage)
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
     if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
         logger.warning("dock.warehouse=%r is not used: this driver keeps the dock in its own memory", cfg.dock.warehouse)
@@ -234,9 +235,10 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
                 metrics: dict[str, float] = {}
                 for worker in workers:
                     metrics |= worker.run_iteration(dock)
-                sync_start = time.perf_counter()
-                metrics["weight_sync/bytes"] = rollout_engine.load_weights(actor.named_weights())
-                metrics["timing_s/weight_sync"] = time.perf_counter() - sync_start
+                if hybrid is None:
+                    sync_start = time.perf_counter()
+                    metrics["weight_sync/bytes"] = rollout_engine.load_weights(actor.named_weights())
+                    metrics["timing_s/weight_sync"] = time.perf_counter() - sync_start
                 metrics |= dock.stats()
                 dock.close_iteration()
                 add_iteration_metrics(metrics, time.perf_counter() - start, len(picked) * r.n)
@@ -256,4 +258,6 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
     finally:
         scorer.close()
+        if hybrid is not None:
+            hybrid.actor.close()
     return summary

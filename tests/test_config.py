@@ -338,3 +338,34 @@ def test_explicit_bf16_on_an_emulating_cpu_warns(monkeypatch, caplog):
 def test_autocast_literal_is_checked_by_type():
     with pytest.raises(ConfigError, match=r"trainer.autocast_bf16: got 1; expected one of 'auto', True, False"):
         load_config(None, ["trainer.autocast_bf16=1"])
+ENGINE_ERRORS = {
+    "unknown training engine": (["trainer.engine=deepspeed"], ["trainer.engine: got 'deepspeed'; expected one of 'hf', 'megatron'"]),
+    "megatron off cpu": (["trainer.engine=megatron", "parallel.device=cuda"], ["parallel.device: got 'cuda'", "CPU only so far"]),
+    "megatron over several ranks": (["trainer.engine=megatron", "parallel.tp=2"], ["parallel.tp: got 2", "one process (one rank)", "use 1"]),
+    "megatron pipeline": (["trainer.engine=megatron", "parallel.pp=2"], ["parallel.pp: got 2", "multi-rank actor group"]),
+    "megatron data parallel": (["trainer.engine=megatron", "parallel.dp=2"], ["parallel.dp: got 2"]),
+    "hybrid on hf": (["trainer.hybrid=true", "rollout.engine=vllm"], ["trainer.hybrid: got True", "needs trainer.engine='megatron' (got 'hf')", "reshards"]),
+    "hybrid with hf rollout": (
+        ["trainer.hybrid=true", "trainer.engine=megatron"],
+        ["trainer.hybrid: got True", "needs rollout.engine='vllm' (got 'hf')", "on the devices it trains on"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINE_ERRORS))
+def test_engine_and_hybrid_rules_say_why(tiny_model_dir, name):
+    overrides, fragments = ENGINE_ERRORS[name]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.path={tiny_model_dir}", *overrides])
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_hybrid_actor_settings(tiny_model_dir):
+    assert load_config().trainer.engine == "hf" and not load_config().trainer.hybrid
+    for mode in ("inprocess", "distributed"):
+        config = load_config(None, [f"model.path={tiny_model_dir}", "trainer.engine=megatron", "rollout.engine=vllm",
+                                    "trainer.hybrid=true", f"dock.mode={mode}"])
+        assert config.trainer.hybrid and config.trainer.engine == "megatron"
+    for mode in ("inprocess", "distributed"):  # without the hybrid: megatron actor, weights over the channel
+        assert load_config(None, ["trainer.engine=megatron", f"dock.mode={mode}"]).trainer.engine == "megatron"

@@ -14,11 +14,13 @@ wheels it drags in (they break ``import vllm`` on a CPU torch): see the Makefile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -76,6 +78,32 @@ def layer_groups(names: Iterable[str], packed_modules: dict[str, list[str]]) -> 
         leaf = packed_of.get(leaf, leaf)
         groups[name] = f"{parent}.{leaf}" if parent else leaf
     return groups
+
+
+@contextlib.contextmanager
+def _hide_unscannable_modules() -> Iterator[None]:
+    """Take modules out of ``sys.modules`` that vLLM's start-up scan would crash on, for the scope.
+
+    vLLM 0.32's CPU worker rebinds Triton kernels by walking every module namespace and calling
+    ``hasattr(value, "__dict__")`` on each value (``vllm.triton_utils.dispatcher._rebind_kernels``);
+    ``hasattr`` swallows only ``AttributeError``, and a werkzeug ``LocalProxy`` (``flask.request``,
+    imported by moto's S3 server) raises ``RuntimeError`` outside an application context. Such
+    modules hold no Triton kernel; they are put back when the scope ends.
+    """
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        for value in list(namespace.values()):
+            try:
+                hasattr(value, "__dict__")
+            except Exception:  # noqa: BLE001 - exactly what the scan would raise on
+                hidden[name] = sys.modules.pop(name)
+                break
+    try:
+        yield
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
 
 
 class VLLMRolloutEngine:
@@ -136,19 +164,20 @@ class VLLMRolloutEngine:
         # trains in this process, so the function and the thread count are restored.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            self.llm = vllm.LLM(
-                str(model_path),
-                dtype=dtype,
-                seed=seed,
-                trust_remote_code=trust_remote_code,
-                distributed_executor_backend="uni",
-                # log-probs after temperature scaling: log_softmax(z / τ), what the actor computes
-                logprobs_mode="processed_logprobs",
-                kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
-                max_model_len=max_model_len,
-                enforce_eager=enforce_eager,
-                enable_sleep_mode=self.sleep_supported,
-            )
+            with _hide_unscannable_modules():
+                self.llm = vllm.LLM(
+                    str(model_path),
+                    dtype=dtype,
+                    seed=seed,
+                    trust_remote_code=trust_remote_code,
+                    distributed_executor_backend="uni",
+                    # log-probs after temperature scaling: log_softmax(z / τ), what the actor computes
+                    logprobs_mode="processed_logprobs",
+                    kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+                    max_model_len=max_model_len,
+                    enforce_eager=enforce_eager,
+                    enable_sleep_mode=self.sleep_supported,
+                )
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -243,6 +272,17 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         return sum(t.numel() for _, t in weights) * self.dtype.itemsize
+
+    def layer_members(self, name: str) -> frozenset[str]:
+        """HF names of every tensor of the vLLM layer that loads ``name`` (``name`` included):
+        the tensors one ``load_weights`` call must carry together.
+
+        Raises:
+            KeyError: a name the model does not have.
+        """
+        if name not in self._groups:
+            raise KeyError(f"rollout engine: no parameter named {name!r}")
+        return frozenset(self._members[self._groups[name]])
 
     def close(self) -> None:
         """Shut the engine down and destroy the torch.distributed group (world size 1) that

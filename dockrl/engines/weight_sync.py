@@ -86,11 +86,12 @@ class WeightChannel:
             raises from torch.distributed naming the collective.
         bucket_bytes: bucket size, bytes of the wire dtype.
 
-    The constructor blocks until every rank joined. Uses the process's default group.
+    The constructor blocks until every rank joined. The channel is a gloo process group of
+    its own, not the process's default group, which stays free for the engines (vLLM makes a
+    default group of one for itself; megatron builds its groups over the default group).
 
     Raises:
         ValueError: bad address or rank.
-        RuntimeError: a process group already exists in this process.
     """
 
     def __init__(
@@ -99,17 +100,25 @@ class WeightChannel:
         host, port = parse_address(address)
         if not 0 <= rank < world_size:
             raise ValueError(f"weight sync: rank={rank}; expected 0 <= rank < world_size={world_size}")
-        if dist.is_initialized():
-            raise RuntimeError("weight sync: this process already has a default process group")
         self.rank, self.world_size, self.bucket_bytes = rank, world_size, bucket_bytes
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore("dockrl/weights", store), rank=rank, world_size=world_size, timeout=timeout)
+        # a group object of its own: collectives are called on it directly (it is not registered
+        # with torch.distributed, so the default group, if any, is untouched)
+        self._group: dist.ProcessGroup | None = dist.ProcessGroupGloo(dist.PrefixStore("dockrl/weights", store), rank, world_size, timeout)
         logger.info("weight channel: rank %d of %d joined at %s", rank, world_size, address)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` from the actor in place; bounded by the group's timeout."""
+        if self._group is None:
+            raise RuntimeError("weight sync: the channel is closed")
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = SENDER, 0
+        self._group.broadcast([tensor], opts).wait()
 
     def _check_fingerprint(self, mine: int) -> None:
         theirs = torch.tensor([mine], dtype=torch.int64)
-        dist.broadcast(theirs, src=SENDER)
+        self._broadcast(theirs)
         if int(theirs) != mine:
             raise ValueError(
                 "weight sync: the actor's parameters (names, shapes, wire dtype) differ from this rollout engine's; "
@@ -134,7 +143,7 @@ class WeightChannel:
         with torch.no_grad():
             for bucket in buckets:
                 flat = torch.cat([tensors[i].to(dtype).reshape(-1) for i in bucket])
-                dist.broadcast(flat, src=SENDER)
+                self._broadcast(flat)
                 sent += flat.numel() * element_size
         return {"weight_sync/bytes": sent, "weight_sync/buckets": len(buckets), "weight_sync/seconds": time.perf_counter() - start}
 
@@ -169,12 +178,11 @@ class WeightChannel:
         loaded = 0
         for bucket in buckets:
             flat = torch.empty(sum(params[i][1].numel() for i in bucket), dtype=dtype)
-            dist.broadcast(flat, src=SENDER)
+            self._broadcast(flat)
             views = flat.split([params[i][1].numel() for i in bucket])
             loaded += load((params[i][0], v.view(params[i][1].shape)) for i, v in zip(bucket, views))
         return {"weight_sync/bytes": loaded, "weight_sync/buckets": len(buckets), "weight_sync/seconds": time.perf_counter() - start}
 
     def close(self) -> None:
         """Leave the group (idempotent)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._group = None

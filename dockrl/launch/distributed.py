@@ -11,7 +11,8 @@ group; ``launcher.run_training(worker_backend="kubernetes")``):
    reference (only when ``algorithm.kl_coef > 0``) and actor; rollout, reference and actor
    take the platform's accelerators. Rollout and actor also meet on the weight channel, a
    gloo group whose ``TCPStore`` this process hosts. The rollout starts first and evaluates;
-   the others start once it has reported.
+   the others start once it has reported. With ``trainer.hybrid`` one ``hybrid`` group plays
+   rollout and actor (no weight channel).
 
 Every address comes from the backend (``backend.address``, ``backend.launcher_host``) and the
 config travels as YAML in an environment variable (``CONFIG_ENV``), so the same groups run as
@@ -56,7 +57,7 @@ from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, find
 from dockrl.trainer import (
     add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model, snapshot_for_checkpoint,
 )
-from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC
+from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC, stage_processes
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ ACCELERATOR_STAGES = ("rollout", "reference", "actor")
 
 def iteration_stages(cfg: Config) -> list[str]:
     """Reports the driver waits for in each iteration, in the order their metrics are merged."""
-    return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", WEIGHT_SYNC]
+    sync = [] if cfg.trainer.hybrid else [WEIGHT_SYNC]  # the hybrid actor syncs inside its "actor" report
+    return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", *sync]
 
 
 def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
@@ -104,7 +106,7 @@ def worker_groups(
     ]
     dock = ",".join(shard_locations(backend, ports))
     env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg)}
-    stages = [s for s in ("rollout", "reward", "reference", "actor") if s != "reference" or cfg.algorithm.kl_coef > 0]
+    stages = stage_processes(cfg)
     return shards + [
         WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,

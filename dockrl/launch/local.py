@@ -51,6 +51,19 @@ def default_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / "dockrl-local-workers"
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid`` (Linux ``/proc``; empty elsewhere)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
 def _start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); None if gone, a zombie or unknown."""
     try:
@@ -166,11 +179,13 @@ class LocalBackend:
         for pid in targets:
             self._signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and any(self._alive(pid, st) for pid, st in targets.items()):
+        # a worker's children (vLLM, reward pools) share its process group and stop with it:
+        # wait for the whole group, not only its leader
+        while time.monotonic() < deadline and any(self._alive(pid, st) or _group_members(pid) for pid, st in targets.items()):
             time.sleep(0.05)
         for pid, st in targets.items():
-            if self._alive(pid, st):
-                logger.warning("worker pid %d ignored SIGTERM for %.0f s; killing it", pid, self.grace_s)
+            if self._alive(pid, st) or _group_members(pid):
+                logger.warning("worker pid %d (or a process it started) ignored SIGTERM for %.0f s; killing its group", pid, self.grace_s)
                 self._signal(pid, signal.SIGKILL)
         for _, _, p, _ in self._procs:
             try:

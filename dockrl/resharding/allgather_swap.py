@@ -212,6 +212,10 @@ class AllGatherSwap:
         """Raise ``PhaseError`` unless the actor is training (call before forward/backward/step)."""
         self._expect(Phase.TRAINING, what)
 
+    def require_generating(self, what: str = "generate") -> None:
+        """Raise ``PhaseError`` unless the actor is generating (call before the rollout engine runs)."""
+        self._expect(Phase.GENERATING, what)
+
     @property
     def weights(self) -> InferenceWeights:
         """The inference weights; only while generating."""

@@ -86,6 +86,15 @@ def accumulate_mini_batch(
     return metrics
 
 
+def rollout_log_prob_diff(rollout: Sequence[Sequence[float]], actor: Sequence[Sequence[float]]) -> dict[str, float]:
+    """``actor/rollout_log_prob_diff_{mean,max}``: |rollout engine's − actor's log-prob| of the same
+    tokens before the update (nats, over all response tokens; verl's ``rollout_probs_diff``).
+    Near 0 when the rollout engine serves the actor's weights (fp32: ~1e-5, bf16: ~1e-2); a stale
+    or broken weight sync shows here first."""
+    diffs = [abs(a - b) for r, o in zip(rollout, actor) for a, b in zip(r, o)]
+    return {"actor/rollout_log_prob_diff_mean": sum(diffs) / max(len(diffs), 1), "actor/rollout_log_prob_diff_max": max(diffs, default=0.0)}
+
+
 class ActorWorker:
     def __init__(self, engine: TrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig) -> None:
         self.engine, self.trainer, self.algo, self.rollout = engine, trainer, algo, rollout
@@ -94,8 +103,9 @@ class ActorWorker:
         """Update the actor on the whole global batch; returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
         columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])
-        claim = dock.claim("actor", columns, dock.num_rows, whole_groups=True)
+        claim = dock.claim("actor", columns + ["rollout_log_prob"], dock.num_rows, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
+        rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
         on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
         if not on_policy:  # later mini-batches need the log-probs from before the first step
             batch["old_log_prob"] = self.engine.log_probs(
@@ -118,11 +128,13 @@ class ActorWorker:
                     )
                 )
         if on_policy:
-            dock.put(claim.rows, {"old_log_prob": mini["old_log_prob"]})
+            batch["old_log_prob"] = mini["old_log_prob"]
+            dock.put(claim.rows, {"old_log_prob": batch["old_log_prob"]})
         dock.ack(claim)  # the update is done: the lease on these rows ends for good
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["actor/ratio_max"] = max(m["actor/ratio_max"] for m in steps)
         metrics["actor/first_step_ratio_mean"] = steps[0]["actor/ratio_mean"]
+        metrics |= rollout_log_prob_diff(rollout_log_prob, batch["old_log_prob"])
         tokens = sum(len(r) for r in batch["response_ids"])
         seconds = time.perf_counter() - start
         metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds, "perf/actor_tokens_per_s": tokens * self.trainer.ppo_epochs / seconds})

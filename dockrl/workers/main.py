@@ -21,6 +21,9 @@ The stages share nothing but the dock, and the actor → rollout weight channel:
 With ``run.resume`` (a checkpoint folder; the driver resolves ``latest``) the rollout and actor
 load their weights from it, the actor its optimizer, and the rollout skips the evaluation before
 training. Every stage reseeds its generators per iteration (``dockrl.resume.seed_iteration``).
+* ``hybrid``    (``trainer.hybrid``) rollout and actor in one process on the same devices:
+  generates with vLLM, reports ``rollout``, updates with megatron-core, syncs by the
+  allgather–swap, reports ``actor`` (``dockrl/workers/hybrid.py``); no weight channel.
 
 Besides the iterations, stages report the pseudo-iterations ``BEFORE_TRAINING`` (the rollout's
 evaluation) and ``AFTER_TRAINING`` (every stage once its loop ended: the rollout's evaluation,
@@ -45,7 +48,7 @@ from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, load
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("rollout", "reward", "reference", "actor")
+STAGES = ("rollout", "reward", "reference", "actor", "hybrid")
 WEIGHT_SYNC = "weight_sync"
 """Report the rollout process makes once it holds the weights of an iteration's update."""
 BEFORE_TRAINING = -1
@@ -57,6 +60,15 @@ TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
 CONFIG_ENV = "DOCKRL_CONFIG_YAML"
 """Environment variable with the run's fully resolved config (YAML) for ``--config-env``."""
 ROLLOUT_RANK, ACTOR_RANK = 1, 0
+
+
+def stage_processes(cfg: Config) -> list[str]:
+    """The stage processes of a run, the one that evaluates first: ``hybrid`` (rollout and actor
+    in one, ``trainer.hybrid``) or ``rollout`` … ``actor``; ``reference`` only when β > 0."""
+    reference = ["reference"] if cfg.algorithm.kl_coef > 0 else []
+    if cfg.trainer.hybrid:
+        return ["hybrid", "reward", *reference]
+    return ["rollout", "reward", *reference, "actor"]
 
 
 def serve_iterations(
@@ -86,23 +98,26 @@ def serve_iterations(
 
 
 def run_rollout(cfg: Config, dock, weights: str) -> None:
-    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.factory import build_rollout_engine, receive_params
+    from dockrl.engines.layer_loader import WholeLayerLoader
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.trainer import build_scorer, evaluate, load_run_prompts, resolve_data, resolve_model
     from dockrl.workers.rollout import RolloutWorker
 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    engine = HFRolloutEngine(weights_path(cfg, model_path), dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    engine = build_rollout_engine(cfg, weights_path(cfg, model_path))
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
-    params = list(engine.model.named_parameters())
+    params = receive_params(engine, cfg, model_path)
     worker = RolloutWorker(engine, cfg.rollout)
     channel = None
 
     def sync(it: int) -> None:
         dock.wait_reports(it, ["actor"], cfg.dock.timeout_s)  # updated: its weights come next on the channel
-        metrics = channel.receive(params, engine.load_weights)
+        loader = WholeLayerLoader(engine.load_weights, getattr(engine, "layer_members", None))  # vLLM: whole layers
+        metrics = channel.receive(params, loader)
+        loader.finish()
         metrics["timing_s/weight_sync"] = metrics["weight_sync/seconds"]
         dock.report(it, WEIGHT_SYNC, metrics)
 
@@ -155,16 +170,13 @@ def run_reference(cfg: Config, dock) -> None:
 
 
 def run_actor(cfg: Config, dock, weights: str) -> None:
-    from dockrl.engines.hf import HFTrainEngine
+    from dockrl.engines.factory import build_train_engine
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.trainer import resolve_model
     from dockrl.workers.actor import ActorWorker
 
     t = cfg.trainer
-    engine = HFTrainEngine(
-        weights_path(cfg, resolve_model(cfg)), trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
-    )
+    engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)))
     if cfg.run.resume:
         load_optimizer(engine, Path(cfg.run.resume))
     channel = WeightChannel(weights, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s)
@@ -228,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     ) as dock:
         if args.stage == "rollout":
             run_rollout(cfg, dock, args.weight_sync)
+        elif args.stage == "hybrid":
+            from dockrl.workers.hybrid import run_hybrid
+
+            run_hybrid(cfg, dock)
         elif args.stage == "reward":
             run_reward(cfg, dock)
         elif args.stage == "reference":

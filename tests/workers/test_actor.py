@@ -5,7 +5,7 @@ import torch
 
 from dockrl.config import AlgorithmConfig
 from dockrl.engines.hf import HFTrainEngine
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.workers.actor import accumulate_mini_batch, rollout_log_prob_diff
 
 
 def _batch(engine, n=8, kl=False, seed=0):
@@ -47,3 +47,8 @@ def test_micro_batch_size_does_not_change_loss_or_gradients(tiny_model_dir, loss
     assert g1.keys() == g4.keys() and len(g1) > 0
     for name in g1:
         torch.testing.assert_close(g1[name], g4[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_rollout_log_prob_diff_by_hand():
+    got = rollout_log_prob_diff([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]])
+    assert got == {"actor/rollout_log_prob_diff_mean": 0.25, "actor/rollout_log_prob_diff_max": 0.5}

@@ -1,0 +1,96 @@
+"""Build the engines a run's config asks for: ``rollout.engine`` and ``trainer.engine``.
+
+Shared by the in-process driver (``dockrl/trainer.py``), the stage processes
+(``dockrl/workers/main.py``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
+megatron-core are imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dockrl.config import Config
+from dockrl.engines.protocols import RolloutEngine
+from dockrl.engines.train_protocol import TrainEngine
+
+logger = logging.getLogger(__name__)
+
+
+def build_rollout_engine(cfg: Config, model_path: Path) -> RolloutEngine:
+    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``) with ``rollout.dtype`` weights.
+
+    Raises:
+        ImportError: ``rollout.engine=vllm`` without vLLM installed (the message says how to install it).
+    """
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from dockrl.engines.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed)
+    from dockrl.engines.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def init_single_process_group(timeout_s: float) -> None:
+    """A gloo process group of this process alone (world size 1), unless one exists.
+
+    The megatron engine builds its TP/PP/DP groups over the default group; with one actor rank
+    that is a group of one. Its store listens on a free loopback port.
+    """
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def build_train_engine(cfg: Config, model_path: Path) -> TrainEngine:
+    """The trainable actor engine of ``trainer.engine``.
+
+    ``megatron``: a ``MegatronTrainEngine`` with ``parallel.tp``/``pp`` over this process's
+    default process group (a group of one is created when none exists); fp32 without autocast,
+    so ``trainer.autocast_bf16`` is ignored (one warning).
+    """
+    t = cfg.trainer
+    if t.engine == "megatron":
+        from dockrl.engines.megatron import MegatronTrainEngine
+
+        if t.autocast_bf16:
+            logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
+        init_single_process_group(cfg.dock.timeout_s)
+        return MegatronTrainEngine(
+            model_path, trainable=True, tp=cfg.parallel.tp, pp=cfg.parallel.pp, lr=t.lr, weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip, seed=t.seed, trust_remote_code=cfg.model.trust_remote_code,
+        )
+    from dockrl.engines.hf import HFTrainEngine
+
+    return HFTrainEngine(
+        model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
+    )
+
+
+def receive_params(engine: RolloutEngine, cfg: Config, model_path: Path) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter the actor sends over the weight channel, in its order,
+    in ``rollout.dtype``: the receiving side of ``WeightChannel.receive``.
+
+    An HF engine receives into its own parameters; a vLLM engine, which holds its weights in its
+    own (fused, repacked) layout, gets meta tensors of the HF model's parameters that give only
+    names, shapes and dtype (the received buckets are loaded through ``load_weights``).
+    """
+    model = getattr(engine, "model", None)
+    if model is not None:
+        return list(model.named_parameters())
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    dtype = getattr(torch, cfg.rollout.dtype)
+    return [(n, torch.empty(p.shape, dtype=dtype, device="meta")) for n, p in meta.named_parameters()]

