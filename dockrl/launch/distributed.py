@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
-ACCELERATOR_STAGES = ("rollout", "reference", "actor")
+ACCELERATOR_STAGES = ("rollout", "reference", "actor", "hybrid")
 """Stages that hold a model and take the platform's accelerators (reward and dock shards do not)."""
 
 

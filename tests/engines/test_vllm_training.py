@@ -75,7 +75,7 @@ class FakeRandomScorer:
 
 @pytest.mark.slow
 def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """Two iterations with ``rollout.engine=vllm`` and the default bf16 rollout copy."""
+    """Two iterations with ``rollout.engine=vllm`` and the default rollout copy (``rollout.dtype=auto``)."""
     monkeypatch.setattr(trainer, "RewardScorer", FakeRandomScorer)
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
@@ -95,7 +95,8 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
     assert any("vLLM" in r.getMessage() and "rollout engine" in r.getMessage() for r in caplog.records)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1]
-    synced = synced_numel(HFTrainEngine(tiny_model_dir, trainable=False)) * 2  # bf16 copy
+    itemsize = getattr(torch, cfg.rollout.dtype).itemsize  # auto: bf16 where native, else fp32
+    synced = synced_numel(HFTrainEngine(tiny_model_dir, trainable=False)) * itemsize
     for x in lines:
         assert x["rollout/response_length_mean"] > 0 and math.isfinite(x["actor/loss"])
         assert x["weight_sync/bytes"] == synced

@@ -172,8 +172,10 @@ HYBRID = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true
 
 def test_the_hybrid_actor_replaces_the_rollout_and_actor_processes(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path, *HYBRID)
-    groups = worker_groups(cfg, tmp_path / "config.yaml", [5001], 29500, "secret")
+    local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
+    groups = worker_groups(cfg, local, [5001], "127.0.0.1:29500", "secret")
     assert [g.name for g in groups] == ["dock-shard-0", "hybrid", "reward", "reference"]
+    assert groups[1].accelerators  # it trains and generates on the platform's accelerators
     assert groups[1].command[groups[1].command.index("--stage") + 1] == "hybrid"
     assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor"]  # the sync is part of the actor's report
 
