@@ -18,7 +18,7 @@ from dockrl.resume import (
     prompts_fingerprint, write_driver_state,
 )
 
-FAKES = Path(__file__).parent / "launch"  # fake_scorers.py
+FAKES = Path(__file__).parent  # fake_scorers.py
 VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")
 """Metrics that depend on the clock or count a process's traffic: not compared between runs."""
 

@@ -2,7 +2,6 @@
 
 import json
 import math
-import random
 
 import pytest
 import torch
@@ -10,22 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dockrl import trainer
 from dockrl.config import load_config
-
-
-class FakeRandomScorer:
-    """Fake reward scorer: seeded random rewards, so a random tiny model still gets a gradient."""
-
-    def __init__(self, **_):
-        self.rng = random.Random(0)
-
-    def score(self, responses, ground_truths):
-        return [self.rng.choice([0.0, 0.1, 1.1]) for _ in responses]
-
-    def counters(self):
-        return {"timeouts": 0, "errors": 0, "scored": 0}
-
-    def close(self):
-        pass
+from fake_scorers import FakeRandomScorer  # noqa: E402
 
 
 @pytest.mark.slow

@@ -6,11 +6,14 @@ shards) and in a warehouse (2 metadata-only shards; an S3 server, a local direct
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from collections.abc import Iterator
 
 import numpy as np
@@ -473,6 +476,10 @@ def test_write_after_the_iteration_closed_is_refused_by_the_shard(shards):
         raw_call(shards[1][0], raw_action("ack", b'{"iteration": 0, "consumer": "reward", "lease": "x", "rows": [0]}'))
 
 
+NEVER_WRITTEN = str(Path(tempfile.gettempdir()) / "dockrl-never-written")
+"""Where a refused snapshot or restore would have gone."""
+
+
 @pytest.mark.parametrize("token", [None, "wrong"], ids=["missing", "wrong"])
 @pytest.mark.parametrize(
     "call",
@@ -482,8 +489,8 @@ def test_write_after_the_iteration_closed_is_refused_by_the_shard(shards):
         raw_action("ack", b'{"iteration": 0, "consumer": "reward", "lease": "x", "rows": [0]}'),
         raw_action("renew", b'{"owner": "x"}'),
         raw_action("release_owner", b'{"owner": "x"}'),
-        raw_action("snapshot", b'{"uri": "/tmp/never-written"}'),
-        raw_action("restore", b'{"uri": "/tmp/never-written", "layout": null}'),
+        raw_action("snapshot", json.dumps({"uri": NEVER_WRITTEN}).encode()),
+        raw_action("restore", json.dumps({"uri": NEVER_WRITTEN, "layout": None}).encode()),
     ],
     ids=["put", "get", "ack", "renew", "release_owner", "snapshot", "restore"],
 )

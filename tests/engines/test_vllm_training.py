@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from dockrl import trainer  # noqa: E402
 from dockrl.config import load_config  # noqa: E402
 from dockrl.engines.hf import HFTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from fake_scorers import FakeRandomScorer  # noqa: E402
 
 
 def synced_numel(actor: HFTrainEngine) -> int:
@@ -55,22 +55,6 @@ def test_bf16_engine_takes_fp32_actor_weights_quietly(tiny_model_dir, caplog):
             torch.testing.assert_close(torch.tensor(s.log_probs), torch.tensor(ref), atol=0.05, rtol=0)
     finally:
         engine.close()
-
-
-class FakeRandomScorer:
-    """Fake reward scorer: seeded random rewards, so a random tiny model still gets a gradient."""
-
-    def __init__(self, **_):
-        self.rng = random.Random(0)
-
-    def score(self, responses, ground_truths):
-        return [self.rng.choice([0.0, 0.1, 1.1]) for _ in responses]
-
-    def counters(self):
-        return {"timeouts": 0, "errors": 0, "scored": 0}
-
-    def close(self):
-        pass
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from dockrl.launch.distributed import iteration_stages, worker_groups
 from dockrl.launch.local import LocalBackend, free_ports
 from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC
 
-FAKES = Path(__file__).parent  # fake_scorers.py, importable by the worker processes
+FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py, importable by the worker processes
 
 
 def run_config(tiny_model_dir, tmp_path, *extra: str):

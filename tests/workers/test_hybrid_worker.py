@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
-import random
 
 import pytest
 import torch
@@ -19,22 +18,7 @@ if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vl
 from dockrl import trainer  # noqa: E402
 from dockrl.config import load_config  # noqa: E402
 from e2e_checks import check_hybrid_run  # noqa: E402
-
-
-class FakeRandomScorer:
-    """Fake reward scorer: seeded random rewards, so a random tiny model still gets a gradient."""
-
-    def __init__(self, **_):
-        self.rng = random.Random(0)
-
-    def score(self, responses, ground_truths):
-        return [self.rng.choice([0.0, 0.1, 1.1]) for _ in responses]
-
-    def counters(self):
-        return {"timeouts": 0, "errors": 0, "scored": 0}
-
-    def close(self):
-        pass
+from fake_scorers import FakeRandomScorer  # noqa: E402
 
 
 HYBRID = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true"]

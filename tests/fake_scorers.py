@@ -1,8 +1,8 @@
 """Fake reward scorers for runs whose reward stage is another process (``algorithm.scorer=fake_scorers:...``).
 
 A random tiny model never writes a well-formed answer, so the real verifier would give every
-sample 0 and no gradient; these fakes stand in for it. The test puts this folder on the
-workers' ``PYTHONPATH``.
+sample 0 and no gradient; these fakes stand in for it. The tests put this folder on the
+workers' ``PYTHONPATH``; in-process tests import it directly (tests/ is on ``sys.path``).
 """
 
 from __future__ import annotations
