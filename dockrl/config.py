@@ -362,17 +362,23 @@ def _check_rules(c: Config) -> None:
 def _check_engines(c: Config) -> None:
     """What the megatron engine and the hybrid actor can run today; each rule says why.
 
-    With one actor rank, ``parallel.infer_tp`` is 1 too (``check_counts``: TP' divides TP × DP).
+    The hybrid actor runs TP × PP ranks (one process each) with TP' = 1 on each.
     """
     t, p = c.trainer, c.parallel
     if t.engine == "megatron":
         if p.device != "cpu":
             raise _fail("parallel.device", p.device, "trainer.engine='megatron' runs on CPU only so far (its device layer "
                         "redirects megatron-core's CUDA calls to CPU; cuda/npu placement is not wired): use 'cpu'")
-        for name in ("tp", "pp", "dp"):
-            if getattr(p, name) != 1:
-                raise _fail(f"parallel.{name}", getattr(p, name), "trainer.engine='megatron' runs the actor as one process "
-                            "(one rank) so far; launching a multi-rank actor group (one process per device) is not built: use 1")
+        if p.dp != 1:
+            raise _fail("parallel.dp", p.dp, "data-parallel replicas of the megatron actor are not built (tp and pp > 1 "
+                        "are, for the hybrid actor): use 1")
+        for name in ("tp", "pp"):
+            if getattr(p, name) != 1 and not (t.hybrid and c.dock.mode == "distributed"):
+                raise _fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
+                            "as the hybrid actor with dock.mode='distributed' only (trainer.hybrid=true); else use 1")
+        if p.tp * p.pp > 1 and p.infer_tp != 1:
+            raise _fail("parallel.infer_tp", p.infer_tp, "vLLM with TP' > 1 inside the actor's processes is not built: use 1 "
+                        "(every actor rank then generates with a full copy of the weights, inference DP' = tp × pp)")
     if t.hybrid:
         if t.engine != "megatron":
             raise _fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "
@@ -380,9 +386,6 @@ def _check_engines(c: Config) -> None:
         if c.rollout.engine != "vllm":
             raise _fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' (got {c.rollout.engine!r}): the hybrid "
                         "actor generates with vLLM on the devices it trains on")
-        if c.run.resume:
-            raise _fail("run.resume", c.run.resume, "trainer.hybrid does not resume yet (its checkpoints hold the weights and "
-                        "optimizer, but restoring megatron's state under the swap is not built): resume without the hybrid actor")
 
 
 def _check_parallel(c: Config) -> None:

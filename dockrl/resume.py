@@ -116,8 +116,15 @@ def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
     return f"s3://{k.bucket}/{key}?{query}"
 
 
-def save_optimizer(engine: Any, checkpoint: Path) -> Path:
-    """Write ``engine.optimizer.state_dict()`` to ``CHECKPOINT/optimizer.pt``.
+def optimizer_file(rank: int = 0) -> str:
+    """Name of the optimizer state of actor rank ``rank`` in a checkpoint: ``optimizer.pt`` for
+    rank 0 (the only one of a single-process actor), ``optimizer.rank<r>.pt`` for the other
+    ranks of a multi-rank hybrid actor, each holding its own TP/PP shard's AdamW state."""
+    return OPTIMIZER_FILE if rank == 0 else f"optimizer.rank{rank}.pt"
+
+
+def save_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> Path:
+    """Write ``engine.optimizer.state_dict()`` to ``CHECKPOINT/optimizer_file(rank)``.
 
     Raises:
         ValueError: the engine has no optimizer (a frozen engine).
@@ -125,25 +132,26 @@ def save_optimizer(engine: Any, checkpoint: Path) -> Path:
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None:
         raise ValueError(f"save_optimizer: {type(engine).__name__} has no optimizer to checkpoint (trainable=False?)")
-    path = Path(checkpoint) / OPTIMIZER_FILE
+    path = Path(checkpoint) / optimizer_file(rank)
     tmp = path.with_suffix(".pt.tmp")
     torch.save(optimizer.state_dict(), tmp)
     tmp.replace(path)
     return path
 
 
-def load_optimizer(engine: Any, checkpoint: Path) -> None:
-    """Load ``CHECKPOINT/optimizer.pt`` into ``engine.optimizer`` (built over the checkpoint's weights).
+def load_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> None:
+    """Load ``CHECKPOINT/optimizer_file(rank)`` into ``engine.optimizer`` (built over the checkpoint's weights).
 
     Raises:
         ValueError: the engine has no optimizer, or the file is missing.
     """
     optimizer = getattr(engine, "optimizer", None)
-    path = Path(checkpoint) / OPTIMIZER_FILE
+    path = Path(checkpoint) / optimizer_file(rank)
     if optimizer is None:
         raise ValueError(f"load_optimizer: {type(engine).__name__} has no optimizer to restore into")
     if not path.is_file():
-        raise ValueError(f"run.resume: checkpoint {checkpoint} has no {OPTIMIZER_FILE} (written by an older version?)")
+        raise ValueError(f"run.resume: checkpoint {checkpoint} has no {path.name} (written by an older version, "
+                         "or by an actor with another parallel layout?)")
     optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
@@ -162,6 +170,12 @@ class ResumePoint:
     """Run summary at checkpoint time (evaluation before training)."""
 
 
+def actor_layout(cfg: Config) -> str:
+    """What the actor's optimizer files depend on: its engine and, for megatron, its TP/PP/DP shards."""
+    p = cfg.parallel
+    return "hf" if cfg.trainer.engine == "hf" else f"megatron tp={p.tp} pp={p.pp} dp={p.dp}"
+
+
 def write_driver_state(
     checkpoint: Path, cfg: Config, *, next_iteration: int, dock_uri: str, open_iteration: int | None,
     summary: dict[str, float], prompts: str,
@@ -171,6 +185,7 @@ def write_driver_state(
         "format": FORMAT, "version": VERSION, "next_iteration": next_iteration, "dock_snapshot": dock_uri,
         "open_iteration": open_iteration, "summary": summary, "seed": cfg.trainer.seed,
         "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts,
+        "actor_layout": actor_layout(cfg),
     }
     path = Path(checkpoint) / STATE_FILE
     tmp = path.with_suffix(".json.tmp")
@@ -236,6 +251,12 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
                 f"run.resume: {path} was written with {fields[key]}={doc.get(key)!r}, this run has {mine!r}; "
                 "the data order depends on it: resume with the checkpoint's settings"
             )
+    layout = actor_layout(cfg)
+    if doc.get("actor_layout", layout) != layout:  # checkpoints of older versions name none
+        raise ConfigError(
+            f"run.resume: {path} holds the optimizer state of a {doc['actor_layout']!r} actor, this run's is {layout!r}: "
+            "resume with the checkpoint's trainer.engine and parallel.tp/pp/dp"
+        )
     nxt = doc["next_iteration"]
     if not nxt < cfg.trainer.iterations:
         raise ConfigError(

@@ -196,13 +196,13 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
         from dockrl.workers.hybrid import build_hybrid_worker
 
-        hybrid = build_hybrid_worker(cfg, weights)
+        hybrid = build_hybrid_worker(cfg, weights, optimizer_from=point.checkpoint if point else None)
         rollout_engine, actor = hybrid.actor.rollout_engine, hybrid.actor
         rollout_stage, actor_stage = hybrid.generation, hybrid.update
     else:
         rollout_engine, actor = build_rollout_engine(cfg, weights), build_train_engine(cfg, weights)
         rollout_stage, actor_stage = RolloutWorker(rollout_engine, r), ActorWorker(actor, trainer=t, algo=a, rollout=r)
-    if point:
+    if point and hybrid is None:  # the hybrid loaded it before its first sync
         load_optimizer(actor, point.checkpoint)
     scorer = build_scorer(a)
     workers = [rollout_stage, RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]

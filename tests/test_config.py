@@ -341,9 +341,16 @@ def test_autocast_literal_is_checked_by_type():
 ENGINE_ERRORS = {
     "unknown training engine": (["trainer.engine=deepspeed"], ["trainer.engine: got 'deepspeed'; expected one of 'hf', 'megatron'"]),
     "megatron off cpu": (["trainer.engine=megatron", "parallel.device=cuda"], ["parallel.device: got 'cuda'", "CPU only so far"]),
-    "megatron over several ranks": (["trainer.engine=megatron", "parallel.tp=2"], ["parallel.tp: got 2", "one process (one rank)", "use 1"]),
-    "megatron pipeline": (["trainer.engine=megatron", "parallel.pp=2"], ["parallel.pp: got 2", "multi-rank actor group"]),
-    "megatron data parallel": (["trainer.engine=megatron", "parallel.dp=2"], ["parallel.dp: got 2"]),
+    "megatron over several ranks": (["trainer.engine=megatron", "parallel.tp=2"], ["parallel.tp: got 2", "hybrid actor with dock.mode='distributed' only", "use 1"]),
+    "megatron pipeline": (["trainer.engine=megatron", "parallel.pp=2"], ["parallel.pp: got 2", "multi-rank megatron actor"]),
+    "megatron data parallel": (["trainer.engine=megatron", "parallel.dp=2"], ["parallel.dp: got 2", "data-parallel replicas"]),
+    "multi-rank hybrid in process": (
+        ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "parallel.tp=2"], ["parallel.tp: got 2", "dock.mode='distributed'"],
+    ),
+    "multi-rank hybrid with vLLM TP": (
+        ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed", "parallel.tp=2", "parallel.infer_tp=2"],
+        ["parallel.infer_tp: got 2", "inference DP' = tp × pp"],
+    ),
     "hybrid on hf": (["trainer.hybrid=true", "rollout.engine=vllm"], ["trainer.hybrid: got True", "needs trainer.engine='megatron' (got 'hf')", "reshards"]),
     "hybrid with hf rollout": (
         ["trainer.hybrid=true", "trainer.engine=megatron"],
@@ -367,5 +374,9 @@ def test_hybrid_actor_settings(tiny_model_dir):
         config = load_config(None, [f"model.path={tiny_model_dir}", "trainer.engine=megatron", "rollout.engine=vllm",
                                     "trainer.hybrid=true", f"dock.mode={mode}"])
         assert config.trainer.hybrid and config.trainer.engine == "megatron"
+    for layout in (["parallel.tp=2"], ["parallel.pp=2"], ["parallel.tp=2", "parallel.pp=2"]):  # one process per rank
+        config = load_config(None, [f"model.path={tiny_model_dir}", "trainer.engine=megatron", "rollout.engine=vllm",
+                                    "trainer.hybrid=true", "dock.mode=distributed", *layout])
+        assert config.parallel.tp * config.parallel.pp == len(layout) * 2 and config.parallel.infer_tp == 1
     for mode in ("inprocess", "distributed"):  # without the hybrid: megatron actor, weights over the channel
         assert load_config(None, ["trainer.engine=megatron", f"dock.mode={mode}"]).trainer.engine == "megatron"

@@ -77,6 +77,7 @@ def test_resume_refuses_what_would_lose_or_repeat_rows(tmp_path):
         (config(tmp_path, f"run.resume={ckpt}", "rollout.n=4"), "p", "rollout.n"),
         (config(tmp_path, f"run.resume={ckpt}"), "other", "the training prompts"),
         (config(tmp_path, f"run.resume={ckpt}", "trainer.iterations=2"), "p", "trainer.iterations: got 2; .* resumes at iteration 2"),
+        (config(tmp_path, f"run.resume={ckpt}", "trainer.engine=megatron"), "p", "optimizer state of a 'hf' actor, .* 'megatron tp=1 pp=1 dp=1'"),
     ]
     for cfg_, prompts, message in cases:
         with pytest.raises(ConfigError, match=message):

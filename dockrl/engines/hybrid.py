@@ -17,8 +17,8 @@ while training, or a forward/backward or optimizer step while generating, raises
 ``dockrl/workers/hybrid.py``.
 
 Every step is driven by the layout (``ParallelLayout``) and megatron's TP/PP groups, so a
-TP/PP > 1 group runs the same code on every rank; what runs here is one rank (TP = PP = DP =
-TP' = 1), which the config enforces until multi-rank actor groups are launched. On CPU host and
+TP/PP > 1 group runs the same code on every rank (one process per rank, ``run_hybrid`` in
+``dockrl/workers/hybrid.py``); each rank's vLLM holds a full copy (TP' = 1). On CPU host and
 device are the same memory, so the swap moves only the accounting (``reshard/*``).
 """
 

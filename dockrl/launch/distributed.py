@@ -12,7 +12,8 @@ group; ``launcher.run_training(worker_backend="kubernetes")``):
    take the platform's accelerators. Rollout and actor also meet on the weight channel, a
    gloo group whose ``TCPStore`` this process hosts. The rollout starts first and evaluates;
    the others start once it has reported. With ``trainer.hybrid`` one ``hybrid`` group plays
-   rollout and actor (no weight channel).
+   rollout and actor (no weight channel): ``parallel.tp × pp`` members, one per actor rank, whose
+   gloo group meets at this process's ``TCPStore`` instead.
 
 Every address comes from the backend (``backend.address``, ``backend.launcher_host``) and the
 config travels as YAML in an environment variable (``CONFIG_ENV``), so the same groups run as
@@ -86,7 +87,9 @@ def worker_groups(
     Args:
         backend: gives the members' program, bind interface and addresses.
         ports: the shards' ports (``backend.serve_ports(dock.shards)``).
-        weight_address: ``host:port`` of the weight channel's ``TCPStore`` as the members reach it.
+        weight_address: ``host:port`` of the launcher's ``TCPStore`` as the members reach it: the
+            weight channel's rendezvous, or with ``trainer.hybrid`` that of the hybrid actor's
+            ranks (one member each, ``parallel.tp × pp``).
         token: the shards' bearer token; travels in the environment (``TOKEN_ENV``) only.
         run: the run's name (lease owners, the warehouse objects' root).
 
@@ -107,8 +110,9 @@ def worker_groups(
     dock = ",".join(shard_locations(backend, ports))
     env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg)}
     stages = stage_processes(cfg)
+    actor_ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp  # the hybrid actor: one process per rank
     return shards + [
-        WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, command=(
+        WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, replicas=actor_ranks if stage == "hybrid" else 1, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *(["--stay"] if backend.restarts_exited else []),
         ))

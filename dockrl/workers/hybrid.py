@@ -15,6 +15,12 @@ same (``rollout``, ``actor``). In-process, the driver runs ``generation`` first 
 last among its workers; as a process (``python -m dockrl.workers.main --stage hybrid``)
 ``run_hybrid`` serves the driver's iterations and reports ``rollout`` and ``actor`` as the two
 separate processes would, with no ``weight_sync`` report and no weight channel.
+
+With ``parallel.tp × pp > 1`` (distributed mode) the launcher starts one such process per
+actor rank; they join one process group, and megatron shards the model over TP/PP. Each rank
+holds a full vLLM copy (TP' = 1; vLLM sees the extra ranks as external data parallelism) and
+generates for its share of the prompts; they train on the same claimed rows (``ReplicaDock``)
+and the allgather–swap gathers the shards into every rank's copy.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from dockrl.config import Config
 from dockrl.dock import TransferDock
+from dockrl.dock.local import Claim
 from dockrl.engines.hybrid import HybridActor
 from dockrl.workers.actor import ActorWorker
-from dockrl.workers.rollout import RolloutWorker
+from dockrl.workers.rollout import RolloutWorker, rollout_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +49,11 @@ class UpdateThenSync:
     def __init__(self, actor: HybridActor, worker: ActorWorker) -> None:
         self.actor, self.worker = actor, worker
 
-    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+    def run_iteration(self, dock: TransferDock, *, before_sync: Callable[[], None] | None = None) -> dict[str, float]:
         """Returns the ``ActorWorker`` metrics plus the sync's (``HybridActor.sync``).
+
+        ``before_sync()`` runs after the update, while the training weights and optimizer are
+        on the device (a checkpoint).
 
         Raises:
             PhaseError: called while training (twice in a row without generating).
@@ -50,69 +62,190 @@ class UpdateThenSync:
         self.actor.start_training()
         swap_in_s = time.perf_counter() - start
         metrics = self.worker.run_iteration(dock)
+        if before_sync is not None:
+            before_sync()
         metrics |= self.actor.sync()
         metrics["timing_s/swap_in"] = swap_in_s
         return metrics
 
 
-class HybridWorker:
-    """The hybrid actor's two roles as stage workers over one ``HybridActor``."""
+class ReplicaDock:
+    """The dock as the ranks of one model replica (a TP/PP group) see it while they train together.
 
-    def __init__(self, actor: HybridActor, cfg: Config) -> None:
+    Megatron's ranks of one data-parallel replica must pass the same rows (``MegatronTrainEngine``):
+    rank ``src`` claims from the dock and broadcasts the claim (row indexes and cells, pickled
+    Arrow) over ``group``; the other ranks receive it instead of claiming. Only ``src`` puts and
+    acks, so every row is written once. ``num_rows`` and ``group_size`` come from the dock on
+    every rank.
+
+    Args:
+        dock: this rank's dock client.
+        group: the process group of the replica's ranks (None: the default group).
+        src: global rank of the member that talks to the dock.
+    """
+
+    def __init__(self, dock: TransferDock, *, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
+        self.dock, self.group, self.src = dock, group, src
+        self.leader = dist.get_rank() == src
+
+    @property
+    def num_rows(self) -> int:
+        return self.dock.num_rows
+
+    @property
+    def group_size(self) -> int:
+        return self.dock.group_size
+
+    def claim(self, consumer: str, columns: Sequence[str], count: int, **kwargs: Any) -> Claim:
+        """``dock.claim`` on ``src``, the same claim on every rank (a collective over ``group``).
+
+        Raises:
+            RuntimeError: the claim failed on ``src`` (its error, re-raised on every rank, so
+                that no rank waits for a claim that never comes).
+        """
+        box: list[Any] = [None]
+        if self.leader:
+            try:
+                box[0] = self.dock.claim(consumer, columns, count, **kwargs)
+            except Exception as e:  # noqa: BLE001 - travels to the other ranks, then raised here too
+                box[0] = e
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        if isinstance(box[0], Exception):
+            if self.leader:
+                raise box[0]
+            raise RuntimeError(f"claim by {consumer!r} failed on actor rank {self.src}: {box[0]}")
+        return box[0]
+
+    def put(self, rows: Sequence[int], columns: Any, *, ack: Claim | None = None) -> None:
+        if self.leader:
+            self.dock.put(rows, columns, ack=ack)
+
+    def ack(self, claim: Claim) -> None:
+        if self.leader:
+            self.dock.ack(claim)
+
+
+class HybridWorker:
+    """The hybrid actor's two roles as stage workers over one ``HybridActor``.
+
+    Args:
+        ranks: processes of the actor (TP × PP); each generates with its own full inference
+            copy (TP' = 1), claiming its share of the prompts.
+    """
+
+    def __init__(self, actor: HybridActor, cfg: Config, *, ranks: int = 1) -> None:
         self.actor = actor
-        self.generation = RolloutWorker(actor.rollout_engine, cfg.rollout)
+        self.generation = RolloutWorker(actor.rollout_engine, cfg.rollout, shares=ranks)
         self.update = UpdateThenSync(actor, ActorWorker(actor.train_engine, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout))
 
 
-def build_hybrid_worker(cfg: Config, model_path: Path) -> HybridWorker:
-    """Megatron engine first (it creates this process's group of one), then vLLM (which joins it), then the first sync."""
+def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path | None = None) -> HybridWorker:
+    """Megatron engine first (it creates this process's group of one unless the ranks joined one),
+    then vLLM (which joins it), then the first sync.
+
+    Args:
+        model_path: HF weights both engines start from (a checkpoint when resuming).
+        optimizer_from: a checkpoint whose optimizer state of this rank (``dockrl.resume``) is
+            loaded into megatron's optimizer before the first sync swaps it out, so it is
+            restored where it lives while training.
+
+    Raises:
+        ValueError: ``optimizer_from`` has no optimizer state for this rank.
+    """
     from dockrl.engines.factory import build_rollout_engine, build_train_engine
+    from dockrl.resume import load_optimizer
 
     train = build_train_engine(cfg, model_path)
+    if optimizer_from is not None:
+        load_optimizer(train, optimizer_from, rank=dist.get_rank())
     rollout = build_rollout_engine(cfg, model_path)
     p = cfg.parallel
     actor = HybridActor(
         train, rollout, infer_tp=p.infer_tp, dp=p.dp, device=torch.device(p.device), bucket_bytes=p.bucket_mb << 20,
         infer_dtype=getattr(torch, cfg.rollout.dtype),
     )
-    return HybridWorker(actor, cfg)
+    return HybridWorker(actor, cfg, ranks=dist.get_world_size())
 
 
-def run_hybrid(cfg: Config, dock) -> None:
-    """The ``hybrid`` stage process: evaluate, serve the iterations, checkpoint, evaluate again.
+def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
+    """Join the hybrid actor's process group as member ``DOCKRL_REPLICA`` of ``parallel.tp × pp``
+    (the launcher serves the ``TCPStore`` at ``store_address``); a group of one needs no store.
 
-    Reports ``rollout`` once it generated and ``actor`` once it updated and synced (so the
-    driver merges the same metrics as from two processes); ``BEFORE_TRAINING``/``AFTER_TRAINING``
-    evaluations under ``rollout``, as the rollout process does.
+    Returns:
+        this process's rank and the world size.
+
+    Raises:
+        ValueError: the group the backend started has another size than the layout.
     """
-    from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, save_optimizer
+    from dockrl.resharding.device import init_process_group
+    from dockrl.workers.main import replica
+
+    rank, members = replica()
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    if members != world:
+        raise ValueError(f"hybrid actor: {members} members started (DOCKRL_REPLICAS), the layout parallel.tp × pp × dp has {world} ranks")
+    if world > 1:
+        host, _, port = store_address.rpartition(":")
+        init_process_group(kind=cfg.parallel.device, rank=rank, world_size=world, master_addr=host, master_port=int(port),
+                           timeout_s=cfg.dock.timeout_s, external_store=True)
+        logger.info("hybrid actor rank %d of %d joined its process group at %s", rank, world, store_address)
+    return rank, world
+
+
+def run_hybrid(cfg: Config, dock, store_address: str) -> None:
+    """The ``hybrid`` stage process, one per actor rank: evaluate, serve the iterations, checkpoint, evaluate again.
+
+    Every rank generates for its share of the prompts; rank 0 reports ``rollout`` (metrics over
+    all ranks' responses) once all generated, and ``actor`` once they updated and synced (so the
+    driver merges the same metrics as from two processes). The ranks train on the same rows
+    (``ReplicaDock``) and write checkpoints while training, before the sync (megatron gathers
+    its shards; each rank its own optimizer state). ``BEFORE_TRAINING``/``AFTER_TRAINING``
+    evaluations run on rank 0 under ``rollout``, as the rollout process does.
+    """
+    from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, save_optimizer, weights_path
     from dockrl.trainer import build_scorer, evaluate, load_run_prompts, resolve_data, resolve_model
     from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, serve_iterations
 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    hybrid = build_hybrid_worker(cfg, model_path)
+    rank, world = join_actor_group(cfg, store_address)
+    resume = Path(cfg.run.resume) if cfg.run.resume else None  # a checkpoint folder: the driver resolves 'latest'
+    hybrid = build_hybrid_worker(cfg, weights_path(cfg, model_path), optimizer_from=resume)
     engine = hybrid.actor.rollout_engine
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     t = cfg.trainer
-    checkpoints = Path(cfg.run.output_dir) / "checkpoints"
+    update_dock = ReplicaDock(dock) if world > 1 else dock
+
+    def save(path: Path) -> None:
+        hybrid.actor.save(path)  # a collective: rank 0 writes the HF weights
+        save_optimizer(hybrid.actor, path, rank=rank)
 
     def step(it: int) -> dict[str, float]:
-        dock.report(it, "rollout", hybrid.generation.run_iteration(dock))
-        return hybrid.update.run_iteration(dock)
+        lengths, truncated, seconds = hybrid.generation.generate_iteration(dock)
+        logger.info("rank %d generated %d responses in %.1f s", rank, len(lengths), seconds)
+        if world > 1:  # the rollout metrics cover every rank's responses
+            parts: list[Any] = [None] * world
+            dist.all_gather_object(parts, (lengths, truncated, seconds))
+            lengths, truncated, seconds = [n for p in parts for n in p[0]], sum(p[1] for p in parts), max(p[2] for p in parts)
+        if rank == 0:
+            dock.report(it, "rollout", rollout_metrics(lengths, truncated, seconds))
+        before_sync = (lambda: save(checkpoint_dir(cfg.run.output_dir, it + 1))) if checkpoint_due(t, it) else None
+        return hybrid.update.run_iteration(update_dock, before_sync=before_sync)
 
     def checkpoint(it: int) -> None:
-        if checkpoint_due(t, it):  # the driver snapshots the dock once this is reported
-            save_optimizer(hybrid.actor, hybrid.actor.save(checkpoint_dir(cfg.run.output_dir, it + 1)))
+        if checkpoint_due(t, it) and rank == 0:  # the driver snapshots the dock once this is reported
             dock.report(it, CHECKPOINT_STAGE, {})
 
     try:
-        if t.eval_before:
+        if t.eval_before and resume is None and rank == 0:  # the driver waits for it on a fresh run only
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
-        serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed)
-        hybrid.actor.save(checkpoints / "final")
-        dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after") if t.eval_after else {})
+        serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0)
+        after = evaluate(engine, test_prompts, scorer, cfg, "after") if t.eval_after and rank == 0 else {}
+        hybrid.actor.start_training()  # the final weights are saved from where they train
+        hybrid.actor.save(Path(cfg.run.output_dir) / "checkpoints" / "final")
+        if rank == 0:
+            dock.report(AFTER_TRAINING, "rollout", after)
     finally:
         scorer.close()
         hybrid.actor.close()

@@ -71,15 +71,39 @@ def stage_processes(cfg: Config) -> list[str]:
     return ["rollout", "reward", *reference, "actor"]
 
 
+def replica() -> tuple[int, int]:
+    """This member's index in its group and the group's size (``DOCKRL_REPLICA``, ``DOCKRL_REPLICAS``,
+    set by every worker backend; 0 and 1 when unset).
+
+    Raises:
+        ValueError: the variables are not integers with 0 <= index < size.
+    """
+    raw = os.environ.get("DOCKRL_REPLICA", "0"), os.environ.get("DOCKRL_REPLICAS", "1")
+    try:
+        index, size = int(raw[0]), int(raw[1])
+    except ValueError:
+        index = size = -1
+    if not 0 <= index < size:
+        raise ValueError(f"DOCKRL_REPLICA={raw[0]!r}, DOCKRL_REPLICAS={raw[1]!r}: expected integers with 0 <= index < size")
+    return index, size
+
+
+def replica_suffix() -> str:
+    """``-<index>`` for the members of a group of several (their lease owner ids differ), else ''."""
+    index, size = replica()
+    return f"-{index}" if size > 1 else ""
+
+
 def serve_iterations(
     dock, stage: str, step: Callable[[int], dict[str, float]], *, timeout_s: float,
-    after_report: Callable[[int], None] | None = None, seed: int | None = None,
+    after_report: Callable[[int], None] | None = None, seed: int | None = None, report: bool = True,
 ) -> int:
     """Run ``step(iteration)`` for every iteration the driver opens and report its metrics.
 
     ``after_report(iteration)`` runs after the report (weight sync, checkpoints). With ``seed``
-    the generators are reseeded from ``(seed, iteration)`` before each step. Returns the
-    number of iterations served once the driver called ``finish()``.
+    the generators are reseeded from ``(seed, iteration)`` before each step. With ``report``
+    false the metrics are dropped (ranks other than the first of a multi-rank stage). Returns
+    the number of iterations served once the driver called ``finish()``.
 
     Raises:
         DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one.
@@ -89,7 +113,9 @@ def serve_iterations(
         logger.info("%s: iteration %d", stage, it)
         if seed is not None:
             seed_iteration(seed, it)
-        dock.report(it, stage, step(it))
+        metrics = step(it)
+        if report:
+            dock.report(it, stage, metrics)
         if after_report is not None:
             after_report(it)
         last, served = it, served + 1
@@ -209,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config-env", metavar="NAME", help=f"environment variable holding the run's config as YAML (e.g. {CONFIG_ENV})")
     parser.add_argument("--dock", required=True, help="comma-separated grpc://host:port of every dock shard, in shard order")
     parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
-    parser.add_argument("--weight-sync", default="", help="host:port of the weight channel's TCPStore (rollout and actor)")
+    parser.add_argument("--weight-sync", default="", help="host:port of the launcher's TCPStore: the weight channel's "
+                        "(rollout and actor) or the hybrid actor ranks' rendezvous")
     parser.add_argument("--stay", action="store_true",
                         help="after the last report, stay up until SIGTERM (a StatefulSet restarts a container that exits)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
-    if args.stage in ("rollout", "actor") and not args.weight_sync:
+    if args.stage in ("rollout", "actor", "hybrid") and not args.weight_sync:
         parser.error(f"--stage {args.stage} needs --weight-sync host:port")
 
     from dockrl.dock import GRPO_SCHEMA
@@ -236,14 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     warehouse = make_warehouse(cfg.dock, args.run)
     with DockClient(
         locations, GRPO_SCHEMA, token=os.environ.get(TOKEN_ENV) or None, timeout_s=cfg.dock.timeout_s,
-        warehouse=warehouse, lease_s=cfg.dock.lease_s, owner=f"{args.run}/{args.stage}",
+        warehouse=warehouse, lease_s=cfg.dock.lease_s, owner=f"{args.run}/{args.stage}{replica_suffix()}",
     ) as dock:
         if args.stage == "rollout":
             run_rollout(cfg, dock, args.weight_sync)
         elif args.stage == "hybrid":
             from dockrl.workers.hybrid import run_hybrid
 
-            run_hybrid(cfg, dock)
+            run_hybrid(cfg, dock, args.weight_sync)
         elif args.stage == "reward":
             run_reward(cfg, dock)
         elif args.stage == "reference":

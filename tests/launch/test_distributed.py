@@ -178,6 +178,9 @@ def test_the_hybrid_actor_replaces_the_rollout_and_actor_processes(tiny_model_di
     assert groups[1].accelerators  # it trains and generates on the platform's accelerators
     assert groups[1].command[groups[1].command.index("--stage") + 1] == "hybrid"
     assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor"]  # the sync is part of the actor's report
+    assert groups[1].replicas == 1
+    wide = worker_groups(run_config(tiny_model_dir, tmp_path, *HYBRID, "parallel.tp=2", "parallel.pp=2"), local, [5001], "127.0.0.1:29500", "secret")
+    assert [(g.name, g.replicas) for g in wide] == [("dock-shard-0", 1), ("hybrid", 4), ("reward", 1), ("reference", 1)]
 
 
 @pytest.mark.slow
@@ -192,6 +195,31 @@ def test_two_hybrid_iterations_in_distributed_mode(tiny_model_dir, tmp_path, wor
     assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} == {
         "dock-shard-0-0.log", "dock-shard-1-0.log", "hybrid-0.log", "reward-0.log", "reference-0.log"
     }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_a_hybrid_actor_of_two_ranks(tiny_model_dir, tmp_path, workers_path, layout):
+    """TP=2 or PP=2: two hybrid processes in one gloo group, megatron sharded over both, a full vLLM
+    copy on each (TP' = 1) fed by the allgather–swap; they generate side by side and train on the
+    same rows; each rank checkpoints its own optimizer shard."""
+    require_vllm()
+    from e2e_checks import check_hybrid_run
+
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "data.eval_size=4",
+                     layout, *HYBRID)
+    summary = trainer.train(cfg)
+    assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
+    check_hybrid_run(tmp_path / "run", tiny_model_dir)
+    logs = tmp_path / "run" / "logs"
+    assert {"hybrid-0.log", "hybrid-1.log"} <= {p.name for p in logs.iterdir()}
+    assert "rank 1 of 2 joined" in (logs / "hybrid-1.log").read_text()
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_000001"
+    shards = [torch.load(ckpt / name, weights_only=True) for name in ("optimizer.pt", "optimizer.rank1.pt")]
+    # the two ranks hold different shards (halves of the TP-split weights, or different layers): their Adam moments differ
+    assert any(not torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(shards[0]["state"].values(), shards[1]["state"].values()))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["rollout/response_length_mean"] > 0 for x in rows)
 
 
 @pytest.mark.slow
