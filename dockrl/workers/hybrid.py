@@ -26,6 +26,7 @@ and the allgather–swap gathers the shards into every rank's copy.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -170,6 +171,8 @@ def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path |
 def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
     """Join the hybrid actor's process group as member ``DOCKRL_REPLICA`` of ``parallel.tp × pp``
     (the launcher serves the ``TCPStore`` at ``store_address``); a group of one needs no store.
+    On CPU, unless ``run.num_threads`` says otherwise, each rank takes an equal part of the
+    cores this process may run on (ranks that each take all of them slow generation ~10×).
 
     Returns:
         this process's rank and the world size.
@@ -185,6 +188,8 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
     if members != world:
         raise ValueError(f"hybrid actor: {members} members started (DOCKRL_REPLICAS), the layout parallel.tp × pp × dp has {world} ranks")
     if world > 1:
+        if cfg.parallel.device == "cpu" and not cfg.run.num_threads:  # the ranks share this machine's cores
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
         host, _, port = store_address.rpartition(":")
         init_process_group(kind=cfg.parallel.device, rank=rank, world_size=world, master_addr=host, master_port=int(port),
                            timeout_s=cfg.dock.timeout_s, external_store=True)
