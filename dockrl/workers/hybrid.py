@@ -246,9 +246,12 @@ def run_hybrid(cfg: Config, dock, store_address: str) -> None:
         if t.eval_before and resume is None and rank == 0:  # the driver waits for it on a fresh run only
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
         serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0)
-        after = evaluate(engine, test_prompts, scorer, cfg, "after") if t.eval_after and rank == 0 else {}
         hybrid.actor.start_training()  # the final weights are saved from where they train
         hybrid.actor.save(Path(cfg.run.output_dir) / "checkpoints" / "final")
+        after = {}
+        if t.eval_after:
+            hybrid.actor.sync()  # back to generating; the last collective, so no rank waits through the evaluation
+            after = evaluate(engine, test_prompts, scorer, cfg, "after") if rank == 0 else {}
         if rank == 0:
             dock.report(AFTER_TRAINING, "rollout", after)
     finally:
