@@ -362,23 +362,24 @@ def _check_rules(c: Config) -> None:
 def _check_engines(c: Config) -> None:
     """What the megatron engine and the hybrid actor can run today; each rule says why.
 
-    The hybrid actor runs TP × PP ranks (one process each) with TP' = 1 on each.
+    The hybrid actor runs TP × PP × DP ranks (one process each) with TP' = 1 on each.
     """
     t, p = c.trainer, c.parallel
     if t.engine == "megatron":
         if p.device != "cpu":
             raise _fail("parallel.device", p.device, "trainer.engine='megatron' runs on CPU only so far (its device layer "
                         "redirects megatron-core's CUDA calls to CPU; cuda/npu placement is not wired): use 'cpu'")
-        if p.dp != 1:
-            raise _fail("parallel.dp", p.dp, "data-parallel replicas of the megatron actor are not built (tp and pp > 1 "
-                        "are, for the hybrid actor): use 1")
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "dp"):
             if getattr(p, name) != 1 and not (t.hybrid and c.dock.mode == "distributed"):
                 raise _fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
                             "as the hybrid actor with dock.mode='distributed' only (trainer.hybrid=true); else use 1")
-        if p.tp * p.pp > 1 and p.infer_tp != 1:
+        if p.tp * p.pp * p.dp > 1 and p.infer_tp != 1:
             raise _fail("parallel.infer_tp", p.infer_tp, "vLLM with TP' > 1 inside the actor's processes is not built: use 1 "
-                        "(every actor rank then generates with a full copy of the weights, inference DP' = tp × pp)")
+                        "(every actor rank then generates with a full copy of the weights, inference DP' = tp × pp × dp)")
+        for name in ("global_batch", "mini_batch"):  # every data-parallel replica updates on its equal part
+            if getattr(t, name) % p.dp:
+                raise _fail(f"trainer.{name}", getattr(t, name), f"must be a multiple of parallel.dp={p.dp}: each "
+                            "data-parallel replica of the actor takes an equal part of every mini-batch")
     if t.hybrid:
         if t.engine != "megatron":
             raise _fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "

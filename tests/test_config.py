@@ -343,13 +343,18 @@ ENGINE_ERRORS = {
     "megatron off cpu": (["trainer.engine=megatron", "parallel.device=cuda"], ["parallel.device: got 'cuda'", "CPU only so far"]),
     "megatron over several ranks": (["trainer.engine=megatron", "parallel.tp=2"], ["parallel.tp: got 2", "hybrid actor with dock.mode='distributed' only", "use 1"]),
     "megatron pipeline": (["trainer.engine=megatron", "parallel.pp=2"], ["parallel.pp: got 2", "multi-rank megatron actor"]),
-    "megatron data parallel": (["trainer.engine=megatron", "parallel.dp=2"], ["parallel.dp: got 2", "data-parallel replicas"]),
+    "megatron data parallel": (["trainer.engine=megatron", "parallel.dp=2"], ["parallel.dp: got 2", "multi-rank megatron actor"]),
+    "hybrid data parallel on an odd batch": (
+        ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed", "parallel.dp=2",
+         "trainer.global_batch=6", "trainer.mini_batch=3"],
+        ["trainer.mini_batch: got 3", "multiple of parallel.dp=2", "equal part"],
+    ),
     "multi-rank hybrid in process": (
         ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "parallel.tp=2"], ["parallel.tp: got 2", "dock.mode='distributed'"],
     ),
     "multi-rank hybrid with vLLM TP": (
         ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed", "parallel.tp=2", "parallel.infer_tp=2"],
-        ["parallel.infer_tp: got 2", "inference DP' = tp × pp"],
+        ["parallel.infer_tp: got 2", "inference DP' = tp × pp × dp"],
     ),
     "hybrid on hf": (["trainer.hybrid=true", "rollout.engine=vllm"], ["trainer.hybrid: got True", "needs trainer.engine='megatron' (got 'hf')", "reshards"]),
     "hybrid with hf rollout": (
@@ -374,9 +379,10 @@ def test_hybrid_actor_settings(tiny_model_dir):
         config = load_config(None, [f"model.path={tiny_model_dir}", "trainer.engine=megatron", "rollout.engine=vllm",
                                     "trainer.hybrid=true", f"dock.mode={mode}"])
         assert config.trainer.hybrid and config.trainer.engine == "megatron"
-    for layout in (["parallel.tp=2"], ["parallel.pp=2"], ["parallel.tp=2", "parallel.pp=2"]):  # one process per rank
+    for layout in (["parallel.tp=2"], ["parallel.pp=2"], ["parallel.dp=2"], ["parallel.tp=2", "parallel.pp=2"]):  # a process per rank
         config = load_config(None, [f"model.path={tiny_model_dir}", "trainer.engine=megatron", "rollout.engine=vllm",
                                     "trainer.hybrid=true", "dock.mode=distributed", *layout])
-        assert config.parallel.tp * config.parallel.pp == len(layout) * 2 and config.parallel.infer_tp == 1
+        p = config.parallel
+        assert p.tp * p.pp * p.dp == len(layout) * 2 and p.infer_tp == 1
     for mode in ("inprocess", "distributed"):  # without the hybrid: megatron actor, weights over the channel
         assert load_config(None, ["trainer.engine=megatron", f"dock.mode={mode}"]).trainer.engine == "megatron"

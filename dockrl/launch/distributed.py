@@ -12,7 +12,7 @@ group; ``launcher.run_training(worker_backend="kubernetes")``):
    take the platform's accelerators. Rollout and actor also meet on the weight channel, a
    gloo group whose ``TCPStore`` this process hosts. The rollout starts first and evaluates;
    the others start once it has reported. With ``trainer.hybrid`` one ``hybrid`` group plays
-   rollout and actor (no weight channel): ``parallel.tp × pp`` members, one per actor rank, whose
+   rollout and actor (no weight channel): ``parallel.tp × pp × dp`` members, one per actor rank, whose
    gloo group meets at this process's ``TCPStore`` instead.
 
 Every address comes from the backend (``backend.address``, ``backend.launcher_host``) and the
@@ -89,7 +89,7 @@ def worker_groups(
         ports: the shards' ports (``backend.serve_ports(dock.shards)``).
         weight_address: ``host:port`` of the launcher's ``TCPStore`` as the members reach it: the
             weight channel's rendezvous, or with ``trainer.hybrid`` that of the hybrid actor's
-            ranks (one member each, ``parallel.tp × pp``).
+            ranks (one member each, ``parallel.tp × pp × dp``).
         token: the shards' bearer token; travels in the environment (``TOKEN_ENV``) only.
         run: the run's name (lease owners, the warehouse objects' root).
 

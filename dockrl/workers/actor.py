@@ -96,14 +96,26 @@ def rollout_log_prob_diff(rollout: Sequence[Sequence[float]], actor: Sequence[Se
 
 
 class ActorWorker:
-    def __init__(self, engine: TrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig) -> None:
-        self.engine, self.trainer, self.algo, self.rollout = engine, trainer, algo, rollout
+    """The GRPO update of one iteration.
+
+    Args:
+        replicas: data-parallel replicas of the actor (megatron's DP): each claims an equal
+            part of the global batch (``num_rows / replicas`` rows) and steps on an equal part
+            of every mini-batch; the engine averages their gradients, as DDP does (each part's
+            loss normalized by its own token or sequence count). ``trainer.global_batch`` and
+            ``trainer.mini_batch`` must be multiples of it (the config checks).
+    """
+
+    def __init__(
+        self, engine: TrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig, replicas: int = 1,
+    ) -> None:
+        self.engine, self.trainer, self.algo, self.rollout, self.replicas = engine, trainer, algo, rollout, replicas
 
     def run_iteration(self, dock: TransferDock) -> dict[str, float]:
-        """Update the actor on the whole global batch; returns ``actor/*`` and timing metrics."""
+        """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
         columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])
-        claim = dock.claim("actor", columns + ["rollout_log_prob"], dock.num_rows, whole_groups=True)
+        claim = dock.claim("actor", columns + ["rollout_log_prob"], dock.num_rows // self.replicas, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
         on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
@@ -114,7 +126,7 @@ class ActorWorker:
             dock.put(claim.rows, {"old_log_prob": batch["old_log_prob"]})
         old_s = time.perf_counter() - start
 
-        rows_per_step = self.trainer.mini_batch * dock.group_size
+        rows_per_step = self.trainer.mini_batch // self.replicas * dock.group_size
         steps: list[dict[str, float]] = []
         for _ in range(self.trainer.ppo_epochs):
             for s in range(0, len(claim.rows), rows_per_step):

@@ -16,11 +16,12 @@ last among its workers; as a process (``python -m dockrl.workers.main --stage hy
 ``run_hybrid`` serves the driver's iterations and reports ``rollout`` and ``actor`` as the two
 separate processes would, with no ``weight_sync`` report and no weight channel.
 
-With ``parallel.tp × pp > 1`` (distributed mode) the launcher starts one such process per
-actor rank; they join one process group, and megatron shards the model over TP/PP. Each rank
-holds a full vLLM copy (TP' = 1; vLLM sees the extra ranks as external data parallelism) and
-generates for its share of the prompts; they train on the same claimed rows (``ReplicaDock``)
-and the allgather–swap gathers the shards into every rank's copy.
+With ``parallel.tp × pp × dp > 1`` (distributed mode) the launcher starts one such process per
+actor rank; they join one process group, and megatron shards the model over TP/PP and
+replicates it over DP. Each rank holds a full vLLM copy (TP' = 1; vLLM sees the extra ranks as
+external data parallelism) and generates for its share of the prompts; the ranks of one model
+replica train on the same claimed rows (``ReplicaDock``), each replica on its part of the
+batch, and the allgather–swap gathers the shards into every rank's copy.
 """
 
 from __future__ import annotations
@@ -44,11 +45,34 @@ from dockrl.workers.rollout import RolloutWorker, rollout_metrics
 logger = logging.getLogger(__name__)
 
 
-class UpdateThenSync:
-    """The actor role of the hybrid: back to training, update on the scored groups, sync."""
+def mean_over_replicas(metrics: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The actor metrics of all data-parallel replicas in ``group`` as one set (a collective):
+    ``*_max`` and ``timing_s/*`` the largest, ``perf/*`` (tokens per second) the sum, the rest
+    (token means, the gradient norm, which is the same on all) the mean over replicas."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, metrics, group=group)
+    merged = {}
+    for key in metrics:
+        values = [p[key] for p in parts]
+        if key.endswith("_max") or key.startswith("timing_s/"):
+            merged[key] = max(values)
+        elif key.startswith("perf/"):
+            merged[key] = sum(values)
+        else:
+            merged[key] = sum(values) / len(values)
+    return merged
 
-    def __init__(self, actor: HybridActor, worker: ActorWorker) -> None:
-        self.actor, self.worker = actor, worker
+
+class UpdateThenSync:
+    """The actor role of the hybrid: back to training, update on the scored groups, sync.
+
+    Args:
+        dp_group: with data-parallel replicas, their process group: the update's metrics are
+            merged over it (``mean_over_replicas``) before the sync's are added.
+    """
+
+    def __init__(self, actor: HybridActor, worker: ActorWorker, *, dp_group: dist.ProcessGroup | None = None) -> None:
+        self.actor, self.worker, self.dp_group = actor, worker, dp_group
 
     def run_iteration(self, dock: TransferDock, *, before_sync: Callable[[], None] | None = None) -> dict[str, float]:
         """Returns the ``ActorWorker`` metrics plus the sync's (``HybridActor.sync``).
@@ -63,6 +87,8 @@ class UpdateThenSync:
         self.actor.start_training()
         swap_in_s = time.perf_counter() - start
         metrics = self.worker.run_iteration(dock)
+        if self.dp_group is not None:
+            metrics = mean_over_replicas(metrics, self.dp_group)
         if before_sync is not None:
             before_sync()
         metrics |= self.actor.sync()
@@ -130,14 +156,17 @@ class HybridWorker:
     """The hybrid actor's two roles as stage workers over one ``HybridActor``.
 
     Args:
-        ranks: processes of the actor (TP × PP); each generates with its own full inference
-            copy (TP' = 1), claiming its share of the prompts.
+        ranks: processes of the actor (TP × PP × DP); each generates with its own full
+            inference copy (TP' = 1), claiming its share of the prompts.
+        dp_group: with ``parallel.dp > 1``, megatron's data-parallel group of this rank: each
+            replica updates on its part of the batch (``ActorWorker(replicas=dp)``).
     """
 
-    def __init__(self, actor: HybridActor, cfg: Config, *, ranks: int = 1) -> None:
+    def __init__(self, actor: HybridActor, cfg: Config, *, ranks: int = 1, dp_group: dist.ProcessGroup | None = None) -> None:
         self.actor = actor
         self.generation = RolloutWorker(actor.rollout_engine, cfg.rollout, shares=ranks)
-        self.update = UpdateThenSync(actor, ActorWorker(actor.train_engine, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout))
+        worker = ActorWorker(actor.train_engine, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout, replicas=cfg.parallel.dp)
+        self.update = UpdateThenSync(actor, worker, dp_group=dp_group)
 
 
 def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path | None = None) -> HybridWorker:
@@ -165,11 +194,16 @@ def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path |
         train, rollout, infer_tp=p.infer_tp, dp=p.dp, device=torch.device(p.device), bucket_bytes=p.bucket_mb << 20,
         infer_dtype=getattr(torch, cfg.rollout.dtype),
     )
-    return HybridWorker(actor, cfg, ranks=dist.get_world_size())
+    dp_group = None
+    if p.dp > 1:
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group()
+    return HybridWorker(actor, cfg, ranks=dist.get_world_size(), dp_group=dp_group)
 
 
 def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
-    """Join the hybrid actor's process group as member ``DOCKRL_REPLICA`` of ``parallel.tp × pp``
+    """Join the hybrid actor's process group as member ``DOCKRL_REPLICA`` of ``parallel.tp × pp × dp``
     (the launcher serves the ``TCPStore`` at ``store_address``); a group of one needs no store.
     On CPU, unless ``run.num_threads`` says otherwise, each rank takes an equal part of the
     cores this process may run on (ranks that each take all of them slow generation ~10×).
@@ -220,7 +254,12 @@ def run_hybrid(cfg: Config, dock, store_address: str) -> None:
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     t = cfg.trainer
-    update_dock = ReplicaDock(dock) if world > 1 else dock
+    update_dock = dock
+    if cfg.parallel.tp * cfg.parallel.pp > 1:  # the ranks of one model replica train on the same rows
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        update_dock = ReplicaDock(dock, group=group, src=dist.get_process_group_ranks(group)[0])
 
     def save(path: Path) -> None:
         hybrid.actor.save(path)  # a collective: rank 0 writes the HF weights
