@@ -21,8 +21,11 @@ from dockrl.engines.train_protocol import TrainEngine
 logger = logging.getLogger(__name__)
 
 
-def build_rollout_engine(cfg: Config, model_path: Path) -> RolloutEngine:
+def build_rollout_engine(cfg: Config, model_path: Path, *, rank: int = 0) -> RolloutEngine:
     """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``) with ``rollout.dtype`` weights.
+
+    ``rank``: of a rollout engine among several generating side by side (the hybrid actor's
+    ranks); vLLM's sampler is seeded with ``trainer.seed + rank`` so that they draw apart.
 
     Raises:
         ImportError: ``rollout.engine=vllm`` without vLLM installed (the message says how to install it).
@@ -31,7 +34,7 @@ def build_rollout_engine(cfg: Config, model_path: Path) -> RolloutEngine:
     if r.engine == "vllm":
         from dockrl.engines.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed)
+        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + rank)
     from dockrl.engines.hf import HFRolloutEngine
 
     return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)

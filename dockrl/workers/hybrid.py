@@ -188,7 +188,7 @@ def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path |
     train = build_train_engine(cfg, model_path)
     if optimizer_from is not None:
         load_optimizer(train, optimizer_from, rank=dist.get_rank())
-    rollout = build_rollout_engine(cfg, model_path)
+    rollout = build_rollout_engine(cfg, model_path, rank=dist.get_rank())
     p = cfg.parallel
     actor = HybridActor(
         train, rollout, infer_tp=p.infer_tp, dp=p.dp, device=torch.device(p.device), bucket_bytes=p.bucket_mb << 20,
