@@ -16,6 +16,8 @@ import argparse
 import importlib
 import json
 import logging
+import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -89,6 +91,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def _forward_sigterm() -> None:
+    """On SIGTERM, pass it on to this process's children — the running ``kfp.local`` task, whose
+    launcher then tears its workers down — and exit with 143. (Ctrl-C reaches the whole
+    foreground process group by itself; a SIGTERM from a supervisor reaches only this process.)"""
+    def handler(signum: int, frame: object) -> None:
+        for child in _children(os.getpid()):
+            try:
+                os.kill(child, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -99,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_import("grpo").compile_pipeline(args.out, platform=args.platform, worker_backend=args.worker_backend))
             return 0
         if args.action == "run":
+            _forward_sigterm()
             grpo = _import("grpo")
             run_dir = grpo.run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
             print(json.dumps(grpo.local_summary(run_dir), indent=2))

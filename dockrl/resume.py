@@ -220,12 +220,21 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
     ``prompts_fingerprint``.
 
     Raises:
-        ConfigError: no such folder, no complete checkpoint, another format or version, or a
-            setting the sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
+        ConfigError: a fresh run in a ``run.output_dir`` that holds another run's metrics or
+            checkpoints (they would mix, and ``latest`` would find the other run's); no such
+            folder, no complete checkpoint, another format or version, or a setting the
+            sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
             ``rollout.n``, the training prompts), or nothing is left to run.
     """
     value = cfg.run.resume
     if not value:
+        run_dir = Path(cfg.run.output_dir)
+        held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+        if held:
+            raise ConfigError(
+                f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix with it: "
+                "continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)"
+            )
         return None
     if value == "latest":
         path = latest_checkpoint(cfg.run.output_dir)

@@ -61,9 +61,18 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
     point = find_resume(cfg, "p")
     assert point.checkpoint == checkpoint_dir(cfg.run.output_dir, 2).resolve()
     assert (point.next_iteration, point.open_iteration, point.summary) == (2, 2, {"eval/accuracy_before": 0.5})
-    assert find_resume(config(tmp_path), "p") is None  # run.resume unset: a fresh run
+    with pytest.raises(ConfigError, match="already holds a run"):  # run.resume unset: a fresh run, refused here
+        find_resume(config(tmp_path), "p")
     explicit = config(tmp_path, f"run.resume={checkpoint_dir(cfg.run.output_dir, 2)}")
     assert find_resume(explicit, "p").next_iteration == 2
+
+
+def test_a_fresh_run_refuses_a_folder_with_another_run(tmp_path):
+    cfg = config(tmp_path)
+    assert find_resume(cfg, "p") is None  # an empty (or missing) folder
+    (Path(cfg.run.output_dir) / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints\).*run.resume=latest.*another run.output_dir"):
+        find_resume(cfg, "p")
 
 
 def test_resume_refuses_what_would_lose_or_repeat_rows(tmp_path):

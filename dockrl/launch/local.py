@@ -170,7 +170,10 @@ class LocalBackend:
 
     def teardown(self) -> int:
         """Stop every worker of the run (SIGTERM, SIGKILL after ``grace_s``); returns how many were running."""
-        targets: dict[int, int | None] = {p.pid: _start_time(p.pid) for _, _, p, _ in self._procs if p.poll() is None}
+        # a worker that died (SIGKILL) may leave its children (a reward pool's forkserver) in its group
+        targets: dict[int, int | None] = {
+            p.pid: _start_time(p.pid) for _, _, p, _ in self._procs if p.poll() is None or _group_members(p.pid)
+        }
         if self.state_file.is_file():
             for row in json.loads(self.state_file.read_text()).get("workers", []):
                 now = _start_time(row["pid"])

@@ -51,6 +51,21 @@ def test_a_failing_worker_fails_fast_with_its_log_tail(tmp_path):
     assert backend.teardown() == 1
 
 
+def test_teardown_stops_the_children_a_killed_worker_left(tmp_path):
+    backend = LocalBackend("run-k", state_dir=tmp_path)
+    # the worker starts a child (a pool's forkserver, say), prints its pid, then dies by SIGKILL
+    code = ("import os, signal, subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); "
+            "time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)")
+    backend.start([WorkerGroup(name="reward", command=(PY, "-c", code))])
+    with pytest.raises(WorkerFailed, match="code -9"):
+        backend.wait(timeout_s=30)
+    child = int((tmp_path / "run-k" / "reward-0.log").read_text().split()[0])
+    assert _alive(child)
+    assert backend.teardown() == 1
+    assert not _alive(child)
+
+
 def test_teardown_from_another_process_stops_the_run(tmp_path):
     starter = LocalBackend("run-c", state_dir=tmp_path)
     # the worker starts a child of its own: teardown stops the whole process group
