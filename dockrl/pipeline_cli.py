@@ -91,27 +91,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    out = []
+def _descendants(pid: int) -> list[int]:
+    """Live processes below ``pid`` in the process tree, parents first (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry.name))
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        out.append(todo.pop(0))
+        todo += children.get(out[-1], [])
     return out
 
 
 def _forward_sigterm() -> None:
-    """On SIGTERM, pass it on to this process's children — the running ``kfp.local`` task, whose
-    launcher then tears its workers down — and exit with 143. (Ctrl-C reaches the whole
-    foreground process group by itself; a SIGTERM from a supervisor reaches only this process.)"""
+    """On SIGTERM, pass it on to every process below this one — the running ``kfp.local`` task
+    (a shell that runs the executor), whose launcher then tears its workers down, and the
+    workers — and exit with 143. Ctrl-C reaches the whole foreground process group by itself;
+    a SIGTERM from a supervisor reaches only this process."""
     def handler(signum: int, frame: object) -> None:
-        for child in _children(os.getpid()):
+        for pid in _descendants(os.getpid()):
             try:
-                os.kill(child, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         raise SystemExit(128 + signum)
