@@ -55,14 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dockrl: config error: {e}", file=sys.stderr)
         return 2
     from dockrl import trainer  # heavy imports after the config is known to be valid
+    from dockrl.launch.backend import WorkerFailed
 
-    if args.command == "prepare-model":
-        print(trainer.resolve_model(cfg))
-    elif args.command == "prepare-data":
-        print("\n".join(str(p) for p in trainer.resolve_data(cfg)))
-    else:
-        summary = trainer.train(cfg)
-        print(json.dumps(summary, indent=2))
+    try:
+        if args.command == "prepare-model":
+            print(trainer.resolve_model(cfg))
+        elif args.command == "prepare-data":
+            print("\n".join(str(p) for p in trainer.resolve_data(cfg)))
+        else:
+            summary = trainer.train(cfg)
+            print(json.dumps(summary, indent=2))
+    except ConfigError as e:  # what only the run can check: model.path, run.resume, run.output_dir
+        print(f"dockrl: config error: {e}", file=sys.stderr)
+        return 2
+    except WorkerFailed as e:  # a stage process died: its name and log tail say why
+        print(f"dockrl: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -310,6 +310,9 @@ def _check_rules(c: Config) -> None:
     for where, v in positive.items():
         if v < 1:
             raise _fail(where, v, "expected a positive integer")
+    for where, v in {"data.eval_size": d.eval_size, "run.num_threads": c.run.num_threads}.items():
+        if v < 0:
+            raise _fail(where, v, "expected an integer >= 0 (0: all test prompts / torch's default threads)")
     if r.n < 2:
         raise _fail("rollout.n", r.n, "GRPO needs a group of at least 2 samples per prompt")
     if not 0.0 < r.temperature:

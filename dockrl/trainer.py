@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from dockrl.config import AlgorithmConfig, Config, TrainerConfig, save_config
+from dockrl.config import AlgorithmConfig, Config, ConfigError, TrainerConfig, save_config
 from dockrl.data import Prompt, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
 from dockrl.engines.factory import build_rollout_engine, build_train_engine
@@ -43,10 +43,19 @@ PACKAGED_MODEL = "smollm2-135m"
 
 
 def resolve_model(cfg: Config) -> Path:
-    """The model directory: the packaged SmolLM2 export (prepared once) or ``model.path``."""
+    """The model directory: the packaged SmolLM2 export (prepared once) or ``model.path``.
+
+    Raises:
+        ConfigError: ``model.path`` is not a local HF model folder (no ``config.json``):
+            nothing is fetched from a hub.
+    """
     if cfg.model.path == PACKAGED_MODEL:
         return prepare_smollm2(Path(cfg.run.cache_dir) / "models" / "SmolLM2-135M-Instruct")
-    return Path(cfg.model.path)
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: got {cfg.model.path!r}; expected a local HF model folder with config.json "
+                          f"(or {PACKAGED_MODEL!r} for the packaged SmolLM2-135M-Instruct)")
+    return path
 
 
 def resolve_data(cfg: Config) -> tuple[Path, Path]:

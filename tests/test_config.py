@@ -149,6 +149,8 @@ ERRORS = {
         ["dock.shards: got 7", "trainer.global_batch=6", "whole prompt groups"],
     ),
     "off-policy in flight": (["dock.max_inflight=2"], ["dock.max_inflight: got 2", "only 1"]),
+    "negative eval size": (["data.eval_size=-5"], ["data.eval_size: got -5", ">= 0"]),
+    "negative threads": (["run.num_threads=-3"], ["run.num_threads: got -3", ">= 0"]),
     "scorer not an import path": (["algorithm.scorer=my_scorer"], ["algorithm.scorer: got 'my_scorer'", "'package.module:Class'"]),
 }
 

@@ -41,3 +41,11 @@ def test_three_iterations_update_every_parameter_and_checkpoint_reloads(tiny_mod
     assert unchanged == []
     tok_dir = run / "checkpoints" / "final"
     assert (tok_dir / "tokenizer.json").is_file()
+
+
+def test_the_cli_names_a_model_path_that_is_no_model_folder(tmp_path, capsys):
+    from dockrl.cli import main
+
+    assert main(["prepare-model", f"model.path={tmp_path / 'nowhere'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path: got" in err and "local HF model folder with config.json" in err and "Traceback" not in err
