@@ -91,14 +91,18 @@ def build_scorer(a: AlgorithmConfig):
     """The reward scorer: ``algorithm.scorer`` (``module:Class``) if set, else the GSM8K rule verifier.
 
     Raises:
-        ImportError, AttributeError: ``algorithm.scorer`` names no importable class.
+        ConfigError: ``algorithm.scorer`` names no importable class (the import's error appended).
     """
     cls = RewardScorer
     if a.scorer:
         module, _, name = a.scorer.partition(":")
-        cls = importlib.import_module(module)
-        for part in name.split("."):
-            cls = getattr(cls, part)
+        try:
+            cls = importlib.import_module(module)
+            for part in name.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
+                              "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e
     return cls(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
 
 
