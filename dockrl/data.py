@@ -114,13 +114,13 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
         return
     if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"data file {path}: expected a .jsonl or .parquet file")
-    with path.open() as f:
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:  # decoded line by line: a line that is not UTF-8 is one bad line, not a failed file
+        for i, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError as e:
+                yield i, json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 yield i, e
 
 

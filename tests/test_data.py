@@ -105,6 +105,8 @@ def test_jsonl_keeps_good_rows_and_reports_bad_lines(tmp_path, tokenizer):
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
+    with path.open("ab") as f:
+        f.write(b'{"question": "caf\xe9 5", "answer": "#### 5"}\n')  # 11 not UTF-8 (latin-1)
 
     prompts, report = load_prompts(path, tokenizer, system_prompt=DEFAULT_SYSTEM_PROMPT, max_prompt_length=limit)
 
@@ -113,15 +115,15 @@ def test_jsonl_keeps_good_rows_and_reports_bad_lines(tmp_path, tokenizer):
     assert [p.index for p in prompts] == [0, 1]
     assert all(isinstance(t, int) for p in prompts for t in p.prompt_ids)
     assert report.kept == 2 and report.path == str(path)
-    assert [n for n, _ in report.bad] == [2, 4, 5, 6, 8, 9, 10]
+    assert [n for n, _ in report.bad] == [2, 4, 5, 6, 8, 9, 10, 11]
     reasons = dict(report.bad)
-    assert "invalid JSON" in reasons[2]
+    assert "invalid JSON" in reasons[2] and "'utf-8' codec can't decode" in reasons[11]
     assert "missing" in reasons[4] and "missing" in reasons[8] and "missing" in reasons[9]
     assert "####" in reasons[5] and "####" in reasons[10]
     assert "tokens" in reasons[6] and f"max_prompt_length={limit}" in reasons[6]
     summary = report.summary()
-    assert "kept 2 rows, dropped 7" in summary
-    for n in (2, 4, 5, 6, 8, 9, 10):
+    assert "kept 2 rows, dropped 8" in summary
+    for n in (2, 4, 5, 6, 8, 9, 10, 11):
         assert f"line {n}:" in summary
 
 
