@@ -50,12 +50,3 @@ def test_the_cli_names_a_model_path_that_is_no_model_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.path: got" in err and "local HF model folder with config.json" in err and "Traceback" not in err
 
-
-def test_a_scorer_that_does_not_import_is_a_config_error():
-    from dockrl.config import AlgorithmConfig, ConfigError
-    from dockrl.trainer import build_scorer
-
-    with pytest.raises(ConfigError, match=r"algorithm.scorer: got 'no_such_module:Scorer', which does not import \(ModuleNotFoundError"):
-        build_scorer(AlgorithmConfig(scorer="no_such_module:Scorer"))
-    with pytest.raises(ConfigError, match="AttributeError"):
-        build_scorer(AlgorithmConfig(scorer="dockrl.trainer:NoSuchScorer"))

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dockrl import trainer
-from dockrl.config import load_config
+from dockrl.config import ConfigError, load_config
 from dockrl.launch.backend import WorkerFailed
 from dockrl.config import load_config_text
 from dockrl.launch.distributed import iteration_stages, worker_groups
@@ -106,8 +106,10 @@ def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path,
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer")
     scorer = trainer.build_scorer(cfg.algorithm)
     assert type(scorer).__name__ == "FakeRandomScorer" and len(scorer.score(["a", "b"], ["1", "2"])) == 2
-    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+    with pytest.raises(ConfigError, match=r"algorithm.scorer: got 'no_such_module:X', which does not import \(ModuleNotFoundError"):
         trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
+    with pytest.raises(ConfigError, match="AttributeError"):
+        trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:NoSuchScorer").algorithm)
 
 
 @pytest.mark.slow
