@@ -157,8 +157,9 @@ def wait_reports(
     stage may take ``timeout_s`` after the previous one reported.
 
     Raises:
-        WorkerFailed: a worker died (its log tail is in the message).
+        WorkerFailed: a worker died (its log tail is in the message), a dock shard too.
         DockTimeoutError: a stage did not report in time; names the stages missing.
+        pyarrow.flight.FlightError: shard 0 is unreachable while its process runs.
     """
     reports: dict[str, dict[str, float]] = {}
     for stage in stages:
@@ -174,6 +175,12 @@ def wait_reports(
                         f"iteration {iteration}: no report from {missing} within dock.timeout_s={timeout_s:.0f} s "
                         f"while their processes run; see their logs in {logs}"
                     ) from None
+            except flight.FlightError:
+                # shard 0 unreachable: if its process died, fail as any dead worker (name, log tail)
+                for _ in range(10):
+                    backend.check()
+                    time.sleep(0.1)
+                raise
     return reports
 
 

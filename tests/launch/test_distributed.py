@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -161,6 +162,23 @@ def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, 
     crashed_at = (tmp_path / "run" / "logs" / "reward-0.log").stat().st_mtime  # its traceback is its last write
     assert failed_at - crashed_at < 10, f"the run failed {failed_at - crashed_at:.1f} s after the crash"
     # workers_path checks that no process of the run is left
+
+
+@pytest.mark.slow
+def test_a_dead_dock_shard_fails_the_run_as_a_worker(tiny_model_dir, tmp_path, workers_path):
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "trainer.eval_before=false",
+                     "dock.shards=1", "trainer.iterations=50")
+
+    def kill_the_shard(it: int, metrics: dict) -> None:
+        if it == 0:
+            pids = [pid for pid, _ in run_processes(os.environ[MARK_ENV]).items()
+                    if b"dock-shard" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            assert len(pids) == 1
+            os.kill(pids[0], signal.SIGKILL)
+
+    with pytest.raises(WorkerFailed) as err:
+        trainer.train(cfg, on_iteration=kill_the_shard)
+    assert err.value.member == "dock-shard-0-0" and "code -9" in str(err.value)
 
 
 def require_vllm() -> None:
