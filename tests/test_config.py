@@ -198,7 +198,7 @@ def test_warehouse_settings_are_accepted():
     assert (dock.warehouse, dock.endpoint, dock.bucket, dock.prefix, dock.secure) == ("s3", "https://minio.kubeflow:9000", "rl.runs-1", "team/a", False)
     assert (dock.access_key_env, dock.secret_key_env) == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     assert load_config(None, ["dock.warehouse=s3", "dock.endpoint=127.0.0.1:9000"]).dock.endpoint == "127.0.0.1:9000"
-    assert load_config(None, ["dock.warehouse=directory", "dock.directory=/tmp/x"]).dock.directory == "/tmp/x"
+    assert load_config(None, ["dock.warehouse=directory", "dock.directory=store/x"]).dock.directory == "store/x"
     # fields of an unused backend are not checked: a memory run may carry an s3 section
     assert load_config(None, ["dock.bucket=Not_Checked"]).dock.warehouse == "memory"
 
