@@ -217,6 +217,11 @@ class ParallelConfig:
     bucket_mb: int = 256
     """Bound of one gathered bucket of the weight sync, in MiB."""
 
+    @property
+    def ranks(self) -> int:
+        """Processes of the actor group: ``world_size``, or tp × pp × dp when it is 0."""
+        return self.world_size or self.tp * self.pp * self.dp
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -376,7 +381,7 @@ def _check_engines(c: Config) -> None:
             if getattr(p, name) != 1 and not (t.hybrid and c.dock.mode == "distributed"):
                 raise _fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
                             "as the hybrid actor with dock.mode='distributed' only (trainer.hybrid=true); else use 1")
-        if p.tp * p.pp * p.dp > 1 and p.infer_tp != 1:
+        if p.ranks > 1 and p.infer_tp != 1:
             raise _fail("parallel.infer_tp", p.infer_tp, "vLLM with TP' > 1 inside the actor's processes is not built: use 1 "
                         "(every actor rank then generates with a full copy of the weights, inference DP' = tp × pp × dp)")
         for name in ("global_batch", "mini_batch"):  # every data-parallel replica updates on its equal part
@@ -401,7 +406,7 @@ def _check_parallel(c: Config) -> None:
     if p.world_size < 0:
         raise _fail("parallel.world_size", p.world_size, "expected >= 0 (0: tp × pp × dp)")
     try:
-        world_size = p.world_size or p.tp * p.pp * p.dp
+        world_size = p.ranks
         check_counts(tp=p.tp, pp=p.pp, dp=p.dp, infer_tp=p.infer_tp, infer_pp=p.infer_pp, world_size=world_size, device=p.device)
         if max(p.tp, p.pp, p.infer_tp) > 1 and (Path(c.model.path) / "config.json").is_file():
             check_model(tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, model=ModelShape.from_model_dir(c.model.path))

@@ -92,15 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Live processes below ``pid`` in the process tree, parents first (Linux ``/proc``; empty elsewhere)."""
+    """Live processes below ``pid`` in the process tree, parents first."""
+    from dockrl.launch.local import live_processes
+
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for child, (parent, _) in live_processes().items():
+        children.setdefault(parent, []).append(child)
     out, todo = [], list(children.get(pid, []))
     while todo:
         out.append(todo.pop(0))

@@ -110,9 +110,8 @@ def worker_groups(
     dock = ",".join(shard_locations(backend, ports))
     env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg)}
     stages = stage_processes(cfg)
-    actor_ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp  # the hybrid actor: one process per rank
     return shards + [
-        WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, replicas=actor_ranks if stage == "hybrid" else 1, command=(
+        WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, replicas=cfg.parallel.ranks if stage == "hybrid" else 1, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *(["--stay"] if backend.restarts_exited else []),
         ))

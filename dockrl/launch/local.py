@@ -51,17 +51,22 @@ def default_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / "dockrl-local-workers"
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid`` (Linux ``/proc``; empty elsewhere)."""
-    out = []
+def live_processes() -> dict[int, tuple[int, int]]:
+    """pid → (parent pid, process group) of every live (non-zombie) process (Linux ``/proc``; empty elsewhere)."""
+    out = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry.name))
+        if fields[0] != "Z":
+            out[int(entry.name)] = (int(fields[1]), int(fields[2]))
     return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    return [pid for pid, (_, group) in live_processes().items() if group == pgid]
 
 
 def _start_time(pid: int) -> int | None:
