@@ -76,9 +76,42 @@ class Platform:
     shared_mount_path: str = SHARED_MOUNT_PATH
     """Absolute path of its mount, the same in every pod."""
     stage_cpu: str = "4"
-    """CPU request and limit of a pod holding a model (rollout, reference, actor; Kubernetes quantity)."""
+    """CPU request of a pod holding a model (rollout, reference, actor; Kubernetes quantity)."""
     stage_memory: str = "16Gi"
-    """Memory request and limit of a pod holding a model (Kubernetes quantity)."""
+    """Memory request of a pod holding a model (Kubernetes quantity)."""
+    stage_ephemeral_storage: str = "20Gi"
+    """Ephemeral-storage request of a pod holding a model (logs, caches; checkpoints go to the
+    shared volume or the object store, never the node's disk)."""
+    accelerator_device_gid: int = 0
+    """Supplemental group given to worker pods that hold accelerators, so that the non-root
+    user can open the device files (Ascend: the group of ``/dev/davinci*``, HwHiAiUser, usually
+    1000; look it up on a node with ``stat -c %g /dev/davinci0``); 0 for none."""
+    scheduler: Literal["default", "kueue", "volcano"] = "default"
+    """Gang scheduling of a run's worker pods: ``default`` (none), ``kueue`` (the JobSet is
+    queued in ``queue`` and admitted whole) or ``volcano`` (schedulerName volcano and one
+    PodGroup of all the run's pods, the usual choice on Ascend clusters)."""
+    queue: str = ""
+    """Kueue LocalQueue (required with ``scheduler=kueue``) or Volcano queue ("" for Volcano's
+    ``default``) of a run's workers."""
+    worker_deadline_s: int = 7 * 24 * 3600
+    """Longest a run's workers may live, seconds (``activeDeadlineSeconds`` of their Jobs): a
+    bound on what a lost launcher can leave running."""
+    worker_ttl_s: int = 3600
+    """Seconds a finished worker JobSet is kept for inspection before Kubernetes deletes it."""
+    schedule_timeout_s: int = 600
+    """Longest a worker pod may stay unschedulable (no node with its resources, selector or
+    taints) before the run fails, seconds; the time queued for admission is not counted."""
+    queue_timeout_s: int = 24 * 3600
+    """Longest the workers may wait for admission by Kueue or Volcano, seconds."""
+    image_pull_timeout_s: int = 1800
+    """Longest a scheduled worker pod may take to pull its image and start, seconds (the NPU
+    image is tens of GB)."""
+    image_pull_retries: int = 3
+    """Failed image pulls of one pod tolerated before the run fails (the kubelet retries with
+    back-off: a registry hiccup passes, a wrong name or missing credentials does not)."""
+    driver_timeout_s: int = 120
+    """Workers and dock shards exit when the launcher has not been heard from for this long,
+    seconds (the launcher's pod deleted, its process killed): they never outlive it by more."""
 
     def __post_init__(self) -> None:
         if bool(self.accelerator) != (self.accelerators_per_pod > 0):
@@ -88,6 +121,16 @@ class Platform:
             )
         if self.image_tag in ("", "latest"):
             raise ValueError(f"platform {self.name!r}: image_tag={self.image_tag!r}; pin a release tag, never 'latest'")
+        if self.scheduler == "kueue" and not self.queue:
+            raise ValueError(f"platform {self.name!r}: scheduler='kueue' needs queue (the LocalQueue of the workers' "
+                             "namespace, e.g. queue='team-rl')")
+        for name in ("worker_deadline_s", "worker_ttl_s", "schedule_timeout_s", "queue_timeout_s", "image_pull_timeout_s",
+                     "driver_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"platform {self.name!r}: {name}={getattr(self, name)}; expected seconds >= 1")
+        if self.image_pull_retries < 0 or self.accelerator_device_gid < 0:
+            raise ValueError(f"platform {self.name!r}: image_pull_retries={self.image_pull_retries}, accelerator_device_gid="
+                             f"{self.accelerator_device_gid}; expected >= 0")
         if not self.shared_mount_path.startswith("/"):
             raise ValueError(f"platform {self.name!r}: shared_mount_path={self.shared_mount_path!r}; expected an absolute path")
 
@@ -132,6 +175,7 @@ PLATFORMS: dict[str, Platform] = {
         name="npu", accelerator=ASCEND_RESOURCE, accelerators_per_pod=8,
         node_selector={"accelerator": "huawei-Ascend910"},
         tolerations=(Toleration(key=ASCEND_RESOURCE),), stage_cpu="32", stage_memory="256Gi",
+        accelerator_device_gid=1000,  # HwHiAiUser, owner of /dev/davinci* on a typical Ascend node
     ),
     # NVIDIA GPU operator: nodes carry nvidia.com/gpu.present=true; GPU pools are usually tainted
     "gpu": Platform(
