@@ -31,6 +31,7 @@ from dockrl.resume import (
     seed_iteration, write_driver_state,
 )
 from dockrl.rewards import RewardScorer
+from dockrl.run_lock import RunLock
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.reference import ReferenceWorker
@@ -182,17 +183,28 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     (``dockrl.launch.distributed.train_distributed``); the default runs them all here.
     Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
     ``metrics.png``, ``summary.json`` and ``checkpoints/`` (HF format).
-    """
-    if cfg.dock.mode == "distributed":
-        from dockrl.launch.distributed import train_distributed
+    Nothing of the run folder is written before the run is accepted (a fresh run into a used
+    folder, or a resume that does not fit its checkpoint, leaves the folder as it was), and the
+    folder is locked for the run's lifetime (``dockrl.run_lock``).
 
-        return train_distributed(cfg, on_iteration=on_iteration)
+    Raises:
+        RunLockedError: another live run holds ``run.output_dir``.
+        ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
+    """
+    with RunLock(cfg.run.output_dir):
+        if cfg.dock.mode == "distributed":
+            from dockrl.launch.distributed import train_distributed
+
+            return train_distributed(cfg, on_iteration=on_iteration)
+        return _train_inprocess(cfg, on_iteration=on_iteration)
+
+
+def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] | None) -> dict[str, float]:
+    """``train`` with every stage in this process (the run folder is locked by the caller)."""
     if cfg.dock.shards != 1:
         logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
     t0 = time.perf_counter()
     run_dir = Path(cfg.run.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
@@ -203,6 +215,7 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
     train_prompts, test_prompts = load_run_prompts(cfg, tokenizer, train_file, test_file)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
     point = find_resume(cfg, fingerprint)
+    save_config(cfg, run_dir / "config.yaml")  # only now: a refused run leaves the folder's config as it was
     weights = point.checkpoint if point else model_path  # the actor and the rollout start from the same weights
 
     hybrid = None

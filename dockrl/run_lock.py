@@ -1,0 +1,111 @@
+"""One run at a time in a run folder: an exclusive lock on ``RUN/.dockrl.lock`` for the run's lifetime.
+
+``RunLock(run_dir)`` (a context manager) takes an exclusive ``fcntl.flock`` on the lock file
+before anything of the folder is read or written, and holds it until the run ends. A second
+run into the same ``run.output_dir`` is refused at once (``RunLockedError``, a ``ConfigError``)
+with the holder's pid, host and start time. The kernel releases a ``flock`` when the process
+that holds it exits, however it exits (SIGKILL included): the file a dead run leaves behind is
+held by nobody, so a stale lock is never an obstacle and needs no clean-up. The holder writes
+its pid into the file only for the message; the lock itself is the ``flock``.
+
+A ``flock`` is per open file description: a child started with ``fork`` alone (no ``exec``)
+shares it and keeps the folder locked while it lives, which is right for a process of the run.
+Processes started by ``subprocess`` do not inherit it (close-on-exec). On a network file
+system without ``flock`` support (some NFS set-ups) the lock is local to each machine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+
+from dockrl.config import ConfigError
+
+LOCK_FILE = ".dockrl.lock"
+
+
+class RunLockedError(ConfigError):
+    """``run.output_dir`` is held by another live run."""
+
+
+def lock_holder(run_dir: str | Path) -> dict | None:
+    """Who holds the lock of ``run_dir`` (``pid``, ``host``, ``since``), or None when no live process does."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(path)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it: a file left by a finished or killed run
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_holder(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}  # the holder has not written its pid yet
+
+
+class RunLock:
+    """Exclusive lock of a run folder (see the module docstring); creates the folder.
+
+    Raises (on enter):
+        RunLockedError: another live process holds the folder.
+        ConfigError: the folder cannot be created or the lock file not written (names the path
+            and the OS error, e.g. a read-only folder).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"run.output_dir: cannot create the run folder's lock file {self.path} "
+                              f"({e.strerror or e}); choose a writable run.output_dir") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = _read_holder(self.path)
+            who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
+                   if holder else "a process that is starting")
+            raise RunLockedError(
+                f"run.output_dir: {self.run_dir} is in use by another dockrl run ({who}); two runs in one folder "
+                "would mix their metrics and checkpoints: wait for it to end (or stop it: dockrl teardown "
+                f"{self.run_dir}), or choose another run.output_dir"
+            ) from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Release the lock (the file stays; nobody holds it). Safe to call twice."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
