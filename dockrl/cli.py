@@ -1,10 +1,12 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | worker | dock-shard``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | teardown | worker | dock-shard``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
     dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
     dockrl worker -h                               # one stage of a distributed run (dockrl/workers/main.py)
     dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
+    dockrl runs                                    # local runs and their live processes
+    dockrl teardown runs/demo                      # stop what a run left (its driver, its workers)
 
 ``worker`` and ``dock-shard`` are what the launcher starts, as local processes and as the
 command of the stage pods (the images' entry point is ``dockrl``).
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.dock.flight import serve_shard
 
         return serve_shard(argv[1:])
+    if argv[:1] in (["runs"], ["teardown"]):
+        return runs_main(argv)
     parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
     sub.add_parser("worker", help="one stage of a distributed run, against its dock (dockrl worker -h)")
     sub.add_parser("dock-shard", help="one transfer dock shard (dockrl dock-shard -h)")
+    sub.add_parser("runs", help="list the local runs and their live processes")
+    sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -71,6 +77,43 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailed as e:  # a stage process died: its name and log tail say why
         print(f"dockrl: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def runs_main(argv: list[str]) -> int:
+    """``dockrl runs`` (the local runs and their live processes) and ``dockrl teardown RUN``."""
+    parser = argparse.ArgumentParser(prog=f"dockrl {argv[0]}")
+    if argv[0] == "teardown":
+        parser.description = "Stop what a run left running: its driver (if it still holds the run folder) and its workers."
+        parser.add_argument("run", help="run folder (run.output_dir) or run id (as `dockrl runs` lists it)")
+        parser.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+                            help="where the workers run (kubernetes: RUN is the pipeline run's id)")
+        parser.add_argument("--namespace", default="", help="namespace of the workers (kubernetes; default: the current one)")
+        parser.add_argument("--grace-s", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (local)")
+    else:
+        parser.description = "List the local runs: run id, folder, driver, live processes."
+    args = parser.parse_args(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dockrl.launch.local import local_runs, teardown_local
+
+    if argv[0] == "runs":
+        runs = local_runs()
+        for r in runs:
+            driver = f"driver {r['driver_pid']} {'running' if r['driver_alive'] else 'gone'}" if r["driver_pid"] else "no record"
+            print(f"{r['run_id']}  {r['run_dir'] or '-'}  {driver}  {len(r['processes'])} live process(es) {r['processes']}")
+        if not runs:
+            print("no local runs")
+        return 0
+    try:
+        if args.backend == "kubernetes":
+            from dockrl.launch.backend import teardown_run
+
+            print(json.dumps({"removed": teardown_run("kubernetes", args.run, namespace=args.namespace)}))
+        else:
+            print(json.dumps(teardown_local(args.run, grace_s=args.grace_s)))
+    except ValueError as e:
+        print(f"dockrl teardown: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -236,6 +236,10 @@ class RunConfig:
     resume: str = ""
     """Resume from a checkpoint: '' (a fresh run), 'latest' (the newest complete one under
     output_dir/checkpoints) or a checkpoint folder (``dockrl.resume``)."""
+    driver_timeout_s: float = 60.0
+    """Workers and dock shards of a distributed run stop when the driver has not renewed its
+    lease on the dock for this long, seconds (``dockrl.lifeline``; a local worker also stops at
+    once when the driver process dies)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,6 +338,7 @@ def _check_rules(c: Config) -> None:
     finite_positive = {
         "trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
         "dock.store_timeout_s": c.dock.store_timeout_s, "dock.lease_s": c.dock.lease_s,
+        "run.driver_timeout_s": c.run.driver_timeout_s,
     }
     for where, v in finite_positive.items():
         if not (0 < v < math.inf):

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import importlib
+import ipaddress
 import json
 import logging
 import math
@@ -59,6 +60,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, NoReturn
 
@@ -145,8 +147,9 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         values = headers.get("authorization", [])
         if len(values) != 1 or not hmac.compare_digest(str(values[0]).encode(), self._expected):
             raise flight.FlightUnauthenticatedError(
-                "dock shard: missing or wrong 'authorization: Bearer <token>' header; "
-                "pass the token the shard was started with to DockClient(token=...)"
+                "dock shard: missing or wrong 'authorization: Bearer <token>' header; pass the token the shard was "
+                "started with: DOCKRL_DOCK_TOKEN in the environment of `dockrl worker` (the launcher sets it), "
+                "or DockClient(token=...) in code"
             )
         return None
 
@@ -210,8 +213,23 @@ class DockShardServer(flight.FlightServerBase):
             "report": lambda ctx, req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
             "wait_reports": lambda ctx, req: self.control.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
             "finish": lambda ctx, req: self.control.finish(),
+            # the driver's lease (dockrl.launch.lifeline): no server lock, a snapshot must not delay a beat
+            "driver_beat": lambda ctx, req: self._driver_beat(),
+            "driver_quiet": lambda ctx, req: {"quiet_s": self.driver_quiet_s()},
         }
-        logger.info("dock shard listening at %s (auth %s)", self._location, "on" if token else "off")
+        self._driver_seen = time.monotonic()  # the lease runs from the shard's start
+        if token:
+            logger.info("dock shard listening at %s (bearer token required)", self._location)
+        else:
+            logger.warning("dock shard listening at %s WITHOUT authentication: any process that reaches it can read and "
+                           "write the run's data; start it with a token (--token-env DOCKRL_DOCK_TOKEN)", self._location)
+
+    def _driver_beat(self) -> None:
+        self._driver_seen = time.monotonic()
+
+    def driver_quiet_s(self) -> float:
+        """Seconds since the driver last renewed its lease (``driver_beat``), or since this shard started."""
+        return time.monotonic() - self._driver_seen
 
     @property
     def location(self) -> str:
@@ -425,6 +443,16 @@ def _load_schema(spec: str) -> Schema:
     return schema
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
 def serve_shard(argv: list[str] | None = None) -> int:
     """Run one dock shard in this process until SIGINT/SIGTERM; print its location first.
 
@@ -439,6 +467,8 @@ def serve_shard(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", choices=("memory", "store"), default="memory",
                         help="memory: cells in this shard; store: metadata only, cells in the run's warehouse")
     parser.add_argument("--lease-s", type=float, default=300.0, help="default lease term of a claim, seconds")
+    parser.add_argument("--driver-timeout-s", type=float, default=0.0,
+                        help="stop when the run's driver has not renewed its lease for this long, seconds (0: never)")
     args = parser.parse_args(argv)
     if not 0 < args.lease_s < math.inf:
         parser.error(f"--lease-s {args.lease_s}: expected a finite number of seconds > 0")
@@ -447,6 +477,9 @@ def serve_shard(argv: list[str] | None = None) -> int:
         token = os.environ.get(args.token_env)
         if not token:
             parser.error(f"--token-env {args.token_env}: the environment variable is unset or empty; export the shard token")
+    if token is None and not is_loopback(args.host):
+        parser.error(f"--host {args.host}: a shard reachable from other machines must require a bearer token; "
+                     "pass --token-env DOCKRL_DOCK_TOKEN (with the token in that variable), or bind --host 127.0.0.1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = DockShardServer(
         _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s,
@@ -457,19 +490,31 @@ def serve_shard(argv: list[str] | None = None) -> int:
     # on a signal it shuts gRPC down first, which waits for claims blocked in the shard (up to
     # their timeout), and only then runs Python's handler; close() wakes them first.
     stopping = threading.Event()
+    driver_gone: list[str] = []
 
     def stop(signum: int, frame: object) -> None:
         stopping.set()
+
+    def gone(reason: str) -> None:
+        driver_gone.append(reason)
+        stopping.set()
+
+    from dockrl.lifeline import driver_pid_from_env, watch_driver
+
+    watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=server.driver_quiet_s if args.driver_timeout_s > 0 else None,
+                 timeout_s=args.driver_timeout_s or 60.0, what=f"dock shard at {server.location}", on_gone=gone)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print(server.location, flush=True)  # after the handlers: whoever reads it may stop the shard at once
     try:
         stopping.wait()
+        if driver_gone:
+            logger.error("%s; stopping", driver_gone[0])
         logger.info("dock shard at %s stopping", server.location)
     finally:
         server.close()
-    return 0
+    return 1 if driver_gone else 0
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from dockrl.dock.warehouse import make_warehouse
 from dockrl.engines.hf import load_tokenizer
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend
+from dockrl.lifeline import DriverLease
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, find_resume, prompts_fingerprint
 from dockrl.trainer import (
@@ -103,7 +104,7 @@ def worker_groups(
         WorkerGroup(name=f"dock-shard-{s}", env={TOKEN_ENV: token}, port=port, command=(
             *program, "dock-shard", "--host", backend.bind_host, "--port", str(port),
             "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
-            "--payload", payload,
+            "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
         ))
         for s, port in enumerate(ports)
     ]
@@ -237,7 +238,7 @@ def train_distributed(
     save_config(cfg, run_dir / "config.yaml")
 
     log_dir = run_dir / "logs"
-    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir)
+    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir, run_dir=run_dir)
     run = backend.run_id
     warehouse = make_warehouse(cfg.dock, run)  # checked here once, before any worker starts
     token = secrets.token_urlsafe(24)
@@ -253,11 +254,12 @@ def train_distributed(
     summary |= point.summary if point else {}
     batches = list(prompt_batches(train_prompts, t))
     first, open_now = (point.next_iteration, point.open_iteration) if point else (0, None)
-    dock = None
+    dock = lease = None
     previous = _raise_on_sigterm()
     try:
         shards, rollout, others = groups[: cfg.dock.shards], groups[cfg.dock.shards], groups[cfg.dock.shards + 1 :]
         backend.start(shards)
+        lease = DriverLease(locations, token, cfg.run.driver_timeout_s)  # from now on: shards still starting count too
         backend.wait_ready(backend.start_timeout_s)
         wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
@@ -315,6 +317,8 @@ def train_distributed(
         if dock is not None:
             dock.close()
         backend.teardown()
+        if lease is not None:
+            lease.stop()
         del weight_store
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
+from dockrl.lifeline import DRIVER_PID_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,58 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def process_run_id(pid: int) -> str | None:
+    """``DOCKRL_RUN_ID`` in the environment of live process ``pid`` (None: none, gone, a zombie, or not ours to read)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for var in raw.split(b"\0"):
+        if var.startswith(b"DOCKRL_RUN_ID="):
+            return var.split(b"=", 1)[1].decode(errors="replace")
+    return None
+
+
+def run_processes(run_id: str | None = None) -> dict[int, str]:
+    """pid → run id of every live process of this user started for a dockrl run (``DOCKRL_RUN_ID``
+    in its environment: workers, shards and what they started), of ``run_id`` only when given."""
+    found = {}
+    for pid in live_processes():
+        rid = process_run_id(pid)
+        if rid is not None and (run_id is None or rid == run_id):
+            found[pid] = rid
+    return found
+
+
+def local_runs(state_dir: str | Path | None = None) -> list[dict]:
+    """The local runs this machine knows: each recorded run (its state file) and each run id that
+    live processes carry without one. Each: ``run_id``, ``run_dir`` (or None), ``driver_pid``,
+    ``driver_alive``, ``processes`` (live pids carrying the run id), sorted by run id."""
+    folder = Path(state_dir) if state_dir else default_state_dir()
+    live = run_processes()
+    runs: dict[str, dict] = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        pid, start = doc.get("driver_pid"), doc.get("driver_start_time")
+        runs[doc["run_id"]] = {"run_id": doc["run_id"], "run_dir": doc.get("run_dir"), "driver_pid": pid,
+                               "driver_alive": pid is not None and start is not None and _start_time(pid) == start}
+    for pid, rid in live.items():
+        runs.setdefault(rid, {"run_id": rid, "run_dir": None, "driver_pid": None, "driver_alive": False})
+    for run in runs.values():
+        run["processes"] = sorted(pid for pid, rid in live.items() if rid == run["run_id"])
+    return [runs[k] for k in sorted(runs)]
+
+
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a log file ("" if it does not exist)."""
     try:
@@ -100,12 +153,14 @@ class LocalBackend:
     restarts_exited = False  # a finished stage exits and frees its memory
     start_timeout_s = 60.0
 
-    def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0):
+    def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0,
+                 run_dir: str | Path | None = None):
         if not run_id or "/" in run_id:
             raise ValueError(f"local backend: run_id {run_id!r}; expected a non-empty name without '/'")
         self.run_id = run_id
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self.log_dir = Path(log_dir) if log_dir else self.state_dir / run_id
+        self.run_dir = Path(run_dir).resolve() if run_dir else None  # recorded: `dockrl teardown RUN_DIR` finds the run by it
         self.grace_s = grace_s
         self._procs: list[tuple[str, str, subprocess.Popen, Path]] = []  # (group, member, process, log)
 
@@ -134,7 +189,7 @@ class LocalBackend:
                 for i in range(g.replicas):
                     member = f"{g.name}-{i}"
                     env = {**os.environ, **g.env, "DOCKRL_RUN_ID": self.run_id, "DOCKRL_GROUP": g.name,
-                           "DOCKRL_REPLICA": str(i), "DOCKRL_REPLICAS": str(g.replicas)}
+                           "DOCKRL_REPLICA": str(i), "DOCKRL_REPLICAS": str(g.replicas), DRIVER_PID_ENV: str(os.getpid())}
                     log = self.log_dir / f"{member}.log"
                     with open(log, "wb") as out:
                         proc = subprocess.Popen(list(g.command), env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -148,7 +203,9 @@ class LocalBackend:
         rows = [{"group": g, "member": m, "pid": p.pid, "start_time": _start_time(p.pid), "log": str(log)}
                 for g, m, p, log in self._procs]
         tmp = self.state_file.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"run_id": self.run_id, "workers": rows}, indent=2))
+        doc = {"run_id": self.run_id, "run_dir": str(self.run_dir) if self.run_dir else None, "driver_pid": os.getpid(),
+               "driver_start_time": _start_time(os.getpid()), "workers": rows}
+        tmp.write_text(json.dumps(doc, indent=2))
         os.replace(tmp, self.state_file)
 
     def check(self) -> None:
@@ -184,6 +241,10 @@ class LocalBackend:
                 now = _start_time(row["pid"])
                 if now is not None and now == row["start_time"]:
                     targets.setdefault(row["pid"], now)
+        for pid in run_processes(self.run_id):  # a worker not (yet) recorded, or what one that died started
+            group = _pgid(pid)
+            if group is not None and group != os.getpgrp():  # never this process's own group
+                targets.setdefault(group, None)
         for pid in targets:
             self._signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
@@ -208,7 +269,9 @@ class LocalBackend:
         own = next((p for _, _, p, _ in self._procs if p.pid == pid), None)
         if own is not None:
             return own.poll() is None
-        return start_time is not None and _start_time(pid) == start_time
+        if start_time is None:  # found by its DOCKRL_RUN_ID: a group leader, maybe gone already
+            return _start_time(pid) is not None
+        return _start_time(pid) == start_time
 
     @staticmethod
     def _signal(pid: int, sig: int) -> None:
@@ -217,3 +280,54 @@ class LocalBackend:
             os.killpg(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s: float = 5.0) -> dict:
+    """Stop what a local run left running: ``target`` is a run folder (``run.output_dir``) or a run id.
+
+    For a run folder: the driver that still holds its lock (``dockrl.run_lock``; SIGTERM, which
+    tears its workers down, then SIGKILL after ``grace_s``) and the workers of every run recorded
+    for that folder; for a run id: that run's workers. Workers are found by the backend's record
+    and by ``DOCKRL_RUN_ID`` in their environment, so those of a SIGKILLed driver are found too.
+
+    Returns:
+        ``{"driver": pid or None, "runs": {run_id: workers stopped}}``.
+
+    Raises:
+        ValueError: ``target`` is neither an existing folder nor a run id this machine knows.
+    """
+    from dockrl.run_lock import lock_holder
+
+    runs = local_runs(state_dir)
+    folder = Path(target)
+    out: dict = {"driver": None, "runs": {}}
+    if folder.is_dir():
+        where = str(folder.resolve())
+        ids = [r["run_id"] for r in runs if r["run_dir"] == where]
+        holder = lock_holder(folder)
+        if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+            out["driver"] = _stop_driver(holder["pid"], grace_s)
+    elif any(r["run_id"] == target for r in runs):
+        ids = [target]
+    else:
+        known = ", ".join(r["run_id"] for r in runs) or "none"
+        raise ValueError(f"teardown: {target!r} is neither a run folder nor a run id this machine knows (known run ids: {known}); "
+                         "`dockrl runs` lists them")
+    for rid in ids:
+        out["runs"][rid] = LocalBackend(rid, state_dir=state_dir, grace_s=grace_s).teardown()
+    return out
+
+
+def _stop_driver(pid: int, grace_s: float) -> int | None:
+    """SIGTERM ``pid`` (a driver: its teardown stops its workers), SIGKILL after ``grace_s``; None if it was not running."""
+    start = _start_time(pid)
+    if start is None or pid == os.getpid():
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + 10  # its own teardown gives each worker grace_s
+    while time.monotonic() < deadline and _start_time(pid) == start:
+        time.sleep(0.05)
+    if _start_time(pid) == start:
+        logger.warning("driver pid %d ignored SIGTERM for %.0f s; killing it", pid, grace_s + 10)
+        os.kill(pid, signal.SIGKILL)
+    return pid

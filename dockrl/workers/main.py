@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from dockrl.dock import GRPO_SCHEMA
     from dockrl.dock.client import DockClient
     from dockrl.dock.warehouse import make_warehouse
+    from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, watch_driver
     from dockrl.trainer import seed_everything
 
     if args.config_env:
@@ -260,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
     locations = [loc for loc in args.dock.split(",") if loc]
+    # stop with the driver: at once when it was our parent, else when its lease on the dock goes quiet
+    watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], os.environ.get(TOKEN_ENV) or None),
+                 timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
     warehouse = make_warehouse(cfg.dock, args.run)
     with DockClient(
         locations, GRPO_SCHEMA, token=os.environ.get(TOKEN_ENV) or None, timeout_s=cfg.dock.timeout_s,

@@ -509,10 +509,13 @@ def test_calls_without_the_right_token_are_rejected(shards, token):
         with pytest.raises(flight.FlightUnauthenticatedError, match="Bearer <token>") as info:
             call()
         assert any("dock shard 0 at grpc://127.0.0.1:" in note for note in info.value.__notes__)
+        assert "DOCKRL_DOCK_TOKEN in the environment of `dockrl worker`" in str(info.value)  # what a CLI user sets
 
 
-def test_shard_without_token_accepts_every_call():
-    servers, locations = start_local_shards(1, GRPO_SCHEMA)
+def test_shard_without_token_accepts_every_call(caplog):
+    with caplog.at_level("WARNING", logger="dockrl.dock.flight"):
+        servers, locations = start_local_shards(1, GRPO_SCHEMA)
+    assert "WITHOUT authentication" in caplog.text and "--token-env DOCKRL_DOCK_TOKEN" in caplog.text
     try:
         dock = DockClient(locations, GRPO_SCHEMA, token="ignored")
         dock.open_iteration(0, 2, 2)
@@ -655,3 +658,11 @@ def test_cli_refuses_an_unset_token_variable(monkeypatch, capsys):
         serve_shard(["--token-env", "DOCKRL_TEST_UNSET_TOKEN"])
     assert info.value.code == 2
     assert "DOCKRL_TEST_UNSET_TOKEN" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "dock.example", "::"])
+def test_cli_refuses_a_bind_beyond_loopback_without_a_token(host, capsys):
+    with pytest.raises(SystemExit) as info:
+        serve_shard(["--host", host])
+    assert info.value.code == 2
+    assert f"--host {host}: a shard reachable from other machines must require a bearer token" in capsys.readouterr().err

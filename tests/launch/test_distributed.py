@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,14 +28,18 @@ FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py, importable by the wo
 
 
 def run_config(tiny_model_dir, tmp_path, *extra: str):
-    return load_config(None, [
+    return load_config(None, run_overrides(tiny_model_dir, tmp_path, *extra))
+
+
+def run_overrides(tiny_model_dir, tmp_path, *extra: str) -> list[str]:
+    return [
         f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
         "run.progress=false", "dock.mode=distributed", "dock.shards=2", "dock.timeout_s=120",
         "trainer.iterations=2", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-2",
         "trainer.save_every=1", "algorithm.kl_coef=0.05", "data.generate_train=40", "data.generate_test=8", "data.eval_size=8",
         *extra,
-    ])
+    ]
 
 
 MARK_ENV = "DOCKRL_TEST_MARK"
@@ -266,3 +271,24 @@ def test_vllm_rollout_and_megatron_actor_processes(tiny_model_dir, tmp_path, wor
     before = model.state_dict()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "final")
     assert [n for n, p in after.named_parameters() if torch.equal(p, before[n])] == []
+
+
+@pytest.mark.slow
+def test_a_sigkilled_driver_leaves_no_process_behind(tiny_model_dir, tmp_path, workers_path):
+    overrides = run_overrides(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "trainer.iterations=50",
+                              "trainer.eval_before=false")
+    driver = subprocess.Popen([sys.executable, "-m", "dockrl", "train", *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mark, deadline = os.environ[MARK_ENV], time.monotonic() + 240
+    actor_log = tmp_path / "run" / "logs" / "actor-0.log"
+    while not (actor_log.is_file() and "actor: iteration 0" in actor_log.read_text()):  # mid-run: every stage and shard up
+        assert driver.poll() is None and time.monotonic() < deadline, "the run did not get to its first iteration"
+        time.sleep(0.2)
+    workers = run_processes(mark)
+    assert len(workers) >= 5  # 2 shards, rollout, reward (+ its verifier pool's processes), reference, actor
+    driver.kill()
+    driver.wait()
+    start = time.monotonic()
+    while run_processes(mark) and time.monotonic() - start < 30:
+        time.sleep(0.1)
+    assert not run_processes(mark), f"left {time.monotonic() - start:.0f} s after the driver died: {run_processes(mark)}"
+    assert time.monotonic() - start < 5

@@ -124,3 +124,52 @@ def test_teardown_run_errors():
         teardown_run("local", "")
     with pytest.raises(ValueError, match="backend 'slurm'"):
         teardown_run("slurm", "r")
+
+
+ORPHAN_DRIVER = """
+import sys, time
+from dockrl.launch.local import LocalBackend
+from dockrl.launch.backend import WorkerGroup
+code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+b = LocalBackend('run-orphans', state_dir=sys.argv[1], run_dir=sys.argv[2])
+b.start([WorkerGroup(name='reward', command=(sys.executable, '-c', code), replicas=2)])
+print('started', flush=True)
+time.sleep(120)
+"""
+
+
+def test_dockrl_teardown_of_a_run_folder_stops_what_a_killed_driver_left(tmp_path, monkeypatch, capsys):
+    from dockrl.cli import main
+    from dockrl.launch import local
+
+    monkeypatch.setattr(local, "default_state_dir", lambda: tmp_path / "state")
+    run = tmp_path / "run"
+    run.mkdir()
+    driver = __import__("subprocess").Popen([PY, "-c", ORPHAN_DRIVER, str(tmp_path / "state"), str(run)], stdout=-1, text=True)
+    assert driver.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 20
+    while len(local.run_processes("run-orphans")) < 4:  # two workers (no lifeline here) and a child each
+        assert time.monotonic() < deadline, local.run_processes("run-orphans")
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    left = sorted(local.run_processes("run-orphans"))
+    assert main(["runs"]) == 0
+    listed = capsys.readouterr().out
+    assert f"run-orphans  {run.resolve()}  driver {driver.pid} gone  4 live process(es) {left}" in listed
+    assert main(["teardown", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"driver": None, "runs": {"run-orphans": 2}}
+    assert not any(_alive(p) for p in left)
+    assert main(["teardown", "run-orphans"]) == 2  # nothing known of it any more
+    assert "neither a run folder nor a run id" in capsys.readouterr().err
+
+
+def test_dockrl_teardown_stops_the_driver_that_holds_the_run_folder(tmp_path, capsys):
+    from dockrl.cli import main
+
+    hold = "import sys, time; from dockrl.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
+    driver = __import__("subprocess").Popen([PY, "-c", hold, str(tmp_path)], stdout=-1, text=True)
+    assert driver.stdout.readline().strip() == "locked"
+    assert main(["teardown", str(tmp_path), "--grace-s", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["driver"] == driver.pid
+    assert driver.wait(timeout=5) == -15

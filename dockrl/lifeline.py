@@ -1,0 +1,198 @@
+"""Workers and dock shards stop when their run's driver is gone, on any worker backend.
+
+Two ties, each enough alone:
+
+* **parent** (local processes): a worker started by the driver knows the driver's pid
+  (``DRIVER_PID_ENV``). On Linux it asks the kernel to send it SIGTERM when its parent exits
+  (``prctl(PR_SET_PDEATHSIG)``), and on any POSIX system a watch thread compares
+  ``os.getppid()`` with the driver's pid every ``PARENT_POLL_S`` (which also covers a handler
+  that a long call in C would delay).
+* **lease** (any backend, pods on other machines included): the driver renews a lease on every
+  dock shard (``DriverLease``: the ``driver_beat`` action every ``timeout/4`` seconds, from a
+  thread of its own, so a driver busy starting pods still renews it). A shard whose lease has
+  been quiet for ``run.driver_timeout_s`` stops (``dockrl dock-shard --driver-timeout-s``). A
+  worker asks shard 0 how long the lease has been quiet (``driver_quiet``) every
+  ``timeout/4`` seconds and stops when that exceeds ``run.driver_timeout_s``, or when shard 0
+  has not answered for that long.
+
+A worker whose driver is gone logs one error line and kills its whole process group: every
+backend starts a worker in a session of its own, so what it started (vLLM engine processes,
+the reward verifier's pool) stops with it. ``watch_driver`` is the worker side;
+``DriverLease`` the driver side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+DRIVER_PID_ENV = "DOCKRL_DRIVER_PID"
+"""Pid of the driver that started this process (set by the local worker backend)."""
+PARENT_POLL_S = 0.25
+"""How often the watch thread compares the parent pid with the driver's, seconds."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; the parent *thread*, in fact: call it in a child whose parent
+    started it from a thread that lives as long as the parent). Returns False where not supported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def stop_process_group(reason: str) -> None:
+    """Log ``reason`` and kill this process and every process of its group (SIGKILL); never returns.
+
+    A process that leads its group (every worker does) takes the group with it; otherwise only itself.
+    """
+    logger.error("%s; stopping this process and the processes it started", reason)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - best effort before dying
+            pass
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def driver_pid_from_env() -> int | None:
+    """The driver's pid from ``DRIVER_PID_ENV`` (None when unset or not a number)."""
+    raw = os.environ.get(DRIVER_PID_ENV, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def watch_driver(
+    *, driver_pid: int | None, lease_quiet: Callable[[], float] | None = None, timeout_s: float = 60.0, what: str = "worker",
+    on_gone: Callable[[str], None] = stop_process_group,
+) -> threading.Thread | None:
+    """Stop this process (``on_gone(reason)``) once its driver is gone; returns the watch thread.
+
+    Args:
+        driver_pid: the driver's pid when it is this process's parent (local backend), else None.
+            Arms the parent death signal (SIGTERM, handled as ``on_gone``) and the pid check.
+        lease_quiet: seconds since the driver last renewed its lease (asked of dock shard 0);
+            may raise when the shard does not answer. None: no lease check.
+        timeout_s: ``run.driver_timeout_s``: longest quiet lease, or unanswered shard, seconds.
+        what: this process, for the log line (``reward worker``).
+
+    Returns None (and watches nothing) when there is neither a pid nor a lease to watch.
+    """
+    if driver_pid is None and lease_quiet is None:
+        return None
+    if driver_pid is not None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda signum, frame: on_gone(f"{what}: SIGTERM (the driver, pid {driver_pid}, exited or stopped the run)"))
+        die_with_parent(signal.SIGTERM)
+        if os.getppid() != driver_pid:  # the driver died before the kernel was asked to tell us
+            on_gone(f"{what}: the driver (pid {driver_pid}) is gone")
+            return None
+
+    def watch() -> None:
+        period = min(timeout_s / 4, 5.0)
+        next_lease, last_answer = time.monotonic(), time.monotonic()
+        while True:
+            if driver_pid is not None and os.getppid() != driver_pid:
+                on_gone(f"{what}: the driver (pid {driver_pid}) is gone")
+                return
+            now = time.monotonic()
+            if lease_quiet is not None and now >= next_lease:
+                next_lease = now + period
+                try:
+                    quiet = lease_quiet()
+                    last_answer = now
+                except Exception as e:  # noqa: BLE001 - an unreachable shard counts as quiet
+                    quiet = now - last_answer
+                    logger.debug("driver lease: no answer from dock shard 0 (%s)", e)
+                if quiet > timeout_s:
+                    on_gone(f"{what}: the driver has not renewed its lease for {quiet:.0f} s "
+                            f"(run.driver_timeout_s={timeout_s:g}): it is gone")
+                    return
+            time.sleep(PARENT_POLL_S if driver_pid is not None else min(period, 1.0))
+
+    thread = threading.Thread(target=watch, name="dockrl-driver-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _flight_options(token: str | None, timeout: float):
+    import pyarrow.flight as flight
+
+    return flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())] if token else [], timeout=timeout)
+
+
+def shard_lease_quiet(location: str, token: str | None, rpc_timeout_s: float = 5.0) -> Callable[[], float]:
+    """``lease_quiet`` for ``watch_driver``: asks the shard at ``location`` (``driver_quiet``)
+    how many seconds ago the driver last renewed its lease. The returned function raises a
+    Flight error when the shard does not answer."""
+    import pyarrow.flight as flight
+
+    client = flight.connect(location)
+    options = _flight_options(token, rpc_timeout_s)
+
+    def quiet() -> float:
+        results = list(client.do_action(flight.Action("driver_quiet", b"{}"), options))
+        return float(json.loads(results[0].body.to_pybytes())["quiet_s"])
+
+    return quiet
+
+
+class DriverLease:
+    """The driver's lease on every dock shard: a thread sends ``driver_beat`` to each every
+    ``timeout_s/4`` seconds (at most 5), to shards that do not answer yet too (they may still
+    be starting). ``stop()`` ends it; the shards and workers then stop ``timeout_s`` later
+    unless torn down first.
+
+    Args:
+        locations: ``grpc://host:port`` of every shard.
+        token: the shards' bearer token (None without auth).
+        timeout_s: ``run.driver_timeout_s``.
+    """
+
+    def __init__(self, locations: Sequence[str], token: str | None, timeout_s: float) -> None:
+        import pyarrow.flight as flight
+
+        self._flight = flight
+        self.period = min(timeout_s / 4, 5.0)
+        self._clients = [flight.connect(loc) for loc in locations]
+        self._options = _flight_options(token, max(self.period, 1.0))
+        self._stop = threading.Event()
+        self.beats = 0
+        self._thread = threading.Thread(target=self._run, name="dockrl-driver-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for client in self._clients:
+                try:
+                    list(client.do_action(self._flight.Action("driver_beat", b"{}"), self._options))
+                    self.beats += 1
+                except self._flight.FlightError:  # starting, or gone: the driver's own checks report dead shards
+                    pass
+            if self._stop.wait(self.period):
+                return
+
+    def stop(self) -> None:
+        """Stop renewing (the run is over); waits for the thread. Safe to call twice."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        for client in self._clients:
+            client.close()
+        self._clients = []

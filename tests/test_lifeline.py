@@ -1,0 +1,105 @@
+"""Workers and dock shards stop when their driver is gone: by parent death and by the driver's lease."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from dockrl.lifeline import DRIVER_PID_ENV, DriverLease
+from dockrl.launch.local import free_ports
+
+PY = sys.executable
+WORKER = """
+import subprocess, sys, time
+from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, watch_driver
+lease = shard_lease_quiet(sys.argv[1], None) if len(sys.argv) > 1 else None
+watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=lease, timeout_s=2.0, what='fake worker')
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])  # as a vLLM engine or a verifier pool
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+DRIVER = """
+import os, subprocess, sys, time
+from dockrl.launch.local import LocalBackend
+from dockrl.launch.backend import WorkerGroup
+port, worker = sys.argv[1], sys.argv[2]
+b = LocalBackend('run-life', state_dir=sys.argv[3])
+b.start([WorkerGroup(name='dock-shard', command=(sys.executable, '-m', 'dockrl', 'dock-shard', '--port', port, '--driver-timeout-s', '600')),
+         WorkerGroup(name='reward', command=(sys.executable, '-c', worker))])
+print('started', flush=True)
+time.sleep(120)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> float:
+    start = time.monotonic()
+    while any(alive(p) for p in pids):
+        assert time.monotonic() - start < timeout_s, f"still alive after {timeout_s} s: {[p for p in pids if alive(p)]}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_sigkilled_drivers_shard_workers_and_their_children_stop(tmp_path):
+    port = free_ports(1)[0]
+    driver = subprocess.Popen([PY, "-c", DRIVER, str(port), WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert driver.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 30
+    while (log := tmp_path / "run-life" / "reward-0.log").stat().st_size == 0:  # the worker has armed its watch
+        assert time.monotonic() < deadline, "the fake worker did not start"
+        time.sleep(0.05)
+    grandchild = int(log.read_text().split()[0])
+    workers = children(driver.pid)
+    assert len(workers) == 2 and alive(grandchild)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    took = wait_gone([*workers, grandchild], timeout_s=10)
+    assert took < 3, f"took {took:.1f} s"
+    assert "the driver (pid" in log.read_text() or "SIGTERM" in log.read_text()
+
+
+def test_workers_and_shards_stop_when_the_drivers_lease_goes_quiet(tmp_path, monkeypatch):
+    monkeypatch.delenv(DRIVER_PID_ENV, raising=False)  # not the driver's children: only the lease ties them (pods)
+    port = free_ports(1)[0]
+    shard = subprocess.Popen([PY, "-m", "dockrl", "dock-shard", "--port", str(port), "--driver-timeout-s", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    location = shard.stdout.readline().strip()
+    lease = DriverLease([location], None, timeout_s=2.0)
+    worker = subprocess.Popen([PY, "-c", WORKER, location], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(worker.stdout.readline())
+    try:
+        time.sleep(4)  # twice the timeout: the lease keeps them up
+        assert shard.poll() is None and worker.poll() is None and lease.beats >= 4
+        lease.stop()  # the driver is gone
+        took = wait_gone([shard.pid, worker.pid, grandchild], timeout_s=10)
+        assert 1.5 < took < 5, f"took {took:.1f} s"
+        assert shard.wait() == 1 and worker.wait() == -signal.SIGKILL
+        assert "has not renewed its lease" in shard.stderr.read()
+    finally:
+        for p in (shard, worker):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        lease.stop()
