@@ -131,6 +131,70 @@ def watch_driver(
     return thread
 
 
+def _start_time(pid: int) -> str | None:
+    """Start time of ``pid`` (Linux ``/proc``, clock ticks) as text; "" where unknown; None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else fields[19]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        pass
+    try:  # no /proc: existence only
+        os.kill(pid, 0)
+        return ""
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return ""
+
+
+def exit_when_gone(pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """In a helper process that is not a child of ``pid`` (a worker forked by a forkserver):
+    exit (``os._exit``) as soon as process ``pid`` is gone. A thread polls every ``poll_s``."""
+    started = _start_time(pid)
+
+    def watch() -> None:
+        while _start_time(pid) == started and started is not None:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    thread = threading.Thread(target=watch, name="dockrl-owner-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def guard_pool_worker(owner_pid: int) -> None:
+    """``initializer`` of a process pool whose workers are forked by a forkserver (the reward
+    verifier's): they exit when the pool's owner ``owner_pid`` is gone, even by SIGKILL, and when
+    their forkserver is. Without it they outlive the owner: each holds the forkserver's liveness
+    pipe open and waits on its task queue forever, so the forkserver and the resource tracker
+    stay too."""
+    die_with_parent(signal.SIGKILL)
+    exit_when_gone(owner_pid)
+
+
+class sigterm_as_exit:
+    """Context manager: SIGTERM raises ``SystemExit(143)`` in the main thread while inside, so the
+    ``finally`` blocks of a run (closing the verifier's pool, tearing workers down, releasing the
+    run folder) run when the run is stopped with ``kill``; the previous handler comes back on exit.
+    Off the main thread it does nothing (signal handlers belong to the main thread)."""
+
+    def __enter__(self) -> sigterm_as_exit:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            def stop(signum: int, frame: object) -> None:
+                raise SystemExit(128 + signum)
+
+            self._previous = signal.signal(signal.SIGTERM, stop)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def _flight_options(token: str | None, timeout: float):
     import pyarrow.flight as flight
 

@@ -30,6 +30,7 @@ from dockrl.resume import (
     checkpoint_dir, checkpoint_due, dock_snapshot_uri, find_resume, load_optimizer, prompts_fingerprint, save_optimizer,
     seed_iteration, write_driver_state,
 )
+from dockrl.lifeline import sigterm_as_exit
 from dockrl.rewards import RewardScorer
 from dockrl.run_lock import RunLock
 from dockrl.workers.actor import ActorWorker
@@ -191,7 +192,7 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
         RunLockedError: another live run holds ``run.output_dir``.
         ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
     """
-    with RunLock(cfg.run.output_dir):
+    with RunLock(cfg.run.output_dir), sigterm_as_exit():  # `kill` runs the clean-up below (verifier pool, workers, lock)
         if cfg.dock.mode == "distributed":
             from dockrl.launch.distributed import train_distributed
 

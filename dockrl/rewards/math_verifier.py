@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import re
 import threading
 import time
@@ -22,6 +23,8 @@ from fractions import Fraction
 from types import TracebackType
 
 from math_verify import parse, verify
+
+from dockrl.lifeline import guard_pool_worker
 
 # Optional '-' and '$' in either order, digits with optional thousands commas, then an optional
 # decimal part or '/denominator'. A trailing '.' (sentence end) is not part of the number.
@@ -166,7 +169,10 @@ class RewardScorer:
         if self._pool is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload([__name__, "math_verify"])
-            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+            # the workers exit with this process, even when it is SIGKILLed (else they, the forkserver
+            # and the resource tracker live on: each worker holds the forkserver's liveness pipe)
+            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx,
+                                             initializer=guard_pool_worker, initargs=(os.getpid(),))
             try:  # the verifier itself, so its module is imported too (a worker unpickles it on first use)
                 for ready in [self._pool.submit(self.verify_fn, "#### 1", "1") for _ in range(self.num_workers)]:
                     ready.result(timeout=_START_TIMEOUT_S)
