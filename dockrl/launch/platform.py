@@ -109,9 +109,6 @@ class Platform:
     image_pull_retries: int = 3
     """Failed image pulls of one pod tolerated before the run fails (the kubelet retries with
     back-off: a registry hiccup passes, a wrong name or missing credentials does not)."""
-    driver_timeout_s: int = 120
-    """Workers and dock shards exit when the launcher has not been heard from for this long,
-    seconds (the launcher's pod deleted, its process killed): they never outlive it by more."""
 
     def __post_init__(self) -> None:
         if bool(self.accelerator) != (self.accelerators_per_pod > 0):
@@ -124,8 +121,7 @@ class Platform:
         if self.scheduler == "kueue" and not self.queue:
             raise ValueError(f"platform {self.name!r}: scheduler='kueue' needs queue (the LocalQueue of the workers' "
                              "namespace, e.g. queue='team-rl')")
-        for name in ("worker_deadline_s", "worker_ttl_s", "schedule_timeout_s", "queue_timeout_s", "image_pull_timeout_s",
-                     "driver_timeout_s"):
+        for name in ("worker_deadline_s", "worker_ttl_s", "schedule_timeout_s", "queue_timeout_s", "image_pull_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"platform {self.name!r}: {name}={getattr(self, name)}; expected seconds >= 1")
         if self.image_pull_retries < 0 or self.accelerator_device_gid < 0:
