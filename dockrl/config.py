@@ -125,7 +125,8 @@ class TrainerConfig:
     ppo_epochs: int = 1
     """Passes over the global batch per iteration."""
     lr: float = 1e-5
-    """AdamW learning rate."""
+    """AdamW learning rate (0 is allowed: the weights stay put, which checks that the rollout's
+    and the trainer's log-probs agree over a whole run)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -336,15 +337,15 @@ def _check_rules(c: Config) -> None:
         raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
     # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
     finite_positive = {
-        "trainer.lr": t.lr, "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
+        "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
         "dock.store_timeout_s": c.dock.store_timeout_s, "dock.lease_s": c.dock.lease_s,
         "run.driver_timeout_s": c.run.driver_timeout_s,
     }
     for where, v in finite_positive.items():
         if not (0 < v < math.inf):
             raise _fail(where, v, "expected a finite number > 0")
-    non_negative = {
-        "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
+    non_negative = {  # trainer.lr=0: the standard check of drift between rollout and trainer log-probs
+        "trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
         "algorithm.kl_coef": a.kl_coef, "algorithm.adv_eps": a.adv_eps, "algorithm.clip_high": a.clip_high,
         "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
     }

@@ -155,6 +155,13 @@ ERRORS = {
 }
 
 
+def test_a_zero_learning_rate_is_accepted():
+    """lr = 0 is the standard check of drift between rollout and trainer log-probs; NaN is not a rate."""
+    assert load_config(None, ["trainer.lr=0"]).trainer.lr == 0.0
+    with pytest.raises(ConfigError, match="trainer.lr: got nan"):
+        load_config(None, ["trainer.lr=.nan"])
+
+
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_errors_name_the_field(name):
     overrides, fragments = ERRORS[name]

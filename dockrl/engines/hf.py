@@ -204,7 +204,7 @@ class HFRolloutEngine:
         Raises:
             KeyError: a name this model does not have.
         """
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied head by its own name too
         copied = 0
         for name, tensor in named_tensors:
             if name not in params:
@@ -241,15 +241,16 @@ class HFTrainEngine:
         self.autocast_bf16 = autocast_bf16
         self.grad_clip = grad_clip
         self.optimizer = None
+        # Eval mode in every forward, also the trained ones: dropout would make the log-probs of
+        # one policy differ between passes (the on-policy ratio ≠ 1, old vs new log-probs noisy).
+        # Zeroing nn.Dropout modules is not enough: attention implementations read
+        # config.attention_dropout and apply it when the module is in train mode (as verl and TRL,
+        # RL runs without any dropout). A causal LM has no other train-mode behaviour.
+        self.model.eval()
         if trainable:
-            self.model.train()
-            # dropout would make the on-policy ratio differ from 1; RL fine-tuning runs without it
-            for module in self.model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
-            self.model.eval().requires_grad_(False)
+            self.model.requires_grad_(False)
 
     @torch.no_grad()
     def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
@@ -279,6 +280,10 @@ class HFTrainEngine:
             loss.backward()
             out.append(aux)
         return out
+
+    def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
+        """One process, one replica: ``values`` unchanged."""
+        return [float(v) for v in values]
 
     def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Zero grads, run ``accumulate`` (forward/backward over micro-batches), clip, step.

@@ -191,6 +191,10 @@ class GuardedTrain:
         self.swap.require_training("forward_backward")
         return self.engine.forward_backward(prompts, responses, **kwargs)
 
+    def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
+        self.swap.require_training("sum_over_replicas")
+        return self.engine.sum_over_replicas(values)
+
     def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
         self.swap.require_training("optimizer_step")
         return self.engine.optimizer_step(accumulate)

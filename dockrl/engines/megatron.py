@@ -206,11 +206,13 @@ class MegatronTrainEngine:
         self.vocab_start = self.tp_rank * per_rank
         self.vocab_local = min(per_rank, self.arch.vocab_size - self.vocab_start)  # padded columns dropped
         self.optimizer = None
+        # eval mode in every forward, the trained ones too: no dropout of any kind (its config sets
+        # hidden and attention dropout to 0 as well, whatever the HF config says)
+        self.model.eval()
         if trainable:
-            self.model.train()
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
-            self.model.eval().requires_grad_(False)
+            self.model.requires_grad_(False)
 
     @torch.no_grad()
     def load_hf_weights(self, hf: dict[str, torch.Tensor]) -> None:
@@ -314,6 +316,14 @@ class MegatronTrainEngine:
         mbs = self._micro_batches(prompts, responses, micro_batch)
         return self._run_schedule(mbs, partial(self._score, temperature, loss_fn), forward_only=False)
 
+    def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over megatron's data-parallel group (float64 all-reduce; a collective
+        of the replicas when DP > 1, ``values`` unchanged when DP = 1)."""
+        out = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(out, group=ps.get_data_parallel_group())
+        return out.tolist()
+
     def _finish_grads(self) -> torch.Tensor:
         """Tied-embedding and data-parallel gradient reductions; returns the global grad norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -323,10 +333,9 @@ class MegatronTrainEngine:
         if self.pp > 1 and self.arch.tied_embeddings and ps.is_rank_in_embedding_group():
             # the first stage's embedding and the last stage's output layer are one HF tensor
             dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
-        if self.dp > 1:  # the mean over replicas, as DDP does
+        if self.dp > 1:  # the sum: each replica's loss is already normalized by the global mini-batch totals
             for p in params:
                 dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-                p.grad.div_(self.dp)
         # each element once: TP-replicated norms on TP rank 0 only, a tied copy on the first stage only
         sq = sum((p.grad.double().pow(2).sum() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)), torch.zeros((), dtype=torch.float64))
         dist.all_reduce(sq, group=ps.get_model_parallel_group())

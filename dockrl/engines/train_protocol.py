@@ -48,8 +48,15 @@ class TrainEngine(Protocol):
         """Forward and backward every micro-batch, accumulating gradients; returns each ``aux``."""
         ...
 
+    def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over the engine's data-parallel replicas (float64; a collective when
+        there are several, ``values`` unchanged with one): the mini-batch's global token and
+        sequence counts that every replica normalizes its loss by."""
+        ...
+
     def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Zero grads, run ``accumulate``, clip, step; returns its metrics plus ``actor/grad_norm``."""
+        """Zero grads, run ``accumulate``, sum the gradients over data-parallel replicas, clip,
+        step; returns its metrics plus ``actor/grad_norm``."""
         ...
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -18,6 +18,9 @@ from dockrl.dock import TransferDock
 from dockrl.engines.train_protocol import TrainEngine
 
 
+_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean")
+
+
 def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
     out = torch.zeros((len(rows), T), dtype=torch.float32)
     for i, r in enumerate(rows):
@@ -37,20 +40,29 @@ def accumulate_mini_batch(
 
     Args:
         batch: ``prompt_ids``, ``response_ids``, ``advantages``, ``old_log_prob`` and, when
-            ``algo.kl_coef > 0``, ``ref_log_prob`` — one list entry per sequence. When
-            ``old_log_prob`` is absent the update is on-policy: the detached log-probs of this
-            very forward pass are the old ones (ratio exactly 1, as in verl), and they are
-            added to ``batch["old_log_prob"]``, which saves a forward pass over the batch.
+            ``algo.kl_coef > 0``, ``ref_log_prob`` — one list entry per sequence: this
+            data-parallel replica's part of the mini-batch. When ``old_log_prob`` is absent the
+            update is on-policy: the detached log-probs of this very forward pass are the old
+            ones (ratio exactly 1, as in verl), and they are added to ``batch["old_log_prob"]``,
+            which saves a forward pass over the batch.
 
-    The loss of each micro-batch is normalized by mini-batch totals (tokens or sequences), so
-    the accumulated gradient does not depend on ``micro_batch``.
+    The loss of each micro-batch is normalized by the totals of the whole mini-batch over all
+    data-parallel replicas (response tokens for ``loss_agg=token``, sequences for
+    ``sequence``; ``engine.sum_over_replicas``), and the engine sums the replicas' gradients.
+    So the gradient depends neither on ``micro_batch`` nor on how the mini-batch is split
+    over replicas: with DP = k it is the DP = 1 gradient of the same global mini-batch, also
+    when the replicas' responses differ in length (a per-replica token mean would weigh a token
+    of a replica with short responses more).
 
     Returns:
-        ``actor/*`` metrics: loss, pg_loss, kl, entropy, clip_ratio, ratio_mean, ratio_max
-        (token means over the mini-batch).
+        ``actor/*`` metrics of the whole mini-batch (the same on every replica): ``loss`` and
+        ``pg_loss`` aggregated as ``algo.loss_agg`` says (``pg_loss`` is ``loss`` without the KL
+        term); ``kl``, ``entropy``, ``clip_ratio``, ``ratio_mean`` as token means; ``ratio_max``
+        over this replica's tokens.
     """
     n_seq = len(batch["response_ids"])
-    total_tokens = float(sum(len(r) for r in batch["response_ids"]))
+    tokens = float(sum(len(r) for r in batch["response_ids"]))
+    total_tokens, total_seqs = engine.sum_over_replicas([tokens, float(n_seq)])
     on_policy = "old_log_prob" not in batch
 
     def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
@@ -64,13 +76,14 @@ def accumulate_mini_batch(
             kl = kl_k3(log_prob, _pad(part["ref_log_prob"], T)) * mask
             token_loss = pg + algo.kl_coef * kl
             kl_sum = float(kl.detach().sum())
-        loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=total_tokens, total_sequences=n_seq)
+        totals = dict(total_tokens=total_tokens, total_sequences=total_seqs)
+        loss = aggregate_loss(token_loss, mask, algo.loss_agg, **totals)
         with torch.no_grad():
             ratio = torch.exp(log_prob - old) * mask
-            sums = {
-                "loss": float(loss), "pg_loss": float(pg.sum()), "kl": kl_sum, "entropy": float(entropy.sum()),
-                "clip_ratio": float(clip_hit.sum()), "ratio_mean": float(ratio.sum()),
-            }
+            sums = [
+                float(loss), float(aggregate_loss(pg.detach(), mask, algo.loss_agg, **totals)), kl_sum, float(entropy.sum()),
+                float(clip_hit.sum()), float(ratio.sum()),
+            ]
         old_rows = [old[i, : len(r)].tolist() for i, r in enumerate(part["response_ids"])] if on_policy else None
         return loss, (sums, float(ratio.max()), old_rows)
 
@@ -79,9 +92,9 @@ def accumulate_mini_batch(
     )
     if on_policy:
         batch["old_log_prob"] = [row for _, _, rows in parts for row in rows]
-    sums = {k: sum(p[0][k] for p in parts) for k in parts[0][0]}
-    metrics = {f"actor/{k}": v / total_tokens for k, v in sums.items() if k != "loss"}
-    metrics["actor/loss"] = sums["loss"]
+    # loss and pg_loss are already shares of the global aggregate; the rest are token sums
+    sums = engine.sum_over_replicas([sum(p[0][k] for p in parts) for k in range(len(_METRICS))])
+    metrics = {f"actor/{k}": v if k in ("loss", "pg_loss") else v / max(total_tokens, 1.0) for k, v in zip(_METRICS, sums)}
     metrics["actor/ratio_max"] = max(p[1] for p in parts)
     return metrics
 
@@ -101,9 +114,10 @@ class ActorWorker:
     Args:
         replicas: data-parallel replicas of the actor (megatron's DP): each claims an equal
             part of the global batch (``num_rows / replicas`` rows) and steps on an equal part
-            of every mini-batch; the engine averages their gradients, as DDP does (each part's
-            loss normalized by its own token or sequence count). ``trainer.global_batch`` and
-            ``trainer.mini_batch`` must be multiples of it (the config checks).
+            of every mini-batch; each part's loss is normalized by the mini-batch's global token
+            or sequence count and the engine sums the replicas' gradients
+            (``accumulate_mini_batch``). ``trainer.global_batch`` and ``trainer.mini_batch``
+            must be multiples of it (the config checks).
     """
 
     def __init__(

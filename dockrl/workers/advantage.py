@@ -20,7 +20,7 @@ class AdvantageWorker:
         start, groups, zero_std = time.perf_counter(), 0, 0
         n = dock.group_size
         while claim := dock.claim("advantage", ["rm_score"], dock.num_rows, whole_groups=True):
-            scores = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float32)
+            scores = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float64)
             adv = grpo_advantages(scores, n, eps=self.cfg.adv_eps, norm_by_std=self.cfg.norm_adv_by_std)
             dock.put(claim.rows, {"advantages": adv.tolist()}, ack=claim)
             per_group = scores.view(-1, n)
