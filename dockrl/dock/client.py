@@ -21,8 +21,9 @@ are seen when that shard answers or at the deadline (a last sweep runs before ti
 
 **Leases.** Every client has a unique ``owner`` id (``host:pid:random`` unless given) and
 claims under a fresh lease id per claim, on every shard it takes rows from, with its own
-``lease_s`` term. While it holds un-acked claims a daemon thread renews all leases of its
-owner on every shard each ``lease_s/3`` seconds, so a live but slow worker never loses rows;
+``lease_s`` term. While it holds un-acked claims, or rows a claim in progress took on one shard
+while it waits on another, a daemon thread renews all leases of its owner on every shard each
+``lease_s/3`` seconds, so a live but slow worker never loses rows;
 when its process dies the renewals stop and the rows return to the pool ``lease_s`` later,
 or at once when the launcher calls ``release_owner``. ``ack`` goes to the shards owning the
 claim's rows. A claim with nothing to take while other owners hold rows of the consumer
@@ -485,6 +486,8 @@ class DockClient:
                 res = self._action(s, "claim", body, timeout=rpc)
             taken.setdefault(s, []).extend(res["rows"])
             pending[s], held[s] = res["pending"], res.get("held", 0)
+            if res["rows"]:  # renewed from now on: the claim may still wait on other shards for longer than a term
+                self._hold(lease, layout.iteration)
 
         def got() -> int:
             return sum(len(r) for r in taken.values())
@@ -527,6 +530,8 @@ class DockClient:
                 tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
             self._release(layout, consumer, taken)
+            with self._beat:
+                self._held.pop(lease, None)
             raise
         claimed = [r for part in rows for r in part]
         return Claim(layout.iteration, claimed, self._batch(tables, columns), lease if claimed else "", consumer)

@@ -297,6 +297,30 @@ def test_rows_of_a_client_that_stopped_renewing_come_back(opened, shards):
     survivor.close(), lost.close()
 
 
+def test_rows_a_claim_took_stay_leased_while_it_waits_on_another_shard(shards):
+    """Regression: rows the sweep took on shard 0 expired while the claim waited on shard 1 for
+    longer than a lease term, and went to a second client too (both then computed them)."""
+    driver = connect(shards)
+    driver.open_iteration(0, 12, 2)  # shards own rows 0..3, 4..7, 8..11
+    try:
+        driver.put(range(4), {"prompt_ids": [prompt_cell(r) for r in range(4)]})
+        waiting = connect(shards, lease_s=0.6)
+        thread, out = in_thread(lambda: waiting.claim("reward", ["prompt_ids"], 6))  # takes 0..3, waits for 2 more
+        time.sleep(2.0)  # three lease terms
+        other = connect(shards)
+        with pytest.raises(DockTimeoutError, match="4 rows are leased by other owners"):
+            other.claim("reward", ["prompt_ids"], 2, timeout_s=0.5)
+        driver.put(range(4, 12), {"prompt_ids": [prompt_cell(r) for r in range(4, 12)]})
+        thread.join(5)
+        assert out[0].rows == list(range(6))
+        assert other.claim("reward", ["prompt_ids"], 12).rows == list(range(6, 12))
+        waiting.ack(out[0])
+        waiting.close(), other.close()
+    finally:
+        driver.close_iteration()
+        driver.close()
+
+
 def test_release_owner_over_flight(opened, shards):
     worker = connect(shards, owner="rollout-0")
     assert worker.owner == "rollout-0"
