@@ -358,7 +358,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 LeaseMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("DOCKRL_LEASE_MACHINE_EXAMPLES", "150")), stateful_step_count=40,
+    max_examples=int(os.environ.get("DOCKRL_LEASE_MACHINE_EXAMPLES", "50")), stateful_step_count=40,
     deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_lease_state_machine = LeaseMachine.TestCase
