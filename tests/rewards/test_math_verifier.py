@@ -83,6 +83,59 @@ def test_answers_match_not_equal(predicted: str, truth: str) -> None:
     assert not answers_match(predicted, truth)
 
 
+# The verifier's rule for typographic and ambiguous answers (docs/rewards.md shows this table):
+# (what follows '####', the extracted number or None, why)
+TYPOGRAPHY = [
+    ("\u22125", "-5", "Unicode minus sign U+2212"),
+    ("\uff0d7", "-7", "full-width hyphen-minus"),
+    ("\u00a042", "42", "no-break space before the number"),
+    ("\u200942", "42", "thin space before the number"),
+    ("1\u2009234", "1234", "thin space between digit groups: thousands (SI style)"),
+    ("1\u202f234\u202f567", "1234567", "narrow no-break spaces between digit groups"),
+    ("1\u00a0000", "1000", "no-break space between digit groups"),
+    ("\uff14\uff12", "42", "full-width digits"),
+    ("\u0664\u0662", "42", "Arabic-Indic digits"),
+    ("\uff04\uff11\uff10", "10", "full-width dollar and digits"),
+    ("1,234", "1234", "thousands commas in groups of three"),
+    ("1,234.5", "1234.5", "thousands commas and a decimal part"),
+    ("1,2", None, "decimal comma or a list: ambiguous"),
+    ("1,23", None, "comma group of two digits: ambiguous"),
+    ("1,2345", None, "comma group of four digits: ambiguous"),
+    ("12,34,567", None, "lakh grouping: ambiguous"),
+    ("1\u200923", None, "typographic space before a group of two digits: ambiguous"),
+    ("1.2.3", None, "two decimal points: ambiguous"),
+    ("1e3", "1000", "exponent: expanded"),
+    ("2.5E-2", "0.025", "negative exponent, capital E"),
+    ("1e999", None, "exponent beyond 100"),
+    ("\\frac{3}{4}", "3/4", "LaTeX fraction"),
+    ("$\\dfrac{12}{5}$", "12/5", "LaTeX display fraction in math mode"),
+    ("-\\frac{1}{2}", "-1/2", "negative LaTeX fraction"),
+    ("\\frac{-1}{2}", "-1/2", "negative numerator"),
+    ("\\frac34", None, "LaTeX fraction without braces: not a number"),
+]
+
+
+@pytest.mark.parametrize(("after", "expected", "why"), TYPOGRAPHY, ids=[row[2] for row in TYPOGRAPHY])
+def test_typographic_and_ambiguous_answers(after: str, expected: str | None, why: str) -> None:
+    assert extract_final_answer(f"So it is.\n#### {after}") == expected
+    reward = score_response(f"#### {after}", expected or "0")
+    assert reward == (pytest.approx(1.1) if expected is not None else 0.0)  # ambiguous: not even the format reward
+
+
+def test_ground_truths_are_read_by_the_same_rule() -> None:
+    assert answers_match("-5", "\u22125") and answers_match("1000", "1e3") and answers_match("3/4", "\\frac{3}{4}")
+    assert not answers_match("12", "1,2")
+
+
+def test_the_rule_table_is_documented() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    for after, expected, why in TYPOGRAPHY:
+        shown = after.encode("unicode_escape").decode().replace("\\\\", "\\")
+        assert f"| `{shown}` | {'`' + expected + '`' if expected else 'none'} | {why} |" in doc, shown
+
+
 def test_answers_match_never_raises_on_junk() -> None:
     for junk in ["\\frac{", "}}}{{{", "#### ####", "nan", "inf", "1/0", "\x00", "$" * 50]:
         assert answers_match(junk, "7") is False
