@@ -10,12 +10,12 @@ from dockrl.launch.platform import CPU_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def teardown_workers(run_id: str, worker_backend: str, namespace: str, status: dsl.PipelineTaskFinalStatus):
-    """Remove every worker labelled with ``run_id`` (``namespace`` "" is the pod's own)."""
+def teardown_workers(run_id: str, worker_backend: str, workers_namespace: str, status: dsl.PipelineTaskFinalStatus):
+    """Remove every worker labelled with ``run_id`` (``workers_namespace`` "" is the pod's own)."""
     import logging
 
     from dockrl.launch.backend import teardown_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("teardown").info("run %s ended %s %s", run_id, status.state, status.error_message or "")
-    teardown_run(worker_backend, run_id, namespace=namespace)
+    teardown_run(worker_backend, run_id, namespace=workers_namespace)

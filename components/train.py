@@ -1,15 +1,18 @@
-"""KFP component: the launcher. Trains with GRPO and outputs the checkpoint, metrics and run folder.
+"""KFP component: the launcher. Trains with GRPO and outputs the checkpoint, metrics, curves and run folder.
 
 The work is ``dockrl.launch.launcher.run_training``. Per-iteration metrics land in the Metrics
-artifact as ``<key>/iter_<NNNN>``; the whole run folder (metrics.jsonl, TensorBoard, plot,
-resolved config) is the ``run_dir`` artifact. ``platform`` is the JSON of the worker pods'
-``Platform`` (``Platform.to_json``); ``run_id`` labels them (the pipeline passes its run's id).
+artifact as ``<key>/iter_<NNNN>``; ``curves`` is an HTML page of the run's curves and a table
+of every metric (``dockrl.metrics.metrics_report_html``), shown in the run's Visualizations;
+the run folder (metrics.jsonl, TensorBoard, plot, resolved config) is the ``run_dir``
+artifact. ``worker_backend`` and ``platform`` (the JSON of ``Platform.to_json``) are compiled
+in; ``run_id`` labels the workers (the pipeline passes its run's id); ``workers_namespace`` ""
+is the launcher's own.
 """
 
 from typing import List
 
 from kfp import dsl
-from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
 
 from dockrl.launch.platform import CPU_IMAGE
 
@@ -20,19 +23,24 @@ def train(
     dataset: Input[Dataset],
     worker_backend: str,
     run_id: str,
-    namespace: str,
+    workers_namespace: str,
     platform: str,
     model: Output[Model],
     metrics: Output[Metrics],
     run_dir: Output[Artifact],
+    curves: Output[HTML],
 ):
     """GRPO on ``dataset`` with the config given by ``section.field=value`` overrides."""
     import logging
+    from pathlib import Path
 
     from dockrl.launch.launcher import run_training
     from dockrl.launch.platform import Platform
+    from dockrl.metrics import metrics_report_html
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_training(config_overrides, dataset.path, model.path, run_dir.path, log_metric=metrics.log_metric,
-                 worker_backend=worker_backend, run_id=run_id, namespace=namespace, platform=Platform.from_json(platform))
+                 worker_backend=worker_backend, run_id=run_id, namespace=workers_namespace,
+                 platform=Platform.from_json(platform))
     model.metadata.update({"framework": "transformers", "format": "safetensors", "stage": "final-checkpoint"})
+    Path(curves.path).write_text(metrics_report_html(run_dir.path))

@@ -267,3 +267,55 @@ class Progress:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> str:
+    """A self-contained HTML page of a run's curves, for the Kubeflow UI (an ``HTML`` artifact).
+
+    It holds ``<run_dir>/metrics.png`` inline (base64; redrawn from ``metrics.jsonl`` if
+    missing), a table with each numeric key's first, last, min and max over the iterations, and
+    ``summary.json``'s run-level numbers. Nothing is fetched when the page is viewed.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+    """
+    import base64
+    import html
+
+    run = Path(run_dir)
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics} does not exist: no metrics to report")
+    rows = read_metrics(metrics)
+    png = run / "metrics.png"
+    if not png.is_file():
+        plot_metrics(metrics, png, keys)
+    image = base64.b64encode(png.read_bytes()).decode("ascii")
+    series: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                series.setdefault(key, []).append(float(value))
+
+    def cells(values: Sequence[object]) -> str:
+        return "".join(f"<td>{html.escape(v if isinstance(v, str) else f'{v:.4g}')}</td>" for v in values)
+
+    lines = [
+        "<!DOCTYPE html>", '<html><head><meta charset="utf-8"><title>dockrl run</title>',
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:2px 6px;text-align:right}td:first-child{text-align:left}</style></head><body>",
+        f"<h2>dockrl run: {len(rows)} iteration(s)</h2>",
+        f'<img alt="curves of {html.escape(", ".join(keys))}" src="data:image/png;base64,{image}">',
+    ]
+    summary = run / "summary.json"
+    if summary.is_file():
+        data = json.loads(summary.read_text())
+        numbers_ = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers_:
+            lines.append("<h3>Run</h3><table><tr><th>metric</th><th>value</th></tr>")
+            lines += [f"<tr>{cells([k, float(v)])}</tr>" for k, v in sorted(numbers_.items())]
+            lines.append("</table>")
+    lines.append("<h3>Per iteration</h3><table><tr><th>metric</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>")
+    lines += [f"<tr>{cells([k, v[0], v[-1], min(v), max(v)])}</tr>" for k, v in sorted(series.items())]
+    lines.append("</table></body></html>")
+    return "\n".join(lines) + "\n"

@@ -1,13 +1,18 @@
 """Command line: ``dockrl pipeline compile | run | submit | schedule`` (the Kubeflow pipeline).
 
-    dockrl pipeline compile grpo.yaml --platform npu
+    dockrl pipeline compile grpo.yaml --platform npu --worker-backend kubernetes \
+        --registry registry.example.com/ml --tag 0.1.0 --pull-secret regcred
+    dockrl pipeline compile grpo.yaml --platform npu --overlay manifests/overlays/npu   # images from the overlay
     dockrl pipeline run --local trainer.iterations=2           # whole pipeline via kfp.local
     dockrl pipeline submit --host http://localhost:8080 --experiment grpo trainer.lr=5e-6
+    dockrl pipeline submit --host https://kubeflow.example.com/pipeline --namespace team-a --package grpo.yaml
     dockrl pipeline schedule --host http://localhost:8080 --cron "0 0 3 * * *"
 
-Trailing ``section.field=value`` arguments become the pipeline's ``config_overrides`` and are
-checked before anything is compiled or sent. The pipeline definitions (``pipelines/``,
-``components/``) live beside the ``dockrl`` package in the source tree.
+Compile options (platform, worker backend, images, workers' namespace, task requests) are
+fixed in the package; ``submit``/``schedule`` take them only when they compile the package
+themselves (no ``--package``). Trailing ``section.field=value`` arguments become the run's
+``config_overrides`` and are checked before anything is compiled or sent. The pipeline
+definitions (``pipelines/``, ``components/``) live beside the ``dockrl`` package in the source tree.
 """
 
 from __future__ import annotations
@@ -39,16 +44,70 @@ def _import(module: str) -> ModuleType:
     return importlib.import_module(f"pipelines.{module}")
 
 
+COMPILE_OPTIONS = ("platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "workers_namespace", "request")
+"""Options of ``compile`` (and of ``submit``/``schedule`` without ``--package``): compile-time settings."""
+
+
 def _params(args: argparse.Namespace) -> dict:
-    return {"config_overrides": list(args.overrides), "worker_backend": args.worker_backend,
-            "namespace": args.namespace, "export_dtype": args.export_dtype}
+    return {"config_overrides": list(args.overrides), "export_dtype": args.export_dtype}
+
+
+def _settings(args: argparse.Namespace):
+    """The ``PipelineSettings`` the compile options ask for."""
+    grpo = _import("grpo")
+    from dockrl.launch.platform import get_platform, images_from_kustomization, with_images
+
+    images = images_from_kustomization(args.overlay) if args.overlay else {}
+    if args.registry:
+        images["registry"] = args.registry
+    if args.tag:
+        images["tag"] = args.tag
+    platform = with_images(get_platform(args.platform or "npu"), pull_secret=args.pull_secret, **images)
+    requests = {}
+    for item in args.request:
+        task, _, sizes = item.partition("=")
+        cpu, _, memory = sizes.partition(",")
+        if not (task and cpu and memory):
+            raise ValueError(f"--request {item!r}: expected TASK=CPU,MEMORY, e.g. train=4,16Gi")
+        requests[task] = grpo.Requests(cpu=cpu, memory=memory)
+    return grpo.PipelineSettings(platform=platform, worker_backend=args.worker_backend or "local",
+                                 workers_namespace=args.workers_namespace, requests=requests)
 
 
 def _package(args: argparse.Namespace, tmp: str) -> Path:
+    """The package to send: ``--package`` (compile options refused: they cannot change it), or
+    one compiled now from the compile options."""
     if args.package:
+        given = [f"--{o.replace('_', '-')}" for o in COMPILE_OPTIONS if getattr(args, o) not in (None, "", [])]
+        backend = _import("grpo").compiled_worker_backend(args.package) if Path(args.package).is_file() else None
+        if args.worker_backend and backend and args.worker_backend != backend:
+            raise ValueError(f"--worker-backend {args.worker_backend}: the package {args.package} was compiled for the "
+                             f"{backend!r} worker backend, which a run cannot change; recompile it with "
+                             f"`dockrl pipeline compile --worker-backend {args.worker_backend}` or drop --package")
+        others = [g for g in given if g != "--worker-backend"]
+        if others:
+            raise ValueError(f"{', '.join(others)}: compile options, but --package {args.package} is already compiled; "
+                             "recompile it with them, or drop --package to compile one now")
         return Path(args.package)
-    return _import("grpo").compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", platform=args.platform,
-                                            worker_backend=args.worker_backend)
+    return _import("grpo").compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", settings=_settings(args))
+
+
+def _add_compile_options(p: argparse.ArgumentParser, *, when: str = "") -> None:
+    p.add_argument("--platform", choices=PLATFORM_CHOICES, default=None,
+                   help=f"accelerators, node selector, tolerations and image of the accelerator pods{when} (default: npu)")
+    p.add_argument("--worker-backend", default=None, choices=("local", "kubernetes"),
+                   help="local: the stages run in the train task's pod; kubernetes: stages as pods, the train task "
+                        f"on the cpu image without accelerators{when} (default: local)")
+    p.add_argument("--registry", default="", help="registry of the images, e.g. registry.example.com/ml: the images are "
+                   "<registry>/dockrl-{cpu,npu,gpu} (default: ghcr.io/dockrl, or the overlay's)")
+    p.add_argument("--tag", default="", help="tag of the images, never 'latest' (default: this release's, or the overlay's)")
+    p.add_argument("--pull-secret", default="", help="image pull Secret of every pod of the run (default: none)")
+    p.add_argument("--overlay", default="", help="take registry, tag and digests from this kustomize overlay's images:, "
+                   "e.g. manifests/overlays/npu (--registry/--tag win)")
+    p.add_argument("--workers-namespace", default="",
+                   help="namespace of the worker pods (default: the launcher's own, the run's namespace)")
+    p.add_argument("--request", action="append", default=[], metavar="TASK=CPU,MEMORY",
+                   help="CPU and memory request of a task, e.g. train=4,16Gi (repeatable; defaults: pipelines/grpo.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,9 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="write the pipeline IR (YAML) for the Kubeflow UI or kfp.Client")
     p.add_argument("out", help="output file, e.g. grpo.yaml")
-    p.add_argument("--platform", choices=PLATFORM_CHOICES, default="npu", help="accelerators of the train task (default: npu)")
-    p.add_argument("--worker-backend", default="local", choices=("local", "kubernetes"),
-                   help="default worker backend; kubernetes: stages as pods, the train task without accelerators")
+    _add_compile_options(p)
 
     p = sub.add_parser("run", help="run the whole pipeline on this machine (kfp.local, no cluster)")
     p.add_argument("--local", action="store_true", required=True, help="required: run with kfp.local (use `submit` for a cluster)")
@@ -73,13 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--host", required=True, help="KFP API URL, e.g. http://localhost:8080")
         p.add_argument("--experiment", default="dockrl", help="experiment (created if missing; default: dockrl)")
-        p.add_argument("--package", help="compiled pipeline YAML (default: compile one now for --platform)")
-        p.add_argument("--platform", choices=PLATFORM_CHOICES, default="npu", help="when compiling now (default: npu)")
-        p.add_argument("--worker-backend", default="local", choices=("local", "kubernetes"))
-        p.add_argument("--namespace", default="", help="namespace of the workers (default: the launcher's own)")
+        p.add_argument("--package", help="compiled pipeline YAML (default: compile one now with the compile options)")
+        _add_compile_options(p, when=", when compiling now")
+        p.add_argument("--namespace", default="",
+                       help="multi-user KFP: the profile namespace the experiment and run belong to (default: none, "
+                            "single-user KFP); the workers' namespace is --workers-namespace")
+        p.add_argument("--token", default=os.environ.get("DOCKRL_KFP_TOKEN", ""),
+                       help="multi-user KFP: bearer token (default: $DOCKRL_KFP_TOKEN; prefer the variable, a "
+                            "command line is visible to other users of the machine)")
+        p.add_argument("--cookies", default=os.environ.get("DOCKRL_KFP_COOKIES", ""),
+                       help="multi-user KFP: session cookie(s) of the central dashboard, e.g. 'authservice_session=...' "
+                            "(default: $DOCKRL_KFP_COOKIES)")
         p.add_argument("--export-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
         p.add_argument("--service-account", default="",
-                       help="account of the run's pods (dockrl-launcher may start workers; default: KFP's)")
+                       help="account of the run's pods (default: KFP's, pipeline-runner; see manifests/README.md)")
         p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the host to answer (default: 10)")
         if name == "submit":
             p.add_argument("--run-name", default="dockrl-grpo")
@@ -128,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "overrides", None) is not None:
             load_config(None, args.overrides)  # a bad override fails here, naming its field
         if args.action == "compile":
-            print(_import("grpo").compile_pipeline(args.out, platform=args.platform, worker_backend=args.worker_backend))
+            print(_import("grpo").compile_pipeline(args.out, settings=_settings(args)))
             return 0
         if args.action == "run":
             _forward_sigterm()
@@ -141,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             submit.validate_cron(args.cron)  # before compiling anything
         with tempfile.TemporaryDirectory(prefix="dockrl-pipeline-") as tmp:
             package = _package(args, tmp)
+            auth = {"namespace": args.namespace, "token": args.token, "cookies": args.cookies,
+                    "service_account": args.service_account, "timeout_s": args.timeout}
             if args.action == "submit":
                 out = submit.submit(args.host, package, params=_params(args), experiment=args.experiment,
-                                    run_name=args.run_name, service_account=args.service_account, timeout_s=args.timeout)
+                                    run_name=args.run_name, **auth)
             else:
                 out = submit.schedule(args.host, package, cron=args.cron, params=_params(args), experiment=args.experiment,
-                                      name=args.name, max_concurrency=args.max_concurrency,
-                                      service_account=args.service_account, timeout_s=args.timeout)
+                                      name=args.name, max_concurrency=args.max_concurrency, **auth)
         print(json.dumps(out, indent=2))
         return 0
     except ConfigError as e:

@@ -5,11 +5,16 @@
 
 Both talk to the KFP API (v2beta1) through ``kfp.Client``. The host is probed first with a
 short timeout, so an unreachable host is a clear error in seconds (the client itself retries
-its health check for about half a minute). KFP's cron has six fields, seconds first, and the
-SDK passes it unchecked: ``validate_cron`` checks it here.
+its health check for about half a minute), and its version is checked against
+``MIN_KFP_VERSION`` where its health answer tells it. On a multi-user install both take a
+bearer token or session cookies and the profile namespace the run belongs to. Only the
+package's run-time parameters can be sent: what is compiled in (worker backend, platform,
+images) stays as compiled. KFP's cron has six fields, seconds first, and the SDK passes it
+unchecked: ``validate_cron`` checks it here.
 """
 
 import json
+import logging
 import re
 import socket
 import urllib.error
@@ -19,6 +24,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 HEALTHZ = "/apis/v2beta1/healthz"
+
+logger = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
@@ -95,38 +102,129 @@ def validate_cron(expr: str) -> str:
 
 # ---- host and client ----
 
-def check_host(host: str, timeout_s: float = 10.0) -> str:
-    """Probe the KFP API's health endpoint; returns the host without a trailing slash.
+MIN_KFP_VERSION = (2, 5, 0)
+"""Oldest KFP backend that runs the compiled IR: it resolves ``{{$.pipeline_job_uuid}}`` and
+reads the kfp-kubernetes fields ``pvcNameParameter``/``secretNameParameter``."""
+TOKEN_ENV = "DOCKRL_KFP_TOKEN"
+"""Environment variable with the bearer token for a multi-user KFP (instead of ``--token``)."""
+COOKIES_ENV = "DOCKRL_KFP_COOKIES"
+"""Environment variable with the session cookie(s) for a multi-user KFP (instead of ``--cookies``)."""
+
+
+def _headers(token: str = "", cookies: str = "") -> Dict[str, str]:
+    out = {"Accept": "application/json"}
+    if token:
+        out["Authorization"] = f"Bearer {token}"
+    if cookies:
+        out["Cookie"] = cookies
+    return out
+
+
+def _version(tag: str) -> Optional[tuple]:
+    """``(major, minor, patch)`` of a KFP release tag (``2.5.0``, ``v2.14.3``, ``2.15.0-rc.1``); None if none."""
+    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", tag or "")
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def check_version(host: str, healthz: Dict[str, Any]) -> Optional[tuple]:
+    """Check the server's KFP version (``tag_name`` of its healthz answer) against ``MIN_KFP_VERSION``.
+
+    Returns the version, or None where the server does not tell it (then a warning: the run may
+    fail in KFP's driver if the backend is older than the minimum).
 
     Raises:
-        PipelineError: not an http(s) URL, unreachable within ``timeout_s``, or not answering
-            like a KFP API.
+        PipelineError: the server is older than the minimum (the message says what breaks).
+    """
+    found = _version(str(healthz.get("tag_name", "")))
+    wanted = ".".join(map(str, MIN_KFP_VERSION))
+    if found is None:
+        logger.warning("KFP at %s does not tell its version (healthz tag_name=%r); dockrl needs KFP >= %s",
+                       host, healthz.get("tag_name"), wanted)
+        return None
+    if found < MIN_KFP_VERSION:
+        raise PipelineError(f"KFP at {host} is version {healthz['tag_name']}; dockrl needs KFP >= {wanted} (older backends "
+                            "do not resolve {{$.pipeline_job_uuid}} and reject the kfp-kubernetes fields of the package); "
+                            "upgrade Kubeflow Pipelines")
+    return found
+
+
+def server_info(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: str = "") -> Dict[str, Any]:
+    """The KFP API's health answer (``commit_sha``, ``tag_name``, ``multi_user``), probed with
+    ``timeout_s``; ``token``/``cookies`` authenticate the request on a multi-user install.
+
+    Raises:
+        PipelineError: not an http(s) URL, unreachable within ``timeout_s``, refused (401/403:
+            the message says to pass a token), or not answering like a KFP API.
     """
     if not re.match(r"^https?://[^/\s]+", host or ""):
         raise PipelineError(f"--host {host!r}: expected the KFP API URL, e.g. http://localhost:8080")
     host = host.rstrip("/")
     fix = ("check --host; from outside the cluster, e.g. "
            "`kubectl port-forward -n kubeflow svc/ml-pipeline-ui 8080:80` and --host http://localhost:8080")
+    request = urllib.request.Request(host + HEALTHZ, headers=_headers(token, cookies))
     try:
-        with urllib.request.urlopen(host + HEALTHZ, timeout=timeout_s) as resp:
-            json.loads(resp.read() or b"{}")
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            info = json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise PipelineError(f"KFP at {host} answered {HEALTHZ} with HTTP {err.code} {err.reason}: a multi-user "
+                                f"install needs --token (or ${TOKEN_ENV}) or --cookies (or ${COOKIES_ENV})") from None
         raise PipelineError(f"KFP at {host} answered {HEALTHZ} with HTTP {err.code} {err.reason}; {fix}") from None
     except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as err:
         reason = getattr(err, "reason", err)
         raise PipelineError(f"cannot reach KFP at {host} within {timeout_s:.0f} s ({reason}); {fix}") from None
     except ValueError:
         raise PipelineError(f"{host}{HEALTHZ} did not answer JSON: is {host} the KFP API? {fix}") from None
+    if not isinstance(info, dict):
+        raise PipelineError(f"{host}{HEALTHZ} did not answer a JSON object: is {host} the KFP API? {fix}")
+    return info
+
+
+def check_host(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: str = "") -> str:
+    """Probe the KFP API's health endpoint and check its version; returns the host without a
+    trailing slash.
+
+    Raises:
+        PipelineError: as ``server_info`` and ``check_version``.
+    """
+    info = server_info(host, timeout_s, token=token, cookies=cookies)
+    host = host.rstrip("/")
+    check_version(host, info)
     return host
 
 
-def _client(host: str, timeout_s: float):
+def _client(host: str, timeout_s: float, *, token: str = "", cookies: str = "", namespace: str = ""):
     import kfp
 
-    host = check_host(host, timeout_s)
+    host = check_host(host, timeout_s, token=token, cookies=cookies)
     with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": v2beta1 is what we use
         warnings.filterwarnings("ignore", category=FutureWarning, module="kfp")
-        return kfp.Client(host=host)
+        return kfp.Client(host=host, existing_token=token or None, cookies=cookies or None,
+                          namespace=namespace or "kubeflow")
+
+
+def package_parameters(package: Union[str, Path]) -> Dict[str, Any]:
+    """The run-time parameters of a compiled package: name -> default (None where it has none)."""
+    import yaml
+
+    spec = next(yaml.safe_load_all(Path(package).read_text()), None) or {}
+    params = ((spec.get("root") or {}).get("inputDefinitions") or {}).get("parameters") or {}
+    return {name: p.get("defaultValue") for name, p in params.items()}
+
+
+def check_params(package: Union[str, Path], params: Dict[str, Any]) -> None:
+    """Check that ``params`` are run-time parameters of ``package``.
+
+    Raises:
+        PipelineError: a name is not one of them (a compile-time setting such as the worker
+            backend cannot be changed by a run: recompile).
+    """
+    known = package_parameters(package)
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise PipelineError(f"pipeline package {package}: {', '.join(map(repr, unknown))} is not a run-time parameter "
+                            f"(it has {', '.join(sorted(known))}); the worker backend, platform, images and sizes are "
+                            "compiled in: recompile with `dockrl pipeline compile` to change them")
 
 
 def _package(package: Union[str, Path]) -> str:
@@ -150,21 +248,28 @@ def _api_call(host: str, what: str, fn, *args, **kwargs):
 
 def submit(host: str, package: Union[str, Path], *, params: Optional[Dict[str, Any]] = None,
            experiment: str = "dockrl", run_name: str = "dockrl-grpo", service_account: str = "",
-           timeout_s: float = 10.0) -> Dict[str, str]:
+           namespace: str = "", token: str = "", cookies: str = "", timeout_s: float = 10.0) -> Dict[str, str]:
     """Start one run of ``package`` in ``experiment`` (created if missing).
 
-    ``service_account``: the run's pods' account ("" for KFP's default); ``dockrl-launcher``
-    (manifests/base) may start worker groups.
+    ``params``: run-time parameters of the package (``package_parameters``); compile-time
+    settings (worker backend, platform, images) cannot be changed here.
+    ``service_account``: the run's pods' account ("" for KFP's default, ``pipeline-runner``).
+    ``namespace``: the profile namespace of a multi-user KFP (the experiment and the run live
+    there; "" for single-user KFP). ``token``/``cookies``: authentication for a multi-user KFP
+    (a bearer token, e.g. ``kubectl create token``, or the session cookie of the central dashboard).
 
     Returns:
         ``{"experiment_id": ..., "run_id": ...}``.
 
     Raises:
-        PipelineError: missing package, unreachable host, or the API refused a request.
+        PipelineError: missing package, a parameter the package does not have, unreachable or
+            too old host, or the API refused a request.
     """
     package = _package(package)
-    client = _client(host, timeout_s)
-    exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment)
+    check_params(package, params or {})
+    client = _client(host, timeout_s, token=token, cookies=cookies, namespace=namespace)
+    exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment,
+                    namespace=namespace or None)
     run = _api_call(host, "create the run", client.run_pipeline, experiment_id=exp.experiment_id, job_name=run_name,
                     pipeline_package_path=package, params=params or {}, service_account=service_account or None)
     return {"experiment_id": exp.experiment_id, "run_id": run.run_id}
@@ -172,12 +277,13 @@ def submit(host: str, package: Union[str, Path], *, params: Optional[Dict[str, A
 
 def schedule(host: str, package: Union[str, Path], *, cron: str, params: Optional[Dict[str, Any]] = None,
              experiment: str = "dockrl", name: str = "dockrl-grpo-recurring", max_concurrency: int = 1,
-             service_account: str = "", timeout_s: float = 10.0) -> Dict[str, str]:
+             service_account: str = "", namespace: str = "", token: str = "", cookies: str = "",
+             timeout_s: float = 10.0) -> Dict[str, str]:
     """Create a recurring run of ``package`` on a 6-field ``cron`` schedule, without catch-up.
 
     ``no_catchup``: runs missed while the schedule was paused are not started afterwards.
     ``max_concurrency``: runs of this schedule allowed at once (a GRPO run holds accelerators).
-    ``service_account``: as for ``submit``.
+    ``params``, ``service_account``, ``namespace``, ``token``, ``cookies``: as for ``submit``.
 
     Returns:
         ``{"experiment_id": ..., "recurring_run_id": ...}``.
@@ -190,8 +296,10 @@ def schedule(host: str, package: Union[str, Path], *, cron: str, params: Optiona
     if not 1 <= max_concurrency <= 10:
         raise PipelineError(f"--max-concurrency {max_concurrency}: expected 1-10 (KFP's limit)")
     package = _package(package)
-    client = _client(host, timeout_s)
-    exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment)
+    check_params(package, params or {})
+    client = _client(host, timeout_s, token=token, cookies=cookies, namespace=namespace)
+    exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment,
+                    namespace=namespace or None)
     rec = _api_call(host, "create the recurring run", client.create_recurring_run, experiment_id=exp.experiment_id,
                     job_name=name, cron_expression=cron, max_concurrency=max_concurrency, no_catchup=True,
                     pipeline_package_path=package, params=params or {}, service_account=service_account or None)

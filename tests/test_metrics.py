@@ -160,3 +160,26 @@ def test_progress_enabled(capsys):
     assert "train" in err
     assert "0.123" in err
     assert "other" not in err
+
+
+def test_metrics_report_html_holds_the_plot_and_a_table_of_every_metric(tmp_path):
+    import base64
+    import re
+
+    from dockrl.metrics import metrics_report_html
+
+    with MetricsWriter(tmp_path) as w:
+        for it, (reward, kl) in enumerate([(0.1, 0.0), (0.4, 0.02), (0.3, float("nan"))]):
+            w.log(it, {"reward/mean": reward, "actor/kl": kl})
+        w.log_summary({"eval/accuracy_before": 0.07, "run/seconds": 12.5})
+    page = metrics_report_html(tmp_path)
+    assert "3 iteration(s)" in page
+    png = base64.b64decode(re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1))
+    assert png.startswith(b"\x89PNG") and (tmp_path / "metrics.png").is_file()  # drawn when the run had none
+    row = re.search(r"<tr><td>reward/mean</td>(.*?)</tr>", page).group(1)
+    assert re.findall(r"<td>([^<]*)</td>", row) == ["0.1", "0.3", "0.1", "0.4"]  # first, last, min, max
+    kl = re.search(r"<tr><td>actor/kl</td>(.*?)</tr>", page).group(1)
+    assert re.findall(r"<td>([^<]*)</td>", kl) == ["0", "0.02", "0", "0.02"]  # the nan is left out
+    assert "<td>eval/accuracy_before</td><td>0.07</td>" in page
+    with pytest.raises(FileNotFoundError, match="no metrics to report"):
+        metrics_report_html(tmp_path / "empty")

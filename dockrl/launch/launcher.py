@@ -14,8 +14,9 @@ registered with it.
   its checkpoints there, and at the end the final checkpoint moves to ``checkpoint_dir`` and
   the rest of the folder to ``run_dir``. ``model.path`` must be visible in the pods: the
   packaged model (every image holds it), a path on the shared volume, or one baked into the
-  image. A ``directory`` warehouse must be on the shared volume. After a failed run the
-  shared folder stays for inspection.
+  image. A ``directory`` warehouse must be on the shared volume. The checkpoints stay there
+  (the ``model`` artifact is a pointer to the final one, ``write_checkpoint_pointer``), and so
+  does the rest of the folder after the run, failed or not (TensorBoard reads its events there).
 
 Unless the overrides say otherwise, the train step skips the evaluation after training
 (``trainer.eval_after=false``): the pipeline's ``evaluate`` step measures the exported model.
@@ -35,7 +36,7 @@ from typing import Callable, Sequence
 
 from dockrl.config import Config, load_config
 from dockrl.launch.platform import Platform
-from dockrl.launch.tasks import dataset_files
+from dockrl.launch.tasks import dataset_files, write_checkpoint_pointer
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,17 @@ def run_training(
     if not (final / "config.json").is_file():
         raise RuntimeError(f"training finished without a final checkpoint in {final}")
     dst = Path(checkpoint_dir)
-    if dst.is_dir() and not any(dst.iterdir()):
-        dst.rmdir()
-    shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
-    if out != run:  # the rest of the shared run folder becomes the run_dir artifact
+    if out == run:
+        if dst.is_dir() and not any(dst.iterdir()):
+            dst.rmdir()
+        shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
+    else:
+        # The checkpoints stay on the shared volume (never in this pod's emptyDir): the model
+        # artifact names the final one, the run_dir artifact gets the small files (metrics,
+        # TensorBoard events, plot, config); the shared folder stays, for TensorBoard and reuse.
+        write_checkpoint_pointer(dst, final)
         shutil.rmtree(out / "data", ignore_errors=True)
-        run.mkdir(parents=True, exist_ok=True)
-        for entry in sorted(out.iterdir()):
-            shutil.move(entry, run / entry.name)
-        out.rmdir()
+        shutil.copytree(out, run, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
 
     for key, value in summary.items():
         _log_finite(log_metric, key, value, skipped)

@@ -13,14 +13,27 @@ checkpoints, metrics) lives there, so the launcher and the stage pods see the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-IMAGE_REPOSITORY = "ghcr.io/dockrl/dockrl"
-"""Image repository; the platform name is appended (``ghcr.io/dockrl/dockrl-npu``)."""
+IMAGE_REGISTRY = "ghcr.io/dockrl"
+"""Default registry (and path) of the images; a site sets its own (``dockrl pipeline compile
+--registry``, or the ``images:`` of its overlay in ``manifests/overlays``)."""
+IMAGE_NAMES = ("cpu", "npu", "gpu")
+"""The images ``scripts/build_images.sh`` builds: ``<registry>/dockrl-<name>`` (gpu from ``images/cuda``)."""
+IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/dockrl"
+"""Image repository; the image name is appended (``ghcr.io/dockrl/dockrl-npu``)."""
 IMAGE_TAG = "0.1.0"
 """Image tag of this release (the package version); never ``latest``."""
+
+_REGISTRY = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 OBJECT_STORE_SECRET = "dockrl-object-store"
 """Secret with the object-store credentials (``manifests/base/object-store-secret.yaml``)."""
@@ -69,7 +82,15 @@ class Platform:
     object_store_secret: str = OBJECT_STORE_SECRET
     """Secret whose ``OBJECT_STORE_KEYS`` become environment variables ("" for none)."""
     image_repository: str = IMAGE_REPOSITORY
+    """Registry path and name prefix of the images (``<repository>-<name>:<tag>``)."""
     image_tag: str = IMAGE_TAG
+    """Tag of every image of the run; never ``latest``."""
+    image_digests: dict[str, str] = field(default_factory=dict)
+    """Image name (``cpu``, ``npu``, ``gpu``) -> ``sha256:...``: that image is pulled by digest
+    (``<repository>-<name>@sha256:...``), as the CI workflow publishes them."""
+    image_pull_secret: str = ""
+    """Secret (``kubernetes.io/dockerconfigjson``) for a private registry, on every pod of the run
+    ("" for none: a public registry, or one the nodes or the service account can already pull from)."""
     shared_volume_claim: str = SHARED_VOLUME_CLAIM
     """ReadWriteMany PersistentVolumeClaim mounted by the launcher and every worker pod ("" for
     none: then the Kubernetes worker backend cannot run the stages)."""
@@ -116,8 +137,19 @@ class Platform:
                 f"platform {self.name!r}: accelerator={self.accelerator!r} with accelerators_per_pod="
                 f"{self.accelerators_per_pod}; set both (a resource name and a count >= 1) or neither"
             )
-        if self.image_tag in ("", "latest"):
-            raise ValueError(f"platform {self.name!r}: image_tag={self.image_tag!r}; pin a release tag, never 'latest'")
+        if self.image_tag in ("", "latest") or not _TAG.match(self.image_tag):
+            raise ValueError(f"platform {self.name!r}: image_tag={self.image_tag!r}; pin a release tag "
+                             "(letters, digits, '_', '.', '-'; at most 128), never 'latest'")
+        if not _REGISTRY.match(self.image_repository):
+            raise ValueError(f"platform {self.name!r}: image_repository={self.image_repository!r}; expected a registry "
+                             "path in lower case without scheme, tag or trailing '/', e.g. registry.example.com/ml/dockrl")
+        for image, digest in self.image_digests.items():
+            if image not in IMAGE_NAMES or not _DIGEST.match(digest):
+                raise ValueError(f"platform {self.name!r}: image_digests[{image!r}]={digest!r}; expected an image name "
+                                 f"({', '.join(IMAGE_NAMES)}) mapped to 'sha256:<64 hex digits>'")
+        if self.image_pull_secret and not _K8S_NAME.match(self.image_pull_secret):
+            raise ValueError(f"platform {self.name!r}: image_pull_secret={self.image_pull_secret!r}; expected the name "
+                             "of a Secret in the run's namespace (lower case, digits, '-', '.')")
         if self.scheduler == "kueue" and not self.queue:
             raise ValueError(f"platform {self.name!r}: scheduler='kueue' needs queue (the LocalQueue of the workers' "
                              "namespace, e.g. queue='team-rl')")
@@ -154,15 +186,21 @@ class Platform:
         except TypeError as err:  # unknown or missing field
             raise ValueError(f"platform: {err}") from None
 
+    def image_of(self, name: str) -> str:
+        """Reference of image ``name`` (``cpu``, ``npu``, ``gpu``): ``<repository>-<name>:<tag>``, or
+        ``<repository>-<name>@sha256:...`` when ``image_digests`` pins it."""
+        digest = self.image_digests.get(name)
+        return f"{self.image_repository}-{name}@{digest}" if digest else f"{self.image_repository}-{name}:{self.image_tag}"
+
     @property
     def image(self) -> str:
         """Image of the accelerator-bound pods (``<repository>-<name>:<tag>``)."""
-        return f"{self.image_repository}-{self.name}:{self.image_tag}"
+        return self.image_of(self.name)
 
     @property
     def cpu_image(self) -> str:
         """Image of the pods without accelerators (reward, dock shards): the cpu image of the same release."""
-        return f"{self.image_repository}-cpu:{self.image_tag}"
+        return self.image_of("cpu")
 
 
 PLATFORMS: dict[str, Platform] = {
@@ -184,6 +222,74 @@ PLATFORMS: dict[str, Platform] = {
 
 CPU_IMAGE = PLATFORMS["cpu"].image
 """Image of the components that need no accelerator (every component's ``base_image``)."""
+
+
+def with_images(platform: Platform, *, registry: str = "", tag: str = "", digests: dict[str, str] | None = None,
+                pull_secret: str = "") -> Platform:
+    """``platform`` with its images from ``registry`` (``registry.example.com/ml``: the images
+    are ``<registry>/dockrl-<name>``), ``tag``, ``digests`` and ``pull_secret``; an empty value
+    keeps the platform's own.
+
+    Raises:
+        ValueError: a value breaks a rule of ``Platform`` (the message names it).
+    """
+    changes: dict[str, Any] = {}
+    if registry:
+        changes["image_repository"] = registry.rstrip("/") + "/dockrl"
+    if tag:
+        changes["image_tag"] = tag
+    if digests:
+        changes["image_digests"] = {**platform.image_digests, **digests}
+    if pull_secret:
+        changes["image_pull_secret"] = pull_secret
+    return dataclasses.replace(platform, **changes)
+
+
+def images_from_kustomization(path: str | Path) -> dict[str, Any]:
+    """The dockrl images an overlay sets (its kustomization's ``images:`` entries named
+    ``ghcr.io/dockrl/dockrl-<name>``), as ``with_images`` keywords: ``registry``, ``tag``,
+    ``digests``. What the overlay does not set is absent.
+
+    Raises:
+        FileNotFoundError: no ``kustomization.yaml`` at ``path`` (a folder or the file).
+        ValueError: an entry's ``newName`` is not ``<registry>/dockrl-<name>``, its tag is
+            ``latest``, or the entries disagree on the registry or the tag.
+    """
+    import yaml
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "kustomization.yaml"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: expected a kustomize overlay, e.g. manifests/overlays/npu")
+    entries = (yaml.safe_load(file.read_text()) or {}).get("images") or []
+    registries, tags, digests = set(), set(), {}
+    for entry in entries:
+        name = str(entry.get("name", ""))
+        image = name.removeprefix(IMAGE_REPOSITORY + "-")
+        if image == name or image not in IMAGE_NAMES:
+            continue  # another image (MinIO, ...)
+        new_name = str(entry.get("newName", name))
+        if not new_name.endswith(f"/dockrl-{image}"):
+            raise ValueError(f"{file}: images entry {name!r} has newName={new_name!r}; expected <registry>/dockrl-{image}")
+        registries.add(new_name.removesuffix(f"/dockrl-{image}"))
+        if "newTag" in entry:
+            tags.add(str(entry["newTag"]))
+        if "digest" in entry:
+            digests[image] = str(entry["digest"])
+    if len(registries) > 1 or len(tags) > 1:
+        raise ValueError(f"{file}: the dockrl images differ in registry {sorted(registries)} or tag {sorted(tags)}; "
+                         "a run's images come from one registry with one tag (pin single images by digest)")
+    if "latest" in tags:
+        raise ValueError(f"{file}: newTag 'latest'; pin a release tag")
+    out: dict[str, Any] = {}
+    if registries:
+        out["registry"] = registries.pop()
+    if tags:
+        out["tag"] = tags.pop()
+    if digests:
+        out["digests"] = digests
+    return out
 
 
 def get_platform(name: str) -> Platform:

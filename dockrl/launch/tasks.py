@@ -23,6 +23,8 @@ from dockrl.config import load_config
 logger = logging.getLogger(__name__)
 
 DATASET_MANIFEST = "dataset.json"
+CHECKPOINT_POINTER = "dockrl-checkpoint.json"
+"""In a model folder: the checkpoint is elsewhere (on the shared volume), at the path it names."""
 
 
 def _count_rows(path: Path) -> int:
@@ -89,6 +91,34 @@ def dataset_files(dataset_dir: str | Path) -> tuple[Path, Path]:
     return train, test
 
 
+def write_checkpoint_pointer(folder: str | Path, checkpoint: str | Path) -> Path:
+    """Make ``folder`` (a model artifact) name ``checkpoint`` instead of holding its files: a
+    checkpoint on the shared volume is not copied into a pod's local disk."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    pointer = out / CHECKPOINT_POINTER
+    pointer.write_text(json.dumps({"path": str(checkpoint)}) + "\n")
+    return pointer
+
+
+def resolve_checkpoint(folder: str | Path) -> Path:
+    """The checkpoint folder a model artifact holds or names (``write_checkpoint_pointer``).
+
+    Raises:
+        FileNotFoundError: the pointer names a folder this pod cannot see (the shared volume
+            not mounted at the same path).
+    """
+    src = Path(folder)
+    pointer = src / CHECKPOINT_POINTER
+    if not pointer.is_file():
+        return src
+    target = Path(json.loads(pointer.read_text())["path"])
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"{pointer} names the checkpoint {target}, which has no config.json here: "
+                                "is the shared volume mounted at the same path in this pod?")
+    return target
+
+
 def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> dict[str, int | str]:
     """Re-save an HF checkpoint as a self-contained safetensors folder in ``dtype``.
 
@@ -108,7 +138,7 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"export dtype: got {dtype!r}; expected one of {', '.join(repr(d) for d in dtypes)}")
-    src, out = Path(checkpoint_dir), Path(out_dir)
+    src, out = resolve_checkpoint(checkpoint_dir), Path(out_dir)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src / 'config.json'} does not exist: {src} is not an HF checkpoint")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtypes[dtype])
@@ -159,3 +189,55 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         scorer.close()
     logger.info("greedy test accuracy %.3f (format %.3f, %d prompts)", res["accuracy"], res["format_rate"], res["count"])
     return {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"], "eval/count": float(res["count"])}
+
+
+# ---- the pipeline's run-time parameters ----
+
+RUN_PARAMETERS: dict[str, str] = {
+    "iterations": "trainer.iterations",
+    "global_batch": "trainer.global_batch",
+    "mini_batch": "trainer.mini_batch",
+    "group_size": "rollout.n",
+    "learning_rate": "trainer.lr",
+    "kl_coef": "algorithm.kl_coef",
+    "max_response_length": "rollout.max_response_length",
+    "algorithm": "algorithm.name",
+    "model_path": "model.path",
+    "train_data": "data.train_path",
+    "test_data": "data.test_path",
+}
+"""The knobs a user changes per run in the Kubeflow UI: pipeline parameter -> config field.
+Everything else is a ``config_overrides`` entry (run-time) or a setting of the compiled package
+(backend, platform, images, sizes: compile-time)."""
+
+
+def run_parameter_defaults() -> dict[str, int | float | str]:
+    """Each run parameter's default: the config default of its field (what the UI shows)."""
+    cfg = load_config(None)
+    out: dict[str, int | float | str] = {}
+    for name, where in RUN_PARAMETERS.items():
+        section, key = where.split(".")
+        out[name] = getattr(getattr(cfg, section), key)
+    return out
+
+
+def resolve_overrides(params: dict[str, int | float | str], overrides: Sequence[str]) -> list[str]:
+    """The run's ``section.field=value`` overrides: the run parameters that differ from their
+    defaults, then ``overrides`` (which win over a parameter setting the same field).
+
+    Raises:
+        ValueError: a name in ``params`` is not a run parameter.
+        ConfigError: the resulting config is invalid (the message names the field).
+    """
+    unknown = sorted(set(params) - set(RUN_PARAMETERS))
+    if unknown:
+        raise ValueError(f"run parameters {unknown}: expected some of {', '.join(RUN_PARAMETERS)}")
+    defaults = run_parameter_defaults()
+    out = [f"{RUN_PARAMETERS[name]}={value}" for name, value in params.items() if value != defaults[name]]
+    explicit = {o.split("=", 1)[0].strip() for o in overrides}
+    for name, value in params.items():
+        if value != defaults[name] and RUN_PARAMETERS[name] in explicit:
+            logger.warning("run parameter %s=%r is overridden by config_overrides (%s=...)", name, value, RUN_PARAMETERS[name])
+    out += list(overrides)
+    load_config(None, out)  # fail here, naming the field, before the dataset or training starts
+    return out

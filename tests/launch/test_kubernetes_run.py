@@ -20,7 +20,7 @@ from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
 from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend, OwnerPod, object_name
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.tasks import prepare_dataset
+from dockrl.launch.tasks import prepare_dataset, resolve_checkpoint
 from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
@@ -186,8 +186,12 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
     shared_run = tmp_path / "shared" / "runs" / RUN
     assert cfg.run.output_dir == str(shared_run) and cfg.data.test_path == str(shared_run / "data" / "test.jsonl")
     assert summary["run/seconds"] == 1.0 and logged == {"reward/mean/iter_0000": 0.5, "run/seconds": 1.0}
-    assert (tmp_path / "model" / "config.json").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
-    assert not (tmp_path / "run" / "data").exists() and not shared_run.exists()  # nothing left on the shared volume
+    # the checkpoint stays on the shared volume: the model artifact names it, nothing copied into the pod
+    assert resolve_checkpoint(tmp_path / "model") == shared_run / "checkpoints" / "final"
+    assert not (tmp_path / "model" / "config.json").exists()
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "data").exists() and not (shared_run / "data").exists()
+    assert (shared_run / "metrics.jsonl").is_file()  # the run folder stays (TensorBoard reads it there)
 
 
 def test_the_launcher_refuses_what_stage_pods_cannot_run(tiny_model_dir, tmp_path):

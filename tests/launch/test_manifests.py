@@ -101,3 +101,43 @@ def test_image_tags_only_in_overlays_and_never_latest():
         if "overlays" not in path.parts:
             for image in re.findall(r"^\s*image:\s*(\S+)", text, flags=re.M):
                 assert ":" not in image.split("/")[-1] and "@" not in image, f"{path}: tag {image!r} belongs in an overlay"
+
+
+def test_every_overlay_gives_the_shared_volume_a_storage_class(built):
+    for overlay, objects in built.items():
+        [claim] = [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "dockrl-shared"]
+        assert claim["spec"]["storageClassName"], overlay  # never the default class, which may be RWO only
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_images_are_what_compile_puts_on_the_pipeline(overlay, tmp_path):
+    from dockrl.launch.platform import IMAGE_TAG, PLATFORMS, images_from_kustomization, with_images
+
+    images = images_from_kustomization(MANIFESTS / "overlays" / overlay)
+    assert images == {"registry": "ghcr.io/dockrl", "tag": IMAGE_TAG}  # the defaults of this release, pinned
+    platform = with_images(PLATFORMS[overlay], **images)
+    assert platform.image == PLATFORMS[overlay].image and platform.cpu_image == PLATFORMS["cpu"].image
+
+
+def test_a_site_overlay_sets_registry_tag_and_digest(tmp_path):
+    from dockrl.launch.platform import PLATFORMS, images_from_kustomization, with_images
+
+    digest = "sha256:" + "c" * 64
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["../base"], "images": [
+        {"name": "ghcr.io/dockrl/dockrl-cpu", "newName": "registry.example.com/ml/dockrl-cpu", "newTag": "0.2.0"},
+        {"name": "ghcr.io/dockrl/dockrl-npu", "newName": "registry.example.com/ml/dockrl-npu", "digest": digest},
+        {"name": "quay.io/minio/minio", "newTag": "RELEASE.2025-04-22T22-12-26Z"}]}))
+    platform = with_images(PLATFORMS["npu"], **images_from_kustomization(tmp_path))
+    assert platform.image == f"registry.example.com/ml/dockrl-npu@{digest}"
+    assert platform.cpu_image == "registry.example.com/ml/dockrl-cpu:0.2.0"
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"images": [
+        {"name": "ghcr.io/dockrl/dockrl-cpu", "newName": "a.example.com/dockrl-cpu", "newTag": "1"},
+        {"name": "ghcr.io/dockrl/dockrl-npu", "newName": "b.example.com/dockrl-npu", "newTag": "1"}]}))
+    with pytest.raises(ValueError, match="differ in registry"):
+        images_from_kustomization(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"images": [
+        {"name": "ghcr.io/dockrl/dockrl-npu", "newName": "registry.example.com/npu-image", "newTag": "1"}]}))
+    with pytest.raises(ValueError, match="expected <registry>/dockrl-npu"):
+        images_from_kustomization(tmp_path)
+    with pytest.raises(FileNotFoundError, match="expected a kustomize overlay"):
+        images_from_kustomization(tmp_path / "missing")

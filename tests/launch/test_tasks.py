@@ -12,7 +12,16 @@ import torch
 from dockrl.config import ConfigError
 from dockrl.data import generate_problems, write_jsonl
 from dockrl.launch import launcher
-from dockrl.launch.tasks import dataset_files, evaluate_model, export_model, prepare_dataset
+from dockrl.launch.tasks import (
+    RUN_PARAMETERS,
+    dataset_files,
+    evaluate_model,
+    export_model,
+    prepare_dataset,
+    resolve_overrides,
+    run_parameter_defaults,
+    write_checkpoint_pointer,
+)
 
 SMALL = ["data.generate_train=30", "data.generate_test=6"]
 
@@ -55,6 +64,30 @@ def test_export_model_in_bfloat16_reloads(tiny_model_dir, tmp_path):
     w, w0 = model.model.embed_tokens.weight, src.model.embed_tokens.weight
     assert torch.allclose(w.float(), w0, atol=1e-2)
     assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
+
+
+def test_export_model_follows_a_pointer_to_a_checkpoint_on_the_shared_volume(tiny_model_dir, tmp_path):
+    write_checkpoint_pointer(tmp_path / "artifact", tiny_model_dir)
+    info = export_model(tmp_path / "artifact", tmp_path / "out", "float32")
+    assert (tmp_path / "out" / "model.safetensors").is_file() and info["dtype"] == "float32"
+    write_checkpoint_pointer(tmp_path / "gone", tmp_path / "not-mounted")
+    with pytest.raises(FileNotFoundError, match="is the shared volume mounted at the same path"):
+        export_model(tmp_path / "gone", tmp_path / "out2")
+
+
+def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_overrides(caplog):
+    defaults = run_parameter_defaults()
+    assert set(defaults) == set(RUN_PARAMETERS) and defaults["learning_rate"] == 1e-5
+    assert resolve_overrides(defaults, []) == []  # the defaults change nothing
+    changed = defaults | {"iterations": 3, "learning_rate": 5e-6, "group_size": 4, "global_batch": 4, "mini_batch": 4}
+    out = resolve_overrides(changed, ["trainer.iterations=2"])
+    assert out == ["trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=4", "rollout.n=4",
+                   "trainer.lr=5e-06", "trainer.iterations=2"]
+    assert "run parameter iterations=3 is overridden by config_overrides" in caplog.text
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        resolve_overrides(defaults | {"algorithm": "ppo-ish"}, [])
+    with pytest.raises(ValueError, match=r"run parameters \['epochs'\]"):
+        resolve_overrides({"epochs": 2}, [])
 
 
 def test_export_model_errors(tiny_model_dir, tmp_path):

@@ -19,13 +19,19 @@ if str(ROOT) not in sys.path:  # pipelines/ and components/ live beside dockrl/
 class FakeKfpServer:
     """The KFP v2beta1 endpoints ``kfp.Client`` uses to submit and schedule, on 127.0.0.1.
 
-    Records every request as ``(method, path, query, body)`` in ``requests``; ``experiments``
-    maps display names to ids (pre-fill it to test an existing experiment).
+    Records every request as ``(method, path, query, body)`` in ``requests`` and its headers in
+    ``headers`` (names in lower case); ``experiments`` maps display names to ids (pre-fill it to test an existing
+    experiment). Its health answer is the API server's (``commit_sha``, ``tag_name``,
+    ``multi_user``) with ``tag_name`` = ``version`` (None: left out). With ``token`` set, a
+    request without ``Authorization: Bearer <token>`` gets 401, as behind a multi-user
+    install's authentication.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, version: str | None = "2.14.3", token: str = "") -> None:
         self.requests: list[tuple[str, str, dict, dict | None]] = []
+        self.headers: list[dict[str, str]] = []
         self.experiments: dict[str, str] = {}
+        self.version, self.token = version, token
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,12 +52,22 @@ class FakeKfpServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 server.requests.append((self.command, url.path, query, body))
+                server.headers.append({k.lower(): v for k, v in self.headers.items()})
                 return url.path, query, body
+
+            def _refused(self) -> bool:
+                if server.token and self.headers.get("Authorization") != f"Bearer {server.token}":
+                    self._reply(401, {"error": "Unauthorized"})
+                    return True
+                return False
 
             def do_GET(self):
                 path, query, _ = self._record()
+                if self._refused():
+                    return None
                 if path == "/apis/v2beta1/healthz":
-                    return self._reply(200, {"multi_user": False, "pipeline_store_version": "fake"})
+                    health = {"commit_sha": "fake", "multi_user": bool(server.token)}
+                    return self._reply(200, health | ({"tag_name": server.version} if server.version is not None else {}))
                 if path == "/apis/v2beta1/experiments":
                     wanted = json.loads(query.get("filter", "{}")).get("predicates", [{}])[0].get("stringValue")
                     found = [{"experiment_id": i, "display_name": n} for n, i in server.experiments.items() if n == wanted]
@@ -60,6 +76,8 @@ class FakeKfpServer:
 
             def do_POST(self):
                 path, _, body = self._record()
+                if self._refused():
+                    return None
                 if path == "/apis/v2beta1/experiments":
                     exp_id = f"exp-{len(server.experiments) + 1}"
                     server.experiments[body["display_name"]] = exp_id
@@ -90,6 +108,20 @@ class FakeKfpServer:
 def kfp_server():
     with FakeKfpServer() as server:
         yield server
+
+
+@pytest.fixture
+def make_kfp_server():
+    """``make(version=..., token=...)`` starts one more ``FakeKfpServer``; all stop after the test."""
+    servers: list[FakeKfpServer] = []
+
+    def make(**kwargs) -> FakeKfpServer:
+        servers.append(FakeKfpServer(**kwargs).__enter__())
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

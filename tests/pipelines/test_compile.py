@@ -1,6 +1,6 @@
-"""The compiled pipeline IR: strict protobuf parsing, platform settings where Kubeflow reads them, golden file.
+"""The compiled pipeline IR: strict protobuf parsing, compile-time settings where Kubeflow reads them, golden files.
 
-Regenerate the golden file after an intended change of the pipeline or a component:
+Regenerate the golden files after an intended change of the pipeline or a component:
 ``DOCKRL_UPDATE_GOLDEN=1 python -m pytest tests/pipelines/test_compile.py``.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ from google.protobuf import json_format
 from kfp.kubernetes.kubernetes_executor_config_pb2 import KubernetesExecutorConfig
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
-from dockrl.launch.platform import CPU_IMAGE, PLATFORMS, Platform
+from dockrl.launch.platform import CPU_IMAGE, PLATFORMS, Platform, with_images
+from dockrl.launch.tasks import RUN_PARAMETERS, run_parameter_defaults
 
-GOLDEN = Path(__file__).parent / "golden" / "grpo_npu.yaml"
-STEPS = ["prepare-dataset", "train", "export-model", "evaluate"]
+GOLDEN = Path(__file__).parent / "golden"
+STEPS = ["resolve-config", "prepare-dataset", "train", "export-model", "evaluate"]
+EXECUTORS = {f"exec-{s}" for s in STEPS + ["teardown-workers"]}
 
 
 def parse_ir(path: Path):
@@ -36,60 +39,124 @@ def parse_ir(path: Path):
     return spec, deployment, k8s
 
 
-def test_train_task_carries_npu_accelerators_scheduling_and_credentials(compiled_npu):
+@pytest.fixture(scope="module")
+def compiled_npu_kubernetes(tmp_path_factory) -> Path:
+    from pipelines.grpo import compile_pipeline
+
+    return compile_pipeline(tmp_path_factory.mktemp("ir") / "grpo-npu-k8s.yaml", platform="npu", worker_backend="kubernetes")
+
+
+def test_importing_the_pipeline_module_compiles_nothing():
+    import importlib
+
+    sys.modules.pop("pipelines.grpo", None)
+    module = importlib.import_module("pipelines.grpo")
+    assert not hasattr(module, "grpo")  # compiled when asked (build_pipeline / compile_pipeline), not at import
+
+
+def test_local_backend_the_train_task_carries_the_accelerators_and_no_volume_or_secret(compiled_npu):
     spec, deployment, k8s = parse_ir(compiled_npu)
     npu = PLATFORMS["npu"]
     train = deployment.executors["exec-train"].container
     assert train.image == npu.image
     assert train.resources.accelerator.resource_type == "huawei.com/Ascend910"
     assert train.resources.accelerator.resource_count == "8"
-
+    # the whole run happens in this pod: it requests the platform's stage size
+    assert (train.resources.resource_cpu_request, train.resources.resource_memory_request) == (npu.stage_cpu, npu.stage_memory)
     cfg = k8s["exec-train"]
     assert dict(cfg.node_selector.labels) == {"accelerator": "huawei-Ascend910"}
     assert [(t.key, t.operator, t.effect) for t in cfg.tolerations] == [("huawei.com/Ascend910", "Exists", "NoSchedule")]
-    [secret] = cfg.secret_as_env
-    assert secret.secret_name == "dockrl-object-store" and not secret.optional
-    assert {(k.secret_key, k.env_var) for k in secret.key_to_env} == {
-        ("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY"),
-        ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL")}
+    # the local backend needs neither the shared volume nor the object-store Secret
+    assert not cfg.pvc_mount and not cfg.secret_as_env
+    assert not any(c.pvc_mount or c.secret_as_env for c in k8s.values())
     assert {(f.name, f.field_path) for f in cfg.field_path_as_env} == {
         ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_UID", "metadata.uid"),
-        ("POD_IP", "status.podIP")}  # the workers reach the launcher's weight channel store there
-    # the shared volume of the run folder, where the worker pods mount it too
-    assert [(v.constant, v.mount_path) for v in cfg.pvc_mount] == [("dockrl-shared", "/mnt/dockrl")]
-    # the launcher learns its run id (the workers' label), namespace and the worker pods' platform
+        ("POD_IP", "status.podIP")}
     inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
     assert inputs["run_id"].runtime_value.constant.string_value == "{{$.pipeline_job_uuid}}"
+    assert inputs["worker_backend"].runtime_value.constant.string_value == "local"  # compiled in, not a parameter
     assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == npu
-    assert dict(cfg.pod_metadata.labels) == {"app.kubernetes.io/part-of": "dockrl"}
-    # nothing but the launcher gets accelerators or the credentials
-    assert set(k8s) == {"exec-train", "exec-teardown-workers"}
     for name, executor in deployment.executors.items():
         if name != "exec-train":
             assert executor.container.image == CPU_IMAGE
             assert not executor.container.resources.HasField("accelerator")
 
 
-def test_steps_run_in_order_inside_an_exit_handler_that_tears_workers_down(compiled_npu):
+def test_kubernetes_backend_the_launcher_drives_with_the_volume_and_secret_but_no_accelerators(compiled_npu_kubernetes):
+    spec, deployment, k8s = parse_ir(compiled_npu_kubernetes)
+    train = deployment.executors["exec-train"].container
+    assert train.image == CPU_IMAGE and not train.resources.HasField("accelerator")
+    assert (train.resources.resource_cpu_request, train.resources.resource_memory_request) == ("2", "8Gi")
+    cfg = k8s["exec-train"]
+    assert not cfg.node_selector.labels and not cfg.tolerations
+    [secret] = cfg.secret_as_env
+    assert secret.secret_name == "dockrl-object-store" and not secret.optional
+    assert {(k.secret_key, k.env_var) for k in secret.key_to_env} == {
+        ("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY"),
+        ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL")}
+    # the run folder (checkpoints, TensorBoard) on the shared volume; export-model reads the final checkpoint there
+    for executor in ("exec-train", "exec-export-model"):
+        assert [(v.constant, v.mount_path) for v in k8s[executor].pvc_mount] == [("dockrl-shared", "/mnt/dockrl")], executor
+    assert {name for name, c in k8s.items() if c.pvc_mount} == {"exec-train", "exec-export-model"}
+    assert {name for name, c in k8s.items() if c.secret_as_env} == {"exec-train"}
+    assert "POD_IP" in {f.name for f in cfg.field_path_as_env}
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
+    assert inputs["worker_backend"].runtime_value.constant.string_value == "kubernetes"
+    assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == PLATFORMS["npu"]  # the pods'
+    assert "worker_backend" not in spec.root.input_definitions.parameters
+
+
+def test_every_task_requests_cpu_and_memory_and_carries_the_label(compiled_npu, compiled_npu_kubernetes):
+    for package in (compiled_npu, compiled_npu_kubernetes):
+        _, deployment, k8s = parse_ir(package)
+        assert set(deployment.executors) == EXECUTORS == set(k8s)
+        for name, executor in deployment.executors.items():
+            res = executor.container.resources
+            assert res.resource_cpu_request and res.resource_memory_request, name
+            assert dict(k8s[name].pod_metadata.labels) == {"app.kubernetes.io/part-of": "dockrl"}, name
+            assert not k8s[name].image_pull_secret, name  # none unless asked
+
+
+def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu):
     spec, deployment, _ = parse_ir(compiled_npu)
+    params = spec.root.input_definitions.parameters
+    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype"}
+    defaults = run_parameter_defaults()
+    assert defaults["iterations"] == 20 and defaults["group_size"] == 8 and defaults["model_path"] == "smollm2-135m"
+    for name, default in defaults.items():
+        value = params[name].default_value
+        got = value.string_value if isinstance(default, str) else value.number_value
+        assert got == default, name
+    assert params["config_overrides"].parameter_type == pb.ParameterType.LIST
+    assert list(params["config_overrides"].default_value.list_value.values) == []
+    # every step reads the overrides that resolve-config checked
+    body = spec.components["comp-exit-handler-1"].dag.tasks
+    for step in ("prepare-dataset", "train", "evaluate"):
+        ref = body[step].inputs.parameters["config_overrides"].task_output_parameter
+        assert ref.producer_task == "resolve-config", step
+    for name, executor in deployment.executors.items():  # images carry kfp: nothing installed at pod start
+        assert "pip install" not in " ".join(executor.container.command), name
+
+
+def test_steps_run_in_order_inside_an_exit_handler_that_tears_workers_down(compiled_npu):
+    spec, _, _ = parse_ir(compiled_npu)
     root = spec.root.dag.tasks
     assert set(root) == {"exit-handler-1", "teardown-workers"}
     teardown = root["teardown-workers"]
     assert teardown.trigger_policy.strategy == pb.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
     assert teardown.inputs.parameters["status"].task_final_status.producer_task == "exit-handler-1"
     assert teardown.inputs.parameters["run_id"].runtime_value.constant.string_value == "{{$.pipeline_job_uuid}}"
+    assert teardown.inputs.parameters["worker_backend"].runtime_value.constant.string_value == "local"
     body = spec.components["comp-exit-handler-1"].dag.tasks
     assert set(body) == set(STEPS)
-    assert list(body["train"].dependent_tasks) == ["prepare-dataset"]
+    assert list(body["prepare-dataset"].dependent_tasks) == ["resolve-config"]
+    assert set(body["train"].dependent_tasks) == {"prepare-dataset", "resolve-config"}
     assert list(body["export-model"].dependent_tasks) == ["train"]
-    assert set(body["evaluate"].dependent_tasks) == {"export-model", "prepare-dataset"}
+    assert set(body["evaluate"].dependent_tasks) == {"export-model", "prepare-dataset", "resolve-config"}
     assert not body["train"].caching_options.enable_cache
-    params = spec.root.input_definitions.parameters
-    assert params["config_overrides"].parameter_type == pb.ParameterType.LIST
-    assert list(params["config_overrides"].default_value.list_value.values) == []
-    assert params["worker_backend"].default_value.string_value == "local"
-    for name, executor in deployment.executors.items():  # images carry kfp: nothing installed at pod start
-        assert "pip install" not in " ".join(executor.container.command), name
+    # the curves of the run, for the UI's Visualizations
+    outputs = spec.components["comp-train"].output_definitions.artifacts
+    assert outputs["curves"].artifact_type.schema_title == "system.HTML"
 
 
 @pytest.mark.parametrize("platform, resource", [("gpu", "nvidia.com/gpu"), ("cpu", None)])
@@ -105,25 +172,68 @@ def test_other_platforms(platform, resource, tmp_path):
     else:
         assert not train.resources.HasField("accelerator")
         assert not k8s["exec-train"].node_selector.labels and not k8s["exec-train"].tolerations
-    assert k8s["exec-train"].secret_as_env[0].secret_name == "dockrl-object-store"
 
 
-def test_compiled_for_stage_pods_the_launcher_holds_no_accelerators(tmp_path):
-    from pipelines.grpo import compile_pipeline
+def test_images_registry_tag_digest_and_pull_secret_are_compile_settings(tmp_path):
+    from pipelines.grpo import PipelineSettings, Requests, compile_pipeline
 
-    spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "k8s.yaml", platform="npu", worker_backend="kubernetes"))
-    train = deployment.executors["exec-train"].container
-    assert train.image == CPU_IMAGE and not train.resources.HasField("accelerator")
-    cfg = k8s["exec-train"]
-    assert not cfg.node_selector.labels and not cfg.tolerations
-    # still what the launcher needs to start the pods: credentials, shared volume, its own pod
-    assert cfg.secret_as_env[0].secret_name == "dockrl-object-store" and cfg.pvc_mount[0].mount_path == "/mnt/dockrl"
-    assert "POD_IP" in {f.name for f in cfg.field_path_as_env}
-    assert spec.root.input_definitions.parameters["worker_backend"].default_value.string_value == "kubernetes"
+    digest = "sha256:" + "ab" * 32
+    platform = with_images(PLATFORMS["npu"], registry="registry.example.com/ml", tag="0.2.0", digests={"npu": digest},
+                           pull_secret="regcred")
+    settings = PipelineSettings(platform=platform, worker_backend="local", requests={"evaluate": Requests(cpu="8", memory="32Gi")})
+    spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "site.yaml", settings=settings))
+    assert deployment.executors["exec-train"].container.image == f"registry.example.com/ml/dockrl-npu@{digest}"
+    for name, executor in deployment.executors.items():
+        if name != "exec-train":
+            assert executor.container.image == "registry.example.com/ml/dockrl-cpu:0.2.0", name
+        assert [s.secret_name for s in k8s[name].image_pull_secret] == ["regcred"], name
+    res = deployment.executors["exec-evaluate"].container.resources
+    assert (res.resource_cpu_request, res.resource_memory_request) == ("8", "32Gi")
     inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
-    assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == PLATFORMS["npu"]  # the pods' platform
+    pods = Platform.from_json(inputs["platform"].runtime_value.constant.string_value)
+    assert pods.image_pull_secret == "regcred" and pods.image == f"registry.example.com/ml/dockrl-npu@{digest}"
+    assert pods.cpu_image == "registry.example.com/ml/dockrl-cpu:0.2.0"  # what the launcher gives the worker pods
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tag": "latest"}, "never 'latest'"),
+    ({"registry": "https://registry.example.com"}, "without scheme"),
+    ({"registry": "Registry.example.com"}, "lower case"),
+    ({"digests": {"npu": "sha256:abc"}}, "sha256:<64 hex digits>"),
+    ({"digests": {"tpu": "sha256:" + "0" * 64}}, r"image_digests\['tpu'\]"),
+    ({"pull_secret": "Reg_Cred"}, "image_pull_secret='Reg_Cred'"),
+])
+def test_bad_image_settings_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        with_images(PLATFORMS["npu"], **kwargs)
+
+
+def test_bad_settings_name_the_field(tmp_path):
+    from pipelines.grpo import PipelineSettings, Requests, compile_pipeline
+
     with pytest.raises(ValueError, match="worker_backend: got 'slurm'"):
         compile_pipeline(tmp_path / "x.yaml", worker_backend="slurm")
+    with pytest.raises(ValueError, match="platform: got 'tpu'"):
+        compile_pipeline(tmp_path / "x.yaml", platform="tpu")
+    with pytest.raises(ValueError, match=".yaml or .json"):
+        compile_pipeline(tmp_path / "x.txt")
+    with pytest.raises(ValueError, match=r"requests for \['trian'\]: no such task"):
+        PipelineSettings(requests={"trian": Requests(cpu="1", memory="1Gi")})
+    with pytest.raises(ValueError, match="cpu request 'lots'"):
+        Requests(cpu="lots", memory="1Gi")
+    with pytest.raises(ValueError, match="memory request '16GB'"):
+        Requests(cpu="1", memory="16GB")
+
+
+def test_the_compiled_backend_can_be_read_back(compiled_npu, compiled_npu_kubernetes, tmp_path):
+    from pipelines.grpo import compiled_worker_backend
+
+    assert compiled_worker_backend(compiled_npu) == "local"
+    assert compiled_worker_backend(compiled_npu_kubernetes) == "kubernetes"
+    other = tmp_path / "other.yaml"
+    other.write_text("pipelineInfo: {name: x}\nroot: {}\n")
+    with pytest.raises(ValueError, match="no train task with a compiled-in worker_backend"):
+        compiled_worker_backend(other)
 
 
 def test_strict_parsing_rejects_a_misspelt_field(compiled_npu):
@@ -135,20 +245,39 @@ def test_strict_parsing_rejects_a_misspelt_field(compiled_npu):
         json_format.ParseDict(cfg, KubernetesExecutorConfig(), ignore_unknown_fields=False)
 
 
-def test_matches_golden(compiled_npu):
-    text = compiled_npu.read_text()
+@pytest.mark.parametrize("golden, fixture", [("grpo_npu.yaml", "compiled_npu"),
+                                             ("grpo_npu_kubernetes.yaml", "compiled_npu_kubernetes")])
+def test_matches_golden(golden, fixture, request):
+    text = request.getfixturevalue(fixture).read_text()
+    path = GOLDEN / golden
     if os.environ.get("DOCKRL_UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(text)
-    assert GOLDEN.is_file(), f"no golden file: run with DOCKRL_UPDATE_GOLDEN=1 to write {GOLDEN}"
-    assert list(yaml.safe_load_all(text)) == list(yaml.safe_load_all(GOLDEN.read_text())), (
-        "the compiled pipeline changed; if intended, regenerate the golden file (see the module docstring)")
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"no golden file: run with DOCKRL_UPDATE_GOLDEN=1 to write {path}"
+    assert list(yaml.safe_load_all(text)) == list(yaml.safe_load_all(path.read_text())), (
+        "the compiled pipeline changed; if intended, regenerate the golden files (see the module docstring)")
 
 
-def test_compile_rejects_an_unknown_platform_and_a_bad_file_name(tmp_path):
-    from pipelines.grpo import compile_pipeline
+def test_cli_compile_takes_the_images_from_an_overlay_and_the_options(tmp_path, capsys):
+    from dockrl import pipeline_cli
 
-    with pytest.raises(ValueError, match="platform: got 'tpu'"):
-        compile_pipeline(tmp_path / "x.yaml", platform="tpu")
-    with pytest.raises(ValueError, match=".yaml or .json"):
-        compile_pipeline(tmp_path / "x.txt")
+    overlay = tmp_path / "site"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({"images": [
+        {"name": "ghcr.io/dockrl/dockrl-cpu", "newName": "registry.example.com/ml/dockrl-cpu", "newTag": "0.3.0"},
+        {"name": "ghcr.io/dockrl/dockrl-gpu", "newName": "registry.example.com/ml/dockrl-gpu", "newTag": "0.3.0"}]}))
+    out = tmp_path / "site.yaml"
+    rc = pipeline_cli.main(["compile", str(out), "--platform", "gpu", "--overlay", str(overlay), "--pull-secret", "regcred",
+                            "--request", "evaluate=1,2Gi", "--workers-namespace", "dockrl-workers"])
+    assert rc == 0, capsys.readouterr().err
+    spec, deployment, k8s = parse_ir(out)
+    assert deployment.executors["exec-train"].container.image == "registry.example.com/ml/dockrl-gpu:0.3.0"
+    assert deployment.executors["exec-evaluate"].container.image == "registry.example.com/ml/dockrl-cpu:0.3.0"
+    assert deployment.executors["exec-evaluate"].container.resources.resource_memory_request == "2Gi"
+    assert [s.secret_name for s in k8s["exec-train"].image_pull_secret] == ["regcred"]
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
+    assert inputs["workers_namespace"].runtime_value.constant.string_value == "dockrl-workers"
+    rc = pipeline_cli.main(["compile", str(out), "--tag", "latest"])
+    assert rc == 2 and "never 'latest'" in capsys.readouterr().err
+    rc = pipeline_cli.main(["compile", str(out), "--request", "train=4"])
+    assert rc == 2 and "expected TASK=CPU,MEMORY" in capsys.readouterr().err

@@ -27,7 +27,7 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dockrl", "pipeline", "run", "--local", "--pipeline-root", str(tmp_path / "root"),
          "--export-dtype", "float32", *overrides],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # the summary is the last thing printed
@@ -53,6 +53,11 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path):
     exported = json.loads((run / "export-model" / "executor_output.json").read_text())["artifacts"]["model"]["artifacts"][0]["metadata"]
     assert exported["dtype"] == "float32" and exported["parameters"] > 0
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # the exit task ran
+    # the run's overrides, checked once before the data step, are what every step read
+    resolved = json.loads((run / "resolve-config" / "executor_output.json").read_text())["parameterValues"]["Output"]
+    assert resolved == overrides
+    curves = (run / "train" / "curves").read_text()  # the HTML of the run's curves, for the UI
+    assert "data:image/png;base64," in curves and "<td>reward/mean</td>" in curves and out["curves"] == str(run / "train" / "curves")
 
 
 def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path):

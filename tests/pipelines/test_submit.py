@@ -31,8 +31,8 @@ def test_submit_creates_the_experiment_and_a_run_from_the_package(kfp_server, co
     [run] = kfp_server.posts("/apis/v2beta1/runs")
     assert run["experiment_id"] == "exp-1" and run["display_name"] == "nightly"
     assert run["service_account"] == "dockrl-launcher"
-    assert run["runtime_config"]["parameters"] == {
-        "config_overrides": OVERRIDES, "worker_backend": "local", "namespace": "", "export_dtype": "bfloat16"}
+    # only run-time parameters: the worker backend and the platform are compiled into the package
+    assert run["runtime_config"]["parameters"] == {"config_overrides": OVERRIDES, "export_dtype": "bfloat16"}
     # the run carries the pipeline spec exactly as compiled, with its platform section
     assert run["pipeline_spec"] == {
         "pipeline_spec": next(yaml.safe_load_all(compiled_npu.read_text())),
@@ -60,10 +60,78 @@ def test_cli_submit_for_stage_pods_compiles_a_launcher_without_accelerators(kfp_
                     "--service-account", "dockrl-launcher")
     assert rc == 0
     [run] = kfp_server.posts("/apis/v2beta1/runs")
-    assert run["runtime_config"]["parameters"]["worker_backend"] == "kubernetes"
+    assert "worker_backend" not in run["runtime_config"]["parameters"]  # no run-time override of the compiled backend
     assert run["service_account"] == "dockrl-launcher"
-    executors = run["pipeline_spec"]["pipeline_spec"]["deploymentSpec"]["executors"]
+    spec = run["pipeline_spec"]["pipeline_spec"]
+    train = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["train"]
+    assert train["inputs"]["parameters"]["worker_backend"]["runtimeValue"]["constant"] == "kubernetes"
+    executors = spec["deploymentSpec"]["executors"]
     assert "accelerator" not in executors["exec-train"]["container"].get("resources", {})
+
+
+@pytest.fixture(scope="module")
+def compiled_kubernetes(tmp_path_factory):
+    from pipelines.grpo import compile_pipeline
+
+    return compile_pipeline(tmp_path_factory.mktemp("ir") / "k8s.yaml", platform="npu", worker_backend="kubernetes")
+
+
+def test_a_package_compiled_for_one_backend_cannot_run_with_the_other(kfp_server, compiled_kubernetes, capsys):
+    rc, _, err = _cli(capsys, "submit", "--host", kfp_server.url, "--package", str(compiled_kubernetes),
+                      "--worker-backend", "local")
+    assert rc == 2 and "compiled for the 'kubernetes' worker backend, which a run cannot change" in err
+    with pytest.raises(PipelineError, match="'worker_backend' is not a run-time parameter"):
+        submit(kfp_server.url, compiled_kubernetes, params={"worker_backend": "local"})
+    with pytest.raises(PipelineError, match="'namespace' is not a run-time parameter"):
+        schedule(kfp_server.url, compiled_kubernetes, cron="0 0 3 * * *", params={"namespace": "other"})
+    assert kfp_server.requests == []  # refused before connecting
+    # the same backend as compiled is fine, and sends no backend of its own
+    rc, _, _ = _cli(capsys, "submit", "--host", kfp_server.url, "--package", str(compiled_kubernetes),
+                    "--worker-backend", "kubernetes")
+    assert rc == 0
+    [run] = kfp_server.posts("/apis/v2beta1/runs")
+    assert set(run["runtime_config"]["parameters"]) == {"config_overrides", "export_dtype"}
+
+
+def test_compile_options_with_a_compiled_package_are_refused(kfp_server, compiled_npu, capsys):
+    rc, _, err = _cli(capsys, "submit", "--host", kfp_server.url, "--package", str(compiled_npu), "--registry", "r.example.com")
+    assert rc == 2 and "--registry: compile options, but --package" in err
+    assert kfp_server.requests == []
+
+
+def test_a_server_older_than_the_minimum_is_refused_before_anything_is_created(compiled_npu, make_kfp_server):
+    old = make_kfp_server(version="2.4.1")
+    with pytest.raises(PipelineError, match=r"KFP at .* is version 2.4.1; dockrl needs KFP >= 2.5.0"):
+        submit(old.url, compiled_npu)
+    assert [path for _, path, _, _ in old.requests] == ["/apis/v2beta1/healthz"]
+    for tag in ("2.5.0", "v2.15.0-rc.1"):
+        assert submit(make_kfp_server(version=tag).url, compiled_npu)["run_id"] == "run-1"
+
+
+def test_a_server_that_does_not_tell_its_version_gets_a_warning(compiled_npu, make_kfp_server, caplog):
+    server = make_kfp_server(version=None)
+    with caplog.at_level("WARNING"):
+        assert submit(server.url, compiled_npu)["run_id"] == "run-1"
+    assert "does not tell its version" in caplog.text and ">= 2.5.0" in caplog.text
+
+
+def test_multi_user_token_and_profile_namespace(compiled_npu, capsys, monkeypatch, make_kfp_server):
+    server = make_kfp_server(token="s3cret")
+    with pytest.raises(PipelineError, match=r"HTTP 401 .*needs --token \(or \$DOCKRL_KFP_TOKEN\)"):
+        submit(server.url, compiled_npu)
+    monkeypatch.setenv("DOCKRL_KFP_TOKEN", "s3cret")
+    rc, out, err = _cli(capsys, "submit", "--host", server.url, "--package", str(compiled_npu), "--namespace", "team-a",
+                        "--cookies", "authservice_session=abc", "--experiment", "grpo-team")
+    assert rc == 0, err
+    ok = [h for h in server.headers if h.get("authorization") == "Bearer s3cret"]
+    assert len(ok) == len(server.headers) - 1 >= 3  # every request but the refused probe carried the token
+    assert all(h.get("cookie") == "authservice_session=abc" for h in ok)
+    [exp] = server.posts("/apis/v2beta1/experiments")
+    assert exp == {"display_name": "grpo-team", "namespace": "team-a"}  # the experiment lives in the profile
+    [run] = server.posts("/apis/v2beta1/runs")
+    assert run["experiment_id"] == "exp-1"
+    lists = [q for m, p, q, _ in server.requests if m == "GET" and p == "/apis/v2beta1/experiments"]
+    assert lists and all(q.get("namespace") == "team-a" for q in lists)
 
 
 def test_schedule_creates_a_recurring_run_without_catchup(kfp_server, compiled_npu, capsys):
