@@ -274,10 +274,8 @@ def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_
 
     It holds ``<run_dir>/metrics.png`` inline (base64; redrawn from ``metrics.jsonl`` if
     missing), a table with each numeric key's first, last, min and max over the iterations, and
-    ``summary.json``'s run-level numbers. Nothing is fetched when the page is viewed.
-
-    Raises:
-        FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+    ``summary.json``'s run-level numbers. Nothing is fetched when the page is viewed. A run
+    without ``metrics.jsonl`` (no iteration ran) gets a page that says so.
     """
     import base64
     import html
@@ -285,7 +283,8 @@ def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
-        raise FileNotFoundError(f"{metrics} does not exist: no metrics to report")
+        return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>dockrl run</title></head><body>"
+                f"<p>No metrics: {html.escape(metrics.name)} was not written (no iteration ran).</p></body></html>\n")
     rows = read_metrics(metrics)
     png = run / "metrics.png"
     if not png.is_file():
