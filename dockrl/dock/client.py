@@ -23,7 +23,8 @@ are seen when that shard answers or at the deadline (a last sweep runs before ti
 claims under a fresh lease id per claim, on every shard it takes rows from, with its own
 ``lease_s`` term. While it holds un-acked claims, or rows a claim in progress took on one shard
 while it waits on another, a daemon thread renews all leases of its owner on every shard each
-``lease_s/3`` seconds, so a live but slow worker never loses rows;
+``lease_s/3`` seconds (all shards at once, at a fixed rate: a shard slow to answer delays no
+other), so a live but slow worker never loses rows;
 when its process dies the renewals stop and the rows return to the pool ``lease_s`` later,
 or at once when the launcher calls ``release_owner``. ``ack`` goes to the shards owning the
 claim's rows. A claim with nothing to take while other owners hold rows of the consumer
@@ -68,6 +69,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -639,24 +641,48 @@ class DockClient:
             self._beat.notify_all()
 
     def _heartbeat(self) -> None:
-        """Renew this owner's leases every ``lease_s/3`` while it holds any; sleep on a condition otherwise."""
+        """Renew this owner's leases every ``lease_s/3`` while it holds any; sleep on a condition otherwise.
+
+        Each beat sends ``renew`` to every shard at once, on a fixed rate, without waiting for the
+        answers: a shard slow to answer (a loaded machine) delays neither the other shards'
+        renewals nor the next beat (that shard gets its next renewal once it answered).
+        """
         period = self.lease_s / 3
-        while True:
-            with self._beat:
-                while not self._held and not self._closed:
-                    self._beat.wait()
-                deadline = time.monotonic() + period
-                while not self._closed and (left := deadline - time.monotonic()) > 0:
-                    self._beat.wait(left)  # close() wakes it early
-                if self._closed:
-                    return
-                if not self._held:
-                    continue
-            try:
-                _, iteration = self._renew(self.owner)
-            except Exception as e:  # noqa: BLE001 - a missed beat is retried; expiry is what protects the rows
-                logger.warning("dock lease heartbeat of %s failed: %s", self.owner, e)
-                continue
+        pool = ThreadPoolExecutor(max_workers=len(self.locations), thread_name_prefix="dock-lease-renew")
+        in_flight: dict[int, Future] = {}
+        next_beat: float | None = None
+        try:
+            while True:
+                with self._beat:
+                    if not self._held:
+                        while not self._held and not self._closed:
+                            self._beat.wait()
+                        next_beat = None  # the first renewal a period after the first hold
+                    if next_beat is None:
+                        next_beat = time.monotonic() + period
+                    while not self._closed and (left := next_beat - time.monotonic()) > 0:
+                        self._beat.wait(left)  # close() wakes it early
+                    if self._closed:
+                        return
+                    if not self._held:
+                        continue
+                next_beat = max(next_beat + period, time.monotonic())
+                for s in [s for s, f in in_flight.items() if f.done()]:
+                    self._renewed(s, in_flight.pop(s))
+                for s in range(len(self.locations)):
+                    if s not in in_flight:
+                        in_flight[s] = pool.submit(self._action, s, "renew", {"owner": self.owner})
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _renewed(self, s: int, beat: Future) -> None:
+        """The answer of one shard to a heartbeat ``renew``."""
+        try:
+            iteration = beat.result()["iteration"]
+        except Exception as e:  # noqa: BLE001 - a missed beat is retried; expiry is what protects the rows
+            logger.warning("dock lease heartbeat of %s to shard %d failed: %s", self.owner, s, e)
+            return
+        if s == 0:
             with self._beat:  # claims of a closed iteration will never be acked: stop renewing for them
                 for lease in [k for k, it in self._held.items() if it != iteration]:
                     del self._held[lease]

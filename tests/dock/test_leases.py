@@ -321,6 +321,37 @@ def test_rows_a_claim_took_stay_leased_while_it_waits_on_another_shard(shards):
         driver.close()
 
 
+def test_a_shard_slow_to_answer_renewals_costs_no_other_shard_its_leases(monkeypatch):
+    """Regression: the heartbeat renewed shard after shard, so one shard answering slowly (a
+    loaded machine) delayed every later shard's renewal past the lease term: live workers lost
+    their rows, which went to a second worker too."""
+    servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN)
+    renew = servers[0]._actions["renew"]
+
+    def slow_renew(ctx, req):  # renews at once, answers 3 s later: longer than the 1.5 s lease
+        out = renew(ctx, req)
+        time.sleep(3.0)
+        return out
+
+    monkeypatch.setitem(servers[0]._actions, "renew", slow_renew)
+    driver = connect(locations)
+    try:
+        driver.open_iteration(0, 8, 2)  # shard 0 owns rows 0..3, shard 1 rows 4..7
+        driver.put(range(8), {"prompt_ids": [prompt_cell(r) for r in range(8)]})
+        worker = connect(locations, lease_s=1.5)
+        claim = worker.claim("reward", ["prompt_ids"], 8)
+        time.sleep(3.0)  # two lease terms: shard 1 renewed meanwhile (shard 0 gets a renewal per answer)
+        assert servers[1].dock.take("reward", ["prompt_ids"], 4, at_least=0, owner="other").rows == []
+        assert servers[1].dock.stats()["dock/leases_expired"] == 0
+        worker.ack(claim)
+        worker.close()
+    finally:
+        driver.close_iteration()
+        driver.close()
+        for server in servers:
+            server.close()
+
+
 def test_release_owner_over_flight(opened, shards):
     worker = connect(shards, owner="rollout-0")
     assert worker.owner == "rollout-0"
