@@ -24,7 +24,7 @@ its put), *after put* (put done, ack not sent), *anywhere* (SIGKILL at once, wha
 client is doing: inside a claim call, a put, an ack, or idle). The first two stop at the point
 and are then SIGKILLed by PID. For half the kills the driver calls ``release_owner`` (a
 launcher that saw the process die); the others' rows come back when their lease expires
-(``--lease-s``). A replacement client takes the dead one's place. In iteration
+(``--lease-s``; ``--release-share`` sets the half). A replacement client takes the dead one's place. In iteration
 ``--snapshot-iteration`` the driver holds every client at a claim boundary (as a checkpoint
 does), snapshots shard 1, SIGKILLs its process, starts a fresh shard process on the same port,
 restores the snapshot there and lets the clients go on. (Shard 0 carries the run's control
@@ -517,7 +517,7 @@ class Stress:
                 ledger.put_by_dead[consumer][rows] += 1
             else:
                 ledger.unput_by_dead[consumer][rows] += 1
-        if self.rng.random() < 0.5:  # a launcher that saw the process die; else the rows come back at expiry
+        if self.rng.random() < self.args.release_share:  # a launcher that saw the process die; else lease expiry
             stats.released += self.driver.release_owner(client.owner)
         self.replace(client)
 
@@ -804,7 +804,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-claim", type=int, default=256, help="largest claim, rows (sizes are drawn uniformly)")
     p.add_argument("--kills", type=int, default=6, help="clients killed per iteration")
     p.add_argument("--snapshot-iteration", type=int, default=1, help="iteration in which shard 1 is snapshotted and restored (-1: none)")
-    p.add_argument("--lease-s", type=float, default=5.0, help="lease term of the clients' claims, seconds")
+    p.add_argument("--lease-s", type=float, default=15.0, help="lease term of the clients' claims, seconds")
+    p.add_argument("--release-share", type=float, default=0.5,
+                   help="share of killed clients whose owner the driver releases at once (the others' rows come back at expiry)")
     p.add_argument("--claim-wait-s", type=float, default=5.0, help="a client's claim timeout; it then claims again")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit of every other wait, seconds")
     p.add_argument("--seed", type=int, default=0, help="seed of roles, claim sizes and faults")
@@ -818,8 +820,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--rows {a.rows} must be a multiple of --group-size {a.group_size}, and --max-claim at least one group")
     if a.snapshot_iteration >= 0 and a.shards < 2:
         p.error("--snapshot-iteration needs --shards >= 2 (shard 0 carries the control channel)")
-    if a.kills < 0 or min(a.lease_s, a.claim_wait_s, a.timeout_s) <= 0:
-        p.error("--kills must be >= 0 and the times > 0")
+    if a.kills < 0 or min(a.lease_s, a.claim_wait_s, a.timeout_s) <= 0 or not 0 <= a.release_share <= 1:
+        p.error("--kills must be >= 0, the times > 0 and --release-share in [0, 1]")
     return a
 
 
