@@ -41,7 +41,7 @@ time).
 
 Run::
 
-    python benchmarks/dock_stress.py                 # 64 clients, 4 shards, 6 iterations, ~10 GB
+    python benchmarks/dock_stress.py                 # 64 clients, 4 shards, 6 iterations, ~10 GB: ~6 min on 2 cores
     python benchmarks/dock_stress.py --clients 16 --rows 2048 --tokens 256 --iterations 3
 """
 
