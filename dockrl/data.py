@@ -99,22 +99,45 @@ class LoadReport:
     path: str
     kept: int = 0
     bad: list[tuple[int, str]] = field(default_factory=list)
+    duplicates: int = 0
+    """Kept rows whose question an earlier row already asked (kept: a data set may weigh a problem so)."""
 
     def summary(self) -> str:
         head = f"{self.path}: kept {self.kept} rows, dropped {len(self.bad)}"
-        return head + "".join(f"\n  line {n}: {why}" for n, why in self.bad[:20])
+        if self.duplicates:
+            head += f", {self.duplicates} repeat an earlier question"
+        more = f"\n  ... and {len(self.bad) - 20} more" if len(self.bad) > 20 else ""
+        return head + "".join(f"\n  line {n}: {why}" for n, why in self.bad[:20]) + more
 
 
 def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"data file {path}: not a readable Parquet file ({e})") from None
+        for name in ("question", "answer"):
+            if name not in table.schema.names:
+                raise ValueError(f"data file {path}: no column {name!r} (columns: {table.schema.names}); "
+                                 "expected string columns 'question' and 'answer' (GSM8K format)")
+            if not (pa.types.is_string(table.schema.field(name).type) or pa.types.is_large_string(table.schema.field(name).type)):
+                raise ValueError(f"data file {path}: column {name!r} is {table.schema.field(name).type}; "
+                                 "expected strings (GSM8K format: 'answer' ends in '#### <number>')")
+        for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
     if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"data file {path}: expected a .jsonl or .parquet file")
-    with path.open("rb") as f:  # decoded line by line: a line that is not UTF-8 is one bad line, not a failed file
+        raise ValueError(f"data file {path}: a {path.suffix or 'extension-less'} file; expected a .jsonl or .parquet file with "
+                         "'question' and 'answer' (a CSV converts with pandas: read_csv(...).to_json(lines=True, orient='records'))")
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip()
+        if head.startswith(b"["):
+            raise ValueError(f"data file {path}: a JSON array; expected JSON Lines, one object per line "
+                             "(convert it: jq -c '.[]' FILE > FILE.jsonl)")
+        f.seek(0)  # decoded line by line: a line that is not UTF-8 is one bad line, not a failed file
         for i, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -141,9 +164,11 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
         ValueError: unsupported extension, or no usable row at all (the report is in the message).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    report, prompts = LoadReport(str(path)), []
+    report, prompts, seen = LoadReport(str(path)), [], set()
     for line_no, row in _read_rows(path):
         if isinstance(row, Exception):
             report.bad.append((line_no, f"invalid JSON: {row}"))
@@ -155,6 +180,9 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
         if truth is None:
             report.bad.append((line_no, "answer has no final '#### <number>'"))
             continue
+        if not _NUMBER.fullmatch(truth.replace("$", "").strip().rstrip(".")):
+            report.bad.append((line_no, f"answer's final '#### {truth[:30]}' is not a number (the verifier compares numbers)"))
+            continue
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": row["question"]}
         ]
@@ -164,9 +192,11 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
         if len(ids) > max_prompt_length:
             report.bad.append((line_no, f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"))
             continue
+        report.duplicates += row["question"] in seen
+        seen.add(row["question"])
         prompts.append(Prompt(len(prompts), row["question"], truth, list(ids)))
     report.kept = len(prompts)
-    if report.bad:
+    if report.bad or report.duplicates:
         logger.warning(report.summary())
     if not prompts:
         raise ValueError(f"no usable row in {report.summary()}")

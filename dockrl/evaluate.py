@@ -7,6 +7,7 @@ from typing import Sequence
 from dockrl.data import Prompt
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.rewards import RewardScorer, extract_final_answer
+from dockrl.rewards.guard import check_rewards
 
 
 def greedy_accuracy(
@@ -31,7 +32,7 @@ def greedy_accuracy(
         raise ValueError("greedy_accuracy: no test prompts")
     samples = engine.generate([p.prompt_ids for p in prompts], max_new_tokens=max_new_tokens, greedy=True, batch_size=batch_size)
     texts = engine.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    scores = scorer.score(texts, [p.ground_truth for p in prompts])
+    scores, _ = check_rewards(scorer.score(texts, [p.ground_truth for p in prompts]), len(prompts))  # a bad value: not correct
     correct = sum(score >= correct_reward for score in scores)
     formatted = sum(extract_final_answer(t) is not None for t in texts)
     return {"accuracy": correct / len(prompts), "format_rate": formatted / len(prompts), "count": len(prompts)}

@@ -9,7 +9,6 @@ process; with ``dock.mode=distributed`` each runs as its own process
 
 from __future__ import annotations
 
-import importlib
 import logging
 import random
 import time
@@ -32,6 +31,7 @@ from dockrl.resume import (
 )
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.rewards import RewardScorer
+from dockrl.rewards.guard import ScorerProcess, import_scorer
 from dockrl.run_lock import RunLock
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.advantage import AdvantageWorker
@@ -57,7 +57,45 @@ def resolve_model(cfg: Config) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: got {cfg.model.path!r}; expected a local HF model folder with config.json "
                           f"(or {PACKAGED_MODEL!r} for the packaged SmolLM2-135M-Instruct)")
+    check_model_dir(path, cfg.model.trust_remote_code)
     return path
+
+
+def check_model_dir(path: Path, trust_remote_code: bool = False) -> None:
+    """Check an HF model folder before any engine loads it: a readable ``config.json`` of an
+    architecture this transformers knows, weights, and safetensors files whose header and size
+    agree (a truncated download fails here, naming the file).
+
+    Raises:
+        ConfigError: naming ``model.path``, the file and what is wrong with it.
+    """
+    import json
+
+    try:
+        doc = json.loads((path / "config.json").read_text())
+        model_type = doc.get("model_type") if isinstance(doc, dict) else None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {path / 'config.json'} is not readable JSON ({e})") from None
+    if not trust_remote_code:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"model.path: {path / 'config.json'} has model_type={model_type!r}, an architecture this "
+                              "transformers does not know; use a Llama/Qwen2-architecture model (or model.trust_remote_code=true "
+                              "for a folder that ships its own code)")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards and not any(path.glob("*.bin")) and not any(path.glob("*.pt")):
+        raise ConfigError(f"model.path: {path} has config.json but no weights (*.safetensors or *.bin); "
+                          "copy the whole model folder (save_pretrained writes both)")
+    from safetensors import safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise ConfigError(f"model.path: {shard} is not a readable safetensors file ({e}); "
+                              "it may be truncated: copy or download it again") from None
 
 
 def resolve_data(cfg: Config) -> tuple[Path, Path]:
@@ -92,27 +130,36 @@ def seed_everything(seed: int) -> None:
 def build_scorer(a: AlgorithmConfig):
     """The reward scorer: ``algorithm.scorer`` (``module:Class``) if set, else the GSM8K rule verifier.
 
+    A custom scorer runs in a process of its own under ``algorithm.reward_timeout_s`` per
+    sample (``dockrl.rewards.guard.ScorerProcess``); the built-in verifier times each sample itself.
+
     Raises:
         ConfigError: ``algorithm.scorer`` names no importable class (the import's error appended).
     """
-    cls = RewardScorer
-    if a.scorer:
-        module, _, name = a.scorer.partition(":")
-        try:
-            cls = importlib.import_module(module)
-            for part in name.split("."):
-                cls = getattr(cls, part)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
-                              "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e
-    return cls(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    kwargs = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    if not a.scorer:
+        return RewardScorer(**kwargs)
+    try:
+        import_scorer(a.scorer)  # here, so a typo fails before any process starts
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
+                          "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e
+    return ScorerProcess(a.scorer, kwargs, timeout_s=a.reward_timeout_s)
 
 
 def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
     """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
     load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
-    train_prompts, _ = load_prompts(train_file, tokenizer, **load)
-    test_prompts, _ = load_prompts(test_file, tokenizer, **load)
+    out = []
+    for field, path in (("data.train_path", train_file), ("data.test_path", test_file)):
+        try:
+            prompts, report = load_prompts(path, tokenizer, **load)
+        except (FileNotFoundError, ValueError) as e:  # a user's file: name the setting it came from
+            raise ConfigError(f"{field}: {e}") from None
+        logger.info("data %s: %d prompts (%d lines dropped, %d repeat a question)", field, report.kept, len(report.bad),
+                    report.duplicates)
+        out.append(prompts)
+    train_prompts, test_prompts = out
     if cfg.data.eval_size:
         test_prompts = test_prompts[: cfg.data.eval_size]
     return train_prompts, test_prompts
@@ -204,6 +251,8 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
     """``train`` with every stage in this process (the run folder is locked by the caller)."""
     if cfg.dock.shards != 1:
         logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
+    if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
+        logger.warning("dock.warehouse=%r is ignored: dock.mode=inprocess keeps the dock in the driver's memory", cfg.dock.warehouse)
     t0 = time.perf_counter()
     run_dir = Path(cfg.run.output_dir)
     if cfg.run.num_threads:
@@ -232,14 +281,12 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
     if point and hybrid is None:  # the hybrid loaded it before its first sync
         load_optimizer(actor, point.checkpoint)
     scorer = build_scorer(a)
-    workers = [rollout_stage, RewardWorker(scorer, tokenizer, correct_reward=a.correct_reward), AdvantageWorker(a)]
+    workers = [rollout_stage, RewardWorker.from_config(scorer, tokenizer, a), AdvantageWorker(a)]
     if a.kl_coef > 0:
         reference = HFTrainEngine(model_path, trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
     workers.append(actor_stage)
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
-    if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
-        logger.warning("dock.warehouse=%r is not used: this driver keeps the dock in its own memory", cfg.dock.warehouse)
     first, open_now = 0, None
     if point:
         dock.restore(point.dock_uri)

@@ -7,8 +7,11 @@ workers' ``PYTHONPATH``; in-process tests import it directly (tests/ is on ``sys
 
 from __future__ import annotations
 
+import math
+import multiprocessing
 import os
 import random
+import time
 import signal
 import zlib
 
@@ -45,9 +48,10 @@ class FakeHashScorer(FakeRandomScorer):
 
 
 class FakeKillingScorer(FakeHashScorer):
-    """Fake: scores as ``FakeHashScorer``, but SIGKILLs its own process on the first batch that
-    comes after ``FAKE_KILL_AFTER_ROWS`` (environment) scored rows: with a multiple of the rows
-    per iteration, at the start of scoring an iteration, its rollout done, its actor not."""
+    """Fake: scores as ``FakeHashScorer``, but SIGKILLs the reward stage's process (the parent of
+    the scorer's own process, where a custom scorer runs) on the first batch that comes after
+    ``FAKE_KILL_AFTER_ROWS`` (environment) scored rows: with a multiple of the rows per
+    iteration, at the start of scoring an iteration, its rollout done, its actor not."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -55,6 +59,43 @@ class FakeKillingScorer(FakeHashScorer):
 
     def score(self, responses, ground_truths):
         if self.scored >= int(os.environ["FAKE_KILL_AFTER_ROWS"]):
+            stage = os.getppid() if multiprocessing.parent_process() is not None else os.getpid()
+            os.kill(stage, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         self.scored += len(responses)
         return super().score(responses, ground_truths)
+
+
+class FakeNaNScorer(FakeRandomScorer):
+    """Fake: a NaN for every response, as a scorer dividing by a zero count would."""
+
+    def score(self, responses, ground_truths):
+        return [math.nan for _ in responses]
+
+
+class FakeHangingScorer(FakeRandomScorer):
+    """Fake: never returns, as a scorer waiting on a dead service would."""
+
+    def score(self, responses, ground_truths):
+        time.sleep(3600)
+
+
+class FakeStringScorer(FakeRandomScorer):
+    """Fake: rewards as strings ("1.1"), as a scorer that parsed a reward model's text answer and forgot float()."""
+
+    def score(self, responses, ground_truths):
+        return ["1.1" for _ in responses]
+
+
+class FakeShortScorer(FakeRandomScorer):
+    """Fake: one reward fewer than responses."""
+
+    def score(self, responses, ground_truths):
+        return [0.0 for _ in responses][1:]
+
+
+class FakeMostlyFineScorer(FakeRandomScorer):
+    """Fake: one inf among otherwise good rewards (counted, under the default limit)."""
+
+    def score(self, responses, ground_truths):
+        return [math.inf, *(1.1 for _ in responses[1:])]

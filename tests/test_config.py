@@ -283,9 +283,17 @@ def test_override_text_with_hash_is_kept_verbatim():
 
 def test_parallel_layout_defaults_and_a_valid_layout(tiny_model_dir):
     assert load_config().parallel.world_size == 0 and load_config().parallel.device == "cpu"
-    config = load_config(None, [f"model.path={tiny_model_dir}", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
-                                "parallel.infer_tp=2", "parallel.world_size=8", "parallel.device=cuda"])
-    assert (config.parallel.tp, config.parallel.pp, config.parallel.infer_tp) == (2, 2, 2)
+    from dockrl.resharding.layout import ModelShape, check_counts, check_model
+
+    check_counts(tp=2, pp=2, dp=2, infer_tp=2, infer_pp=1, world_size=8, device="cuda")  # a valid layout of the tiny model
+    check_model(tp=2, pp=2, infer_tp=2, model=ModelShape.from_model_dir(tiny_model_dir))
+    # ... which the transformers engine would silently ignore: refused, naming the field
+    with pytest.raises(ConfigError, match=r"parallel.tp: got 2; trainer.engine='hf' trains one unsharded copy"):
+        load_config(None, [f"model.path={tiny_model_dir}", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+                           "parallel.infer_tp=2", "parallel.world_size=8"])
+    for name in ("pp", "dp"):
+        with pytest.raises(ConfigError, match=rf"parallel.{name}: got 2; trainer.engine='hf'"):
+            load_config(None, [f"parallel.{name}=2"])
 
 
 PARALLEL_ERRORS = {
@@ -315,7 +323,8 @@ def test_impossible_parallel_layouts_fail_at_load(tiny_model_dir, name):
 
 def test_model_rules_wait_for_a_local_model():
     # the packaged model is exported at run time: its sizes are checked when the layout is built
-    assert load_config(None, ["parallel.tp=3"]).parallel.tp == 3
+    hybrid = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed"]
+    assert load_config(None, [*hybrid, "parallel.tp=3"]).parallel.tp == 3
     with pytest.raises(ConfigError, match="parallel.world_size"):
         load_config(None, ["parallel.tp=3", "parallel.world_size=2"])
 def test_distributed_mode_settings():

@@ -202,3 +202,14 @@ def test_chat_template_is_applied(tmp_path, tokenizer):
     assert question in bare and system not in bare
     assert "<|im_start|>" in bare and bare.rstrip().endswith("assistant")
     assert len(tokenizer(question, add_special_tokens=False)["input_ids"]) < len(without.prompt_ids) < len(with_system.prompt_ids)
+
+
+def test_answers_that_are_no_number_are_dropped_and_repeated_questions_counted(tmp_path, tokenizer):
+    rows = [{"question": "q1", "answer": "#### 3"}, {"question": "q2", "answer": "#### abc"}, {"question": "q1", "answer": "#### 3"},
+            {"question": "q3", "answer": "#### $1,200."}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, report = load_prompts(path, tokenizer, system_prompt="", max_prompt_length=256)
+    assert [p.ground_truth for p in prompts] == ["3", "3", "$1200."]
+    assert report.bad == [(2, "answer's final '#### abc' is not a number (the verifier compares numbers)")]
+    assert report.duplicates == 1 and "1 repeat an earlier question" in report.summary()

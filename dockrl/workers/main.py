@@ -168,7 +168,7 @@ def run_reward(cfg: Config, dock) -> None:
 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm)
-    workers = [RewardWorker(scorer, tokenizer, correct_reward=cfg.algorithm.correct_reward), AdvantageWorker(cfg.algorithm)]
+    workers = [RewardWorker.from_config(scorer, tokenizer, cfg.algorithm), AdvantageWorker(cfg.algorithm)]
 
     def step(_: int) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -1,42 +1,70 @@
-"""Reward stage: claim responses, score them with the rule verifier, put ``rm_score`` and ``correct``."""
+"""Reward stage: claim responses, score them, check the rewards, put ``rm_score`` and ``correct``."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
+from dockrl.config import AlgorithmConfig
 from dockrl.dock import TransferDock
 from dockrl.rewards import RewardScorer
+from dockrl.rewards.guard import ScorerError, check_rewards
+
+BUILT_IN = "the built-in GSM8K verifier"
 
 
 class RewardWorker:
     """Args: ``correct_reward`` — a score at or above it means a correct answer (the config
     requires ``correct_reward > format_reward``), so correctness needs no second, untimed
-    verifier call."""
+    verifier call. ``max_bad_frac`` — the iteration fails (``ScorerError`` naming
+    ``scorer_name``) once more than this fraction of its rewards were bad: not a finite number
+    or missing (``dockrl.rewards.guard.check_rewards``), timed out or failed (the scorer's counters)."""
 
-    def __init__(self, scorer: RewardScorer, tokenizer, *, correct_reward: float, batch_size: int = 64) -> None:
+    def __init__(self, scorer: RewardScorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
+                 max_bad_frac: float = 1.0, scorer_name: str = "") -> None:
         self.scorer, self.tokenizer, self.batch_size = scorer, tokenizer, batch_size
-        self.correct_reward = correct_reward
+        self.correct_reward, self.max_bad_frac, self.scorer_name = correct_reward, max_bad_frac, scorer_name
+
+    @classmethod
+    def from_config(cls, scorer: RewardScorer, tokenizer, a: AlgorithmConfig) -> RewardWorker:
+        return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer)
 
     def run_iteration(self, dock: TransferDock) -> dict[str, float]:
-        """Score every row of the open iteration; returns ``reward/*`` metrics."""
-        start, scores, correct = time.perf_counter(), [], []
+        """Score every row of the open iteration; returns ``reward/*`` metrics.
+
+        Raises:
+            ScorerError: more than ``max_bad_frac`` of the rewards were bad (the message counts them by reason).
+        """
+        start, scores, correct, bad = time.perf_counter(), [], [], Counter()
         before = self.scorer.counters()
         while claim := dock.claim("reward", ["response_ids", "ground_truth"], self.batch_size):
             texts = self.tokenizer.batch_decode(claim.batch.column("response_ids").to_pylist(), skip_special_tokens=True)
             truths = claim.batch.column("ground_truth").to_pylist()
-            batch_scores = self.scorer.score(texts, truths)
+            batch_scores, batch_bad = check_rewards(self.scorer.score(texts, truths), len(texts))
+            bad += batch_bad
             batch_correct = [score >= self.correct_reward for score in batch_scores]
             dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct}, ack=claim)
             scores += batch_scores
             correct += batch_correct
         after = self.scorer.counters()
         n = len(scores)
+        timeouts, errors = after["timeouts"] - before["timeouts"], after["errors"] - before["errors"]
+        bad_total = sum(bad.values()) + timeouts + errors
+        if bad_total > self.max_bad_frac * n:
+            reasons = dict(bad) | ({"timed out": timeouts} if timeouts else {}) | ({"failed": errors} if errors else {})
+            name = f"algorithm.scorer={self.scorer_name!r}" if self.scorer_name else f"algorithm.scorer ({BUILT_IN})"
+            raise ScorerError(
+                f"{name}: {bad_total} of {n} rewards of this iteration were bad ({', '.join(f'{k}: {v}' for k, v in reasons.items())}), "
+                f"more than algorithm.max_bad_reward_frac={self.max_bad_frac:g}; a scorer must return one finite number per "
+                "response within algorithm.reward_timeout_s each: fix the scorer (or raise the limit)"
+            )
         mean = sum(scores) / n
         return {
             "reward/mean": mean,
             "reward/std": (sum((s - mean) ** 2 for s in scores) / n) ** 0.5,
             "reward/accuracy": sum(correct) / n,
-            "reward/verifier_timeouts": after["timeouts"] - before["timeouts"],
-            "reward/verifier_errors": after["errors"] - before["errors"],
+            "reward/verifier_timeouts": timeouts,
+            "reward/verifier_errors": errors,
+            "reward/invalid": sum(bad.values()),
             "timing_s/reward": time.perf_counter() - start,
         }

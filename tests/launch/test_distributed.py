@@ -110,8 +110,11 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
 def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FAKES))
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer")
-    scorer = trainer.build_scorer(cfg.algorithm)
-    assert type(scorer).__name__ == "FakeRandomScorer" and len(scorer.score(["a", "b"], ["1", "2"])) == 2
+    scorer = trainer.build_scorer(cfg.algorithm)  # in a process of its own, under algorithm.reward_timeout_s
+    try:
+        assert scorer.path == "fake_scorers:FakeRandomScorer" and len(scorer.score(["a", "b"], ["1", "2"])) == 2
+    finally:
+        scorer.close()
     with pytest.raises(ConfigError, match=r"algorithm.scorer: got 'no_such_module:X', which does not import \(ModuleNotFoundError"):
         trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
     with pytest.raises(ConfigError, match="AttributeError"):

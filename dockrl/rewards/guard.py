@@ -1,0 +1,219 @@
+"""Every reward scorer under one timeout, and its rewards checked: a custom scorer in a process of its own.
+
+``algorithm.scorer`` (``module:Class``) names a user's scorer. ``ScorerProcess`` builds it in
+a child process (``spawn``) and calls its ``score`` there, so a scorer that hangs costs at most
+``algorithm.reward_timeout_s`` per sample of the batch: past that, the child is killed, the
+batch scores 0 and counts as timed out, and the next batch starts a fresh child. A scorer that
+raises fails the run with its traceback, naming ``algorithm.scorer``. The child exits with
+its owner, even when the owner is SIGKILLed (``dockrl.lifeline.guard_pool_worker``).
+
+``check_rewards`` turns what a scorer returned into one float per response: a value that is
+not a finite real number (NaN, inf, a string, None), and every value of a result that is not
+a sequence of the right length, becomes 0.0 and is counted as bad, with the reason. The reward
+stage (``dockrl.workers.reward``) fails the run once more than ``algorithm.max_bad_reward_frac``
+of an iteration's rewards were bad (timed out, failed, or not finite numbers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import multiprocessing
+import numbers
+import os
+import traceback
+from collections import Counter
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0
+"""Longest a scorer's process may take to start and build the scorer, seconds."""
+
+
+class ScorerError(RuntimeError):
+    """The reward scorer failed the run (raised, or gave too many bad rewards); names ``algorithm.scorer``."""
+
+
+def import_scorer(path: str) -> type:
+    """The class ``module:Class`` names (nested names with dots).
+
+    Raises:
+        ImportError, AttributeError: it does not import.
+    """
+    module, _, name = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _serve(conn, path: str, kwargs: dict, owner: int) -> None:
+    """The child: build the scorer, then answer ``(op, args)`` requests until ``close`` or EOF."""
+    from dockrl.lifeline import guard_pool_worker
+
+    guard_pool_worker(owner)
+    try:
+        scorer = import_scorer(path)(**kwargs)
+    except BaseException:  # noqa: BLE001 - reported to the owner, which fails the run
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if op == "score":
+                out = scorer.score(*args)
+                conn.send(("ok", list(out) if isinstance(out, (list, tuple)) else out))
+            elif op == "counters":
+                conn.send(("ok", dict(scorer.counters())))
+            else:
+                scorer.close()
+                conn.send(("ok", None))
+                return
+        except BaseException:  # noqa: BLE001 - a raising scorer, or a result that does not pickle
+            conn.send(("error", traceback.format_exc()))
+
+
+class ScorerProcess:
+    """A custom scorer (``module:Class``, built with ``kwargs``) run in a child process, with the
+    scorer protocol (``score``, ``counters``, ``close``) of ``dockrl.rewards.RewardScorer``.
+
+    Args:
+        path: ``algorithm.scorer``.
+        kwargs: the constructor's keyword arguments (``timeout_s``, ``correct_reward``, ``format_reward``).
+        timeout_s: ``algorithm.reward_timeout_s``: a batch of n samples may take ``n × timeout_s`` seconds.
+
+    ``counters()`` adds this process's ``timeouts`` (samples of batches that ran out of time)
+    to the scorer's own counters.
+    """
+
+    def __init__(self, path: str, kwargs: dict, *, timeout_s: float) -> None:
+        self.path, self.kwargs, self.timeout_s = path, dict(kwargs), float(timeout_s)
+        self._proc = self._conn = None
+        self._timeouts = 0
+        self._last_counters: dict[str, int] = {}
+
+    def start(self) -> None:
+        """Start the scorer's process and build the scorer, if not running (``score`` does it when needed).
+
+        Raises:
+            ScorerError: the scorer does not build (its traceback in the message) within ``START_TIMEOUT_S``.
+        """
+        if self._proc is None:
+            self._start()
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, self.path, self.kwargs, os.getpid()), daemon=True,
+                                 name=f"dockrl-scorer {self.path}")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(START_TIMEOUT_S):
+            self._kill()
+            raise ScorerError(f"algorithm.scorer={self.path!r}: its process did not build the scorer within {START_TIMEOUT_S:.0f} s")
+        self._answer("start")
+
+    def _answer(self, what: str) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc is not None else None
+            self._kill()
+            raise ScorerError(f"algorithm.scorer={self.path!r}: its process died during {what} (exit code {code})") from None
+        if status == "error":
+            raise ScorerError(f"algorithm.scorer={self.path!r} raised during {what}:\n{value.rstrip()}")
+        return value
+
+    def _kill(self) -> None:
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is not None and proc.is_alive():
+            proc.kill()
+        if proc is not None:
+            proc.join(timeout=5)
+        if conn is not None:
+            conn.close()
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> Any:
+        """What the scorer returns for the batch (checked by ``check_rewards``), or ``[0.0] * n``
+        when it ran longer than ``n × timeout_s`` (its process is killed; counted in ``timeouts``).
+
+        Raises:
+            ScorerError: the scorer raised (its traceback in the message) or its process died.
+        """
+        n = len(responses)
+        if n == 0:
+            return []
+        self.start()
+        limit = self.timeout_s * max(1, n)
+        self._conn.send(("score", (list(responses), list(ground_truths))))
+        if not self._conn.poll(limit):
+            self._kill()
+            self._timeouts += n
+            logger.warning("algorithm.scorer=%r: a batch of %d responses took longer than %.0f s (algorithm.reward_timeout_s="
+                           "%g per response): scored 0, its process restarted", self.path, n, limit, self.timeout_s)
+            return [0.0] * n
+        return self._answer("score")
+
+    def counters(self) -> dict[str, int]:
+        """The scorer's counters (as last read, when its process was restarted) plus this process's ``timeouts``."""
+        if self._proc is not None:
+            self._conn.send(("counters", ()))
+            self._last_counters = {k: int(v) for k, v in self._answer("counters").items()}
+        out = {"timeouts": 0, "errors": 0, "scored": 0} | self._last_counters
+        out["timeouts"] += self._timeouts
+        return out
+
+    def close(self) -> None:
+        """Close the scorer and stop its process. Safe to call twice."""
+        if self._proc is not None:
+            try:
+                self._conn.send(("close", ()))
+                if self._conn.poll(10):
+                    self._conn.recv()
+            except (EOFError, OSError):
+                pass
+        self._kill()
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a finite real number (bools are not rewards)."""
+    if isinstance(value, bool):
+        return None
+    if not isinstance(value, numbers.Real) and hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # a 0-d numpy array or torch tensor
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def check_rewards(result: Any, n: int) -> tuple[list[float], Counter]:
+    """One float per response from what a scorer returned for ``n`` responses.
+
+    Returns:
+        The rewards (bad ones replaced by 0.0) and the count of bad ones by reason
+        (``nan``, ``inf``, ``str``, ``NoneType``, … ; ``wrong count`` for every value of a
+        result that is not a sequence of ``n`` values).
+    """
+    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or len(result) != n:
+        got = f"{len(result)} values" if isinstance(result, Sequence) and not isinstance(result, (str, bytes)) else type(result).__name__
+        return [0.0] * n, Counter({f"wrong count (a {got} result for {n} responses)": n})
+    rewards, bad = [], Counter()
+    for value in result:
+        real = _real(value)
+        if real is None:
+            try:
+                reason = "nan" if math.isnan(value) else "inf" if math.isinf(value) else type(value).__name__
+            except TypeError:
+                reason = type(value).__name__
+            bad[reason if not isinstance(value, bool) else "bool"] += 1
+            real = 0.0
+        rewards.append(real)
+    return rewards, bad

@@ -1,0 +1,237 @@
+"""Bad inputs a new user gives `dockrl`: each ends in one clear message naming what and where,
+exit code 2 for an input error (1 for a failed run), and no traceback.
+
+``CASES`` is also the table of docs/bad-inputs.md: ``test_the_bad_inputs_doc_is_current``
+fails when the page differs from it; ``DOCKRL_WRITE_DOCS=1 pytest tests/test_bad_inputs.py``
+(``make docs``) writes the page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dockrl.cli import main
+
+DOC = Path(__file__).parents[1] / "docs" / "bad-inputs.md"
+FAST = ["run.progress=false", "data.generate_train=20", "data.generate_test=4", "data.eval_size=4", "trainer.iterations=1",
+        "trainer.global_batch=2", "trainer.mini_batch=2", "rollout.n=2", "trainer.micro_batch=4", "rollout.max_response_length=4"]
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    """What the input is about: config, model, data, run folder, run."""
+    given: str
+    """The input, as the page shows it."""
+    argv: Callable[[Path, Path], list[str]]
+    """The command line (after ``dockrl``), given a scratch folder and the tiny model; may write files there."""
+    message: str
+    """What the one-line error must contain (as the page shows it)."""
+    code: int = 2
+
+
+def run_args(tmp: Path, model: Path, *extra: str) -> list[str]:
+    return ["train", f"model.path={model}", f"run.output_dir={tmp / 'run'}", f"run.cache_dir={tmp / 'cache'}", *FAST, *extra]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def model_copy(tmp: Path, model: Path, *, weights: str = "keep", model_type: str | None = None) -> Path:
+    """A copy of the tiny model's folder with its weights dropped or cut short, or another model_type."""
+    out = tmp / "model"
+    out.mkdir()
+    for f in model.iterdir():
+        if f.suffix == ".safetensors":
+            if weights == "truncated":
+                (out / f.name).write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+            elif weights == "keep":
+                (out / f.name).write_bytes(f.read_bytes())
+        elif f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    if model_type:
+        doc = json.loads((out / "config.json").read_text()) | {"model_type": model_type}
+        (out / "config.json").write_text(json.dumps(doc))
+    return out
+
+
+def parquet_with_int_questions(tmp: Path) -> Path:
+    path = tmp / "rows.parquet"
+    pq.write_table(pa.table({"question": [1, 2], "answer": ["#### 1", "#### 2"]}), path)
+    return path
+
+
+def used_run_folder(tmp: Path, model: Path) -> list[str]:
+    write(tmp / "run" / "metrics.jsonl", '{"iteration": 0}\n')
+    return run_args(tmp, model)
+
+
+def full_disk(tmp: Path, model: Path) -> list[str]:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "config.yaml").symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
+    return run_args(tmp, model)
+
+
+CTRL_C = "interrupted (Ctrl-C); a run goes on from its last checkpoint with run.resume=latest"
+BAD_LINES = "{oops\n" + json.dumps({"question": "q", "answer": "#### abc"}) + "\n"
+
+CASES = [
+    Case("config", "`trainer.lr=x`", lambda t, m: ["train", "trainer.lr=x"], "trainer.lr: got 'x'; expected a number"),
+    Case("config", "`trainer.mini_batch=5` (global batch 6)", lambda t, m: ["train", "trainer.mini_batch=5"],
+         "trainer.mini_batch: got 5; must divide trainer.global_batch=6"),
+    Case("config", "`trainer.lr` (no value)", lambda t, m: ["train", "trainer.lr"],
+         "override 'trainer.lr': expected section.field=value, e.g. trainer.lr=1e-5"),
+    Case("config", "`--config` a file that does not exist", lambda t, m: ["train", "--config", str(t / "my.yaml")],
+         "config file <path>/my.yaml does not exist"),
+    Case("config", "`parallel.tp=2` with the hf training engine", lambda t, m: ["train", "parallel.tp=2"],
+         "parallel.tp: got 2; trainer.engine='hf' trains one unsharded copy of the model in one process and ignores the parallel layout"),
+    Case("config", "`algorithm.max_bad_reward_frac=2`", lambda t, m: ["train", "algorithm.max_bad_reward_frac=2"],
+         "algorithm.max_bad_reward_frac: got 2.0; expected a fraction from 0 to 1"),
+    Case("config", "`algorithm.scorer=no_such_module:Scorer`", lambda t, m: run_args(t, m, "algorithm.scorer=no_such_module:Scorer"),
+         "algorithm.scorer: got 'no_such_module:Scorer', which does not import (ModuleNotFoundError"),
+    Case("model", "`model.path` a folder without `config.json`", lambda t, m: ["prepare-model", f"model.path={t}"],
+         "expected a local HF model folder with config.json"),
+    Case("model", "`model.path` with `config.json` but no weights", lambda t, m: ["prepare-model", f"model.path={model_copy(t, m, weights='none')}"],
+         "has config.json but no weights (*.safetensors or *.bin)"),
+    Case("model", "`model.path` with a truncated `model.safetensors`",
+         lambda t, m: ["prepare-model", f"model.path={model_copy(t, m, weights='truncated')}"],
+         "model.path: <path>/model/model.safetensors is not a readable safetensors file"),
+    Case("model", "`model.path` of an unknown architecture", lambda t, m: ["prepare-model", f"model.path={model_copy(t, m, model_type='fancy-arch')}"],
+         "has model_type='fancy-arch', an architecture this transformers does not know"),
+    Case("data", "`data.train_path` a directory", lambda t, m: run_args(t, m, f"data.train_path={t}"),
+         "data.train_path: data file <path> is a directory; expected a .jsonl or .parquet file"),
+    Case("data", "`data.train_path` that does not exist", lambda t, m: run_args(t, m, f"data.train_path={t / 'no.jsonl'}"),
+         "data.train_path: data file <path>/no.jsonl does not exist"),
+    Case("data", "`data.train_path` an empty file", lambda t, m: run_args(t, m, f"data.train_path={write(t / 'e.jsonl', '')}"),
+         "data.train_path: no usable row in <path>/e.jsonl: kept 0 rows, dropped 0"),
+    Case("data", "`data.train_path` with no usable line",
+         lambda t, m: run_args(t, m, "data.train_path=" + str(write(t / "bad.jsonl", BAD_LINES))),
+         "data.train_path: no usable row in <path>/bad.jsonl: kept 0 rows, dropped 2"),
+    Case("data", "`data.test_path` a CSV file", lambda t, m: run_args(t, m, f"data.test_path={write(t / 'rows.csv', 'question,answer')}"),
+         "data.test_path: data file <path>/rows.csv: a .csv file; expected a .jsonl or .parquet file"),
+    Case("data", "`data.train_path` a JSON array (not JSON Lines)",
+         lambda t, m: run_args(t, m, f"data.train_path={write(t / 'rows.json', json.dumps([{'question': 'q', 'answer': '#### 1'}], indent=1))}"),
+         "data.train_path: data file <path>/rows.json: a JSON array; expected JSON Lines, one object per line"),
+    Case("data", "`data.train_path` Parquet with an integer `question` column",
+         lambda t, m: run_args(t, m, f"data.train_path={parquet_with_int_questions(t)}"),
+         "data.train_path: data file <path>/rows.parquet: column 'question' is int64; expected strings"),
+    Case("run folder", "a fresh run into a folder that holds a run", used_run_folder,
+         "run.output_dir: <path>/run already holds a run (metrics.jsonl); a fresh run there would mix with it"),
+    Case("run folder", "`run.output_dir` that is a file", lambda t, m: run_args(t, m, f"run.output_dir={write(t / 'f', '')}"),
+         "run.output_dir: cannot create the run folder's lock file <path>/f/.dockrl.lock"),
+    Case("run", "a full disk (a write fails with ENOSPC)", full_disk, "a write failed because the disk is full", code=1),
+]
+
+
+def _case_id(case: Case) -> str:
+    return f"{case.kind}: {case.given}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_a_bad_input_is_one_clear_message(case, tmp_path, tiny_model_dir, capsys):
+    argv = case.argv(tmp_path, tiny_model_dir)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    message = case.message.replace("<path>", str(tmp_path))
+    assert code == case.code, err
+    assert "Traceback" not in err
+    said = err[err.rfind("\ndockrl: ") + 1:] if "\ndockrl: " in err else err  # the error comes last, after the log
+    assert said.startswith("dockrl: ") and message in said, f"expected {message!r} in:\n{err}"
+
+
+def test_overrides_stand_on_both_sides_of_config(tmp_path, capsys):
+    cfg = write(tmp_path / "my.yaml", "trainer:\n  iterations: 3\n")
+    assert main(["train", "trainer.lr=x", "--config", str(cfg), "trainer.iterations=2"]) == 2  # parsed, then the value fails
+    assert "trainer.lr: got 'x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(cfg), "--iterations", "2"])
+    assert "overrides are section.field=value (e.g. trainer.lr=1e-5), before or after --config FILE" in capsys.readouterr().err
+
+
+def test_a_value_error_comes_before_torch_is_imported():
+    code = "import sys; from dockrl.cli import main; rc = main(['train', 'trainer.mini_batch=5']); print(rc, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()
+    assert out == ["2", "False"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(FileNotFoundError, match="none.yaml does not exist"):
+        main(["train", "--debug", "--config", str(tmp_path / "none.yaml")])
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_and_exit_130(tiny_model_dir, tmp_path):
+    cmd = [sys.executable, "-m", "dockrl", *run_args(tmp_path, tiny_model_dir, "trainer.iterations=50")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "config.yaml").is_file():  # accepted: the run has started
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {CTRL_C}"
+
+
+def test_settings_an_inprocess_run_ignores_get_one_warning_each(tmp_path, caplog):
+    from dockrl import trainer
+    from dockrl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["dock.shards=2", "dock.warehouse=directory", f"model.path={tmp_path / 'none'}",
+                             f"run.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="model.path"):
+        trainer.train(cfg)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w.split(" is ignored")[0] for w in warned if " is ignored" in w] == ["dock.shards=2", "dock.warehouse='directory'"]
+
+
+def render(cases: list[Case]) -> str:
+    lines = [
+        "# Bad inputs and what dockrl says",
+        "",
+        "Generated from `tests/test_bad_inputs.py` (`make docs`); a test checks that this page is current.",
+        "Each row is a test: the command ends with one line `dockrl: <message>` on stderr (no traceback;",
+        "`--debug` shows one), and the exit code: **2** for an input error, **1** for a run that failed.",
+        "`<path>` stands for the path given.",
+        "",
+        "| kind | input | exit | message contains |",
+        "|---|---|---|---|",
+    ]
+    for c in cases:
+        message = c.message.replace("|", "\\|")
+        lines.append(f"| {c.kind} | {c.given} | {c.code} | `{message}` |")
+    lines += [
+        f"| run | Ctrl-C during a run | 130 | `{CTRL_C}` |",
+        "",
+        "Not an error, but reported when the data is loaded: lines dropped (invalid JSON, a missing field, an answer without",
+        "a final `#### <number>`, a `#### abc` answer that is no number, a prompt longer than `data.max_prompt_length`) with",
+        "their line numbers, and how many rows repeat an earlier question.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def test_the_bad_inputs_doc_is_current():
+    text = render(CASES)
+    if os.environ.get("DOCKRL_WRITE_DOCS") == "1":
+        DOC.parent.mkdir(exist_ok=True)
+        DOC.write_text(text)
+    assert DOC.is_file() and DOC.read_text() == text, "docs/bad-inputs.md is stale: run `make docs`"
