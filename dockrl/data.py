@@ -163,6 +163,8 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
         FileNotFoundError: no such file.
         ValueError: unsupported extension, or no usable row at all (the report is in the message).
     """
+    from dockrl.rewards.math_verifier import extract_final_answer
+
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
@@ -180,7 +182,7 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
         if truth is None:
             report.bad.append((line_no, "answer has no final '#### <number>'"))
             continue
-        if not _NUMBER.fullmatch(truth.replace("$", "").strip().rstrip(".")):
+        if extract_final_answer(row["answer"]) is None:  # the verifier's own reading of a number
             report.bad.append((line_no, f"answer's final '#### {truth[:30]}' is not a number (the verifier compares numbers)"))
             continue
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
