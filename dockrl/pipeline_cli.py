@@ -22,9 +22,11 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
+from collections import deque
 from pathlib import Path
 from types import ModuleType
 
@@ -169,6 +171,74 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TASK_FAILED = re.compile(r"Task '([^']+)' finished with status FAILURE")
+
+
+class _Tee:
+    """A text stream that writes through to ``stream`` (without ANSI colour codes unless it is a
+    terminal) and keeps the last lines written in ``tail``."""
+
+    def __init__(self, stream, tail: deque) -> None:
+        self._stream, self._tail, self._part = stream, tail, ""
+        self._strip = not (hasattr(stream, "isatty") and stream.isatty())
+
+    def write(self, text: str) -> int:
+        plain = _ANSI.sub("", text)
+        lines = (self._part + plain).split("\n")
+        self._part = lines.pop()
+        self._tail.extend(lines)
+        return self._stream.write(plain if self._strip else text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class LocalRunOutput:
+    """While a ``kfp.local`` run goes on: its output (the tasks' logs and kfp's lines) passes
+    through without raw colour codes when not on a terminal, and its last lines are kept, so
+    that a failure can end with the failed task and the error its log ends with."""
+
+    def __init__(self, keep: int = 2000) -> None:
+        self.tail: deque = deque(maxlen=keep)
+
+    def __enter__(self) -> "LocalRunOutput":
+        self._saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.tail), _Tee(sys.stderr, self.tail)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout, sys.stderr = self._saved
+
+    def failure(self, error: BaseException) -> str:
+        """``task 'train' failed: <the last error in its log>`` (or kfp's message, without colour codes)."""
+        lines = list(self.tail)
+        failed = [m.group(1) for line in lines if (m := _TASK_FAILED.search(line))]
+        task = f"task {failed[-1]!r} failed" if failed else _ANSI.sub("", str(error))
+        cause = task_error(lines)
+        return f"{task}: {cause}" if cause else task
+
+
+def task_error(lines: list[str]) -> str:
+    """The error a task's log (its lines indented by ``kfp.local``) ends with: the exception of
+    its last traceback, with the lines of its message, or its last ``dockrl: ...`` line."""
+    task = [line[4:] if line.startswith("    ") else None for line in lines]  # None: kfp's own line
+    starts = [i for i, line in enumerate(task) if line is not None and line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        said = [line for line in task if line and line.startswith("dockrl")]
+        return said[-1] if said else ""
+    message, body = [], task[starts[-1] + 1:]
+    frames = True
+    for line in body:
+        if line is None:
+            break
+        if frames and (line.startswith(" ") or not line.strip()):
+            continue
+        frames = False
+        message.append(line)
+    return "\n".join(message).strip()
+
+
 def _forward_sigterm() -> None:
     """On SIGTERM, pass it on to every process below this one — the running ``kfp.local`` task
     (a shell that runs the executor), whose launcher then tears its workers down, and the
@@ -197,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "run":
             _forward_sigterm()
             grpo = _import("grpo")
-            run_dir = grpo.run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
+            with LocalRunOutput() as output:  # the failed task and its error come last, not 45 lines up
+                try:
+                    run_dir = grpo.run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
+                except RuntimeError as e:
+                    raise RuntimeError(output.failure(e)) from None
             print(json.dumps(grpo.local_summary(run_dir), indent=2))
             return 0
         submit = _import("submit")

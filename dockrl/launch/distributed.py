@@ -52,7 +52,7 @@ from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse import make_warehouse
 from dockrl.engines.hf import load_tokenizer
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
-from dockrl.launch.local import LocalBackend
+from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, find_resume, prompts_fingerprint
@@ -238,6 +238,7 @@ def train_distributed(
     save_config(cfg, run_dir / "config.yaml")
 
     log_dir = run_dir / "logs"
+    keep_earlier_logs(log_dir)  # a resumed run: the failed attempt's logs go to logs/attempt-<N>/
     backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir, run_dir=run_dir)
     run = backend.run_id
     warehouse = make_warehouse(cfg.dock, run)  # checked here once, before any worker starts

@@ -135,6 +135,23 @@ def local_runs(state_dir: str | Path | None = None) -> list[dict]:
     return [runs[k] for k in sorted(runs)]
 
 
+def keep_earlier_logs(log_dir: str | Path) -> Path | None:
+    """Move the ``*.log`` files an earlier attempt of a run left in ``log_dir`` (a run resumed after a
+    failure) into ``log_dir/attempt-<N>/``, N = 1, 2, … in the order of the attempts, so the
+    new attempt's logs do not overwrite them. Returns that folder (None when there was nothing to keep)."""
+    folder = Path(log_dir)
+    logs = sorted(folder.glob("*.log")) if folder.is_dir() else []
+    if not logs:
+        return None
+    n = 1 + sum(1 for p in folder.glob("attempt-*") if p.is_dir())
+    dest = folder / f"attempt-{n}"
+    dest.mkdir()
+    for log in logs:
+        log.rename(dest / log.name)
+    logger.info("logs of the earlier attempt kept in %s", dest)
+    return dest
+
+
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a log file ("" if it does not exist)."""
     try:

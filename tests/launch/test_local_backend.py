@@ -173,3 +173,18 @@ def test_dockrl_teardown_stops_the_driver_that_holds_the_run_folder(tmp_path, ca
     assert main(["teardown", str(tmp_path), "--grace-s", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["driver"] == driver.pid
     assert driver.wait(timeout=5) == -15
+
+
+def test_a_resumed_run_keeps_each_earlier_attempts_logs(tmp_path):
+    from dockrl.launch.local import keep_earlier_logs
+
+    logs = tmp_path / "logs"
+    assert keep_earlier_logs(logs) is None  # a fresh run
+    for attempt in (1, 2):
+        logs.mkdir(exist_ok=True)
+        (logs / "reward-0.log").write_text(f"attempt {attempt}: Traceback ...")
+        (logs / "actor-0.log").write_text(f"attempt {attempt}")
+        assert keep_earlier_logs(logs) == logs / f"attempt-{attempt}"
+    assert sorted(str(p.relative_to(logs)) for p in logs.rglob("*.log")) == [
+        "attempt-1/actor-0.log", "attempt-1/reward-0.log", "attempt-2/actor-0.log", "attempt-2/reward-0.log"]
+    assert (logs / "attempt-1" / "reward-0.log").read_text() == "attempt 1: Traceback ..."

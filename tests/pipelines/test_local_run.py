@@ -66,10 +66,14 @@ def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "dockrl", "pipeline", "run", "--local", "--pipeline-root", str(tmp_path / "root"),
          f"data.train_path={missing}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1
     assert "prepare-dataset" in proc.stderr + proc.stdout and str(missing) in proc.stderr + proc.stdout
+    # the end names the failed task and its error, not kfp's "Inner task failed" alone; no colour codes in a file
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dockrl pipeline run: task 'prepare-dataset' failed: FileNotFoundError: data file {missing} does not exist")
+    assert "\x1b[" not in proc.stdout + proc.stderr
     [run] = (tmp_path / "root").iterdir()
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # teardown ran after the failure
     assert not (run / "train").exists()
