@@ -203,6 +203,21 @@ def test_settings_an_inprocess_run_ignores_get_one_warning_each(tmp_path, caplog
     assert [w.split(" is ignored")[0] for w in warned if " is ignored" in w] == ["dock.shards=2", "dock.warehouse='directory'"]
 
 
+OTHER_ROWS = [  # checked by the tests named, which need more than a command line
+    ("run", "a custom scorer that returns NaN for every response", 1,
+     "algorithm.scorer='<scorer>': 8 of 8 rewards of this iteration were bad (nan: 8), more than algorithm.max_bad_reward_frac=0.25",
+     "tests/rewards/test_guard.py"),
+    ("run", "a custom scorer that hangs", 1, "... were bad (timed out: 8) ...", "tests/rewards/test_guard.py"),
+    ("run", "a custom scorer that returns strings, or one reward too few", 1, "... were bad (str: 8) ... / (wrong count (a 3 values result for 4 responses): 8)",
+     "tests/rewards/test_guard.py"),
+    ("run", "a dock shard that stops answering (SIGSTOP)", 1,
+     "iteration <i>: dock shard 0 at grpc://<host:port> did not answer within <s> s while its process runs",
+     "tests/launch/test_local_backend.py"),
+    ("run", "a second run into a folder in use", 2, "run.output_dir: <path> is in use by another dockrl run (pid <pid> on <host>, since <time>)",
+     "tests/test_run_lock.py"),
+]
+
+
 def render(cases: list[Case]) -> str:
     lines = [
         "# Bad inputs and what dockrl says",
@@ -220,6 +235,7 @@ def render(cases: list[Case]) -> str:
         lines.append(f"| {c.kind} | {c.given} | {c.code} | `{message}` |")
     lines += [
         f"| run | Ctrl-C during a run | 130 | `{CTRL_C}` |",
+        *(f"| {kind} | {given} | {code} | `{message}` (`{test}`) |" for kind, given, code, message, test in OTHER_ROWS),
         "",
         "Not an error, but reported when the data is loaded: lines dropped (invalid JSON, a missing field, an answer without",
         "a final `#### <number>`, a `#### abc` answer that is no number, a prompt longer than `data.max_prompt_length`) with",

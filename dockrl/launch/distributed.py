@@ -175,11 +175,17 @@ def wait_reports(
                         f"iteration {iteration}: no report from {missing} within dock.timeout_s={timeout_s:.0f} s "
                         f"while their processes run; see their logs in {logs}"
                     ) from None
-            except flight.FlightError:
+            except flight.FlightError as e:
                 # shard 0 unreachable: if its process died, fail as any dead worker (name, log tail)
                 for _ in range(10):
                     backend.check()
                     time.sleep(0.1)
+                if isinstance(e, flight.FlightTimedOutError):  # its process runs but does not answer: frozen
+                    raise DockTimeoutError(
+                        f"iteration {iteration}: dock shard 0 at {dock.locations[0]} did not answer within "
+                        f"{dock.rpc_timeout_s:.0f} s while its process runs (stopped, or the machine overloaded); "
+                        f"see its log in {logs}"
+                    ) from None
                 raise
     return reports
 
@@ -263,8 +269,9 @@ def train_distributed(
         lease = DriverLease(locations, token, cfg.run.driver_timeout_s)  # from now on: shards still starting count too
         backend.wait_ready(backend.start_timeout_s)
         wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
+        # a shard that stops answering fails the run within dock.timeout_s (at most a minute), not later
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
-                          lease_s=cfg.dock.lease_s, owner=f"{run}/driver")
+                          lease_s=cfg.dock.lease_s, owner=f"{run}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))
         if point:
             dock.restore(point.dock_uri)  # before any stage starts
             logger.info("resuming at iteration %d from %s", first, point.checkpoint)

@@ -188,3 +188,28 @@ def test_a_resumed_run_keeps_each_earlier_attempts_logs(tmp_path):
     assert sorted(str(p.relative_to(logs)) for p in logs.rglob("*.log")) == [
         "attempt-1/actor-0.log", "attempt-1/reward-0.log", "attempt-2/actor-0.log", "attempt-2/reward-0.log"]
     assert (logs / "attempt-1" / "reward-0.log").read_text() == "attempt 1: Traceback ..."
+
+
+def test_a_frozen_dock_shard_fails_the_wait_in_its_rpc_timeout_naming_it(tmp_path):
+    import signal as sig
+
+    from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
+    from dockrl.dock.client import DockClient
+    from dockrl.launch.distributed import wait_for_shards, wait_reports
+    from dockrl.launch.local import free_ports
+
+    port = free_ports(1)[0]
+    backend = LocalBackend("run-frozen", state_dir=tmp_path)
+    backend.start([WorkerGroup(name="dock-shard-0", command=(PY, "-m", "dockrl", "dock-shard", "--port", str(port)))])
+    location = f"grpc://127.0.0.1:{port}"
+    try:
+        wait_for_shards([location], "", backend, timeout_s=60)
+        dock = DockClient([location], GRPO_SCHEMA, rpc_timeout_s=2.0)
+        os.kill(backend._procs[0][2].pid, sig.SIGSTOP)  # its process runs, it answers nothing
+        start = time.monotonic()
+        with pytest.raises(DockTimeoutError, match=rf"dock shard 0 at {location} did not answer within 2 s while its process runs"):
+            wait_reports(dock, backend, 0, ["rollout"], timeout_s=30, logs=str(tmp_path))
+        assert time.monotonic() - start < 10  # the rpc timeout and the checks, not dock.timeout_s
+    finally:
+        os.kill(backend._procs[0][2].pid, sig.SIGCONT)
+        backend.teardown()
