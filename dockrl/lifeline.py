@@ -3,10 +3,10 @@
 Two ties, each enough alone:
 
 * **parent** (local processes): a worker started by the driver knows the driver's pid
-  (``DRIVER_PID_ENV``). On Linux it asks the kernel to send it SIGTERM when its parent exits
+  (``DRIVER_PID_ENV``). On Linux it asks the kernel to send it SIGHUP when its parent exits
   (``prctl(PR_SET_PDEATHSIG)``), and on any POSIX system a watch thread compares
-  ``os.getppid()`` with the driver's pid every ``PARENT_POLL_S`` (which also covers a handler
-  that a long call in C would delay).
+  ``os.getppid()`` with the driver's pid every ``PARENT_POLL_S`` (which also covers the
+  handler, which a long call in C would delay).
 * **lease** (any backend, pods on other machines included): the driver renews a lease on every
   dock shard (``DriverLease``: the ``driver_beat`` action every ``timeout/4`` seconds, from a
   thread of its own, so a driver busy starting pods still renews it). A shard whose lease has
@@ -40,6 +40,9 @@ DRIVER_PID_ENV = "DOCKRL_DRIVER_PID"
 """Pid of the driver that started this process (set by the local worker backend)."""
 PARENT_POLL_S = 0.25
 """How often the watch thread compares the parent pid with the driver's, seconds."""
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+"""What the kernel sends a worker when its driver exits (a worker leads a session of its own and
+has no terminal, so nothing else sends it SIGHUP)."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -86,7 +89,7 @@ def watch_driver(
 
     Args:
         driver_pid: the driver's pid when it is this process's parent (local backend), else None.
-            Arms the parent death signal (SIGTERM, handled as ``on_gone``) and the pid check.
+            Arms the parent death signal (``PARENT_DEATH_SIGNAL``, handled as ``on_gone``) and the pid check.
         lease_quiet: seconds since the driver last renewed its lease (asked of dock shard 0);
             may raise when the shard does not answer. None: no lease check.
         timeout_s: ``run.driver_timeout_s``: longest quiet lease, or unanswered shard, seconds.
@@ -97,9 +100,12 @@ def watch_driver(
     if driver_pid is None and lease_quiet is None:
         return None
     if driver_pid is not None:
+        # SIGHUP, not SIGTERM: a Python handler waits for the main thread to leave a blocking call,
+        # and the teardown's SIGTERM must keep its immediate default action (the watch thread
+        # below does not wait for the main thread)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda signum, frame: on_gone(f"{what}: SIGTERM (the driver, pid {driver_pid}, exited or stopped the run)"))
-        die_with_parent(signal.SIGTERM)
+            signal.signal(PARENT_DEATH_SIGNAL, lambda signum, frame: on_gone(f"{what}: the driver (pid {driver_pid}) exited"))
+        die_with_parent(PARENT_DEATH_SIGNAL)
         if os.getppid() != driver_pid:  # the driver died before the kernel was asked to tell us
             on_gone(f"{what}: the driver (pid {driver_pid}) is gone")
             return None
@@ -235,7 +241,7 @@ class DriverLease:
         self._flight = flight
         self.period = min(timeout_s / 4, 5.0)
         self._clients = [flight.connect(loc) for loc in locations]
-        self._options = _flight_options(token, max(self.period, 1.0))
+        self._options = _flight_options(token, min(self.period, 2.0))
         self._stop = threading.Event()
         self.beats = 0
         self._thread = threading.Thread(target=self._run, name="dockrl-driver-lease", daemon=True)

@@ -322,11 +322,11 @@ def train_distributed(
             summary["run/seconds"] = time.perf_counter() - t0
             writer.log_summary(summary)
     finally:
+        if lease is not None:
+            lease.stop()  # first: its last beat goes to shards that still answer
         if dock is not None:
             dock.close()
         backend.teardown()
-        if lease is not None:
-            lease.stop()
         del weight_store
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
