@@ -76,8 +76,8 @@ def test_a_sigkilled_drivers_shard_workers_and_their_children_stop(tmp_path):
     assert len(workers) == 2 and alive(grandchild)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    took = wait_gone([*workers, grandchild], timeout_s=10)
-    assert took < 3, f"took {took:.1f} s"
+    took = wait_gone([*workers, grandchild], timeout_s=30)
+    assert took < 5, f"took {took:.1f} s"  # ~0.3 s on a quiet machine
     assert "the driver (pid" in log.read_text() or "SIGTERM" in log.read_text()
 
 
@@ -94,8 +94,8 @@ def test_workers_and_shards_stop_when_the_drivers_lease_goes_quiet(tmp_path, mon
         time.sleep(4)  # twice the timeout: the lease keeps them up
         assert shard.poll() is None and worker.poll() is None and lease.beats >= 4
         lease.stop()  # the driver is gone
-        took = wait_gone([shard.pid, worker.pid, grandchild], timeout_s=10)
-        assert 1.5 < took < 5, f"took {took:.1f} s"
+        took = wait_gone([shard.pid, worker.pid, grandchild], timeout_s=30)
+        assert 1.5 < took < 8, f"took {took:.1f} s"  # the 2 s timeout plus a poll period
         assert shard.wait() == 1 and worker.wait() == -signal.SIGKILL
         assert "has not renewed its lease" in shard.stderr.read()
     finally:

@@ -59,10 +59,11 @@ def test_no_verifier_process_outlives_its_owner(tmp_path, sig):
         owner.send_signal(sig)
         owner.wait(timeout=30)
         start = time.monotonic()
-        while any(alive(p) for p in helpers) and time.monotonic() - start < 10:
+        while any(alive(p) for p in helpers) and time.monotonic() - start < 30:
             time.sleep(0.05)
+        # within a second on a quiet machine (a 0.25 s watch); bounded generously for a loaded one
         assert not [p for p in helpers if alive(p)], f"left {time.monotonic() - start:.1f} s after {sig.name}"
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 10
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -89,7 +90,7 @@ def test_an_inprocess_run_stopped_by_sigterm_leaves_nothing(tiny_model_dir, tmp_
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=60) == 143
         start = time.monotonic()
-        while any(alive(p) for p in helpers) and time.monotonic() - start < 3:  # the forkserver and tracker read EOF
+        while any(alive(p) for p in helpers) and time.monotonic() - start < 10:  # the forkserver and tracker read EOF
             time.sleep(0.05)
         assert not [p for p in helpers if alive(p)] and lock_holder(run) is None
     finally:
