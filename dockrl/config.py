@@ -216,8 +216,12 @@ class ParallelConfig:
     """Rollout pipeline-parallel size; only 1 is supported."""
     world_size: int = 0
     """Devices of the actor group; 0: tp × pp × dp, else it must equal that product."""
-    device: Literal["cpu", "cuda", "npu"] = "cpu"
-    """Device kind; collectives use gloo, nccl or hccl."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Device kind of every process that computes (one device each: ``cuda:i``/``npu:i`` from its
+    local rank); collectives use gloo, nccl or hccl. ``auto``: the accelerator present, else the
+    CPU, resolved when the config is loaded (the run's ``config.yaml`` shows the choice; stage
+    processes resolve it again where they run). ``cuda``/``npu`` where none is visible fail when
+    the engines are placed, naming this field."""
     bucket_mb: int = 256
     """Bound of one gathered bucket of the weight sync, in MiB."""
 
@@ -258,7 +262,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
-        _check_rules(self)  # first: the rules need no torch, the dtypes import it (seconds)
+        _check_rules(self)  # first: the rules need no torch, the device and the dtypes import it (seconds)
+        _resolve_auto_device(self)
         _resolve_auto_dtypes(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,9 +396,6 @@ def _check_engines(c: Config) -> None:
                             "in one process and ignores the parallel layout: use 1, or trainer.engine='megatron' (with "
                             "trainer.hybrid=true and dock.mode='distributed' for several ranks)")
     if t.engine == "megatron":
-        if p.device != "cpu":
-            raise _fail("parallel.device", p.device, "trainer.engine='megatron' runs on CPU only so far (its device layer "
-                        "redirects megatron-core's CUDA calls to CPU; cuda/npu placement is not wired): use 'cpu'")
         for name in ("tp", "pp", "dp"):
             if getattr(p, name) != 1 and not (t.hybrid and c.dock.mode == "distributed"):
                 raise _fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
@@ -424,11 +426,37 @@ def _check_parallel(c: Config) -> None:
         raise _fail("parallel.world_size", p.world_size, "expected >= 0 (0: tp × pp × dp)")
     try:
         world_size = p.ranks
-        check_counts(tp=p.tp, pp=p.pp, dp=p.dp, infer_tp=p.infer_tp, infer_pp=p.infer_pp, world_size=world_size, device=p.device)
+        # 'auto' is resolved to a kind after the rules (none of which depends on the kind)
+        check_counts(tp=p.tp, pp=p.pp, dp=p.dp, infer_tp=p.infer_tp, infer_pp=p.infer_pp, world_size=world_size,
+                     device="cpu" if p.device == "auto" else p.device)
         if max(p.tp, p.pp, p.infer_tp) > 1 and (Path(c.model.path) / "config.json").is_file():
             check_model(tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, model=ModelShape.from_model_dir(c.model.path))
     except LayoutError as e:
         raise ConfigError(str(e)) from e
+
+
+_FROM_AUTO = "_from_auto"
+"""Attribute of a config section: the names of its fields that were ``auto`` before resolution."""
+
+
+def _set_resolved(c: Config, section: str, **values: Any) -> None:
+    """Replace ``auto`` fields of ``section`` by ``values`` and remember which they were (``dump_config(portable=True)``).
+
+    The note lives on the section object, so it survives ``dataclasses.replace`` of other sections."""
+    old = getattr(c, section)
+    new = dataclasses.replace(old, **values)
+    object.__setattr__(new, _FROM_AUTO, frozenset(getattr(old, _FROM_AUTO, frozenset()) | set(values)))
+    object.__setattr__(c, section, new)
+
+
+def _resolve_auto_device(c: Config) -> None:
+    """``parallel.device=auto`` → the accelerator kind present here, else ``cpu``
+    (``dockrl.resharding.device.resolve_kind``). Runs once, when the config is built."""
+    if c.parallel.device != "auto":
+        return
+    from dockrl.resharding.device import resolve_kind
+
+    _set_resolved(c, "parallel", device=resolve_kind("auto"))
 
 
 def _resolve_auto_dtypes(c: Config) -> None:
@@ -442,9 +470,9 @@ def _resolve_auto_dtypes(c: Config) -> None:
 
     native = native_bf16(c.parallel.device)
     if r.dtype == "auto":
-        object.__setattr__(c, "rollout", dataclasses.replace(r, dtype="bfloat16" if native else "float32"))
+        _set_resolved(c, "rollout", dtype="bfloat16" if native else "float32")
     if t.autocast_bf16 == "auto":
-        object.__setattr__(c, "trainer", dataclasses.replace(t, autocast_bf16=native))
+        _set_resolved(c, "trainer", autocast_bf16=native)
     if not native and (r.dtype == "bfloat16" or t.autocast_bf16 is True):
         _logger.warning("rollout.dtype=%s, trainer.autocast_bf16=%s: this %s has no native bf16, so bf16 is emulated "
                         "and runs several times slower than float32 ('auto' picks float32 here)",
@@ -567,9 +595,19 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
     return _build(Config, data, "")
 
 
-def dump_config(config: Config) -> str:
-    """The fully resolved config as YAML text (loadable by ``load_config_text``)."""
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+def dump_config(config: Config, *, portable: bool = False) -> str:
+    """The fully resolved config as YAML text (loadable by ``load_config_text``).
+
+    ``portable``: fields that were ``auto`` (``parallel.device``, ``rollout.dtype``,
+    ``trainer.autocast_bf16``) are written as ``auto`` again, so that a process on another
+    machine (a stage pod on a GPU node, launched from a CPU node) resolves them for its own device.
+    """
+    data = config.to_dict()
+    if portable:
+        for section in data:
+            for name in getattr(getattr(config, section), _FROM_AUTO, ()):
+                data[section][name] = "auto"
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def save_config(config: Config, path: str | Path) -> None:

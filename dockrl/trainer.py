@@ -20,8 +20,8 @@ import torch
 from dockrl.config import AlgorithmConfig, Config, ConfigError, TrainerConfig, save_config
 from dockrl.data import Prompt, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
-from dockrl.engines.factory import build_rollout_engine, build_train_engine
-from dockrl.engines.hf import HFTrainEngine, load_tokenizer
+from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
+from dockrl.engines.hf import load_tokenizer
 from dockrl.evaluate import greedy_accuracy
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.models import prepare_smollm2
@@ -283,7 +283,7 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
     scorer = build_scorer(a)
     workers = [rollout_stage, RewardWorker.from_config(scorer, tokenizer, a), AdvantageWorker(a)]
     if a.kl_coef > 0:
-        reference = HFTrainEngine(model_path, trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
+        reference = build_reference_engine(cfg, model_path)
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
     workers.append(actor_stage)
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)

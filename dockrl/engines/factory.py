@@ -2,63 +2,82 @@
 
 Shared by the in-process driver (``dockrl/trainer.py``), the stage processes
 (``dockrl/workers/main.py``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
-megatron-core are imported only when chosen.
+megatron-core are imported only when chosen. Every engine is placed on this process's device
+(``engine_device``: ``parallel.device`` and the process's local rank).
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dockrl.config import Config
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.engines.train_protocol import TrainEngine
+from dockrl.resharding import device as devices
 
 logger = logging.getLogger(__name__)
 
 
-def build_rollout_engine(cfg: Config, model_path: Path, *, rank: int = 0) -> RolloutEngine:
-    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``) with ``rollout.dtype`` weights.
+def engine_device(cfg: Config, local_rank: int = 0) -> torch.device:
+    """This process's device: ``parallel.device`` (resolved from ``auto`` at load) and its local rank
+    (``cuda:i``/``npu:i``; one device per rank process), made current.
+
+    Raises:
+        RuntimeError: ``parallel.device`` names an accelerator this process cannot see (the
+            message names the field and the fix).
+    """
+    return devices.process_device(cfg.parallel.device, local_rank)
+
+
+def build_rollout_engine(cfg: Config, model_path: Path, *, rank: int = 0, local_rank: int = 0) -> RolloutEngine:
+    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``) with ``rollout.dtype`` weights,
+    on this process's device (``engine_device``).
 
     ``rank``: of a rollout engine among several generating side by side (the hybrid actor's
     ranks); vLLM's sampler is seeded with ``trainer.seed + rank`` so that they draw apart.
 
     Raises:
         ImportError: ``rollout.engine=vllm`` without vLLM installed (the message says how to install it).
+        RuntimeError: no device of ``parallel.device`` is visible.
     """
     r = cfg.rollout
+    device = engine_device(cfg, local_rank)
     if r.engine == "vllm":
         from dockrl.engines.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + rank)
+        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + rank,
+                                 device=device)
     from dockrl.engines.hf import HFRolloutEngine
 
-    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
 
 
-def init_single_process_group(timeout_s: float) -> None:
-    """A gloo process group of this process alone (world size 1), unless one exists.
+def build_reference_engine(cfg: Config, model_path: Path, *, local_rank: int = 0) -> TrainEngine:
+    """The frozen reference policy (``HFTrainEngine``, ``trainable=False``) on this process's device."""
+    from dockrl.engines.hf import HFTrainEngine
 
-    The megatron engine builds its TP/PP/DP groups over the default group; with one actor rank
-    that is a group of one. Its store listens on a free loopback port.
-    """
-    if dist.is_initialized():
-        return
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    return HFTrainEngine(model_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16,
+                         trust_remote_code=cfg.model.trust_remote_code, device=engine_device(cfg, local_rank))
 
 
-def build_train_engine(cfg: Config, model_path: Path) -> TrainEngine:
+def init_single_process_group(cfg: Config, local_rank: int = 0) -> torch.device:
+    """The default group of this process alone (``devices.init_single_process_group``: gloo, nccl or
+    hccl by ``parallel.device``), unless one exists; returns this process's device."""
+    return devices.init_single_process_group(cfg.parallel.device, cfg.dock.timeout_s, local_rank)
+
+
+def build_train_engine(cfg: Config, model_path: Path, *, local_rank: int = 0) -> TrainEngine:
     """The trainable actor engine of ``trainer.engine``.
 
     ``megatron``: a ``MegatronTrainEngine`` with ``parallel.tp``/``pp`` over this process's
     default process group (a group of one is created when none exists); fp32 without autocast,
-    so ``trainer.autocast_bf16`` is ignored (one warning).
+    so ``trainer.autocast_bf16`` is ignored (one warning). Both on this process's device.
+
+    Raises:
+        RuntimeError: no device of ``parallel.device`` is visible.
     """
     t = cfg.trainer
     if t.engine == "megatron":
@@ -66,16 +85,16 @@ def build_train_engine(cfg: Config, model_path: Path) -> TrainEngine:
 
         if t.autocast_bf16:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
-        init_single_process_group(cfg.dock.timeout_s)
+        device = init_single_process_group(cfg, local_rank)
         return MegatronTrainEngine(
             model_path, trainable=True, tp=cfg.parallel.tp, pp=cfg.parallel.pp, lr=t.lr, weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip, seed=t.seed, trust_remote_code=cfg.model.trust_remote_code,
+            grad_clip=t.grad_clip, seed=t.seed, trust_remote_code=cfg.model.trust_remote_code, device=device,
         )
     from dockrl.engines.hf import HFTrainEngine
 
     return HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code,
+        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code, device=engine_device(cfg, local_rank),
     )
 
 

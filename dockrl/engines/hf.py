@@ -3,6 +3,11 @@
 ``HFRolloutEngine`` samples responses and their log-probs; ``HFTrainEngine`` computes
 per-token log-probs of given responses and runs GRPO updates on them. Both accept any local
 HF causal-LM directory (Llama, Qwen2, ...).
+
+Both live on one device (``device``: the process's device from the layout,
+``dockrl.resharding.device.process_device``): the model is moved there once, each call packs
+its rows into padded host tensors and moves them there in one copy per tensor, and the
+results come back in one copy per call (never a transfer per row).
 """
 
 from __future__ import annotations
@@ -34,11 +39,24 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(path: str | Path, dtype: str, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A causal LM from a local HF directory, in ``dtype`` (``float32`` / ``bfloat16``)."""
+def load_model(
+    path: str | Path, dtype: str, trust_remote_code: bool = False, device: torch.device | str = "cpu",
+) -> torch.nn.Module:
+    """A causal LM from a local HF directory, in ``dtype`` (``float32`` / ``bfloat16``), on ``device``."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path {path}: no config.json; expected a local HF model directory")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+    return model.to(device)
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on ``device``'s kind (weights stay as they are), or nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's parameters (an engine keeps all of them on one)."""
+    return next(model.parameters()).device
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):
@@ -91,12 +109,13 @@ def response_log_probs(
 
     Returns:
         ``log_prob (B, T)`` fp32 (differentiable if grad is enabled), ``mask (B, T)``, and
-        ``entropy (B, T)`` (no grad) when ``with_entropy``, else None.
+        ``entropy (B, T)`` (no grad) when ``with_entropy``, else None; all on the model's device
+        (the packed batch is moved there in one copy per tensor).
     """
-    input_ids, attention_mask, positions, mask = pack_sequences(prompts, responses, pad_id)
+    device = model_device(model)
+    input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
     B, T = positions.shape
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
-    with ctx:
+    with autocast(device, autocast_bf16):
         if _plain_lm_head(model):
             # the output head only on response positions: prompt logits are never needed
             hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -115,6 +134,15 @@ def response_log_probs(
     return log_prob, mask, entropy
 
 
+def to_host_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Micro-batch results ``(b_k, T_k)`` as one ``(Σ b_k, max T_k)`` host tensor (right-padded
+    with 0), moved from the device in a single copy."""
+    if not parts:
+        return torch.zeros((0, 0))
+    T = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts]).cpu()
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generated response: token ids (EOS included if emitted), per-token log-probs (nats)."""
@@ -130,11 +158,16 @@ class HFRolloutEngine:
     Args:
         model_path: local HF model directory.
         dtype: weights of this copy (``bfloat16`` is ~3× faster on CPUs with bf16 units).
+        device: where the model generates (the process's device).
     """
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "bfloat16", trust_remote_code: bool = False) -> None:
+    def __init__(
+        self, model_path: str | Path, *, dtype: str = "bfloat16", trust_remote_code: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
-        self.model = load_model(model_path, dtype, trust_remote_code).eval()
+        self.model = load_model(model_path, dtype, trust_remote_code, self.device).eval()
         self.model.requires_grad_(False)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
@@ -172,8 +205,8 @@ class HFRolloutEngine:
             attention_mask[i, P - len(p) :] = 1
         kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         gen = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
@@ -186,7 +219,8 @@ class HFRolloutEngine:
         for t, logits in enumerate(gen.logits):  # (B, V) per step; one step at a time keeps memory small
             lp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
             step_lp.append(lp.gather(1, tokens[:, t : t + 1]).squeeze(1))
-        lps = torch.stack(step_lp, dim=1) if step_lp else torch.zeros((len(prompts), 0))
+        lps = (torch.stack(step_lp, dim=1) if step_lp else torch.zeros((len(prompts), 0))).cpu()  # one copy per batch
+        tokens = tokens.cpu()
         samples = []
         for i in range(len(prompts)):
             row = tokens[i].tolist()
@@ -222,6 +256,8 @@ class HFTrainEngine:
     Args:
         model_path: local HF model directory.
         trainable: build an optimizer and allow updates (False for the reference).
+        device: where the model computes (the process's device); weights stay fp32 there
+            (the master weights of the update), bf16 only inside autocast.
     """
 
     def __init__(
@@ -234,10 +270,12 @@ class HFTrainEngine:
         grad_clip: float = 1.0,
         autocast_bf16: bool = False,
         trust_remote_code: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
+        self.device = torch.device(device)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
-        self.model = load_model(model_path, "float32", trust_remote_code)
+        self.model = load_model(model_path, "float32", trust_remote_code, self.device)
         self.autocast_bf16 = autocast_bf16
         self.grad_clip = grad_clip
         self.optimizer = None
@@ -254,15 +292,17 @@ class HFTrainEngine:
 
     @torch.no_grad()
     def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
-        """Per-token log-probs (nats) of each response, computed ``micro_batch`` rows at a time."""
-        out: list[list[float]] = []
+        """Per-token log-probs (nats) of each response, computed ``micro_batch`` rows at a time;
+        they come back to host memory in one copy for the whole call."""
+        parts: list[torch.Tensor] = []
         for s in range(0, len(prompts), micro_batch):
             lp, _, _ = response_log_probs(
                 self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch],
                 pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
             )
-            out.extend(lp[i, : len(r)].tolist() for i, r in enumerate(responses[s : s + micro_batch]))
-        return out
+            parts.append(lp)
+        host = to_host_rows(parts)
+        return [host[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
     def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
         """For each micro-batch: ``response_log_probs`` (with entropy), ``loss_fn``, backward.

@@ -9,7 +9,12 @@
   gathered over the TP/PP groups into inference-layout (TP') buckets, which are loaded into
   vLLM (``load_weights``, whole vLLM layers at a time: ``WholeLayerLoader``) and freed; the
   training weights go to host. Returns ``weight_sync/*`` and ``reshard/*`` metrics.
-* ``start_training``: the training state comes back to the device.
+* ``start_training``: vLLM sleeps (its weights to host, its KV cache freed, where the
+  platform has sleep mode), and the training state comes back to the device.
+
+With sleep mode the sync wakes vLLM's weights first, loads the buckets into them while the
+training state leaves the device, returns the freed memory to the allocator
+(``devices.empty_cache``) and only then wakes the KV cache, which takes that memory.
 
 ``rollout_engine`` and ``train_engine`` are the two engines behind phase guards: generating
 while training, or a forward/backward or optimizer step while generating, raises
@@ -33,6 +38,7 @@ import torch.distributed as dist
 
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.megatron_state import MegatronTrainState, layout_for
+from dockrl.resharding import device as devices
 from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups, Phase, PhaseError, SyncReport
 
 logger = logging.getLogger(__name__)
@@ -68,7 +74,7 @@ class HybridActor:
             it loads fused layers).
         infer_tp: rollout tensor-parallel size TP'.
         dp: training data-parallel size.
-        device: the training/inference device.
+        device: the training/inference device (default: the training engine's ``device``).
         bucket_bytes: bound of one gathered bucket, bytes.
         infer_dtype: dtype of the rollout weights.
 
@@ -77,12 +83,15 @@ class HybridActor:
     """
 
     def __init__(
-        self, train, rollout, *, infer_tp: int = 1, dp: int = 1, device: torch.device = torch.device("cpu"),
+        self, train, rollout, *, infer_tp: int = 1, dp: int = 1, device: torch.device | None = None,
         bucket_bytes: int = 256 << 20, infer_dtype: torch.dtype = torch.float32,
     ) -> None:
         from megatron.core import parallel_state as ps
 
+        device = device if device is not None else getattr(train, "device", torch.device("cpu"))
+        self.device = device
         self.train, self.rollout = train, rollout
+        self._asleep = False
         self.layout = layout_for(train, infer_tp=infer_tp, dp=dp, device=device.type)
         self.rank = dist.get_rank()
         groups = ParallelGroups(
@@ -111,9 +120,16 @@ class HybridActor:
         Raises:
             PhaseError: not in the training phase.
         """
+        self.swap.require_training("sync")
+        if self._asleep:  # the weights' memory back first: the buckets are loaded into it
+            self.rollout.wake_up(["weights"])
         loader = WholeLayerLoader(self.rollout.load_weights, getattr(self.rollout, "layer_members", None))
         report = self.swap.sync(on_bucket=loader, keep_buckets=False)
         self.last_sync = sync_metrics(report, loader.finish())
+        devices.empty_cache(self.device)  # the training state's memory, for vLLM's KV cache
+        if self._asleep:
+            self.rollout.wake_up(["kv_cache"])
+            self._asleep = False
         logger.info("hybrid sync: %.1f MB into the rollout engine in %d buckets, %.2f s", loader.loaded_bytes / 1e6,
                     len(report.buckets), report.seconds)
         return self.last_sync
@@ -124,6 +140,11 @@ class HybridActor:
         Raises:
             PhaseError: not in the generating phase.
         """
+        self.swap.require_generating("finish_generation")
+        sleep = getattr(self.rollout, "sleep", None)
+        if sleep is not None and getattr(self.rollout, "sleep_supported", False):
+            sleep(level=1)  # weights to host, KV cache freed: room for the training state
+            self._asleep = True
         return self.swap.finish_generation()
 
     @property

