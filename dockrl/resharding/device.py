@@ -85,6 +85,17 @@ def device_module(kind: str) -> ModuleType:
     return torch.get_device_module(kind)
 
 
+def _current_accelerator():
+    """``torch.accelerator.current_accelerator(check_available=True)``; torch before 2.8 (older
+    torch_npu images) has no ``check_available``: then the device is checked by hand."""
+    accelerator = torch.accelerator
+    try:
+        return accelerator.current_accelerator(check_available=True)
+    except TypeError:
+        found = accelerator.current_accelerator()
+        return found if found is not None and accelerator.is_available() else None
+
+
 def detect_kind() -> str:
     """The accelerator kind present in this process, else ``cpu``: what ``parallel.device=auto`` picks.
 
@@ -93,7 +104,7 @@ def detect_kind() -> str:
     images have it), it is imported and asked; an import that fails leaves the CPU, with a
     warning. A CUDA build on a machine without a GPU answers ``cpu``.
     """
-    found = torch.accelerator.current_accelerator(check_available=True)
+    found = _current_accelerator()
     if found is not None and found.type in BACKENDS:
         return found.type
     if importlib.util.find_spec("torch_npu") is not None:
@@ -102,7 +113,7 @@ def detect_kind() -> str:
         except Exception as e:  # noqa: BLE001 - a broken CANN set-up must not stop a CPU run
             logger.warning("parallel.device=auto: torch_npu is installed but does not import (%s); using the CPU", e)
             return "cpu"
-        found = torch.accelerator.current_accelerator(check_available=True)
+        found = _current_accelerator()
         if found is not None and found.type == "npu":
             return "npu"
     return "cpu"

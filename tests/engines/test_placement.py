@@ -117,3 +117,11 @@ def test_a_dock_column_left_on_the_host_fails_on_the_device(tiny_model_dir, meta
     with pytest.raises(RuntimeError, match="is not on the expected device meta"):
         accumulate_mini_batch(engine, _batch(len(engine.tokenizer), engine.pad_id), algo=AlgorithmConfig(kl_coef=0.1),
                               temperature=0.7, micro_batch=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_asking_for_a_gpu_where_there_is_none_fails_naming_the_field(tiny_model_dir):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "parallel.device=cuda"])  # a launcher may write it for GPU pods
+    for build in (factory.build_train_engine, factory.build_rollout_engine, factory.build_reference_engine):
+        with pytest.raises(RuntimeError, match=r"parallel.device='cuda': no cuda device is available.*Fix"):
+            build(cfg, tiny_model_dir)

@@ -133,7 +133,7 @@ def test_the_host_swap_round_trip_is_bit_exact(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
-    shape = ModelShape(model_type="qwen2", num_heads=4, num_kv_heads=2, num_layers=2, vocab_size=512, hidden_size=64,
+    shape = ModelShape(model_type="qwen2", num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=512, hidden_size=64,
                        intermediate_size=128, head_dim=16, tie_word_embeddings=True, qkv_bias=True, o_bias=False, mlp_bias=False)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     dev = devices.init_process_group(kind=kind, rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
@@ -151,7 +151,7 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
         swap = AllGatherSwap(layout=layout, rank=0, state=state, groups=ParallelGroups.create(layout, 0), device=dev,
                              bucket_bytes=64 << 10, train_dtype=torch.float32, infer_dtype=torch.bfloat16)
         loaded = {}
-        report = swap.sync(on_bucket=lambda named: loaded.update((n, t.float().cpu()) for n, t in named), keep_buckets=False)
+        report = swap.sync(on_bucket=lambda named: loaded.update((n, t.cpu().float()) for n, t in named), keep_buckets=False)
         assert len(report.buckets) > 1 and set(loaded) >= set(weights)
         for name, w in weights.items():
             torch.testing.assert_close(loaded[name], w.to(torch.bfloat16).float(), atol=0, rtol=0)
