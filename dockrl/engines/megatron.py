@@ -334,7 +334,7 @@ class MegatronTrainEngine:
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
         """``values`` summed over megatron's data-parallel group (float64 all-reduce; a collective
         of the replicas when DP > 1, ``values`` unchanged when DP = 1)."""
-        out = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        out = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         if self.dp > 1:
             dist.all_reduce(out, group=ps.get_data_parallel_group())
         return out.tolist()
