@@ -7,6 +7,7 @@ Every test runs on the CPU in the suite and, marked ``gpu``, on CUDA where a GPU
 from __future__ import annotations
 
 import datetime
+import gc
 import random
 
 import pytest
@@ -148,6 +149,8 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
         weights = {n: p.detach().cpu() for n, p in params.items()}
         state = ParamTrainState(params, optimizer, device=dev, copy_on_cpu=True)
         resident = sum(state.device_bytes().values())
+        gc.collect()  # earlier tests' models, held by reference cycles, would count in the allocator's peak
+        others = (devices.allocator_bytes(dev) or resident) - resident  # live device tensors not of this state
         swap = AllGatherSwap(layout=layout, rank=0, state=state, groups=ParallelGroups.create(layout, 0), device=dev,
                              bucket_bytes=64 << 10, train_dtype=torch.float32, infer_dtype=torch.bfloat16)
         loaded = {}
@@ -157,7 +160,7 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
             torch.testing.assert_close(loaded[name], w.to(torch.bfloat16).float(), atol=0, rtol=0)
         assert report.peak_tracked_bytes < resident / 2  # one bucket at a time, the training state on its way out
         if kind != "cpu":  # the allocator agrees
-            assert report.peak_allocator_bytes is not None and report.peak_allocator_bytes < resident / 2
+            assert report.peak_allocator_bytes is not None and report.peak_allocator_bytes - others < resident / 2
         swap.finish_generation()
         assert all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
     finally:

@@ -82,6 +82,7 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert all(g.env[TOKEN_ENV] == "secret" for g in groups)  # the token travels in the environment only
     assert all("secret" not in " ".join(g.command) for g in groups)
     assert all(load_config_text(g.env[CONFIG_ENV], "env") == cfg for g in groups[2:])  # so does the config
+    assert "device: auto" in groups[2].env[CONFIG_ENV]  # a stage resolves parallel.device=auto where it runs
     # this interpreter's dockrl command line, as the images' entry point is dockrl
     assert all(g.command[:4] == (sys.executable, "-m", "dockrl", "dock-shard") for g in groups[:2])
     assert all(g.command[:6] == (sys.executable, "-m", "dockrl", "worker", "--stage", g.name) for g in groups[2:])
