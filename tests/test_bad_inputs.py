@@ -251,3 +251,15 @@ def test_the_bad_inputs_doc_is_current():
         DOC.parent.mkdir(exist_ok=True)
         DOC.write_text(text)
     assert DOC.is_file() and DOC.read_text() == text, "docs/bad-inputs.md is stale: run `make docs`"
+
+
+@pytest.mark.slow
+def test_a_hanging_scorer_fails_an_inprocess_run_instead_of_blocking_it(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # fake_scorers, for the scorer's own process too
+    start = time.monotonic()
+    code = main(run_args(tmp_path, tiny_model_dir, "algorithm.scorer=fake_scorers:FakeHangingScorer", "algorithm.reward_timeout_s=0.5",
+                         "trainer.eval_before=false"))
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "dockrl: algorithm.scorer='fake_scorers:FakeHangingScorer': 4 of 4 rewards of this iteration were bad (timed out: 4)" in err
+    assert time.monotonic() - start < 300  # a 4-row iteration times out in 2 s; the rest is loading the model
