@@ -624,7 +624,10 @@ class TransferDock:
         for lease in leases:
             del it.leases[lease.id]
             rows, done = self._lease_done(it, lease)
-            it.ended[lease.id] = (lease.consumer, set(rows.tolist()))
+            # an id can end more than once (a sharded claim takes rows under its id again after an
+            # expiry): a late ack must still find the rows of every end
+            ended_ci, ended = it.ended.get(lease.id, (lease.consumer, set()))
+            it.ended[lease.id] = (lease.consumer, (ended if ended_ci == lease.consumer else set()) | set(rows.tolist()))
             it.lease_at[rows, lease.consumer] = None
             it.acked[rows[done], lease.consumer] = True
             it.acked_by[rows[done], lease.consumer] = lease.id

@@ -101,7 +101,8 @@ class Model:
         for lid in ids:
             lease = self.leases.pop(lid)
             done = self.done_rows(lease)
-            self.ended[lid] = (lease.consumer, set(lease.rows))
+            before = self.ended.get(lid, (lease.consumer, set()))[1]  # an id that ended before and was taken up again
+            self.ended[lid] = (lease.consumer, before | lease.rows)
             for r in lease.rows:
                 if r in done:
                     self.acked[lease.consumer].add(r)

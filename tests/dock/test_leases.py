@@ -76,6 +76,18 @@ def test_expired_lease_returns_rows_and_a_late_ack_names_the_re_delivered_rows()
     assert dock.stats()["dock/leases_expired"] == 1 and dock.stats()["dock/rows_returned"] == 3
 
 
+def test_a_late_ack_finds_the_rows_of_every_end_of_its_lease():
+    """Regression: a lease id that ended, was taken up again and ended again kept only the rows
+    of its last end, so a late ack of a row of the first one (nobody re-claimed it) was refused."""
+    dock = make_dock(lease_s=0.2)
+    assert dock.take("reward", ["prompt_ids"], 2, at_least=0, owner="a", lease="L").rows == [0, 1]
+    time.sleep(0.3)
+    assert dock.take("reward", ["prompt_ids"], 1, at_least=0, owner="a", lease="L").rows == [0]  # after L's expiry
+    time.sleep(0.3)
+    dock.ack_rows("reward", "L", [0, 1])  # both back in the pool, re-claimed by nobody: the work stands
+    assert dock.claim("reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]
+
+
 def test_ack_of_rows_never_leased_under_the_lease_is_refused():
     dock = make_dock()
     claim = dock.claim("reward", ["prompt_ids"], 2)
