@@ -69,7 +69,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -648,32 +648,41 @@ class DockClient:
         renewals nor the next beat (that shard gets its next renewal once it answered).
         """
         period = self.lease_s / 3
-        pool = ThreadPoolExecutor(max_workers=len(self.locations), thread_name_prefix="dock-lease-renew")
         in_flight: dict[int, Future] = {}
         next_beat: float | None = None
-        try:
-            while True:
-                with self._beat:
-                    if not self._held:
-                        while not self._held and not self._closed:
-                            self._beat.wait()
-                        next_beat = None  # the first renewal a period after the first hold
-                    if next_beat is None:
-                        next_beat = time.monotonic() + period
-                    while not self._closed and (left := next_beat - time.monotonic()) > 0:
-                        self._beat.wait(left)  # close() wakes it early
-                    if self._closed:
-                        return
-                    if not self._held:
-                        continue
-                next_beat = max(next_beat + period, time.monotonic())
-                for s in [s for s, f in in_flight.items() if f.done()]:
-                    self._renewed(s, in_flight.pop(s))
-                for s in range(len(self.locations)):
-                    if s not in in_flight:
-                        in_flight[s] = pool.submit(self._action, s, "renew", {"owner": self.owner})
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        while True:
+            with self._beat:
+                if not self._held:
+                    while not self._held and not self._closed:
+                        self._beat.wait()
+                    next_beat = None  # the first renewal a period after the first hold
+                if next_beat is None:
+                    next_beat = time.monotonic() + period
+                while not self._closed and (left := next_beat - time.monotonic()) > 0:
+                    self._beat.wait(left)  # close() wakes it early
+                if self._closed:
+                    return
+                if not self._held:
+                    continue
+            next_beat = max(next_beat + period, time.monotonic())
+            for s in [s for s, f in in_flight.items() if f.done()]:
+                self._renewed(s, in_flight.pop(s))
+            for s in range(len(self.locations)):
+                if s not in in_flight:
+                    in_flight[s] = self._send_renew(s)
+
+    def _send_renew(self, s: int) -> Future:
+        """``renew`` on shard ``s`` from a daemon thread (a call in flight never holds up the process's exit)."""
+        beat: Future = Future()
+
+        def send() -> None:
+            try:
+                beat.set_result(self._action(s, "renew", {"owner": self.owner}))
+            except BaseException as e:  # noqa: BLE001 - handed to the heartbeat
+                beat.set_exception(e)
+
+        threading.Thread(target=send, name=f"dock-lease-renew-{s}", daemon=True).start()
+        return beat
 
     def _renewed(self, s: int, beat: Future) -> None:
         """The answer of one shard to a heartbeat ``renew``."""
