@@ -691,9 +691,11 @@ class DockClient:
         except Exception as e:  # noqa: BLE001 - a missed beat is retried; expiry is what protects the rows
             logger.warning("dock lease heartbeat of %s to shard %d failed: %s", self.owner, s, e)
             return
-        if s == 0:
-            with self._beat:  # claims of a closed iteration will never be acked: stop renewing for them
-                for lease in [k for k, it in self._held.items() if it != iteration]:
+        if s == 0 and iteration is not None:
+            # claims of an iteration older than the open one will never be acked: stop renewing for them.
+            # Older only: this answer may have waited a beat, and claims of a newer iteration must stay.
+            with self._beat:
+                for lease in [k for k, it in self._held.items() if it < iteration]:
                     del self._held[lease]
 
     # --- snapshots ----------------------------------------------------------------------------

@@ -364,6 +364,33 @@ def test_a_shard_slow_to_answer_renewals_costs_no_other_shard_its_leases(monkeyp
             server.close()
 
 
+def test_a_renewal_answered_in_one_iteration_keeps_the_leases_of_the_next(shards):
+    """Regression: the heartbeat read a renewal's answer a beat later; one sent in iteration 0
+    and read in iteration 1 made it stop renewing the claims of iteration 1, which expired."""
+    driver = connect(shards)
+    worker = connect(shards, lease_s=0.9)
+    try:
+        driver.open_iteration(0, 6, 2)
+        driver.put(range(6), {"prompt_ids": [prompt_cell(r) for r in range(6)]})
+        claim = worker.claim("reward", ["prompt_ids"], 6)
+        time.sleep(0.45)  # one beat (every 0.3 s): its answer says iteration 0
+        worker.ack(claim)
+        driver.close_iteration()
+        driver.open_iteration(1, 6, 2)
+        driver.put(range(6), {"prompt_ids": [prompt_cell(r) for r in range(6)]})
+        claim = worker.claim("reward", ["prompt_ids"], 6)
+        time.sleep(2.5)  # almost three lease terms
+        other = connect(shards)
+        with pytest.raises(DockTimeoutError, match="6 rows are leased by other owners"):
+            other.claim("reward", ["prompt_ids"], 2, timeout_s=0.5)
+        worker.ack(claim)
+        other.close()
+    finally:
+        worker.close()
+        driver.close_iteration()
+        driver.close()
+
+
 def test_release_owner_over_flight(opened, shards):
     worker = connect(shards, owner="rollout-0")
     assert worker.owner == "rollout-0"
