@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                                       name=args.name, max_concurrency=args.max_concurrency, **auth)
         print(json.dumps(out, indent=2))
         return 0
+    except KeyboardInterrupt:
+        print(f"dockrl pipeline {args.action}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except ConfigError as e:
         print(f"dockrl pipeline: config error: {e}", file=sys.stderr)
         return 2

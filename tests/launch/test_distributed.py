@@ -282,17 +282,19 @@ def test_a_sigkilled_driver_leaves_no_process_behind(tiny_model_dir, tmp_path, w
     overrides = run_overrides(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "trainer.iterations=50",
                               "trainer.eval_before=false")
     driver = subprocess.Popen([sys.executable, "-m", "dockrl", "train", *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    mark, deadline = os.environ[MARK_ENV], time.monotonic() + 240
+    mark, deadline = os.environ[MARK_ENV], time.monotonic() + 600
     actor_log = tmp_path / "run" / "logs" / "actor-0.log"
-    while not (actor_log.is_file() and "actor: iteration 0" in actor_log.read_text()):  # mid-run: every stage and shard up
-        assert driver.poll() is None and time.monotonic() < deadline, "the run did not get to its first iteration"
-        time.sleep(0.2)
-    workers = run_processes(mark)
-    assert len(workers) >= 5  # 2 shards, rollout, reward (+ its verifier pool's processes), reference, actor
-    driver.kill()
-    driver.wait()
+    try:
+        while not (actor_log.is_file() and "actor: iteration 0" in actor_log.read_text()):  # mid-run: every stage and shard up
+            assert driver.poll() is None and time.monotonic() < deadline, "the run did not get to its first iteration"
+            time.sleep(0.2)
+        workers = run_processes(mark)
+        assert len(workers) >= 5  # 2 shards, rollout, reward (+ its scorer's process), reference, actor
+    finally:
+        driver.kill()  # as a SIGKILL from outside would
+        driver.wait()
     start = time.monotonic()
     while run_processes(mark) and time.monotonic() - start < 30:
         time.sleep(0.1)
     assert not run_processes(mark), f"left {time.monotonic() - start:.0f} s after the driver died: {run_processes(mark)}"
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 10  # ~0.3 s on a quiet machine
