@@ -5,8 +5,9 @@ shards of a random Qwen2-shaped model, after one AdamW step:
 
 (a) naive co-residence: training weights, gradients and optimizer state stay on the device
     while a full inference copy is built bucket by bucket (``AllGatherSwap(swap=False)``);
-(b) allgather–swap: optimizer state and gradients go to host first, each bucket's training
-    weights right after they are packed (``AllGatherSwap(swap=True)``).
+(b) allgather–swap: optimizer state, gradients and training weights go to host first, and
+    each bucket's training shards are copied back into its gathered buffer
+    (``AllGatherSwap(swap=True)``).
 
 Target for (b): peak ≤ inference weights + largest gathered bucket + 5% of the training state.
 

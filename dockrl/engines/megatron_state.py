@@ -119,11 +119,11 @@ class MegatronTrainState(ParamTrainState):
             self.hf_names.setdefault(m, set()).add(hf)
         self._packed: set[str] = set()
 
-    def shard(self, name: str) -> torch.Tensor:
+    def shard(self, name: str, *, on_host: bool = False) -> torch.Tensor:
         if name not in self.sources:
             raise KeyError(f"training shard {name!r}: not held by this rank's pipeline stage")
         megatron_name, extract = self.sources[name]
-        return extract(super().shard(megatron_name))
+        return extract(super().shard(megatron_name, on_host=on_host))
 
     def offload_weights(self, names: Iterable[str] | None) -> dict[str, int]:
         if names is None:

@@ -3,15 +3,19 @@
 The actor trains in the Megatron layout (TP, PP, DP) and generates in the vLLM layout (TP') on
 the same devices. ``AllGatherSwap.sync`` on every rank, collectively:
 
-1. swaps optimizer state and gradients to host memory;
+1. swaps optimizer state, gradients and the training weights to host memory;
 2. for each bucket (``buckets.plan_buckets``), in the same order on all ranks: the ranks of the
-   bucket's PP stage pack their training shards into their chunk of the gathered buffer and
-   swap those training weights to host; the chunk is broadcast over the PP group (so every
-   stage gets the layers it does not train) and all-gathered over the TP group; each rank
-   copies its own TP' shards into a new inference bucket and the gathered buffer is freed;
-3. swaps the remaining training weights to host; the rollout engine's weights are views into
-   the inference buckets (``InferenceWeights``), or are loaded from them bucket by bucket
-   (``on_bucket``).
+   bucket's PP stage copy their training shards from host into their chunk of the gathered
+   buffer on the device; the chunk is broadcast over the PP group (so every stage gets the
+   layers it does not train) and all-gathered over the TP group; each rank copies its own TP'
+   shards into a new inference bucket and the gathered buffer is freed;
+3. the rollout engine's weights are views into the inference buckets (``InferenceWeights``),
+   or are loaded from them bucket by bucket (``on_bucket``; then each bucket is freed).
+
+Swapping the training weights out before the first bucket (and copying each bucket's shards
+back, one more host-to-device pass over them) keeps the peak at the inference weights plus one
+bucket also when the training weights are wider than the inference ones (fp32 training, bf16
+rollout: packing from device-resident weights would start at twice the inference weights).
 
 ``finish_generation`` frees the buckets and brings weights, gradients and optimizer state
 back. Peak device memory of a sync is about the inference weights plus one gathered bucket
@@ -255,12 +259,13 @@ class AllGatherSwap:
 
         if self.swap:
             swapped_out(self.state.offload_optimizer_and_grads())
+            swapped_out(self.state.offload_weights(None))  # each bucket copies its shards back from host
         # The peak of the sync counts from here: what the training step left is freed, or kept (swap=False).
         tracker.reset_peak()
         devices.reset_allocator_peak(self.device)
         kept: list[tuple[Bucket, torch.Tensor]] = []
         for bucket in self.plan:
-            record, infer = self._sync_bucket(bucket, swapped_out)
+            record, infer = self._sync_bucket(bucket)
             report.buckets.append(record)
             if on_bucket is not None:
                 on_bucket(list(_named(self.layout, self.infer_tp_rank, [(bucket, infer)], False)))
@@ -269,8 +274,6 @@ class AllGatherSwap:
             else:  # loaded: freed before the next bucket is gathered
                 tracker.free("buckets", nbytes(infer))
             del infer
-        if self.swap:
-            swapped_out(self.state.offload_weights(None))
         devices.synchronize(self.device)
         report.seconds = time.perf_counter() - t0
         report.swapped_out_bytes = swapped
@@ -282,7 +285,7 @@ class AllGatherSwap:
         logger.debug("rank %d: weight sync %.3f s, %d buckets, %d B moved", self.rank, report.seconds, len(report.buckets), report.bytes_moved)
         return report
 
-    def _sync_bucket(self, bucket: Bucket, swapped_out: Callable[[dict[str, int]], None]) -> tuple[BucketRecord, torch.Tensor]:
+    def _sync_bucket(self, bucket: Bucket) -> tuple[BucketRecord, torch.Tensor]:
         t0 = time.perf_counter()
         tp, pp, tracker = self.layout.tp, self.layout.pp, self.tracker
         chunk = bucket.chunk_numel
@@ -293,12 +296,11 @@ class AllGatherSwap:
         holder = self.coords.pp_rank == bucket.stage
         if holder:
             for e in bucket.entries:
-                shard = self.state.shard(e.name)
+                shard = self.state.shard(e.name, on_host=self.swap)
                 if tuple(shard.shape) != e.train_shape:
                     raise ValueError(f"training shard {e.name!r}: shape {tuple(shard.shape)}; expected {e.train_shape}")
-                mine.narrow(0, e.train_offset, shard.numel()).view(e.train_shape).copy_(shard)
-            if self.swap:
-                swapped_out(self.state.offload_weights([e.name for e in bucket.entries]))
+                # from pinned host memory that stays untouched until the sync's final synchronize
+                mine.narrow(0, e.train_offset, shard.numel()).view(e.train_shape).copy_(shard, non_blocking=True)
         moved = 0
         if pp > 1:
             dist.broadcast(mine, group=self.groups.pp, group_src=bucket.stage)

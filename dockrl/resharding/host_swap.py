@@ -60,8 +60,9 @@ def nbytes(t: torch.Tensor) -> int:
 class TrainState(Protocol):
     """What a weight sync needs from the training engine of one rank."""
 
-    def shard(self, name: str) -> torch.Tensor:
-        """This rank's training shard of HF parameter ``name`` on the device, in the spec's shard layout."""
+    def shard(self, name: str, *, on_host: bool = False) -> torch.Tensor:
+        """This rank's training shard of HF parameter ``name``, in the spec's shard layout: on the
+        device, or with ``on_host`` its host copy when the weights are swapped out."""
         ...
 
     def device_bytes(self) -> dict[str, int]:
@@ -114,8 +115,8 @@ class ParamTrainState:
         self._grads_out: dict[str, torch.Tensor | None] = {}
         self._optim_out: list[tuple[dict, str]] | None = None  # (state, key) swapped to host
 
-    def shard(self, name: str) -> torch.Tensor:
-        if name in self._weights_out:
+    def shard(self, name: str, *, on_host: bool = False) -> torch.Tensor:
+        if name in self._weights_out and not on_host:
             raise RuntimeError(f"training weight {name!r} is swapped out to host; reload() first")
         return self.params[name].detach()
 
