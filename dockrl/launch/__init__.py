@@ -5,6 +5,7 @@
 * ``distributed.py`` the driver of ``dock.mode=distributed``: dock shards and stages as worker groups
 * ``backend.py``   worker groups, the backend protocol, ``teardown_run`` for the exit handler
 * ``local.py``     worker groups as local processes
-* ``kubernetes.py`` worker groups as StatefulSets + headless Services (stage pods)
+* ``jobset.py``    a run's worker groups as one JobSet (rendering: Secret, PodGroup, JobSet)
+* ``kubernetes.py`` the Kubernetes backend: creates, watches and tears down that JobSet
 * ``platform.py``  npu / gpu / cpu presets: image, accelerator resource, node selector, tolerations
 """

@@ -3,7 +3,7 @@
 A worker backend starts long-lived groups of stage workers for one run (actor, reference,
 reward, dock shards), watches them, and tears them down. Two implement ``WorkerBackend``:
 ``LocalBackend`` (processes on this machine, ``local.py``) and ``KubernetesBackend``
-(a StatefulSet and a headless Service per group, ``kubernetes.py``).
+(one JobSet per run, a replicated job per group, ``kubernetes.py``).
 
 A backend also says how the members are addressed, so that the driver
 (``distributed.py``) builds the same groups for either: the program that runs the ``dockrl``
@@ -25,12 +25,14 @@ from typing import Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
+TEARDOWN_WAIT_S = 90.0
+"""How long the exit handler waits for a Kubernetes run's pods to be gone (their grace period is 30 s)."""
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerGroup:
-    """One group of identical stage workers (one StatefulSet, or N local processes)."""
+    """One group of identical stage workers (a replicated job of the run's JobSet, or N local processes)."""
 
     name: str
     """Group name (``actor``, ``reference``, ``reward``, ``dock-shard``): DNS label, ≤ 32 chars."""
@@ -38,17 +40,29 @@ class WorkerGroup:
     """Program and arguments of every member (``("dockrl", "worker", "reward")``)."""
     replicas: int = 1
     """Members of the group; each gets its index in ``DOCKRL_REPLICA``."""
-    accelerators: bool = False
-    """Members take the platform's accelerators (and its node selector, tolerations and the
-    size of a stage pod, ``Platform.stage_cpu`` / ``stage_memory``, instead of ``cpu``/``memory``)."""
+    devices: int = 0
+    """Accelerators of each member: one per rank process the layout places in it (0 for a
+    member that computes on CPU). Members with devices take the platform's image, extended
+    resource, node selector, tolerations and stage pod size (``Platform.stage_cpu`` /
+    ``stage_memory`` / ``stage_ephemeral_storage``) instead of ``cpu``/``memory``/``ephemeral_storage``."""
     cpu: str = "1"
-    """CPU request and limit of a member without accelerators (Kubernetes quantity)."""
+    """CPU request of a member without devices (Kubernetes quantity)."""
     memory: str = "4Gi"
-    """Memory request and limit of a member without accelerators (Kubernetes quantity)."""
+    """Memory request of a member without devices (Kubernetes quantity)."""
+    ephemeral_storage: str = "2Gi"
+    """Ephemeral-storage request of a member without devices (logs; Kubernetes quantity)."""
     port: int = 0
     """Port a member serves on (the headless Service exposes it); 0 for none."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of every member."""
+    secret_env: dict[str, str] = field(default_factory=dict)
+    """Environment of every member whose values are secrets (the dock's bearer token): a
+    Kubernetes backend keeps them in a Secret of the run (``secretKeyRef``), never in a pod spec."""
+
+    @property
+    def accelerators(self) -> bool:
+        """Members hold accelerators (``devices`` > 0)."""
+        return self.devices > 0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -58,6 +72,8 @@ class WorkerGroup:
             raise ValueError(f"worker group {self.name!r}: command is empty; give the program and its arguments")
         if self.replicas < 1:
             raise ValueError(f"worker group {self.name!r}: replicas={self.replicas}; expected >= 1")
+        if self.devices < 0:
+            raise ValueError(f"worker group {self.name!r}: devices={self.devices}; expected >= 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"worker group {self.name!r}: port={self.port}; expected 0 (none) or 1-65535")
 
@@ -82,14 +98,14 @@ class WorkerBackend(Protocol):
     """Interface a serving member binds (``127.0.0.1`` for local processes, ``0.0.0.0`` in a pod)."""
     start_timeout_s: float
     """Longest a started member may take to run (scheduling, image pull), seconds."""
+    start_spread_s: float
+    """Longest between the first and the last member of a run starting to run, seconds: how much
+    longer than their own loading the stages may wait for the shards and the first iteration."""
     shared_dir: Path | None
     """Folder the launcher and every member see at the same path (None: every path of the
     launcher's machine, as for local processes)."""
     logs: str
     """Where the members' logs are, for error messages (a folder, a ``kubectl logs`` command)."""
-    restarts_exited: bool
-    """A member that exits is started again (a StatefulSet's pod): stages then stay up after
-    their last report until torn down (``dockrl worker --stay``)."""
 
     @property
     def launcher_host(self) -> str:
@@ -105,7 +121,7 @@ class WorkerBackend(Protocol):
         """``host:port`` at which the launcher and other members reach member ``replica`` of ``group``."""
 
     def start(self, groups: Sequence[WorkerGroup]) -> None:
-        """Start every group; returns without waiting for readiness."""
+        """Start every group of the run, all at once; returns without waiting for readiness."""
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every member runs; raise ``WorkerFailed`` as soon as one fails, ``TimeoutError`` at the deadline."""
@@ -138,5 +154,6 @@ def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: s
     if backend == "kubernetes":
         from dockrl.launch.kubernetes import KubernetesBackend
 
-        return KubernetesBackend.from_cluster(run_id, namespace=namespace).teardown()
+        # the exit handler waits for the pods to be gone: a run ends with its workers
+        return KubernetesBackend.from_cluster(run_id, namespace=namespace, teardown_wait_s=TEARDOWN_WAIT_S).teardown()
     raise ValueError(f"teardown: backend {backend!r}; expected 'local' or 'kubernetes'")

@@ -2,16 +2,17 @@
 
 ``train_distributed(cfg)`` is what ``dockrl train dock.mode=distributed`` runs. This process,
 the driver, starts through a worker backend: a ``LocalBackend`` by default (processes on this
-machine, logs in ``RUN/logs/<group>-0.log``), or a ``KubernetesBackend`` (a StatefulSet per
-group; ``launcher.run_training(worker_backend="kubernetes")``):
+machine, logs in ``RUN/logs/<group>-0.log``), or a ``KubernetesBackend`` (one JobSet per
+run; ``launcher.run_training(worker_backend="kubernetes")``). Every group starts at once:
 
 1. ``dock.shards`` dock shards (``dockrl dock-shard``), each a group of its own on a port the
-   backend gives, with a bearer token generated for the run and passed in the environment;
+   backend gives, with a bearer token generated for the run and passed as a secret;
 2. one group per stage (``dockrl worker``): rollout, reward (with the advantage step),
    reference (only when ``algorithm.kl_coef > 0``) and actor; rollout, reference and actor
-   take the platform's accelerators. Rollout and actor also meet on the weight channel, a
-   gloo group whose ``TCPStore`` this process hosts. The rollout starts first and evaluates;
-   the others start once it has reported. With ``trainer.hybrid`` one ``hybrid`` group plays
+   hold one device each (``member_devices``). Rollout and actor also meet on the weight
+   channel, a gloo group whose ``TCPStore`` this process hosts. The rollout evaluates first;
+   the others load their models meanwhile and wait for the first iteration
+   (``first_wait_s``). With ``trainer.hybrid`` one ``hybrid`` group plays
    rollout and actor (no weight channel): ``parallel.tp × pp × dp`` members, one per actor rank, whose
    gloo group meets at this process's ``TCPStore`` instead.
 
@@ -80,8 +81,35 @@ def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
     return [f"grpc://{backend.address(f'dock-shard-{s}', 0, port)}" for s, port in enumerate(ports)]
 
 
+def member_devices(cfg: Config, stage: str) -> int:
+    """Devices one member of ``stage`` holds: every stage process that holds a model is one rank
+    of the layout with one device (DESIGN.md §6); reward and dock shards compute on CPU.
+
+    The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
+    dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each
+    for the rollout, actor and reference processes of a non-hybrid run.
+    """
+    return 1 if stage in ACCELERATOR_STAGES else 0
+
+
+def first_wait_s(cfg: Config, test_prompts: int) -> float:
+    """Longest a stage waits for the first iteration once it runs, seconds: every stage starts at
+    once, and the driver opens the first iteration after the rollout loaded its model
+    (``dock.timeout_s``) and, on a fresh run with ``trainer.eval_before``, evaluated (one
+    ``dock.timeout_s`` per rollout batch). The driver adds ``backend.start_spread_s``: pods of
+    one run may start minutes apart."""
+    evaluates = cfg.trainer.eval_before and not cfg.run.resume
+    return cfg.dock.timeout_s * (2 + (eval_batches(cfg, test_prompts) if evaluates else 0))
+
+
+def eval_batches(cfg: Config, test_prompts: int) -> int:
+    """Rollout batches of an evaluation of ``test_prompts`` prompts; each may take ``dock.timeout_s``."""
+    return math.ceil(test_prompts / cfg.rollout.batch_size)
+
+
 def worker_groups(
     cfg: Config, backend: WorkerBackend, ports: Sequence[int], weight_address: str, token: str, run: str = "run",
+    first_wait: float | None = None,
 ) -> list[WorkerGroup]:
     """The dock shard groups (one per shard, each serving on its port) and the stage groups of a run.
 
@@ -91,8 +119,12 @@ def worker_groups(
         weight_address: ``host:port`` of the launcher's ``TCPStore`` as the members reach it: the
             weight channel's rendezvous, or with ``trainer.hybrid`` that of the hybrid actor's
             ranks (one member each, ``parallel.tp × pp × dp``).
-        token: the shards' bearer token; travels in the environment (``TOKEN_ENV``) only.
+        token: the shards' bearer token; travels as a secret (``WorkerGroup.secret_env``,
+            ``TOKEN_ENV``) only.
         run: the run's name (lease owners, the warehouse objects' root).
+        first_wait: longest wait of the stages for the shards to answer and for the first
+            iteration (``first_wait_s``; the rollout evaluates first and uses it for the shards
+            only); None for ``dock.timeout_s``.
 
     The config travels as YAML in ``CONFIG_ENV``. With ``dock.warehouse`` other than
     ``memory`` the shards keep metadata only (``--payload store``) and every stage reads and
@@ -101,7 +133,7 @@ def worker_groups(
     program = backend.program()
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
     shards = [
-        WorkerGroup(name=f"dock-shard-{s}", env={TOKEN_ENV: token}, port=port, command=(
+        WorkerGroup(name=f"dock-shard-{s}", secret_env={TOKEN_ENV: token}, port=port, command=(
             *program, "dock-shard", "--host", backend.bind_host, "--port", str(port),
             "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
             "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
@@ -109,12 +141,14 @@ def worker_groups(
         for s, port in enumerate(ports)
     ]
     dock = ",".join(shard_locations(backend, ports))
-    env = {TOKEN_ENV: token, CONFIG_ENV: dump_config(cfg, portable=True)}  # each stage resolves `auto` where it runs
     stages = stage_processes(cfg)
+    wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
     return shards + [
-        WorkerGroup(name=stage, env=env, accelerators=stage in ACCELERATOR_STAGES, replicas=cfg.parallel.ranks if stage == "hybrid" else 1, command=(
+        # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
+        WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
+                    replicas=cfg.parallel.ranks if stage == "hybrid" else 1, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
-            "--dock", dock, "--weight-sync", weight_address, "--run", run, *(["--stay"] if backend.restarts_exited else []),
+            "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait,
         ))
         for stage in stages
     ]
@@ -255,7 +289,8 @@ def train_distributed(
                                  timeout=timedelta(seconds=cfg.dock.timeout_s))
     ports = backend.serve_ports(cfg.dock.shards)
     locations = shard_locations(backend, ports)
-    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, run)
+    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, run,
+                           first_wait=first_wait_s(cfg, len(test_prompts)) + backend.start_spread_s)
     stages = iteration_stages(cfg)
     summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
     summary |= point.summary if point else {}
@@ -264,8 +299,8 @@ def train_distributed(
     dock = lease = None
     previous = _raise_on_sigterm()
     try:
-        shards, rollout, others = groups[: cfg.dock.shards], groups[cfg.dock.shards], groups[cfg.dock.shards + 1 :]
-        backend.start(shards)
+        # every group at once: a stage never holds its devices while another still waits for a node
+        backend.start(groups)
         lease = DriverLease(locations, token, cfg.run.driver_timeout_s)  # from now on: shards still starting count too
         backend.wait_ready(backend.start_timeout_s)
         wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
@@ -273,25 +308,22 @@ def train_distributed(
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
                           lease_s=cfg.dock.lease_s, owner=f"{run}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))
         if point:
-            dock.restore(point.dock_uri)  # before any stage starts
+            dock.restore(point.dock_uri)  # before any stage asks for an iteration
             logger.info("resuming at iteration %d from %s", first, point.checkpoint)
 
         def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
             return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, backend.logs)
 
-        # the other stages start once the rollout has evaluated: the evaluation, which can take
-        # longer than a training step, never counts against their waits on the dock
-        backend.start([rollout])
-        backend.wait_ready(backend.start_timeout_s)  # pods: scheduled and pulled before the evaluation's clock runs
         # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for
-        # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches
-        eval_timeout_s = cfg.dock.timeout_s * math.ceil(len(test_prompts) / r.batch_size)
+        # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches.
+        # The other stages wait for the first iteration meanwhile (first_wait_s).
+        eval_timeout_s = cfg.dock.timeout_s * eval_batches(cfg, len(test_prompts))
         if t.eval_before and not point:
-            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
+            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s + cfg.dock.timeout_s, backend.logs)
             summary |= _log_eval(before["rollout"], "before")
-        backend.start(others)
-        backend.wait_ready(backend.start_timeout_s)
-        logger.info("started %d dock shards and stages %s; logs in %s", len(shards), [g.name for g in groups[len(shards) :]], backend.logs)
+        others = groups[cfg.dock.shards + 1 :]
+        logger.info("started %d dock shards and stages %s; logs in %s", cfg.dock.shards, [g.name for g in groups[cfg.dock.shards :]],
+                    backend.logs)
 
         with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
                 Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:

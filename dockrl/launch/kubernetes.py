@@ -1,182 +1,93 @@
-"""Kubernetes worker backend: one StatefulSet and one headless Service per worker group.
+"""Kubernetes worker backend: a run's workers as one JobSet, watched until the run ends.
 
-The launcher (the pipeline's train pod) renders the objects in Python (``render_group``) and
-creates them through the ``kubernetes`` client. Every object carries the run's labels
-(``dockrl.io/run``, ``dockrl.io/group``) and an owner reference to the launcher pod, so
-Kubernetes garbage-collects the workers if the launcher pod goes away; ``teardown`` (the
-pipeline's exit handler) deletes them by label as soon as the run ends.
-
-Member ``i`` of group ``g`` is the pod ``<statefulset>-i``, reachable at
-``<statefulset>-i.<service>.<namespace>.svc`` (``address``); it gets ``DOCKRL_RUN_ID``,
-``DOCKRL_GROUP``, ``DOCKRL_REPLICA``, ``DOCKRL_REPLICAS``, ``DOCKRL_SERVICE`` and the
-object-store credentials from the platform's Secret. Accelerator groups take the platform's
-image, accelerators, node selector, tolerations and stage pod size; the others its cpu image.
+The launcher (the pipeline's train pod) renders the run's objects (``jobset.py``: a Secret,
+the JobSet, a Volcano PodGroup if asked for) and creates them through the ``kubernetes``
+client, all groups at once. Every object carries the run's labels (``dockrl.io/run``,
+``dockrl.io/group``); the Secret and the PodGroup are owned by the JobSet, the JobSet by the
+launcher pod. ``teardown`` (the driver's ``finally`` and the pipeline's exit handler) deletes
+them by label; the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
+the dock (``dockrl.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
+the shards and the stages exit) bound what a lost launcher leaves behind.
 
 How a run's stages find what they need, in pods that cannot see the launcher's files:
 
 * program: the images' entry point ``dockrl`` (``images/*/Dockerfile``), so a member's command
   is ``dockrl worker ...`` / ``dockrl dock-shard ...`` (``program``);
-* serving: a dock shard binds ``0.0.0.0`` on ``SHARD_PORT`` in its own pod (``serve_ports``);
-* finishing: a StatefulSet restarts a container that exits, even with code 0 (a crash loop
-  of finished stages), so stages stay up after their last report until torn down
-  (``restarts_exited``: ``dockrl worker --stay``);
+* addresses: member ``i`` of group ``g`` is ``<jobset>-<g>-0-<i>.<jobset>.<namespace>.svc``
+  through the JobSet's headless Service; a dock shard binds ``0.0.0.0`` on ``SHARD_PORT``;
 * the launcher: members reach servers of the launcher's process (the weight channel's
-  ``TCPStore``) at the launcher pod's IP, ``POD_IP`` from the downward API (``status.podIP``;
-  the pipeline's train task sets it). A pod IP, not a Service: the store lives exactly as long
-  as the launcher's process, in that pod, and a Service would need a selector matching only
-  that pod and one more object to create and delete;
-* files: every pod mounts the platform's shared volume (``Platform.shared_volume_claim``) at
-  ``shared_mount_path``, the launcher too; the launcher puts the run's folder (data,
-  checkpoints) under ``shared_dir`` (``launcher.py``).
+  ``TCPStore``) at the launcher pod's IP, ``POD_IP`` from the downward API (the pipeline's
+  train task sets it): the store lives exactly as long as the launcher's process;
+* files: every pod mounts the platform's shared volume at ``shared_mount_path``, the launcher
+  too; the launcher puts the run's folder (data, checkpoints) under ``shared_dir``;
+* secrets: the dock's bearer token is in the run's Secret, read through ``secretKeyRef``.
 
-``check`` fails fast: a member that exited non-zero, crash-loops, or cannot pull its image
-raises ``WorkerFailed`` with the tail of its log (the previous container's, after a restart).
+``check`` (called every half second by the driver; it asks the API at most every ``poll_s``)
+fails the run with ``WorkerFailed`` naming the pod, the reason and its log tail when a
+worker pod
+
+* failed or exited non-zero (``OOMKilled`` and the exit code named), was evicted;
+* is being deleted (drain, preemption: its ``DisruptionTarget`` condition named), vanished,
+  or was replaced by a new pod of the same index;
+* failed to pull its image more than ``Platform.image_pull_retries`` times (the kubelet
+  retries with back-off, so one registry hiccup passes), has an invalid image name or a
+  container that cannot be created;
+* stayed unschedulable past ``Platform.schedule_timeout_s`` (at once if the cluster
+  autoscaler says no node group can fit it), or was scheduled but not started within
+  ``Platform.image_pull_timeout_s`` (pulls of a large image take long: they get their own
+  clock); time queued for admission (Kueue suspends the JobSet; a Volcano PodGroup waits
+  ``Pending``) counts against ``Platform.queue_timeout_s`` instead;
+
+and when the JobSet itself failed (its deadline, its failure policy) or was deleted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 import os
-import re
 import time
-from dataclasses import dataclass
+from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
-from dockrl.launch.platform import OBJECT_STORE_KEYS, Platform, get_platform
+from dockrl.launch.jobset import (
+    COMPLETION_INDEX, CONTAINER, GROUP_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, RUN_LABEL, VOLCANO_GROUP,
+    VOLCANO_PLURAL, VOLCANO_VERSION, check_run_id, jobset_name, member_host, render_jobset, secret_name,
+)
+from dockrl.launch.platform import Platform, get_platform
 
 logger = logging.getLogger(__name__)
 
-RUN_LABEL = "dockrl.io/run"
-GROUP_LABEL = "dockrl.io/group"
-CONTAINER = "worker"
 ENTRY_POINT = ("dockrl",)
 """The images' entry point: the program of every member's command."""
 SHARD_PORT = 8815
 """Port of a dock shard in its pod (Arrow Flight's customary port; each shard has its own pod IP)."""
-SHARED_VOLUME = "shared"
-WORKER_UID = 10001  # the non-root user of the images (images/*/Dockerfile)
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-# waiting reasons that will not resolve by waiting
-FATAL_WAITING = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
-                 "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+PULL_FAILED = ("ErrImagePull", "ImagePullBackOff")
+"""Waiting reasons of a failed image pull: the kubelet retries, so they count against a budget."""
+FATAL_WAITING = {"InvalidImageName", "CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+"""Waiting reasons that will not resolve by waiting."""
+NO_SCALE_UP = "NotTriggerScaleUp"
+"""Cluster autoscaler event: no node group can ever fit the pod."""
 
 
-@dataclass(frozen=True, kw_only=True)
 class OwnerPod:
-    """The launcher pod that owns a run's workers (its name and uid, from the downward API)."""
+    """The launcher pod that owns a run's JobSet (its name and uid, from the downward API)."""
 
-    name: str
-    uid: str
+    def __init__(self, *, name: str, uid: str):
+        self.name, self.uid = name, uid
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OwnerPod) and (self.name, self.uid) == (other.name, other.uid)
+
+    def __repr__(self) -> str:
+        return f"OwnerPod(name={self.name!r}, uid={self.uid!r})"
 
     def reference(self) -> dict[str, Any]:
         # no blockOwnerDeletion: it would need update rights on pods/finalizers for the launcher
         return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid}
-
-
-def object_name(run_id: str, group: str) -> str:
-    """``dockrl-<8 hex of the run id's hash>-<group>``: ≤ 48 characters, so pod names and
-    the StatefulSet's revision label stay within Kubernetes' 63-character limit."""
-    return f"dockrl-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}-{group}"
-
-
-def run_labels(run_id: str, group: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "dockrl-worker", "app.kubernetes.io/component": group,
-        "app.kubernetes.io/part-of": "dockrl", "app.kubernetes.io/managed-by": "dockrl-launcher",
-        RUN_LABEL: run_id, GROUP_LABEL: group,
-    }
-
-
-def _resources(group: WorkerGroup, platform: Platform) -> dict[str, dict[str, Any]]:
-    amounts: dict[str, Any] = {"cpu": group.cpu, "memory": group.memory}
-    if group.accelerators:
-        amounts = {"cpu": platform.stage_cpu, "memory": platform.stage_memory}
-        if platform.accelerator:
-            amounts[platform.accelerator] = platform.accelerators_per_pod
-    # requests = limits: Guaranteed QoS, so a worker is the last to be evicted
-    return {"requests": dict(amounts), "limits": dict(amounts)}
-
-
-def _env(run_id: str, group: WorkerGroup, service: str, platform: Platform) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": "DOCKRL_RUN_ID", "value": run_id},
-        {"name": "DOCKRL_GROUP", "value": group.name},
-        {"name": "DOCKRL_REPLICAS", "value": str(group.replicas)},
-        {"name": "DOCKRL_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
-        {"name": "DOCKRL_SERVICE", "value": service},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    ]
-    env += [{"name": k, "value": v} for k, v in sorted(group.env.items())]
-    if platform.object_store_secret:
-        env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": platform.object_store_secret, "key": k}}}
-                for k in OBJECT_STORE_KEYS]
-    return env
-
-
-def render_group(group: WorkerGroup, *, run_id: str, namespace: str, platform: Platform,
-                 owner: OwnerPod | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The headless Service and the StatefulSet of one worker group, as API objects (dicts).
-
-    Raises:
-        ValueError: ``run_id`` is not a valid label value (≤ 63 characters, alphanumerics,
-            ``-``, ``_``, ``.``).
-    """
-    if not _LABEL_VALUE.match(run_id):
-        raise ValueError(f"run_id {run_id!r}: must be a Kubernetes label value (≤ 63 alphanumerics, '-', '_', '.')")
-    name = object_name(run_id, group.name)
-    labels = run_labels(run_id, group.name)
-    selector = {RUN_LABEL: run_id, GROUP_LABEL: group.name}
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
-    if owner is not None:
-        meta["ownerReferences"] = [owner.reference()]
-    ports = [{"name": "rpc", "port": group.port, "targetPort": group.port, "protocol": "TCP"}] if group.port else []
-    service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": dict(meta),
-        # headless, and publishing members before they are ready: peers find each other to rendezvous
-        "spec": {"clusterIP": "None", "selector": selector, "publishNotReadyAddresses": True, "ports": ports},
-    }
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    # torch's dataloaders and collectives need more shared memory than the default 64 MiB
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    if platform.shared_volume_claim:
-        mounts.append({"name": SHARED_VOLUME, "mountPath": platform.shared_mount_path})
-        volumes.append({"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": platform.shared_volume_claim}})
-    container: dict[str, Any] = {
-        "name": CONTAINER, "image": platform.image if group.accelerators else platform.cpu_image, "imagePullPolicy": "IfNotPresent",
-        "command": list(group.command), "env": _env(run_id, group, name, platform),
-        "resources": _resources(group, platform),
-        "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-    }
-    if group.port:
-        container["ports"] = [{"name": "rpc", "containerPort": group.port, "protocol": "TCP"}]
-    pod_spec: dict[str, Any] = {
-        "automountServiceAccountToken": False,  # workers never call the API server
-        "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID},
-        "terminationGracePeriodSeconds": 30,
-        "containers": [container],
-        "volumes": volumes,
-    }
-    if group.accelerators:
-        if platform.node_selector:
-            pod_spec["nodeSelector"] = dict(platform.node_selector)
-        if platform.tolerations:
-            pod_spec["tolerations"] = [t.to_k8s() for t in platform.tolerations]
-    statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": dict(meta),
-        "spec": {
-            "serviceName": name, "replicas": group.replicas,
-            "podManagementPolicy": "Parallel",  # members start together: they wait for each other anyway
-            "selector": {"matchLabels": selector},
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
-        },
-    }
-    return service, statefulset
 
 
 def _api_exception():
@@ -185,35 +96,56 @@ def _api_exception():
     return ApiException
 
 
+def _get(obj: Any, *path: str) -> Any:
+    """``obj.a.b`` of a client model (or ``obj["a"]["b"]`` of a dict), None where a part is unset."""
+    for key in path:
+        if obj is None:
+            return None
+        obj = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+    return obj
+
+
 class KubernetesBackend:
-    """Worker groups as StatefulSets (see the module docstring).
+    """A run's worker groups as one JobSet (see the module docstring).
 
     Args:
         run_id: the pipeline run's id; labels every object.
         namespace: where the workers go.
-        platform: image, accelerators, scheduling and Secret of the workers.
-        core_api, apps_api: ``kubernetes.client.CoreV1Api`` / ``AppsV1Api`` (or fakes).
-        owner: the launcher pod; None leaves the objects unowned (teardown still finds them).
+        platform: image, devices, scheduling, timeouts and Secret of the workers.
+        core_api, custom_api: ``kubernetes.client.CoreV1Api`` / ``CustomObjectsApi`` (or fakes).
+        owner: the launcher pod; None leaves the JobSet unowned (teardown still finds it).
         launcher_ip: the launcher pod's IP (``POD_IP``); "" if unknown (then only
             ``launcher_host`` fails: teardown needs none).
-        start_timeout_s: longest a member may take to run (scheduling, image pull), seconds.
+        poll_s: least time between two looks at the API, seconds.
+        log_lines: lines of a failed worker's log in its error.
+        teardown_wait_s: how long ``teardown`` waits for the pods to be gone, seconds (0: not at all).
+        clock: monotonic seconds (tests pass a fake one).
     """
 
     bind_host = "0.0.0.0"  # a pod's own network namespace: every interface is the pod's
-    restarts_exited = True  # StatefulSet pods restart always, even after exit code 0
 
-    def __init__(self, run_id: str, *, namespace: str, platform: Platform, core_api: Any, apps_api: Any,
-                 owner: OwnerPod | None = None, launcher_ip: str = "", start_timeout_s: float = 900.0,
-                 poll_s: float = 2.0, log_lines: int = 50):
+    def __init__(self, run_id: str, *, namespace: str, platform: Platform, core_api: Any, custom_api: Any,
+                 owner: OwnerPod | None = None, launcher_ip: str = "", poll_s: float = 2.0, log_lines: int = 50,
+                 teardown_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         if not namespace:
             raise ValueError("kubernetes backend: namespace is empty")
-        if not _LABEL_VALUE.match(run_id):
-            raise ValueError(f"run_id {run_id!r}: must be a Kubernetes label value (≤ 63 alphanumerics, '-', '_', '.')")
+        check_run_id(run_id)
         self.run_id, self.namespace, self.platform, self.owner = run_id, namespace, platform, owner
-        self.core, self.apps = core_api, apps_api
-        self.launcher_ip, self.start_timeout_s = launcher_ip, start_timeout_s
-        self.poll_s, self.log_lines = poll_s, log_lines
+        self.core, self.custom = core_api, custom_api
+        self.launcher_ip, self.poll_s, self.log_lines = launcher_ip, poll_s, log_lines
+        self.teardown_wait_s, self.clock = teardown_wait_s, clock
+        self.name = jobset_name(run_id)
         self.selector = f"{RUN_LABEL}={run_id}"
+        # the outer bound of wait_ready; check() applies each phase's own timeout within it
+        self.start_timeout_s = float(platform.queue_timeout_s + platform.schedule_timeout_s + platform.image_pull_timeout_s)
+        # admitted together (the JobSet, or the PodGroup, is queued whole); then each pod is
+        # scheduled and pulls its image on its own clock
+        self.start_spread_s = float(platform.schedule_timeout_s + platform.image_pull_timeout_s)
+        self._expected: dict[str, int] = {}  # group -> members
+        self._members: dict[tuple[str, str], tuple[str, str]] = {}  # (group, index) -> (pod name, uid) first seen
+        self._since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
+        self._warned: set[tuple[str, str]] = set()
+        self._last_look = -math.inf
 
     # ---- addressing (see the module docstring) ----
 
@@ -247,8 +179,7 @@ class KubernetesBackend:
         return [SHARD_PORT] * n
 
     def address(self, group: str, replica: int, port: int) -> str:
-        name = object_name(self.run_id, group)
-        return f"{name}-{replica}.{name}.{self.namespace}.svc:{port}"
+        return f"{member_host(self.run_id, group, replica, self.namespace)}:{port}"
 
     @classmethod
     def from_cluster(cls, run_id: str, *, namespace: str = "", platform: str | Platform = "cpu", **kwargs) -> KubernetesBackend:
@@ -276,107 +207,288 @@ class KubernetesBackend:
         platform = get_platform(platform) if isinstance(platform, str) else platform
         kwargs.setdefault("launcher_ip", os.environ.get("POD_IP", ""))
         return cls(run_id, namespace=namespace, platform=platform, core_api=client.CoreV1Api(),
-                   apps_api=client.AppsV1Api(), owner=owner, **kwargs)
+                   custom_api=client.CustomObjectsApi(), owner=owner, **kwargs)
 
     def render(self, groups: Sequence[WorkerGroup]) -> list[dict[str, Any]]:
-        """Every object of ``groups``: each group's Service, then its StatefulSet."""
-        names = [g.name for g in groups]
-        if len(set(names)) != len(names):
-            raise ValueError(f"worker groups: duplicate names in {names}")
-        objects: list[dict[str, Any]] = []
-        for g in groups:
-            objects += render_group(g, run_id=self.run_id, namespace=self.namespace, platform=self.platform, owner=self.owner)
-        return objects
+        """The run's objects in creation order (``jobset.render_jobset``)."""
+        return render_jobset(groups, run_id=self.run_id, namespace=self.namespace, platform=self.platform,
+                             owner=self.owner.reference() if self.owner else None)
+
+    # ---- start ----
 
     def start(self, groups: Sequence[WorkerGroup]) -> None:
+        """Create the run's Secret, PodGroup (Volcano) and JobSet: every group at once.
+
+        Raises:
+            RuntimeError: the run's objects exist already (started before), the launcher may
+                not create them (RBAC), or the JobSet or PodGroup API is not installed.
+        """
+        if self._expected:
+            raise RuntimeError(f"kubernetes backend: run {self.run_id!r} started already; a run is one JobSet, "
+                               "so start takes every group at once")
+        objects = self.render(groups)
+        created: dict[str, dict[str, Any]] = {}
+        for obj in objects:
+            created[obj["kind"]] = self._create(obj)
+        self._expected = {g.name: g.replicas for g in groups}
+        # what only the run uses goes with its JobSet (TTL, teardown, garbage collection)
+        jobset = created["JobSet"]
+        owned = [{"apiVersion": jobset["apiVersion"], "kind": "JobSet", "name": self.name, "uid": _get(jobset, "metadata", "uid")}]
+        if owned[0]["uid"]:
+            patch = {"metadata": {"ownerReferences": owned}}
+            self.core.patch_namespaced_secret(name=secret_name(self.run_id), namespace=self.namespace, body=patch)
+            if "PodGroup" in created:
+                self.custom.patch_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL,
+                                                           self.name, patch)
+        logger.info("created JobSet %s/%s: %s", self.namespace, self.name,
+                    ", ".join(f"{g.name}×{g.replicas}" + (f" ({g.devices} device(s) each)" if g.devices else "") for g in groups))
+
+    def _create(self, obj: dict[str, Any]) -> dict[str, Any]:
         ApiException = _api_exception()
-        for obj in self.render(groups):
-            kind, name = obj["kind"], obj["metadata"]["name"]
-            try:
-                if kind == "Service":
-                    self.core.create_namespaced_service(namespace=self.namespace, body=obj)
-                else:
-                    self.apps.create_namespaced_stateful_set(namespace=self.namespace, body=obj)
-            except ApiException as err:
-                if err.status == 409:
-                    raise RuntimeError(f"{kind} {self.namespace}/{name} already exists: run {self.run_id!r} was started "
-                                       "before; tear it down first (`teardown_run('kubernetes', run_id)`)") from None
-                if err.status == 403:
-                    raise RuntimeError(f"not allowed to create {kind} in namespace {self.namespace!r}: bind the launcher's "
-                                       "service account to the dockrl-launcher Role (manifests/base/rbac.yaml)") from None
-                raise
-            logger.info("created %s %s/%s", kind, self.namespace, name)
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        try:
+            if kind == "Secret":
+                self.core.create_namespaced_secret(namespace=self.namespace, body=obj)
+                return obj
+            group, version = obj["apiVersion"].split("/")
+            plural = JOBSET_PLURAL if kind == "JobSet" else VOLCANO_PLURAL
+            return self.custom.create_namespaced_custom_object(group, version, self.namespace, plural, obj)
+        except ApiException as err:
+            if err.status == 409:
+                raise RuntimeError(f"{kind} {self.namespace}/{name} already exists: run {self.run_id!r} was started "
+                                   "before; tear it down first (`teardown_run('kubernetes', run_id)`)") from None
+            if err.status == 403:
+                raise RuntimeError(f"not allowed to create {kind} in namespace {self.namespace!r}: apply manifests/base "
+                                   "(its Role dockrl-launcher adds these rights to KFP's pipeline-runner account)") from None
+            if err.status == 404 and kind != "Secret":
+                needs = "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)" if kind == "JobSet" else \
+                    "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'"
+                raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs} (docs/kubernetes.md)") from None
+            raise
 
-    def _pods(self) -> list[Any]:
-        return self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
+    # ---- watching ----
 
-    def _log_tail(self, pod: str, previous: bool) -> str:
+    def _log_tail(self, pod: str) -> str:
         ApiException = _api_exception()
         try:
             return self.core.read_namespaced_pod_log(name=pod, namespace=self.namespace, container=CONTAINER,
-                                                     tail_lines=self.log_lines, previous=previous)
+                                                     tail_lines=self.log_lines)
         except ApiException as err:
             return f"(no log: HTTP {err.status} {err.reason})"
 
+    def _events(self, pod: str) -> list[Any]:
+        return self.core.list_namespaced_event(namespace=self.namespace, field_selector=f"involvedObject.name={pod}").items
+
+    def _jobset(self) -> dict[str, Any] | None:
+        ApiException = _api_exception()
+        try:
+            return self.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def _podgroup_pending(self) -> bool:
+        """Volcano has not admitted the run's PodGroup yet (its phase is ``Pending``)."""
+        if self.platform.scheduler != "volcano":
+            return False
+        ApiException = _api_exception()
+        try:
+            group = self.custom.get_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL, self.name)
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return _get(group, "status", "phase") in (None, "Pending")
+
+    def _first_seen(self, uid: str, phase: str, now: float) -> float:
+        return self._since.setdefault((uid, phase), now)
+
+    def _pod_failure(self, pod: Any, now: float, queued: bool) -> tuple[int, WorkerFailed] | None:
+        """The most telling failure of one pod with its rank (lower wins), or None."""
+        meta, status = pod.metadata, pod.status
+        name, uid = meta.name, meta.uid
+        group = (meta.labels or {}).get(GROUP_LABEL, "?")
+        if status.phase == "Failed":
+            why = f"pod failed: {status.reason or ''} {status.message or ''}".strip()
+            for cs in status.container_statuses or []:
+                term = _get(cs, "state", "terminated")
+                if term is not None:
+                    why += f"; container exited with code {term.exit_code} ({term.reason})"
+            return 0, WorkerFailed(group, name, why, self._log_tail(name))
+        conditions = {c.type: c for c in status.conditions or []}
+        for cs in status.container_statuses or []:
+            term, waiting = _get(cs, "state", "terminated"), _get(cs, "state", "waiting")
+            if term is not None and term.exit_code != 0:
+                return 0, WorkerFailed(group, name, f"exited with code {term.exit_code} ({term.reason})", self._log_tail(name))
+            if cs.restart_count:
+                return 0, WorkerFailed(group, name, f"restarted {cs.restart_count}x: a restarted worker has lost its state",
+                                       self._log_tail(name))
+            if waiting is not None and waiting.reason in FATAL_WAITING:
+                return 1, WorkerFailed(group, name, f"{waiting.reason}: {waiting.message or ''}".strip(), "")
+            if waiting is not None and waiting.reason in PULL_FAILED:
+                failed = [e for e in self._events(name) if (e.message or "").startswith("Failed to pull image")]
+                attempts = sum(e.count or 1 for e in failed)
+                if attempts > self.platform.image_pull_retries:
+                    last = failed[-1].message if failed else waiting.message
+                    return 1, WorkerFailed(group, name, f"{waiting.reason}: image pull failed {attempts} times (more than "
+                                           f"Platform.image_pull_retries={self.platform.image_pull_retries}): {last}", "")
+                if (uid, "pull") not in self._warned:
+                    self._warned.add((uid, "pull"))
+                    logger.warning("worker pod %s: %s (%s); the kubelet retries", name, waiting.reason, waiting.message)
+        if meta.deletion_timestamp is not None:
+            disruption = conditions.get("DisruptionTarget")
+            why = f"{disruption.reason}: {disruption.message}" if disruption is not None else "deleted"
+            return 2, WorkerFailed(group, name, f"pod is being deleted ({why}); a worker that goes away ends the run",
+                                   self._log_tail(name))
+        if status.phase != "Pending":
+            return None
+        scheduled = conditions.get("PodScheduled")
+        if scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable":
+            if queued:  # waiting for Volcano's admission, not for a node
+                return None
+            since = self._first_seen(uid, "unschedulable", now)
+            no_fit = [e for e in self._events(name) if e.reason == NO_SCALE_UP]
+            if no_fit:
+                return 3, WorkerFailed(group, name, f"Unschedulable, and the cluster autoscaler adds no node for it: "
+                                       f"{no_fit[-1].message}", "")
+            if now - since > self.platform.schedule_timeout_s:
+                return 3, WorkerFailed(group, name, f"Unschedulable for {now - since:.0f} s (more than Platform.schedule_timeout_s="
+                                       f"{self.platform.schedule_timeout_s}): {scheduled.message}", "")
+            if (uid, "unschedulable") not in self._warned:
+                self._warned.add((uid, "unschedulable"))
+                logger.warning("worker pod %s unschedulable: %s; failing in %d s unless a node frees up", name,
+                               scheduled.message, self.platform.schedule_timeout_s)
+        elif scheduled is not None and scheduled.status == "True":
+            since = self._first_seen(uid, "starting", now)
+            if now - since > self.platform.image_pull_timeout_s:
+                waiting = [f"{_get(cs, 'state', 'waiting', 'reason')}" for cs in status.container_statuses or []]
+                return 3, WorkerFailed(group, name, f"scheduled but not started after {now - since:.0f} s (more than "
+                                       f"Platform.image_pull_timeout_s={self.platform.image_pull_timeout_s}): {waiting}", "")
+        return None
+
     def check(self) -> None:
-        for pod in self._pods():
-            name = pod.metadata.name
-            group = (pod.metadata.labels or {}).get(GROUP_LABEL, "?")
-            if pod.status.phase == "Failed":
-                raise WorkerFailed(group, name, f"pod failed: {pod.status.reason or ''} {pod.status.message or ''}".strip(),
-                                   self._log_tail(name, previous=False))
-            for cs in pod.status.container_statuses or []:
-                # the API leaves unset parts out: state, last_state and their fields may each be None
-                waiting = cs.state.waiting if cs.state else None
-                terminated = cs.state.terminated if cs.state else None
-                last = cs.last_state.terminated if cs.last_state else None
-                if terminated is not None and terminated.exit_code != 0:
-                    raise WorkerFailed(group, name, f"exited with code {terminated.exit_code} ({terminated.reason})",
-                                       self._log_tail(name, previous=False))
-                if waiting is not None and waiting.reason in FATAL_WAITING:
-                    restarted = last is not None
-                    why = f"{waiting.reason}: {waiting.message or ''}".strip()
-                    if restarted:
-                        why += f"; last exit code {last.exit_code}"
-                    tail = self._log_tail(name, previous=True) if restarted else ""
-                    raise WorkerFailed(group, name, why, tail)
-                if cs.restart_count and last is not None and last.exit_code != 0:
-                    # a restarted worker has lost its state (weights, claimed rows): the run cannot go on
-                    raise WorkerFailed(group, name, f"restarted {cs.restart_count}x; last exit code {last.exit_code}",
-                                       self._log_tail(name, previous=True))
+        """Raise ``WorkerFailed`` (pod, reason, log tail) when a worker failed or cannot start
+        (see the module docstring); asks the API at most every ``poll_s``."""
+        now = self.clock()
+        if not self._expected or now - self._last_look < self.poll_s:
+            return
+        self._last_look = now
+        self._look(now)
+
+    def _look(self, now: float) -> list[Any]:
+        """One look at the JobSet and its pods; raises on a failure, returns the pods."""
+        jobset = self._jobset()
+        if jobset is None:
+            raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
+        suspended = bool(_get(jobset, "spec", "suspend"))
+        queued = suspended or self._podgroup_pending()
+        if queued:
+            since = self._first_seen(self.name, "queued", now)
+            if now - since > self.platform.queue_timeout_s:
+                where = f"queue {self.platform.queue!r}" if self.platform.queue else "the scheduler's queue"
+                raise WorkerFailed("jobset", self.name, f"not admitted by {self.platform.scheduler} ({where}) within "
+                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s")
+        else:
+            self._since.pop((self.name, "queued"), None)  # admitted: scheduling clocks run from here
+        pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
+        failures = [f for f in (self._pod_failure(p, now, queued) for p in pods) if f is not None]
+        failures += self._replaced(pods)
+        first = min(failures, key=lambda f: f[0]) if failures else None
+        if first is not None and first[0] <= 1:  # a worker that failed by itself says the most
+            raise first[1]
+        state = _get(jobset, "status", "terminalState")
+        failed = [c for c in _get(jobset, "status", "conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"]
+        if state == "Failed" or failed:  # before pods that vanished with it (its deadline, its failure policy)
+            why = "; ".join(f"{c.get('reason')}: {c.get('message')}" for c in failed) or "terminal state Failed"
+            raise WorkerFailed("jobset", self.name, f"JobSet failed ({why})")
+        if first is not None:
+            raise first[1]
+        return pods
+
+    def _replaced(self, pods: Sequence[Any]) -> list[tuple[int, WorkerFailed]]:
+        """Pods of a member (group, index) other than the first seen, and members whose pod vanished."""
+        out: list[tuple[int, WorkerFailed]] = []
+        now_members: dict[tuple[str, str], tuple[str, str]] = {}
+        for pod in pods:
+            meta = pod.metadata
+            key = ((meta.labels or {}).get(GROUP_LABEL, "?"), (meta.annotations or {}).get(COMPLETION_INDEX, "?"))
+            first = self._members.setdefault(key, (meta.name, meta.uid))
+            if first[1] != meta.uid:
+                out.append((2, WorkerFailed(key[0], first[0], f"replaced by pod {meta.name} (the first was deleted or failed: "
+                                            "a drain, a preemption?); a replaced worker has lost its state", "")))
+            now_members[key] = (meta.name, meta.uid)
+        for key, (name, _) in self._members.items():
+            if key not in now_members:
+                out.append((2, WorkerFailed(key[0], name, "pod vanished (deleted); a worker that goes away ends the run", "")))
+        return out
+
+    def _running_members(self, pods: Sequence[Any]) -> Counter:
+        running: Counter = Counter()
+        for pod in pods:
+            started = all(_get(cs, "state", "running") is not None or _get(cs, "state", "terminated") is not None
+                          for cs in pod.status.container_statuses or [None])
+            if pod.status.phase in ("Running", "Succeeded") and started:
+                running[(pod.metadata.labels or {}).get(GROUP_LABEL)] += 1
+        return running
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Block until every member's container runs (queued, scheduled, pulled, started).
+
+        Raises:
+            WorkerFailed: a worker failed or cannot start (``check``'s reasons and timeouts).
+            TimeoutError: not every member runs after ``timeout_s``; names the groups short of members.
+        """
+        deadline = self.clock() + timeout_s
         while True:
-            self.check()
-            sets = self.apps.list_namespaced_stateful_set(namespace=self.namespace, label_selector=self.selector).items
-            pending = {s.metadata.name: f"{s.status.ready_replicas or 0}/{s.spec.replicas}" for s in sets
-                       if (s.status.ready_replicas or 0) < s.spec.replicas}
-            if sets and not pending:
+            now = self.clock()
+            self._last_look = now
+            running = self._running_members(self._look(now))
+            short = {g: f"{running[g]}/{n}" for g, n in self._expected.items() if running[g] < n}
+            if not short:
                 return
-            if time.monotonic() > deadline:
-                unschedulable = [p.metadata.name for p in self._pods() for c in (p.status.conditions or [])
-                                 if c.type == "PodScheduled" and c.status == "False"]
-                hint = f"; not scheduled (no node with the resources, selector and taints?): {unschedulable}" if unschedulable else ""
-                raise TimeoutError(f"workers of run {self.run_id!r} not ready after {timeout_s:.0f} s: "
-                                   f"{pending or 'no StatefulSets found'}{hint}")
+            if now > deadline:
+                raise TimeoutError(f"workers of run {self.run_id!r} (JobSet {self.namespace}/{self.name}) not running "
+                                   f"after {timeout_s:.0f} s: running/expected per group {short}")
             time.sleep(self.poll_s)
 
+    # ---- teardown ----
+
     def teardown(self) -> int:
-        """Delete the run's StatefulSets (their pods go with them) and Services; returns how many."""
+        """Delete the run's JobSet (its Jobs and pods go with it), PodGroup and Secret; returns
+        how many objects were deleted. With ``teardown_wait_s`` waits that long for the pods to
+        be gone (each has ``terminationGracePeriodSeconds`` 30). Safe to call twice."""
         ApiException = _api_exception()
         removed = 0
-        listed = [
-            (self.apps.list_namespaced_stateful_set, self.apps.delete_namespaced_stateful_set),
-            (self.core.list_namespaced_service, self.core.delete_namespaced_service),
-        ]
-        for list_fn, delete_fn in listed:
-            for obj in list_fn(namespace=self.namespace, label_selector=self.selector).items:
+        for secret in self.core.list_namespaced_secret(namespace=self.namespace, label_selector=self.selector).items:
+            try:
+                self.core.delete_namespaced_secret(name=secret.metadata.name, namespace=self.namespace)
+                removed += 1
+            except ApiException as err:
+                if err.status != 404:  # already gone is fine: teardown may run twice
+                    raise
+        kinds: list[tuple[str, str, str]] = []  # what the JobSet owns first, so each is counted once
+        if self.platform.scheduler == "volcano":
+            kinds.append((VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
+        kinds.append((JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL))
+        for group, version, plural in kinds:
+            for obj in self.custom.list_namespaced_custom_object(group, version, self.namespace, plural,
+                                                                 label_selector=self.selector).get("items", []):
                 try:
-                    delete_fn(name=obj.metadata.name, namespace=self.namespace, propagation_policy="Background")
+                    self.custom.delete_namespaced_custom_object(group, version, self.namespace, plural, obj["metadata"]["name"],
+                                                                propagation_policy="Background")
                     removed += 1
                 except ApiException as err:
-                    if err.status != 404:  # already gone is fine: teardown may run twice
+                    if err.status != 404:
                         raise
+        deadline = self.clock() + self.teardown_wait_s
+        left = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
+        while left and self.clock() < deadline:
+            time.sleep(min(self.poll_s, 1.0))
+            left = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
+        if left and self.teardown_wait_s:
+            logger.warning("kubernetes teardown of run %s: %d pod(s) still terminating after %.0f s: %s", self.run_id, len(left),
+                           self.teardown_wait_s, [p.metadata.name for p in left])
         logger.info("kubernetes teardown of run %s in %s: %d object(s) deleted", self.run_id, self.namespace, removed)
+        self._expected = {}
         return removed

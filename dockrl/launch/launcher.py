@@ -7,8 +7,9 @@ registered with it.
 
 * ``local``: processes in the launcher's pod (``dock.mode=distributed`` unless the overrides
   say otherwise), the run folder is ``run_dir`` itself.
-* ``kubernetes``: a StatefulSet per dock shard and per stage (``KubernetesBackend.from_cluster``;
-  rollout, reference and actor on the platform's accelerators). The pods cannot see the
+* ``kubernetes``: one JobSet per run, a replicated job per dock shard and per stage
+  (``KubernetesBackend.from_cluster``; rollout, reference and actor on the platform's
+  accelerators, one device per rank process). The pods cannot see the
   launcher's files, so the run folder lives on the platform's shared volume,
   ``<shared_dir>/runs/<run_id>/``: the dataset is copied to its ``data/``, the actor writes
   its checkpoints there, and at the end the final checkpoint moves to ``checkpoint_dir`` and

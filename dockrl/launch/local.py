@@ -167,8 +167,8 @@ class LocalBackend:
     bind_host = HOST
     launcher_host = HOST
     shared_dir = None  # one machine: every path is the same for all
-    restarts_exited = False  # a finished stage exits and frees its memory
     start_timeout_s = 60.0
+    start_spread_s = 0.0  # every process starts at once
 
     def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0,
                  run_dir: str | Path | None = None):
@@ -205,7 +205,7 @@ class LocalBackend:
             for g in groups:
                 for i in range(g.replicas):
                     member = f"{g.name}-{i}"
-                    env = {**os.environ, **g.env, "DOCKRL_RUN_ID": self.run_id, "DOCKRL_GROUP": g.name,
+                    env = {**os.environ, **g.env, **g.secret_env, "DOCKRL_RUN_ID": self.run_id, "DOCKRL_GROUP": g.name,
                            "DOCKRL_REPLICA": str(i), "DOCKRL_REPLICAS": str(g.replicas), DRIVER_PID_ENV: str(os.getpid())}
                     log = self.log_dir / f"{member}.log"
                     with open(log, "wb") as out:

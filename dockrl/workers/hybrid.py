@@ -234,7 +234,7 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
     return rank, world
 
 
-def run_hybrid(cfg: Config, dock, store_address: str) -> None:
+def run_hybrid(cfg: Config, dock, store_address: str, first_wait_s: float | None = None) -> None:
     """The ``hybrid`` stage process, one per actor rank: evaluate, serve the iterations, checkpoint, evaluate again.
 
     Every rank generates for its share of the prompts; rank 0 reports ``rollout`` (metrics over
@@ -287,7 +287,8 @@ def run_hybrid(cfg: Config, dock, store_address: str) -> None:
     try:
         if t.eval_before and resume is None and rank == 0:  # the driver waits for it on a fresh run only
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
-        serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0)
+        serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0,
+                         first_timeout_s=first_wait_s)
         hybrid.actor.start_training()  # the final weights are saved from where they train
         hybrid.actor.save(Path(cfg.run.output_dir) / "checkpoints" / "final")
         after = {}

@@ -35,9 +35,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -97,19 +96,22 @@ def replica_suffix() -> str:
 def serve_iterations(
     dock, stage: str, step: Callable[[int], dict[str, float]], *, timeout_s: float,
     after_report: Callable[[int], None] | None = None, seed: int | None = None, report: bool = True,
+    first_timeout_s: float | None = None,
 ) -> int:
     """Run ``step(iteration)`` for every iteration the driver opens and report its metrics.
 
     ``after_report(iteration)`` runs after the report (weight sync, checkpoints). With ``seed``
     the generators are reseeded from ``(seed, iteration)`` before each step. With ``report``
     false the metrics are dropped (ranks other than the first of a multi-rank stage). Returns
-    the number of iterations served once the driver called ``finish()``.
+    the number of iterations served once the driver called ``finish()``. ``first_timeout_s``
+    (default ``timeout_s``) bounds the wait for the first iteration: every stage starts at
+    once, and the first opens only after the rollout's evaluation (``--first-wait-s``).
 
     Raises:
         DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one.
     """
     last, served = BEFORE_TRAINING, 0
-    while (it := dock.wait_iteration(last, timeout_s)) is not None:
+    while (it := dock.wait_iteration(last, first_timeout_s if served == 0 and first_timeout_s else timeout_s)) is not None:
         logger.info("%s: iteration %d", stage, it)
         if seed is not None:
             seed_iteration(seed, it)
@@ -148,9 +150,10 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
         dock.report(it, WEIGHT_SYNC, metrics)
 
     try:
-        if cfg.trainer.eval_before and not cfg.run.resume:  # the launcher starts the other stages once this is reported
+        # joined before the evaluation: the actor, started at the same time, waits for it meanwhile
+        channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))
+        if cfg.trainer.eval_before and not cfg.run.resume:  # the driver opens the first iteration once this is reported
             dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
-        channel = WeightChannel(weights, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))  # waits for the actor
         serve_iterations(dock, "rollout", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, after_report=sync,
                          seed=cfg.trainer.seed)
         dock.report(AFTER_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "after") if cfg.trainer.eval_after else {})
@@ -160,7 +163,7 @@ def run_rollout(cfg: Config, dock, weights: str) -> None:
             channel.close()
 
 
-def run_reward(cfg: Config, dock) -> None:
+def run_reward(cfg: Config, dock, first_wait_s: float | None = None) -> None:
     from dockrl.engines.hf import load_tokenizer
     from dockrl.trainer import build_scorer, resolve_model
     from dockrl.workers.advantage import AdvantageWorker
@@ -177,13 +180,13 @@ def run_reward(cfg: Config, dock) -> None:
         return metrics
 
     try:
-        serve_iterations(dock, "reward", step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed)
+        serve_iterations(dock, "reward", step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
         dock.report(AFTER_TRAINING, "reward", {})
     finally:
         scorer.close()
 
 
-def run_reference(cfg: Config, dock) -> None:
+def run_reference(cfg: Config, dock, first_wait_s: float | None = None) -> None:
     from dockrl.engines.factory import build_reference_engine
     from dockrl.trainer import resolve_model
     from dockrl.workers.reference import ReferenceWorker
@@ -191,11 +194,12 @@ def run_reference(cfg: Config, dock) -> None:
     t = cfg.trainer
     engine = build_reference_engine(cfg, resolve_model(cfg))
     worker = ReferenceWorker(engine, temperature=cfg.rollout.temperature, micro_batch=t.micro_batch)
-    serve_iterations(dock, "reference", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed)
+    serve_iterations(dock, "reference", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed,
+                     first_timeout_s=first_wait_s)
     dock.report(AFTER_TRAINING, "reference", {})
 
 
-def run_actor(cfg: Config, dock, weights: str) -> None:
+def run_actor(cfg: Config, dock, weights: str, first_wait_s: float | None = None) -> None:
     from dockrl.engines.factory import build_train_engine, engine_device
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.trainer import resolve_model
@@ -220,11 +224,44 @@ def run_actor(cfg: Config, dock, weights: str) -> None:
 
     try:
         serve_iterations(dock, "actor", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
-                         after_report=after_update, seed=cfg.trainer.seed)
+                         after_report=after_update, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
         engine.save(run_dir / "checkpoints" / "final")
         dock.report(AFTER_TRAINING, "actor", {})
     finally:
         channel.close()
+
+
+def wait_for_dock(locations: list[str], token: str | None, timeout_s: float, every_s: float = 0.5) -> None:
+    """Block until every dock shard answers: a run's groups start at once, and a shard's pod may
+    come up after a stage's (a slower image pull, a node still being added).
+
+    Raises:
+        DockTimeoutError: shards that did not answer within ``timeout_s`` (named).
+        pyarrow.flight.FlightError: a shard answered with an error (a wrong token).
+    """
+    import pyarrow.flight as flight
+
+    from dockrl.dock.errors import DockTimeoutError
+
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())] if token else [], timeout=2.0)
+    deadline = time.monotonic() + timeout_s
+    waiting = list(locations)
+    while True:
+        for location in list(waiting):
+            client = flight.connect(location)
+            try:
+                list(client.list_actions(options))
+                waiting.remove(location)
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError):
+                pass
+            finally:
+                client.close()
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise DockTimeoutError(f"dock shards {waiting} did not answer within {timeout_s:.0f} s (--first-wait-s, else "
+                                   "dock.timeout_s): their pods did not start, or the run was torn down")
+        time.sleep(every_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
     parser.add_argument("--weight-sync", default="", help="host:port of the launcher's TCPStore: the weight channel's "
                         "(rollout and actor) or the hybrid actor ranks' rendezvous")
-    parser.add_argument("--stay", action="store_true",
-                        help="after the last report, stay up until SIGTERM (a StatefulSet restarts a container that exits)")
+    parser.add_argument("--first-wait-s", type=float, default=None,
+                        help="longest wait for the dock shards to answer and for the first iteration, seconds (default "
+                        "dock.timeout_s); the launcher adds the time of the rollout's evaluation before training, which "
+                        "the other stages wait through, and how far apart the run's pods may start")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
     if args.stage in ("rollout", "actor", "hybrid") and not args.weight_sync:
@@ -261,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
     locations = [loc for loc in args.dock.split(",") if loc]
+    wait_for_dock(locations, os.environ.get(TOKEN_ENV) or None, args.first_wait_s or cfg.dock.timeout_s)
     # stop with the driver: at once when it was our parent, else when its lease on the dock goes quiet
     watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], os.environ.get(TOKEN_ENV) or None),
                  timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
@@ -270,34 +310,18 @@ def main(argv: list[str] | None = None) -> int:
         warehouse=warehouse, lease_s=cfg.dock.lease_s, owner=f"{args.run}/{args.stage}{replica_suffix()}",
     ) as dock:
         if args.stage == "rollout":
-            run_rollout(cfg, dock, args.weight_sync)
+            run_rollout(cfg, dock, args.weight_sync)  # it evaluates itself first
         elif args.stage == "hybrid":
             from dockrl.workers.hybrid import run_hybrid
 
-            run_hybrid(cfg, dock, args.weight_sync)
+            run_hybrid(cfg, dock, args.weight_sync, first_wait_s=args.first_wait_s)
         elif args.stage == "reward":
-            run_reward(cfg, dock)
+            run_reward(cfg, dock, first_wait_s=args.first_wait_s)
         elif args.stage == "reference":
-            run_reference(cfg, dock)
+            run_reference(cfg, dock, first_wait_s=args.first_wait_s)
         else:
-            run_actor(cfg, dock, args.weight_sync)
-    if args.stay:
-        wait_for_stop(args.stage)
+            run_actor(cfg, dock, args.weight_sync, first_wait_s=args.first_wait_s)
     return 0
-
-
-def wait_for_stop(stage: str) -> None:
-    """Block until SIGTERM or SIGINT (the launcher's teardown deletes the pod); no timeout on
-    purpose: a pod whose launcher is gone is removed with it (owner reference)."""
-    stopping = threading.Event()
-
-    def stop(signum: int, frame: object) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    logger.info("%s: done; staying up until the run's workers are torn down", stage)
-    stopping.wait()
 
 
 if __name__ == "__main__":

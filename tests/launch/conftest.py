@@ -1,19 +1,29 @@
-"""A fake Kubernetes API (the few CoreV1Api / AppsV1Api calls the worker backend makes).
+"""A fake Kubernetes API (FakeKubernetesApi: the CoreV1Api / CustomObjectsApi calls the worker
+backend makes), and offline validators: kubernetes-validate for core objects, the JobSet CRD's
+OpenAPI schema (tests/launch/reference/) for JobSets.
 
-Objects are kept as API dicts; list calls answer real ``kubernetes.client`` model objects
-(deserialized as the real client does), so the backend is tested against the real types.
+Objects are kept as API dicts; core list calls answer real ``kubernetes.client`` model objects
+(deserialized as the real client does), so the backend is tested against the real types. What
+the JobSet controller, the scheduler and the kubelet would do, tests script with ``add_pod``,
+``set_pod``, ``replace_pod``, ``add_event`` and ``set_jobset``.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import uuid
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
+
+REFERENCE = Path(__file__).parent / "reference"
 
 
 def _matches(obj: dict, selector: str | None) -> bool:
@@ -30,18 +40,23 @@ class _Response:  # what ApiClient.deserialize reads
         self.data = json.dumps(data)
 
 
-class FakeCluster:
-    """Shared state of the fake API: objects by (kind, namespace, name), pod logs, call log."""
+class FakeKubernetesApi:
+    """State of a fake API server: objects by (kind, namespace, name), pod logs and events, a call log."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict] = {}
-        self.logs: dict[tuple[str, bool], str] = {}
+        self.logs: dict[str, str] = {}
+        self.events: dict[str, list[dict]] = {}
         self.calls: list[tuple[str, dict]] = []
+        self.created: list[dict] = []  # every body created, as sent
         self.fail_create: dict[str, int] = {}  # kind -> HTTP status to answer create with
-        # group label -> (pod status, log, previous container's log): what the StatefulSet controller
-        # and the kubelet would report for every member as soon as the group's StatefulSet is created
-        self.pods_on_create: dict[str, tuple[dict, str, str]] = {}
+        # group -> (pod status, log): what the JobSet controller and the kubelet report for every
+        # member of that replicated job as soon as the JobSet is created
+        self.pods_on_create: dict[str, tuple[dict, str]] = {}
         self._client = ApiClient()
+        self._suffix = itertools.count()
+
+    # ---- the API server ----
 
     def create(self, kind: str, namespace: str, body: dict) -> dict:
         self.calls.append((f"create {kind}", {"namespace": namespace, "name": body["metadata"]["name"]}))
@@ -50,94 +65,206 @@ class FakeCluster:
         key = (kind, namespace, body["metadata"]["name"])
         if key in self.objects:
             raise ApiException(status=409, reason="AlreadyExists")
+        self.created.append(copy.deepcopy(body))
         obj = copy.deepcopy(body)
-        if kind == "StatefulSet":
-            obj["status"] = {"replicas": 0, "readyReplicas": 0}
+        obj["metadata"]["uid"] = str(uuid.uuid4())
         self.objects[key] = obj
-        group = obj["metadata"]["labels"].get("dockrl.io/group")
-        if kind == "StatefulSet" and group in self.pods_on_create:
-            status, log, previous_log = self.pods_on_create[group]
-            for i in range(obj["spec"]["replicas"]):
-                self.add_pod(namespace, obj["metadata"]["name"], i, copy.deepcopy(status), log, previous_log)
-        return obj
+        if kind == "JobSet":
+            obj["status"] = {}
+            for rjob in obj["spec"]["replicatedJobs"]:
+                if rjob["name"] in self.pods_on_create:
+                    status, log = self.pods_on_create[rjob["name"]]
+                    for i in range(rjob["template"]["spec"]["parallelism"]):
+                        self.add_pod(namespace, rjob["name"], i, copy.deepcopy(status), log)
+        return copy.deepcopy(obj)
 
-    def listed(self, kind: str, namespace: str, selector: str | None, model: str):
-        items = [o for (k, ns, _), o in self.objects.items() if k == kind and ns == namespace and _matches(o, selector)]
-        return self._client.deserialize(_Response({"items": items, "metadata": {}}), model)
+    def get(self, kind: str, namespace: str, name: str) -> dict:
+        if (kind, namespace, name) not in self.objects:
+            raise ApiException(status=404, reason="NotFound")
+        return copy.deepcopy(self.objects[(kind, namespace, name)])
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
+        self.calls.append((f"patch {kind}", {"namespace": namespace, "name": name}))
+        obj = self.objects[(kind, namespace, name)]
+        obj["metadata"].update(copy.deepcopy(body.get("metadata", {})))
+        return copy.deepcopy(obj)
+
+    def listed(self, kind: str, namespace: str, selector: str | None, model: str | None = None) -> Any:
+        items = [copy.deepcopy(o) for (k, ns, _), o in self.objects.items() if k == kind and ns == namespace and _matches(o, selector)]
+        data = {"items": items, "metadata": {}}
+        return self._client.deserialize(_Response(data), model) if model else data
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.calls.append((f"delete {kind}", {"namespace": namespace, "name": name}))
-        if self.objects.pop((kind, namespace, name), None) is None:
+        obj = self.objects.pop((kind, namespace, name), None)
+        if obj is None:
             raise ApiException(status=404, reason="NotFound")
-        if kind == "StatefulSet":  # the garbage collector removes its pods
-            for key in [k for k in self.objects if k[0] == "Pod" and k[2].rsplit("-", 1)[0] == name]:
+        uid = obj["metadata"]["uid"]
+        for key, other in list(self.objects.items()):  # the garbage collector: what the object owned goes with it
+            owners = other["metadata"].get("ownerReferences") or []
+            owned_pod = kind == "JobSet" and key[0] == "Pod" and other["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name
+            if owned_pod or any(o.get("uid") == uid for o in owners):
                 del self.objects[key]
 
-    def core_api(self) -> "FakeCoreV1Api":
+    def core(self) -> "FakeCoreV1Api":
         return FakeCoreV1Api(self)
 
-    def apps_api(self) -> "FakeAppsV1Api":
-        return FakeAppsV1Api(self)
+    def custom(self) -> "FakeCustomObjectsApi":
+        return FakeCustomObjectsApi(self)
 
-    # ---- what the kubelet and the StatefulSet controller would do ----
+    # ---- what the JobSet controller, the scheduler and the kubelet would do ----
 
-    def set_ready(self, namespace: str, name: str, ready: int) -> None:
-        self.objects[("StatefulSet", namespace, name)]["status"]["readyReplicas"] = ready
+    def jobset(self, namespace: str) -> dict:
+        [obj] = [o for (k, ns, _), o in self.objects.items() if k == "JobSet" and ns == namespace]
+        return obj
 
-    def add_pod(self, namespace: str, statefulset: str, index: int, status: dict, log: str = "", previous_log: str = "") -> str:
-        sts = self.objects[("StatefulSet", namespace, statefulset)]
-        name = f"{statefulset}-{index}"
+    def add_pod(self, namespace: str, group: str, index: int, status: dict, log: str = "") -> str:
+        """A pod of member ``index`` of replicated job ``group``, as the Job controller names and labels it."""
+        jobset = self.jobset(namespace)
+        [rjob] = [r for r in jobset["spec"]["replicatedJobs"] if r["name"] == group]
+        template = rjob["template"]["spec"]["template"]
+        js = jobset["metadata"]["name"]
+        name = f"{js}-{group}-0-{index}-{next(self._suffix):05d}"
         self.objects[("Pod", namespace, name)] = {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "labels": dict(sts["spec"]["template"]["metadata"]["labels"])},
-            "spec": {"containers": [{"name": "worker", "image": "x"}]},
+            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
+                         "labels": {**template["metadata"]["labels"], "jobset.sigs.k8s.io/jobset-name": js,
+                                    "batch.kubernetes.io/job-completion-index": str(index)},
+                         "annotations": {**template["metadata"].get("annotations", {}),
+                                         "batch.kubernetes.io/job-completion-index": str(index)}},
+            "spec": {"containers": [{"name": "worker", "image": template["spec"]["containers"][0]["image"]}],
+                     "hostname": f"{js}-{group}-0-{index}", "subdomain": js},
             "status": status,
         }
-        self.logs[(name, False)], self.logs[(name, True)] = log, previous_log
+        self.logs[name] = log
         return name
+
+    def pod_name(self, namespace: str, group: str, index: int) -> str:
+        [name] = [n for (k, ns, n), o in self.objects.items() if k == "Pod" and ns == namespace
+                  and o["metadata"]["labels"].get("dockrl.io/group") == group
+                  and o["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(index)]
+        return name
+
+    def set_pod(self, namespace: str, name: str, status: dict | None = None, **metadata: Any) -> None:
+        pod = self.objects[("Pod", namespace, name)]
+        if status is not None:
+            pod["status"] = status
+        pod["metadata"].update(metadata)
+
+    def replace_pod(self, namespace: str, group: str, index: int, status: dict) -> str:
+        """The old pod of the member gone (a drain, a preemption), a new one in its place."""
+        del self.objects[("Pod", namespace, self.pod_name(namespace, group, index))]
+        return self.add_pod(namespace, group, index, status)
+
+    def add_event(self, pod: str, reason: str, message: str, count: int = 1) -> None:
+        self.events.setdefault(pod, []).append({
+            "metadata": {"name": f"{pod}.{len(self.events.get(pod, []))}"}, "involvedObject": {"kind": "Pod", "name": pod},
+            "reason": reason, "message": message, "count": count, "type": "Warning",
+        })
+
+    def set_jobset(self, namespace: str, *, status: dict | None = None, suspend: bool | None = None) -> None:
+        jobset = self.jobset(namespace)
+        if status is not None:
+            jobset["status"] = status
+        if suspend is not None:
+            jobset["spec"]["suspend"] = suspend
 
 
 class FakeCoreV1Api:
-    def __init__(self, cluster: FakeCluster):
-        self.cluster = cluster
+    def __init__(self, api: FakeKubernetesApi):
+        self.api = api
 
-    def create_namespaced_service(self, namespace, body, **_):
-        return self.cluster.create("Service", namespace, body)
+    def create_namespaced_secret(self, namespace, body, **_):
+        return self.api.create("Secret", namespace, body)
 
-    def list_namespaced_service(self, namespace, label_selector=None, **_):
-        return self.cluster.listed("Service", namespace, label_selector, "V1ServiceList")
+    def patch_namespaced_secret(self, name, namespace, body, **_):
+        return self.api.patch("Secret", namespace, name, body)
 
-    def delete_namespaced_service(self, name, namespace, **_):
-        self.cluster.delete("Service", namespace, name)
+    def list_namespaced_secret(self, namespace, label_selector=None, **_):
+        return self.api.listed("Secret", namespace, label_selector, "V1SecretList")
+
+    def delete_namespaced_secret(self, name, namespace, **_):
+        self.api.delete("Secret", namespace, name)
 
     def list_namespaced_pod(self, namespace, label_selector=None, **_):
-        return self.cluster.listed("Pod", namespace, label_selector, "V1PodList")
+        return self.api.listed("Pod", namespace, label_selector, "V1PodList")
+
+    def list_namespaced_event(self, namespace, field_selector="", **_):
+        key, _, pod = field_selector.partition("=")
+        assert key == "involvedObject.name", field_selector
+        data = {"items": self.api.events.get(pod, []), "metadata": {}}
+        return self.api._client.deserialize(_Response(data), "CoreV1EventList")
 
     def read_namespaced_pod_log(self, name, namespace, container=None, tail_lines=None, previous=False, **_):
-        self.cluster.calls.append(("read log", {"name": name, "container": container, "previous": previous, "tail_lines": tail_lines}))
-        if (name, previous) not in self.cluster.logs or ("Pod", namespace, name) not in self.cluster.objects:
-            raise ApiException(status=400, reason="BadRequest")
-        lines = self.cluster.logs[(name, previous)].splitlines(keepends=True)
+        self.api.calls.append(("read log", {"name": name, "container": container, "previous": previous, "tail_lines": tail_lines}))
+        if ("Pod", namespace, name) not in self.api.objects:
+            raise ApiException(status=404, reason="NotFound")
+        lines = self.api.logs.get(name, "").splitlines(keepends=True)
         return "".join(deque(lines, maxlen=tail_lines) if tail_lines else lines)
 
 
-class FakeAppsV1Api:
-    def __init__(self, cluster: FakeCluster):
-        self.cluster = cluster
+_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("scheduling.volcano.sh", "podgroups"): "PodGroup"}
 
-    def create_namespaced_stateful_set(self, namespace, body, **_):
-        return self.cluster.create("StatefulSet", namespace, body)
 
-    def list_namespaced_stateful_set(self, namespace, label_selector=None, **_):
-        return self.cluster.listed("StatefulSet", namespace, label_selector, "V1StatefulSetList")
+class FakeCustomObjectsApi:
+    def __init__(self, api: FakeKubernetesApi):
+        self.api = api
 
-    def delete_namespaced_stateful_set(self, name, namespace, **_):
-        self.cluster.delete("StatefulSet", namespace, name)
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body, **_):
+        assert body["apiVersion"] == f"{group}/{version}"
+        return self.api.create(_KINDS[(group, plural)], namespace, body)
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+        return self.api.get(_KINDS[(group, plural)], namespace, name)
+
+    def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **_):
+        return self.api.patch(_KINDS[(group, plural)], namespace, name, body)
+
+    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
+        return self.api.listed(_KINDS[(group, plural)], namespace, label_selector)
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, propagation_policy=None, **_):
+        self.api.delete(_KINDS[(group, plural)], namespace, name)
 
 
 @pytest.fixture
-def cluster() -> FakeCluster:
-    return FakeCluster()
+def cluster() -> FakeKubernetesApi:
+    return FakeKubernetesApi()
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD's structural schema with unknown fields refused (the API server would drop them
+    silently: a misspelt field must fail here), and nothing else changed."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="session")
+def validate_jobset():
+    """``validate_jobset(obj)``: the JobSet CRD's OpenAPI v3 schema (JobSet v0.9.1, v1alpha2) with
+    ``jsonschema``, unknown fields refused, failing with the path and message."""
+    import jsonschema
+
+    crd = yaml.safe_load((REFERENCE / "jobset-v0.9.1-crd.yaml").read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    validator = jsonschema.Draft202012Validator(schema)
+
+    def check(obj: dict) -> None:
+        assert obj["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and obj["kind"] == "JobSet"
+        errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
+        if errors:
+            pytest.fail("JobSet invalid against the v0.9.1 CRD:\n" + "\n".join(
+                f"  {'/'.join(map(str, e.path)) or '<root>'}: {e.message[:300]}" for e in errors[:10]))
+
+    return check
 
 
 K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest with the pod-index label the workers read, and the newest schema

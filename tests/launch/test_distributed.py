@@ -79,7 +79,8 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
     groups = worker_groups(cfg, local, [5001, 5002], "127.0.0.1:29500", "secret")
     assert [g.name for g in groups] == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
-    assert all(g.env[TOKEN_ENV] == "secret" for g in groups)  # the token travels in the environment only
+    assert all(g.secret_env == {TOKEN_ENV: "secret"} for g in groups)  # the token travels as a secret only
+    assert all(TOKEN_ENV not in g.env for g in groups)
     assert all("secret" not in " ".join(g.command) for g in groups)
     assert all(load_config_text(g.env[CONFIG_ENV], "env") == cfg for g in groups[2:])  # so does the config
     assert "device: auto" in groups[2].env[CONFIG_ENV]  # a stage resolves parallel.device=auto where it runs
@@ -97,8 +98,10 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert rollout[rollout.index("--config-env") + 1] == CONFIG_ENV
     assert rollout[rollout.index("--dock") + 1] == "grpc://127.0.0.1:5001,grpc://127.0.0.1:5002"
     assert rollout[rollout.index("--weight-sync") + 1] == "127.0.0.1:29500"
-    assert "--stay" not in rollout  # a finished local stage exits and frees its memory
-    assert [g.name for g in groups if g.accelerators] == ["rollout", "reference", "actor"]
+    assert "--first-wait-s" not in rollout  # none given: dock.timeout_s
+    for group in worker_groups(cfg, local, [1], "h:2", "t", first_wait=900.0)[1:]:  # every stage starts at once
+        assert group.command[group.command.index("--first-wait-s") + 1] == "900", group.name
+    assert [(g.name, g.devices) for g in groups if g.accelerators] == [("rollout", 1), ("reference", 1), ("actor", 1)]
     assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor", WEIGHT_SYNC]
 
     no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0")

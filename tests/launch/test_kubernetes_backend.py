@@ -1,212 +1,456 @@
-"""The Kubernetes worker backend against a fake API (FakeCoreV1Api / FakeAppsV1Api in conftest.py);
-every rendered object validated with kubernetes-validate --strict."""
+"""The Kubernetes worker backend against a fake API (FakeKubernetesApi in conftest.py): the rendered
+JobSet validated against the JobSet v0.9.1 CRD schema and every core object with
+kubernetes-validate --strict; starting, watching (one test per way a worker pod fails or cannot
+start, each failing within seconds of the event with the pod and the reason named), teardown."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
 
 import pytest
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup, teardown_run
-from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod, object_name, render_group
-from dockrl.launch.platform import PLATFORMS
+from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
+from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod
+from dockrl.launch.platform import PLATFORMS, Platform
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
 OWNER = OwnerPod(name="dockrl-grpo-abcde-train-123", uid="8c7e6d5f-0000-4000-8000-123456789abc")
+TOKEN = "dock-token-of-this-run"
 GROUPS = [
-    WorkerGroup(name="actor", command=("dockrl", "worker", "actor"), replicas=2, accelerators=True, cpu="16", memory="256Gi", port=29500),
-    WorkerGroup(name="reference", command=("dockrl", "worker", "reference"), accelerators=True, cpu="8", memory="128Gi"),
-    WorkerGroup(name="reward", command=("dockrl", "worker", "reward"), replicas=4, cpu="2", memory="4Gi", env={"REWARD_TIMEOUT_S": "5"}),
-    WorkerGroup(name="dock-shard", command=("dockrl", "dock", "serve"), replicas=2, cpu="4", memory="32Gi", port=8815),
+    WorkerGroup(name="dock-shard-0", command=("dockrl", "dock-shard"), port=8815, secret_env={"DOCKRL_DOCK_TOKEN": TOKEN}),
+    WorkerGroup(name="hybrid", command=("dockrl", "worker", "--stage", "hybrid"), replicas=4, devices=1,
+                secret_env={"DOCKRL_DOCK_TOKEN": TOKEN}),
+    WorkerGroup(name="reference", command=("dockrl", "worker", "--stage", "reference"), devices=2),
+    WorkerGroup(name="reward", command=("dockrl", "worker", "--stage", "reward"), replicas=2, cpu="2", memory="6Gi",
+                env={"REWARD_TIMEOUT_S": "5"}, secret_env={"DOCKRL_DOCK_TOKEN": TOKEN}),
 ]
+RUNNING = {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"}], "containerStatuses": [
+    {"name": "worker", "ready": True, "restartCount": 0, "image": "x", "imageID": "", "state": {"running": {}}}]}
+PULLING = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}], "containerStatuses": [
+    {"name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "", "state": {"waiting": {"reason": "ContainerCreating"}}}]}
 
 
-def backend(cluster, platform="npu", **kw) -> KubernetesBackend:
-    return KubernetesBackend(RUN, namespace=NS, platform=PLATFORMS[platform], core_api=cluster.core_api(),
-                             apps_api=cluster.apps_api(), owner=OWNER, poll_s=0.01, **kw)
+def platform(name: str = "npu", **changes) -> Platform:
+    return dataclasses.replace(PLATFORMS[name], **changes)
 
 
-def by_kind(objects, kind):
-    return {o["metadata"]["labels"]["dockrl.io/group"]: o for o in objects if o["kind"] == kind}
+def backend(cluster, plat: Platform | None = None, **kw) -> KubernetesBackend:
+    kw.setdefault("poll_s", 0.05)
+    return KubernetesBackend(RUN, namespace=NS, platform=plat or PLATFORMS["npu"], core_api=cluster.core(),
+                             custom_api=cluster.custom(), owner=OWNER, **kw)
 
 
-def test_every_rendered_object_is_valid_kubernetes(cluster, validate_strict):
-    for platform in ("npu", "gpu", "cpu"):
-        objects = backend(cluster, platform).render(GROUPS)
-        assert [o["kind"] for o in objects] == ["Service", "StatefulSet"] * len(GROUPS)
-        for obj in objects:
-            validate_strict(obj)
+def objects(plat: Platform, groups=GROUPS) -> dict[str, dict]:
+    return {o["kind"]: o for o in render_jobset(groups, run_id=RUN, namespace=NS, platform=plat, owner=OWNER.reference())}
 
 
-def test_accelerator_groups_get_the_platform_resources_scheduling_and_credentials(cluster):
-    objects = backend(cluster, "npu").render(GROUPS)
-    sets = by_kind(objects, "StatefulSet")
-    actor = sets["actor"]["spec"]["template"]["spec"]
-    [container] = actor["containers"]
-    assert container["image"] == PLATFORMS["npu"].image
-    assert container["resources"]["limits"]["huawei.com/Ascend910"] == 8
-    assert container["resources"]["requests"] == container["resources"]["limits"]
-    assert actor["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
-    assert actor["tolerations"] == [{"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"}]
-    assert container["command"] == ["dockrl", "worker", "actor"]
-    env = {e["name"]: e for e in container["env"]}
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "dockrl-object-store", "key": "AWS_SECRET_ACCESS_KEY"}}
-    assert env["DOCKRL_RUN_ID"]["value"] == RUN and env["DOCKRL_REPLICAS"]["value"] == "2"
-    assert "pod-index" in env["DOCKRL_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert actor["securityContext"]["runAsNonRoot"] is True and actor["automountServiceAccountToken"] is False
+def replicated(jobset: dict) -> dict[str, dict]:
+    return {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
 
-    reward = sets["reward"]["spec"]["template"]["spec"]
+
+def pod_spec(jobset: dict, group: str) -> dict:
+    return replicated(jobset)[group]["template"]["spec"]["template"]["spec"]
+
+
+# ---- rendering ----
+
+@pytest.mark.parametrize(("name", "scheduler"), [("npu", "default"), ("npu", "kueue"), ("npu", "volcano"), ("gpu", "default"),
+                                                ("cpu", "volcano")])
+def test_every_rendered_jobset_is_valid_against_the_crd_and_kubernetes(name, scheduler, validate_jobset, validate_strict):
+    plat = platform(name, scheduler=scheduler, queue="team-rl" if scheduler == "kueue" else "")
+    objs = objects(plat)
+    assert list(objs) == ["Secret", "PodGroup", "JobSet"] if scheduler == "volcano" else ["Secret", "JobSet"]
+    validate_jobset(objs["JobSet"])
+    validate_strict(objs["Secret"])
+    for rjob in objs["JobSet"]["spec"]["replicatedJobs"]:  # the Job and pod template, as the Job controller gets them
+        validate_strict({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{jobset_name(RUN)}-{rjob['name']}-0"},
+                         "spec": rjob["template"]["spec"]})
+
+
+def test_the_crd_schema_catches_a_misspelt_field(validate_jobset):
+    jobset = objects(PLATFORMS["npu"])["JobSet"]
+    jobset["spec"]["failurePolicy"]["maxRestart"] = 0
+    with pytest.raises(pytest.fail.Exception, match="failurePolicy: Additional properties are not allowed .'maxRestart'"):
+        validate_jobset(jobset)
+    jobset = objects(PLATFORMS["npu"])["JobSet"]
+    jobset["spec"]["failurePolicy"]["rules"][0]["action"] = "Fail"
+    with pytest.raises(pytest.fail.Exception, match="'Fail' is not one of"):
+        validate_jobset(jobset)
+
+
+def test_one_jobset_per_run_with_a_replicated_job_per_group():
+    plat = PLATFORMS["npu"]
+    jobset = objects(plat)["JobSet"]
+    name = jobset_name(RUN)
+    assert jobset["metadata"]["name"] == name and jobset["metadata"]["namespace"] == NS
+    assert jobset["metadata"]["ownerReferences"] == [OWNER.reference()]
+    assert jobset["metadata"]["labels"]["dockrl.io/run"] == RUN
+    spec = jobset["spec"]
+    assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": name}
+    assert spec["failurePolicy"] == {"maxRestarts": 0, "rules": [{"name": "FailRunOnAnyWorkerFailure", "action": "FailJobSet"}]}
+    assert spec["ttlSecondsAfterFinished"] == plat.worker_ttl_s
+    # what the CRD's descriptions and its CEL rules ask beyond its schema (the JobSet webhook checks them)
+    assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", spec["failurePolicy"]["rules"][0]["name"])
+    assert "startupPolicy" not in spec and not any("dependsOn" in r for r in spec["replicatedJobs"])  # all start at once
+    assert all(re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", r["name"]) for r in spec["replicatedJobs"])  # DNS-1035 labels
+    rjobs = replicated(jobset)
+    assert list(rjobs) == ["dock-shard-0", "hybrid", "reference", "reward"]
+    for g in GROUPS:
+        rjob = rjobs[g.name]
+        job = rjob["template"]["spec"]
+        assert rjob["replicas"] == 1 and job["parallelism"] == job["completions"] == g.replicas
+        assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
+        assert job["activeDeadlineSeconds"] == plat.worker_deadline_s == 7 * 24 * 3600
+        assert job["template"]["spec"]["restartPolicy"] == "Never"
+        assert job["template"]["metadata"]["labels"]["dockrl.io/group"] == g.name
+        env = {e["name"]: e for e in job["template"]["spec"]["containers"][0]["env"]}
+        assert env["DOCKRL_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        assert env["DOCKRL_REPLICAS"]["value"] == str(g.replicas)
+    # pod host names within a DNS label: <jobset>-<group>-<job>-<index>
+    assert max(len(f"{name}-{g.name}-0-{g.replicas - 1}") for g in GROUPS) <= 63
+    assert member_host(RUN, "hybrid", 3, NS) == f"{name}-hybrid-0-3.{name}.{NS}.svc"
+
+
+def test_devices_and_requests_per_pod_follow_the_groups():
+    npu = objects(PLATFORMS["npu"])["JobSet"]
+    hybrid = pod_spec(npu, "hybrid")["containers"][0]
+    assert hybrid["resources"] == {
+        "requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "20Gi", "huawei.com/Ascend910": 1},
+        "limits": {"huawei.com/Ascend910": 1},  # the extended resource only: no cpu or memory limit
+    }
+    assert hybrid["image"] == PLATFORMS["npu"].image
+    reference = pod_spec(npu, "reference")["containers"][0]["resources"]
+    assert reference["requests"]["huawei.com/Ascend910"] == reference["limits"]["huawei.com/Ascend910"] == 2
+    for group in ("hybrid", "reference"):
+        assert pod_spec(npu, group)["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+        assert pod_spec(npu, group)["tolerations"] == [{"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"}]
+    reward = pod_spec(npu, "reward")
+    assert reward["containers"][0]["resources"] == {"requests": {"cpu": "2", "memory": "6Gi", "ephemeral-storage": "2Gi"}}
+    assert reward["containers"][0]["image"] == PLATFORMS["cpu"].image  # reward and dock shards on CPU nodes
     assert "nodeSelector" not in reward and "tolerations" not in reward
-    assert set(reward["containers"][0]["resources"]["limits"]) == {"cpu", "memory"}
-    assert reward["containers"][0]["image"] == PLATFORMS["cpu"].image  # no accelerator: the cpu image of the release
-    assert container["resources"]["limits"]["memory"] == PLATFORMS["npu"].stage_memory  # the platform sizes stage pods
     assert {"name": "REWARD_TIMEOUT_S", "value": "5"} in reward["containers"][0]["env"]
+    shard = pod_spec(npu, "dock-shard-0")["containers"][0]
+    assert shard["ports"] == [{"name": "rpc", "containerPort": 8815, "protocol": "TCP"}]
+    assert set(shard["resources"]["requests"]) == {"cpu", "memory", "ephemeral-storage"}
+    gpu = objects(PLATFORMS["gpu"])["JobSet"]
+    assert pod_spec(gpu, "hybrid")["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    cpu = objects(PLATFORMS["cpu"])["JobSet"]
+    assert "limits" not in pod_spec(cpu, "hybrid")["containers"][0]["resources"]
 
-    gpu = by_kind(backend(cluster, "gpu").render(GROUPS), "StatefulSet")["reference"]["spec"]["template"]["spec"]
-    assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert gpu["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+def test_pods_meet_pod_security_restricted_without_a_sidecar_and_npu_pods_open_the_devices():
+    npu = objects(PLATFORMS["npu"])["JobSet"]
+    for rjob in npu["spec"]["replicatedJobs"]:
+        template = rjob["template"]["spec"]["template"]
+        spec, [container] = template["spec"], template["spec"]["containers"]
+        assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert template["metadata"]["labels"]["sidecar.istio.io/inject"] == "false"
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                                "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert spec["automountServiceAccountToken"] is False
+        holds_devices = rjob["name"] in ("hybrid", "reference")
+        assert spec["securityContext"].get("supplementalGroups") == ([1000] if holds_devices else None)  # HwHiAiUser
+    gpu = objects(PLATFORMS["gpu"])["JobSet"]
+    assert "supplementalGroups" not in pod_spec(gpu, "hybrid")["securityContext"]
 
 
-def test_objects_are_labelled_owned_and_wired_to_their_headless_service(cluster):
-    objects = backend(cluster).render(GROUPS)
-    services, sets = by_kind(objects, "Service"), by_kind(objects, "StatefulSet")
-    for group in ("actor", "reference", "reward", "dock-shard"):
-        svc, sts = services[group], sets[group]
-        for obj in (svc, sts):
-            assert obj["metadata"]["namespace"] == NS
-            assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": OWNER.name, "uid": OWNER.uid}]
-            assert obj["metadata"]["labels"]["dockrl.io/run"] == RUN
-        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
-        assert sts["spec"]["serviceName"] == svc["metadata"]["name"] == sts["metadata"]["name"]
-        selector = sts["spec"]["selector"]["matchLabels"]
-        assert selector == svc["spec"]["selector"]
-        assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
-        assert len(sts["metadata"]["name"]) <= 52  # room for the controller-revision-hash label
-    assert services["actor"]["spec"]["ports"] == [{"name": "rpc", "port": 29500, "targetPort": 29500, "protocol": "TCP"}]
-    assert services["reward"]["spec"]["ports"] == []
-    assert sets["actor"]["spec"]["replicas"] == 2 and sets["dock-shard"]["spec"]["replicas"] == 2
+def test_the_dock_token_is_in_the_runs_secret_never_a_plain_value():
+    objs = objects(PLATFORMS["npu"])
+    secret = objs["Secret"]
+    assert secret["metadata"]["name"] == secret_name(RUN) and secret["stringData"] == {"DOCKRL_DOCK_TOKEN": TOKEN}
+    assert TOKEN not in json.dumps(objs["JobSet"])
+    for group in ("dock-shard-0", "hybrid", "reward"):
+        env = {e["name"]: e for e in pod_spec(objs["JobSet"], group)["containers"][0]["env"]}
+        assert env["DOCKRL_DOCK_TOKEN"] == {"name": "DOCKRL_DOCK_TOKEN",
+                                            "valueFrom": {"secretKeyRef": {"name": secret_name(RUN), "key": "DOCKRL_DOCK_TOKEN"}}}
+    assert "DOCKRL_DOCK_TOKEN" not in {e["name"] for e in pod_spec(objs["JobSet"], "reference")["containers"][0]["env"]}
+
+
+def test_kueue_queues_the_whole_jobset_and_volcano_gangs_every_pod():
+    kueue = objects(platform("npu", scheduler="kueue", queue="team-rl"))["JobSet"]
+    assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-rl"
+    assert "schedulerName" not in pod_spec(kueue, "hybrid")
+    volcano = objects(platform("npu", scheduler="volcano", queue="ascend"))
+    assert volcano["PodGroup"]["spec"] == {"minMember": 1 + 4 + 1 + 2, "queue": "ascend"}  # every pod of the run, or none
+    assert volcano["PodGroup"]["metadata"]["name"] == jobset_name(RUN)
+    for rjob in volcano["JobSet"]["spec"]["replicatedJobs"]:
+        template = rjob["template"]["spec"]["template"]
+        assert template["spec"]["schedulerName"] == "volcano"
+        assert template["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == jobset_name(RUN)
+    assert "kueue.x-k8s.io/queue-name" not in volcano["JobSet"]["metadata"]["labels"]
+    with pytest.raises(ValueError, match="scheduler='kueue' needs queue"):
+        platform("npu", scheduler="kueue")
 
 
 def test_render_rejects_bad_input(cluster):
     with pytest.raises(ValueError, match="must be a Kubernetes label value"):
-        render_group(GROUPS[0], run_id="run/1", namespace=NS, platform=PLATFORMS["cpu"])
+        render_jobset(GROUPS, run_id="run/1", namespace=NS, platform=PLATFORMS["cpu"])
     with pytest.raises(ValueError, match="duplicate names"):
-        backend(cluster).render([GROUPS[2], GROUPS[2]])
+        render_jobset([GROUPS[3], GROUPS[3]], run_id=RUN, namespace=NS, platform=PLATFORMS["cpu"])
+    with pytest.raises(ValueError, match="secret_env 'DOCKRL_DOCK_TOKEN' differs between groups"):
+        render_jobset([GROUPS[0], dataclasses.replace(GROUPS[3], secret_env={"DOCKRL_DOCK_TOKEN": "other"})], run_id=RUN,
+                      namespace=NS, platform=PLATFORMS["cpu"])
     with pytest.raises(ValueError, match="namespace is empty"):
-        KubernetesBackend(RUN, namespace="", platform=PLATFORMS["cpu"], core_api=None, apps_api=None)
+        KubernetesBackend(RUN, namespace="", platform=PLATFORMS["cpu"], core_api=None, custom_api=None)
+    with pytest.raises(ValueError, match="devices=-1"):
+        WorkerGroup(name="actor", command=("x",), devices=-1)
 
 
-def test_start_creates_everything_and_waits_until_ready(cluster):
+# ---- starting ----
+
+def _running(cluster, groups=GROUPS) -> None:
+    for g in groups:
+        for i in range(g.replicas):
+            cluster.add_pod(NS, g.name, i, json.loads(json.dumps(RUNNING)))
+
+
+def test_start_creates_the_secret_then_one_jobset_owning_it_and_waits_for_every_pod(cluster):
     b = backend(cluster)
     b.start(GROUPS)
-    assert sorted(k[:2] for k in cluster.objects) == sorted([("Service", NS)] * 4 + [("StatefulSet", NS)] * 4)
-    with pytest.raises(TimeoutError, match="not ready after 0 s"):
-        b.wait_ready(timeout_s=0.05)
-    running = {"phase": "Running", "containerStatuses": [
-        {"name": "worker", "ready": True, "restartCount": 0, "image": "x", "imageID": "", "state": {"running": {}}}]}
-    for g in GROUPS:
-        name = object_name(RUN, g.name)
-        for i in range(g.replicas):
-            cluster.add_pod(NS, name, i, running)
-        cluster.set_ready(NS, name, g.replicas)
-    b.wait_ready(timeout_s=1)
+    created = [c for c in cluster.calls if c[0].startswith("create")]
+    assert created == [("create Secret", {"namespace": NS, "name": secret_name(RUN)}),
+                       ("create JobSet", {"namespace": NS, "name": jobset_name(RUN)})]  # every stage at once
+    jobset = cluster.jobset(NS)
+    secret = cluster.objects[("Secret", NS, secret_name(RUN))]
+    assert secret["metadata"]["ownerReferences"] == [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                                                      "name": jobset_name(RUN), "uid": jobset["metadata"]["uid"]}]
+    with pytest.raises(TimeoutError, match=r"not running after 0 s: running/expected per group \{'dock-shard-0': '0/1', 'hybrid': '0/4'"):
+        b.wait_ready(timeout_s=0.1)
+    _running(cluster)
+    b.wait_ready(timeout_s=5)
+    for g in GROUPS:  # the address the backend gives is the pod's DNS name (hostname.subdomain)
+        pod = cluster.objects[("Pod", NS, cluster.pod_name(NS, g.name, 0))]
+        host = b.address(g.name, 0, 1).rsplit(":", 1)[0]
+        assert host == f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}.{NS}.svc"
 
 
-def test_start_twice_and_missing_rights_are_clear_errors(cluster):
+def test_volcano_podgroup_is_created_first_and_handed_to_the_jobset(cluster):
+    b = backend(cluster, platform("npu", scheduler="volcano"))
+    b.start(GROUPS)
+    assert [c[0] for c in cluster.calls if c[0].startswith("create")] == ["create Secret", "create PodGroup", "create JobSet"]
+    uid = cluster.jobset(NS)["metadata"]["uid"]
+    assert cluster.objects[("PodGroup", NS, jobset_name(RUN))]["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert b.teardown() == 3
+    assert cluster.objects == {}
+
+
+def test_start_twice_missing_rights_and_a_cluster_without_jobset_are_clear_errors(cluster):
     backend(cluster).start(GROUPS[:1])
     with pytest.raises(RuntimeError, match="already exists: run .* was started before"):
         backend(cluster).start(GROUPS[:1])
-    cluster.fail_create["Service"] = 403
-    with pytest.raises(RuntimeError, match="not allowed to create Service .* dockrl-launcher Role"):
-        backend(cluster).start(GROUPS[2:3])
-
-
-def _started(cluster):
     b = backend(cluster)
+    b.teardown()
+    b.start(GROUPS[:1])
+    with pytest.raises(RuntimeError, match="start takes every group at once"):
+        b.start(GROUPS[1:])
+    b.teardown()
+    cluster.fail_create["JobSet"] = 403
+    with pytest.raises(RuntimeError, match="not allowed to create JobSet .* Role dockrl-launcher adds these rights to KFP's pipeline-runner"):
+        backend(cluster).start(GROUPS)
+    cluster.objects.clear()
+    cluster.fail_create["JobSet"] = 404
+    with pytest.raises(RuntimeError, match=r"JobSet is not a resource of this cluster: install the JobSet controller"):
+        backend(cluster).start(GROUPS)
+
+
+# ---- watching: one test per way a worker fails or cannot start ----
+
+def _watch(b: KubernetesBackend, limit_s: float = 10.0) -> tuple[WorkerFailed, float]:
+    """Call ``check`` as the driver does (every few hundred ms) until it raises; the error and the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            b.check()
+        except WorkerFailed as err:
+            return err, time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"no failure detected within {limit_s} s")
+
+
+def _started(cluster, plat: Platform | None = None, running: bool = True) -> KubernetesBackend:
+    b = backend(cluster, plat)
     b.start(GROUPS)
-    return b, object_name(RUN, "reward")
+    if running:
+        _running(cluster)
+        b.wait_ready(timeout_s=5)
+    return b
 
 
-def test_crash_loop_fails_fast_with_the_previous_containers_log(cluster):
-    b, reward = _started(cluster)
-    log = "".join(f"line {i}\n" for i in range(100)) + "ValueError: reward model unreachable\n"
-    cluster.add_pod(NS, reward, 1, {"phase": "Running", "containerStatuses": [{
-        "name": "worker", "ready": False, "restartCount": 3, "image": "x", "imageID": "",
-        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
-        "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}, previous_log=log)
-    with pytest.raises(WorkerFailed) as err:
-        b.wait_ready(timeout_s=30)
-    e = err.value
-    assert e.group == "reward" and e.member == f"{reward}-1"
-    assert "CrashLoopBackOff" in e.reason and "last exit code 1" in e.reason
-    assert e.log_tail.endswith("ValueError: reward model unreachable\n") and len(e.log_tail.splitlines()) == 50
-    assert ("read log", {"name": f"{reward}-1", "container": "worker", "previous": True, "tail_lines": 50}) in cluster.calls
+def test_unschedulable_pod_fails_after_the_scheduling_timeout_with_the_schedulers_message(cluster, caplog):
+    b = _started(cluster, platform("npu", schedule_timeout_s=1), running=False)
+    pod = cluster.add_pod(NS, "hybrid", 2, {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/12 nodes are available: 12 Insufficient huawei.com/Ascend910."}]})
+    err, seconds = _watch(b)
+    assert (err.group, err.member) == ("hybrid", pod)
+    assert "Unschedulable for 1 s (more than Platform.schedule_timeout_s=1): 0/12 nodes are available: 12 Insufficient" in err.reason
+    assert 1.0 <= seconds < 2.5
+    assert f"worker pod {pod} unschedulable" in caplog.text  # said at once, failed at the timeout
 
 
-def test_image_pull_failure_fails_fast(cluster):
-    b, reward = _started(cluster)
-    cluster.add_pod(NS, reward, 0, {"phase": "Pending", "containerStatuses": [{
+def test_unschedulable_pod_the_autoscaler_cannot_fit_fails_at_once(cluster):
+    b = _started(cluster, running=False)  # schedule_timeout_s 600: only the autoscaler's word fails it early
+    pod = cluster.add_pod(NS, "reference", 0, {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available"}]})
+    cluster.add_event(pod, "NotTriggerScaleUp", "pod didn't trigger scale-up: 2 Insufficient huawei.com/Ascend910")
+    err, seconds = _watch(b)
+    assert err.member == pod and "cluster autoscaler adds no node for it: pod didn't trigger scale-up" in err.reason
+    assert seconds < 1.0
+
+
+def test_time_queued_by_kueue_does_not_count_as_scheduling_and_has_its_own_timeout(cluster):
+    b = _started(cluster, platform("npu", scheduler="kueue", queue="team-rl", schedule_timeout_s=1, queue_timeout_s=2), running=False)
+    cluster.set_jobset(NS, suspend=True)  # Kueue holds it until the quota admits the whole run
+    err, seconds = _watch(b)
+    assert err.member == jobset_name(RUN) and "not admitted by kueue (queue 'team-rl') within Platform.queue_timeout_s=2 s" in err.reason
+    assert 2.0 <= seconds < 3.5
+
+
+def test_image_pull_failures_within_the_budget_pass_and_beyond_it_fail(cluster):
+    b = _started(cluster, running=False)  # image_pull_retries 3
+    pod = cluster.add_pod(NS, "reward", 1, {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
+                                            "containerStatuses": [{"name": "worker", "ready": False, "restartCount": 0, "image": "x",
+                                                                   "imageID": "", "state": {"waiting": {"reason": "ErrImagePull", "message": "i/o timeout"}}}]})
+    message = 'Failed to pull image "ghcr.io/dockrl/dockrl-cpu:0.1.0": unexpected EOF'
+    cluster.add_event(pod, "Failed", message, count=2)  # a registry hiccup: the kubelet retries
+    for _ in range(5):
+        b.check()
+        time.sleep(0.06)
+    cluster.events[pod][0]["count"] = 4  # a fourth failure: over the budget
+    err, seconds = _watch(b)
+    assert err.member == pod and err.reason == f"ErrImagePull: image pull failed 4 times (more than Platform.image_pull_retries=3): {message}"
+    assert seconds < 1.0
+    cluster.objects.clear()
+    b = _started(cluster, running=False)
+    pod = cluster.add_pod(NS, "reward", 0, {"phase": "Pending", "containerStatuses": [{
         "name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-        "state": {"waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}}}]})
-    with pytest.raises(WorkerFailed, match="ImagePullBackOff: pull access denied"):
-        b.check()
+        "state": {"waiting": {"reason": "InvalidImageName", "message": 'couldn\'t parse image name "dockrl:"'}}}]})
+    err, _ = _watch(b)
+    assert err.member == pod and err.reason.startswith("InvalidImageName: couldn't parse")
 
 
-def test_exited_worker_and_failed_pod_fail_with_their_log(cluster):
-    b, reward = _started(cluster)
-    cluster.add_pod(NS, reward, 0, {"phase": "Running", "containerStatuses": [{
+def test_a_pull_that_outlasts_its_own_timeout_fails_naming_the_waiting_state(cluster):
+    b = _started(cluster, platform("npu", image_pull_timeout_s=1), running=False)
+    pod = cluster.add_pod(NS, "hybrid", 0, json.loads(json.dumps(PULLING)))
+    err, seconds = _watch(b)
+    assert err.member == pod and "scheduled but not started after 1 s (more than Platform.image_pull_timeout_s=1): ['ContainerCreating']" in err.reason
+    assert 1.0 <= seconds < 2.5
+
+
+def test_oom_killed_worker_fails_with_its_log(cluster):
+    b = _started(cluster)
+    pod = cluster.pod_name(NS, "hybrid", 3)
+    cluster.logs[pod] = "".join(f"step {i}\n" for i in range(80)) + "allocating KV cache\n"
+    cluster.set_pod(NS, pod, {"phase": "Failed", "containerStatuses": [{
         "name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}, log="loading\n")
-    with pytest.raises(WorkerFailed, match=r"exited with code 137 \(OOMKilled\)") as err:
+        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]})
+    err, seconds = _watch(b)
+    assert (err.group, err.member) == ("hybrid", pod) and "exited with code 137 (OOMKilled)" in err.reason
+    assert err.log_tail.endswith("allocating KV cache\n") and len(err.log_tail.splitlines()) == 50
+    assert seconds < 1.0
+
+
+def test_evicted_worker_fails_with_the_kubelets_message(cluster):
+    b = _started(cluster)
+    pod = cluster.pod_name(NS, "reward", 0)
+    cluster.set_pod(NS, pod, {"phase": "Failed", "reason": "Evicted",
+                              "message": "The node was low on resource: ephemeral-storage. Container worker was using 25Gi."})
+    err, seconds = _watch(b)
+    assert err.member == pod and err.reason == ("pod failed: Evicted The node was low on resource: ephemeral-storage. "
+                                                "Container worker was using 25Gi.")
+    assert seconds < 1.0
+
+
+def test_a_replaced_worker_fails_naming_the_pod_it_replaced(cluster):
+    b = _started(cluster)
+    old = cluster.pod_name(NS, "dock-shard-0", 0)
+    new = cluster.replace_pod(NS, "dock-shard-0", 0, json.loads(json.dumps(RUNNING)))  # drained: recreated elsewhere, running
+    err, seconds = _watch(b)
+    assert err.member == old and f"replaced by pod {new}" in err.reason and "lost its state" in err.reason
+    assert seconds < 1.0
+
+
+def test_a_worker_being_deleted_fails_with_its_disruption(cluster):
+    b = _started(cluster)
+    pod = cluster.pod_name(NS, "reference", 0)
+    status = json.loads(json.dumps(RUNNING))
+    status["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+                                 "message": "Preempted in order to admit critical pod"})
+    cluster.set_pod(NS, pod, status, deletionTimestamp="2026-12-01T17:00:00Z")
+    err, seconds = _watch(b)
+    assert err.member == pod and err.reason.startswith("pod is being deleted (PreemptionByScheduler: Preempted in order to admit")
+    assert seconds < 1.0
+    cluster.objects.pop(("Pod", NS, pod))  # gone without a replacement
+    err, _ = _watch(b)
+    assert err.member == pod and err.reason.startswith("pod vanished")
+
+
+def test_a_failed_or_deleted_jobset_fails_the_run(cluster):
+    b = _started(cluster)
+    cluster.set_jobset(NS, status={"terminalState": "Failed", "conditions": [
+        {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": "jobset failed due to reaching max restarts",
+         "lastTransitionTime": "2026-12-01T17:00:00Z"}]})
+    cluster.objects.pop(("Pod", NS, cluster.pod_name(NS, "reward", 1)))  # gone with the JobSet: not the cause
+    err, _ = _watch(b)
+    assert err.member == jobset_name(RUN) and err.reason == "JobSet failed (FailedJobs: jobset failed due to reaching max restarts)"
+    cluster.objects.pop(("JobSet", NS, jobset_name(RUN)))
+    err, _ = _watch(b)
+    assert "the run's JobSet is gone" in err.reason
+
+
+def test_finished_stages_are_not_failures(cluster):
+    b = _started(cluster)
+    cluster.set_pod(NS, cluster.pod_name(NS, "reward", 0), {"phase": "Succeeded", "containerStatuses": [{
+        "name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})
+    for _ in range(5):
         b.check()
-    assert err.value.log_tail == "loading\n"
-    cluster.objects.pop(("Pod", NS, f"{reward}-0"))
-    cluster.add_pod(NS, reward, 0, {"phase": "Failed", "reason": "Evicted", "message": "node low on memory"})
-    with pytest.raises(WorkerFailed, match="pod failed: Evicted node low on memory") as err:
-        b.check()
-    assert err.value.log_tail == ""
+        time.sleep(0.06)
 
 
-def test_restarted_worker_fails_even_when_running_again(cluster):
-    b, reward = _started(cluster)
-    cluster.add_pod(NS, reward, 0, {"phase": "Running", "containerStatuses": [{
-        "name": "worker", "ready": True, "restartCount": 1, "image": "x", "imageID": "", "state": {"running": {}},
-        "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}}}]}, previous_log="segfault\n")
-    with pytest.raises(WorkerFailed, match="restarted 1x; last exit code 2") as err:
-        b.check()
-    assert err.value.log_tail == "segfault\n"
-
-
-def test_unschedulable_workers_are_named_at_the_timeout(cluster):
-    b, reward = _started(cluster)
-    cluster.add_pod(NS, reward, 0, {"phase": "Pending", "conditions": [
-        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]})
-    with pytest.raises(TimeoutError, match=rf"not scheduled .*\['{reward}-0'\]"):
-        b.wait_ready(timeout_s=0.05)
-
+# ---- teardown ----
 
 def test_teardown_deletes_only_this_runs_objects_and_is_idempotent(cluster):
-    b = backend(cluster)
-    b.start(GROUPS)
-    other = KubernetesBackend("other-run", namespace=NS, platform=PLATFORMS["cpu"], core_api=cluster.core_api(),
-                              apps_api=cluster.apps_api())
-    other.start(GROUPS[2:3])
-    cluster.add_pod(NS, object_name(RUN, "reward"), 0, {"phase": "Running"})
-    assert b.teardown() == 8
-    assert sorted(k[2] for k in cluster.objects) == [object_name("other-run", "reward")] * 2
-    assert b.teardown() == 0
+    b = _started(cluster)
+    other = KubernetesBackend("other-run", namespace=NS, platform=PLATFORMS["cpu"], core_api=cluster.core(), custom_api=cluster.custom())
+    cluster_objects_before = set(cluster.objects)
+    assert b.teardown() == 2  # the JobSet (its pods with it) and the Secret
+    assert cluster.objects == {}
+    assert len(cluster_objects_before) == 2 + sum(g.replicas for g in GROUPS)
+    other_groups = [GROUPS[3]]
+    other.start(other_groups)
+    assert b.teardown() == 0 and len(cluster.objects) == 2  # the other run's JobSet and Secret stay
+
+
+def test_teardown_waits_for_the_pods_within_its_bound(cluster, caplog):
+    b = _started(cluster)
+    b.teardown_wait_s = 0.3
+    cluster.objects[("Pod", NS, "straggler")] = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "straggler", "namespace": NS, "labels": {"dockrl.io/run": RUN}}, "spec": {"containers": []}, "status": {}}
+    t0 = time.monotonic()
+    b.teardown()
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert "1 pod(s) still terminating after 0 s: ['straggler']" in caplog.text
 
 
 def test_teardown_run_finds_the_cluster_namespace_and_owner(cluster, monkeypatch):
     import kubernetes
 
     monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
-    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: cluster.core_api())
-    monkeypatch.setattr(kubernetes.client, "AppsV1Api", lambda: cluster.apps_api())
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: cluster.core())
+    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", lambda: cluster.custom())
     monkeypatch.setenv("POD_NAMESPACE", NS)
     monkeypatch.setenv("POD_NAME", OWNER.name)
     monkeypatch.setenv("POD_UID", OWNER.uid)
     b = KubernetesBackend.from_cluster(RUN, platform="npu")
     assert (b.namespace, b.owner, b.platform.name) == (NS, OWNER, "npu")
-    b.start(GROUPS[2:])
-    assert teardown_run("kubernetes", RUN) == 4  # the exit handler: run id only
+    b.start(GROUPS)
+    assert teardown_run("kubernetes", RUN) == 2  # the exit handler: run id only
     assert cluster.objects == {}

@@ -18,7 +18,8 @@ from dockrl.config import load_config, load_config_text
 from dockrl.launch import launcher
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
-from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend, OwnerPod, object_name
+from dockrl.launch.jobset import jobset_name
+from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend, OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 from dockrl.launch.tasks import prepare_dataset, resolve_checkpoint
 from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV
@@ -48,33 +49,33 @@ def env_of(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
-def test_a_distributed_run_renders_valid_stage_pods_with_cluster_addresses(cluster, tiny_model_dir, tmp_path, validate_strict):
+def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(cluster, tiny_model_dir, tmp_path, validate_jobset):
     platform = npu_platform(tmp_path)
-    backend = KubernetesBackend(RUN, namespace=NS, platform=platform, core_api=cluster.core_api(), apps_api=cluster.apps_api(),
+    backend = KubernetesBackend(RUN, namespace=NS, platform=platform, core_api=cluster.core(), custom_api=cluster.custom(),
                                 owner=OWNER, launcher_ip=LAUNCHER_IP)
     cfg = small_config(tiny_model_dir, backend.shared_dir / "runs" / RUN)
     ports = backend.serve_ports(2)
-    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN)
-    objects = backend.render(groups)
-    for obj in objects:
-        validate_strict(obj)
-    sets = {o["metadata"]["labels"]["dockrl.io/group"]: o for o in objects if o["kind"] == "StatefulSet"}
-    services = {o["metadata"]["labels"]["dockrl.io/group"]: o for o in objects if o["kind"] == "Service"}
-    assert list(sets) == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
+    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0)
+    secret, jobset = backend.render(groups)
+    validate_jobset(jobset)
+    assert secret["stringData"] == {TOKEN_ENV: "secret-token"}
+    rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
+    assert list(rjobs) == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
 
     def pod(group: str) -> dict:
-        return sets[group]["spec"]["template"]["spec"]
+        return rjobs[group]["template"]["spec"]["template"]["spec"]
 
-    shard_names = [object_name(RUN, f"dock-shard-{s}") for s in (0, 1)]
-    locations = [f"grpc://{n}-0.{n}.{NS}.svc:{SHARD_PORT}" for n in shard_names]
+    name = jobset_name(RUN)
+    locations = [f"grpc://{name}-dock-shard-{s}-0-0.{name}.{NS}.svc:{SHARD_PORT}" for s in (0, 1)]
     assert shard_locations(backend, ports) == locations  # where the launcher connects, too
-    for s, name in enumerate(shard_names):
+    secret_ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": TOKEN_ENV}}
+    for s in (0, 1):
         [c] = pod(f"dock-shard-{s}")["containers"]
         assert c["command"][:8] == ["dockrl", "dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
+        assert c["command"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
         assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
-        assert services[f"dock-shard-{s}"]["spec"]["ports"][0]["port"] == SHARD_PORT
-        assert sets[f"dock-shard-{s}"]["spec"]["serviceName"] == name  # the DNS name's second label
-        assert env_of(c)[TOKEN_ENV] == "secret-token" and CONFIG_ENV not in env_of(c)
+        assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
+    assert "secret-token" not in json.dumps(jobset)
 
     for stage in ("rollout", "reward", "reference", "actor"):
         spec = pod(stage)
@@ -84,26 +85,41 @@ def test_a_distributed_run_renders_valid_stage_pods_with_cluster_addresses(clust
         assert cmd[cmd.index("--dock") + 1] == ",".join(locations)
         assert cmd[cmd.index("--weight-sync") + 1] == f"{LAUNCHER_IP}:29500"  # the launcher pod's IP
         assert cmd[cmd.index("--run") + 1] == RUN
-        assert cmd[-1] == "--stay"  # a finished stage must not exit: its StatefulSet would restart it
-        assert "secret-token" not in " ".join(cmd)
+        # every stage starts at once: the others wait through the rollout's evaluation (and all for the shards)
+        assert cmd[-2:] == ["--first-wait-s", "1234"]
         env = env_of(c)
-        assert env[TOKEN_ENV] == "secret-token"
+        assert env[TOKEN_ENV] == secret_ref
         assert load_config_text(env[CONFIG_ENV], "env") == cfg  # the whole config, no file of the launcher
         # the shared volume, where the run folder (data, checkpoints) is, at the same path as in the launcher
         assert {"name": "shared", "mountPath": str(backend.shared_dir)} in c["volumeMounts"]
         assert {"name": "shared", "persistentVolumeClaim": {"claimName": "dockrl-shared"}} in spec["volumes"]
-        limits = c["resources"]["limits"]
+        requests = c["resources"]["requests"]
         if stage == "reward":
-            assert set(limits) == {"cpu", "memory"} and "nodeSelector" not in spec and "tolerations" not in spec
+            assert set(requests) == {"cpu", "memory", "ephemeral-storage"} and "nodeSelector" not in spec and "tolerations" not in spec
             assert c["image"] == "ghcr.io/dockrl/dockrl-cpu:0.1.0"
-        else:
+        else:  # one process, one rank of the layout, one device
             assert c["image"] == "ghcr.io/dockrl/dockrl-npu:0.1.0"
-            assert limits == {"cpu": "32", "memory": "256Gi", "huawei.com/Ascend910": 8}
+            assert c["resources"] == {"requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "20Gi", "huawei.com/Ascend910": 1},
+                                      "limits": {"huawei.com/Ascend910": 1}}
             assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+            assert spec["securityContext"]["supplementalGroups"] == [1000]
     for s in (0, 1):
-        assert "huawei.com/Ascend910" not in pod(f"dock-shard-{s}")["containers"][0]["resources"]["limits"]
+        assert "limits" not in pod(f"dock-shard-{s}")["containers"][0]["resources"]
         assert "nodeSelector" not in pod(f"dock-shard-{s}")
         assert pod(f"dock-shard-{s}")["containers"][0]["image"] == PLATFORMS["cpu"].image
+
+
+def test_the_hybrid_actor_asks_for_one_device_per_rank_of_the_layout(cluster, tiny_model_dir, tmp_path):
+    backend = KubernetesBackend(RUN, namespace=NS, platform=npu_platform(tmp_path), core_api=None, custom_api=None,
+                                launcher_ip=LAUNCHER_IP)
+    cfg = small_config(tiny_model_dir, backend.shared_dir / "r", "trainer.hybrid=true", "trainer.engine=megatron", "rollout.engine=vllm",
+                       "parallel.tp=2", "parallel.dp=2", "trainer.global_batch=4", "trainer.mini_batch=4")
+    groups = {g.name: g for g in worker_groups(cfg, backend, backend.serve_ports(2), f"{LAUNCHER_IP}:29500", "t", RUN)}
+    assert (groups["hybrid"].replicas, groups["hybrid"].devices) == (4, 1)  # tp × pp × dp = 4 rank processes
+    assert (groups["reference"].devices, groups["reward"].devices, groups["dock-shard-0"].devices) == (1, 0, 0)
+    [_, jobset] = backend.render(list(groups.values()))
+    hybrid = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}["hybrid"]["template"]["spec"]
+    assert hybrid["parallelism"] == 4 and hybrid["template"]["spec"]["containers"][0]["resources"]["limits"] == {"huawei.com/Ascend910": 1}
 
 
 def use_fake_cluster(cluster, monkeypatch, *, pod_ip: str | None = LAUNCHER_IP) -> None:
@@ -111,8 +127,8 @@ def use_fake_cluster(cluster, monkeypatch, *, pod_ip: str | None = LAUNCHER_IP) 
     import kubernetes
 
     monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
-    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: cluster.core_api())
-    monkeypatch.setattr(kubernetes.client, "AppsV1Api", lambda: cluster.apps_api())
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: cluster.core())
+    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", lambda: cluster.custom())
     for name, value in {"POD_NAMESPACE": NS, "POD_NAME": OWNER.name, "POD_UID": OWNER.uid, "POD_IP": pod_ip}.items():
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -120,15 +136,15 @@ def use_fake_cluster(cluster, monkeypatch, *, pod_ip: str | None = LAUNCHER_IP) 
             monkeypatch.setenv(name, value)
 
 
-def test_a_crashing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_everything(
+def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_everything(
     cluster, tiny_model_dir, tmp_path, monkeypatch,
 ):
     use_fake_cluster(cluster, monkeypatch)
-    cluster.pods_on_create["dock-shard-1"] = ({"phase": "Running", "containerStatuses": [{
-        "name": "worker", "ready": False, "restartCount": 2, "image": "x", "imageID": "",
-        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
-        "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}}}]},
-        "", "dockrl dock-shard: error: --token-env DOCKRL_DOCK_TOKEN: the environment variable is unset or empty\n")
+    monkeypatch.setattr(KubernetesBackend, "__init__", _fast_polls(KubernetesBackend.__init__))
+    cluster.pods_on_create["dock-shard-1"] = ({"phase": "Failed", "containerStatuses": [{
+        "name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+        "state": {"terminated": {"exitCode": 2, "reason": "Error"}}}]},
+        "dockrl dock-shard: error: --token-env DOCKRL_DOCK_TOKEN: the environment variable is unset or empty\n")
     prepare_dataset(DATA, tmp_path / "ds")
     platform = npu_platform(tmp_path)
     with pytest.raises(WorkerFailed) as err:
@@ -136,16 +152,28 @@ def test_a_crashing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_ev
                               tmp_path / "run", log_metric=lambda k, v: None, worker_backend="kubernetes",
                               run_id=RUN, platform=platform)
     e = err.value
-    assert e.group == "dock-shard-1" and e.member == f"{object_name(RUN, 'dock-shard-1')}-0"
-    assert "CrashLoopBackOff" in e.reason and "environment variable is unset" in e.log_tail
-    created = [c[1]["name"] for c in cluster.calls if c[0] == "create StatefulSet"]
-    assert created == [object_name(RUN, "dock-shard-0"), object_name(RUN, "dock-shard-1")]  # no stage before the shards run
-    assert cluster.objects == {}  # torn down: StatefulSets, their pods and the Services
+    assert e.group == "dock-shard-1" and e.member.startswith(f"{jobset_name(RUN)}-dock-shard-1-0-0-")
+    assert "exited with code 2 (Error)" in e.reason and "environment variable is unset" in e.log_tail
+    assert [o["kind"] for o in cluster.created] == ["Secret", "JobSet"]  # every group in one JobSet, at once
+    rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[1]["spec"]["replicatedJobs"]}
+    reward = rjobs["reward"]["containers"][0]["command"]
+    # its wait for the first iteration: the rollout's loading and evaluation (dock.timeout_s 600 s each, one evaluation
+    # batch of 4 test prompts), plus how far apart pods may start (the scheduling and image pull timeouts)
+    assert float(reward[reward.index("--first-wait-s") + 1]) == 600 * 3 + platform.schedule_timeout_s + platform.image_pull_timeout_s
+    assert cluster.objects == {}  # torn down: the JobSet, its pods and the Secret
     shared_run = tmp_path / "shared" / "runs" / RUN
     assert sorted(p.name for p in (shared_run / "data").iterdir()) == ["test.jsonl", "train.jsonl"]
     config = yaml.safe_load((shared_run / "config.yaml").read_text())
     assert config["data"]["train_path"] == str(shared_run / "data" / "train.jsonl")
     assert config["run"]["output_dir"] == str(shared_run)
+
+
+def _fast_polls(init):
+    def fast(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.poll_s = 0.05
+
+    return fast
 
 
 def test_the_launcher_needs_its_pod_ip_before_anything_starts(cluster, tiny_model_dir, tmp_path, monkeypatch):
@@ -206,7 +234,7 @@ def test_the_launcher_refuses_what_stage_pods_cannot_run(tiny_model_dir, tmp_pat
     with pytest.raises(ValueError, match="worker_backend='kubernetes' needs run_id"):
         launcher.run_training([], tmp_path / "ds", tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="kubernetes")
     no_volume = Platform(name="cpu", shared_volume_claim="")
-    backend = KubernetesBackend(RUN, namespace=NS, platform=no_volume, core_api=None, apps_api=None)
+    backend = KubernetesBackend(RUN, namespace=NS, platform=no_volume, core_api=None, custom_api=None)
     with pytest.raises(ValueError, match="has no shared_volume_claim"):
         backend.shared_dir
 
@@ -218,25 +246,3 @@ def test_platform_travels_as_json():
         Platform.from_json('{"name": "cpu", "gpus": 2}')
     with pytest.raises(ValueError, match="platform: not JSON"):
         Platform.from_json("npu")
-
-
-def test_a_finished_stage_stays_up_until_it_is_stopped(tmp_path):
-    """``dockrl worker --stay``: after its last report a stage pod waits for SIGTERM (the teardown)
-    instead of exiting, which its StatefulSet would answer with a restart."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    code = "import logging; logging.basicConfig(level=logging.INFO); from dockrl.workers.main import wait_for_stop; wait_for_stop('reward')"
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stderr.readline()  # logged once the handlers are in place
-        assert "staying up until the run's workers are torn down" in line, line
-        time.sleep(0.2)
-        assert proc.poll() is None
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        proc.kill()
-        proc.wait()

@@ -47,8 +47,9 @@ def test_overlay_builds_and_validates_strictly(overlay, built, validate_strict):
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "dockrl"
         assert obj["metadata"]["labels"]["dockrl.io/platform"] == overlay
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    assert {("ServiceAccount", "dockrl-launcher"), ("Role", "dockrl-launcher"), ("RoleBinding", "dockrl-launcher"),
+    assert {("Role", "dockrl-launcher"), ("RoleBinding", "dockrl-launcher"), ("NetworkPolicy", "dockrl-run-ports"),
             ("Secret", "dockrl-object-store"), ("PersistentVolumeClaim", "dockrl-shared")} <= kinds
+    assert not any(o["kind"] == "ServiceAccount" for o in objects)  # runs keep KFP's own account
 
 
 def test_shared_volume_is_the_claim_the_launcher_and_workers_mount(built):
@@ -60,17 +61,47 @@ def test_shared_volume_is_the_claim_the_launcher_and_workers_mount(built):
         assert PLATFORMS[overlay].shared_volume_claim == "dockrl-shared"
 
 
-def test_launcher_role_allows_exactly_what_the_backend_does(built):
+def test_launcher_role_adds_exactly_what_the_backend_does_to_kfps_runner_accounts(built):
     [role] = [o for o in built["npu"] if o["kind"] == "Role"]
     rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert rules == {
-        ("apps", "statefulsets"): {"create", "get", "list", "watch", "delete"},
-        ("", "services"): {"create", "get", "list", "watch", "delete"},
+        ("jobset.x-k8s.io", "jobsets"): {"create", "get", "list", "watch", "delete"},
         ("", "pods"): {"get", "list", "watch"},
         ("", "pods/log"): {"get"},
+        ("", "events"): {"list", "watch"},
+        ("", "secrets"): {"create", "get", "list", "patch", "delete"},
+        ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "patch", "delete"},
     }
     [binding] = [o for o in built["npu"] if o["kind"] == "RoleBinding"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dockrl-launcher", "namespace": "kubeflow"}]
+    # KFP's own accounts (single-user: pipeline-runner; multi-user: default-editor), in the binding's namespace
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pipeline-runner"},
+                                   {"kind": "ServiceAccount", "name": "default-editor"}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "dockrl-launcher"}
+
+
+def test_the_backend_calls_only_what_the_role_allows():
+    """Every API call of the Kubernetes backend is covered by a rule of the Role (read from its source)."""
+    import inspect
+
+    from dockrl.launch import kubernetes
+
+    source = inspect.getsource(kubernetes)
+    called = set(re.findall(r"\.(create|get|list|patch|delete|read)_namespaced_(\w+?)(?:_log)?\(", source))
+    assert called == {("create", "secret"), ("patch", "secret"), ("list", "secret"), ("delete", "secret"),
+                      ("create", "custom_object"), ("get", "custom_object"), ("patch", "custom_object"),
+                      ("list", "custom_object"), ("delete", "custom_object"), ("list", "pod"), ("read", "pod"),
+                      ("list", "event")}
+
+
+def test_run_ports_take_connections_from_dockrl_pods_only(built):
+    from dockrl.launch.jobset import run_labels
+
+    for overlay, objects in built.items():
+        [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        assert selector == {"app.kubernetes.io/part-of": "dockrl"} and policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}], overlay
+        assert selector.items() <= run_labels("run", "actor").items()  # every worker pod is selected and admitted
 
 
 def test_object_store_secret_has_the_keys_the_workers_read(built):

@@ -1,0 +1,238 @@
+"""A run's workers as one JobSet (jobset.x-k8s.io/v1alpha2): rendering only, no API calls.
+
+``render_jobset`` turns the worker groups of a run into the API objects the Kubernetes worker
+backend (``kubernetes.py``) creates, as dicts:
+
+* one **Secret** ``<jobset>-secrets`` with the values of the groups' ``secret_env`` (the dock's
+  bearer token); containers read them through ``secretKeyRef``, never as a plain value;
+* one **JobSet** ``dockrl-<8 hex of the run id's hash>`` holding a replicated job per group
+  (dock shards, rollout, reward, reference, actor or hybrid), each one Indexed Job of
+  ``replicas`` pods, all created at once (no stage holds its accelerators while another is
+  still being scheduled). Its parts, after Kubeflow Trainer v2 (which runs on JobSet):
+
+  - pod DNS from the JobSet's headless Service (``network.subdomain`` = the JobSet's name):
+    member ``i`` of group ``g`` is ``<jobset>-<g>-0-<i>.<jobset>.<namespace>.svc``;
+  - failure policy: no restarts; any Job that fails (a pod failed, was evicted, deleted or
+    replaced: ``backoffLimit: 0``) fails the JobSet, and the launcher fails the run;
+  - ``activeDeadlineSeconds`` on every Job (``Platform.worker_deadline_s``) and
+    ``ttlSecondsAfterFinished`` on the JobSet (``Platform.worker_ttl_s``): nothing outlives a
+    lost launcher by more than the deadline;
+  - optional gang scheduling (``Platform.scheduler``): Kueue queues the whole JobSet
+    (label ``kueue.x-k8s.io/queue-name``); Volcano schedules every pod (``schedulerName:
+    volcano``) as one **PodGroup** (annotation ``scheduling.k8s.io/group-name``), rendered
+    here too, with ``minMember`` = every pod of the run;
+
+* every pod: requests for cpu, memory and ephemeral storage; devices (the platform's
+  extended resource) as many as the layout places in the member (``WorkerGroup.devices``,
+  one per rank process), requested and limited alike as extended resources must be; no cpu or
+  memory limit (a limit equal to the request turns every peak into a throttle or an OOMKill;
+  the request is what the scheduler reserves); Pod Security ``restricted`` (non-root, no
+  privilege escalation, every capability dropped, seccomp ``RuntimeDefault``), with the
+  accelerator's device group as a supplemental group on pods that hold devices (Ascend's
+  ``/dev/davinci*``); no service-account token; no Istio sidecar (as KFP's own pods), since a
+  sidecar would keep a finished Job's pod running.
+
+Pod names are the JobSet controller's: ``<jobset>-<group>-0-<index>-<random>``; a pod's group is
+its ``dockrl.io/group`` label, its index the Job's completion index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Sequence
+
+from dockrl.launch.backend import WorkerGroup
+from dockrl.launch.platform import OBJECT_STORE_KEYS, Platform
+
+JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL = "scheduling.volcano.sh", "v1beta1", "podgroups"
+RUN_LABEL = "dockrl.io/run"
+GROUP_LABEL = "dockrl.io/group"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+ISTIO_INJECT = "sidecar.istio.io/inject"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+"""Annotation (and label) of an Indexed Job's pod with its index: the member's ``DOCKRL_REPLICA``."""
+CONTAINER = "worker"
+SHARED_VOLUME = "shared"
+WORKER_UID = 10001  # the non-root user of the images (images/*/Dockerfile)
+SHM_SIZE = "8Gi"
+"""Cap of a pod's ``/dev/shm`` (RAM-backed: it counts against the pod's memory)."""
+FAILURE_RULE = "FailRunOnAnyWorkerFailure"
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def check_run_id(run_id: str) -> None:
+    """Raises ``ValueError`` unless ``run_id`` is a Kubernetes label value (it labels every object)."""
+    if not _LABEL_VALUE.match(run_id):
+        raise ValueError(f"run_id {run_id!r}: must be a Kubernetes label value (≤ 63 alphanumerics, '-', '_', '.')")
+
+
+def jobset_name(run_id: str) -> str:
+    """``dockrl-<8 hex of the run id's hash>`` (15 characters): with a group name of ≤ 32 and
+    the indexes, pod host names stay within the 63 characters of a DNS label."""
+    return f"dockrl-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
+
+
+def secret_name(run_id: str) -> str:
+    """The run's Secret (the values of the groups' ``secret_env``)."""
+    return f"{jobset_name(run_id)}-secrets"
+
+
+def member_host(run_id: str, group: str, replica: int, namespace: str) -> str:
+    """DNS name of member ``replica`` of ``group``: ``<jobset>-<group>-<job 0>-<pod index>.<subdomain>.<ns>.svc``."""
+    name = jobset_name(run_id)
+    return f"{name}-{group}-0-{replica}.{name}.{namespace}.svc"
+
+
+def run_labels(run_id: str, group: str | None = None) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "dockrl-worker", "app.kubernetes.io/part-of": "dockrl",
+        "app.kubernetes.io/managed-by": "dockrl-launcher", RUN_LABEL: run_id,
+    }
+    if group is not None:
+        labels |= {"app.kubernetes.io/component": group, GROUP_LABEL: group}
+    return labels
+
+
+def _secret_keys(groups: Sequence[WorkerGroup]) -> dict[str, str]:
+    """Environment variable → value of every group's ``secret_env``; one value per name."""
+    values: dict[str, str] = {}
+    for g in groups:
+        for key, value in g.secret_env.items():
+            if values.setdefault(key, value) != value:
+                raise ValueError(f"worker groups: secret_env {key!r} differs between groups; a run has one value per name")
+    return values
+
+
+def _resources(group: WorkerGroup, platform: Platform) -> dict[str, dict[str, Any]]:
+    if group.devices:
+        requests: dict[str, Any] = {"cpu": platform.stage_cpu, "memory": platform.stage_memory,
+                                    "ephemeral-storage": platform.stage_ephemeral_storage}
+    else:
+        requests = {"cpu": group.cpu, "memory": group.memory, "ephemeral-storage": group.ephemeral_storage}
+    limits: dict[str, Any] = {}
+    if group.devices and platform.accelerator:
+        # an extended resource cannot be overcommitted: Kubernetes needs request == limit
+        requests[platform.accelerator] = limits[platform.accelerator] = group.devices
+    return {"requests": requests, "limits": limits} if limits else {"requests": requests}
+
+
+def _env(run_id: str, group: WorkerGroup, platform: Platform, secret: str) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "DOCKRL_RUN_ID", "value": run_id},
+        {"name": "DOCKRL_GROUP", "value": group.name},
+        {"name": "DOCKRL_REPLICAS", "value": str(group.replicas)},
+        {"name": "DOCKRL_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    env += [{"name": k, "value": v} for k, v in sorted(group.env.items())]
+    env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(group.secret_env)]
+    if platform.object_store_secret:
+        env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": platform.object_store_secret, "key": k}}}
+                for k in OBJECT_STORE_KEYS]
+    return env
+
+
+def _pod_spec(run_id: str, group: WorkerGroup, platform: Platform) -> dict[str, Any]:
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    # torch's dataloaders and collectives need more shared memory than the default 64 MiB
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
+    if platform.shared_volume_claim:
+        mounts.append({"name": SHARED_VOLUME, "mountPath": platform.shared_mount_path})
+        volumes.append({"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": platform.shared_volume_claim}})
+    container: dict[str, Any] = {
+        "name": CONTAINER, "image": platform.image if group.devices else platform.cpu_image, "imagePullPolicy": "IfNotPresent",
+        "command": list(group.command), "env": _env(run_id, group, platform, secret_name(run_id)),
+        "resources": _resources(group, platform), "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if group.port:
+        container["ports"] = [{"name": "rpc", "containerPort": group.port, "protocol": "TCP"}]
+    security: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
+                                "seccompProfile": {"type": "RuntimeDefault"}}
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # a restarted worker has lost its state: the Job fails instead
+        "automountServiceAccountToken": False,  # workers never call the API server
+        "enableServiceLinks": False,
+        "securityContext": security,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if group.devices:
+        if platform.accelerator_device_gid:
+            security["supplementalGroups"] = [platform.accelerator_device_gid]
+        if platform.node_selector:
+            spec["nodeSelector"] = dict(platform.node_selector)
+        if platform.tolerations:
+            spec["tolerations"] = [t.to_k8s() for t in platform.tolerations]
+    if platform.scheduler == "volcano":
+        spec["schedulerName"] = "volcano"
+    return spec
+
+
+def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str, platform: Platform,
+                  owner: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The API objects of a run's workers, in creation order: the Secret, the PodGroup (with
+    ``scheduler=volcano``), the JobSet.
+
+    Args:
+        groups: the run's worker groups (distinct names).
+        owner: owner reference of every object (the launcher pod), or None.
+
+    Raises:
+        ValueError: ``run_id`` not a label value, no group, duplicate group names, or one
+            ``secret_env`` name with two values.
+    """
+    check_run_id(run_id)
+    names = [g.name for g in groups]
+    if not names:
+        raise ValueError("worker groups: none given; a run has at least its dock shards and stages")
+    if len(set(names)) != len(names):
+        raise ValueError(f"worker groups: duplicate names in {names}")
+    name = jobset_name(run_id)
+    meta: dict[str, Any] = {"namespace": namespace, "labels": run_labels(run_id)}
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    objects: list[dict[str, Any]] = [{
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": secret_name(run_id), **meta}, "stringData": _secret_keys(groups),
+    }]
+    pod_annotations = {ISTIO_INJECT: "false"}
+    if platform.scheduler == "volcano":
+        pod_annotations[VOLCANO_GROUP_ANNOTATION] = name
+        podgroup: dict[str, Any] = {"minMember": sum(g.replicas for g in groups)}  # all or nothing
+        if platform.queue:
+            podgroup["queue"] = platform.queue
+        objects.append({"apiVersion": f"{VOLCANO_GROUP}/{VOLCANO_VERSION}", "kind": "PodGroup",
+                        "metadata": {"name": name, **meta}, "spec": podgroup})
+    replicated = []
+    for g in groups:
+        labels = run_labels(run_id, g.name)
+        replicated.append({"name": g.name, "replicas": 1, "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                "completionMode": "Indexed", "completions": g.replicas, "parallelism": g.replicas,
+                "backoffLimit": 0,  # a pod that fails fails its Job, and so the JobSet
+                "activeDeadlineSeconds": platform.worker_deadline_s,
+                "template": {"metadata": {"labels": {**labels, ISTIO_INJECT: "false"}, "annotations": dict(pod_annotations)},
+                             "spec": _pod_spec(run_id, g, platform)},
+            },
+        }})
+    jobset_meta = {"name": name, **meta, "labels": dict(meta["labels"])}
+    if platform.scheduler == "kueue":
+        jobset_meta["labels"][KUEUE_QUEUE_LABEL] = platform.queue
+    objects.append({
+        "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}", "kind": "JobSet", "metadata": jobset_meta,
+        "spec": {
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": name},
+            "failurePolicy": {"maxRestarts": 0, "rules": [{"name": FAILURE_RULE, "action": "FailJobSet"}]},
+            "ttlSecondsAfterFinished": platform.worker_ttl_s,
+            "replicatedJobs": replicated,
+        },
+    })
+    return objects
