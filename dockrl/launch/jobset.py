@@ -170,6 +170,8 @@ def _pod_spec(run_id: str, group: WorkerGroup, platform: Platform) -> dict[str, 
             spec["nodeSelector"] = dict(platform.node_selector)
         if platform.tolerations:
             spec["tolerations"] = [t.to_k8s() for t in platform.tolerations]
+    if platform.image_pull_secret:
+        spec["imagePullSecrets"] = [{"name": platform.image_pull_secret}]
     if platform.scheduler == "volcano":
         spec["schedulerName"] = "volcano"
     return spec

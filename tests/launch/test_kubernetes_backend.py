@@ -83,6 +83,14 @@ def test_the_crd_schema_catches_a_misspelt_field(validate_jobset):
         validate_jobset(jobset)
 
 
+def test_the_pull_secret_goes_on_every_worker_pod_and_only_when_set(validate_jobset, validate_strict):
+    jobset = objects(platform("npu", image_pull_secret="regcred"))["JobSet"]
+    validate_jobset(jobset)
+    for group in replicated(jobset):
+        assert pod_spec(jobset, group)["imagePullSecrets"] == [{"name": "regcred"}]
+    assert all("imagePullSecrets" not in pod_spec(objects(PLATFORMS["npu"])["JobSet"], g) for g in replicated(jobset))
+
+
 def test_one_jobset_per_run_with_a_replicated_job_per_group():
     plat = PLATFORMS["npu"]
     jobset = objects(plat)["JobSet"]
