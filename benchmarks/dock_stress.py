@@ -804,7 +804,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-claim", type=int, default=256, help="largest claim, rows (sizes are drawn uniformly)")
     p.add_argument("--kills", type=int, default=6, help="clients killed per iteration")
     p.add_argument("--snapshot-iteration", type=int, default=1, help="iteration in which shard 1 is snapshotted and restored (-1: none)")
-    p.add_argument("--lease-s", type=float, default=15.0, help="lease term of the clients' claims, seconds")
+    p.add_argument("--lease-s", type=float, default=30.0, help="lease term of the clients' claims, seconds")
     p.add_argument("--release-share", type=float, default=0.5,
                    help="share of killed clients whose owner the driver releases at once (the others' rows come back at expiry)")
     p.add_argument("--claim-wait-s", type=float, default=5.0, help="a client's claim timeout; it then claims again")
