@@ -58,7 +58,7 @@ def test_sixteen_clients_killed_and_a_restored_shard_lose_and_repeat_nothing(doc
     args = dock_stress.parse_args([
         "--clients", "16", "--shards", "4", "--iterations", "3", "--rows", "1024", "--group-size", "4",
         "--prompt-tokens", "32", "--tokens", "128", "--max-claim", "48", "--kills", "4", "--snapshot-iteration", "1",
-        "--lease-s", "6", "--release-share", "0.75", "--claim-wait-s", "3", "--timeout-s", "120",
+        "--lease-s", "10", "--release-share", "0.75", "--claim-wait-s", "3", "--timeout-s", "120",
     ])
     out = dock_stress.Stress(args).run()
     text, ok = dock_stress.report(args, out, os.getloadavg())
