@@ -676,7 +676,8 @@ class Stress:
         finally:
             self.teardown()
         left = self.leftover()
-        return {"results": results, "left": left, "wall_s": time.perf_counter() - started, "pids": len(self.pids)}
+        return {"results": results, "left": left, "wall_s": time.perf_counter() - started, "pids": len(self.pids),
+                "shard_log": self.log.name}
 
     def teardown(self) -> None:
         for c in self.clients.values():
@@ -832,6 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Stress(args).run()
     text, ok = report(args, out, load)
     print(text)
+    if ok:
+        os.unlink(out["shard_log"])
+    else:
+        print(f"the shards' log (lease expiries, refusals): {out['shard_log']}")
     return 0 if ok else 1
 
 

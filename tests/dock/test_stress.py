@@ -62,7 +62,8 @@ def test_sixteen_clients_killed_and_a_restored_shard_lose_and_repeat_nothing(doc
     ])
     out = dock_stress.Stress(args).run()
     text, ok = dock_stress.report(args, out, os.getloadavg())
-    assert ok, text
+    assert ok, f"{text}\nthe shards' log: {out['shard_log']}"
+    os.unlink(out["shard_log"])
     assert out["left"] == [], text
     stats = [st for _, st in out["results"]]
     assert sum(sum(st.faults.values()) for st in stats) >= 6, text  # most of the 12 scheduled kills land
