@@ -14,7 +14,15 @@ A checkpoint is the folder ``RUN/checkpoints/iter_<k:06d>/`` written after itera
 * ``driver_state.json``, written last and atomically: the next iteration ``k``, where the dock
   snapshot is, the run summary so far (the evaluation before training) and what the checkpoint
   depends on (seed, global batch, group size, a fingerprint of the training prompts). A folder
-  without it is an incomplete checkpoint and is never resumed from.
+  without it is an incomplete checkpoint and is never resumed from; it is removed first when a
+  folder is written again (``prepare_checkpoint``), so a half-overwritten one is never taken.
+
+``RUN/checkpoints/final/`` is written after the last iteration, with every ``trainer.save_every``
+(0 too), and is a checkpoint like the others with ``k = trainer.iterations`` and no dock snapshot
+(no iteration is open). ``run.resume=latest`` takes the complete checkpoint with the highest
+``k``, so a finished run continues from its final weights, optimizer and data position when
+asked for more iterations (``trainer.iterations`` above its own), and a resume with nothing left
+to run is refused before anything of the run folder changes.
 
 **Where a resumed run goes on.** The data sampler is a pure function of ``(trainer.seed,
 iteration)`` (``dockrl.trainer.prompt_batches``), so its position is the iteration number.
@@ -54,6 +62,8 @@ STATE_FILE = "driver_state.json"
 """Written last into a checkpoint folder: its presence marks the checkpoint complete."""
 OPTIMIZER_FILE = "optimizer.pt"
 DOCK_DIR = "dock"
+FINAL_DIR = "final"
+"""``RUN/checkpoints/final``: the checkpoint after the last iteration."""
 CHECKPOINT_STAGE = "checkpoint"
 """Report the actor makes (distributed mode) once the model and optimizer of a checkpoint are written."""
 _ITER_DIR = re.compile(r"iter_(\d{6,})")
@@ -62,6 +72,21 @@ _ITER_DIR = re.compile(r"iter_(\d{6,})")
 def checkpoint_dir(run_dir: str | Path, next_iteration: int) -> Path:
     """``RUN/checkpoints/iter_<next_iteration:06d>``: the checkpoint written after iteration ``next_iteration - 1``."""
     return Path(run_dir) / "checkpoints" / f"iter_{next_iteration:06d}"
+
+
+def final_dir(run_dir: str | Path) -> Path:
+    """``RUN/checkpoints/final``: the checkpoint written after the last iteration."""
+    return Path(run_dir) / "checkpoints" / FINAL_DIR
+
+
+def prepare_checkpoint(checkpoint: str | Path) -> Path:
+    """Create ``checkpoint`` or mark an existing one incomplete (its ``driver_state.json``
+    removed) before weights and optimizer are written into it: a run continued from ``final``
+    overwrites that folder, and a crash halfway must not leave it looking complete."""
+    path = Path(checkpoint)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / STATE_FILE).unlink(missing_ok=True)
+    return path
 
 
 def checkpoint_due(t: TrainerConfig, iteration: int) -> bool:
@@ -164,7 +189,7 @@ class ResumePoint:
     next_iteration: int
     """The first iteration the resumed run runs."""
     dock_uri: str
-    """The dock snapshot; iteration ``open_iteration`` is open in it (or none)."""
+    """The dock snapshot; iteration ``open_iteration`` is open in it (or none); '' for ``final``, which has none."""
     open_iteration: int | None
     summary: dict[str, float]
     """Run summary at checkpoint time (evaluation before training)."""
@@ -193,6 +218,13 @@ def write_driver_state(
     tmp.replace(path)
 
 
+def write_final_state(checkpoint: Path, cfg: Config, *, summary: dict[str, float], prompts: str) -> None:
+    """The driver state of ``checkpoints/final`` (after the actor wrote weights and optimizer):
+    the next iteration is ``trainer.iterations``, no iteration is open, no dock snapshot."""
+    write_driver_state(checkpoint, cfg, next_iteration=cfg.trainer.iterations, dock_uri="", open_iteration=None,
+                       summary=summary, prompts=prompts)
+
+
 def _read_state(checkpoint: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads((checkpoint / STATE_FILE).read_text())
@@ -202,14 +234,18 @@ def _read_state(checkpoint: Path) -> dict[str, Any] | None:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint of ``run_dir`` with the highest iteration; None when there is none."""
+    """The complete checkpoint of ``run_dir`` that resumes furthest (``iter_*`` or ``final``); None when there is none."""
     folder = Path(run_dir) / "checkpoints"
-    found = [(int(m.group(1)), p) for p in folder.glob("iter_*") if (m := _ITER_DIR.fullmatch(p.name)) and p.is_dir()]
-    for _, path in sorted(found, reverse=True):
-        if _read_state(path) is not None:
-            return path
-        logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
-    return None
+    found = [p for p in folder.glob("iter_*") if _ITER_DIR.fullmatch(p.name) and p.is_dir()]
+    found += [p for p in (folder / FINAL_DIR,) if p.is_dir()]
+    best: tuple[int, Path] | None = None
+    for path in found:
+        doc = _read_state(path)
+        if doc is None:
+            logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
+        elif best is None or int(doc.get("next_iteration", -1)) > best[0]:
+            best = (int(doc.get("next_iteration", -1)), path)
+    return best[1] if best else None
 
 
 def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
@@ -268,6 +304,12 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
         )
     nxt = doc["next_iteration"]
     if not nxt < cfg.trainer.iterations:
+        if path.name == FINAL_DIR:
+            raise ConfigError(
+                f"run.resume: the run in {path.parents[1]} finished all its {nxt} iterations ({path}); nothing is left to run "
+                f"with trainer.iterations={cfg.trainer.iterations}: pass trainer.iterations=N with N > {nxt} to continue it "
+                "from its final weights, optimizer and data position"
+            )
         raise ConfigError(
             f"trainer.iterations: got {cfg.trainer.iterations}; the checkpoint {path} resumes at iteration {nxt}: "
             "expected more iterations than that"

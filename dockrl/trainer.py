@@ -26,8 +26,8 @@ from dockrl.evaluate import greedy_accuracy
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.models import prepare_smollm2
 from dockrl.resume import (
-    checkpoint_dir, checkpoint_due, dock_snapshot_uri, find_resume, load_optimizer, prompts_fingerprint, save_optimizer,
-    seed_iteration, write_driver_state,
+    checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, load_optimizer, prepare_checkpoint,
+    prompts_fingerprint, save_optimizer, seed_iteration, write_driver_state, write_final_state,
 )
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.rewards import RewardScorer
@@ -289,7 +289,8 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
     dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
     first, open_now = 0, None
     if point:
-        dock.restore(point.dock_uri)
+        if point.dock_uri:  # checkpoints/final has no open iteration to restore
+            dock.restore(point.dock_uri)
         first, open_now = point.next_iteration, point.open_iteration
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
     batches = list(prompt_batches(train_prompts, t))
@@ -319,12 +320,14 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
                 writer.log(it, metrics)
                 progress.update(metrics)
                 if checkpoint_due(t, it):
-                    ckpt = actor.save(checkpoint_dir(run_dir, it + 1))
+                    ckpt = actor.save(prepare_checkpoint(checkpoint_dir(run_dir, it + 1)))
                     save_optimizer(actor, ckpt)
                     snapshot_for_checkpoint(dock, cfg, ckpt, next_iteration=it + 1, picked=batches[it + 1], summary=summary,
                                             prompts=fingerprint, run="inprocess")
                     open_now = it + 1
-            actor.save(run_dir / "checkpoints" / "final")
+            final = actor.save(prepare_checkpoint(final_dir(run_dir)))  # a finished run continues from here
+            save_optimizer(actor, final)
+            write_final_state(final, cfg, summary=summary, prompts=fingerprint)
             if t.eval_after:
                 summary |= evaluate(rollout_engine, test_prompts, scorer, cfg, "after")
             summary["run/seconds"] = time.perf_counter() - t0

@@ -14,8 +14,8 @@ from dockrl import trainer
 from dockrl.config import ConfigError, load_config
 from dockrl.metrics import MetricsWriter
 from dockrl.resume import (
-    STATE_FILE, checkpoint_dir, checkpoint_due, dock_snapshot_uri, find_resume, iteration_seed, latest_checkpoint,
-    prompts_fingerprint, write_driver_state,
+    STATE_FILE, checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, iteration_seed, latest_checkpoint,
+    prepare_checkpoint, prompts_fingerprint, write_driver_state, write_final_state,
 )
 
 FAKES = Path(__file__).parent  # fake_scorers.py
@@ -65,6 +65,26 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
         find_resume(config(tmp_path), "p")
     explicit = config(tmp_path, f"run.resume={checkpoint_dir(cfg.run.output_dir, 2)}")
     assert find_resume(explicit, "p").next_iteration == 2
+
+
+def test_a_finished_run_continues_from_final_and_refuses_nothing_left(tmp_path):
+    """``final`` resumes at ``trainer.iterations``: it wins over the periodic checkpoints it follows,
+    loses to those of a continuation, and a resume with nothing left to run is refused."""
+    cfg = config(tmp_path, "trainer.iterations=4")
+    complete(cfg, 2)
+    final = prepare_checkpoint(final_dir(cfg.run.output_dir))
+    write_final_state(final, cfg, summary={"eval/accuracy_before": 0.5}, prompts="p")
+    assert latest_checkpoint(cfg.run.output_dir) == final
+    more = find_resume(config(tmp_path, "trainer.iterations=6", "run.resume=latest"), "p")
+    assert (more.checkpoint, more.next_iteration, more.open_iteration, more.dock_uri) == (final.resolve(), 4, None, "")
+    for iterations in (4, 3):
+        with pytest.raises(ConfigError, match=rf"finished all its 4 iterations .*nothing is left to run with "
+                                              rf"trainer.iterations={iterations}: pass trainer.iterations=N with N > 4"):
+            find_resume(config(tmp_path, f"trainer.iterations={iterations}", "run.resume=latest"), "p")
+    complete(cfg, 5)  # the continuation's own checkpoint after iteration 4
+    assert latest_checkpoint(cfg.run.output_dir) == checkpoint_dir(cfg.run.output_dir, 5)
+    prepare_checkpoint(final)  # the continuation overwrites final: incomplete until its state is written again
+    assert not (final / STATE_FILE).exists()
 
 
 def test_a_fresh_run_refuses_a_folder_with_another_run(tmp_path):
@@ -173,3 +193,35 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, 
     assert resumed.keys() == straight.keys()
     for name, p in straight.items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def optimizer_steps(checkpoint: Path) -> set[float]:
+    return {float(v["step"]) for v in torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"].values()}
+
+
+@pytest.mark.slow  # three short runs of the tiny model
+def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_model_dir, tmp_path, monkeypatch):
+    """2 iterations without periodic checkpoints (save_every=0), then 3 in total: iteration 2 runs
+    once, from the final weights, optimizer (4 steps carried: 2 mini-batches per iteration) and
+    data position, and the result is the uninterrupted 3-iteration run's."""
+    monkeypatch.syspath_prepend(str(FAKES))
+    trainer.train(tiny_run(tiny_model_dir, tmp_path, "straight", "trainer.save_every=0"))
+    trainer.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2"))
+    two = tmp_path / "two"
+    assert not list((two / "checkpoints").glob("iter_*")) and optimizer_steps(final_dir(two)) == {4.0}
+    state = json.loads((final_dir(two) / STATE_FILE).read_text())
+    assert (state["next_iteration"], state["open_iteration"], state["dock_snapshot"]) == (2, None, "")
+
+    before = {p: p.stat().st_mtime_ns for p in [two / "summary.json", two / "config.yaml", *final_dir(two).iterdir()]}
+    with pytest.raises(ConfigError, match="finished all its 2 iterations"):  # nothing left: refused, nothing touched
+        trainer.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2", "run.resume=latest"))
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+    trainer.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "run.resume=latest"))
+    assert [x["iteration"] for x in read_rows(two)] == [0, 1, 2]
+    same_rows(read_rows(two), read_rows(tmp_path / "straight"))
+    assert optimizer_steps(final_dir(two)) == optimizer_steps(final_dir(tmp_path / "straight")) == {6.0}
+    assert json.loads((final_dir(two) / STATE_FILE).read_text())["next_iteration"] == 3
+    continued = AutoModelForCausalLM.from_pretrained(final_dir(two)).state_dict()
+    for name, p in AutoModelForCausalLM.from_pretrained(final_dir(tmp_path / "straight")).state_dict().items():
+        torch.testing.assert_close(continued[name], p, rtol=1e-5, atol=1e-6, msg=name)

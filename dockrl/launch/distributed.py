@@ -56,7 +56,9 @@ from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
-from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, find_resume, prompts_fingerprint
+from dockrl.resume import (
+    CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, final_dir, find_resume, prompts_fingerprint, write_final_state,
+)
 from dockrl.trainer import (
     add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model, snapshot_for_checkpoint,
 )
@@ -308,7 +310,8 @@ def train_distributed(
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
                           lease_s=cfg.dock.lease_s, owner=f"{run}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))
         if point:
-            dock.restore(point.dock_uri)  # before any stage asks for an iteration
+            if point.dock_uri:  # checkpoints/final has no open iteration to restore
+                dock.restore(point.dock_uri)  # before any stage asks for an iteration
             logger.info("resuming at iteration %d from %s", first, point.checkpoint)
 
         def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -349,6 +352,8 @@ def train_distributed(
             dock.finish()
             reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
             after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
+            # the actor wrote checkpoints/final's weights and optimizer before its report: complete it
+            write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=fingerprint)
             if t.eval_after:
                 summary |= _log_eval(after["rollout"], "after")
             summary["run/seconds"] = time.perf_counter() - t0

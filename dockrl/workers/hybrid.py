@@ -244,7 +244,7 @@ def run_hybrid(cfg: Config, dock, store_address: str, first_wait_s: float | None
     its shards; each rank its own optimizer state). ``BEFORE_TRAINING``/``AFTER_TRAINING``
     evaluations run on rank 0 under ``rollout``, as the rollout process does.
     """
-    from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, save_optimizer, weights_path
+    from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint, save_optimizer, weights_path
     from dockrl.trainer import build_scorer, evaluate, load_run_prompts, resolve_data, resolve_model
     from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, serve_iterations
 
@@ -265,6 +265,8 @@ def run_hybrid(cfg: Config, dock, store_address: str, first_wait_s: float | None
         update_dock = ReplicaDock(dock, group=group, src=dist.get_process_group_ranks(group)[0])
 
     def save(path: Path) -> None:
+        if rank == 0:
+            prepare_checkpoint(path)
         hybrid.actor.save(path)  # a collective: rank 0 writes the HF weights
         save_optimizer(hybrid.actor, path, rank=rank)
 
@@ -290,7 +292,7 @@ def run_hybrid(cfg: Config, dock, store_address: str, first_wait_s: float | None
         serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0,
                          first_timeout_s=first_wait_s)
         hybrid.actor.start_training()  # the final weights are saved from where they train
-        hybrid.actor.save(Path(cfg.run.output_dir) / "checkpoints" / "final")
+        save(final_dir(cfg.run.output_dir))  # weights and optimizer; the driver completes it
         after = {}
         if t.eval_after:
             hybrid.actor.sync()  # back to generating; the last collective, so no rank waits through the evaluation

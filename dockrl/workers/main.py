@@ -43,7 +43,10 @@ from typing import Callable
 import torch
 
 from dockrl.config import Config, load_config, load_config_text
-from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, load_optimizer, save_optimizer, seed_iteration, weights_path
+from dockrl.resume import (
+    CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, seed_iteration,
+    weights_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -219,13 +222,13 @@ def run_actor(cfg: Config, dock, weights: str, first_wait_s: float | None = None
         logger.info("actor: sent %.1f MB of weights in %d buckets in %.2f s", sent["weight_sync/bytes"] / 1e6,
                     sent["weight_sync/buckets"], sent["weight_sync/seconds"])
         if checkpoint_due(t, it):  # the driver snapshots the dock once this is reported
-            save_optimizer(engine, engine.save(checkpoint_dir(run_dir, it + 1)))
+            save_optimizer(engine, engine.save(prepare_checkpoint(checkpoint_dir(run_dir, it + 1))))
             dock.report(it, CHECKPOINT_STAGE, {})
 
     try:
         serve_iterations(dock, "actor", lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
                          after_report=after_update, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
-        engine.save(run_dir / "checkpoints" / "final")
+        save_optimizer(engine, engine.save(prepare_checkpoint(final_dir(run_dir))))  # the driver completes it
         dock.report(AFTER_TRAINING, "actor", {})
     finally:
         channel.close()

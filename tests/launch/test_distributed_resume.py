@@ -69,3 +69,8 @@ def test_a_run_killed_mid_iteration_resumes_without_losing_or_repeating_rows(tin
     straight = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoints" / "final").state_dict()
     for name, p in straight.items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    # the actor wrote final's optimizer, the driver its state: a finished run continues from there
+    final = cut / "checkpoints" / "final"
+    state = json.loads((final / "driver_state.json").read_text())
+    assert (state["next_iteration"], state["open_iteration"], state["dock_snapshot"]) == (3, None, "")
+    assert {float(v["step"]) for v in torch.load(final / "optimizer.pt", weights_only=True)["state"].values()} == {6.0}

@@ -47,18 +47,18 @@ def test_two_hybrid_iterations_in_process(tiny_model_dir, tmp_path, monkeypatch)
     assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
     check_hybrid_run(tmp_path / "run", tiny_model_dir)
 
-    # resumed from the checkpoint after iteration 0 for two more iterations: megatron starts from
-    # its weights and AdamW state (one step taken), so the checkpoint after iteration 1 holds two
-    ckpt = tmp_path / "run" / "checkpoints" / "iter_000001"
-    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    assert {float(v["step"]) for v in saved["state"].values()} == {1.0}
+    # a finished run continued for one more iteration: megatron starts from the final weights and
+    # AdamW state (two steps taken), so the final checkpoint after iteration 2 holds three
+    final = tmp_path / "run" / "checkpoints" / "final"
+    saved = torch.load(final / "optimizer.pt", weights_only=True)
+    assert {float(v["step"]) for v in saved["state"].values()} == {2.0}
     try:
         trainer.train(load_config(None, [*hybrid_overrides(tiny_model_dir, tmp_path), "trainer.iterations=3", "run.resume=latest"]))
     finally:
         gc.collect()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1, 2]
-    resumed = torch.load(tmp_path / "run" / "checkpoints" / "iter_000002" / "optimizer.pt", weights_only=True)
-    assert {float(v["step"]) for v in resumed["state"].values()} == {2.0}
-    first = lines[1]  # the resumed run's first iteration sampled with the checkpoint's weights, on-policy
+    resumed = torch.load(final / "optimizer.pt", weights_only=True)
+    assert {float(v["step"]) for v in resumed["state"].values()} == {3.0}
+    first = lines[2]  # the continued run's first iteration sampled with the final weights, on-policy
     assert first["actor/rollout_log_prob_diff_max"] < 1e-3 and abs(first["actor/first_step_ratio_mean"] - 1) < 1e-4
