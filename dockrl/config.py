@@ -56,6 +56,10 @@ class DataConfig:
     """Largest operand in a generated problem."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """System message before every question ("" for none)."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """Prompt format: ``auto``, the tokenizer's chat template (an error naming ``model.path`` when it
+    has none); ``none``, plain text ``<system prompt>\n\nQuestion: <question>\nAnswer:`` for base
+    models (docs/data.md)."""
     max_prompt_length: int = 256
     """Longest prompt in tokens; longer rows are dropped and reported."""
     eval_size: int = 200

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from dockrl.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 NAMES = ["Tom", "Sara", "Ali", "Mia", "Ken", "Lea", "Raj", "Ana", "Ben", "Zoe"]
@@ -147,24 +149,66 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
                 yield i, e
 
 
-def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_length: int) -> tuple[list[Prompt], LoadReport]:
-    """Read a GSM8K-format file, apply the chat template and tokenize.
+PLAIN_PROMPT = "{system}Question: {question}\nAnswer:"
+"""The prompt text with ``data.chat_template=none``; ``{system}`` is the system prompt and a blank
+line, or nothing when ``data.system_prompt`` is empty."""
+
+
+def check_chat_template(tokenizer, chat_template: str, model: str) -> None:
+    """Refuse ``data.chat_template=auto`` with a tokenizer that has no chat template.
+
+    Raises:
+        ConfigError: names ``model.path`` (``model``) and the two ways out.
+    """
+    if chat_template == "auto" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"model.path: the tokenizer of {model!r} has no chat template, and data.chat_template='auto' formats prompts "
+            "with it: use a chat model's folder, or set data.chat_template=none to give the model plain-text prompts "
+            f"({PLAIN_PROMPT!r}; docs/data.md)"
+        )
+
+
+def prompt_token_ids(tokenizer, question: str, *, system_prompt: str, chat_template: str = "auto") -> list[int]:
+    """Token ids of one prompt: the tokenizer's chat template with a generation prompt (``auto``),
+    or ``PLAIN_PROMPT`` tokenized as text, special tokens (a BOS) as the tokenizer adds them (``none``).
+
+    Raises:
+        ValueError: unknown ``chat_template``.
+    """
+    if chat_template == "none":
+        text = PLAIN_PROMPT.format(system=f"{system_prompt}\n\n" if system_prompt else "", question=question)
+        return list(tokenizer(text)["input_ids"])
+    if chat_template != "auto":
+        raise ValueError(f"data.chat_template: got {chat_template!r}; expected one of 'auto', 'none'")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+def load_prompts(
+    path: str | Path, tokenizer, *, system_prompt: str, max_prompt_length: int, chat_template: str = "auto", model: str = "",
+) -> tuple[list[Prompt], LoadReport]:
+    """Read a GSM8K-format file, format each question as a prompt (``prompt_token_ids``) and tokenize.
 
     Args:
         path: ``.jsonl`` or ``.parquet`` with ``question`` and ``answer`` fields.
-        tokenizer: an HF tokenizer with a chat template.
+        tokenizer: an HF tokenizer (with a chat template unless ``chat_template='none'``).
         system_prompt: system message put before each question ("" for none).
         max_prompt_length: longest prompt in tokens; longer rows are dropped and reported.
+        chat_template: ``data.chat_template``: ``auto`` (the tokenizer's) or ``none`` (plain text).
+        model: ``model.path``, for the error when the tokenizer has no chat template.
 
     Returns:
         The usable prompts and a report of the dropped lines.
 
     Raises:
         FileNotFoundError: no such file.
+        ConfigError: ``chat_template='auto'`` and the tokenizer has none (names ``model.path``).
         ValueError: unsupported extension, or no usable row at all (the report is in the message).
     """
     from dockrl.rewards.math_verifier import extract_final_answer
 
+    check_chat_template(tokenizer, chat_template, model)
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
@@ -185,12 +229,7 @@ def load_prompts(path: str | Path, tokenizer, *, system_prompt: str, max_prompt_
         if extract_final_answer(row["answer"]) is None:  # the verifier's own reading of a number
             report.bad.append((line_no, f"answer's final '#### {truth[:30]}' is not a number (the verifier compares numbers)"))
             continue
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": row["question"]}
-        ]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
+        ids = prompt_token_ids(tokenizer, row["question"], system_prompt=system_prompt, chat_template=chat_template)
         if len(ids) > max_prompt_length:
             report.bad.append((line_no, f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"))
             continue

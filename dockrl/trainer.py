@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from dockrl.config import AlgorithmConfig, Config, ConfigError, TrainerConfig, save_config
-from dockrl.data import Prompt, export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.data import Prompt, check_chat_template, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.dock import GRPO_SCHEMA, TransferDock
 from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
 from dockrl.engines.hf import load_tokenizer
@@ -149,7 +149,9 @@ def build_scorer(a: AlgorithmConfig):
 
 def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
     """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
-    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+    check_chat_template(tokenizer, cfg.data.chat_template, cfg.model.path)  # names model.path, not a data file
+    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+                chat_template=cfg.data.chat_template, model=cfg.model.path)
     out = []
     for field, path in (("data.train_path", train_file), ("data.test_path", test_file)):
         try:

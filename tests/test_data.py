@@ -213,3 +213,56 @@ def test_answers_that_are_no_number_are_dropped_and_repeated_questions_counted(t
     assert [p.ground_truth for p in prompts] == ["3", "3", "$1200."]
     assert report.bad == [(2, "answer's final '#### abc' is not a number (the verifier compares numbers)")]
     assert report.duplicates == 1 and "1 repeat an earlier question" in report.summary()
+
+
+@pytest.fixture(scope="module")
+def plain_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that has no chat template (a base model's)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("no-template")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = None
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(out)
+    assert not AutoTokenizer.from_pretrained(out).chat_template
+    return out
+
+
+def test_a_tokenizer_without_chat_template_is_refused_naming_model_path(tmp_path, plain_model_dir):
+    from dockrl.config import ConfigError, load_config
+    from dockrl.engines.hf import load_tokenizer
+    from dockrl.trainer import load_run_prompts
+
+    path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")
+    cfg = load_config(None, [f"model.path={plain_model_dir}"])
+    with pytest.raises(ConfigError) as info:
+        load_run_prompts(cfg, load_tokenizer(plain_model_dir), path, path)
+    message = str(info.value)
+    assert message.startswith("model.path: the tokenizer of") and str(plain_model_dir) in message
+    assert "data.chat_template=none" in message and "docs/data.md" in message
+
+
+def test_plain_prompts_without_chat_template(tmp_path, plain_model_dir):
+    from dockrl.config import load_config
+    from dockrl.data import PLAIN_PROMPT
+    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.trainer import load_run_prompts
+
+    path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")
+    cfg = load_config(None, [f"model.path={plain_model_dir}", "data.chat_template=none"])
+    engine = HFRolloutEngine(plain_model_dir, dtype="float32")
+    train, test = load_run_prompts(cfg, engine.tokenizer, path, path)
+    want = PLAIN_PROMPT.format(system=f"{DEFAULT_SYSTEM_PROMPT}\n\n", question=GOOD[0]["question"])
+    assert engine.tokenizer.decode(train[0].prompt_ids) == want
+    assert want.endswith("Question: " + GOOD[0]["question"] + "\nAnswer:")
+    samples = engine.generate([p.prompt_ids for p in test], max_new_tokens=3, temperature=1.0)
+    assert [len(s.response_ids) for s in samples] and all(s.log_probs for s in samples)
+    # without a system prompt: the question alone
+    one = write_jsonl(GOOD[:1], tmp_path / "one.jsonl")
+    (bare,), _ = load_prompts(one, engine.tokenizer, system_prompt="", max_prompt_length=512, chat_template="none")
+    assert engine.tokenizer.decode(bare.prompt_ids) == "Question: " + GOOD[0]["question"] + "\nAnswer:"

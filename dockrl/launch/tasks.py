@@ -173,6 +173,7 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
     engine = HFRolloutEngine(Path(model_dir), dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
     prompts, report = load_prompts(
         test_file, engine.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+        chat_template=cfg.data.chat_template, model=str(model_dir),
     )
     if report.bad:
         logger.warning("%s", report.summary())
