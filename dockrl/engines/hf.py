@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dockrl.algorithms import entropy_from_logits
 from dockrl.engines.train_protocol import LossFn
@@ -27,6 +27,50 @@ from dockrl.engines.train_protocol import LossFn
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+SAMPLING_PROCESSORS: dict[str, Any] = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0,
+    "min_new_tokens": 0, "exponential_decay_length_penalty": None, "top_k": 0, "min_p": 0.0, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "guidance_scale": 1.0, "renormalize_logits": False,
+    "watermarking_config": None,
+}
+"""Generation-config fields that change the sampling distribution besides ``rollout.temperature``
+and ``rollout.top_p`` (what ``transformers`` turns into logits processors), with their neutral value."""
+
+
+def foreign_sampling_settings(generation_config: Any) -> dict[str, Any]:
+    """The fields of a model's generation config (``generation_config.json``) that would change the
+    sampling distribution beyond temperature and nucleus: ``{field: value}`` for every
+    ``SAMPLING_PROCESSORS`` field set to something else than its neutral value (or empty)."""
+    found = {}
+    for name, neutral in SAMPLING_PROCESSORS.items():
+        value = getattr(generation_config, name, None)
+        if value is None or value == neutral or (isinstance(value, (list, tuple, dict)) and not value):
+            continue
+        found[name] = value
+    return found
+
+
+def warn_foreign_sampling(model_path: str | Path, generation_config: Any, engine: str) -> dict[str, Any]:
+    """One warning naming every ``foreign_sampling_settings`` field: the rollout samples without them.
+
+    Rollout log-probs, the actor's ratio and the KL all assume the plain tempered policy
+    ``softmax(z / τ)`` (with ``top_p``); a processor the checkpoint adds (a repetition penalty,
+    ``min_p``, suppressed tokens, …) would make every update silently off-policy, and the two
+    rollout engines sample differently. Returns the fields found.
+    """
+    found = foreign_sampling_settings(generation_config)
+    if found:
+        fields = ", ".join(f"{k}={v!r}" for k, v in found.items())
+        logger.warning(
+            "model.path %s: its generation config sets %s; the %s rollout ignores them and samples with exactly "
+            "rollout.temperature and rollout.top_p, the policy the loss assumes (remove them from generation_config.json "
+            "to silence this warning)", model_path, fields, engine,
+        )
+    return found
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -171,6 +215,12 @@ class HFRolloutEngine:
         self.model.requires_grad_(False)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
+        # generate() fills every field left unset from the model's generation config: replace it by
+        # one without processors, so that only what generate() passes applies (warn_foreign_sampling)
+        self.ignored_sampling = warn_foreign_sampling(model_path, self.model.generation_config, "hf")
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+        )
 
     @torch.no_grad()
     def generate(
@@ -185,6 +235,8 @@ class HFRolloutEngine:
     ) -> list[Sample]:
         """One response per prompt (repeat a prompt n times for a group).
 
+        Samples from ``softmax(z / τ)`` restricted to the ``top_p`` nucleus and nothing else: the
+        processors of the model's own generation config are not applied (``warn_foreign_sampling``).
         Log-probs are ``log_softmax(logits / τ)`` of the raw logits (``output_logits``, not
         the processed ``scores``) at the sampled token; prompts are left-padded and position
         ids follow the attention mask (STACK.md: both matter to match a teacher-forced pass).
@@ -203,16 +255,13 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):
             input_ids[i, P - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             attention_mask[i, P - len(p) :] = 1
-        kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        config = GenerationConfig(  # exactly the configured processors: temperature and top_p (none when greedy)
+            max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id, output_logits=True,
+            return_dict_in_generate=True, **sampling,
+        )
         gen = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **kwargs,
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=config,
         )
         tokens = gen.sequences[:, P:]
         step_lp = []

@@ -33,7 +33,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from dockrl.engines.hf import Sample, load_tokenizer
+from dockrl.engines.hf import Sample, load_tokenizer, warn_foreign_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,15 @@ def check_platform(platform_kind: str, device: torch.device) -> None:
             f"rollout.engine='vllm': the installed vLLM runs on {platform_kind!r}, but this process's device is {device} "
             f"(parallel.device={device.type!r}); install {package} on this node, or set parallel.device={platform_kind!r}"
         )
+
+
+def _model_generation_config(model_path: str | Path):
+    """The model's ``generation_config.json`` as a ``GenerationConfig`` (an empty one when it has none)."""
+    from transformers import GenerationConfig
+
+    if (Path(model_path) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(model_path)
+    return GenerationConfig()
 
 
 @contextlib.contextmanager
@@ -201,6 +210,9 @@ class VLLMRolloutEngine:
                     distributed_executor_backend="uni",
                     # log-probs after temperature scaling: log_softmax(z / τ), what the actor computes
                     logprobs_mode="processed_logprobs",
+                    # no defaults from the model's generation_config.json: only the sampling parameters
+                    # generate() passes apply, as in the HF engine (warn_foreign_sampling)
+                    generation_config="vllm",
                     kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
                     max_model_len=max_model_len,
                     enforce_eager=enforce_eager,
@@ -209,6 +221,7 @@ class VLLMRolloutEngine:
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
+        self.ignored_sampling = warn_foreign_sampling(model_path, _model_generation_config(model_path), "vllm")
         packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
         self._groups = layer_groups(names, packed)
         self._members: dict[str, set[str]] = {}
@@ -229,6 +242,8 @@ class VLLMRolloutEngine:
     ) -> list[Sample]:
         """One response per prompt (repeat a prompt n times for a group), ``batch_size`` at a time.
 
+        Samples with exactly these parameters (``temperature``, ``top_p``, no top-k, no penalty):
+        the model's generation config gives no defaults (``generation_config="vllm"``).
         Log-probs are vLLM's ``processed_logprobs`` of the sampled token: the log-softmax of
         the temperature-scaled logits, ``log_softmax(z / τ)``, as the actor computes it (with
         ``top_p < 1`` vLLM renormalizes over the nucleus and the actor does not: one
