@@ -125,3 +125,11 @@ def test_asking_for_a_gpu_where_there_is_none_fails_naming_the_field(tiny_model_
     for build in (factory.build_train_engine, factory.build_rollout_engine, factory.build_reference_engine):
         with pytest.raises(RuntimeError, match=r"parallel.device='cuda': no cuda device is available.*Fix"):
             build(cfg, tiny_model_dir)
+
+
+def test_a_vllm_build_for_another_device_kind_is_refused():
+    from dockrl.engines.vllm import check_platform
+
+    check_platform("cpu", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"installed vLLM runs on 'cpu'.*parallel.device='cuda'.*install vllm on this node"):
+        check_platform("cpu", torch.device("cuda", 0))
