@@ -178,15 +178,26 @@ def evaluate(engine: RolloutEngine, prompts: list[Prompt], scorer, cfg: Config, 
 
 
 def prompt_batches(prompts: list[Prompt], t: TrainerConfig) -> Iterator[list[Prompt]]:
-    """The ``trainer.global_batch`` prompts of each iteration: a seeded shuffle, reshuffled past the first epoch."""
-    order = list(range(len(prompts)))
+    """The ``trainer.global_batch`` prompts of each iteration, seeded by ``trainer.seed``.
+
+    Epochs follow each other as fresh seeded permutations of all prompts, so every prompt is
+    used once per epoch; a batch that crosses the end of an epoch continues into the next.
+    Deterministic: a resumed run regenerates the same batches (its position is the iteration).
+    """
     rng = random.Random(t.seed)
-    rng.shuffle(order)
-    B = t.global_batch
-    for it in range(t.iterations):
-        if (it + 1) * B > len(order):  # next epoch over the prompts
-            rng.shuffle(order)
-        yield [prompts[order[(it * B + k) % len(order)]] for k in range(B)]
+    epoch: list[int] = []
+    pos = 0
+    for _ in range(t.iterations):
+        picked: list[int] = []
+        while len(picked) < t.global_batch:
+            if pos == len(epoch):  # next epoch over the prompts
+                epoch = list(range(len(prompts)))
+                rng.shuffle(epoch)
+                pos = 0
+            take = min(t.global_batch - len(picked), len(epoch) - pos)
+            picked += epoch[pos:pos + take]
+            pos += take
+        yield [prompts[i] for i in picked]
 
 
 def open_with_prompts(dock, iteration: int, picked: list[Prompt], n: int, *, announce: bool = True) -> None:

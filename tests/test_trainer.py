@@ -50,3 +50,15 @@ def test_the_cli_names_a_model_path_that_is_no_model_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.path: got" in err and "local HF model folder with config.json" in err and "Traceback" not in err
 
+
+
+def test_prompt_batches_use_every_prompt_once_per_epoch():
+    # 7 prompts, batches of 3: 21 picks are exactly 3 epochs, each a permutation, batches crossing epoch ends
+    cfg = load_config(overrides=["trainer.global_batch=3", "trainer.mini_batch=3", "trainer.iterations=7"])
+    picks = [p for batch in trainer.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
+    assert len(picks) == 21
+    epochs = [picks[i:i + 7] for i in range(0, 21, 7)]
+    assert all(sorted(e) == list(range(7)) for e in epochs)
+    assert epochs[0] != epochs[1]  # a fresh shuffle each epoch
+    again = [p for batch in trainer.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
+    assert again == picks  # seeded: a resumed run sees the same batches
