@@ -1,7 +1,8 @@
 """The transfer dock: the experience table through which stages exchange columns (DESIGN.md §2)."""
 
+from dockrl.dock.api import Claim, Dock, open_dock
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.local import Claim, TransferDock
+from dockrl.dock.local import TransferDock
 from dockrl.dock.schema import GRPO_SCHEMA, Column, Schema
 
-__all__ = ["Claim", "Column", "DockError", "DockTimeoutError", "GRPO_SCHEMA", "Schema", "TransferDock"]
+__all__ = ["Claim", "Column", "Dock", "DockError", "DockTimeoutError", "GRPO_SCHEMA", "Schema", "TransferDock", "open_dock"]

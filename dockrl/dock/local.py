@@ -48,6 +48,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 import pyarrow as pa
 
+from dockrl.dock.api import Claim
 from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
@@ -58,27 +59,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_OWNER = "local"
 """Lease owner of claims made without one (the stages of one process share it)."""
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Rows handed to one consumer: their indexes and the requested columns.
-
-    ``batch`` has one record per row, in the order of ``rows``. An empty claim (no rows) means
-    the consumer is done with the iteration: every row is acked, finished, or leased by the
-    claiming owner itself (see the module docstring).
-    """
-
-    iteration: int
-    rows: list[int]
-    batch: pa.RecordBatch
-    lease: str = ""
-    """Id of the lease on ``rows`` (empty for an empty claim): ``ack`` the claim after the put."""
-    consumer: str = ""
-    """The consumer that claimed the rows."""
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 def arrow_columns(
@@ -912,3 +892,8 @@ class TransferDock:
     def finish(self) -> None:
         """No further iteration will open: idle ``wait_iteration`` calls return ``None``."""
         self.control.finish()
+
+    def close(self) -> None:
+        """Drop the open iteration and fail blocked and later control waits (the dock goes away)."""
+        self.close_iteration()
+        self.control.shutdown("the dock was closed")

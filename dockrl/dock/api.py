@@ -1,0 +1,157 @@
+"""The dock API every stage, ``ReplicaDock`` and the driver are written against (DESIGN.md §2).
+
+``Dock`` is the one protocol; ``open_dock`` builds the in-process dock of a run from its
+``dock`` config. Rows are indexed ``0 .. num_rows-1`` within an iteration; prompt ``i`` owns
+rows ``[i·n, (i+1)·n)`` (n = group size). A stage loops ``claim`` → compute → ``put(...,
+ack=claim)``; the driver ``open_iteration`` → fills the inputs → waits → ``close_iteration``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from dockrl.config import DockConfig
+    from dockrl.dock.schema import Schema
+
+Columns = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
+"""The cells of a put: per column name, one value (or Arrow array element) per row."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Rows handed to one consumer: their indexes and the requested columns.
+
+    ``batch`` has one record per row, in the order of ``rows``. An empty claim (no rows) means
+    the consumer is done with the iteration: every row is acked, finished, or leased by the
+    claiming owner itself.
+    """
+
+    iteration: int
+    rows: list[int]
+    batch: pa.RecordBatch
+    lease: str = ""
+    """Id of the lease on ``rows`` (empty for an empty claim): ``ack`` the claim after the put."""
+    consumer: str = ""
+    """The consumer that claimed the rows."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class Dock(Protocol):
+    """The transfer dock as a stage or the driver sees it, in either ``dock.mode``.
+
+    Every method raises ``DockError`` (``dockrl.dock.errors``) for bad use: unknown column or
+    consumer, a row out of range, a cell written twice, no open iteration; the waits raise
+    ``DockTimeoutError`` naming what they waited for.
+    """
+
+    # --- iteration lifecycle (driver) ---------------------------------------------------------
+    def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, announce: bool = True) -> None:
+        """Open an empty table of ``num_rows`` rows in groups of ``group_size``; with
+        ``announce=False`` stages see it only after ``announce(iteration)``."""
+        ...
+
+    def announce(self, iteration: int) -> None:
+        """Let the stages' ``wait_iteration`` return ``iteration``, which must be open."""
+        ...
+
+    def close_iteration(self) -> None:
+        """Drop the open iteration; claims blocked on it fail with ``DockError``."""
+        ...
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the open iteration."""
+        ...
+
+    @property
+    def group_size(self) -> int:
+        """Rows per prompt group of the open iteration."""
+        ...
+
+    # --- data (stages) --------------------------------------------------------------------------
+    def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
+        """Write ``columns[name][k]`` as the cell of row ``rows[k]``; refused unless ``iteration``
+        (when given) is the open one; with ``ack`` the claim is acked once the put succeeded."""
+        ...
+
+    def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
+        """Read written cells without consuming them, in the order of ``rows``."""
+        ...
+
+    def claim(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None,
+    ) -> Claim:
+        """Take up to ``count`` rows ready in all ``columns`` and not yet taken by ``consumer``,
+        leased to this dock's owner; blocks until ``min(count, rows left)`` are ready. An empty
+        claim means the consumer is done with the iteration."""
+        ...
+
+    def ack(self, claim: Claim) -> None:
+        """The claim's consumer is done with its rows (after its put): end the lease for good."""
+        ...
+
+    # --- leases -------------------------------------------------------------------------------
+    def renew(self, owner: str) -> int:
+        """Push every lease of ``owner`` a full term ahead; returns the leases renewed."""
+        ...
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` now (its process died); returns the rows back in the pool."""
+        ...
+
+    # --- checkpoints and metrics ------------------------------------------------------------------
+    def snapshot(self, uri: str) -> None:
+        """Write the dock's state (open iteration, bits, payload) to the directory ``uri``."""
+        ...
+
+    def restore(self, uri: str) -> None:
+        """Load the snapshot at ``uri`` into this dock, which must have no open iteration."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read``, ``dock/wait_s``, ``dock/shards``, …"""
+        ...
+
+    # --- control channel ------------------------------------------------------------------------
+    def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
+        """Block until an iteration newer than ``after`` is announced; ``None`` after ``finish()``."""
+        ...
+
+    def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
+        """Record ``stage``'s flat metrics of ``iteration``."""
+        ...
+
+    def wait_reports(self, iteration: int, stages: Sequence[str], timeout_s: float | None = None) -> dict[str, dict[str, float]]:
+        """Block until each of ``stages`` reported ``iteration``; return ``{stage: metrics}``."""
+        ...
+
+    def finish(self) -> None:
+        """No further iteration will open: idle ``wait_iteration`` calls return ``None``."""
+        ...
+
+    def close(self) -> None:
+        """Release what this handle holds (lease heartbeat, connections, in-process shards)."""
+        ...
+
+
+def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = None) -> Dock:
+    """The in-process dock of run ``run`` (``dock.mode=inprocess``): the stages of this process share it.
+
+    Args:
+        cfg: the run's ``dock`` config (``timeout_s``, ``lease_s``; ``shards`` and ``warehouse``).
+        schema: the column schema.
+        run: the run's name (the warehouse's per-run prefix).
+        owner: lease owner id of the claims made through it; default unique per call.
+
+    Raises:
+        ValueError: as ``make_warehouse`` for a bad ``dock.warehouse`` setting.
+    """
+    from dockrl.dock.local import TransferDock
+
+    return TransferDock(schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s)  # type: ignore[return-value]
