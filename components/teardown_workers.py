@@ -1,6 +1,6 @@
 """KFP component: the exit handler's task. Tears down a run's workers, whatever happened.
 
-The work is ``dockrl.launch.backend.teardown_run``; with the local backend and nothing
+The work is ``dockrl.launch.tasks.teardown_run``; with the local backend and nothing
 registered it removes nothing and still succeeds.
 """
 
@@ -14,7 +14,7 @@ def teardown_workers(run_id: str, worker_backend: str, workers_namespace: str, s
     """Remove every worker labelled with ``run_id`` (``workers_namespace`` "" is the pod's own)."""
     import logging
 
-    from dockrl.launch.backend import teardown_run
+    from dockrl.launch.tasks import teardown_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("teardown").info("run %s ended %s %s", run_id, status.state, status.error_message or "")

@@ -121,11 +121,13 @@ def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, s
 
 def runs_main(argv: list[str]) -> int:
     """``dockrl runs`` (the local runs and their live processes) and ``dockrl teardown RUN``."""
+    from dockrl.launch.backend import WORKER_BACKENDS
+
     parser = argparse.ArgumentParser(prog=f"dockrl {argv[0]}")
     if argv[0] == "teardown":
         parser.description = "Stop what a run left running: its driver (if it still holds the run folder) and its workers."
         parser.add_argument("run", help="run folder (run.output_dir) or run id (as `dockrl runs` lists it)")
-        parser.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+        parser.add_argument("--backend", choices=WORKER_BACKENDS, default="local",
                             help="where the workers run (kubernetes: RUN is the pipeline run's id)")
         parser.add_argument("--namespace", default="", help="namespace of the workers (kubernetes; default: the current one)")
         parser.add_argument("--grace-s", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (local)")
@@ -145,7 +147,7 @@ def runs_main(argv: list[str]) -> int:
         return 0
     try:
         if args.backend == "kubernetes":
-            from dockrl.launch.backend import teardown_run
+            from dockrl.launch.tasks import teardown_run
 
             print(json.dumps({"removed": teardown_run("kubernetes", args.run, namespace=args.namespace)}))
         else:

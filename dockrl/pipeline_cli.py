@@ -12,13 +12,12 @@ Compile options (platform, worker backend, images, workers' namespace, task requ
 fixed in the package; ``submit``/``schedule`` take them only when they compile the package
 themselves (no ``--package``). Trailing ``section.field=value`` arguments become the run's
 ``config_overrides`` and are checked before anything is compiled or sent. The pipeline
-definitions (``pipelines/``, ``components/``) live beside the ``dockrl`` package in the source tree.
+definitions are the packages ``pipelines`` and ``components`` (they need the ``kfp`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -28,22 +27,14 @@ import sys
 import tempfile
 from collections import deque
 from pathlib import Path
-from types import ModuleType
 
 from dockrl.config import ConfigError, load_config
+from dockrl.launch.backend import WORKER_BACKENDS, worker_backend_name
+from pipelines import submit
+from pipelines.grpo import (PipelineSettings, Requests, compile_pipeline, compiled_worker_backend, local_summary,
+                            run_local)
 
 PLATFORM_CHOICES = ("npu", "gpu", "cpu")
-
-
-def _import(module: str) -> ModuleType:
-    """Import ``pipelines.<module>`` from the source tree that holds this package."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "pipelines" / "grpo.py").is_file():
-        raise ConfigError(f"{root / 'pipelines'} not found: `dockrl pipeline` needs the dockrl source tree "
-                          "(pipelines/ and components/ beside dockrl/); install it with `pip install -e .`")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"pipelines.{module}")
 
 
 COMPILE_OPTIONS = ("platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "workers_namespace", "request")
@@ -54,9 +45,8 @@ def _params(args: argparse.Namespace) -> dict:
     return {"config_overrides": list(args.overrides), "export_dtype": args.export_dtype}
 
 
-def _settings(args: argparse.Namespace):
+def _settings(args: argparse.Namespace) -> PipelineSettings:
     """The ``PipelineSettings`` the compile options ask for."""
-    grpo = _import("grpo")
     from dockrl.launch.platform import get_platform, images_from_kustomization, with_images
 
     images = images_from_kustomization(args.overlay) if args.overlay else {}
@@ -71,9 +61,9 @@ def _settings(args: argparse.Namespace):
         cpu, _, memory = sizes.partition(",")
         if not (task and cpu and memory):
             raise ValueError(f"--request {item!r}: expected TASK=CPU,MEMORY, e.g. train=4,16Gi")
-        requests[task] = grpo.Requests(cpu=cpu, memory=memory)
-    return grpo.PipelineSettings(platform=platform, worker_backend=args.worker_backend or "local",
-                                 workers_namespace=args.workers_namespace, requests=requests)
+        requests[task] = Requests(cpu=cpu, memory=memory)
+    return PipelineSettings(platform=platform, worker_backend=worker_backend_name(args.worker_backend or "local"),
+                            workers_namespace=args.workers_namespace, requests=requests)
 
 
 def _package(args: argparse.Namespace, tmp: str) -> Path:
@@ -81,7 +71,7 @@ def _package(args: argparse.Namespace, tmp: str) -> Path:
     one compiled now from the compile options."""
     if args.package:
         given = [f"--{o.replace('_', '-')}" for o in COMPILE_OPTIONS if getattr(args, o) not in (None, "", [])]
-        backend = _import("grpo").compiled_worker_backend(args.package) if Path(args.package).is_file() else None
+        backend = compiled_worker_backend(args.package) if Path(args.package).is_file() else None
         if args.worker_backend and backend and args.worker_backend != backend:
             raise ValueError(f"--worker-backend {args.worker_backend}: the package {args.package} was compiled for the "
                              f"{backend!r} worker backend, which a run cannot change; recompile it with "
@@ -91,13 +81,13 @@ def _package(args: argparse.Namespace, tmp: str) -> Path:
             raise ValueError(f"{', '.join(others)}: compile options, but --package {args.package} is already compiled; "
                              "recompile it with them, or drop --package to compile one now")
         return Path(args.package)
-    return _import("grpo").compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", settings=_settings(args))
+    return compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", settings=_settings(args))
 
 
 def _add_compile_options(p: argparse.ArgumentParser, *, when: str = "") -> None:
     p.add_argument("--platform", choices=PLATFORM_CHOICES, default=None,
                    help=f"accelerators, node selector, tolerations and image of the accelerator pods{when} (default: npu)")
-    p.add_argument("--worker-backend", default=None, choices=("local", "kubernetes"),
+    p.add_argument("--worker-backend", default=None, choices=WORKER_BACKENDS,
                    help="local: the stages run in the train task's pod; kubernetes: stages as pods, the train task "
                         f"on the cpu image without accelerators{when} (default: local)")
     p.add_argument("--registry", default="", help="registry of the images, e.g. registry.example.com/ml: the images are "
@@ -262,19 +252,17 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "overrides", None) is not None:
             load_config(None, args.overrides)  # a bad override fails here, naming its field
         if args.action == "compile":
-            print(_import("grpo").compile_pipeline(args.out, settings=_settings(args)))
+            print(compile_pipeline(args.out, settings=_settings(args)))
             return 0
         if args.action == "run":
             _forward_sigterm()
-            grpo = _import("grpo")
             with LocalRunOutput() as output:  # the failed task and its error come last, not 45 lines up
                 try:
-                    run_dir = grpo.run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
+                    run_dir = run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
                 except RuntimeError as e:
                     raise RuntimeError(output.failure(e)) from None
-            print(json.dumps(grpo.local_summary(run_dir), indent=2))
+            print(json.dumps(local_summary(run_dir), indent=2))
             return 0
-        submit = _import("submit")
         if args.action == "schedule":
             submit.validate_cron(args.cron)  # before compiling anything
         with tempfile.TemporaryDirectory(prefix="dockrl-pipeline-") as tmp:

@@ -40,7 +40,7 @@ from components.prepare_dataset import prepare_dataset
 from components.resolve_config import resolve_config
 from components.teardown_workers import teardown_workers
 from components.train import train
-from dockrl.launch.launcher import WORKER_BACKENDS
+from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
 from dockrl.launch.platform import OBJECT_STORE_KEYS, Platform, get_platform
 from dockrl.launch.tasks import run_parameter_defaults
 
@@ -85,7 +85,7 @@ class PipelineSettings:
 
     platform: Platform = field(default_factory=lambda: get_platform("npu"))
     """Accelerators, scheduling, images and pull secret of the accelerator-bound pods."""
-    worker_backend: str = "local"
+    worker_backend: WorkerBackendName = "local"
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     workers_namespace: str = ""
     """Namespace of the worker pods ("" for the launcher's own: the run's profile namespace)."""
@@ -94,9 +94,7 @@ class PipelineSettings:
     defaults to the platform's stage size: it runs every stage)."""
 
     def __post_init__(self) -> None:
-        if self.worker_backend not in WORKER_BACKENDS:
-            raise ValueError(f"worker_backend: got {self.worker_backend!r}; expected one of "
-                             f"{', '.join(map(repr, WORKER_BACKENDS))}")
+        worker_backend_name(self.worker_backend)
         unknown = sorted(set(self.requests) - set(STEPS))
         if unknown:
             raise ValueError(f"requests for {unknown}: no such task; expected some of {', '.join(STEPS)}")

@@ -1,4 +1,4 @@
-"""Worker backends: what a worker group is, how one fails, and tearing a run's workers down.
+"""Worker backends: what a worker group is, how one fails, the backend protocol and its names.
 
 A worker backend starts long-lived groups of stage workers for one run (actor, reference,
 reward, dock shards), watches them, and tears them down. Two implement ``WorkerBackend``:
@@ -11,8 +11,10 @@ command line in a member, the interface a serving member binds, the ports it ser
 ``host:port`` of a member, the host at which members reach servers of the launcher (the
 weight channel's ``TCPStore``), and the folder both see (``shared_dir``).
 
-``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
-run id alone, so it works from a different process than the one that started them.
+The backend's name (``WorkerBackendName``) is the one choice the pipeline compiles in and the
+launcher and the exit handler dispatch on; ``worker_backend_name`` checks it. Choosing and
+building a backend by name happens above this module (``launcher.run_training``,
+``tasks.teardown_run``), so the backends import this interface and nothing imports back.
 """
 
 from __future__ import annotations
@@ -21,12 +23,26 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence, cast, get_args
 
 logger = logging.getLogger(__name__)
 
-TEARDOWN_WAIT_S = 90.0
-"""How long the exit handler waits for a Kubernetes run's pods to be gone (their grace period is 30 s)."""
+WorkerBackendName = Literal["local", "kubernetes"]
+"""Where a run's stage workers run: ``local`` processes (``local.py``) or ``kubernetes`` pods (``kubernetes.py``)."""
+WORKER_BACKENDS: tuple[str, ...] = get_args(WorkerBackendName)
+
+
+def worker_backend_name(value: str, where: str = "worker_backend") -> WorkerBackendName:
+    """``value`` as a ``WorkerBackendName``.
+
+    Raises:
+        ValueError: ``value`` is not one of ``WORKER_BACKENDS`` (the message names ``where``).
+    """
+    if value not in WORKER_BACKENDS:
+        raise ValueError(f"{where}: got {value!r}; expected one of {', '.join(map(repr, WORKER_BACKENDS))}")
+    return cast(WorkerBackendName, value)
+
+
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 
 
@@ -131,29 +147,3 @@ class WorkerBackend(Protocol):
 
     def teardown(self) -> None:
         """Stop and remove every worker of the run; safe to call twice."""
-
-
-def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: str = "") -> int:
-    """Tear down every worker registered for ``run_id``; returns how many objects were removed.
-
-    Args:
-        backend: ``local`` or ``kubernetes``.
-        run_id: the pipeline run's id (the value the launcher labelled its workers with).
-        namespace: Kubernetes namespace ("" for the pod's own namespace).
-        state_dir: local backend's state folder ("" for the default).
-
-    Raises:
-        ValueError: unknown backend or empty run id.
-    """
-    if not run_id:
-        raise ValueError("teardown: run_id is empty; pass the pipeline run's id")
-    if backend == "local":
-        from dockrl.launch.local import LocalBackend
-
-        return LocalBackend(run_id, state_dir=state_dir or None).teardown()
-    if backend == "kubernetes":
-        from dockrl.launch.kubernetes import KubernetesBackend
-
-        # the exit handler waits for the pods to be gone: a run ends with its workers
-        return KubernetesBackend.from_cluster(run_id, namespace=namespace, teardown_wait_s=TEARDOWN_WAIT_S).teardown()
-    raise ValueError(f"teardown: backend {backend!r}; expected 'local' or 'kubernetes'")

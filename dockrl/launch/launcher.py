@@ -36,12 +36,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from dockrl.config import Config, load_config
+from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.platform import Platform
 from dockrl.launch.tasks import dataset_files, write_checkpoint_pointer
 
 logger = logging.getLogger(__name__)
-
-WORKER_BACKENDS = ("local", "kubernetes")
 
 
 def _log_finite(log_metric: Callable[[str, float], None], name: str, value: object, skipped: list[str]) -> None:
@@ -92,9 +91,7 @@ def run_training(
     """
     from dockrl import trainer
 
-    if worker_backend not in WORKER_BACKENDS:
-        raise ValueError(f"worker_backend: got {worker_backend!r}; expected one of {', '.join(map(repr, WORKER_BACKENDS))}")
-    if worker_backend == "kubernetes" and not run_id:
+    if worker_backend_name(worker_backend) == "kubernetes" and not run_id:
         raise ValueError("run_training: worker_backend='kubernetes' needs run_id (the pipeline run's id)")
     train_file, test_file = dataset_files(dataset_dir)
     run = Path(run_dir)

@@ -1,8 +1,11 @@
-"""The work of the short pipeline steps: prepare the data, export the model, evaluate it.
+"""The work of the short pipeline steps: prepare the data, export the model, evaluate it, tear the workers down.
 
 Each function takes plain paths and the run's ``section.field=value`` overrides, so the KFP
 components in ``components/`` stay thin and every step is testable without KFP. Training, the
 long step, lives in ``dockrl/launch/launcher.py``.
+
+``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
+run id alone, so it works from a different process than the one that started them.
 
 A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
 row counts); ``dataset_files`` reads it back.
@@ -25,6 +28,8 @@ logger = logging.getLogger(__name__)
 DATASET_MANIFEST = "dataset.json"
 CHECKPOINT_POINTER = "dockrl-checkpoint.json"
 """In a model folder: the checkpoint is elsewhere (on the shared volume), at the path it names."""
+TEARDOWN_WAIT_S = 90.0
+"""How long the exit handler waits for a Kubernetes run's pods to be gone (their grace period is 30 s)."""
 
 
 def _count_rows(path: Path) -> int:
@@ -242,3 +247,30 @@ def resolve_overrides(params: dict[str, int | float | str], overrides: Sequence[
     out += list(overrides)
     load_config(None, out)  # fail here, naming the field, before the dataset or training starts
     return out
+
+
+def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: str = "") -> int:
+    """Tear down every worker registered for ``run_id``; returns how many objects were removed.
+
+    Args:
+        backend: a worker backend name (``local`` or ``kubernetes``).
+        run_id: the pipeline run's id (the value the launcher labelled its workers with).
+        namespace: Kubernetes namespace ("" for the pod's own namespace).
+        state_dir: local backend's state folder ("" for the default).
+
+    Raises:
+        ValueError: unknown backend or empty run id.
+    """
+    from dockrl.launch.backend import worker_backend_name
+
+    name = worker_backend_name(backend, "teardown: backend")
+    if not run_id:
+        raise ValueError("teardown: run_id is empty; pass the pipeline run's id")
+    if name == "local":
+        from dockrl.launch.local import LocalBackend
+
+        return LocalBackend(run_id, state_dir=state_dir or None).teardown()
+    from dockrl.launch.kubernetes import KubernetesBackend
+
+    # the exit handler waits for the pods to be gone: a run ends with its workers
+    return KubernetesBackend.from_cluster(run_id, namespace=namespace, teardown_wait_s=TEARDOWN_WAIT_S).teardown()

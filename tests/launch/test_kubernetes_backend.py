@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from dockrl.launch.backend import WorkerFailed, WorkerGroup, teardown_run
+from dockrl.launch.backend import WorkerFailed, WorkerGroup
+from dockrl.launch.tasks import teardown_run
 from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
 from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from dockrl.launch.backend import WorkerFailed, WorkerGroup, teardown_run
+from dockrl.launch.backend import WorkerFailed, WorkerGroup
+from dockrl.launch.tasks import teardown_run
 from dockrl.launch.local import LocalBackend
 
 PY = sys.executable
@@ -122,7 +123,7 @@ def test_worker_group_validation(kwargs, message):
 def test_teardown_run_errors():
     with pytest.raises(ValueError, match="run_id is empty"):
         teardown_run("local", "")
-    with pytest.raises(ValueError, match="backend 'slurm'"):
+    with pytest.raises(ValueError, match="teardown: backend: got 'slurm'; expected one of 'local', 'kubernetes'"):
         teardown_run("slurm", "r")
 
 

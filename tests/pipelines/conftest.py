@@ -1,19 +1,14 @@
-"""Fixtures for the pipeline tests: the source tree on sys.path and a fake KFP API server."""
+"""Fixtures for the pipeline tests: a fake KFP API server."""
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # pipelines/ and components/ live beside dockrl/
-    sys.path.insert(0, str(ROOT))
 
 
 class FakeKfpServer:
