@@ -48,7 +48,7 @@ def prepare_smollm2(out_dir: str | Path) -> Path:
 
     The GGUF loader of transformers dequantizes the Q4_1 weights; the loaded model carries a
     quantization config that cannot be saved, so a fresh model is built from the config and
-    the state dict copied in (STACK.md). Idempotent: an existing export is reused.
+    the state dict copied in (docs/design.md §7). Idempotent: an existing export is reused.
 
     Returns:
         The directory, loadable with ``AutoModelForCausalLM.from_pretrained``.

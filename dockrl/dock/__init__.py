@@ -1,4 +1,4 @@
-"""The transfer dock: the experience table through which stages exchange columns (DESIGN.md §2)."""
+"""The transfer dock: the experience table through which stages exchange columns (docs/design.md §2)."""
 
 from dockrl.dock.api import Claim, Dock, open_dock
 from dockrl.dock.errors import DockError, DockTimeoutError

@@ -1,4 +1,4 @@
-"""One shard of the networked transfer dock, served over Arrow Flight (DESIGN.md §2).
+"""One shard of the networked transfer dock, served over Arrow Flight (docs/design.md §2).
 
 A shard owns a contiguous range of whole prompt groups of each iteration (``shard_ranges``;
 the client documents the mapping) and holds, for those rows, the controller state and the

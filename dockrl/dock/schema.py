@@ -1,7 +1,7 @@
 """The experience table's column schema: declared once, versioned, checked on every put.
 
 Each column has an Arrow type, the stage that produces it and the stages that consume it
-(DESIGN.md §1). Token columns are variable-length lists: no padding is stored.
+(docs/design.md §1). Token columns are variable-length lists: no padding is stored.
 """
 
 from __future__ import annotations

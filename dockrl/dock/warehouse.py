@@ -1,4 +1,4 @@
-"""Warehouse backends of the transfer dock: where the payload of the columns lives (DESIGN.md §2).
+"""Warehouse backends of the transfer dock: where the payload of the columns lives (docs/design.md §2).
 
 Chosen per run by ``dock.warehouse`` (``make_warehouse``):
 

@@ -239,7 +239,7 @@ class HFRolloutEngine:
         processors of the model's own generation config are not applied (``warn_foreign_sampling``).
         Log-probs are ``log_softmax(logits / τ)`` of the raw logits (``output_logits``, not
         the processed ``scores``) at the sampled token; prompts are left-padded and position
-        ids follow the attention mask (STACK.md: both matter to match a teacher-forced pass).
+        ids follow the attention mask (docs/design.md §7: both matter to match a teacher-forced pass).
         A response that reaches ``max_new_tokens`` without EOS is ``truncated`` and gets no
         EOS appended.
         """

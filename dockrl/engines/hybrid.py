@@ -1,4 +1,4 @@
-"""The hybrid actor: megatron-core training and vLLM generation on the same devices (DESIGN.md §3).
+"""The hybrid actor: megatron-core training and vLLM generation on the same devices (docs/design.md §3).
 
 ``HybridActor`` owns one rank's ``MegatronTrainEngine``, its ``VLLMRolloutEngine`` and the
 ``AllGatherSwap`` between them, and walks the cycle of phases

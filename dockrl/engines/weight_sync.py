@@ -15,7 +15,7 @@ instead of silently mixing weights. The channel's backend follows the device
 gloo on CPU; on an NPU gloo over host buffers (each bucket is copied to host once on the
 sender and to the device once on the receiver).
 
-This is the seed of the allgather–swap resharding of a hybrid actor (DESIGN.md §3), which
+This is the seed of the allgather–swap resharding of a hybrid actor (docs/design.md §3), which
 will replace the broadcast with an all-gather of training shards into inference buckets.
 """
 

@@ -85,7 +85,7 @@ def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
 
 def member_devices(cfg: Config, stage: str) -> int:
     """Devices one member of ``stage`` holds: every stage process that holds a model is one rank
-    of the layout with one device (DESIGN.md §6); reward and dock shards compute on CPU.
+    of the layout with one device (docs/design.md §6); reward and dock shards compute on CPU.
 
     The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
     dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each

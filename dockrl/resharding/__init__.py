@@ -5,6 +5,6 @@
 * ``spec``: which dim of each HF weight is split for TP and which PP stage holds it; cuts a
   full HF state dict into one rank's training shard.
 * ``cpu_device``: the scoped CPU device layer megatron-core needs on CPU (gloo).
-* ``allgather_swap``: the hybrid actor's weight sync (DESIGN.md §3): host swap of optimizer
+* ``allgather_swap``: the hybrid actor's weight sync (docs/design.md §3): host swap of optimizer
   state, gradients and training weights; bucketed all-gather into inference-layout buckets.
 """

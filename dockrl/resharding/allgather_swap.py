@@ -1,4 +1,4 @@
-"""Allgather–swap weight sync of the hybrid actor (DESIGN.md §3; MindSpeed RL, arXiv 2507.19017 §4).
+"""Allgather–swap weight sync of the hybrid actor (docs/design.md §3; MindSpeed RL, arXiv 2507.19017 §4).
 
 The actor trains in the Megatron layout (TP, PP, DP) and generates in the vLLM layout (TP') on
 the same devices. ``AllGatherSwap.sync`` on every rank, collectively:

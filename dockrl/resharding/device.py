@@ -20,7 +20,7 @@ installed, else the CPU. Asking for ``cuda``/``npu`` where none is visible is an
 ``parallel.device``, never a silent fall-back to the CPU.
 
 ``torch_npu`` needs the CANN libraries; merely installing it without them breaks ``import torch``
-(STACK.md), so it is imported lazily here and nowhere else.
+(docs/design.md §7), so it is imported lazily here and nowhere else.
 
 The process group is initialised from explicit arguments: library code never reads ``RANK`` or
 ``WORLD_SIZE`` from the environment; the launcher (or a test) passes them in.

@@ -51,7 +51,7 @@ def test_bf16_engine_takes_fp32_actor_weights_quietly(tiny_model_dir, caplog):
         samples = engine.generate(prompts, max_new_tokens=8, temperature=0.7)
         reference = actor.log_probs(prompts, [s.response_ids for s in samples], temperature=0.7, micro_batch=2)
         for s, ref in zip(samples, reference):
-            # bf16 weights against the fp32 actor (STACK.md: within 0.005 on SmolLM2)
+            # bf16 weights against the fp32 actor (docs/design.md §7: within 0.005 on SmolLM2)
             torch.testing.assert_close(torch.tensor(s.log_probs), torch.tensor(ref), atol=0.05, rtol=0)
     finally:
         engine.close()

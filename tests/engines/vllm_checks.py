@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-ATOL = 1e-4  # fp32 vLLM vs an fp32 trainer (STACK.md: vLLM fp32 equals HF fp32 to 1e-4)
+ATOL = 1e-4  # fp32 vLLM vs an fp32 trainer (docs/design.md §7: vLLM fp32 equals HF fp32 to 1e-4)
 
 
 def assert_log_probs_close(samples, reference) -> None:
