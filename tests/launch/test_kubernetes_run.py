@@ -1,8 +1,8 @@
 """A distributed run set up on the Kubernetes worker backend, against the fake API (FakeCluster in
 conftest.py): the groups it renders, the launcher's shared run folder, a failing pod, teardown.
 
-No cluster here: nothing in these tests reaches a stage that talks to a real pod (see README,
-"Kubeflow Pipelines", for what needs one).
+No cluster here: nothing in these tests reaches a stage that talks to a real pod (see docs/kubernetes.md,
+"Not run on a real cluster", for what needs one).
 """
 
 from __future__ import annotations
