@@ -74,16 +74,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_state(args, layout: ParallelLayout, rank: int, device: torch.device):
+def build_state(args, layout: ParallelLayout, model: ModelShape, rank: int, device: torch.device):
     """This rank's training shard of a seeded random model, with gradients and AdamW state."""
     tp_rank, _, pp_rank = layout.train_coords(rank)
     params = {}
-    for i, s in enumerate(model_spec(layout)):
+    for i, s in enumerate(model_spec(layout, model)):
         if s.stage != pp_rank:
             continue
         # drawn on the device itself: a 1.5B model drawn on the host takes longer than its syncs
         full = torch.randn(s.shape, generator=torch.Generator(device).manual_seed(i), device=device) * 0.02
-        params[s.name] = torch.nn.Parameter(cut(full, s, layout.tp, tp_rank, layout.train_vocab_size))
+        params[s.name] = torch.nn.Parameter(cut(full, s, layout.tp, tp_rank, layout.train_vocab_size(model)))
         del full
     optimizer = torch.optim.AdamW(params.values(), lr=1e-4)
     for p in params.values():
@@ -92,13 +92,13 @@ def build_state(args, layout: ParallelLayout, rank: int, device: torch.device):
     return params, optimizer
 
 
-def sync_once(args, layout, rank, device, swap: bool) -> dict:
+def sync_once(args, layout, model, rank, device, swap: bool) -> dict:
     """Build a fresh training state, sync once in the given mode, finish generation; the figures."""
-    params, optimizer = build_state(args, layout, rank, device)
+    params, optimizer = build_state(args, layout, model, rank, device)
     state = ParamTrainState(params, optimizer, device=device)
     resident = sum(state.device_bytes().values())
     actor = AllGatherSwap(
-        layout=layout, rank=rank, state=state, groups=ParallelGroups.create(layout, rank), device=device,
+        layout=layout, model=model, rank=rank, state=state, groups=ParallelGroups.create(layout, rank), device=device,
         bucket_bytes=int(args.bucket_mb * MiB), train_dtype=torch.float32, infer_dtype=getattr(torch, args.infer_dtype),
         swap=swap,
     )
@@ -115,13 +115,13 @@ def sync_once(args, layout, rank, device, swap: bool) -> dict:
     }
 
 
-def measure(args, layout, rank, device) -> list[dict]:
+def measure(args, layout, model, rank, device) -> list[dict]:
     """Both modes, interleaved ``repeats`` times (so that machine noise hits both alike); one row per mode."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.repeats):
         for swap in (False, True):
-            runs[swap].append(sync_once(args, layout, rank, device, swap))
-    full_model = sum(s.numel() for s in model_spec(layout)) * torch.empty((), dtype=getattr(torch, args.infer_dtype)).element_size()
+            runs[swap].append(sync_once(args, layout, model, rank, device, swap))
+    full_model = sum(s.numel() for s in model_spec(layout, model)) * torch.empty((), dtype=getattr(torch, args.infer_dtype)).element_size()
     rows = []
     for swap, results in runs.items():
         r = dict(results[-1])
@@ -147,27 +147,25 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         hidden_size=args.hidden, intermediate_size=args.ffn, head_dim=args.hidden // args.heads, tie_word_embeddings=False,
         qkv_bias=True, o_bias=False, mlp_bias=False,
     )
-    layout = ParallelLayout(
-        tp=args.tp, pp=args.pp, dp=args.nproc // (args.tp * args.pp), infer_tp=args.infer_tp, world_size=args.nproc,
-        device=args.device, model=shape,
-    )
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.nproc // (args.tp * args.pp), infer_tp=args.infer_tp, device=args.device)
+    layout.check_model(shape)
     try:
-        rows = measure(args, layout, rank, device)
+        rows = measure(args, layout, shape, rank, device)
         gathered = [None] * args.nproc if rank == 0 else None
         dist.gather_object(rows, gathered, dst=0)
         if rank == 0:
             rows = [row for per_rank in gathered for row in per_rank]
-            print_table(args, layout, rows)
+            print_table(args, layout, shape, rows)
             if args.json:
                 Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
     finally:
         destroy_process_group()
 
 
-def print_table(args, layout: ParallelLayout, rows: list[dict]) -> None:
+def print_table(args, layout: ParallelLayout, model: ModelShape, rows: list[dict]) -> None:
     print(
         f"weight sync, {args.device}, {args.nproc} processes: train (TP, PP, DP) = ({layout.tp}, {layout.pp}, {layout.dp}) "
-        f"→ inference TP' = {layout.infer_tp}; model {sum(s.numel() for s in model_spec(layout)) / 1e6:.1f}M params, "
+        f"→ inference TP' = {layout.infer_tp}; model {sum(s.numel() for s in model_spec(layout, model)) / 1e6:.1f}M params, "
         f"inference {args.infer_dtype}, bucket ≤ {args.bucket_mb:g} MiB, median of {args.repeats} syncs"
     )
     head = ["rank", "mode", "train state MiB", "peak MiB", "allocator peak MiB", "inference MiB", "largest bucket MiB",

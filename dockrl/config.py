@@ -18,6 +18,8 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
+from dockrl.resharding.layout import LayoutError, ModelShape, ParallelLayout
+
 _logger = logging.getLogger(__name__)
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -205,37 +207,6 @@ class DockConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """Layout of the actor's devices: training (Megatron TP/PP/DP) and rollout (vLLM TP') on the same ones."""
-
-    tp: int = 1
-    """Training tensor-parallel size; must divide the model's heads, KV heads and MLP width."""
-    pp: int = 1
-    """Training pipeline-parallel size; at most the model's layer count."""
-    dp: int = 1
-    """Training data-parallel size."""
-    infer_tp: int = 1
-    """Rollout tensor-parallel size TP'; at most tp × dp and dividing it."""
-    infer_pp: int = 1
-    """Rollout pipeline-parallel size; only 1 is supported."""
-    world_size: int = 0
-    """Devices of the actor group; 0: tp × pp × dp, else it must equal that product."""
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    """Device kind of every process that computes (one device each: ``cuda:i``/``npu:i`` from its
-    local rank); collectives use gloo, nccl or hccl. ``auto``: the accelerator present, else the
-    CPU, resolved when the config is loaded (the run's ``config.yaml`` shows the choice; stage
-    processes resolve it again where they run). ``cuda``/``npu`` where none is visible fail when
-    the engines are placed, naming this field."""
-    bucket_mb: int = 256
-    """Bound of one gathered bucket of the weight sync, in MiB."""
-
-    @property
-    def ranks(self) -> int:
-        """Processes of the actor group: ``world_size``, or tp × pp × dp when it is 0."""
-        return self.world_size or self.tp * self.pp * self.dp
-
-
-@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     output_dir: str = "runs/demo"
     """Run directory: metrics, plot, config, checkpoints."""
@@ -262,7 +233,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dock: DockConfig = field(default_factory=DockConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -327,7 +298,6 @@ def _check_rules(c: Config) -> None:
         "trainer.iterations": t.iterations, "trainer.global_batch": t.global_batch, "trainer.mini_batch": t.mini_batch,
         "trainer.micro_batch": t.micro_batch, "trainer.ppo_epochs": t.ppo_epochs, "trainer.eval_batch_size": t.eval_batch_size,
         "data.max_prompt_length": d.max_prompt_length, "data.min_steps": d.min_steps, "data.max_number": d.max_number,
-        "parallel.bucket_mb": c.parallel.bucket_mb,
     }
     for where, v in positive.items():
         if v < 1:
@@ -404,7 +374,7 @@ def _check_engines(c: Config) -> None:
             if getattr(p, name) != 1 and not (t.hybrid and c.dock.mode == "distributed"):
                 raise _fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
                             "as the hybrid actor with dock.mode='distributed' only (trainer.hybrid=true); else use 1")
-        if p.ranks > 1 and p.infer_tp != 1:
+        if p.world_size > 1 and p.infer_tp != 1:
             raise _fail("parallel.infer_tp", p.infer_tp, "vLLM with TP' > 1 inside the actor's processes is not built: use 1 "
                         "(every actor rank then generates with a full copy of the weights, inference DP' = tp × pp × dp)")
         for name in ("global_batch", "mini_batch"):  # every data-parallel replica updates on its equal part
@@ -421,22 +391,14 @@ def _check_engines(c: Config) -> None:
 
 
 def _check_parallel(c: Config) -> None:
-    """Layout rules (dockrl.resharding.layout); the model-dependent ones when the model is a local
-    directory and the layout shards it (tp, pp or infer_tp > 1)."""
-    from dockrl.resharding.layout import LayoutError, ModelShape, check_counts, check_model
-
+    """The layout's model rules (``ParallelLayout.check_model``) when the model is a local directory and
+    the layout shards it (tp, pp or infer_tp > 1); the rest were checked when the layout was built."""
     p = c.parallel
-    if p.world_size < 0:
-        raise _fail("parallel.world_size", p.world_size, "expected >= 0 (0: tp × pp × dp)")
-    try:
-        world_size = p.ranks
-        # 'auto' is resolved to a kind after the rules (none of which depends on the kind)
-        check_counts(tp=p.tp, pp=p.pp, dp=p.dp, infer_tp=p.infer_tp, infer_pp=p.infer_pp, world_size=world_size,
-                     device="cpu" if p.device == "auto" else p.device)
-        if max(p.tp, p.pp, p.infer_tp) > 1 and (Path(c.model.path) / "config.json").is_file():
-            check_model(tp=p.tp, pp=p.pp, infer_tp=p.infer_tp, model=ModelShape.from_model_dir(c.model.path))
-    except LayoutError as e:
-        raise ConfigError(str(e)) from e
+    if max(p.tp, p.pp, p.infer_tp) > 1 and (Path(c.model.path) / "config.json").is_file():
+        try:
+            p.check_model(ModelShape.from_model_dir(c.model.path))
+        except LayoutError as e:
+            raise ConfigError(str(e)) from e
 
 
 _FROM_AUTO = "_from_auto"
@@ -531,7 +493,10 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
             kwargs[name] = _build(tp, value, key)
         else:
             kwargs[name] = _check_type(key, value, tp)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except LayoutError as e:  # the layout checks its own rules, naming each parallel.* field
+        raise ConfigError(str(e)) from e
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:

@@ -316,15 +316,16 @@ def test_auto_device_is_resolved_at_load_and_travels_as_auto(monkeypatch):
 
 
 def test_parallel_layout_defaults_and_a_valid_layout(tiny_model_dir):
-    assert load_config().parallel.world_size == 0 and load_config().parallel.device == "cpu"
-    from dockrl.resharding.layout import ModelShape, check_counts, check_model
+    from dockrl.resharding.layout import ModelShape, ParallelLayout
 
-    check_counts(tp=2, pp=2, dp=2, infer_tp=2, infer_pp=1, world_size=8, device="cuda")  # a valid layout of the tiny model
-    check_model(tp=2, pp=2, infer_tp=2, model=ModelShape.from_model_dir(tiny_model_dir))
+    p = load_config().parallel
+    assert isinstance(p, ParallelLayout) and p.world_size == 1 and p.device == "cpu"
+    valid = ParallelLayout(tp=2, pp=2, dp=2, infer_tp=2, device="cuda")  # a valid layout of the tiny model
+    valid.check_model(ModelShape.from_model_dir(tiny_model_dir))
+    assert valid.world_size == 8
     # ... which the transformers engine would silently ignore: refused, naming the field
     with pytest.raises(ConfigError, match=r"parallel.tp: got 2; trainer.engine='hf' trains one unsharded copy"):
-        load_config(None, [f"model.path={tiny_model_dir}", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
-                           "parallel.infer_tp=2", "parallel.world_size=8"])
+        load_config(None, [f"model.path={tiny_model_dir}", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.infer_tp=2"])
     for name in ("pp", "dp"):
         with pytest.raises(ConfigError, match=rf"parallel.{name}: got 2; trainer.engine='hf'"):
             load_config(None, [f"parallel.{name}=2"])
@@ -332,7 +333,7 @@ def test_parallel_layout_defaults_and_a_valid_layout(tiny_model_dir):
 
 PARALLEL_ERRORS = {
     # tiny model: 4 heads, 2 KV heads, 2 layers, MLP width 128
-    "world size not tp x pp x dp": (["parallel.tp=2", "parallel.world_size=3"], ["parallel.world_size: got 3", "2 × 1 × 1 = 2"]),
+    "world size is no field": (["parallel.world_size=2"], ["parallel: unknown field(s) ['world_size']", "'tp'"]),
     "tp not dividing heads": (["parallel.tp=3"], ["parallel.tp: got 3", "num_attention_heads=4"]),
     "tp not dividing kv heads": (["parallel.tp=4"], ["parallel.tp: got 4", "num_key_value_heads=2"]),
     "infer_tp not dividing kv heads": (["parallel.dp=4", "parallel.infer_tp=4"], ["parallel.infer_tp: got 4", "num_key_value_heads=2"]),
@@ -340,7 +341,9 @@ PARALLEL_ERRORS = {
     "inference pp": (["parallel.infer_pp=2"], ["parallel.infer_pp: got 2", "expected 1"]),
     "pp above layers": (["parallel.pp=3"], ["parallel.pp: got 3", "num_hidden_layers=2"]),
     "zero tp": (["parallel.tp=0"], ["parallel.tp: got 0", "positive"]),
-    "negative world size": (["parallel.world_size=-1"], ["parallel.world_size: got -1"]),
+    "negative dp": (["parallel.dp=-1"], ["parallel.dp: got -1", "positive"]),
+    "zero infer_tp": (["parallel.infer_tp=0"], ["parallel.infer_tp: got 0", "positive"]),
+    "zero infer_pp": (["parallel.infer_pp=0"], ["parallel.infer_pp: got 0", "positive"]),
     "unknown device": (["parallel.device=tpu"], ["parallel.device: got 'tpu'", "'cpu', 'cuda', 'npu'"]),
     "zero bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb: got 0"]),
 }
@@ -359,8 +362,8 @@ def test_model_rules_wait_for_a_local_model():
     # the packaged model is exported at run time: its sizes are checked when the layout is built
     hybrid = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed"]
     assert load_config(None, [*hybrid, "parallel.tp=3"]).parallel.tp == 3
-    with pytest.raises(ConfigError, match="parallel.world_size"):
-        load_config(None, ["parallel.tp=3", "parallel.world_size=2"])
+    with pytest.raises(ConfigError, match="parallel.infer_tp: got 2; must not exceed"):
+        load_config(None, ["parallel.pp=3", "parallel.infer_tp=2"])
 def test_distributed_mode_settings():
     config = load_config(None, ["dock.mode=distributed", "dock.shards=3", "algorithm.scorer=my.rewards:Scorer"])
     assert (config.dock.mode, config.dock.shards, config.dock.max_inflight) == ("distributed", 3, 1)

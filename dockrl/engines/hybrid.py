@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from dockrl.engines.layer_loader import WholeLayerLoader
-from dockrl.engines.megatron_state import MegatronTrainState, layout_for
+from dockrl.engines.megatron_state import MegatronTrainState
 from dockrl.resharding import device as devices
 from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups, Phase, PhaseError, SyncReport
+from dockrl.resharding.layout import ModelShape, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class HybridActor:
         infer_dtype: dtype of the rollout weights.
 
     Raises:
-        LayoutError: the layout breaks a rule (``ParallelLayout``).
+        LayoutError: the layout breaks a rule or does not fit the model (``ParallelLayout``).
     """
 
     def __init__(
@@ -92,15 +93,17 @@ class HybridActor:
         self.device = device
         self.train, self.rollout = train, rollout
         self._asleep = False
-        self.layout = layout_for(train, infer_tp=infer_tp, dp=dp, device=device.type)
+        self.layout = ParallelLayout(tp=train.tp, pp=train.pp, dp=dp, infer_tp=infer_tp, device=device.type)
+        self.model = model = ModelShape.from_model_dir(train.model_path)
+        self.layout.check_model(model)
         self.rank = dist.get_rank()
         groups = ParallelGroups(
             tp=ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None,
             pp=ps.get_pipeline_model_parallel_group() if self.layout.pp > 1 else None,
         )
-        self.state = MegatronTrainState(train, self.layout, device=device)
+        self.state = MegatronTrainState(train, self.layout, model, device=device)
         self.swap = AllGatherSwap(
-            layout=self.layout, rank=self.rank, state=self.state, groups=groups, device=device,
+            layout=self.layout, model=model, rank=self.rank, state=self.state, groups=groups, device=device,
             bucket_bytes=bucket_bytes, train_dtype=torch.float32, infer_dtype=infer_dtype,
         )
         self.rollout_engine = GuardedRollout(rollout, self.swap)

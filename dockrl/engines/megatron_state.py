@@ -11,7 +11,7 @@ HF name the spec lists for this rank's PP stage to its slice of the megatron par
   dim-0 shard of each (whole heads);
 * ``gate_proj``/``up_proj``: the halves of the local ``linear_fc1``;
 * every other parameter is the megatron parameter itself (vocab-parallel ones padded to a
-  multiple of TP, as ``layout_for`` tells the spec with ``make_vocab_size_divisible_by=1``).
+  multiple of TP, as ``ParallelLayout.train_vocab_size``).
 
 Swapping reuses ``ParamTrainState`` over the megatron parameters and the engine's optimizer. A
 fused parameter goes to host once every HF tensor cut from it has been packed (a bucket
@@ -20,7 +20,6 @@ boundary may fall between Q and V of one layer).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -30,19 +29,6 @@ from dockrl.resharding.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import model_spec
 
 Extract = Callable[[torch.Tensor], torch.Tensor]
-
-
-def layout_for(engine, *, infer_tp: int, dp: int, device: str) -> ParallelLayout:
-    """The ``ParallelLayout`` of a ``MegatronTrainEngine``: its TP, PP, the model's shape, and
-    the engine's vocabulary padding (a multiple of TP: ``make_vocab_size_divisible_by=1``).
-
-    Raises:
-        LayoutError: the layout breaks a rule of ``ParallelLayout``.
-    """
-    return ParallelLayout(
-        tp=engine.tp, pp=engine.pp, dp=dp, infer_tp=infer_tp, world_size=engine.tp * engine.pp * dp, device=device,
-        model=ModelShape.from_model_dir(Path(engine.model_path)), make_vocab_size_divisible_by=1,
-    )
 
 
 def _qkv_part(engine, part: int) -> Extract:
@@ -58,12 +44,12 @@ def _qkv_part(engine, part: int) -> Extract:
     return extract
 
 
-def hf_sources(engine, layout: ParallelLayout) -> dict[str, tuple[str, Extract]]:
+def hf_sources(engine, layout: ParallelLayout, model: ModelShape) -> dict[str, tuple[str, Extract]]:
     """``{hf_name: (megatron parameter name, slice of it)}`` for the spec parameters of this rank's stage."""
     whole: Extract = lambda t: t  # noqa: E731
     pp_rank = engine.pp_rank
     out: dict[str, tuple[str, Extract]] = {}
-    for s in model_spec(layout):
+    for s in model_spec(layout, model):
         if s.stage != pp_rank:
             continue
         name = s.name
@@ -100,7 +86,8 @@ class MegatronTrainState(ParamTrainState):
 
     Args:
         engine: the trainable megatron engine of this rank.
-        layout: its layout (``layout_for``).
+        layout: the actor's parallel layout.
+        model: the sizes of the model (``layout.check_model`` passed).
         device: the device its parameters live on.
         copy_on_cpu: on CPU, make real host copies when swapping (to exercise the copy path).
 
@@ -108,12 +95,12 @@ class MegatronTrainState(ParamTrainState):
         ValueError: a spec parameter has no megatron parameter on this rank.
     """
 
-    def __init__(self, engine, layout: ParallelLayout, *, device: torch.device, copy_on_cpu: bool = False) -> None:
+    def __init__(self, engine, layout: ParallelLayout, model: ModelShape, *, device: torch.device, copy_on_cpu: bool = False) -> None:
         super().__init__(dict(engine.model.named_parameters()), engine.optimizer, device=device, copy_on_cpu=copy_on_cpu)
-        self.sources = hf_sources(engine, layout)
+        self.sources = hf_sources(engine, layout, model)
         unknown = sorted({m for m, _ in self.sources.values()} - set(self.params))
         if unknown:
-            raise ValueError(f"megatron engine rank: no parameters {unknown} for the sharding spec of {layout.model.model_type}")
+            raise ValueError(f"megatron engine rank: no parameters {unknown} for the sharding spec of {model.model_type}")
         self.hf_names: dict[str, set[str]] = {}
         for hf, (m, _) in self.sources.items():
             self.hf_names.setdefault(m, set()).add(hf)

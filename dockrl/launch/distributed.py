@@ -148,7 +148,7 @@ def worker_groups(
     return shards + [
         # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
         WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
-                    replicas=cfg.parallel.ranks if stage == "hybrid" else 1, command=(
+                    replicas=cfg.parallel.world_size if stage == "hybrid" else 1, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait,
         ))

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dockrl.resharding import device as devices
 from dockrl.resharding.buckets import Bucket, bucket_checksum, checksum_temp_bytes, copy_to_inference, plan_buckets
 from dockrl.resharding.host_swap import MemoryTracker, TrainState, nbytes
-from dockrl.resharding.layout import ParallelLayout
+from dockrl.resharding.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import shard_range
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class SyncReport:
 class InferenceWeights:
     """This rank's inference-layout (TP') weights: named views into the inference buckets."""
 
-    def __init__(self, layout: ParallelLayout, infer_tp_rank: int, buckets: list[tuple[Bucket, torch.Tensor]]) -> None:
-        self.layout = layout
+    def __init__(self, layout: ParallelLayout, model: ModelShape, infer_tp_rank: int, buckets: list[tuple[Bucket, torch.Tensor]]) -> None:
+        self.layout, self.model = layout, model
         self.infer_tp_rank = infer_tp_rank
         self.buckets = buckets
 
@@ -148,20 +148,20 @@ class InferenceWeights:
             trim_padding: cut vocab-parallel shards to their real rows (for TP' = 1 the full
                 HF shapes), instead of the padded shard shape.
         """
-        yield from _named(self.layout, self.infer_tp_rank, self.buckets, trim_padding)
+        yield from _named(self.layout, self.model, self.infer_tp_rank, self.buckets, trim_padding)
 
 
 def _named(
-    layout: ParallelLayout, infer_tp_rank: int, buckets: list[tuple[Bucket, torch.Tensor]], trim: bool
+    layout: ParallelLayout, model: ModelShape, infer_tp_rank: int, buckets: list[tuple[Bucket, torch.Tensor]], trim: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for bucket, flat in buckets:
         for e in bucket.entries:
             view = flat.narrow(0, e.infer_offset, math.prod(e.infer_shape)).view(e.infer_shape)
             if trim and e.spec.vocab:
-                start, stop = shard_range(e.spec.shape[0], layout.infer_vocab_size, layout.infer_tp, infer_tp_rank)
+                start, stop = shard_range(e.spec.shape[0], layout.infer_vocab_size(model), layout.infer_tp, infer_tp_rank)
                 view = view.narrow(0, 0, stop - start)
             yield e.name, view
-            if e.name == "model.embed_tokens.weight" and layout.model.tie_word_embeddings:
+            if e.name == "model.embed_tokens.weight" and model.tie_word_embeddings:
                 yield "lm_head.weight", view
 
 
@@ -170,6 +170,7 @@ class AllGatherSwap:
 
     Args:
         layout: the parallel layout.
+        model: the sizes of the model it shards (``layout.check_model`` passed).
         rank: this process's global rank.
         state: the training state of this rank (``host_swap.TrainState``).
         groups: this rank's TP and PP groups (``ParallelGroups.create``).
@@ -184,6 +185,7 @@ class AllGatherSwap:
         self,
         *,
         layout: ParallelLayout,
+        model: ModelShape,
         rank: int,
         state: TrainState,
         groups: ParallelGroups,
@@ -193,12 +195,12 @@ class AllGatherSwap:
         infer_dtype: torch.dtype | None = None,
         swap: bool = True,
     ) -> None:
-        self.layout, self.rank, self.state, self.groups, self.device = layout, rank, state, groups, device
+        self.layout, self.model, self.rank, self.state, self.groups, self.device = layout, model, rank, state, groups, device
         self.train_dtype, self.infer_dtype = train_dtype, infer_dtype or train_dtype
         self.swap = swap
         self.coords = layout.train_coords(rank)
         self.infer_tp_rank = layout.infer_coords(rank).tp_rank
-        self.plan = plan_buckets(layout, bucket_bytes, torch.empty((), dtype=train_dtype).element_size())
+        self.plan = plan_buckets(layout, model, bucket_bytes, torch.empty((), dtype=train_dtype).element_size())
         self.tracker = MemoryTracker()
         self.phase = Phase.TRAINING
         self._weights: InferenceWeights | None = None
@@ -268,7 +270,7 @@ class AllGatherSwap:
             record, infer = self._sync_bucket(bucket)
             report.buckets.append(record)
             if on_bucket is not None:
-                on_bucket(list(_named(self.layout, self.infer_tp_rank, [(bucket, infer)], False)))
+                on_bucket(list(_named(self.layout, self.model, self.infer_tp_rank, [(bucket, infer)], False)))
             if keep_buckets:
                 kept.append((bucket, infer))
             else:  # loaded: freed before the next bucket is gathered
@@ -279,7 +281,7 @@ class AllGatherSwap:
         report.swapped_out_bytes = swapped
         report.peak_tracked_bytes = tracker.peak
         report.peak_allocator_bytes = devices.allocator_peak_bytes(self.device)
-        self._weights = InferenceWeights(self.layout, self.infer_tp_rank, kept)
+        self._weights = InferenceWeights(self.layout, self.model, self.infer_tp_rank, kept)
         self.last_report = report
         self.phase = Phase.GENERATING
         logger.debug("rank %d: weight sync %.3f s, %d buckets, %d B moved", self.rank, report.seconds, len(report.buckets), report.bytes_moved)
@@ -310,7 +312,7 @@ class AllGatherSwap:
             moved += nbytes(gathered) - nbytes(mine)
         infer = torch.zeros(bucket.infer_numel, dtype=self.infer_dtype, device=self.device)
         tracker.alloc("buckets", nbytes(infer))
-        copy_to_inference(gathered, bucket, infer, self.layout, self.infer_tp_rank)
+        copy_to_inference(gathered, bucket, infer, self.layout, self.model, self.infer_tp_rank)
         del mine, gathered
         tracker.free("gather", gathered_bytes)
         tracker.alloc("checksum", checksum_temp_bytes(nbytes(infer)))

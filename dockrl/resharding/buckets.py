@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dockrl.resharding.layout import ParallelLayout
+from dockrl.resharding.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import ParamSpec, model_spec, shard_range
 
 # Inference buckets are padded to a multiple of 8 elements so their bytes view as 64-bit words.
@@ -59,11 +59,12 @@ class Bucket:
     """Elements of the inference bucket (padded to a multiple of 8)."""
 
 
-def plan_buckets(layout: ParallelLayout, bucket_bytes: int, element_size: int) -> list[Bucket]:
+def plan_buckets(layout: ParallelLayout, model: ModelShape, bucket_bytes: int, element_size: int) -> list[Bucket]:
     """Split the spec into buckets of at most ``bucket_bytes`` gathered bytes each.
 
     Args:
         layout: the parallel layout.
+        model: the sizes of the model it shards.
         bucket_bytes: bound of one gathered buffer (``TP × chunk × element_size``), in bytes.
         element_size: bytes per element of the training weights (4 for fp32, 2 for bf16).
 
@@ -84,8 +85,8 @@ def plan_buckets(layout: ParallelLayout, bucket_bytes: int, element_size: int) -
     def close() -> None:
         entries, t_off, i_off = [], 0, 0
         for s in current:
-            t_shape = s.shard_shape(layout.tp, layout.train_vocab_size)
-            i_shape = s.shard_shape(layout.infer_tp, layout.infer_vocab_size)
+            t_shape = s.shard_shape(layout.tp, layout.train_vocab_size(model))
+            i_shape = s.shard_shape(layout.infer_tp, layout.infer_vocab_size(model))
             entries.append(BucketEntry(s, t_off, t_shape, i_off, i_shape))
             t_off += math.prod(t_shape)
             i_off += math.prod(i_shape)
@@ -94,8 +95,8 @@ def plan_buckets(layout: ParallelLayout, bucket_bytes: int, element_size: int) -
         current.clear()
 
     gathered = 0
-    for s in model_spec(layout):
-        size = layout.tp * math.prod(s.shard_shape(layout.tp, layout.train_vocab_size)) * element_size
+    for s in model_spec(layout, model):
+        size = layout.tp * math.prod(s.shard_shape(layout.tp, layout.train_vocab_size(model))) * element_size
         if current and (s.stage != current[0].stage or gathered + size > bucket_bytes):
             close()
             gathered = 0
@@ -106,7 +107,7 @@ def plan_buckets(layout: ParallelLayout, bucket_bytes: int, element_size: int) -
 
 
 def copy_to_inference(
-    gathered: torch.Tensor, bucket: Bucket, infer: torch.Tensor, layout: ParallelLayout, infer_tp_rank: int
+    gathered: torch.Tensor, bucket: Bucket, infer: torch.Tensor, layout: ParallelLayout, model: ModelShape, infer_tp_rank: int
 ) -> None:
     """Copy this rank's TP' shards of every bucket parameter from the gathered buffer.
 
@@ -130,7 +131,7 @@ def copy_to_inference(
             dest.copy_(source(0))
             continue
         d = s.split_dim
-        start, stop = shard_range(s.shape[d], s.padded(layout.infer_vocab_size), layout.infer_tp, infer_tp_rank)
+        start, stop = shard_range(s.shape[d], s.padded(layout.infer_vocab_size(model)), layout.infer_tp, infer_tp_rank)
         size = e.train_shape[d]
         for j in range(layout.tp):
             lo, hi = max(start, j * size), min(stop, (j + 1) * size)

@@ -1,18 +1,20 @@
-"""The parallel layout of the hybrid actor: one frozen, validated object built once.
+"""The parallel layout of the actor: one frozen object, validated when it is built (the config's ``parallel`` section).
 
 The actor trains with tensor parallelism TP, pipeline parallelism PP and data parallelism DP
 (Megatron) and generates with inference tensor parallelism TP' (vLLM) on the same
-``world_size = TP × PP × DP`` devices. ``ParallelLayout`` checks every rule once, from the
-config and the model's HF config, and answers the rank arithmetic:
+``world_size = TP × PP × DP`` devices. ``ParallelLayout`` checks the rules that need no model
+when it is constructed, those that depend on the model's sizes in ``check_model`` (the config
+loader calls it for a local model directory; the engines when they load the model), and answers
+the rank arithmetic:
 
 * training rank order is Megatron's default ``tp-cp-ep-dp-pp`` (TP fastest, PP slowest):
   ``rank = tp_rank + TP · (dp_rank + DP · pp_rank)``;
 * inference rank order is vLLM's (TP' fastest): ``rank = infer_tp_rank + TP' · infer_dp_rank``;
 * layers are split over PP stages contiguously, as evenly as possible, earlier stages taking
   the remainder;
-* vocab-parallel weights are padded as Megatron pads them: the training vocabulary is rounded
-  up to a multiple of ``make_vocab_size_divisible_by × TP`` (Megatron's
-  ``_vocab_size_with_padding``); the inference vocabulary to a multiple of TP'.
+* vocab-parallel weights are padded as the megatron engine pads them: the training vocabulary
+  is rounded up to a multiple of TP (``GPTArch.padded_vocab``), the inference vocabulary to a
+  multiple of TP'.
 
 This module imports no torch: the config loader uses it to reject impossible layouts early.
 """
@@ -131,111 +133,97 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def check_counts(*, tp: int, pp: int, dp: int, infer_tp: int, infer_pp: int, world_size: int, device: str) -> None:
-    """The layout rules that need no model (see ``ParallelLayout``).
-
-    Raises:
-        LayoutError: the first broken rule, naming the ``parallel.*`` field.
-    """
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("infer_tp", infer_tp), ("infer_pp", infer_pp), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise LayoutError(f"parallel.{name}: got {value!r}; expected a positive integer")
-    if device not in DEVICE_KINDS:
-        raise LayoutError(f"parallel.device: got {device!r}; expected one of {', '.join(map(repr, DEVICE_KINDS))}")
-    if world_size != tp * pp * dp:
-        raise LayoutError(
-            f"parallel.world_size: got {world_size}; must equal parallel.tp × parallel.pp × parallel.dp = "
-            f"{tp} × {pp} × {dp} = {tp * pp * dp}"
-        )
-    if infer_pp != 1:
-        raise LayoutError(f"parallel.infer_pp: got {infer_pp}; the rollout engine runs without pipeline parallelism: expected 1")
-    if infer_tp > tp * dp:
-        raise LayoutError(
-            f"parallel.infer_tp: got {infer_tp}; must not exceed parallel.tp × parallel.dp = {tp} × {dp} = {tp * dp} "
-            "(an inference TP' group lies within the ranks of one pipeline stage)"
-        )
-    if (tp * dp) % infer_tp:
-        raise LayoutError(
-            f"parallel.infer_tp: got {infer_tp}; must divide parallel.tp × parallel.dp = {tp * dp} "
-            "(inference TP' groups tile the ranks of each pipeline stage)"
-        )
-
-
-def check_model(*, tp: int, pp: int, infer_tp: int, model: ModelShape) -> None:
-    """The layout rules that depend on the model's sizes (see ``ParallelLayout``).
-
-    Raises:
-        LayoutError: the first broken rule, naming the ``parallel.*`` field and the model size.
-    """
-    for name, value in (("tp", tp), ("infer_tp", infer_tp)):
-        for what, size in (
-            ("num_attention_heads", model.num_heads),
-            ("num_key_value_heads", model.num_kv_heads),
-            ("intermediate_size", model.intermediate_size),
-        ):
-            if size % value:
-                raise LayoutError(
-                    f"parallel.{name}: got {value}; must divide the model's {what}={size} "
-                    "(tensor parallelism splits them evenly over the ranks)"
-                )
-    if pp > model.num_layers:
-        raise LayoutError(
-            f"parallel.pp: got {pp}; must not exceed the model's num_hidden_layers={model.num_layers} "
-            "(every pipeline stage holds at least one layer)"
-        )
-
-
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Training (TP, PP, DP) and inference (TP') layout of the hybrid actor on ``world_size`` devices.
+    """Layout of the actor's devices: training (Megatron TP/PP/DP) and rollout (vLLM TP') on the same ones.
 
-    Rules, checked at construction (each raises ``LayoutError`` naming the field):
-    ``world_size == tp × pp × dp``; ``infer_pp == 1``; ``infer_tp <= tp × dp`` and divides it;
-    ``tp`` and ``infer_tp`` divide the heads, the KV heads and the MLP width; ``pp <= layers``.
+    The config's ``parallel`` section. Rules checked at construction, each a ``LayoutError``
+    naming its ``parallel.*`` field: every size a positive integer; ``infer_pp == 1``;
+    ``infer_tp <= tp × dp`` and dividing it; ``bucket_mb >= 1``; ``device`` a known kind.
+    ``check_model`` adds the model's: ``tp`` and ``infer_tp`` divide the heads, the KV heads and
+    the MLP width; ``pp <= layers``.
     """
 
-    tp: int
-    """Training tensor-parallel size."""
-    pp: int
-    """Training pipeline-parallel size (stages)."""
-    dp: int
-    """Training data-parallel size (replicas)."""
-    infer_tp: int
-    """Inference (rollout) tensor-parallel size TP'."""
-    world_size: int
-    """Processes (devices) of the actor: tp × pp × dp."""
-    device: str
-    """Device kind: ``cpu``, ``cuda`` or ``npu``."""
-    model: ModelShape
-    """Sizes of the model being sharded."""
+    tp: int = 1
+    """Training tensor-parallel size; must divide the model's heads, KV heads and MLP width."""
+    pp: int = 1
+    """Training pipeline-parallel size; at most the model's layer count."""
+    dp: int = 1
+    """Training data-parallel size."""
+    infer_tp: int = 1
+    """Rollout tensor-parallel size TP'; at most tp × dp and dividing it."""
     infer_pp: int = 1
-    """Inference pipeline-parallel size; only 1 is supported."""
-    make_vocab_size_divisible_by: int = 128
-    """Training vocabulary padding unit per TP rank (Megatron's option of the same name)."""
+    """Rollout pipeline-parallel size; only 1 is supported."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Device kind of every process that computes (one device each: ``cuda:i``/``npu:i`` from its
+    local rank); collectives use gloo, nccl or hccl. ``auto``: the accelerator present, else the
+    CPU, resolved when the config is loaded (the run's ``config.yaml`` shows the choice; stage
+    processes resolve it again where they run). ``cuda``/``npu`` where none is visible fail when
+    the engines are placed, naming this field."""
+    bucket_mb: int = 256
+    """Bound of one gathered bucket of the weight sync, in MiB."""
 
     def __post_init__(self) -> None:
-        check_counts(
-            tp=self.tp, pp=self.pp, dp=self.dp, infer_tp=self.infer_tp, infer_pp=self.infer_pp,
-            world_size=self.world_size, device=self.device,
-        )
-        check_model(tp=self.tp, pp=self.pp, infer_tp=self.infer_tp, model=self.model)
-        if self.make_vocab_size_divisible_by < 1:
-            raise LayoutError(f"make_vocab_size_divisible_by: got {self.make_vocab_size_divisible_by}; expected >= 1")
+        for name in ("tp", "pp", "dp", "infer_tp", "infer_pp", "bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f"parallel.{name}: got {value!r}; expected a positive integer")
+        if self.device != "auto" and self.device not in DEVICE_KINDS:
+            raise LayoutError(f"parallel.device: got {self.device!r}; expected one of 'auto', {', '.join(map(repr, DEVICE_KINDS))}")
+        tp, dp, infer_tp = self.tp, self.dp, self.infer_tp
+        if self.infer_pp != 1:
+            raise LayoutError(f"parallel.infer_pp: got {self.infer_pp}; the rollout engine runs without pipeline parallelism: expected 1")
+        if infer_tp > tp * dp:
+            raise LayoutError(
+                f"parallel.infer_tp: got {infer_tp}; must not exceed parallel.tp × parallel.dp = {tp} × {dp} = {tp * dp} "
+                "(an inference TP' group lies within the ranks of one pipeline stage)"
+            )
+        if (tp * dp) % infer_tp:
+            raise LayoutError(
+                f"parallel.infer_tp: got {infer_tp}; must divide parallel.tp × parallel.dp = {tp * dp} "
+                "(inference TP' groups tile the ranks of each pipeline stage)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes (devices) of the actor: tp × pp × dp."""
+        return self.tp * self.pp * self.dp
 
     @property
     def infer_dp(self) -> int:
         """Inference data-parallel size DP' = world_size / TP'."""
         return self.world_size // self.infer_tp
 
-    @property
-    def train_vocab_size(self) -> int:
-        """Padded training vocabulary: a multiple of ``make_vocab_size_divisible_by × tp``."""
-        return round_up(self.model.vocab_size, self.make_vocab_size_divisible_by * self.tp)
+    def check_model(self, model: ModelShape) -> None:
+        """The rules that depend on the model's sizes.
 
-    @property
-    def infer_vocab_size(self) -> int:
+        Raises:
+            LayoutError: the first broken rule, naming the ``parallel.*`` field and the model size.
+        """
+        for name, value in (("tp", self.tp), ("infer_tp", self.infer_tp)):
+            for what, size in (
+                ("num_attention_heads", model.num_heads),
+                ("num_key_value_heads", model.num_kv_heads),
+                ("intermediate_size", model.intermediate_size),
+            ):
+                if size % value:
+                    raise LayoutError(
+                        f"parallel.{name}: got {value}; must divide the model's {what}={size} "
+                        "(tensor parallelism splits them evenly over the ranks)"
+                    )
+        if self.pp > model.num_layers:
+            raise LayoutError(
+                f"parallel.pp: got {self.pp}; must not exceed the model's num_hidden_layers={model.num_layers} "
+                "(every pipeline stage holds at least one layer)"
+            )
+
+    def train_vocab_size(self, model: ModelShape) -> int:
+        """Padded training vocabulary: a multiple of ``tp`` (the megatron engine's padding)."""
+        return round_up(model.vocab_size, self.tp)
+
+    def infer_vocab_size(self, model: ModelShape) -> int:
         """Padded inference vocabulary: a multiple of ``infer_tp``."""
-        return round_up(self.model.vocab_size, self.infer_tp)
+        return round_up(model.vocab_size, self.infer_tp)
 
     def check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -257,27 +245,27 @@ class ParallelLayout:
 
     def tp_groups(self) -> list[list[int]]:
         """Training TP groups: ranks with the same (dp_rank, pp_rank), in a fixed order."""
-        return [
-            [self.train_rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)
-        ]
+        return [[self.train_rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 
     def pp_groups(self) -> list[list[int]]:
         """Training PP groups: ranks with the same (tp_rank, dp_rank), stage order, in a fixed order."""
-        return [
-            [self.train_rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
-        ]
+        return [[self.train_rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
-    def stage_layers(self, pp_rank: int) -> range:
-        """Decoder layers held by pipeline stage ``pp_rank`` (contiguous; earlier stages take the remainder)."""
+    def dp_groups(self) -> list[list[int]]:
+        """Training DP groups: ranks with the same (tp_rank, pp_rank), in a fixed order."""
+        return [[self.train_rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def stage_layers(self, model: ModelShape, pp_rank: int) -> range:
+        """Decoder layers of ``model`` held by pipeline stage ``pp_rank`` (contiguous; earlier stages take the remainder)."""
         if not 0 <= pp_rank < self.pp:
             raise ValueError(f"pp_rank: got {pp_rank}; expected 0 <= pp_rank < pp={self.pp}")
-        base, extra = divmod(self.model.num_layers, self.pp)
+        base, extra = divmod(model.num_layers, self.pp)
         start = pp_rank * base + min(pp_rank, extra)
         return range(start, start + base + (1 if pp_rank < extra else 0))
 
-    def stage_of_layer(self, layer: int) -> int:
-        """The pipeline stage that holds decoder layer ``layer``."""
+    def stage_of_layer(self, model: ModelShape, layer: int) -> int:
+        """The pipeline stage that holds decoder layer ``layer`` of ``model``."""
         for p in range(self.pp):
-            if layer in self.stage_layers(p):
+            if layer in self.stage_layers(model, p):
                 return p
-        raise ValueError(f"layer: got {layer}; the model has {self.model.num_layers} layers")
+        raise ValueError(f"layer: got {layer}; the model has {model.num_layers} layers")

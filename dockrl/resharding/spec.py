@@ -33,7 +33,7 @@ from typing import Mapping
 
 import torch
 
-from dockrl.resharding.layout import ParallelLayout
+from dockrl.resharding.layout import ModelShape, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,17 @@ class ParamSpec:
         return n
 
 
-def model_spec(layout: ParallelLayout) -> list[ParamSpec]:
+def model_spec(layout: ParallelLayout, model: ModelShape) -> list[ParamSpec]:
     """All HF parameters the sync moves, in canonical order (embedding, layers 0…L-1, norm, head).
 
     With tied embeddings ``lm_head.weight`` is not listed (it is the embedding).
     """
-    m = layout.model
+    m = model
     h, q, kv, ffn = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     last = layout.pp - 1
     specs = [ParamSpec("model.embed_tokens.weight", (m.vocab_size, h), 0, True, 0)]
     for i in range(m.num_layers):
-        p, stage = f"model.layers.{i}.", layout.stage_of_layer(i)
+        p, stage = f"model.layers.{i}.", layout.stage_of_layer(m, i)
 
         def add(name: str, shape: tuple[int, ...], split: int | None) -> None:
             specs.append(ParamSpec(p + name, shape, split, False, stage))  # noqa: B023 (called at once)
@@ -136,7 +136,7 @@ def cut(full: torch.Tensor, spec: ParamSpec, parts: int, rank: int, padded_vocab
     return out
 
 
-def check_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout) -> None:
+def check_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout, model: ModelShape) -> None:
     """Check that a full HF state dict has exactly the spec's names and shapes.
 
     A tied ``lm_head.weight`` may be present (``model.state_dict()``) or absent (safetensors).
@@ -144,25 +144,25 @@ def check_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout) -
     Raises:
         ValueError: missing, unexpected or wrongly shaped parameters, listed by name.
     """
-    specs = model_spec(layout)
+    specs = model_spec(layout, model)
     expected = {s.name: s.shape for s in specs}
-    tied_head = layout.model.tie_word_embeddings and "lm_head.weight" in full
+    tied_head = model.tie_word_embeddings and "lm_head.weight" in full
     names = set(full) - ({"lm_head.weight"} if tied_head else set())
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     wrong = sorted(f"{n}: {tuple(full[n].shape)} != {expected[n]}" for n in names & set(expected) if tuple(full[n].shape) != expected[n])
     if missing or unexpected or wrong:
         raise ValueError(
-            f"state dict does not match the {layout.model.model_type} sharding spec: "
+            f"state dict does not match the {model.model_type} sharding spec: "
             f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
             f"{'…' if len(unexpected) > 5 else ''}, wrong shapes {wrong[:5]}"
         )
 
 
-def shard_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout, rank: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout, model: ModelShape, rank: int) -> dict[str, torch.Tensor]:
     """Cut a full HF state dict into the training shard of global ``rank``.
 
     The shard holds the parameters of the rank's PP stage, each cut to its TP rank (vocab dims
-    padded to ``layout.train_vocab_size``). With tied embeddings and PP > 1, the last stage also
+    padded to ``layout.train_vocab_size(model)``). With tied embeddings and PP > 1, the last stage also
     gets ``lm_head.weight``: a copy of its embedding shard (Megatron's shared output weight).
 
     Returns:
@@ -171,25 +171,25 @@ def shard_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout, r
     Raises:
         ValueError: ``full`` does not match the spec (``check_state_dict``), or a bad rank.
     """
-    check_state_dict(full, layout)
+    check_state_dict(full, layout, model)
     tp_rank, _, pp_rank = layout.train_coords(rank)
     out: dict[str, torch.Tensor] = {}
-    for s in model_spec(layout):
+    for s in model_spec(layout, model):
         if s.stage == pp_rank:
-            out[s.name] = cut(full[s.name], s, layout.tp, tp_rank, layout.train_vocab_size)
-    if layout.model.tie_word_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1:
-        embed = next(s for s in model_spec(layout) if s.name == "model.embed_tokens.weight")
-        out["lm_head.weight"] = cut(full[embed.name], embed, layout.tp, tp_rank, layout.train_vocab_size)
+            out[s.name] = cut(full[s.name], s, layout.tp, tp_rank, layout.train_vocab_size(model))
+    if model.tie_word_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1:
+        embed = next(s for s in model_spec(layout, model) if s.name == "model.embed_tokens.weight")
+        out["lm_head.weight"] = cut(full[embed.name], embed, layout.tp, tp_rank, layout.train_vocab_size(model))
     return out
 
 
-def infer_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout, rank: int) -> dict[str, torch.Tensor]:
+def infer_state_dict(full: Mapping[str, torch.Tensor], layout: ParallelLayout, model: ModelShape, rank: int) -> dict[str, torch.Tensor]:
     """Cut a full HF state dict into the inference (TP') shard of global ``rank``: the reference a sync must reproduce.
 
     Returns:
         ``{hf_name: tensor}`` for every spec parameter (vocab dims padded to
-        ``layout.infer_vocab_size``), in spec order.
+        ``layout.infer_vocab_size(model)``), in spec order.
     """
-    check_state_dict(full, layout)
+    check_state_dict(full, layout, model)
     infer_tp_rank = layout.infer_coords(rank).tp_rank
-    return {s.name: cut(full[s.name], s, layout.infer_tp, infer_tp_rank, layout.infer_vocab_size) for s in model_spec(layout)}
+    return {s.name: cut(full[s.name], s, layout.infer_tp, infer_tp_rank, layout.infer_vocab_size(model)) for s in model_spec(layout, model)}

@@ -221,7 +221,7 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
     from dockrl.workers.main import replica
 
     rank, members = replica()
-    world = cfg.parallel.ranks
+    world = cfg.parallel.world_size
     if members != world:
         raise ValueError(f"hybrid actor: {members} members started (DOCKRL_REPLICAS), the layout parallel.tp × pp × dp has {world} ranks")
     if world > 1:

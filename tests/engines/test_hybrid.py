@@ -63,9 +63,9 @@ def to_training(actor):
 def expected_checksum(actor) -> float:
     """The sync's checksum computed independently: the trainer's full weights cut to the inference layout."""
     full = dict(actor.train.named_weights())
-    infer = infer_state_dict(full, actor.layout, 0)
+    infer = infer_state_dict(full, actor.layout, actor.model, 0)
     total = 0
-    for bucket in plan_buckets(actor.layout, BUCKET_BYTES, 4):
+    for bucket in plan_buckets(actor.layout, actor.model, BUCKET_BYTES, 4):
         flat = torch.zeros(bucket.infer_numel)
         for e in bucket.entries:
             flat.narrow(0, e.infer_offset, e.spec.numel()).copy_(infer[e.name].reshape(-1))

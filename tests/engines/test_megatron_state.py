@@ -28,19 +28,18 @@ def test_hf_slices_of_megatron_shards_are_the_spec_shards(tp, pp, tied):
     gen = torch.Generator().manual_seed(0)
     shapes = {n: t.shape for n, t in Qwen2ForCausalLM(config).named_parameters()}
     full = {n: torch.randn(shapes[n], generator=gen) for n in hf_param_names(arch)}
-    layout = ParallelLayout(tp=tp, pp=pp, dp=1, infer_tp=1, world_size=tp * pp, device="cpu",
-                            model=ModelShape.from_hf_config(config), make_vocab_size_divisible_by=1)
-    assert layout.train_vocab_size == arch.padded_vocab(tp)  # the engine's padding, as the spec sees it
-    specs = {s.name: s for s in model_spec(layout)}
+    layout, model = ParallelLayout(tp=tp, pp=pp, device="cpu"), ModelShape.from_hf_config(config)
+    assert layout.train_vocab_size(model) == arch.padded_vocab(tp)  # the engine's padding, as the spec sees it
+    specs = {s.name: s for s in model_spec(layout, model)}
     covered = set()
     for rank in range(layout.world_size):
         tp_rank, _, pp_rank = layout.train_coords(rank)
         shard = hf_to_megatron(full, arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
         engine = SimpleNamespace(arch=arch, tp=tp, pp=pp, pp_rank=pp_rank, layer_offset=pp_rank * (arch.num_layers // pp))
-        sources = hf_sources(engine, layout)
+        sources = hf_sources(engine, layout, model)
         assert set(sources) == {n for n, s in specs.items() if s.stage == pp_rank}
         for name, (megatron_name, extract) in sources.items():
-            want = cut(full[name], specs[name], tp, tp_rank, layout.train_vocab_size)
+            want = cut(full[name], specs[name], tp, tp_rank, layout.train_vocab_size(model))
             assert torch.equal(extract(shard[megatron_name]), want), (rank, name)
         covered |= set(sources)
     assert covered == set(specs)

@@ -140,8 +140,8 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
     dev = devices.init_process_group(kind=kind, rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
                                      timeout_s=60, external_store=True)
     try:
-        layout = ParallelLayout(tp=1, pp=1, dp=1, infer_tp=1, world_size=1, device=kind, model=shape)
-        params = {s.name: torch.nn.Parameter(torch.randn(s.shape, device=dev)) for s in model_spec(layout)}
+        layout = ParallelLayout(device=kind)
+        params = {s.name: torch.nn.Parameter(torch.randn(s.shape, device=dev)) for s in model_spec(layout, shape)}
         optimizer = torch.optim.AdamW(params.values(), lr=1e-3)
         for p in params.values():
             p.grad = torch.randn_like(p)
@@ -151,7 +151,7 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
         resident = sum(state.device_bytes().values())
         gc.collect()  # earlier tests' models, held by reference cycles, would count in the allocator's peak
         others = (devices.allocator_bytes(dev) or resident) - resident  # live device tensors not of this state
-        swap = AllGatherSwap(layout=layout, rank=0, state=state, groups=ParallelGroups.create(layout, 0), device=dev,
+        swap = AllGatherSwap(layout=layout, model=shape, rank=0, state=state, groups=ParallelGroups.create(layout, 0), device=dev,
                              bucket_bytes=64 << 10, train_dtype=torch.float32, infer_dtype=torch.bfloat16)
         loaded = {}
         report = swap.sync(on_bucket=lambda named: loaded.update((n, t.cpu().float()) for n, t in named), keep_buckets=False)

@@ -51,31 +51,30 @@ def run_job(rank: int, world_size: int, job: dict) -> dict:
     model_dir = Path(job["model_dir"])
     full = load_file(str(model_dir / "model.safetensors"))
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    layout = ParallelLayout(
-        tp=job["tp"], pp=job["pp"], dp=job["dp"], infer_tp=job["infer_tp"], world_size=world_size, device="cpu", model=shape
-    )
+    layout = ParallelLayout(tp=job["tp"], pp=job["pp"], dp=job["dp"], infer_tp=job["infer_tp"], device="cpu")
+    assert layout.world_size == world_size
     tied = shape.tie_word_embeddings
     if tied:
         full.pop("lm_head.weight", None)  # saved by model.state_dict(), not by save_pretrained
     groups = ParallelGroups.create(layout, rank)
-    params = {n: torch.nn.Parameter(t) for n, t in shard_state_dict(full, layout, rank).items()}
+    params = {n: torch.nn.Parameter(t) for n, t in shard_state_dict(full, layout, shape, rank).items()}
     optimizer = torch.optim.SGD(params.values(), lr=LR, momentum=MOMENTUM)
     state = ParamTrainState(params, optimizer, device=torch.device("cpu"), copy_on_cpu=job["copy_on_cpu"])
     infer_dtype = getattr(torch, job["infer_dtype"])
     actor = AllGatherSwap(
-        layout=layout, rank=rank, state=state, groups=groups, device=torch.device("cpu"),
+        layout=layout, model=shape, rank=rank, state=state, groups=groups, device=torch.device("cpu"),
         bucket_bytes=job["bucket_bytes"], train_dtype=torch.float32, infer_dtype=infer_dtype,
     )
     reference = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
     ref_optimizer = torch.optim.SGD(reference.values(), lr=LR, momentum=MOMENTUM)
-    specs = {s.name: s for s in model_spec(layout)}
+    specs = {s.name: s for s in model_spec(layout, shape)}
     tp_rank, infer_rank = layout.train_coords(rank).tp_rank, layout.infer_coords(rank).tp_rank
     out: dict = {"job": job, "syncs": []}
     for step in range(2):
         grads = dyadic_grads(full, step)
         for n, p in params.items():
             s = specs["model.embed_tokens.weight" if n == "lm_head.weight" and tied else n]
-            p.grad = expected_shard(grads[s.name], s, layout.tp, tp_rank, layout.train_vocab_size).clone()
+            p.grad = expected_shard(grads[s.name], s, layout.tp, tp_rank, layout.train_vocab_size(shape)).clone()
         for n, p in reference.items():
             p.grad = grads[n]
         actor.require_training("optimizer step")
@@ -88,7 +87,7 @@ def run_job(rank: int, world_size: int, job: dict) -> dict:
         for name, got in actor.weights.named_tensors():
             names.append(name)
             s = specs["model.embed_tokens.weight" if name == "lm_head.weight" and tied else name]
-            want = expected_shard(reference[s.name].detach(), s, layout.infer_tp, infer_rank, layout.infer_vocab_size)
+            want = expected_shard(reference[s.name].detach(), s, layout.infer_tp, infer_rank, layout.infer_vocab_size(shape))
             want = want.to(infer_dtype)
             if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
                 mismatches.append(name)
@@ -96,7 +95,7 @@ def run_job(rank: int, world_size: int, job: dict) -> dict:
             want = torch.zeros_like(flat)
             for e in bucket.entries:
                 s = e.spec
-                ref = expected_shard(reference[s.name].detach(), s, layout.infer_tp, infer_rank, layout.infer_vocab_size)
+                ref = expected_shard(reference[s.name].detach(), s, layout.infer_tp, infer_rank, layout.infer_vocab_size(shape))
                 want.narrow(0, e.infer_offset, math.prod(e.infer_shape)).copy_(ref.reshape(-1))
             if record.checksum != bucket_checksum(want):
                 mismatches.append(f"checksum of bucket {record.index}")
