@@ -29,7 +29,7 @@ from collections import deque
 from pathlib import Path
 
 from dockrl.config import ConfigError, load_config
-from dockrl.launch.backend import WORKER_BACKENDS, worker_backend_name
+from dockrl.launch.backend import WORKER_BACKENDS
 from pipelines import submit
 from pipelines.grpo import (PipelineSettings, Requests, compile_pipeline, compiled_worker_backend, local_summary,
                             run_local)
@@ -62,7 +62,7 @@ def _settings(args: argparse.Namespace) -> PipelineSettings:
         if not (task and cpu and memory):
             raise ValueError(f"--request {item!r}: expected TASK=CPU,MEMORY, e.g. train=4,16Gi")
         requests[task] = Requests(cpu=cpu, memory=memory)
-    return PipelineSettings(platform=platform, worker_backend=worker_backend_name(args.worker_backend or "local"),
+    return PipelineSettings(platform=platform, worker_backend=args.worker_backend or "local",
                             workers_namespace=args.workers_namespace, requests=requests)
 
 

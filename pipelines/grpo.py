@@ -146,7 +146,7 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings) -> N
         kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
 
 
-def build_pipeline(platform: Union[Platform, str] = "npu", worker_backend: str = "local", *,
+def build_pipeline(platform: Union[Platform, str] = "npu", worker_backend: WorkerBackendName = "local", *,
                    settings: Optional[PipelineSettings] = None):
     """The GRPO pipeline for ``platform`` (a preset name or a ``Platform``) and ``worker_backend``,
     or for ``settings`` (which then fix both).
@@ -206,7 +206,7 @@ def build_pipeline(platform: Union[Platform, str] = "npu", worker_backend: str =
     return grpo
 
 
-def compile_pipeline(out: Union[str, Path], platform: str = "npu", worker_backend: str = "local", *,
+def compile_pipeline(out: Union[str, Path], platform: str = "npu", worker_backend: WorkerBackendName = "local", *,
                      settings: Optional[PipelineSettings] = None) -> Path:
     """Compile the pipeline IR to ``out`` (``.yaml``); returns the path (see ``build_pipeline``)."""
     out = Path(out)

@@ -36,7 +36,7 @@ class PipelineError(RuntimeError):
 
 _MONTHS = {m: i for i, m in enumerate("JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split(), start=1)}
 _DAYS = {d: i for i, d in enumerate("SUN MON TUE WED THU FRI SAT".split())}
-_FIELDS = (  # name, lowest, highest, names, '?' allowed
+_FIELDS: tuple[tuple[str, int, int, dict[str, int], bool], ...] = (  # name, lowest, highest, names, '?' allowed
     ("seconds", 0, 59, {}, False),
     ("minutes", 0, 59, {}, False),
     ("hours", 0, 23, {}, False),

@@ -117,11 +117,15 @@ class WorkerBackend(Protocol):
     start_spread_s: float
     """Longest between the first and the last member of a run starting to run, seconds: how much
     longer than their own loading the stages may wait for the shards and the first iteration."""
-    shared_dir: Path | None
-    """Folder the launcher and every member see at the same path (None: every path of the
-    launcher's machine, as for local processes)."""
-    logs: str
-    """Where the members' logs are, for error messages (a folder, a ``kubectl logs`` command)."""
+
+    @property
+    def shared_dir(self) -> Path | None:
+        """Folder the launcher and every member see at the same path (None: every path of the
+        launcher's machine, as for local processes)."""
+
+    @property
+    def logs(self) -> str:
+        """Where the members' logs are, for error messages (a folder, a ``kubectl logs`` command)."""
 
     @property
     def launcher_host(self) -> str:
@@ -145,5 +149,6 @@ class WorkerBackend(Protocol):
     def check(self) -> None:
         """Raise ``WorkerFailed`` (with its log tail) if any member has failed; cheap, call it often."""
 
-    def teardown(self) -> None:
-        """Stop and remove every worker of the run; safe to call twice."""
+    def teardown(self) -> int:
+        """Stop and remove every worker of the run; safe to call twice. Returns how many
+        workers (processes, or Kubernetes objects) were removed."""

@@ -19,7 +19,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from dockrl.config import load_config
 
@@ -217,17 +217,17 @@ Everything else is a ``config_overrides`` entry (run-time) or a setting of the c
 (backend, platform, images, sizes: compile-time)."""
 
 
-def run_parameter_defaults() -> dict[str, int | float | str]:
+def run_parameter_defaults() -> dict[str, Any]:
     """Each run parameter's default: the config default of its field (what the UI shows)."""
     cfg = load_config(None)
-    out: dict[str, int | float | str] = {}
+    out: dict[str, Any] = {}
     for name, where in RUN_PARAMETERS.items():
         section, key = where.split(".")
         out[name] = getattr(getattr(cfg, section), key)
     return out
 
 
-def resolve_overrides(params: dict[str, int | float | str], overrides: Sequence[str]) -> list[str]:
+def resolve_overrides(params: Mapping[str, object], overrides: Sequence[str]) -> list[str]:
     """The run's ``section.field=value`` overrides: the run parameters that differ from their
     defaults, then ``overrides`` (which win over a parameter setting the same field).
 
