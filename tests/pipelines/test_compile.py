@@ -281,3 +281,17 @@ def test_cli_compile_takes_the_images_from_an_overlay_and_the_options(tmp_path, 
     assert rc == 2 and "never 'latest'" in capsys.readouterr().err
     rc = pipeline_cli.main(["compile", str(out), "--request", "train=4"])
     assert rc == 2 and "expected TASK=CPU,MEMORY" in capsys.readouterr().err
+
+
+def test_the_wheel_ships_the_pipeline_and_its_components():
+    """The packages pyproject.toml gives setuptools are dockrl's, the pipeline's and the components'
+    (`dockrl pipeline` imports them as installed packages, no source tree needed)."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[2]
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = set(find_packages(str(root), include=include))
+    assert {"dockrl", "dockrl.launch", "dockrl.dock", "pipelines", "components"} <= packages
+    assert not {p for p in packages if p.split(".")[0] not in ("dockrl", "pipelines", "components")}, packages
