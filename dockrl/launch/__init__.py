@@ -1,9 +1,9 @@
 """Launching runs: the pipeline steps' library functions and the worker backends.
 
-* ``tasks.py``     prepare the dataset, export the model, evaluate it (short pipeline steps)
+* ``tasks.py``     prepare the dataset, export the model, evaluate it, tear a run's workers down (short pipeline steps)
 * ``launcher.py``  run a training job for the pipeline's train step and report its metrics
 * ``distributed.py`` the driver of ``dock.mode=distributed``: dock shards and stages as worker groups
-* ``backend.py``   worker groups, the backend protocol, ``teardown_run`` for the exit handler
+* ``backend.py``   worker groups, the backend protocol and its names (imports nothing of dockrl)
 * ``local.py``     worker groups as local processes
 * ``jobset.py``    a run's worker groups as one JobSet (rendering: Secret, PodGroup, JobSet)
 * ``kubernetes.py`` the Kubernetes backend: creates, watches and tears down that JobSet
