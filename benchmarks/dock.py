@@ -68,7 +68,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dockrl.dock.client import DockClient, shard_ranges
+from dockrl.dock.client import DockClient
+from dockrl.dock.shard import shard_ranges
 from dockrl.dock.flight import BearerTokenMiddlewareFactory
 from dockrl.dock.schema import GRPO_SCHEMA
 

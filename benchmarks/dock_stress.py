@@ -72,7 +72,7 @@ import pyarrow.flight as flight
 
 from dockrl.dock.client import DockClient
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.flight import ShardLayout
+from dockrl.dock.shard import ShardLayout
 from dockrl.dock.schema import GRPO_SCHEMA
 
 logger = logging.getLogger("benchmarks.dock_stress")

@@ -195,12 +195,12 @@ class DockConfig:
     store_retries: int = 2
     """Retries of an S3 request after a connection error, timeout or 5xx answer."""
     mode: Literal["inprocess", "distributed"] = "inprocess"
-    """``inprocess``: every stage runs in the driver's process over an in-memory dock;
+    """``inprocess``: every stage runs in the driver's process, over dock shards of that process;
     ``distributed``: each stage is its own process and they share only ``shards`` Arrow Flight
-    dock shard processes (and the actor → rollout weight channel)."""
+    dock shard processes (and the actor → rollout weight channel). A checkpoint resumes in either."""
     shards: int = 1
-    """Dock shard processes in ``distributed`` mode; an iteration's rows are split over them by
-    whole prompt groups, so at most ``trainer.global_batch``."""
+    """Dock shards (in either mode); an iteration's rows are split over them by whole prompt
+    groups, so at most ``trainer.global_batch``."""
     max_inflight: int = 1
     """Iterations open at once in ``distributed`` mode (backpressure on the driver). 1 is
     on-policy and the only value supported: the dock holds one open iteration at a time."""
@@ -347,7 +347,7 @@ def _check_rules(c: Config) -> None:
     k = c.dock
     if k.shards < 1:
         raise _fail("dock.shards", k.shards, "expected a positive integer")
-    if k.mode == "distributed" and k.shards > t.global_batch:
+    if k.shards > t.global_batch:
         raise _fail("dock.shards", k.shards, f"expected at most trainer.global_batch={t.global_batch}: a shard holds whole prompt groups")
     if k.max_inflight != 1:
         raise _fail("dock.max_inflight", k.max_inflight,

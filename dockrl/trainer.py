@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -19,7 +20,7 @@ import torch
 
 from dockrl.config import AlgorithmConfig, Config, ConfigError, TrainerConfig, save_config
 from dockrl.data import Prompt, check_chat_template, export_champ, generate_problems, load_prompts, write_jsonl
-from dockrl.dock import GRPO_SCHEMA, TransferDock
+from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
 from dockrl.engines.hf import load_tokenizer
 from dockrl.evaluate import greedy_accuracy
@@ -262,10 +263,6 @@ def train(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] 
 
 def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, float]], None] | None) -> dict[str, float]:
     """``train`` with every stage in this process (the run folder is locked by the caller)."""
-    if cfg.dock.shards != 1:
-        logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
-    if cfg.dock.warehouse != "memory":  # the warehouse serves the sharded dock (DockClient), not this in-process one
-        logger.warning("dock.warehouse=%r is ignored: dock.mode=inprocess keeps the dock in the driver's memory", cfg.dock.warehouse)
     t0 = time.perf_counter()
     run_dir = Path(cfg.run.output_dir)
     if cfg.run.num_threads:
@@ -299,7 +296,7 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
         reference = build_reference_engine(cfg, model_path)
         workers.append(ReferenceWorker(reference, temperature=r.temperature, micro_batch=t.micro_batch))
     workers.append(actor_stage)
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
+    dock = open_dock(cfg.dock, GRPO_SCHEMA, run=f"dockrl-{secrets.token_hex(6)}")  # dock.shards shards in this process
     first, open_now = 0, None
     if point:
         if point.dock_uri:  # checkpoints/final has no open iteration to restore
@@ -347,6 +344,7 @@ def _train_inprocess(cfg: Config, *, on_iteration: Callable[[int, dict[str, floa
             writer.log_summary(summary)
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
     finally:
+        dock.close()
         scorer.close()
         if hybrid is not None:
             hybrid.actor.close()

@@ -368,7 +368,8 @@ def test_distributed_mode_settings():
     config = load_config(None, ["dock.mode=distributed", "dock.shards=3", "algorithm.scorer=my.rewards:Scorer"])
     assert (config.dock.mode, config.dock.shards, config.dock.max_inflight) == ("distributed", 3, 1)
     assert config.algorithm.scorer == "my.rewards:Scorer"
-    assert load_config(None, ["dock.shards=7"]).dock.shards == 7  # unused, so unchecked, in the in-process mode
+    with pytest.raises(ConfigError, match="dock.shards"):  # the same rule in the in-process mode
+        load_config(None, ["dock.shards=7"])
 
 
 @pytest.mark.parametrize("native", [True, False])

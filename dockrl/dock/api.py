@@ -1,4 +1,4 @@
-"""The dock API every stage, ``ReplicaDock`` and the driver are written against (DESIGN.md §2).
+"""The dock API every stage, ``ReplicaDock`` and the driver are written against (docs/design.md §2).
 
 ``Dock`` is the one protocol; ``open_dock`` builds the in-process dock of a run from its
 ``dock`` config. Rows are indexed ``0 .. num_rows-1`` within an iteration; prompt ``i`` owns
@@ -8,8 +8,9 @@ ack=claim)``; the driver ``open_iteration`` → fills the inputs → waits → `
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -143,8 +144,14 @@ class Dock(Protocol):
 def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = None) -> Dock:
     """The in-process dock of run ``run`` (``dock.mode=inprocess``): the stages of this process share it.
 
+    The same sharded front end as in distributed mode (``dockrl.dock.client.DockClient``) over
+    ``dock.shards`` shards of this process reached by direct calls (``LocalTransport``): the
+    settings mean the same in both modes and a snapshot taken in one restores in the other.
+    ``close()`` closes the shards.
+
     Args:
-        cfg: the run's ``dock`` config (``timeout_s``, ``lease_s``; ``shards`` and ``warehouse``).
+        cfg: the run's ``dock`` config: ``shards`` shards in this process, the payload in their
+            memory or in ``warehouse``, ``timeout_s`` and ``lease_s`` as in distributed mode.
         schema: the column schema.
         run: the run's name (the warehouse's per-run prefix).
         owner: lease owner id of the claims made through it; default unique per call.
@@ -152,6 +159,12 @@ def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = 
     Raises:
         ValueError: as ``make_warehouse`` for a bad ``dock.warehouse`` setting.
     """
-    from dockrl.dock.local import TransferDock
+    from dockrl.dock.client import DockClient
+    from dockrl.dock.shard import LocalTransport, local_shards
+    from dockrl.dock.warehouse import make_warehouse
 
-    return TransferDock(schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s)  # type: ignore[return-value]
+    warehouse = make_warehouse(cfg, run)
+    payload = "memory" if warehouse is None else "store"
+    shards = local_shards(cfg.shards, schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s, payload=payload)
+    return DockClient([LocalTransport(s, owned=True) for s in shards], schema, timeout_s=cfg.timeout_s,
+                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner)

@@ -1,11 +1,18 @@
-"""Client of the sharded transfer dock: the ``TransferDock`` API over S Arrow Flight shards.
+"""The transfer dock's one front end: the ``Dock`` API over S shards, in either ``dock.mode``.
+
+``DockClient`` talks to its shards through transports (``dockrl.dock.shard.ShardTransport``):
+``FlightTransport`` to ``DockShardServer`` processes (``dock.mode=distributed``; a
+``grpc://host:port`` location builds one) or ``LocalTransport`` to ``ShardService`` objects of
+this process (``dock.mode=inprocess``; ``open_dock`` builds ``dock.shards`` of them with the
+configured ``dock.warehouse``). Everything below holds for both: the shards check every request
+(the front end only routes rows), and a snapshot taken in one mode restores in the other.
 
 **Rows → shards.** An iteration of G prompt groups of n rows is split into contiguous runs
 of whole groups: shard ``s`` owns groups ``[s·G//S, (s+1)·G//S)``, and global row ``r`` keeps
 its index on the shard that owns it (so shard errors name global rows). With fewer groups
 than shards some shards own none. Every client derives the mapping from ``(num_rows,
 group_size, S)`` (``flight.shard_ranges``); shards also check, store and ``describe`` it, so a
-worker that did not open the iteration learns it, and ``locations`` out of shard order is caught.
+worker that did not open the iteration learns it, and shards given out of order are caught.
 
 **Claims.** The controller path is metadata only: a claim takes row indexes on a shard and,
 with the payload in the shards' memory, brings their cells in the same ``do_get`` (the indexes
@@ -31,24 +38,26 @@ claim's rows. A claim with nothing to take while other owners hold rows of the c
 blocks on the shard holding most of them (``wait_held``), for the same reason as
 ``TransferDock.claim``; rows coming back on another shard are seen when that one answers.
 
-**Snapshots.** ``snapshot(uri)`` has every shard write its own snapshot under
+**Snapshots** (one format in both modes). ``snapshot(uri)`` has every shard write its own snapshot under
 ``<uri>/<id>/shard-<s>``, copies the warehouse objects the rows live in (with a warehouse) to
 ``<uri>/<id>/objects/<key>`` (objects are deleted with their iteration, a snapshot must outlive
 it), then writes ``<uri>/meta.json`` (shard count, layout, object keys) last, so a
 snapshot cut short is never read as complete. It is consistent per shard, not across shards
 (rows are independent, so each row's state is one some moment had). ``restore(uri)`` loads
-shard ``s``'s snapshot into shard ``s`` of this client (same count; no iteration open there),
-after writing the copied objects back into this client's warehouse under their keys. A restored
-open iteration is not announced: the driver calls ``announce``.
+shard ``s``'s snapshot into shard ``s`` of this client (same count, ``dock.shards``, and payload
+place, ``dock.warehouse``: a snapshot taken otherwise is refused naming them; no iteration open
+there), after writing the copied objects back into this client's warehouse under their keys. A
+restored open iteration is not announced: the driver calls ``announce``.
 
 **Control channel.** ``wait_iteration``, ``report``, ``wait_reports`` and ``finish``
 (``dockrl.dock.control``) go to shard 0, which holds the run's control state for every client;
 the waits block server-side with the client's timeout (plus ``rpc_timeout_s`` of slack).
 ``open_iteration`` announces the iteration on shard 0 only once every shard has opened it.
 
-Puts and gets go straight to the shards owning the rows. A put is fully checked on the
-client first, then is atomic per shard but not across shards (one shard may refuse an
-already written cell after another accepted its part).
+Puts and gets go straight to the shards owning the rows (a row out of range goes to the shard
+nearest to it, which refuses it). A put's values are converted to the schema's Arrow types
+first (``arrow_columns``), then it is atomic per shard but not across shards (one shard may
+refuse an already written cell after another accepted its part).
 
 **Warehouse.** With ``warehouse=`` (a ``dockrl.dock.warehouse`` store; shards started with
 ``payload="store"``) no payload passes through the shards: a put writes one object per
@@ -61,7 +70,6 @@ needs once. ``close_iteration`` deletes the iteration's objects.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -70,27 +78,28 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.flight as flight
 
+from dockrl.dock.api import Claim, Columns
 from dockrl.dock.control import check_metrics
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.flight import CLAIM_META, ROW, ShardLayout, raise_dock_error, shard_ranges, start_local_shards
-from dockrl.dock.local import Claim, arrow_columns
+from dockrl.dock.flight import FlightTransport
+from dockrl.dock.local import arrow_columns
 from dockrl.dock.schema import Schema
+from dockrl.dock.shard import ROW, ShardLayout, ShardTransport
 from dockrl.dock.warehouse import (
     Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, new_key, read_cells, write_arrays,
 )
 from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 OBJECTS_DIR = "objects"
 """Folder of a snapshot (under its id) with copies of the warehouse objects its rows live in."""
-__all__ = ["DockClient", "shard_ranges", "start_local_shards"]
+SNAPSHOT_KIND = "dock"
+"""``kind`` of a dock snapshot's ``meta.json``."""
 
 
 def _part(array: pa.Array, pos: np.ndarray) -> pa.Array:
@@ -106,12 +115,13 @@ def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
 
 
 class DockClient:
-    """The transfer dock served by Flight shards, with the same API as ``TransferDock``.
+    """The transfer dock over S shards (the ``Dock`` protocol), in this process or over Flight.
 
     Args:
-        locations: ``grpc://host:port`` of every shard, in shard order.
+        shards: every shard, in shard order: a ``grpc://host:port`` location (a
+            ``FlightTransport`` with ``token``) or a transport (``LocalTransport``).
         schema: the column schema (checked against each shard's).
-        token: shared bearer token of the shards; None when they run without auth.
+        token: shared bearer token of Flight shards; None when they run without auth.
         timeout_s: default claim timeout, seconds.
         rpc_timeout_s: deadline of each non-blocking call, and the slack a blocking claim
             call gets past its own timeout.
@@ -121,59 +131,50 @@ class DockClient:
         owner: lease owner id; default ``host:pid:random``, unique per client. A launcher that
             passes a known id can ``release_owner`` it when the worker's process dies.
 
-    Thread-safe; every method may raise ``DockError`` as ``TransferDock`` does, and Flight
-    errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) annotated
-    with the shard and call.
+    Thread-safe; every method may raise ``DockError`` as the shards' ``TransferDock`` does,
+    and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
+    annotated with the shard and call.
 
     Raises:
-        ValueError: no locations, or ``lease_s`` not a finite number > 0.
+        ValueError: no shards, or ``lease_s`` not a finite number > 0.
     """
 
     def __init__(
-        self, locations: Sequence[str], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
+        self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
     ) -> None:
-        if not locations:
-            raise ValueError("DockClient: locations is empty; expected at least one grpc://host:port")
+        if not shards:
+            raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
         if not 0 < lease_s < math.inf:
             raise ValueError(f"DockClient: lease_s={lease_s!r}; expected a finite number of seconds > 0")
-        self.locations, self.schema = list(locations), schema
+        self.transports: list[ShardTransport] = [FlightTransport(t, token=token) if isinstance(t, str) else t for t in shards]
+        self.locations, self.schema = [t.location for t in self.transports], schema
         self.timeout_s, self.rpc_timeout_s, self.lease_s = timeout_s, rpc_timeout_s, lease_s
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._beat = threading.Condition()
         self._held: dict[str, int] = {}  # un-acked lease id → its iteration
         self._beat_thread: threading.Thread | None = None
         self._closed = False
-        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self._clients = [flight.connect(loc) for loc in self.locations]
         self._lock = threading.Lock()
         self._layout: ShardLayout | None = None
         self._next = 0
-        self.controller_bytes = 0
         self.warehouse = warehouse
         self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
                       "dock/store_objects_written": 0, "dock/store_objects_read": 0}
 
     # --- calls --------------------------------------------------------------------------------
-    def _options(self, timeout: float | None) -> flight.FlightCallOptions:
-        return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
-
-    def _call(self, shard: int, what: str, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except (flight.FlightError, pa.ArrowException) as e:
-            raise_dock_error(e)
-            e.add_note(f"while calling {what} on dock shard {shard} at {self.locations[shard]}")
-            raise
-
     def _action(self, shard: int, name: str, body: dict[str, Any], timeout: float | None = None) -> Any:
-        data = json.dumps(body).encode()
-        opts = self._options(self.rpc_timeout_s if timeout is None else timeout)
-        results = self._call(shard, name, lambda: list(self._clients[shard].do_action(flight.Action(name, data), opts)))
-        out = results[0].body.to_pybytes() if results else b"null"
-        with self._lock:
-            self.controller_bytes += len(data) + len(out)
-        return json.loads(out)
+        return self.transports[shard].action(name, body, self.rpc_timeout_s if timeout is None else timeout)
+
+    @property
+    def controller_bytes(self) -> int:
+        """Bytes of requests and results this front end exchanged with its shards (0 in-process: nothing is serialized)."""
+        return sum(getattr(t, "controller_bytes", 0) for t in self.transports)
+
+    @property
+    def mode(self) -> str:
+        """The ``dock.mode`` of the shards: ``inprocess`` or ``distributed``."""
+        return self.transports[0].mode
 
     # --- layout -------------------------------------------------------------------------------
     def _describe(self, shard: int) -> dict[str, int] | None:
@@ -185,11 +186,12 @@ class DockClient:
                 f"{desc['columns']}; this client has v{self.schema.version} {names}"
             )
         payload = desc.get("payload", "memory")
-        if payload != ("memory" if self.warehouse is None else "store"):
+        if payload != self._payload:
             mine = "has no warehouse" if self.warehouse is None else f"has the warehouse {self.warehouse.url}"
             raise DockError(
                 f"dock shard {shard} at {self.locations[shard]} runs with payload={payload!r} but this client {mine}; "
-                "shards started with payload='store' need a DockClient with warehouse=..., payload='memory' ones one without"
+                "shards started with payload='store' need a DockClient with warehouse=..., payload='memory' ones one without "
+                "(dock.warehouse)"
             )
         return desc["layout"]
 
@@ -208,13 +210,21 @@ class DockClient:
             self._layout = layout
         return layout
 
-    def _layout_for(self, what: str, *, fresh: bool = False) -> ShardLayout:
-        """The layout of the open iteration: the one this client knows, or (``fresh``) the shards'."""
+    def _layout_for(self, what: str, iteration: int | None = None, *, fresh: bool = False) -> ShardLayout:
+        """The layout of the open iteration: the one this client knows, or (``fresh``) the shards'.
+
+        With ``iteration``: that iteration's, asking the shards when the known one is another.
+
+        Raises:
+            DockError: no iteration is open, or ``iteration`` is not the open one.
+        """
         layout = None if fresh else self._layout
-        if layout is None:
+        if layout is None or (iteration is not None and layout.iteration != iteration):
             layout = self._fetch_layout()
         if layout is None:
             raise DockError(f"{what}: no iteration is open (call open_iteration first, or it was closed)")
+        if iteration is not None and layout.iteration != iteration:
+            raise DockError(f"{what}: iteration {iteration} is not open; the open iteration is {layout.iteration}")
         return layout
 
     def _open_layout(self, what: str) -> ShardLayout:
@@ -242,8 +252,6 @@ class DockClient:
         Raises:
             DockError: an iteration is still open (nothing is left opened), or bad sizes.
         """
-        if group_size < 1 or num_rows < 1 or num_rows % group_size:
-            raise DockError(f"open_iteration: num_rows={num_rows} must be a positive multiple of group_size={group_size}")
         layout = ShardLayout(int(iteration), int(num_rows), int(group_size), len(self.locations))
         opened: list[int] = []
         try:
@@ -288,30 +296,13 @@ class DockClient:
                 logger.warning("iteration %d closed, but its objects stay in %s: %s", open_now, self.warehouse.url, e)
 
     # --- writes and reads ---------------------------------------------------------------------
-    def _check_rows(self, layout: ShardLayout, rows: np.ndarray, what: str) -> None:
-        bad = rows[(rows < 0) | (rows >= layout.num_rows)]
-        if len(bad):
-            span = f"[0, {layout.num_rows}) in iteration {layout.iteration}"
-            raise DockError(f"{what}: rows {bad[:10].tolist()} out of range {span}")
-        if len(np.unique(rows)) != len(rows):
-            raise DockError(f"{what}: repeated row indexes in {rows[:20].tolist()}")
-
-    def _check_request(self, columns: Sequence[str], consumer: str | None, what: str) -> None:
-        names = [c.name for c in self.schema.columns]
-        for name in columns:
-            if name not in names:
-                raise DockError(f"{what}: unknown column {name!r}; schema v{self.schema.version} has {names}")
-        if consumer is not None and consumer not in self.schema.consumers:
-            raise DockError(f"{what}: unknown consumer {consumer!r}; schema has {list(self.schema.consumers)}")
-
-    def put(
-        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, ack: Claim | None = None,
-    ) -> None:
+    def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
         """Write cells, sending each shard the rows it owns (``TransferDock.put`` semantics).
 
-        With ``ack`` the claim is acked once the put succeeded: when the put covers exactly the
-        claim's rows each shard acks its part with the put itself (one round trip per shard
-        instead of two), else ``put`` then ``ack``.
+        With ``iteration`` the put is refused unless that iteration is the open one. With
+        ``ack`` the claim is acked once the put succeeded: when the put covers exactly the
+        claim's rows each shard acks its part with the put itself (one call per shard instead
+        of two), else ``put`` then ``ack``.
 
         Raises:
             DockError: as ``TransferDock.put`` and ``ack``, or the iteration was closed since
@@ -319,8 +310,7 @@ class DockClient:
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
-        layout = self._layout_for("put")
-        self._check_rows(layout, rows_arr, "put")
+        layout = self._layout_for("put", iteration)
         fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
                  and np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64))))
         extra = {"ack": {"consumer": ack.consumer, "lease": ack.lease}} if fused else {}
@@ -332,7 +322,7 @@ class DockClient:
                     batch = pa.RecordBatch.from_arrays(
                         [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
                     )
-                    self._call(s, "put", lambda: self._send(s, layout.iteration, batch, extra))
+                    self.transports[s].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
         finally:
             if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
                 with self._beat:
@@ -382,42 +372,38 @@ class DockClient:
             self.store["dock/store_objects_read"] += objects
         return [pa.Table.from_batches([batch])]
 
-    def _send(self, s: int, iteration: int, batch: pa.RecordBatch, extra: dict[str, Any]) -> None:
-        command = json.dumps({"iteration": iteration} | extra).encode()
-        with self._lock:
-            self.controller_bytes += len(command)
-        descriptor = flight.FlightDescriptor.for_command(command)
-        writer, _ = self._clients[s].do_put(descriptor, batch.schema, self._options(self.rpc_timeout_s))
-        writer.write_batch(batch)
-        writer.close()
-
     def _read(self, layout: ShardLayout, s: int, columns: list[str], rows: list[int]) -> pa.Table:
-        ticket = flight.Ticket(json.dumps({"iteration": layout.iteration, "columns": columns, "rows": rows}).encode())
-        opts = self._options(self.rpc_timeout_s)
-        return self._call(s, "get", lambda: self._clients[s].do_get(ticket, opts).read_all())
+        return self.transports[s].get({"iteration": layout.iteration, "columns": columns, "rows": rows}, self.rpc_timeout_s)
+
+    def _arrow_schema(self, columns: list[str], what: str) -> pa.Schema:
+        try:
+            return self.schema.arrow_schema(columns)
+        except KeyError as e:
+            raise DockError(f"{what}: {e.args[0]}") from None
 
     def _batch(self, tables: list[pa.Table], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
         """One record batch of ``tables`` stacked, rows reordered so that row ``order[k]`` comes k-th.
 
         Copies nothing when the cells already come in order in one chunk per column (a claim
         from one shard in one call, the usual case)."""
-        schema = self.schema.arrow_schema(columns)
+        schema = self._arrow_schema(columns, "get")
         table = pa.concat_tables(tables or [schema.empty_table()])
         if order is not None and (np.diff(order) < 0).any():
             table = table.take(pa.array(np.argsort(order), type=pa.int64()))
         return pa.RecordBatch.from_arrays([_one_chunk(table.column(c)) for c in columns], schema=schema)
 
-    def get(self, columns: Sequence[str], rows: Sequence[int]) -> pa.RecordBatch:
+    def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
         """Read cells without consuming them, gathered from the shards in the order of ``rows``.
 
         Raises:
-            DockError: unknown column, row out of range, a cell not yet written, no open iteration.
+            DockError: unknown column, row out of range, a cell not yet written, no open
+                iteration, or (with ``iteration``) another iteration open.
         """
         columns = list(columns)
-        self._check_request(columns, None, "get")
         rows_arr = np.asarray(rows, dtype=np.int64)
-        layout = self._layout_for("get")
-        self._check_rows(layout, rows_arr, "get")
+        layout = self._layout_for("get", iteration)
+        if not len(rows_arr):  # no shard is asked: check the columns here
+            return pa.RecordBatch.from_pylist([], schema=self._arrow_schema(columns, "get"))
         parts = layout.split(rows_arr)
         tables = self._gather(layout, columns, {s: rows_arr[pos].tolist() for s, pos in parts.items()})
         return self._batch(tables, columns, np.concatenate([np.zeros(0, np.int64), *parts.values()]))
@@ -438,7 +424,6 @@ class DockClient:
         """
         columns = list(columns)
         what = f"claim by {consumer!r}"
-        self._check_request(columns, consumer, what)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         layout = self._layout_for(what)
@@ -458,12 +443,6 @@ class DockClient:
         self, layout: ShardLayout, consumer: str, columns: list[str], count: int, whole_groups: bool,
         timeout: float, deadline: float,
     ) -> Claim:
-        what = f"claim by {consumer!r}"
-        if count < 1 or (whole_groups and count % layout.group_size):
-            raise DockError(
-                f"{what}: count={count} must be positive"
-                + (f" and a multiple of group_size={layout.group_size}" if whole_groups else "")
-            )
         unit = layout.group_size if whole_groups else 1
         active = [s for s, (start, stop) in enumerate(layout.ranges) if stop > start]
         with self._lock:
@@ -481,8 +460,8 @@ class DockClient:
                     "timeout_s": wait_s if math.isfinite(wait_s) else None,
                     "owner": self.owner, "lease": lease, "lease_s": self.lease_s, "wait_held": wait_held}
             rpc = wait_s + self.rpc_timeout_s if math.isfinite(wait_s) else None
-            if self.warehouse is None:  # claim and read in one do_get
-                res, table = self._claim_and_read(s, body, rpc)
+            if self.warehouse is None:  # claim and read in one call
+                res, table = self.transports[s].claim_cells(body, rpc)
                 cells.setdefault(s, []).append(table)
             else:
                 res = self._action(s, "claim", body, timeout=rpc)
@@ -495,8 +474,8 @@ class DockClient:
             return sum(len(r) for r in taken.values())
 
         try:
-            for s in order:  # sweep: take what is ready now
-                if got() < count:
+            for i, s in enumerate(order):  # sweep: take what is ready now (the first shard checks the request)
+                if i == 0 or got() < count:
                     take(s, count - got(), at_least=0)
             want = min(count, got() + sum(pending.values()))
             # block while short of rows the consumer still has pending, or, with nothing to take at all,
@@ -537,15 +516,6 @@ class DockClient:
             raise
         claimed = [r for part in rows for r in part]
         return Claim(layout.iteration, claimed, self._batch(tables, columns), lease if claimed else "", consumer)
-
-    def _claim_and_read(self, s: int, body: dict[str, Any], rpc: float | None) -> tuple[dict[str, Any], pa.Table]:
-        """One claim on shard ``s`` with the cells of its rows (``DockShardServer.do_get`` with a claim ticket)."""
-        data = json.dumps({"claim": body}).encode()
-        table = self._call(s, "claim", lambda: self._clients[s].do_get(flight.Ticket(data), self._options(rpc)).read_all())
-        meta = table.schema.metadata[CLAIM_META]
-        with self._lock:
-            self.controller_bytes += len(data) + len(meta)
-        return json.loads(meta), table.replace_schema_metadata(None)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,
@@ -589,13 +559,8 @@ class DockClient:
             return
         what = f"ack by {claim.consumer!r}"
         try:
-            layout = self._layout_for(what)
-            if layout.iteration != claim.iteration:
-                layout = self._layout_for(what, fresh=True)
-            if layout.iteration != claim.iteration:
-                raise DockError(f"{what}: iteration {claim.iteration} is not open; the open iteration is {layout.iteration}")
+            layout = self._layout_for(what, claim.iteration)
             rows = np.asarray(claim.rows, dtype=np.int64)
-            self._check_rows(layout, rows, what)
             errors = []
             for s, pos in layout.split(rows).items():
                 body = {"iteration": claim.iteration, "consumer": claim.consumer, "lease": claim.lease,
@@ -714,8 +679,9 @@ class DockClient:
         if keys:  # payload in a warehouse: copy the objects, which die with their iteration, into the snapshot
             for key in keys:
                 write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
-        meta = {"kind": "dock_client", "schema_version": self.schema.version, "num_shards": len(self.locations),
-                "layout": None if layout is None else layout.shard_meta(0), "shards": shards, "objects": keys}
+        meta = {"kind": SNAPSHOT_KIND, "schema_version": self.schema.version, "num_shards": len(self.locations),
+                "mode": self.mode, "payload": self._payload, "layout": None if layout is None else layout.shard_meta(0),
+                "shards": shards, "objects": keys}
         write_snapshot(uri, meta, {}, snapshot_id=sid)
 
     @staticmethod
@@ -734,20 +700,31 @@ class DockClient:
 
         Un-acked leases of the snapshot end (``TransferDock.restore``).
 
+        A snapshot taken in either ``dock.mode`` restores in either, with the same shard count.
+
         Raises:
-            DockError: no complete snapshot, another schema version, another shard count, or
-                an iteration open on a shard (checked before any shard is touched).
+            DockError: no complete snapshot, another schema version, another shard count
+                (names ``dock.shards`` and ``dock.mode``), another payload place (names
+                ``dock.warehouse``), or an iteration open on a shard (checked before any
+                shard is touched).
         """
         meta = read_meta(uri)
         what = f"restore from {uri!r}"
-        if meta.get("kind") != "dock_client":
-            raise DockError(f"{what}: the snapshot there is a {meta.get('kind')!r}, not a sharded dock snapshot")
+        if meta.get("kind") != SNAPSHOT_KIND:
+            raise DockError(f"{what}: the snapshot there is a {meta.get('kind')!r}, not a dock snapshot")
         if meta["schema_version"] != self.schema.version:
-            raise DockError(f"{what}: snapshot has schema v{meta['schema_version']}; this client has v{self.schema.version}")
+            raise DockError(f"{what}: snapshot has schema v{meta['schema_version']}; this dock has v{self.schema.version}")
+        taken = f"dock.mode={meta['mode']}, dock.shards={meta['num_shards']}"
         if meta["num_shards"] != len(self.locations):
             raise DockError(
-                f"{what}: snapshot was taken over {meta['num_shards']} shards; this client has {len(self.locations)} "
-                "locations (restore into as many shards, in the same order)"
+                f"{what}: the snapshot was taken with {taken}; this dock has dock.mode={self.mode}, "
+                f"dock.shards={len(self.locations)}: resume with dock.shards={meta['num_shards']} (either dock.mode restores it)"
+            )
+        if meta["payload"] != self._payload:
+            place = {"memory": "dock.warehouse=memory", "store": "dock.warehouse=directory or s3"}
+            raise DockError(
+                f"{what}: the snapshot was taken with {place[meta['payload']]} ({taken}); this dock has "
+                f"{place[self._payload]}: resume with {place[meta['payload']]}"
             )
         first = meta["layout"]
         layout = None
@@ -760,8 +737,6 @@ class DockClient:
                     f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
                 )
         keys = meta.get("objects", [])
-        if keys and self.warehouse is None:
-            raise DockError(f"{what}: the snapshot's payload was in a warehouse; restore it with a DockClient with warehouse=...")
         for key in keys:  # the snapshot's copies of the objects, back into this run's warehouse
             self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
@@ -782,6 +757,11 @@ class DockClient:
         with self._lock:
             store = dict(self.store) if self.warehouse is not None else {}
         return total | store | {"dock/shards": len(self.locations)}
+
+    @property
+    def _payload(self) -> str:
+        """Where the shards hold the cells: ``memory`` or ``store`` (a warehouse)."""
+        return "memory" if self.warehouse is None else "store"
 
     # --- control channel (shard 0) -------------------------------------------------------------
     def _wait_action(self, name: str, body: dict[str, Any], timeout_s: float | None) -> Any:
@@ -821,15 +801,16 @@ class DockClient:
         self._action(0, "finish", {})
 
     def close(self) -> None:
-        """Stop renewing leases and close the connections to the shards (the shards keep running)."""
+        """Stop renewing leases and close the transports: connections to Flight shards (which keep
+        running), in-process shards this dock owns (``open_dock``)."""
         with self._beat:
             self._closed = True
             self._beat.notify_all()
             thread = self._beat_thread
         if thread is not None:
             thread.join(self.rpc_timeout_s)
-        for c in self._clients:
-            c.close()
+        for t in self.transports:
+            t.close()
 
     def __enter__(self) -> DockClient:
         return self

@@ -1,42 +1,16 @@
-"""One shard of the networked transfer dock, served over Arrow Flight (docs/design.md §2).
+"""Dock shards over Arrow Flight (``dock.mode=distributed``; docs/design.md §2).
 
-A shard owns a contiguous range of whole prompt groups of each iteration (``shard_ranges``;
-the client documents the mapping) and holds, for those rows, the controller state and the
-payload: it wraps one in-process ``TransferDock`` whose rows keep their global indexes.
+``DockShardServer`` serves one ``dockrl.dock.shard.ShardService`` (the shard's behaviour and
+its requests are documented there); ``FlightTransport`` is the front end's side of it
+(``dockrl.dock.client.DockClient`` given ``grpc://`` locations builds one per shard). The
+mapping onto Flight (every body and result UTF-8 JSON):
 
-Protocol (every body and result is UTF-8 JSON):
-
-* ``do_action`` — the controller path, metadata only:
-  ``open_iteration`` {iteration, num_rows, group_size, first_row, stop_row, shard, num_shards}
-  (checked against the row mapping ``ShardLayout``),
-  ``close_iteration`` {}, ``describe`` {} → {schema_version, columns, layout},
-  ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
-  lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable,
-  never a sleep-poll; returns row indexes only; the rows are leased to ``owner`` under
-  ``lease``), ``release`` {iteration, consumer, rows}, ``missing`` {iteration, consumer,
-  columns} → {column: rows lacking}, ``stats`` {} → counters.
-* leases (``dockrl.dock.local``): ``ack`` {iteration, consumer, lease, rows},
-  ``renew`` {owner} → {leases, iteration}, ``release_owner`` {owner} → {rows}.
-* snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri``;
-  ``restore`` {uri, layout} loads it into a shard with no open iteration, checking that the
-  snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null).
-* ``do_action`` — the control channel (``dockrl.dock.control``; clients use shard 0's):
-  ``announce_iteration`` {iteration} (the client's ``open_iteration`` sends it once every
-  shard is open: only then does ``wait_iteration`` hand the iteration out),
-  ``wait_iteration`` {after, timeout_s} → {iteration} (null once finished),
-  ``report`` {iteration, stage, metrics}, ``wait_reports`` {iteration, stages, timeout_s} →
-  {stage: metrics}, ``finish`` {}. The waits block on a condition variable; ``timeout_s``
-  null waits without limit.
-* ``do_put`` — payload in: descriptor command {iteration}; one record batch with an int64
-  ``row`` column (global row indexes) plus the data columns.
+* ``do_action`` — every request of the service, by name (``ShardService.action``).
+* ``do_put`` — payload in: descriptor command {iteration, ack?}; one record batch with an
+  int64 ``row`` column (global row indexes) plus the data columns.
 * ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
-  stream, in the order of ``rows``. A client claims rows with the action, then reads them here.
-
-A shard started with ``payload="store"`` holds metadata only (``dockrl.dock.warehouse``): it
-refuses ``do_put``/``do_get`` and serves two more actions instead, ``commit`` {iteration, rows,
-objects: {column: {key, offsets}}} (the cells of ``rows`` now live in warehouse objects) and
-``locate`` {iteration, columns, rows} → {column: {keys, index, offsets}} (``Located``). A
-``memory`` shard refuses those two. ``describe`` names the mode (``payload``).
+  stream, in the order of ``rows``; ticket {"claim": <claim body>} claims and reads in one
+  round trip, the claim's result travelling as the schema metadata ``CLAIM_META``.
 
 ``DockError`` and ``DockTimeoutError`` raised in the shard travel as ``FlightServerError``
 whose message starts with ``dockrl.<type>:`` and whose ``extra_info`` is JSON {type, message};
@@ -60,23 +34,18 @@ import os
 import signal
 import sys
 import threading
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, NoReturn
+from typing import Any, Callable, Iterator, Literal, NoReturn, TypeVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.local import DEFAULT_OWNER, TransferDock
 from dockrl.dock.schema import Schema
+from dockrl.dock.shard import Payload, ShardService
 
 logger = logging.getLogger(__name__)
 
-ROW = "row"
-"""Name of the int64 column of global row indexes in every ``do_put`` batch."""
+T = TypeVar("T")
 CLAIM_META = b"dockrl.claim"
 """Schema metadata key of a claim-and-read ``do_get`` answer: JSON ``{rows, pending, held}``."""
 _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
@@ -106,37 +75,6 @@ def raise_dock_error(e: BaseException) -> None:
     raise cls(message) from None
 
 
-def shard_ranges(num_rows: int, group_size: int, num_shards: int) -> list[tuple[int, int]]:
-    """Global row range ``[start, stop)`` of each shard: contiguous runs of whole groups."""
-    groups = num_rows // group_size
-    return [(s * groups // num_shards * group_size, (s + 1) * groups // num_shards * group_size) for s in range(num_shards)]
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where the rows of one iteration live: shard ``s`` owns ``ranges[s]``."""
-
-    iteration: int
-    num_rows: int
-    group_size: int
-    num_shards: int
-
-    @property
-    def ranges(self) -> list[tuple[int, int]]:
-        return shard_ranges(self.num_rows, self.group_size, self.num_shards)
-
-    def shard_meta(self, s: int) -> dict[str, int]:
-        """What shard ``s`` stores (and ``describe``s) for this iteration."""
-        first, stop = self.ranges[s]
-        return {"iteration": self.iteration, "num_rows": self.num_rows, "group_size": self.group_size,
-                "first_row": first, "stop_row": stop, "shard": s, "num_shards": self.num_shards}
-
-    def split(self, rows: np.ndarray) -> dict[int, np.ndarray]:
-        """Positions in ``rows`` of the rows each shard owns (shards with none left out)."""
-        shard = np.searchsorted(np.array([stop for _, stop in self.ranges]), rows, side="right")
-        return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
-
-
 class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
     """Rejects every call whose ``authorization`` header is not ``Bearer <token>``."""
 
@@ -155,17 +93,17 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
 
 class DockShardServer(flight.FlightServerBase):
-    """One dock shard: controller state and in-memory payload for the rows it owns.
+    """One dock shard served over Arrow Flight: a ``ShardService`` behind gRPC.
 
     Args:
         schema: the column schema shared by every shard and client.
         location: where to listen; port 0 picks a free port (see ``location``).
         token: shared secret every call must present as ``authorization: Bearer <token>``;
             None accepts every call (single-machine runs).
-        timeout_s: default claim timeout of the wrapped dock, seconds.
+        timeout_s: default claim timeout of the shard, seconds.
         payload: ``memory`` (cells in this process, Flight ``do_put``/``do_get``) or ``store``
             (cells in a warehouse that clients read and write; this shard keeps object keys).
-        lease_s: default lease term of the wrapped dock, seconds (clients send their own).
+        lease_s: default lease term of the shard, seconds (clients send their own).
 
     Serving starts in the constructor (gRPC threads); ``serve()`` only blocks. ``close()``
     wakes blocked claims (they fail with "no iteration is open") and shuts the server down.
@@ -173,78 +111,49 @@ class DockShardServer(flight.FlightServerBase):
 
     def __init__(
         self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0,
-        payload: Literal["memory", "store"] = "memory",
-        lease_s: float = 300.0,
+        payload: Payload = "memory", lease_s: float = 300.0,
     ) -> None:
         if payload not in ("memory", "store"):
             raise ValueError(f"DockShardServer payload: got {payload!r}; expected 'memory' or 'store'")
-        self.payload = payload
         middleware = {"auth": BearerTokenMiddlewareFactory(token)} if token else {}
         super().__init__(location, middleware=middleware)
-        self.schema = schema
-        self.dock = TransferDock(schema, timeout_s=timeout_s, lease_s=lease_s)
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         self._location = f"grpc://{host}:{self.port}"
+        self.service = ShardService(schema, name=self._location, timeout_s=timeout_s, payload=payload, lease_s=lease_s)
+        self.dock = self.service.dock
         self._lock = threading.Lock()
-        self._layout: dict[str, int] | None = None
-        self.controller_bytes = 0
         self._closed = False
-        # the run's control channel (used on shard 0): an iteration is announced once open on every shard
-        self.control = RunControl(timeout_s=timeout_s)
-        self._actions: dict[str, Callable[[flight.ServerCallContext, dict], Any]] = {
-            "open_iteration": self._open_iteration,
-            "close_iteration": lambda ctx, req: self._close_iteration(),
-            "describe": lambda ctx, req: self._describe(),
-            "claim": self._claim,
-            "release": lambda ctx, req: self.dock.release(req["consumer"], req["rows"], iteration=req["iteration"]),
-            "missing": lambda ctx, req: self.dock.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
-            "stats": lambda ctx, req: self.dock.stats() | {"dock/controller_bytes": self.controller_bytes},
-            "commit": self._commit,
-            "locate": self._locate,
-            "ack": lambda ctx, req: self.dock.ack_rows(req["consumer"], req["lease"], req["rows"], iteration=req["iteration"]),
-            # the layout is read without the server lock: a snapshot in progress holds it, and beats must not wait
-            "renew": lambda ctx, req: {"leases": self.dock.renew(req["owner"]), "iteration": (self._layout or {}).get("iteration")},
-            "release_owner": lambda ctx, req: {"rows": self.dock.release_owner(req["owner"])},
-            "snapshot": lambda ctx, req: self._snapshot(req["uri"]),
-            "restore": lambda ctx, req: self._restore(req["uri"], req["layout"]),
-            # control channel
-            "announce_iteration": lambda ctx, req: self._announce_iteration(req["iteration"]),
-            "wait_iteration": lambda ctx, req: {"iteration": self.control.wait_iteration(req["after"], _timeout(req["timeout_s"]))},
-            "report": lambda ctx, req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
-            "wait_reports": lambda ctx, req: self.control.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
-            "finish": lambda ctx, req: self.control.finish(),
-            # the driver's lease (dockrl.launch.lifeline): no server lock, a snapshot must not delay a beat
-            "driver_beat": lambda ctx, req: self._driver_beat(),
-            "driver_quiet": lambda ctx, req: {"quiet_s": self.driver_quiet_s()},
-        }
-        self._driver_seen = time.monotonic()  # the lease runs from the shard's start
         if token:
             logger.info("dock shard listening at %s (bearer token required)", self._location)
         else:
             logger.warning("dock shard listening at %s WITHOUT authentication: any process that reaches it can read and "
                            "write the run's data; start it with a token (--token-env DOCKRL_DOCK_TOKEN)", self._location)
 
-    def _driver_beat(self) -> None:
-        self._driver_seen = time.monotonic()
-
-    def driver_quiet_s(self) -> float:
-        """Seconds since the driver last renewed its lease (``driver_beat``), or since this shard started."""
-        return time.monotonic() - self._driver_seen
-
     @property
     def location(self) -> str:
         """``grpc://host:port`` a client connects to (the real port when started with port 0)."""
         return self._location
 
+    @property
+    def controller_bytes(self) -> int:
+        """Bytes of action bodies and results, put descriptors and claim tickets this shard served."""
+        return self.service.controller_bytes
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.service.controller_bytes += nbytes
+
+    def driver_quiet_s(self) -> float:
+        """Seconds since the driver last renewed its lease (``driver_beat``), or since this shard started."""
+        return self.service.driver_quiet_s()
+
     def close(self) -> None:
-        """Fail blocked claims, then shut the server down (waits for calls in flight). Idempotent."""
+        """Fail blocked claims and waits, then shut the server down (waits for calls in flight). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._layout = None
-        self.control.shutdown(f"dock shard at {self._location} is shutting down")
-        self.dock.close_iteration()
+        self.service.close()
         self.shutdown()
 
     def __enter__(self) -> DockShardServer:
@@ -253,105 +162,22 @@ class DockShardServer(flight.FlightServerBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- controller path ----------------------------------------------------------------------
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
-        return [(name, "see dockrl.dock.flight") for name in self._actions]
+        return [(name, "see dockrl.dock.shard") for name in self.service.actions]
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
         body = action.body.to_pybytes()
-        handler = self._actions.get(action.type)
-        if handler is None:
-            _fail(DockError(f"dock shard: unknown action {action.type!r}; known: {sorted(self._actions)}"))
-        result = json.dumps(_guard(action.type, lambda: handler(context, json.loads(body or b"{}")))).encode()
-        with self._lock:
-            self.controller_bytes += len(body) + len(result)
+
+        def run() -> Any:
+            req = json.loads(body or b"{}")
+            if action.type == "claim":
+                return self.service.claim(req, context.is_cancelled)
+            return self.service.action(action.type, req)
+
+        result = json.dumps(_guard(action.type, run)).encode()
+        self._count(len(body) + len(result))
         return iter([result])
 
-    def _open_iteration(self, context: flight.ServerCallContext, req: dict) -> None:
-        iteration, first, stop = req["iteration"], req["first_row"], req["stop_row"]
-        with self._lock:
-            if self._closed:
-                raise DockError(f"open_iteration({iteration}): dock shard at {self._location} is shutting down")
-            if self._layout is not None:
-                raise DockError(f"open_iteration({iteration}): iteration {self._layout['iteration']} is still open")
-            num_rows, group_size, shard, num_shards = req["num_rows"], req["group_size"], req["shard"], req["num_shards"]
-            if group_size < 1 or num_rows < 1 or num_rows % group_size or not 0 <= shard < num_shards:
-                raise DockError(f"open_iteration({iteration}): invalid shard layout {req}")
-            expected = ShardLayout(iteration, num_rows, group_size, num_shards).shard_meta(shard)
-            if req != expected:
-                raise DockError(f"open_iteration({iteration}): shard layout {req} does not match the row mapping {expected}")
-            if stop > first:  # a shard may own no group when there are fewer groups than shards
-                self.dock.open_iteration(iteration, stop - first, req["group_size"], first_row=first)
-            self._layout = expected
-
-    def _close_iteration(self) -> None:
-        with self._lock:
-            self._layout = None
-            self.dock.close_iteration()
-            self.control.set_open(None)
-
-    def _announce_iteration(self, iteration: int) -> None:
-        with self._lock:
-            open_now = None if self._layout is None else self._layout["iteration"]
-            if open_now != iteration:
-                raise DockError(f"announce_iteration({iteration}): iteration {open_now} is open on this shard")
-            self.control.set_open(iteration)
-
-    def _describe(self) -> dict[str, Any]:
-        with self._lock:
-            layout = self._layout
-        return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns], "layout": layout,
-                "payload": self.payload}
-
-    def _require(self, payload: str, what: str) -> None:
-        if self.payload != payload:
-            held = "holds metadata only (payload='store')" if self.payload == "store" else "keeps payload in memory (payload='memory')"
-            fix = "a DockClient with a warehouse" if self.payload == "store" else "a DockClient without a warehouse"
-            raise DockError(f"{what}: dock shard at {self._location} {held}; use {fix}")
-
-    def _commit(self, context: flight.ServerCallContext, req: dict) -> None:
-        self._require("store", "commit")
-        objects = {name: (ref["key"], ref["offsets"]) for name, ref in req["objects"].items()}
-        self.dock.commit(req["rows"], objects, iteration=req["iteration"])
-        if "ack" in req:  # commit and ack in one round trip (DockClient.put(..., ack=claim))
-            self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], req["rows"], iteration=req["iteration"])
-
-    def _locate(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
-        self._require("store", "locate")
-        located = self.dock.locate(req["columns"], req["rows"], iteration=req["iteration"])
-        return {name: loc.to_json() for name, loc in located.items()}
-
-    def _claim(self, context: flight.ServerCallContext, req: dict) -> dict[str, Any]:
-        timeout = math.inf if req["timeout_s"] is None else float(req["timeout_s"])
-        rows, pending, held, _ = self.dock.take(
-            req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
-            at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
-            owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
-            wait_held=req.get("wait_held", True),
-        )
-        if rows and context.is_cancelled():
-            # the client gave up (deadline or disconnect): nobody will read these rows, hand them back
-            logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
-            self.dock.release(req["consumer"], rows, iteration=req["iteration"])
-            rows, pending = [], pending + len(rows)
-        return {"rows": rows, "pending": pending, "held": held}
-
-    def _snapshot(self, uri: str) -> None:
-        with self._lock:  # no open/close while the layout and the dock are written together
-            self.dock.snapshot(uri, extra={"layout": self._layout})
-
-    def _restore(self, uri: str, layout: dict[str, int] | None) -> None:
-        with self._lock:
-            if self._closed:
-                raise DockError(f"restore from {uri!r}: dock shard at {self._location} is shutting down")
-            if self._layout is not None:
-                raise DockError(
-                    f"restore from {uri!r}: iteration {self._layout['iteration']} is open on this shard; close it first"
-                )
-            self.dock.restore(uri, extra={"layout": layout})
-            self._layout = layout
-
-    # --- payload path ---------------------------------------------------------------------------
     def do_put(
         self,
         context: flight.ServerCallContext,
@@ -360,50 +186,99 @@ class DockShardServer(flight.FlightServerBase):
         writer: flight.FlightMetadataWriter,
     ) -> None:
         def put() -> None:
-            self._require("memory", "put")
-            req = json.loads(descriptor.command)
-            table = reader.read_all()
-            if ROW not in table.schema.names:
-                raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
-            rows = table.column(ROW).to_numpy()
-            columns = {name: table.column(name) for name in table.schema.names if name != ROW}
-            self.dock.put(rows, columns, iteration=req["iteration"])
-            if "ack" in req:  # put and ack in one round trip (DockClient.put(..., ack=claim))
-                self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], rows, iteration=req["iteration"])
-            with self._lock:  # the descriptor is metadata: it counts as controller bytes
-                self.controller_bytes += len(descriptor.command)
+            self.service.put(json.loads(descriptor.command), reader.read_all())
+            self._count(len(descriptor.command))  # the descriptor is metadata: it counts as controller bytes
 
         _guard("put", put)
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
-        """A read (ticket ``{iteration, columns, rows}``), or with ticket ``{"claim": <claim action
-        body>}`` a claim and the read of its rows in one round trip (memory payload): the claim's
-        result, metadata only, travels as the schema metadata ``CLAIM_META`` and counts as
-        controller bytes."""
+        """A read (ticket ``{iteration, columns, rows}``), or with ticket ``{"claim": <claim body>}``
+        a claim and the read of its rows in one round trip (``ShardService.claim_cells``)."""
         def get() -> pa.Table:
-            self._require("memory", "get")
             req = json.loads(ticket.ticket)
             if "claim" not in req:
-                batch = self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
+                batch = self.service.get(req)
                 return pa.Table.from_batches([batch], schema=batch.schema)
-            claim = req["claim"]
-            res = self._claim(context, claim)
-            try:
-                batch = self.dock.get(claim["columns"], res["rows"], iteration=claim["iteration"])
-            except BaseException:
-                self.dock.release(claim["consumer"], res["rows"], iteration=claim["iteration"])
-                raise
+            res, batch = self.service.claim_cells(req["claim"], context.is_cancelled)
             meta = json.dumps(res).encode()
-            with self._lock:
-                self.controller_bytes += len(ticket.ticket) + len(meta)
+            self._count(len(ticket.ticket) + len(meta))
             return pa.Table.from_batches([batch], schema=batch.schema.with_metadata({CLAIM_META: meta}))
 
         return flight.RecordBatchStream(_guard("get", get))
 
 
+class FlightTransport:
+    """The front end's side of one ``DockShardServer``: ``ShardTransport`` over Arrow Flight.
+
+    Args:
+        location: ``grpc://host:port`` of the shard.
+        token: the shard's bearer token; None when it runs without auth.
+
+    Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) are
+    annotated with the shard and the call; dock errors come back as their own type.
+    """
+
+    mode: Literal["inprocess", "distributed"] = "distributed"
+
+    def __init__(self, location: str, *, token: str | None = None) -> None:
+        self.location = location
+        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._client = flight.connect(location)
+        self._lock = threading.Lock()
+        self.controller_bytes = 0
+        """Bytes of action bodies and results, put descriptors and claim tickets and results sent and received."""
+
+    def _options(self, timeout: float | None) -> flight.FlightCallOptions:
+        return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (flight.FlightError, pa.ArrowException) as e:
+            raise_dock_error(e)
+            e.add_note(f"while calling {what} on the dock shard at {self.location}")
+            raise
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.controller_bytes += nbytes
+
+    def action(self, name: str, body: dict[str, Any], timeout: float | None) -> Any:
+        data = json.dumps(body).encode()
+        results = self._call(name, lambda: list(self._client.do_action(flight.Action(name, data), self._options(timeout))))
+        out = results[0].body.to_pybytes() if results else b"null"
+        self._count(len(data) + len(out))
+        return json.loads(out)
+
+    def put(self, body: dict[str, Any], batch: pa.RecordBatch, timeout: float | None) -> None:
+        command = json.dumps(body).encode()
+        self._count(len(command))
+
+        def send() -> None:
+            writer, _ = self._client.do_put(flight.FlightDescriptor.for_command(command), batch.schema, self._options(timeout))
+            writer.write_batch(batch)
+            writer.close()
+
+        self._call("put", send)
+
+    def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table:
+        ticket = flight.Ticket(json.dumps(body).encode())
+        return self._call("get", lambda: self._client.do_get(ticket, self._options(timeout)).read_all())
+
+    def claim_cells(self, body: dict[str, Any], timeout: float | None) -> tuple[dict[str, Any], pa.Table]:
+        data = json.dumps({"claim": body}).encode()
+        table = self._call("claim", lambda: self._client.do_get(flight.Ticket(data), self._options(timeout)).read_all())
+        meta = table.schema.metadata[CLAIM_META]
+        self._count(len(data) + len(meta))
+        return json.loads(meta), table.replace_schema_metadata(None)
+
+    def close(self) -> None:
+        self._client.close()
+
+
 def start_local_shards(
     n: int, schema: Schema, token: str | None = None, *, timeout_s: float = 600.0, lease_s: float = 300.0,
-    payload: Literal["memory", "store"] = "memory",
+    payload: Payload = "memory",
 ) -> tuple[list[DockShardServer], list[str]]:
     """Start ``n`` shard servers in this process (gRPC threads) on free loopback ports.
 
@@ -428,11 +303,6 @@ def _guard(what: str, fn: Callable[[], Any]) -> Any:
         _fail(e)
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         _fail(DockError(f"dock shard: malformed {what} request ({type(e).__name__}: {e})"))
-
-
-def _timeout(value: float | None) -> float:
-    """A wait's ``timeout_s`` from a request body: null means no limit."""
-    return math.inf if value is None else float(value)
 
 
 def _load_schema(spec: str) -> Schema:

@@ -1,15 +1,14 @@
-"""In-process transfer dock: controller (readiness and consumption bits) and warehouse (Arrow chunks).
+"""The dock controller of one shard: readiness and consumption bits, leases, and the cells (Arrow chunks).
 
-The API is the one every stage uses and that the networked, sharded dock serves unchanged:
-``open_iteration`` → ``put`` / ``claim`` / ``get`` → ``close_iteration``. Rows are indexed
-``0 .. num_rows-1`` within an iteration; prompt ``i`` owns rows ``[i·n, (i+1)·n)`` (n = group
-size). Waiting is event-driven on a condition variable, never a sleep-poll loop.
-
-A shard of the networked dock (``dockrl.dock.flight``) wraps one ``TransferDock`` over its
-slice of rows (``open_iteration(..., first_row=k)``, so errors name global rows); ``take``,
-``release``, ``missing`` and ``ack_rows`` are the metadata-only building blocks of a claim
-across shards; ``commit`` and ``locate`` those of a put and a read whose payload lives in a
-warehouse (``dockrl.dock.warehouse``): the dock then holds object keys and offsets, never cells.
+A ``TransferDock`` is the state of one dock shard (``dockrl.dock.shard.ShardService`` wraps
+one; stages reach it through the sharded front end ``dockrl.dock.client.DockClient``, in either
+``dock.mode``): ``open_iteration`` → ``put`` / ``take`` / ``get`` → ``close_iteration``, over
+its slice of rows (``open_iteration(..., first_row=k, total_rows=N)``, so errors name global
+rows). ``take``, ``release``, ``missing`` and ``ack_rows`` are the metadata-only building
+blocks of a claim across shards; ``commit`` and ``locate`` those of a put and a read whose
+payload lives in a warehouse (``dockrl.dock.warehouse``): the dock then holds object keys and
+offsets, never cells. ``claim`` is ``take`` and ``get`` in one (one shard, one owner per call).
+Waiting is event-driven on a condition variable, never a sleep-poll loop.
 
 **Leases.** A claim is a lease: for each (row, consumer) it took, the dock records the
 claim's ``lease`` id, its ``owner`` (the claiming client; ``DEFAULT_OWNER`` in-process) and an
@@ -30,9 +29,6 @@ another owner and not finished, a claim with nothing to take blocks: they may co
 consumed and acked bits) and payload as Arrow IPC files through ``pyarrow.fs``
 (``dockrl.dock.snapshot``); ``restore(uri)`` loads it into a dock with no open iteration, and
 un-acked leases end there (their holders belong to the old run).
-
-The control channel of a run whose stages are separate processes (``wait_iteration``,
-``report``, ``wait_reports``, ``finish``) is ``dockrl.dock.control``; each dock owns one.
 """
 
 from __future__ import annotations
@@ -49,7 +45,6 @@ import numpy as np
 import pyarrow as pa
 
 from dockrl.dock.api import Claim
-from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import Located
@@ -109,6 +104,18 @@ def _slice_cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) ->
     return pa.concat_arrays([chunks[chunk[a]].slice(offset[a], b - a) for a, b in zip(starts, stops)])
 
 
+def check_sizes(iteration: int, num_rows: int, group_size: int) -> None:
+    """The sizes rule of an iteration: ``num_rows`` a positive multiple of ``group_size``.
+
+    Raises:
+        DockError: naming both sizes.
+    """
+    if group_size < 1 or num_rows < 1 or num_rows % group_size:
+        raise DockError(
+            f"open_iteration({iteration}): num_rows={num_rows} must be a positive multiple of group_size={group_size}"
+        )
+
+
 class Taken(NamedTuple):
     """What ``take`` did: rows taken (global indexes) and the consumer's rows left."""
 
@@ -133,8 +140,9 @@ class _Lease:
 
 
 class _Iteration:
-    def __init__(self, schema: Schema, iteration: int, num_rows: int, group_size: int, first_row: int) -> None:
+    def __init__(self, schema: Schema, iteration: int, num_rows: int, group_size: int, first_row: int, total_rows: int) -> None:
         self.iteration, self.num_rows, self.group_size, self.first_row = iteration, num_rows, group_size, first_row
+        self.total_rows = total_rows  # rows of the iteration over all shards
         self.col_index = {c.name: i for i, c in enumerate(schema.columns)}
         self.consumer_index = {c: i for i, c in enumerate(schema.consumers)}
         self.ready = np.zeros((num_rows, len(schema.columns)), dtype=bool)
@@ -185,47 +193,37 @@ class TransferDock:
         self.bytes_put = 0
         self.bytes_read = 0
         self.wait_s = 0.0
-        self.control = RunControl(timeout_s=timeout_s)
 
     # --- iteration lifecycle -------------------------------------------------------------
-    def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, first_row: int = 0, announce: bool = True) -> None:
+    def open_iteration(
+        self, iteration: int, num_rows: int, group_size: int, *, first_row: int = 0, total_rows: int | None = None,
+    ) -> None:
         """Start an empty table of ``num_rows`` rows in groups of ``group_size``.
 
         Rows are numbered ``first_row .. first_row+num_rows-1`` (a shard's slice of the
-        iteration); ``first_row`` must be a multiple of ``group_size`` so groups stay whole.
-        With ``announce=False`` stages waiting in ``wait_iteration`` do not see it until
-        ``announce(iteration)`` (the driver fills and snapshots it first).
+        ``total_rows`` rows of the iteration, default all of them); ``first_row`` must be a
+        multiple of ``group_size`` so groups stay whole.
 
         Raises:
             DockError: an iteration is still open, or the sizes are invalid.
         """
-        if group_size < 1 or num_rows < 1 or num_rows % group_size:
-            raise DockError(f"open_iteration: num_rows={num_rows} must be a positive multiple of group_size={group_size}")
-        if first_row < 0 or first_row % group_size:
-            raise DockError(f"open_iteration: first_row={first_row} must be a non-negative multiple of group_size={group_size}")
+        check_sizes(iteration, num_rows, group_size)
+        total = first_row + num_rows if total_rows is None else total_rows
+        if first_row < 0 or first_row % group_size or total < first_row + num_rows:
+            raise DockError(
+                f"open_iteration({iteration}): first_row={first_row} must be a non-negative multiple of "
+                f"group_size={group_size}, and with num_rows={num_rows} within total_rows={total}"
+            )
         with self._cond:
             if self._it is not None:
                 raise DockError(f"open_iteration({iteration}): iteration {self._it.iteration} is still open")
-            self._it = _Iteration(self.schema, iteration, num_rows, group_size, first_row)
-            if announce:
-                self.control.set_open(iteration)
+            self._it = _Iteration(self.schema, iteration, num_rows, group_size, first_row, total)
             self._cond.notify_all()
-
-    def announce(self, iteration: int) -> None:
-        """Let the stages' ``wait_iteration`` return ``iteration``, which must be the open one.
-
-        Raises:
-            DockError: ``iteration`` is not open.
-        """
-        with self._cond:
-            self._current(f"announce({iteration})", iteration)
-            self.control.set_open(iteration)
 
     def close_iteration(self) -> None:
         """Drop the current iteration's table; later puts and claims raise ``DockError``."""
         with self._cond:
             self._it = None
-            self.control.set_open(None)
             self._cond.notify_all()
 
     def _current(self, what: str, iteration: int | None = None) -> _Iteration:
@@ -351,9 +349,15 @@ class TransferDock:
     def _check_rows(it: _Iteration, rows: np.ndarray, what: str) -> np.ndarray:
         """Check row numbers against the iteration's range; return them as local indexes."""
         stop = it.first_row + it.num_rows
+        bad = rows[(rows < 0) | (rows >= it.total_rows)]
+        if len(bad):
+            raise DockError(f"{what}: rows {bad[:10].tolist()} out of range [0, {it.total_rows}) in iteration {it.iteration}")
         bad = rows[(rows < it.first_row) | (rows >= stop)]
         if len(bad):
-            raise DockError(f"{what}: rows {bad[:10].tolist()} out of range [{it.first_row}, {stop}) in iteration {it.iteration}")
+            raise DockError(
+                f"{what}: rows {bad[:10].tolist()} belong to another dock shard; this one holds [{it.first_row}, {stop}) "
+                f"of iteration {it.iteration}"
+            )
         if len(np.unique(rows)) != len(rows):
             raise DockError(f"{what}: repeated row indexes in {rows[:20].tolist()}")
         return rows - it.first_row
@@ -759,7 +763,7 @@ class TransferDock:
             if it is not None:
                 self._expire_locked(it)
                 meta |= {"iteration": it.iteration, "num_rows": it.num_rows, "group_size": it.group_size,
-                         "first_row": it.first_row, "leases": len(it.leases)}
+                         "first_row": it.first_row, "total_rows": it.total_rows, "leases": len(it.leases)}
                 acked = it.acked.copy()  # un-acked leases end at restore: store what they finished as acked
                 for lease in it.leases.values():
                     rows, done = self._lease_done(it, lease)
@@ -824,7 +828,8 @@ class TransferDock:
         return meta["extra"]
 
     def _load_iteration(self, uri: str, meta: dict[str, Any], what: str) -> _Iteration:
-        it = _Iteration(self.schema, meta["iteration"], meta["num_rows"], meta["group_size"], meta["first_row"])
+        it = _Iteration(self.schema, meta["iteration"], meta["num_rows"], meta["group_size"], meta["first_row"],
+                        meta.get("total_rows", meta["first_row"] + meta["num_rows"]))
         state = read_table(uri, meta, "state")
         if state.num_rows != it.num_rows:
             raise DockError(f"{what}: state table has {state.num_rows} rows; the iteration has {it.num_rows}")
@@ -863,37 +868,3 @@ class TransferDock:
         with self._cond:
             return {"dock/bytes_put": self.bytes_put, "dock/bytes_read": self.bytes_read, "dock/wait_s": self.wait_s,
                     "dock/leases_expired": self.leases_expired, "dock/rows_returned": self.rows_returned}
-
-    # --- control channel (dockrl.dock.control) ------------------------------------------------
-    def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
-        """Block until an iteration newer than ``after`` is open and return it; ``None`` after ``finish()``.
-
-        Raises:
-            DockTimeoutError: nothing happened within ``timeout_s`` (default: the dock's).
-        """
-        return self.control.wait_iteration(after, timeout_s)
-
-    def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
-        """Record ``stage``'s metrics of ``iteration`` (``RunControl.report``).
-
-        Raises:
-            DockError: bad metrics, or the stage already reported this iteration.
-        """
-        self.control.report(iteration, stage, metrics)
-
-    def wait_reports(self, iteration: int, stages: Sequence[str], timeout_s: float | None = None) -> dict[str, dict[str, float]]:
-        """Block until each of ``stages`` reported ``iteration``; return ``{stage: metrics}``.
-
-        Raises:
-            DockTimeoutError: stages missing at the timeout (default: the dock's); names them.
-        """
-        return self.control.wait_reports(iteration, stages, timeout_s)
-
-    def finish(self) -> None:
-        """No further iteration will open: idle ``wait_iteration`` calls return ``None``."""
-        self.control.finish()
-
-    def close(self) -> None:
-        """Drop the open iteration and fail blocked and later control waits (the dock goes away)."""
-        self.close_iteration()
-        self.control.shutdown("the dock was closed")

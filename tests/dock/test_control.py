@@ -11,17 +11,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError, TransferDock
-from dockrl.dock.client import DockClient, start_local_shards
+from dockrl.config import DockConfig
+from dockrl.dock import GRPO_SCHEMA, Dock, DockError, DockTimeoutError, open_dock
+from dockrl.dock.client import DockClient
+from dockrl.dock.flight import start_local_shards
 
 TOKEN = "control-token"
 
 
-@pytest.fixture(params=["inprocess", "2shards"])
-def dock(request: pytest.FixtureRequest) -> Iterator[TransferDock | DockClient]:
+@pytest.fixture(params=["inprocess", "inprocess-2shards", "2shards"])
+def dock(request: pytest.FixtureRequest) -> Iterator[Dock]:
     """A fresh dock per test (control state lives for a dock's lifetime)."""
-    if request.param == "inprocess":
-        yield TransferDock(GRPO_SCHEMA, timeout_s=5.0)
+    if request.param.startswith("inprocess"):
+        local = open_dock(DockConfig(timeout_s=5.0, shards=2 if "2shards" in request.param else 1), GRPO_SCHEMA, run="test")
+        yield local
+        local.close()
         return
     servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN)
     client = DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=5.0, rpc_timeout_s=10.0)
@@ -166,7 +170,7 @@ def test_an_iteration_is_handed_out_only_once_open_on_every_shard():
             driver.close_iteration()
             driver.open_iteration(0, 4, 2)
             assert stage.wait_iteration(-1) == 0 and stage.num_rows == 4  # every shard agrees on the layout
-            with pytest.raises(DockError, match=r"announce_iteration\(3\): iteration 0 is open"):
+            with pytest.raises(DockError, match=r"announce\(3\): iteration 0 is open"):
                 driver._action(0, "announce_iteration", {"iteration": 3})
     finally:
         for server in servers:

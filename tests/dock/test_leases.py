@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError, TransferDock
-from dockrl.dock.client import DockClient, start_local_shards
+from dockrl.dock.client import DockClient
+from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight import DockShardServer
 
 TOKEN = "lease-token"
@@ -338,14 +339,14 @@ def test_a_shard_slow_to_answer_renewals_costs_no_other_shard_its_leases(monkeyp
     loaded machine) delayed every later shard's renewal past the lease term: live workers lost
     their rows, which went to a second worker too."""
     servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN)
-    renew = servers[0]._actions["renew"]
+    renew = servers[0].service.actions["renew"]
 
-    def slow_renew(ctx, req):  # renews at once, answers 3 s later: longer than the 1.5 s lease
-        out = renew(ctx, req)
+    def slow_renew(req):  # renews at once, answers 3 s later: longer than the 1.5 s lease
+        out = renew(req)
         time.sleep(3.0)
         return out
 
-    monkeypatch.setitem(servers[0]._actions, "renew", slow_renew)
+    monkeypatch.setitem(servers[0].service.actions, "renew", slow_renew)
     driver = connect(locations)
     try:
         driver.open_iteration(0, 8, 2)  # shard 0 owns rows 0..3, shard 1 rows 4..7

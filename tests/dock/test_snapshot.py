@@ -10,8 +10,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dockrl.dock import GRPO_SCHEMA, DockError, Schema, TransferDock
-from dockrl.dock.client import DockClient, start_local_shards
+from dockrl.config import DockConfig
+from dockrl.dock import GRPO_SCHEMA, Dock, DockError, Schema, TransferDock, open_dock
+from dockrl.dock.client import DockClient
+from dockrl.dock.flight import start_local_shards
 from dockrl.dock.snapshot import join_uri
 
 TOKEN = "snap-token"
@@ -197,9 +199,8 @@ def connect(locations: list[str]) -> DockClient:
     return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, rpc_timeout_s=10.0)
 
 
-def snapshot_and_restore(two_docks, uri: str) -> None:
-    first, second = two_docks
-    old, new = connect(first), connect(second)
+def snapshot_and_restore(old: Dock, new: Dock, uri: str) -> None:
+    """Snapshot ``old`` mid-iteration, restore into ``new`` (3 shards each): the same cells and bits, and it carries on."""
     try:
         old.open_iteration(4, 8, 2)  # shards own rows 0..1, 2..5, 6..7
         fill(old)
@@ -211,16 +212,23 @@ def snapshot_and_restore(two_docks, uri: str) -> None:
         new.restore(uri)
         assert new.num_rows == 8 and same(state_of(new), before)
         check_continues(new, left)
-        with pytest.raises(DockError, match="3 shards; this client has 2 locations"):
-            connect(second[:2]).restore(uri)
     finally:
         for dock in (old, new):
             dock.close_iteration()
             dock.close()
 
 
+def local_dock(shards: int = 3, **kw) -> Dock:
+    """The in-process dock of ``dock.mode=inprocess`` (``open_dock``)."""
+    return open_dock(DockConfig(timeout_s=2.0, shards=shards, **kw), GRPO_SCHEMA, run="test")
+
+
 def test_sharded_snapshot_restores_into_fresh_shards(two_docks, tmp_path):
-    snapshot_and_restore(two_docks, str(tmp_path / "dock"))
+    first, second = two_docks
+    uri = str(tmp_path / "dock")
+    snapshot_and_restore(connect(first), connect(second), uri)
+    with pytest.raises(DockError, match="dock.shards=3; this dock has dock.mode=distributed, dock.shards=2: resume with dock.shards=3"):
+        connect(second[:2]).restore(uri)
     files = sorted(p.relative_to(tmp_path / "dock").as_posix() for p in (tmp_path / "dock").rglob("meta.json"))
     assert len(files) == 4 and files[-1] == "meta.json"  # one per shard under the snapshot id, the top one last
 
@@ -255,7 +263,36 @@ def s3_uri(s3_server, monkeypatch) -> Iterator[str]:
 
 @pytest.mark.slow  # a moto server start and ~100 S3 requests: 5-25 s on 2 loaded cores
 def test_sharded_snapshot_on_s3(two_docks, s3_uri):
-    snapshot_and_restore(two_docks, s3_uri)
+    first, second = two_docks
+    snapshot_and_restore(connect(first), connect(second), s3_uri)
+
+
+@pytest.mark.parametrize("taken_in", ["inprocess", "distributed"])
+def test_a_snapshot_taken_in_one_dock_mode_restores_in_the_other(two_docks, tmp_path, taken_in):
+    """One snapshot format: in-process shards and Flight shards restore each other's, bit for bit."""
+    flight_dock, local = connect(two_docks[0]), local_dock(3)
+    old, new = (local, flight_dock) if taken_in == "inprocess" else (flight_dock, local)
+    uri = str(tmp_path / "dock")
+    snapshot_and_restore(old, new, uri)
+    other = "inprocess" if taken_in == "distributed" else "distributed"
+    fewer = local_dock(2) if other == "inprocess" else connect(two_docks[1][:2])
+    with pytest.raises(DockError, match=rf"dock.mode={taken_in}, dock.shards=3; this dock has dock.mode={other}, dock.shards=2: "
+                                        "resume with dock.shards=3"):
+        fewer.restore(uri)
+    fewer.close()
+
+
+def test_a_snapshot_of_another_payload_place_is_refused_naming_dock_warehouse(tmp_path):
+    stored = local_dock(2, warehouse="directory", directory=str(tmp_path / "store"))
+    stored.open_iteration(0, 4, 2)
+    stored.put(range(4), {"prompt_ids": [[r] for r in range(4)]})
+    stored.snapshot(str(tmp_path / "snap"))
+    stored.close_iteration()
+    stored.close()
+    memory = local_dock(2)
+    with pytest.raises(DockError, match="taken with dock.warehouse=directory or s3 .*; this dock has dock.warehouse=memory"):
+        memory.restore(str(tmp_path / "snap"))
+    memory.close()
 
 
 def test_a_store_mode_snapshot_outlives_its_iterations_objects(tmp_path):

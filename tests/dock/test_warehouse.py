@@ -21,7 +21,8 @@ import pytest
 
 from dockrl.config import ConfigError, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockError, TransferDock
-from dockrl.dock.client import DockClient, start_local_shards
+from dockrl.dock.client import DockClient
+from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight import DockShardServer
 from dockrl.dock.warehouse import (
     DirectoryWarehouse,

@@ -1,0 +1,372 @@
+"""One dock shard as a service, whatever carries its calls (docs/design.md §2).
+
+A shard owns a contiguous range of whole prompt groups of each iteration (``shard_ranges``;
+``dockrl.dock.client`` documents the mapping) and holds, for those rows, the controller state
+and (``payload="memory"``) the cells: it wraps one ``TransferDock`` whose rows keep their
+global indexes. ``ShardService`` is the shard's whole behaviour as plain calls on Python
+values; a transport carries them (``ShardTransport``):
+
+* ``LocalTransport`` — calls the service of a shard in this process directly (``dock.mode=
+  inprocess``): no sockets, no serialization, the request and result objects are passed as is.
+* ``FlightTransport`` (``dockrl.dock.flight``) — the same calls over Arrow Flight to a
+  ``DockShardServer`` in another process (``dock.mode=distributed``), which wraps a service.
+
+Requests (``action(name, body)``; every body and result is JSON-compatible):
+
+* controller path, metadata only: ``open_iteration`` {iteration, num_rows, group_size,
+  first_row, stop_row, shard, num_shards} (checked against the row mapping ``ShardLayout``),
+  ``close_iteration`` {}, ``describe`` {} → {schema_version, columns, layout, payload},
+  ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
+  lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable;
+  rows are leased to ``owner`` under ``lease``), ``release`` {iteration, consumer, rows},
+  ``missing`` {iteration, consumer, columns} → {column: rows lacking}, ``stats`` {} → counters.
+* leases (``dockrl.dock.local``): ``ack`` {iteration, consumer, lease, rows},
+  ``renew`` {owner} → {leases, iteration}, ``release_owner`` {owner} → {rows}.
+* snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri``;
+  ``restore`` {uri, layout} loads it into a shard with no open iteration, checking that the
+  snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null).
+* control channel (``dockrl.dock.control``; front ends use shard 0's): ``announce_iteration``
+  {iteration}, ``wait_iteration`` {after, timeout_s} → {iteration} (null once finished),
+  ``report`` {iteration, stage, metrics}, ``wait_reports`` {iteration, stages, timeout_s} →
+  {stage: metrics}, ``finish`` {}; ``timeout_s`` null waits without limit.
+* warehouse payload (``payload="store"`` only): ``commit`` {iteration, rows, objects:
+  {column: {key, offsets}}, ack?} and ``locate`` {iteration, columns, rows} → {column: Located}.
+* the driver's lease (``dockrl.lifeline``): ``driver_beat`` {}, ``driver_quiet`` {} → {quiet_s}.
+
+Payload (``payload="memory"`` only): ``put(body, table)`` with body {iteration, ack?} and a
+table of an int64 ``row`` column (global row indexes) plus data columns; ``get`` {iteration,
+columns, rows} → the cells in the order of ``rows``; ``claim_cells`` (a ``claim`` body) → the
+claim's result and the cells of its rows, in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from dockrl.dock.control import RunControl
+from dockrl.dock.errors import DockError
+from dockrl.dock.local import DEFAULT_OWNER, TransferDock, check_sizes
+from dockrl.dock.schema import Schema
+
+logger = logging.getLogger(__name__)
+
+ROW = "row"
+"""Name of the int64 column of global row indexes in every put table."""
+Payload = Literal["memory", "store"]
+
+
+def shard_ranges(num_rows: int, group_size: int, num_shards: int) -> list[tuple[int, int]]:
+    """Global row range ``[start, stop)`` of each shard: contiguous runs of whole groups."""
+    groups = num_rows // group_size
+    return [(s * groups // num_shards * group_size, (s + 1) * groups // num_shards * group_size) for s in range(num_shards)]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where the rows of one iteration live: shard ``s`` owns ``ranges[s]``.
+
+    Raises:
+        DockError: sizes that ``TransferDock.open_iteration`` refuses.
+    """
+
+    iteration: int
+    num_rows: int
+    group_size: int
+    num_shards: int
+
+    def __post_init__(self) -> None:
+        check_sizes(self.iteration, self.num_rows, self.group_size)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return shard_ranges(self.num_rows, self.group_size, self.num_shards)
+
+    def shard_meta(self, s: int) -> dict[str, int]:
+        """What shard ``s`` stores (and ``describe``s) for this iteration."""
+        first, stop = self.ranges[s]
+        return {"iteration": self.iteration, "num_rows": self.num_rows, "group_size": self.group_size,
+                "first_row": first, "stop_row": stop, "shard": s, "num_shards": self.num_shards}
+
+    def split(self, rows: np.ndarray) -> dict[int, np.ndarray]:
+        """Positions in ``rows`` of the rows each shard owns (shards with none left out).
+
+        A row out of range goes to the shard owning the nearest row, which refuses it: the
+        shard's checks are the only ones.
+        """
+        stops = np.array([stop for _, stop in self.ranges])
+        shard = np.searchsorted(stops, np.clip(rows, 0, self.num_rows - 1), side="right")
+        return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
+
+
+def _timeout(value: float | None) -> float:
+    """A wait's ``timeout_s`` from a request body: null means no limit."""
+    return math.inf if value is None else float(value)
+
+
+class ShardService:
+    """One dock shard: controller state (and in-memory payload) for the rows it owns.
+
+    Args:
+        schema: the column schema shared by every shard and front end.
+        name: where the shard is, for messages (``grpc://host:port``, ``local://shard-0``).
+        timeout_s: default claim and control-wait timeout, seconds.
+        payload: ``memory`` (cells here) or ``store`` (cells in a warehouse; keys here).
+        lease_s: default lease term of a claim, seconds (front ends send their own).
+
+    Thread-safe. ``close()`` wakes blocked claims and control waits (they fail with
+    ``DockError``); later calls fail too.
+    """
+
+    def __init__(self, schema: Schema, *, name: str, timeout_s: float = 600.0, payload: Payload = "memory",
+                 lease_s: float = 300.0) -> None:
+        if payload not in ("memory", "store"):
+            raise ValueError(f"dock shard payload: got {payload!r}; expected 'memory' or 'store'")
+        self.schema, self.name, self.payload = schema, name, payload
+        self.dock = TransferDock(schema, timeout_s=timeout_s, lease_s=lease_s)
+        self.control = RunControl(timeout_s=timeout_s)  # the run's control channel (used on shard 0)
+        self._lock = threading.Lock()
+        self._layout: dict[str, int] | None = None
+        self._closed = False
+        self.controller_bytes = 0
+        """Request and result bytes of the controller path (counted by a transport that serializes)."""
+        self._driver_seen = time.monotonic()  # the driver's lease runs from the shard's start
+        d = self.dock
+        self.actions: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "open_iteration": self._open_iteration,
+            "close_iteration": lambda req: self._close_iteration(),
+            "describe": lambda req: self._describe(),
+            "claim": self.claim,
+            "release": lambda req: d.release(req["consumer"], req["rows"], iteration=req["iteration"]),
+            "missing": lambda req: d.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
+            "stats": lambda req: d.stats() | {"dock/controller_bytes": self.controller_bytes},
+            "commit": self._commit,
+            "locate": self._locate,
+            "ack": lambda req: d.ack_rows(req["consumer"], req["lease"], req["rows"], iteration=req["iteration"]),
+            # the layout is read without the lock: a snapshot in progress holds it, and beats must not wait
+            "renew": lambda req: {"leases": d.renew(req["owner"]), "iteration": (self._layout or {}).get("iteration")},
+            "release_owner": lambda req: {"rows": d.release_owner(req["owner"])},
+            "snapshot": lambda req: self._snapshot(req["uri"]),
+            "restore": lambda req: self._restore(req["uri"], req["layout"]),
+            "announce_iteration": lambda req: self._announce_iteration(req["iteration"]),
+            "wait_iteration": lambda req: {"iteration": self.control.wait_iteration(req["after"], _timeout(req["timeout_s"]))},
+            "report": lambda req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
+            "wait_reports": lambda req: self.control.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
+            "finish": lambda req: self.control.finish(),
+            # no lock: a snapshot must not delay a beat
+            "driver_beat": lambda req: self._driver_beat(),
+            "driver_quiet": lambda req: {"quiet_s": self.driver_quiet_s()},
+        }
+
+    def action(self, name: str, body: dict[str, Any]) -> Any:
+        """Run request ``name`` (see the module docstring).
+
+        Raises:
+            DockError: an unknown request, or as the request's own call.
+        """
+        handler = self.actions.get(name)
+        if handler is None:
+            raise DockError(f"dock shard: unknown action {name!r}; known: {sorted(self.actions)}")
+        return handler(body)
+
+    def close(self) -> None:
+        """Fail blocked claims and waits, and every later one. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._layout = None
+        self.control.shutdown(f"dock shard at {self.name} is shutting down")
+        self.dock.close_iteration()
+
+    def _driver_beat(self) -> None:
+        self._driver_seen = time.monotonic()
+
+    def driver_quiet_s(self) -> float:
+        """Seconds since the driver last renewed its lease (``driver_beat``), or since this shard started."""
+        return time.monotonic() - self._driver_seen
+
+    # --- controller path ----------------------------------------------------------------------
+    def _open_iteration(self, req: dict[str, Any]) -> None:
+        iteration, first, stop = req["iteration"], req["first_row"], req["stop_row"]
+        with self._lock:
+            if self._closed:
+                raise DockError(f"open_iteration({iteration}): dock shard at {self.name} is shutting down")
+            if self._layout is not None:
+                raise DockError(f"open_iteration({iteration}): iteration {self._layout['iteration']} is still open")
+            shard, num_shards = req["shard"], req["num_shards"]
+            if not 0 <= shard < num_shards:
+                raise DockError(f"open_iteration({iteration}): shard {shard} is not one of {num_shards} shards")
+            expected = ShardLayout(iteration, req["num_rows"], req["group_size"], num_shards).shard_meta(shard)
+            if req != expected:
+                raise DockError(f"open_iteration({iteration}): shard layout {req} does not match the row mapping {expected}")
+            if stop > first:  # a shard may own no group when there are fewer groups than shards
+                self.dock.open_iteration(iteration, stop - first, req["group_size"], first_row=first, total_rows=req["num_rows"])
+            self._layout = expected
+
+    def _close_iteration(self) -> None:
+        with self._lock:
+            self._layout = None
+            self.dock.close_iteration()
+            self.control.set_open(None)
+
+    def _announce_iteration(self, iteration: int) -> None:
+        with self._lock:
+            open_now = None if self._layout is None else self._layout["iteration"]
+            if open_now != iteration:
+                raise DockError(f"announce({iteration}): iteration {open_now} is open on dock shard 0 at {self.name}")
+            self.control.set_open(iteration)
+
+    def _describe(self) -> dict[str, Any]:
+        with self._lock:
+            layout = self._layout
+        return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns],
+                "layout": None if layout is None else dict(layout), "payload": self.payload}
+
+    def _require(self, payload: str, what: str) -> None:
+        if self.payload != payload:
+            held = "holds metadata only (payload='store')" if self.payload == "store" else "keeps payload in memory (payload='memory')"
+            fix = "a dock with a warehouse" if self.payload == "store" else "a dock without a warehouse"
+            raise DockError(f"{what}: dock shard at {self.name} {held}; use {fix} (dock.warehouse)")
+
+    def _commit(self, req: dict[str, Any]) -> None:
+        self._require("store", "commit")
+        objects = {name: (ref["key"], ref["offsets"]) for name, ref in req["objects"].items()}
+        self.dock.commit(req["rows"], objects, iteration=req["iteration"])
+        if "ack" in req:  # commit and ack in one call (put(..., ack=claim))
+            self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], req["rows"], iteration=req["iteration"])
+
+    def _locate(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._require("store", "locate")
+        located = self.dock.locate(req["columns"], req["rows"], iteration=req["iteration"])
+        return {name: loc.to_json() for name, loc in located.items()}
+
+    def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Take rows for a claim (``TransferDock.take``); rows taken for a caller that gave up
+        (``cancelled()`` true once the take returns) are handed back."""
+        timeout = _timeout(req["timeout_s"])
+        rows, pending, held, _ = self.dock.take(
+            req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
+            at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
+            owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
+            wait_held=req.get("wait_held", True),
+        )
+        if rows and cancelled():
+            logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
+            self.dock.release(req["consumer"], rows, iteration=req["iteration"])
+            rows, pending = [], pending + len(rows)
+        return {"rows": rows, "pending": pending, "held": held}
+
+    def _snapshot(self, uri: str) -> None:
+        with self._lock:  # no open/close while the layout and the dock are written together
+            self.dock.snapshot(uri, extra={"layout": self._layout})
+
+    def _restore(self, uri: str, layout: dict[str, int] | None) -> None:
+        with self._lock:
+            if self._closed:
+                raise DockError(f"restore from {uri!r}: dock shard at {self.name} is shutting down")
+            if self._layout is not None:
+                raise DockError(f"restore from {uri!r}: iteration {self._layout['iteration']} is open on this shard; close it first")
+            self.dock.restore(uri, extra={"layout": layout})
+            self._layout = layout
+
+    # --- payload path -------------------------------------------------------------------------
+    def put(self, req: dict[str, Any], table: pa.Table | pa.RecordBatch) -> None:
+        """Write the cells of ``table`` (an int64 ``row`` column plus data columns), then ack with ``req["ack"]``.
+
+        Raises:
+            DockError: a store-payload shard, no ``row`` column, or as ``TransferDock.put``/``ack_rows``.
+        """
+        self._require("memory", "put")
+        if ROW not in table.schema.names:
+            raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
+        rows = table.column(ROW).to_numpy()
+        columns = {name: table.column(name) for name in table.schema.names if name != ROW}
+        self.dock.put(rows, columns, iteration=req["iteration"])
+        if "ack" in req:  # put and ack in one call (put(..., ack=claim))
+            self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], rows, iteration=req["iteration"])
+
+    def get(self, req: dict[str, Any]) -> pa.RecordBatch:
+        """The cells of ``req["rows"]`` (``TransferDock.get``) of a memory-payload shard."""
+        self._require("memory", "get")
+        return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
+
+    def claim_cells(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> tuple[dict[str, Any], pa.RecordBatch]:
+        """``claim`` and the cells of its rows in one call (memory payload); a failed read hands the rows back."""
+        self._require("memory", "get")
+        res = self.claim(req, cancelled)
+        try:
+            batch = self.dock.get(req["columns"], res["rows"], iteration=req["iteration"])
+        except BaseException:
+            self.dock.release(req["consumer"], res["rows"], iteration=req["iteration"])
+            raise
+        return res, batch
+
+
+class ShardTransport(Protocol):
+    """How a front end reaches one shard's ``ShardService``: in this process or over Flight.
+
+    ``timeout`` is the deadline of one call in seconds (None: none); an in-process transport
+    needs none. Errors of the shard arrive as the same ``DockError``/``DockTimeoutError``.
+    """
+
+    location: str
+    """Where the shard is, for messages: ``grpc://host:port`` or ``local://shard-<s>``."""
+    mode: Literal["inprocess", "distributed"]
+    """The ``dock.mode`` this transport serves."""
+
+    def action(self, name: str, body: dict[str, Any], timeout: float | None) -> Any: ...
+
+    def put(self, body: dict[str, Any], batch: pa.RecordBatch, timeout: float | None) -> None: ...
+
+    def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table: ...
+
+    def claim_cells(self, body: dict[str, Any], timeout: float | None) -> tuple[dict[str, Any], pa.Table]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalTransport:
+    """Calls a ``ShardService`` of this process directly: no sockets, no serialization.
+
+    Args:
+        service: the shard.
+        owned: ``close()`` closes the shard too (the dock that built it owns it).
+    """
+
+    mode: Literal["inprocess", "distributed"] = "inprocess"
+
+    def __init__(self, service: ShardService, *, owned: bool = False) -> None:
+        self.service, self.owned, self.location = service, owned, service.name
+
+    def action(self, name: str, body: dict[str, Any], timeout: float | None) -> Any:
+        return self.service.action(name, body)
+
+    def put(self, body: dict[str, Any], batch: pa.RecordBatch, timeout: float | None) -> None:
+        self.service.put(body, batch)
+
+    def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table:
+        return pa.Table.from_batches([self.service.get(body)])
+
+    def claim_cells(self, body: dict[str, Any], timeout: float | None) -> tuple[dict[str, Any], pa.Table]:
+        res, batch = self.service.claim_cells(body)
+        return res, pa.Table.from_batches([batch])
+
+    def close(self) -> None:
+        if self.owned:
+            self.service.close()
+
+
+def local_shards(n: int, schema: Schema, *, timeout_s: float = 600.0, lease_s: float = 300.0,
+                 payload: Payload = "memory") -> list[ShardService]:
+    """``n`` shards in this process, named ``local://shard-<s>``."""
+    return [ShardService(schema, name=f"local://shard-{s}", timeout_s=timeout_s, lease_s=lease_s, payload=payload)
+            for s in range(n)]
