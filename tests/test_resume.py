@@ -184,7 +184,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, 
     assert [x["iteration"] for x in read_rows(cut)] == [0, 1, 2]
     assert (checkpoint_dir(cut, 2) / "optimizer.pt").is_file() and (checkpoint_dir(cut, 2) / "dock" / "meta.json").is_file()
     snapshot = json.loads((checkpoint_dir(cut, 2) / "dock" / "meta.json").read_text())
-    assert snapshot["iteration"] == 2 and snapshot["files"]  # iteration 2 open with its prompts
+    assert snapshot["layout"]["iteration"] == 2 and snapshot["shards"]  # iteration 2 open with its prompts
 
     trainer.train(tiny_run(tiny_model_dir, tmp_path, "cut", "run.resume=latest"))
     same_rows(read_rows(cut), read_rows(tmp_path / "straight"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import pyarrow as pa
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from dockrl.config import DockConfig
     from dockrl.dock.schema import Schema
 
-Columns = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
+Columns: TypeAlias = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
 """The cells of a put: per column name, one value (or Arrow array element) per row."""
 
 
@@ -55,35 +55,28 @@ class Dock(Protocol):
     def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, announce: bool = True) -> None:
         """Open an empty table of ``num_rows`` rows in groups of ``group_size``; with
         ``announce=False`` stages see it only after ``announce(iteration)``."""
-        ...
 
     def announce(self, iteration: int) -> None:
         """Let the stages' ``wait_iteration`` return ``iteration``, which must be open."""
-        ...
 
     def close_iteration(self) -> None:
         """Drop the open iteration; claims blocked on it fail with ``DockError``."""
-        ...
 
     @property
     def num_rows(self) -> int:
         """Rows of the open iteration."""
-        ...
 
     @property
     def group_size(self) -> int:
         """Rows per prompt group of the open iteration."""
-        ...
 
     # --- data (stages) --------------------------------------------------------------------------
     def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
         """Write ``columns[name][k]`` as the cell of row ``rows[k]``; refused unless ``iteration``
         (when given) is the open one; with ``ack`` the claim is acked once the put succeeded."""
-        ...
 
     def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
         """Read written cells without consuming them, in the order of ``rows``."""
-        ...
 
     def claim(
         self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None,
@@ -91,54 +84,42 @@ class Dock(Protocol):
         """Take up to ``count`` rows ready in all ``columns`` and not yet taken by ``consumer``,
         leased to this dock's owner; blocks until ``min(count, rows left)`` are ready. An empty
         claim means the consumer is done with the iteration."""
-        ...
 
     def ack(self, claim: Claim) -> None:
         """The claim's consumer is done with its rows (after its put): end the lease for good."""
-        ...
 
     # --- leases -------------------------------------------------------------------------------
     def renew(self, owner: str) -> int:
         """Push every lease of ``owner`` a full term ahead; returns the leases renewed."""
-        ...
 
     def release_owner(self, owner: str) -> int:
         """End every lease of ``owner`` now (its process died); returns the rows back in the pool."""
-        ...
 
     # --- checkpoints and metrics ------------------------------------------------------------------
     def snapshot(self, uri: str) -> None:
         """Write the dock's state (open iteration, bits, payload) to the directory ``uri``."""
-        ...
 
     def restore(self, uri: str) -> None:
         """Load the snapshot at ``uri`` into this dock, which must have no open iteration."""
-        ...
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read``, ``dock/wait_s``, ``dock/shards``, …"""
-        ...
 
     # --- control channel ------------------------------------------------------------------------
     def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
         """Block until an iteration newer than ``after`` is announced; ``None`` after ``finish()``."""
-        ...
 
     def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
         """Record ``stage``'s flat metrics of ``iteration``."""
-        ...
 
     def wait_reports(self, iteration: int, stages: Sequence[str], timeout_s: float | None = None) -> dict[str, dict[str, float]]:
         """Block until each of ``stages`` reported ``iteration``; return ``{stage: metrics}``."""
-        ...
 
     def finish(self) -> None:
         """No further iteration will open: idle ``wait_iteration`` calls return ``None``."""
-        ...
 
     def close(self) -> None:
         """Release what this handle holds (lease heartbeat, connections, in-process shards)."""
-        ...
 
 
 def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = None) -> Dock:
@@ -160,11 +141,11 @@ def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = 
         ValueError: as ``make_warehouse`` for a bad ``dock.warehouse`` setting.
     """
     from dockrl.dock.client import DockClient
-    from dockrl.dock.shard import LocalTransport, local_shards
+    from dockrl.dock.shard import LocalTransport, Payload, local_shards
     from dockrl.dock.warehouse import make_warehouse
 
     warehouse = make_warehouse(cfg, run)
-    payload = "memory" if warehouse is None else "store"
+    payload: Payload = "memory" if warehouse is None else "store"
     shards = local_shards(cfg.shards, schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s, payload=payload)
     return DockClient([LocalTransport(s, owned=True) for s in shards], schema, timeout_s=cfg.timeout_s,
                       warehouse=warehouse, lease_s=cfg.lease_s, owner=owner)

@@ -313,7 +313,8 @@ class DockClient:
         layout = self._layout_for("put", iteration)
         fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
                  and np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64))))
-        extra = {"ack": {"consumer": ack.consumer, "lease": ack.lease}} if fused else {}
+        lease = ack.lease if ack is not None else ""
+        extra = {"ack": {"consumer": ack.consumer, "lease": lease}} if fused and ack is not None else {}
         try:
             if self.warehouse is not None:
                 self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
@@ -326,7 +327,7 @@ class DockClient:
         finally:
             if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
                 with self._beat:
-                    self._held.pop(ack.lease, None)
+                    self._held.pop(lease, None)
         if ack is not None and not fused:
             self.ack(ack)
 
@@ -677,6 +678,7 @@ class DockClient:
             self._action(s, "snapshot", {"uri": join_uri(uri, name)})
         keys = self._object_keys(uri, shards, "snapshot")
         if keys:  # payload in a warehouse: copy the objects, which die with their iteration, into the snapshot
+            assert self.warehouse is not None  # shards refer to objects only with payload "store"
             for key in keys:
                 write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
         meta = {"kind": SNAPSHOT_KIND, "schema_version": self.schema.version, "num_shards": len(self.locations),
@@ -737,7 +739,8 @@ class DockClient:
                     f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
                 )
         keys = meta.get("objects", [])
-        for key in keys:  # the snapshot's copies of the objects, back into this run's warehouse
+        for key in keys:
+            assert self.warehouse is not None  # a snapshot with objects has payload "store", as this dock (checked above)  # the snapshot's copies of the objects, back into this run's warehouse
             self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
             self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})
