@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)  # before torch is imported: a bad value fails in a second
         run_dir = cfg.run.output_dir
-        from dockrl import trainer  # heavy imports after the config is known to be valid
+        from dockrl import driver, run_setup  # heavy imports after the config is known to be valid
 
         if args.command == "prepare-model":
-            print(trainer.resolve_model(cfg))
+            print(run_setup.resolve_model(cfg))
         elif args.command == "prepare-data":
-            print("\n".join(str(p) for p in trainer.resolve_data(cfg)))
+            print("\n".join(str(p) for p in run_setup.resolve_data(cfg)))
         else:
-            summary = trainer.train(cfg)
+            summary = driver.train(cfg)
             print(json.dumps(summary, indent=2))
     except KeyboardInterrupt:
         if debug:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
+from dockrl.config import Config
 from dockrl.data import Prompt
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.rewards import RewardScorer, extract_final_answer
 from dockrl.rewards.guard import check_rewards
+
+logger = logging.getLogger(__name__)
 
 
 def greedy_accuracy(
@@ -36,3 +40,13 @@ def greedy_accuracy(
     correct = sum(score >= correct_reward for score in scores)
     formatted = sum(extract_final_answer(t) is not None for t in texts)
     return {"accuracy": correct / len(prompts), "format_rate": formatted / len(prompts), "count": len(prompts)}
+
+
+def evaluate(engine: RolloutEngine, prompts: Sequence[Prompt], scorer: RewardScorer, cfg: Config, tag: str) -> dict[str, float]:
+    """``greedy_accuracy`` as configured, as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
+    res = greedy_accuracy(
+        engine, prompts, scorer, correct_reward=cfg.algorithm.correct_reward,
+        max_new_tokens=cfg.rollout.max_response_length, batch_size=cfg.trainer.eval_batch_size,
+    )
+    logger.info("greedy test accuracy %s training: %.3f (format %.3f, %d prompts)", tag, res["accuracy"], res["format_rate"], res["count"])
+    return {f"eval/accuracy_{tag}": res["accuracy"], f"eval/format_rate_{tag}": res["format_rate"]}

@@ -25,7 +25,7 @@ asked for more iterations (``trainer.iterations`` above its own), and a resume w
 to run is refused before anything of the run folder changes.
 
 **Where a resumed run goes on.** The data sampler is a pure function of ``(trainer.seed,
-iteration)`` (``dockrl.trainer.prompt_batches``), so its position is the iteration number.
+iteration)`` (``dockrl.run_setup.prompt_batches``), so its position is the iteration number.
 Randomness is reseeded at the start of every iteration in every process from ``(trainer.seed,
 iteration)`` (``seed_iteration``), so no RNG state needs to be saved: a resumed iteration draws
 what the uninterrupted run drew. ``metrics.jsonl`` keeps the rows of the iterations before
@@ -64,8 +64,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 DOCK_DIR = "dock"
 FINAL_DIR = "final"
 """``RUN/checkpoints/final``: the checkpoint after the last iteration."""
-CHECKPOINT_STAGE = "checkpoint"
-"""Report the actor makes (distributed mode) once the model and optimizer of a checkpoint are written."""
 _ITER_DIR = re.compile(r"iter_(\d{6,})")
 
 

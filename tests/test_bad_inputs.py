@@ -192,13 +192,13 @@ def test_ctrl_c_is_one_line_and_exit_130(tiny_model_dir, tmp_path):
 
 
 def test_settings_an_inprocess_run_ignores_get_one_warning_each(tmp_path, caplog):
-    from dockrl import trainer
+    from dockrl import driver
     from dockrl.config import ConfigError, load_config
 
     cfg = load_config(None, ["dock.shards=2", "dock.warehouse=directory", f"model.path={tmp_path / 'none'}",
                              f"run.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match="model.path"):
-        trainer.train(cfg)
+        driver.train(cfg)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert [w.split(" is ignored")[0] for w in warned if " is ignored" in w] == ["dock.shards=2", "dock.warehouse='directory'"]
 

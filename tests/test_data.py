@@ -236,7 +236,7 @@ def plain_model_dir(tiny_model_dir, tmp_path_factory):
 def test_a_tokenizer_without_chat_template_is_refused_naming_model_path(tmp_path, plain_model_dir):
     from dockrl.config import ConfigError, load_config
     from dockrl.engines.hf import load_tokenizer
-    from dockrl.trainer import load_run_prompts
+    from dockrl.run_setup import load_run_prompts
 
     path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")
     cfg = load_config(None, [f"model.path={plain_model_dir}"])
@@ -251,7 +251,7 @@ def test_plain_prompts_without_chat_template(tmp_path, plain_model_dir):
     from dockrl.config import load_config
     from dockrl.data import PLAIN_PROMPT
     from dockrl.engines.hf import HFRolloutEngine
-    from dockrl.trainer import load_run_prompts
+    from dockrl.run_setup import load_run_prompts
 
     path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")
     cfg = load_config(None, [f"model.path={plain_model_dir}", "data.chat_template=none"])

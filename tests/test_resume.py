@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dockrl import trainer
+from dockrl import driver
 from dockrl.config import ConfigError, load_config
 from dockrl.metrics import MetricsWriter
 from dockrl.resume import (
@@ -172,21 +172,21 @@ def read_rows(run: Path) -> list[dict]:
 @pytest.mark.slow  # three short runs of the tiny model
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FAKES))
-    trainer.train(tiny_run(tiny_model_dir, tmp_path, "straight"))
+    driver.train(tiny_run(tiny_model_dir, tmp_path, "straight"))
 
     def stop_in_iteration_2(it: int, metrics: dict) -> None:
         if it == 2:  # its metrics line is written, the checkpoint after iteration 1 is complete
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        trainer.train(tiny_run(tiny_model_dir, tmp_path, "cut"), on_iteration=stop_in_iteration_2)
+        driver.train(tiny_run(tiny_model_dir, tmp_path, "cut"), on_iteration=stop_in_iteration_2)
     cut = tmp_path / "cut"
     assert [x["iteration"] for x in read_rows(cut)] == [0, 1, 2]
     assert (checkpoint_dir(cut, 2) / "optimizer.pt").is_file() and (checkpoint_dir(cut, 2) / "dock" / "meta.json").is_file()
     snapshot = json.loads((checkpoint_dir(cut, 2) / "dock" / "meta.json").read_text())
     assert snapshot["layout"]["iteration"] == 2 and snapshot["shards"]  # iteration 2 open with its prompts
 
-    trainer.train(tiny_run(tiny_model_dir, tmp_path, "cut", "run.resume=latest"))
+    driver.train(tiny_run(tiny_model_dir, tmp_path, "cut", "run.resume=latest"))
     same_rows(read_rows(cut), read_rows(tmp_path / "straight"))
     resumed = AutoModelForCausalLM.from_pretrained(cut / "checkpoints" / "final").state_dict()
     straight = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoints" / "final").state_dict()
@@ -205,8 +205,8 @@ def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_mod
     once, from the final weights, optimizer (4 steps carried: 2 mini-batches per iteration) and
     data position, and the result is the uninterrupted 3-iteration run's."""
     monkeypatch.syspath_prepend(str(FAKES))
-    trainer.train(tiny_run(tiny_model_dir, tmp_path, "straight", "trainer.save_every=0"))
-    trainer.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2"))
+    driver.train(tiny_run(tiny_model_dir, tmp_path, "straight", "trainer.save_every=0"))
+    driver.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2"))
     two = tmp_path / "two"
     assert not list((two / "checkpoints").glob("iter_*")) and optimizer_steps(final_dir(two)) == {4.0}
     state = json.loads((final_dir(two) / STATE_FILE).read_text())
@@ -214,10 +214,10 @@ def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_mod
 
     before = {p: p.stat().st_mtime_ns for p in [two / "summary.json", two / "config.yaml", *final_dir(two).iterdir()]}
     with pytest.raises(ConfigError, match="finished all its 2 iterations"):  # nothing left: refused, nothing touched
-        trainer.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2", "run.resume=latest"))
+        driver.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2", "run.resume=latest"))
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
-    trainer.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "run.resume=latest"))
+    driver.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "run.resume=latest"))
     assert [x["iteration"] for x in read_rows(two)] == [0, 1, 2]
     same_rows(read_rows(two), read_rows(tmp_path / "straight"))
     assert optimizer_steps(final_dir(two)) == optimizer_steps(final_dir(tmp_path / "straight")) == {6.0}

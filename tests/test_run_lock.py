@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dockrl import trainer
+from dockrl import driver
 from dockrl.config import ConfigError, load_config, save_config
 from dockrl.resume import checkpoint_dir, write_driver_state
 from dockrl.run_lock import LOCK_FILE, RunLock, RunLockedError, lock_holder
@@ -79,9 +79,9 @@ def test_a_refused_run_leaves_the_run_folder_as_it_was(tiny_model_dir, tmp_path)
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
     before = files(run)
     with pytest.raises(ConfigError, match="already holds a run"):  # a fresh run into it
-        trainer.train(cfg)
+        driver.train(cfg)
     with pytest.raises(ConfigError, match="rollout.n"):  # a resume that does not fit the checkpoint
-        trainer.train(tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", "rollout.n=8", "trainer.micro_batch=8"))
+        driver.train(tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", "rollout.n=8", "trainer.micro_batch=8"))
     assert files(run) == before
     assert load_config(run / "config.yaml", ["run.resume=latest"]).rollout.n == 4  # the documented resume command still fits
 
@@ -91,7 +91,7 @@ def test_a_run_into_a_folder_in_use_is_refused_before_it_writes(tiny_model_dir, 
     holder = hold_lock(Path(cfg.run.output_dir))
     try:
         with pytest.raises(RunLockedError, match=f"pid {holder.pid}"):
-            trainer.train(cfg)
+            driver.train(cfg)
         assert files(Path(cfg.run.output_dir)) == {}
     finally:
         holder.kill()

@@ -7,14 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dockrl import trainer
+from dockrl import driver, run_setup
+from dockrl.rewards import guard
 from dockrl.config import load_config
 from fake_scorers import FakeRandomScorer  # noqa: E402
 
 
 @pytest.mark.slow
 def test_three_iterations_update_every_parameter_and_checkpoint_reloads(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "RewardScorer", FakeRandomScorer)
+    monkeypatch.setattr(guard, "RewardScorer", FakeRandomScorer)
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
         "run.progress=false", "trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=2",
@@ -23,7 +24,7 @@ def test_three_iterations_update_every_parameter_and_checkpoint_reloads(tiny_mod
         "data.generate_train=40", "data.generate_test=8", "data.eval_size=8",
     ])
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    summary = trainer.train(cfg)
+    summary = driver.train(cfg)
 
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -55,10 +56,10 @@ def test_the_cli_names_a_model_path_that_is_no_model_folder(tmp_path, capsys):
 def test_prompt_batches_use_every_prompt_once_per_epoch():
     # 7 prompts, batches of 3: 21 picks are exactly 3 epochs, each a permutation, batches crossing epoch ends
     cfg = load_config(overrides=["trainer.global_batch=3", "trainer.mini_batch=3", "trainer.iterations=7"])
-    picks = [p for batch in trainer.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
+    picks = [p for batch in run_setup.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
     assert len(picks) == 21
     epochs = [picks[i:i + 7] for i in range(0, 21, 7)]
     assert all(sorted(e) == list(range(7)) for e in epochs)
     assert epochs[0] != epochs[1]  # a fresh shuffle each epoch
-    again = [p for batch in trainer.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
+    again = [p for batch in run_setup.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
     assert again == picks  # seeded: a resumed run sees the same batches

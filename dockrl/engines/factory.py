@@ -1,7 +1,7 @@
 """Build the engines a run's config asks for: ``rollout.engine`` and ``trainer.engine``.
 
-Shared by the in-process driver (``dockrl/trainer.py``), the stage processes
-(``dockrl/workers/main.py``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
+Shared by the in-process stages (``dockrl/driver.py``), the stage processes
+(``dockrl/workers/``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
 megatron-core are imported only when chosen. Every engine is placed on this process's device
 (``engine_device``: ``parallel.device`` and the process's local rank).
 """

@@ -1,20 +1,21 @@
 """Distributed mode: every GRPO stage its own process, sharing only the sharded dock.
 
-``train_distributed(cfg)`` is what ``dockrl train dock.mode=distributed`` runs. This process,
-the driver, starts through a worker backend: a ``LocalBackend`` by default (processes on this
-machine, logs in ``RUN/logs/<group>-0.log``), or a ``KubernetesBackend`` (one JobSet per
-run; ``launcher.run_training(worker_backend="kubernetes")``). Every group starts at once:
+``ProcessStages`` is the driver's stage runner for ``dock.mode=distributed``
+(``dockrl/driver.py`` runs the same iteration loop over it). It starts the processes through a
+worker backend: a ``LocalBackend`` by default (processes on this machine, logs in
+``RUN/logs/<group>-0.log``), or a ``KubernetesBackend`` (one JobSet per run;
+``launcher.run_training(worker_backend="kubernetes")``). Every group starts at once:
 
 1. ``dock.shards`` dock shards (``dockrl dock-shard``), each a group of its own on a port the
    backend gives, with a bearer token generated for the run and passed as a secret;
-2. one group per stage (``dockrl worker``): rollout, reward (with the advantage step),
-   reference (only when ``algorithm.kl_coef > 0``) and actor; rollout, reference and actor
-   hold one device each (``member_devices``). Rollout and actor also meet on the weight
-   channel, a gloo group whose ``TCPStore`` this process hosts. The rollout evaluates first;
-   the others load their models meanwhile and wait for the first iteration
-   (``first_wait_s``). With ``trainer.hybrid`` one ``hybrid`` group plays
-   rollout and actor (no weight channel): ``parallel.tp × pp × dp`` members, one per actor rank, whose
-   gloo group meets at this process's ``TCPStore`` instead.
+2. one group per stage process (``dockrl worker``, ``dockrl.protocol.stage_processes``):
+   rollout, reward (with the advantage step), reference (only when ``algorithm.kl_coef > 0``)
+   and actor; rollout, reference and actor hold one device each (``member_devices``). Rollout
+   and actor also meet on the weight channel, a gloo group whose ``TCPStore`` this process
+   hosts. The rollout evaluates first; the others load their models meanwhile and wait for the
+   first iteration (``first_wait_s``). With ``trainer.hybrid`` one ``hybrid`` group plays
+   rollout and actor (no weight channel): ``parallel.tp × pp × dp`` members, one per actor
+   rank, whose gloo group meets at this process's ``TCPStore`` instead.
 
 Every address comes from the backend (``backend.address``, ``backend.launcher_host``) and the
 config travels as YAML in an environment variable (``CONFIG_ENV``), so the same groups run as
@@ -22,47 +23,36 @@ local processes and as pods, which cannot read this process's files. Paths in th
 (model, data, run folder) must be ones the members see: any path for local processes, the
 shared volume (``backend.shared_dir``) or the image for pods.
 
-Then, per iteration (at most ``dock.max_inflight`` open at once), it opens the iteration, puts
-its prompts, waits for the report of every stage and of the weight sync — in short slices,
-checking the workers in between, so a dead worker fails the run within a second with
-``WorkerFailed`` and its log tail — merges the metrics into the same ``metrics.jsonl``,
-TensorBoard, progress bar and ``summary.json`` as the in-process mode, and closes it. After
-the last one it calls ``finish()`` and collects the final reports (the evaluation after
-training, the final checkpoint). Every process is torn down in ``finally``.
+The stages' metrics arrive as reports (``dockrl.protocol.Report``), waited for in short
+slices that check the workers in between (``wait_reports``). Every process is torn down in
+``ProcessStages.close``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import secrets
-import signal
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 import pyarrow.flight as flight
 import torch.distributed as dist
 
-from dockrl.config import Config, dump_config, save_config
+from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse import make_warehouse
-from dockrl.engines.hf import load_tokenizer
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease
-from dockrl.metrics import MetricsWriter, Progress, plot_metrics
-from dockrl.resume import (
-    CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, final_dir, find_resume, prompts_fingerprint, write_final_state,
-)
-from dockrl.trainer import (
-    add_iteration_metrics, load_run_prompts, open_with_prompts, prompt_batches, resolve_data, resolve_model, snapshot_for_checkpoint,
-)
-from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC, stage_processes
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, final_report, iteration_reports, stage_processes
+from dockrl.run_setup import RunPlan
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +60,6 @@ CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
 ACCELERATOR_STAGES = ("rollout", "reference", "actor", "hybrid")
 """Stages that hold a model and take the platform's accelerators (reward and dock shards do not)."""
-
-
-def iteration_stages(cfg: Config) -> list[str]:
-    """Reports the driver waits for in each iteration, in the order their metrics are merged."""
-    sync = [] if cfg.trainer.hybrid else [WEIGHT_SYNC]  # the hybrid actor syncs inside its "actor" report
-    return ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor", *sync]
 
 
 def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
@@ -185,7 +169,7 @@ def wait_for_shards(locations: Sequence[str], token: str, backend: WorkerBackend
 
 
 def wait_reports(
-    dock: DockClient, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, logs: str,
+    dock: Dock, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, logs: str | Path,
 ) -> dict[str, dict[str, float]]:
     """The reports of ``stages`` for ``iteration``, watching the workers while waiting.
 
@@ -226,64 +210,21 @@ def wait_reports(
     return reports
 
 
-def _log_eval(metrics: dict[str, float], tag: str) -> dict[str, float]:
-    logger.info("greedy test accuracy %s training: %.3f (format %.3f)", tag, metrics[f"eval/accuracy_{tag}"],
-                metrics[f"eval/format_rate_{tag}"])
-    return metrics
-
-
-def _raise_on_sigterm():
-    """Turn SIGTERM into ``SystemExit`` while the workers run, so that the teardown in ``finally``
-    runs when the driver is stopped (a pod deleted, ``kill``): the workers lead sessions of
-    their own and would outlive it. Returns the previous handler (None off the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, stop)
-
-
-def train_distributed(
-    cfg: Config, *, backend: WorkerBackend | None = None, on_iteration: Callable[[int, dict[str, float]], None] | None = None,
-) -> dict[str, float]:
-    """Run GRPO with every stage in its own process; returns the run summary.
-
-    Writes the same run folder as ``dockrl.trainer.train``, plus ``logs/`` (one log per process)
-    with the local backend.
-        A checkpoint (``dockrl.resume``) is written after iteration ``k`` when it is due: the actor
-    writes weights and optimizer and reports ``checkpoint``; this driver then opens iteration
-    ``k+1`` with its prompts, snapshots the dock, writes the driver state and only then
-    announces ``k+1`` to the stages. With ``run.resume`` it restores that dock snapshot before
-    the stages start, which load their weights (and the actor its optimizer) from the checkpoint.
-
-    Args:
-        backend: where to start the workers (see the module docstring); default a
-            ``LocalBackend`` for a fresh run id.
+def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> ProcessStages:
+    """Start the dock shards and the stage processes of ``plan`` through ``backend`` (default:
+    local processes of a fresh run id) and return their runner once the shards answer; the
+    stages then load their models. Every group starts at once: a stage never holds its devices
+    while another still waits for a node.
 
     Raises:
-        WorkerFailed: a worker process died; the message has its log tail.
-        DockTimeoutError: a stage stopped reporting while its process kept running.
+        WorkerFailed: a process died while starting (its log tail in the message).
+        TimeoutError: a dock shard did not answer within the backend's start timeout.
     """
-    t0 = time.perf_counter()
-    t, r = cfg.trainer, cfg.rollout
+    cfg = plan.cfg
     run_dir = Path(cfg.run.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = resolve_model(cfg)  # prepared here once, before the workers look for it
-    train_file, test_file = resolve_data(cfg)
-    train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
-    fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
-    point = find_resume(cfg, fingerprint)
-    if point:  # the workers read the checkpoint folder itself, never 'latest' (a newer one may appear)
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
-    save_config(cfg, run_dir / "config.yaml")
-
-    log_dir = run_dir / "logs"
-    keep_earlier_logs(log_dir)  # a resumed run: the failed attempt's logs go to logs/attempt-<N>/
-    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=log_dir, run_dir=run_dir)
-    run = backend.run_id
-    warehouse = make_warehouse(cfg.dock, run)  # checked here once, before any worker starts
+    keep_earlier_logs(run_dir / "logs")  # a resumed run: the failed attempt's logs go to logs/attempt-<N>/
+    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=run_dir / "logs", run_dir=run_dir)
+    warehouse = make_warehouse(cfg.dock, backend.run_id)  # checked here once, before any worker starts
     token = secrets.token_urlsafe(24)
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
     # the store's server listens on every interface; members connect to launcher_host
@@ -291,81 +232,83 @@ def train_distributed(
                                  timeout=timedelta(seconds=cfg.dock.timeout_s))
     ports = backend.serve_ports(cfg.dock.shards)
     locations = shard_locations(backend, ports)
-    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, run,
-                           first_wait=first_wait_s(cfg, len(test_prompts)) + backend.start_spread_s)
-    stages = iteration_stages(cfg)
-    summary: dict[str, float] = {"eval/test_prompts": len(test_prompts), "data/train_prompts": len(train_prompts)}
-    summary |= point.summary if point else {}
-    batches = list(prompt_batches(train_prompts, t))
-    first, open_now = (point.next_iteration, point.open_iteration) if point else (0, None)
-    dock = lease = None
-    previous = _raise_on_sigterm()
+    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, backend.run_id,
+                           first_wait=first_wait_s(cfg, len(plan.test_prompts)) + backend.start_spread_s)
+    lease: DriverLease | None = None
+    dock: DockClient | None = None
+    alive = [weight_store]  # until stop(): the members' rendezvous
+
+    def stop() -> None:
+        if lease is not None:
+            lease.stop()  # first: its last beat goes to shards that still answer
+        if dock is not None:
+            dock.close()
+        backend.teardown()
+        alive.clear()
+
     try:
-        # every group at once: a stage never holds its devices while another still waits for a node
         backend.start(groups)
         lease = DriverLease(locations, token, cfg.run.driver_timeout_s)  # from now on: shards still starting count too
         backend.wait_ready(backend.start_timeout_s)
         wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
         # a shard that stops answering fails the run within dock.timeout_s (at most a minute), not later
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
-                          lease_s=cfg.dock.lease_s, owner=f"{run}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))
-        if point:
-            if point.dock_uri:  # checkpoints/final has no open iteration to restore
-                dock.restore(point.dock_uri)  # before any stage asks for an iteration
-            logger.info("resuming at iteration %d from %s", first, point.checkpoint)
+                          lease_s=cfg.dock.lease_s, owner=f"{backend.run_id}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))
+    except BaseException:
+        stop()
+        raise
+    logger.info("started %d dock shards and stages %s; logs in %s", cfg.dock.shards, stage_processes(cfg), backend.logs)
+    return ProcessStages(cfg, dock, backend, test_prompts=len(plan.test_prompts), stop=stop)
 
-        def reports(iteration: int, names: Sequence[str]) -> dict[str, dict[str, float]]:
-            return wait_reports(dock, backend, iteration, names, cfg.dock.timeout_s, backend.logs)
 
-        # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for
-        # it); an evaluation generates for len(test_prompts) / rollout.batch_size such batches.
-        # The other stages wait for the first iteration meanwhile (first_wait_s).
-        eval_timeout_s = cfg.dock.timeout_s * eval_batches(cfg, len(test_prompts))
-        if t.eval_before and not point:
-            before = wait_reports(dock, backend, BEFORE_TRAINING, ["rollout"], eval_timeout_s + cfg.dock.timeout_s, backend.logs)
-            summary |= _log_eval(before["rollout"], "before")
-        others = groups[cfg.dock.shards + 1 :]
-        logger.info("started %d dock shards and stages %s; logs in %s", cfg.dock.shards, [g.name for g in groups[cfg.dock.shards :]],
-                    backend.logs)
+class ProcessStages:
+    """The ``StageRunner`` of ``dock.mode=distributed`` (``dockrl/driver.py``): the stages run as
+    processes (``start_processes``) and their metrics arrive as reports through ``dock``
+    (``dockrl.protocol.Report``). Every wait watches the processes (``wait_reports``), so a dead
+    one fails the run within a second with ``WorkerFailed``.
 
-        with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
-                Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
-            for it in range(first, t.iterations):
-                picked, start = batches[it], time.perf_counter()
-                if open_now == it:  # opened and filled before a checkpoint's snapshot: the stages may start now
-                    dock.announce(it)
-                else:
-                    open_with_prompts(dock, it, picked, r.n)  # one open iteration: dock.max_inflight == 1
-                metrics: dict[str, float] = {}
-                for stage_metrics in reports(it, stages).values():
-                    metrics |= stage_metrics
-                metrics |= dock.stats()
-                dock.close_iteration()
-                add_iteration_metrics(metrics, time.perf_counter() - start, len(picked) * r.n)
-                writer.log(it, metrics)
-                progress.update(metrics)
-                if checkpoint_due(t, it):
-                    reports(it, [CHECKPOINT_STAGE])  # the actor wrote weights and optimizer
-                    snapshot_for_checkpoint(dock, cfg, checkpoint_dir(run_dir, it + 1), next_iteration=it + 1,
-                                            picked=batches[it + 1], summary=summary, prompts=fingerprint, run=run)
-                    open_now = it + 1
-            dock.finish()
-            reports(AFTER_TRAINING, [g.name for g in others])  # every stage done, the final checkpoint written
-            after = wait_reports(dock, backend, AFTER_TRAINING, ["rollout"], eval_timeout_s, backend.logs)
-            # the actor wrote checkpoints/final's weights and optimizer before its report: complete it
-            write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=fingerprint)
-            if t.eval_after:
-                summary |= _log_eval(after["rollout"], "after")
-            summary["run/seconds"] = time.perf_counter() - t0
-            writer.log_summary(summary)
-    finally:
-        if lease is not None:
-            lease.stop()  # first: its last beat goes to shards that still answer
-        if dock is not None:
-            dock.close()
-        backend.teardown()
-        del weight_store
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
-    return summary
+    Args:
+        backend: what runs the processes: ``check()`` between waits, ``logs`` for messages,
+            ``run_id`` the run's name.
+        test_prompts: how many prompts an evaluation generates for: each rollout batch of them
+            may take ``dock.timeout_s``.
+        stop: stops the processes and closes the dock (``close``).
+    """
+
+    def __init__(self, cfg: Config, dock: Dock, backend: WorkerBackend, *, test_prompts: int, stop: Callable[[], None]) -> None:
+        self.cfg, self.dock, self.backend, self.run, self._stop = cfg, dock, backend, backend.run_id, stop
+        # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for it)
+        self.eval_timeout_s = cfg.dock.timeout_s * eval_batches(cfg, test_prompts)
+
+    def _wait(self, iteration: int, reports: Sequence[str], timeout_s: float) -> dict[str, dict[str, float]]:
+        return wait_reports(self.dock, self.backend, iteration, reports, timeout_s, self.backend.logs)
+
+    def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
+        t, timeout_s = self.cfg.trainer, self.cfg.dock.timeout_s
+        if tag == "before":  # the rollout loads its model first
+            metrics = self._wait(0, [Report.EVAL_BEFORE], self.eval_timeout_s + timeout_s)[Report.EVAL_BEFORE]
+        else:  # reported before the rollout's final report (``finish``)
+            metrics = self._wait(t.iterations, [Report.EVAL_AFTER], timeout_s)[Report.EVAL_AFTER]
+        logger.info("greedy test accuracy %s training: %.3f (format %.3f)", tag, metrics[f"eval/accuracy_{tag}"],
+                    metrics[f"eval/format_rate_{tag}"])
+        return metrics
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for stage_metrics in self._wait(iteration, iteration_reports(self.cfg), self.cfg.dock.timeout_s).values():
+            metrics |= stage_metrics
+        return metrics
+
+    def save_checkpoint(self, iteration: int, folder: Path) -> None:
+        self._wait(iteration, [Report.CHECKPOINT], self.cfg.dock.timeout_s)  # the actor wrote weights and optimizer there
+
+    def finish(self) -> None:
+        """Every process ends its loop; the actor writes ``checkpoints/final``, the rollout evaluates (``trainer.eval_after``)."""
+        t, timeout_s = self.cfg.trainer, self.cfg.dock.timeout_s
+        self.dock.finish()
+        evaluator, *others = stage_processes(self.cfg)
+        self._wait(t.iterations, [final_report(p) for p in others], timeout_s)
+        self._wait(t.iterations, [final_report(evaluator)], timeout_s + (self.eval_timeout_s if t.eval_after else 0))
+
+    def close(self) -> None:
+        self._stop()

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.platform import OBJECT_STORE_KEYS, Platform
+from dockrl.protocol import REPLICA_ENV, REPLICAS_ENV
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL = "scheduling.volcano.sh", "v1beta1", "podgroups"
@@ -123,8 +124,8 @@ def _env(run_id: str, group: WorkerGroup, platform: Platform, secret: str) -> li
     env: list[dict[str, Any]] = [
         {"name": "DOCKRL_RUN_ID", "value": run_id},
         {"name": "DOCKRL_GROUP", "value": group.name},
-        {"name": "DOCKRL_REPLICAS", "value": str(group.replicas)},
-        {"name": "DOCKRL_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
+        {"name": REPLICAS_ENV, "value": str(group.replicas)},
+        {"name": REPLICA_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]

@@ -89,7 +89,7 @@ def run_training(
         ConfigError: an invalid override (the message names the field).
         WorkerFailed: a worker died or cannot start (its log tail in the message).
     """
-    from dockrl import trainer
+    from dockrl import driver
 
     if worker_backend_name(worker_backend) == "kubernetes" and not run_id:
         raise ValueError("run_training: worker_backend='kubernetes' needs run_id (the pipeline run's id)")
@@ -113,13 +113,9 @@ def run_training(
         for key, value in metrics.items():
             _log_finite(log_metric, f"{key}/iter_{it:04d}", value, skipped)
 
-    if backend is None:
-        summary = trainer.train(cfg, on_iteration=stream)
-    else:
-        from dockrl.launch.distributed import train_distributed
-
+    if backend is not None:
         check_shared_config(cfg, backend.shared_dir)
-        summary = train_distributed(cfg, backend=backend, on_iteration=stream)
+    summary = driver.train(cfg, on_iteration=stream, backend=backend)
 
     final = out / "checkpoints" / "final"
     if not (final / "config.json").is_file():
@@ -170,7 +166,7 @@ def check_shared_config(cfg: Config, shared: Path) -> None:
     if cfg.dock.warehouse == "directory" and not _under(cfg.dock.directory, shared):
         raise ValueError(f"dock.directory={cfg.dock.directory!r}: with the kubernetes worker backend a directory "
                          f"warehouse must be on the shared volume (under {shared}); or use dock.warehouse=s3")
-    from dockrl.trainer import PACKAGED_MODEL
+    from dockrl.run_setup import PACKAGED_MODEL
 
     if cfg.model.path != PACKAGED_MODEL and not _under(cfg.model.path, shared):
         logger.warning("model.path=%r is not on the shared volume (%s): the stage pods must find it in their image",

@@ -28,6 +28,7 @@ from typing import Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.lifeline import DRIVER_PID_ENV
+from dockrl.protocol import REPLICA_ENV, REPLICAS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ class LocalBackend:
                 for i in range(g.replicas):
                     member = f"{g.name}-{i}"
                     env = {**os.environ, **g.env, **g.secret_env, "DOCKRL_RUN_ID": self.run_id, "DOCKRL_GROUP": g.name,
-                           "DOCKRL_REPLICA": str(i), "DOCKRL_REPLICAS": str(g.replicas), DRIVER_PID_ENV: str(os.getpid())}
+                           REPLICA_ENV: str(i), REPLICAS_ENV: str(g.replicas), DRIVER_PID_ENV: str(os.getpid())}
                     log = self.log_dir / f"{member}.log"
                     with open(log, "wb") as out:
                         proc = subprocess.Popen(list(g.command), env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -54,7 +54,7 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
         ConfigError: an override is invalid (the message names the field).
         FileNotFoundError: a configured data file does not exist.
     """
-    from dockrl.trainer import resolve_data
+    from dockrl.run_setup import resolve_data
 
     cfg = load_config(None, overrides)
     out = Path(out_dir)

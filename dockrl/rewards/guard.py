@@ -26,6 +26,9 @@ import traceback
 from collections import Counter
 from typing import Any, Sequence
 
+from dockrl.config import AlgorithmConfig, ConfigError
+from dockrl.rewards.math_verifier import RewardScorer
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
@@ -217,3 +220,23 @@ def check_rewards(result: Any, n: int) -> tuple[list[float], Counter]:
             real = 0.0
         rewards.append(real)
     return rewards, bad
+
+
+def build_scorer(a: AlgorithmConfig) -> RewardScorer | ScorerProcess:
+    """The reward scorer: ``algorithm.scorer`` (``module:Class``) if set, else the GSM8K rule verifier.
+
+    A custom scorer runs in a process of its own under ``algorithm.reward_timeout_s`` per
+    sample (``ScorerProcess``); the built-in verifier times each sample itself.
+
+    Raises:
+        ConfigError: ``algorithm.scorer`` names no importable class (the import's error appended).
+    """
+    kwargs = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    if not a.scorer:
+        return RewardScorer(**kwargs)
+    try:
+        import_scorer(a.scorer)  # here, so a typo fails before any process starts
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
+                          "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e
+    return ScorerProcess(a.scorer, kwargs, timeout_s=a.reward_timeout_s)

@@ -2,20 +2,33 @@
 
 One iteration: claim every row (whole groups) with its advantages (and reference log-probs
 when β > 0); compute the log-probs before the update; then ``ppo_epochs`` passes over the
-global batch in mini-batches, each one optimizer step accumulated over micro-batches.
+global batch in mini-batches, each one optimizer step accumulated over micro-batches. As a
+process of its own (``run_actor``) it sends its weights to the rollout after every update and
+writes the checkpoints (weights and optimizer; the driver adds the dock snapshot).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
-from dockrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from dockrl.dock import TransferDock
+from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.engines.train_protocol import TrainEngine
+from dockrl.protocol import Report, final_report
+from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
+from dockrl.workers.serve import serve_iterations
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
+
+logger = logging.getLogger(__name__)
+ACTOR_RANK = 0
+"""The actor's rank on the weight channel (the rollout's is 1)."""
 
 
 _METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean")
@@ -149,7 +162,7 @@ class ActorWorker:
     ) -> None:
         self.engine, self.trainer, self.algo, self.rollout, self.replicas = engine, trainer, algo, rollout, replicas
 
-    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+    def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
         columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])
@@ -189,3 +202,36 @@ class ActorWorker:
         seconds = time.perf_counter() - start
         metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds, "perf/actor_tokens_per_s": tokens * self.trainer.ppo_epochs / seconds})
         return metrics
+
+
+def run_actor(cfg: Config, dock: Dock, weight_sync: str, first_wait_s: float | None = None) -> None:
+    """The ``actor`` stage process: update every iteration (``ACTOR``), send the weights on the
+    channel at ``weight_sync``, write a due checkpoint (``CHECKPOINT``), then ``checkpoints/final``."""
+    from dockrl.engines.factory import build_train_engine, engine_device
+    from dockrl.engines.weight_sync import WeightChannel
+    from dockrl.run_setup import resolve_model
+
+    t = cfg.trainer
+    engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)))
+    if cfg.run.resume:
+        load_optimizer(engine, Path(cfg.run.resume))
+    channel = WeightChannel(weight_sync, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))
+    worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
+    run_dir = Path(cfg.run.output_dir)
+    wire_dtype = getattr(torch, cfg.rollout.dtype)
+
+    def after_update(it: int) -> None:
+        sent = channel.send(engine.named_weights(), wire_dtype)
+        logger.info("actor: sent %.1f MB of weights in %d buckets in %.2f s", sent["weight_sync/bytes"] / 1e6,
+                    sent["weight_sync/buckets"], sent["weight_sync/seconds"])
+        if checkpoint_due(t, it):  # the driver snapshots the dock once this is reported
+            save_optimizer(engine, engine.save(prepare_checkpoint(checkpoint_dir(run_dir, it + 1))))
+            dock.report(it, Report.CHECKPOINT, {})
+
+    try:
+        serve_iterations(dock, Report.ACTOR, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
+                         after_report=after_update, seed=t.seed, first_timeout_s=first_wait_s)
+        save_optimizer(engine, engine.save(prepare_checkpoint(final_dir(run_dir))))  # the driver completes it
+        dock.report(t.iterations, final_report("actor"), {})
+    finally:
+        channel.close()

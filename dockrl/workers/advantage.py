@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from dockrl.algorithms import grpo_advantages
 from dockrl.config import AlgorithmConfig
-from dockrl.dock import TransferDock
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
 
 
 class AdvantageWorker:
     def __init__(self, cfg: AlgorithmConfig) -> None:
         self.cfg = cfg
 
-    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+    def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Compute advantages for every group; returns ``rollout/frac_zero_std_groups``."""
         start, groups, zero_std = time.perf_counter(), 0, 0
         n = dock.group_size

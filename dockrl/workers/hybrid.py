@@ -12,9 +12,9 @@ hands the updated weights from one to the other. Per iteration:
 
 Both reuse the stage workers of the separate processes unchanged; the dock consumers are the
 same (``rollout``, ``actor``). In-process, the driver runs ``generation`` first and ``update``
-last among its workers; as a process (``python -m dockrl.workers.main --stage hybrid``)
-``run_hybrid`` serves the driver's iterations and reports ``rollout`` and ``actor`` as the two
-separate processes would, with no ``weight_sync`` report and no weight channel.
+last among its workers; as a process (``dockrl worker --stage hybrid``) ``run_hybrid`` serves
+the driver's iterations and reports ``ROLLOUT`` and ``ACTOR`` as the two separate processes
+would, with no ``WEIGHT_SYNC`` report and no weight channel.
 
 With ``parallel.tp × pp × dp > 1`` (distributed mode) the launcher starts one such process per
 actor rank; they join one process group, and megatron shards the model over TP/PP and
@@ -30,17 +30,22 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dockrl.config import Config
-from dockrl.dock import TransferDock
 from dockrl.dock.local import Claim
 from dockrl.engines.hybrid import HybridActor
+from dockrl.protocol import REPLICAS_ENV, Report, final_report, replica
+from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.rollout import RolloutWorker, rollout_metrics
+from dockrl.workers.serve import serve_iterations
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +79,7 @@ class UpdateThenSync:
     def __init__(self, actor: HybridActor, worker: ActorWorker, *, dp_group: dist.ProcessGroup | None = None) -> None:
         self.actor, self.worker, self.dp_group = actor, worker, dp_group
 
-    def run_iteration(self, dock: TransferDock, *, before_sync: Callable[[], None] | None = None) -> dict[str, float]:
+    def run_iteration(self, dock: Dock, *, before_sync: Callable[[], None] | None = None) -> dict[str, float]:
         """Returns the ``ActorWorker`` metrics plus the sync's (``HybridActor.sync``).
 
         ``before_sync()`` runs after the update, while the training weights and optimizer are
@@ -111,7 +116,7 @@ class ReplicaDock:
         src: global rank of the member that talks to the dock.
     """
 
-    def __init__(self, dock: TransferDock, *, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
+    def __init__(self, dock: Dock, *, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
         self.dock, self.group, self.src = dock, group, src
         self.leader = dist.get_rank() == src
 
@@ -184,7 +189,6 @@ def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path |
     """
     from dockrl.engines.factory import build_rollout_engine, build_train_engine
     from dockrl.resharding.device import local_rank_of
-    from dockrl.resume import load_optimizer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_rank = local_rank_of(cfg.parallel.device, rank)
@@ -218,12 +222,11 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
         ValueError: the group the backend started has another size than the layout.
     """
     from dockrl.resharding.device import init_process_group, local_rank_of
-    from dockrl.workers.main import replica
 
     rank, members = replica()
     world = cfg.parallel.world_size
     if members != world:
-        raise ValueError(f"hybrid actor: {members} members started (DOCKRL_REPLICAS), the layout parallel.tp × pp × dp has {world} ranks")
+        raise ValueError(f"hybrid actor: {members} members started ({REPLICAS_ENV}), the layout parallel.tp × pp × dp has {world} ranks")
     if world > 1:
         if cfg.parallel.device == "cpu" and not cfg.run.num_threads:  # the ranks share this machine's cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
@@ -234,19 +237,19 @@ def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
     return rank, world
 
 
-def run_hybrid(cfg: Config, dock, store_address: str, first_wait_s: float | None = None) -> None:
+def run_hybrid(cfg: Config, dock: Dock, store_address: str, first_wait_s: float | None = None) -> None:
     """The ``hybrid`` stage process, one per actor rank: evaluate, serve the iterations, checkpoint, evaluate again.
 
     Every rank generates for its share of the prompts; rank 0 reports ``rollout`` (metrics over
     all ranks' responses) once all generated, and ``actor`` once they updated and synced (so the
     driver merges the same metrics as from two processes). The ranks train on the same rows
     (``ReplicaDock``) and write checkpoints while training, before the sync (megatron gathers
-    its shards; each rank its own optimizer state). ``BEFORE_TRAINING``/``AFTER_TRAINING``
-    evaluations run on rank 0 under ``rollout``, as the rollout process does.
+    its shards; each rank its own optimizer state). The evaluations run on rank 0, as the
+    rollout process's do.
     """
-    from dockrl.resume import CHECKPOINT_STAGE, checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint, save_optimizer, weights_path
-    from dockrl.trainer import build_scorer, evaluate, load_run_prompts, resolve_data, resolve_model
-    from dockrl.workers.main import AFTER_TRAINING, BEFORE_TRAINING, serve_iterations
+    from dockrl.evaluate import evaluate
+    from dockrl.rewards.guard import build_scorer
+    from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
@@ -278,27 +281,27 @@ def run_hybrid(cfg: Config, dock, store_address: str, first_wait_s: float | None
             dist.all_gather_object(parts, (lengths, truncated, seconds))
             lengths, truncated, seconds = [n for p in parts for n in p[0]], sum(p[1] for p in parts), max(p[2] for p in parts)
         if rank == 0:
-            dock.report(it, "rollout", rollout_metrics(lengths, truncated, seconds))
+            dock.report(it, Report.ROLLOUT, rollout_metrics(lengths, truncated, seconds))
         before_sync = (lambda: save(checkpoint_dir(cfg.run.output_dir, it + 1))) if checkpoint_due(t, it) else None
         return hybrid.update.run_iteration(update_dock, before_sync=before_sync)
 
     def checkpoint(it: int) -> None:
         if checkpoint_due(t, it) and rank == 0:  # the driver snapshots the dock once this is reported
-            dock.report(it, CHECKPOINT_STAGE, {})
+            dock.report(it, Report.CHECKPOINT, {})
 
     try:
         if t.eval_before and resume is None and rank == 0:  # the driver waits for it on a fresh run only
-            dock.report(BEFORE_TRAINING, "rollout", evaluate(engine, test_prompts, scorer, cfg, "before"))
-        serve_iterations(dock, "actor", step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0,
+            dock.report(0, Report.EVAL_BEFORE, evaluate(engine, test_prompts, scorer, cfg, "before"))
+        serve_iterations(dock, Report.ACTOR, step, timeout_s=cfg.dock.timeout_s, after_report=checkpoint, seed=t.seed, report=rank == 0,
                          first_timeout_s=first_wait_s)
         hybrid.actor.start_training()  # the final weights are saved from where they train
         save(final_dir(cfg.run.output_dir))  # weights and optimizer; the driver completes it
-        after = {}
         if t.eval_after:
             hybrid.actor.sync()  # back to generating; the last collective, so no rank waits through the evaluation
-            after = evaluate(engine, test_prompts, scorer, cfg, "after") if rank == 0 else {}
+            if rank == 0:
+                dock.report(t.iterations, Report.EVAL_AFTER, evaluate(engine, test_prompts, scorer, cfg, "after"))
         if rank == 0:
-            dock.report(AFTER_TRAINING, "rollout", after)
+            dock.report(t.iterations, final_report("hybrid"), {})
     finally:
         scorer.close()
         hybrid.actor.close()

@@ -6,16 +6,26 @@ Only started when ``algorithm.kl_coef > 0``.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from dockrl.dock import TransferDock
+from dockrl.config import Config
 from dockrl.engines.train_protocol import TrainEngine
+from dockrl.protocol import Report, final_report
+from dockrl.workers.serve import serve_iterations
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
 
 
 class ReferenceWorker:
     def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int) -> None:
         self.engine, self.temperature, self.micro_batch = engine, temperature, micro_batch
 
-    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+    @classmethod
+    def from_config(cls, engine: TrainEngine, cfg: Config) -> ReferenceWorker:
+        return cls(engine, temperature=cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch)
+
+    def run_iteration(self, dock: Dock) -> dict[str, float]:
         start = time.perf_counter()
         while claim := dock.claim("reference", ["prompt_ids", "response_ids"], self.micro_batch * 4):
             lps = self.engine.log_probs(
@@ -26,3 +36,14 @@ class ReferenceWorker:
             )
             dock.put(claim.rows, {"ref_log_prob": lps}, ack=claim)
         return {"timing_s/reference": time.perf_counter() - start}
+
+
+def run_reference(cfg: Config, dock: Dock, weight_sync: str = "", first_wait_s: float | None = None) -> None:
+    """The ``reference`` stage process: log-probs under the initial weights every iteration (``REFERENCE``)."""
+    from dockrl.engines.factory import build_reference_engine
+    from dockrl.run_setup import resolve_model
+
+    worker = ReferenceWorker.from_config(build_reference_engine(cfg, resolve_model(cfg)), cfg)
+    serve_iterations(dock, Report.REFERENCE, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
+                     seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
+    dock.report(cfg.trainer.iterations, final_report("reference"), {})

@@ -1,14 +1,23 @@
-"""Reward stage: claim responses, score them, check the rewards, put ``rm_score`` and ``correct``."""
+"""Reward stage: claim responses, score them, check the rewards, put ``rm_score`` and ``correct``.
+
+As a process of its own (``run_reward``) it computes the group advantages too (``AdvantageWorker``).
+"""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from dockrl.config import AlgorithmConfig
-from dockrl.dock import TransferDock
+from dockrl.config import AlgorithmConfig, Config
+from dockrl.protocol import Report, final_report
 from dockrl.rewards import RewardScorer
-from dockrl.rewards.guard import ScorerError, check_rewards
+from dockrl.rewards.guard import ScorerError, build_scorer, check_rewards
+from dockrl.workers.advantage import AdvantageWorker
+from dockrl.workers.serve import serve_iterations
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
 
 BUILT_IN = "the built-in GSM8K verifier"
 
@@ -29,7 +38,7 @@ class RewardWorker:
     def from_config(cls, scorer: RewardScorer, tokenizer, a: AlgorithmConfig) -> RewardWorker:
         return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer)
 
-    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+    def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics.
 
         Raises:
@@ -68,3 +77,25 @@ class RewardWorker:
             "reward/invalid": sum(bad.values()),
             "timing_s/reward": time.perf_counter() - start,
         }
+
+
+def run_reward(cfg: Config, dock: Dock, weight_sync: str = "", first_wait_s: float | None = None) -> None:
+    """The ``reward`` stage process: score and compute the advantages of every iteration (``REWARD``)."""
+    from dockrl.engines.hf import load_tokenizer
+    from dockrl.run_setup import resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
+    scorer = build_scorer(cfg.algorithm)
+    workers = [RewardWorker.from_config(scorer, tokenizer, cfg.algorithm), AdvantageWorker(cfg.algorithm)]
+
+    def step(_: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for worker in workers:
+            metrics |= worker.run_iteration(dock)
+        return metrics
+
+    try:
+        serve_iterations(dock, Report.REWARD, step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
+        dock.report(cfg.trainer.iterations, final_report("reward"), {})
+    finally:
+        scorer.close()

@@ -1,16 +1,25 @@
 """Rollout stage: claim prompts, sample one response per row, put responses and log-probs.
 
 Rows of a group carry the same prompt, so a whole-group claim yields the n samples of GRPO.
+As a process of its own (``run_rollout``) it also evaluates before and after training and
+loads the actor's weights from the weight channel after every update.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from dockrl.config import RolloutConfig
-from dockrl.dock import TransferDock
+from dockrl.config import Config, RolloutConfig
 from dockrl.engines.protocols import RolloutEngine
+from dockrl.protocol import Report, final_report
+from dockrl.workers.serve import serve_iterations
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
+
+ROLLOUT_RANK = 1
+"""The rollout's rank on the weight channel (the actor's is 0)."""
 
 
 def rollout_metrics(lengths: Sequence[int], truncated: int, seconds: float) -> dict[str, float]:
@@ -43,7 +52,7 @@ class RolloutWorker:
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1) -> None:
         self.engine, self.cfg, self.shares = engine, cfg, shares
 
-    def generate_iteration(self, dock: TransferDock) -> tuple[list[int], int, float]:
+    def generate_iteration(self, dock: Dock) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
 
         Returns:
@@ -75,6 +84,53 @@ class RolloutWorker:
             truncated += sum(s.truncated for s in samples)
         return lengths, truncated, time.perf_counter() - start
 
-    def run_iteration(self, dock: TransferDock) -> dict[str, float]:
+    def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Generate for every row of the open iteration; returns ``rollout/*`` metrics (``rollout_metrics``)."""
         return rollout_metrics(*self.generate_iteration(dock))
+
+
+def run_rollout(cfg: Config, dock: Dock, weight_sync: str, first_wait_s: float | None = None) -> None:
+    """The ``rollout`` stage process: evaluate (a fresh run), generate every iteration, then wait
+    for the actor's ``ACTOR`` report, receive its weights on the channel at ``weight_sync`` and
+    report ``WEIGHT_SYNC``; evaluate again after training. The driver opens the first iteration
+    once ``EVAL_BEFORE`` is reported, so ``first_wait_s`` is not needed here."""
+    from dockrl.engines.factory import build_rollout_engine, engine_device, receive_params
+    from dockrl.engines.layer_loader import WholeLayerLoader
+    from dockrl.engines.weight_sync import WeightChannel
+    from dockrl.evaluate import evaluate
+    from dockrl.resume import weights_path
+    from dockrl.rewards.guard import build_scorer
+    from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
+
+    model_path = resolve_model(cfg)
+    train_file, test_file = resolve_data(cfg)
+    engine = build_rollout_engine(cfg, weights_path(cfg, model_path))
+    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
+    scorer = build_scorer(cfg.algorithm)
+    params = receive_params(engine, cfg, model_path)
+    worker = RolloutWorker(engine, cfg.rollout)
+    channel = None
+
+    def sync(it: int) -> None:
+        dock.wait_reports(it, [Report.ACTOR], cfg.dock.timeout_s)  # updated: its weights come next on the channel
+        loader = WholeLayerLoader(engine.load_weights, getattr(engine, "layer_members", None))  # vLLM: whole layers
+        metrics = channel.receive(params, loader)
+        loader.finish()
+        metrics["timing_s/weight_sync"] = metrics["weight_sync/seconds"]
+        dock.report(it, Report.WEIGHT_SYNC, metrics)
+
+    t = cfg.trainer
+    try:
+        # joined before the evaluation: the actor, started at the same time, waits for it meanwhile
+        channel = WeightChannel(weight_sync, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))
+        if t.eval_before and not cfg.run.resume:  # the driver opens the first iteration once this is reported
+            dock.report(0, Report.EVAL_BEFORE, evaluate(engine, test_prompts, scorer, cfg, "before"))
+        serve_iterations(dock, Report.ROLLOUT, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
+                         after_report=sync, seed=t.seed)
+        if t.eval_after:
+            dock.report(t.iterations, Report.EVAL_AFTER, evaluate(engine, test_prompts, scorer, cfg, "after"))
+        dock.report(t.iterations, final_report("rollout"), {})
+    finally:
+        scorer.close()
+        if channel is not None:
+            channel.close()

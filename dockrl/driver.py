@@ -1,0 +1,256 @@
+"""The GRPO driver: the one iteration loop of every run, over the stages wherever they run.
+
+    dockrl train [--config FILE] [section.field=value ...]
+
+The driver never moves payload between stages: it opens an iteration, puts its prompt rows into
+the dock, and each stage claims what it needs and puts its columns back. How the stages run is
+a ``StageRunner``, chosen by ``dock.mode``; nothing else differs:
+
+* ``inprocess``: ``InProcessStages`` (below), every stage in this process, one after the other;
+* ``distributed``: ``ProcessStages`` (``dockrl/launch/distributed.py``), every stage its own
+  process (local or a pod, ``start_processes``), reporting through the dock (``dockrl.protocol.Report``).
+
+One run, top to bottom (``train`` → ``drive``): plan it (model, data, prompts, resume point,
+``dockrl.run_setup``), start the stages, evaluate before training, then per iteration open it
+with its prompts, collect the stages' metrics (the weight sync's included), close it, log it and
+write a checkpoint when due; then the final checkpoint, the evaluation after training and the
+summary. Checkpoints and resuming: ``dockrl/resume.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
+
+from dockrl.config import Config
+from dockrl.data import Prompt
+from dockrl.lifeline import sigterm_as_exit
+from dockrl.metrics import MetricsWriter, Progress, plot_metrics
+from dockrl.resume import (
+    checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, prepare_checkpoint, save_optimizer, seed_iteration,
+    write_driver_state, write_final_state,
+)
+from dockrl.run_lock import RunLock
+from dockrl.run_setup import RunPlan, plan_run, prompt_batches
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
+
+logger = logging.getLogger(__name__)
+
+OnIteration = Callable[[int, dict[str, float]], None]
+
+
+class StageRunner(Protocol):
+    """Where the stages of a run execute; the driver's loop (``drive``) is the same over any.
+
+    ``dock`` is the run's dock; the driver opens, fills, snapshots and closes its iterations.
+    ``run`` is the run's name (the warehouse objects' root, ``dock_snapshot_uri``).
+    """
+
+    dock: Dock
+    run: str
+
+    def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
+        """Greedy test accuracy as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
+        ...
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        """Every stage's metrics of the open ``iteration`` (the weight sync's too), once all are done."""
+        ...
+
+    def save_checkpoint(self, iteration: int, folder: Path) -> None:
+        """Once ``folder`` holds the actor's weights and optimizer after ``iteration``."""
+        ...
+
+    def finish(self) -> None:
+        """No iteration follows: return once every stage ended and ``checkpoints/final`` holds weights and optimizer."""
+        ...
+
+    def close(self) -> None:
+        """Stop every stage and free what they hold (also after an error)."""
+        ...
+
+
+def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: object | None = None) -> dict[str, float]:
+    """Run GRPO as configured; returns the run summary (accuracies, seconds).
+
+    ``on_iteration(i, metrics)`` is called once each iteration's metrics are written.
+    ``run.resume`` continues from a checkpoint: weights, optimizer, dock and the next iteration
+    come from it; ``metrics.jsonl`` keeps the iterations before it. ``backend`` (a
+    ``dockrl.launch.backend.WorkerBackend``) is where ``dock.mode=distributed`` starts the stage
+    processes; default local processes.
+
+    Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
+    ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format) and, distributed, ``logs/``.
+    Nothing of the run folder is written before the run is accepted, and the folder is locked
+    for the run's lifetime (``dockrl.run_lock``).
+
+    Raises:
+        RunLockedError: another live run holds ``run.output_dir``.
+        ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
+        WorkerFailed: a stage process died (distributed; its log tail in the message).
+    """
+    with RunLock(cfg.run.output_dir), sigterm_as_exit():  # `kill` runs the clean-up below (verifier pool, workers, lock)
+        if cfg.dock.mode == "inprocess" and cfg.dock.shards != 1:
+            logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
+        if cfg.dock.mode == "inprocess" and cfg.dock.warehouse != "memory":
+            logger.warning("dock.warehouse=%r is ignored: dock.mode=inprocess keeps the dock in the driver's memory", cfg.dock.warehouse)
+        plan = plan_run(cfg)
+        if cfg.dock.mode == "distributed":
+            from dockrl.launch.distributed import start_processes
+
+            runner: StageRunner = start_processes(plan, backend)
+        else:
+            runner = InProcessStages(plan)
+        try:
+            summary = drive(plan, runner, on_iteration=on_iteration)
+        finally:
+            runner.close()
+    run_dir = Path(cfg.run.output_dir)
+    plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
+    return summary
+
+
+def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | None = None) -> dict[str, float]:
+    """The iteration loop of a planned run over started stages; returns the run summary.
+
+    A checkpoint after iteration ``k`` (when ``checkpoint_due``): the stages write the actor's
+    weights and optimizer, then the driver opens iteration ``k+1`` with its prompts without
+    announcing it, snapshots the dock and writes its state last; the loop then announces
+    ``k+1`` instead of opening it, as a run resumed from that checkpoint does.
+    """
+    t0 = time.perf_counter()
+    cfg, point, dock = plan.cfg, plan.resume, runner.dock
+    t, n = cfg.trainer, cfg.rollout.n
+    run_dir = Path(cfg.run.output_dir)
+    summary: dict[str, float] = {"eval/test_prompts": len(plan.test_prompts), "data/train_prompts": len(plan.train_prompts)}
+    summary |= point.summary if point else {}
+    batches = list(prompt_batches(plan.train_prompts, t))
+    first, open_now = (point.next_iteration, point.open_iteration) if point else (0, None)
+    if point:
+        if point.dock_uri:  # checkpoints/final has no open iteration to restore
+            dock.restore(point.dock_uri)  # before any stage asks for an iteration
+        logger.info("resuming at iteration %d from %s", first, point.checkpoint)
+    with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
+            Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
+        if t.eval_before and not point:
+            summary |= runner.evaluate("before")
+        for it in range(first, t.iterations):
+            start = time.perf_counter()
+            if open_now == it:  # opened and filled before a checkpoint's snapshot: the stages may start now
+                dock.announce(it)
+            else:
+                open_with_prompts(dock, it, batches[it], n)
+            metrics = runner.run_iteration(it)
+            metrics |= dock.stats()
+            dock.close_iteration()
+            add_iteration_metrics(metrics, time.perf_counter() - start, len(batches[it]) * n)
+            writer.log(it, metrics)
+            progress.update(metrics)
+            if checkpoint_due(t, it):
+                folder = checkpoint_dir(run_dir, it + 1)
+                runner.save_checkpoint(it, folder)
+                open_with_prompts(dock, it + 1, batches[it + 1], n, announce=False)
+                uri = dock_snapshot_uri(cfg, folder, runner.run)
+                dock.snapshot(uri)
+                write_driver_state(folder, cfg, next_iteration=it + 1, dock_uri=uri, open_iteration=it + 1, summary=summary,
+                                   prompts=plan.fingerprint)
+                logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
+                open_now = it + 1
+        runner.finish()
+        write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here
+        if t.eval_after:
+            summary |= runner.evaluate("after")
+        summary["run/seconds"] = time.perf_counter() - t0
+        writer.log_summary(summary)
+    return summary
+
+
+def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, *, announce: bool = True) -> None:
+    """Open ``iteration`` with ``len(picked)·n`` rows; prompt ``i`` fills rows ``[i·n, (i+1)·n)``.
+
+    ``announce=False`` leaves it unannounced to the stages (a checkpoint snapshots it first).
+    """
+    dock.open_iteration(iteration, len(picked) * n, n, announce=announce)
+    dock.put(range(len(picked) * n), {
+        "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
+        "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
+    })
+
+
+def add_iteration_metrics(metrics: dict[str, float], seconds: float, rows: int) -> dict[str, float]:
+    """Add ``timing_s/iteration`` and ``perf/response_tokens_per_s`` (response tokens of all rows per second)."""
+    metrics["timing_s/iteration"] = seconds
+    metrics["perf/response_tokens_per_s"] = metrics["rollout/response_length_mean"] * rows / seconds
+    return metrics
+
+
+class InProcessStages:
+    """Every stage in this process over one in-memory dock, run one after the other each
+    iteration: rollout, reward, advantage, reference (β > 0), actor, then the weight sync
+    (the hybrid actor syncs inside its update)."""
+
+    def __init__(self, plan: RunPlan) -> None:
+        from dockrl.dock import GRPO_SCHEMA, TransferDock
+        from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
+        from dockrl.engines.hf import load_tokenizer
+        from dockrl.resume import load_optimizer
+        from dockrl.rewards.guard import build_scorer
+        from dockrl.workers.actor import ActorWorker
+        from dockrl.workers.advantage import AdvantageWorker
+        from dockrl.workers.reference import ReferenceWorker
+        from dockrl.workers.reward import RewardWorker
+        from dockrl.workers.rollout import RolloutWorker
+
+        cfg = self.cfg = plan.cfg
+        self.plan, self.hybrid, self.run = plan, None, "inprocess"
+        t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+        optimizer = plan.resume.checkpoint if plan.resume else None
+        if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
+            from dockrl.workers.hybrid import build_hybrid_worker
+
+            self.hybrid = build_hybrid_worker(cfg, plan.weights, optimizer_from=optimizer)  # loaded before its first sync
+            self.rollout_engine, self.actor = self.hybrid.actor.rollout_engine, self.hybrid.actor
+            rollout_stage, actor_stage = self.hybrid.generation, self.hybrid.update
+        else:
+            self.rollout_engine, self.actor = build_rollout_engine(cfg, plan.weights), build_train_engine(cfg, plan.weights)
+            rollout_stage, actor_stage = RolloutWorker(self.rollout_engine, r), ActorWorker(self.actor, trainer=t, algo=a, rollout=r)
+            if optimizer:
+                load_optimizer(self.actor, optimizer)
+        self.scorer = build_scorer(a)
+        tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
+        self.workers = [rollout_stage, RewardWorker.from_config(self.scorer, tokenizer, a), AdvantageWorker(a)]
+        if a.kl_coef > 0:
+            self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path), cfg))
+        self.workers.append(actor_stage)
+        self.dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
+
+    def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
+        from dockrl.evaluate import evaluate
+
+        return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag)
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        seed_iteration(self.cfg.trainer.seed, iteration)
+        metrics: dict[str, float] = {}
+        for worker in self.workers:
+            metrics |= worker.run_iteration(self.dock)
+        if self.hybrid is None:
+            start = time.perf_counter()
+            metrics["weight_sync/bytes"] = self.rollout_engine.load_weights(self.actor.named_weights())
+            metrics["timing_s/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    def save_checkpoint(self, iteration: int, folder: Path) -> None:
+        save_optimizer(self.actor, self.actor.save(prepare_checkpoint(folder)))
+
+    def finish(self) -> None:
+        self.save_checkpoint(self.cfg.trainer.iterations - 1, final_dir(self.cfg.run.output_dir))
+
+    def close(self) -> None:
+        self.scorer.close()
+        if self.hybrid is not None:
+            self.hybrid.actor.close()

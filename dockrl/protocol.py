@@ -1,0 +1,89 @@
+"""The run protocol: which stages a run has, what each reports to the driver, and the variables a
+worker backend sets for every process it starts.
+
+A stage reports through the dock (``dock.report(iteration, report, metrics)``; the value of a
+``Report`` is its name on the wire) and the driver waits for the reports it expects
+(``dock.wait_reports``). Every report belongs to a real iteration index: the evaluation before
+training to the first iteration (0, a fresh run), the evaluation after training and the end of
+each stage process's loop to ``trainer.iterations``, the index after the last iteration.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+from dockrl.config import Config
+
+
+class Report(enum.StrEnum):
+    """What a stage tells the driver through the dock."""
+
+    ROLLOUT = "rollout"
+    """An iteration's ``rollout/*`` metrics: every row has its response."""
+    REWARD = "reward"
+    """An iteration's ``reward/*`` metrics (and the advantages')."""
+    REFERENCE = "reference"
+    """An iteration's reference log-probs are written (only when ``algorithm.kl_coef > 0``)."""
+    ACTOR = "actor"
+    """An iteration's update is done (with ``trainer.hybrid`` its weight sync too)."""
+    WEIGHT_SYNC = "weight_sync"
+    """The rollout holds the weights of the iteration's update (a separate rollout process only)."""
+    CHECKPOINT = "checkpoint"
+    """The actor wrote the weights and optimizer of the checkpoint after the iteration."""
+    EVAL_BEFORE = "eval_before"
+    """The greedy evaluation before training (``eval/*_before``), at iteration 0."""
+    EVAL_AFTER = "eval_after"
+    """The greedy evaluation after training (``eval/*_after``), at ``trainer.iterations``."""
+    FINAL = "final"
+    """A stage process ended its loop (the actor: after writing ``checkpoints/final``), at
+    ``trainer.iterations``; on the wire ``final/<process>`` (``final_report``)."""
+
+
+def final_report(process: str) -> str:
+    """The wire name of ``process``'s ``Report.FINAL``: one per stage process."""
+    return f"{Report.FINAL}/{process}"
+
+
+def stage_processes(cfg: Config) -> list[str]:
+    """The stage processes of a run (``dockrl worker --stage``), the one that evaluates first:
+    ``hybrid`` (rollout and actor in one, ``trainer.hybrid``) or ``rollout`` … ``actor``;
+    ``reference`` only when ``algorithm.kl_coef > 0``."""
+    reference = ["reference"] if cfg.algorithm.kl_coef > 0 else []
+    if cfg.trainer.hybrid:
+        return ["hybrid", "reward", *reference]
+    return ["rollout", "reward", *reference, "actor"]
+
+
+def iteration_reports(cfg: Config) -> list[Report]:
+    """The reports of each iteration, in the order their metrics are merged."""
+    sync = [] if cfg.trainer.hybrid else [Report.WEIGHT_SYNC]  # the hybrid actor syncs inside its ACTOR report
+    reference = [Report.REFERENCE] if cfg.algorithm.kl_coef > 0 else []
+    return [Report.ROLLOUT, Report.REWARD, *reference, Report.ACTOR, *sync]
+
+
+TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
+"""Environment variable with the dock shards' bearer token."""
+CONFIG_ENV = "DOCKRL_CONFIG_YAML"
+"""Environment variable with the run's fully resolved config (YAML) for ``dockrl worker --config-env``."""
+REPLICA_ENV = "DOCKRL_REPLICA"
+"""Environment variable with a process's index in its worker group (every worker backend sets it)."""
+REPLICAS_ENV = "DOCKRL_REPLICAS"
+"""Environment variable with the number of members of a process's worker group."""
+
+
+def replica() -> tuple[int, int]:
+    """This member's index in its group and the group's size (``REPLICA_ENV``, ``REPLICAS_ENV``;
+    0 and 1 when unset).
+
+    Raises:
+        ValueError: the variables are not integers with 0 <= index < size.
+    """
+    raw = os.environ.get(REPLICA_ENV, "0"), os.environ.get(REPLICAS_ENV, "1")
+    try:
+        index, size = int(raw[0]), int(raw[1])
+    except ValueError:
+        index = size = -1
+    if not 0 <= index < size:
+        raise ValueError(f"{REPLICA_ENV}={raw[0]!r}, {REPLICAS_ENV}={raw[1]!r}: expected integers with 0 <= index < size")
+    return index, size

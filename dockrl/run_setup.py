@@ -1,0 +1,200 @@
+"""Run set-up, shared by the driver and every stage process: the model and data a run uses, its
+prompts and the order they are drawn in, seeding, and the ``RunPlan`` the driver starts from.
+
+Everything here sits below the driver (``dockrl/driver.py``) and the stage workers
+(``dockrl/workers/``): it imports neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence, TypeVar
+
+import torch
+
+from dockrl.config import Config, ConfigError, TrainerConfig, save_config
+from dockrl.data import Prompt, check_chat_template, export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.models import prepare_smollm2
+from dockrl.resume import ResumePoint, find_resume, prompts_fingerprint
+
+logger = logging.getLogger(__name__)
+
+PACKAGED_MODEL = "smollm2-135m"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """What the driver settled before any stage starts (``plan_run``)."""
+
+    cfg: Config
+    """The run's config; with a resume, ``run.resume`` names the checkpoint folder itself (never
+    ``latest``: a newer checkpoint may appear while the stages start)."""
+    model_path: Path
+    """The model folder (``resolve_model``); the stages start from ``weights``."""
+    train_prompts: list[Prompt]
+    test_prompts: list[Prompt]
+    fingerprint: str
+    """``prompts_fingerprint`` of the training prompts: a checkpoint is only resumed with the same."""
+    resume: ResumePoint | None
+    """The checkpoint this run continues from; None for a fresh run."""
+
+    @property
+    def weights(self) -> Path:
+        """Where the actor and rollout load their starting weights: the checkpoint, else the model."""
+        return self.resume.checkpoint if self.resume else self.model_path
+
+
+def plan_run(cfg: Config) -> RunPlan:
+    """Seed, resolve the model and data, load the prompts, find the checkpoint to resume, and only
+    then write ``RUN/config.yaml`` (a refused run leaves the folder as it was).
+
+    Raises:
+        ConfigError: ``model.path``, the data files or ``run.resume`` do not fit (named).
+    """
+    from dockrl.engines.hf import load_tokenizer
+
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    seed_everything(cfg.trainer.seed)
+    model_path = resolve_model(cfg)  # prepared here once, before any stage looks for it
+    train_file, test_file = resolve_data(cfg)
+    train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
+    fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
+    point = find_resume(cfg, fingerprint)
+    if point:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
+    save_config(cfg, Path(cfg.run.output_dir) / "config.yaml")
+    return RunPlan(cfg=cfg, model_path=model_path, train_prompts=train_prompts, test_prompts=test_prompts,
+                   fingerprint=fingerprint, resume=point)
+
+
+def resolve_model(cfg: Config) -> Path:
+    """The model directory: the packaged SmolLM2 export (prepared once) or ``model.path``.
+
+    Raises:
+        ConfigError: ``model.path`` is not a local HF model folder (no ``config.json``):
+            nothing is fetched from a hub.
+    """
+    if cfg.model.path == PACKAGED_MODEL:
+        return prepare_smollm2(Path(cfg.run.cache_dir) / "models" / "SmolLM2-135M-Instruct")
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: got {cfg.model.path!r}; expected a local HF model folder with config.json "
+                          f"(or {PACKAGED_MODEL!r} for the packaged SmolLM2-135M-Instruct)")
+    check_model_dir(path, cfg.model.trust_remote_code)
+    return path
+
+
+def check_model_dir(path: Path, trust_remote_code: bool = False) -> None:
+    """Check an HF model folder before any engine loads it: a readable ``config.json`` of an
+    architecture this transformers knows, weights, and safetensors files whose header and size
+    agree (a truncated download fails here, naming the file).
+
+    Raises:
+        ConfigError: naming ``model.path``, the file and what is wrong with it.
+    """
+    import json
+
+    try:
+        doc = json.loads((path / "config.json").read_text())
+        model_type = doc.get("model_type") if isinstance(doc, dict) else None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {path / 'config.json'} is not readable JSON ({e})") from None
+    if not trust_remote_code:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"model.path: {path / 'config.json'} has model_type={model_type!r}, an architecture this "
+                              "transformers does not know; use a Llama/Qwen2-architecture model (or model.trust_remote_code=true "
+                              "for a folder that ships its own code)")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards and not any(path.glob("*.bin")) and not any(path.glob("*.pt")):
+        raise ConfigError(f"model.path: {path} has config.json but no weights (*.safetensors or *.bin); "
+                          "copy the whole model folder (save_pretrained writes both)")
+    from safetensors import safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise ConfigError(f"model.path: {shard} is not a readable safetensors file ({e}); "
+                              "it may be truncated: copy or download it again") from None
+
+
+def resolve_data(cfg: Config) -> tuple[Path, Path]:
+    """Train and test files: the configured ones, or seeded generated problems (held-out test)."""
+    d = cfg.data
+    key = f"arith-s{cfg.trainer.seed}-steps{d.min_steps}-{d.max_steps}-max{d.max_number}"
+    folder = Path(cfg.run.cache_dir) / "data" / key
+    train, test = Path(d.train_path) if d.train_path else None, Path(d.test_path) if d.test_path else None
+    gen = dict(min_steps=d.min_steps, max_steps=d.max_steps, max_number=d.max_number)
+    if d.test_path == "champ":
+        test = Path(cfg.run.cache_dir) / "data" / "champ.jsonl"
+        if not test.is_file():
+            export_champ(test)
+    if test is None:
+        test = folder / f"test-{d.generate_test}.jsonl"
+        if not test.is_file():
+            write_jsonl(generate_problems(d.generate_test, seed=1_000_003 + cfg.trainer.seed, **gen), test)
+    if train is None:
+        train = folder / f"train-{d.generate_train}.jsonl"
+        if not train.is_file():
+            held_out = {row["question"] for row in generate_problems(d.generate_test, seed=1_000_003 + cfg.trainer.seed, **gen)}
+            rows = [r for r in generate_problems(d.generate_train, seed=cfg.trainer.seed, **gen) if r["question"] not in held_out]
+            write_jsonl(rows, train)
+    return train, test
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's and torch's global generators (every process, once at its start)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
+    """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
+    check_chat_template(tokenizer, cfg.data.chat_template, cfg.model.path)  # names model.path, not a data file
+    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+                chat_template=cfg.data.chat_template, model=cfg.model.path)
+    out = []
+    for field, path in (("data.train_path", train_file), ("data.test_path", test_file)):
+        try:
+            prompts, report = load_prompts(path, tokenizer, **load)
+        except (FileNotFoundError, ValueError) as e:  # a user's file: name the setting it came from
+            raise ConfigError(f"{field}: {e}") from None
+        logger.info("data %s: %d prompts (%d lines dropped, %d repeat a question)", field, report.kept, len(report.bad),
+                    report.duplicates)
+        out.append(prompts)
+    train_prompts, test_prompts = out
+    if cfg.data.eval_size:
+        test_prompts = test_prompts[: cfg.data.eval_size]
+    return train_prompts, test_prompts
+
+
+def prompt_batches(prompts: Sequence[T], t: TrainerConfig) -> Iterator[list[T]]:
+    """The ``trainer.global_batch`` prompts of each iteration, seeded by ``trainer.seed``.
+
+    Epochs follow each other as fresh seeded permutations of all prompts, so every prompt is
+    used once per epoch; a batch that crosses the end of an epoch continues into the next.
+    Deterministic: a resumed run regenerates the same batches (its position is the iteration).
+    """
+    rng = random.Random(t.seed)
+    epoch: list[int] = []
+    pos = 0
+    for _ in range(t.iterations):
+        picked: list[int] = []
+        while len(picked) < t.global_batch:
+            if pos == len(epoch):  # next epoch over the prompts
+                epoch = list(range(len(prompts)))
+                rng.shuffle(epoch)
+                pos = 0
+            take = min(t.global_batch - len(picked), len(epoch) - pos)
+            picked += epoch[pos:pos + take]
+            pos += take
+        yield [prompts[i] for i in picked]
