@@ -37,6 +37,7 @@ from dockrl.run_setup import RunPlan, plan_run, prompt_batches
 
 if TYPE_CHECKING:
     from dockrl.dock.api import Dock
+    from dockrl.launch.backend import WorkerBackend
 
 logger = logging.getLogger(__name__)
 
@@ -55,33 +56,27 @@ class StageRunner(Protocol):
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
         """Greedy test accuracy as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
-        ...
 
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """Every stage's metrics of the open ``iteration`` (the weight sync's too), once all are done."""
-        ...
 
     def save_checkpoint(self, iteration: int, folder: Path) -> None:
         """Once ``folder`` holds the actor's weights and optimizer after ``iteration``."""
-        ...
 
     def finish(self) -> None:
         """No iteration follows: return once every stage ended and ``checkpoints/final`` holds weights and optimizer."""
-        ...
 
     def close(self) -> None:
         """Stop every stage and free what they hold (also after an error)."""
-        ...
 
 
-def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: object | None = None) -> dict[str, float]:
+def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: WorkerBackend | None = None) -> dict[str, float]:
     """Run GRPO as configured; returns the run summary (accuracies, seconds).
 
     ``on_iteration(i, metrics)`` is called once each iteration's metrics are written.
     ``run.resume`` continues from a checkpoint: weights, optimizer, dock and the next iteration
-    come from it; ``metrics.jsonl`` keeps the iterations before it. ``backend`` (a
-    ``dockrl.launch.backend.WorkerBackend``) is where ``dock.mode=distributed`` starts the stage
-    processes; default local processes.
+    come from it; ``metrics.jsonl`` keeps the iterations before it. ``backend`` is where
+    ``dock.mode=distributed`` starts the stage processes (default: local processes).
 
     Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
     ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format) and, distributed, ``logs/``.
@@ -147,7 +142,9 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             metrics = runner.run_iteration(it)
             metrics |= dock.stats()
             dock.close_iteration()
-            add_iteration_metrics(metrics, time.perf_counter() - start, len(batches[it]) * n)
+            seconds = time.perf_counter() - start  # perf: response tokens of all rows per second
+            metrics |= {"timing_s/iteration": seconds,
+                        "perf/response_tokens_per_s": metrics["rollout/response_length_mean"] * len(batches[it]) * n / seconds}
             writer.log(it, metrics)
             progress.update(metrics)
             if checkpoint_due(t, it):
@@ -181,13 +178,6 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
     })
 
 
-def add_iteration_metrics(metrics: dict[str, float], seconds: float, rows: int) -> dict[str, float]:
-    """Add ``timing_s/iteration`` and ``perf/response_tokens_per_s`` (response tokens of all rows per second)."""
-    metrics["timing_s/iteration"] = seconds
-    metrics["perf/response_tokens_per_s"] = metrics["rollout/response_length_mean"] * rows / seconds
-    return metrics
-
-
 class InProcessStages:
     """Every stage in this process over one in-memory dock, run one after the other each
     iteration: rollout, reward, advantage, reference (β > 0), actor, then the weight sync
@@ -197,7 +187,7 @@ class InProcessStages:
         from dockrl.dock import GRPO_SCHEMA, TransferDock
         from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
         from dockrl.engines.hf import load_tokenizer
-        from dockrl.resume import load_optimizer
+        from dockrl.resume import load_optimizer, weights_path
         from dockrl.rewards.guard import build_scorer
         from dockrl.workers.actor import ActorWorker
         from dockrl.workers.advantage import AdvantageWorker
@@ -208,15 +198,15 @@ class InProcessStages:
         cfg = self.cfg = plan.cfg
         self.plan, self.hybrid, self.run = plan, None, "inprocess"
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
-        optimizer = plan.resume.checkpoint if plan.resume else None
+        optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
             from dockrl.workers.hybrid import build_hybrid_worker
 
-            self.hybrid = build_hybrid_worker(cfg, plan.weights, optimizer_from=optimizer)  # loaded before its first sync
+            self.hybrid = build_hybrid_worker(cfg, weights, optimizer_from=optimizer)  # loaded before its first sync
             self.rollout_engine, self.actor = self.hybrid.actor.rollout_engine, self.hybrid.actor
             rollout_stage, actor_stage = self.hybrid.generation, self.hybrid.update
         else:
-            self.rollout_engine, self.actor = build_rollout_engine(cfg, plan.weights), build_train_engine(cfg, plan.weights)
+            self.rollout_engine, self.actor = build_rollout_engine(cfg, weights), build_train_engine(cfg, weights)
             rollout_stage, actor_stage = RolloutWorker(self.rollout_engine, r), ActorWorker(self.actor, trainer=t, algo=a, rollout=r)
             if optimizer:
                 load_optimizer(self.actor, optimizer)

@@ -207,6 +207,40 @@ def _flight_options(token: str | None, timeout: float):
     return flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())] if token else [], timeout=timeout)
 
 
+def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: float, *, check: Callable[[], None] | None = None) -> None:
+    """Block until every dock shard answers; ``check()`` (a worker backend's: raises when a
+    process died) runs between tries.
+
+    A readiness probe (as a kubelet's): a shard listens only once its process has imported
+    pyarrow, and gRPC offers no readiness event through pyarrow, so it asks every 0.1 s on a
+    fresh connection (a failed channel would otherwise back off for seconds).
+
+    Raises:
+        DockTimeoutError: shards that did not answer within ``timeout_s`` (named).
+        pyarrow.flight.FlightError: a shard answered with an error (a wrong token).
+    """
+    import pyarrow.flight as flight
+
+    from dockrl.dock.errors import DockTimeoutError
+
+    options, deadline = _flight_options(token, 2.0), time.monotonic() + timeout_s
+    for location in locations:
+        while True:
+            if check is not None:
+                check()
+            client = flight.connect(location)
+            try:
+                list(client.list_actions(options))
+                break
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError):
+                if time.monotonic() > deadline:
+                    raise DockTimeoutError(f"dock shard at {location} did not answer within {timeout_s:.0f} s: its process "
+                                           "or pod did not start, or the run was torn down") from None
+                time.sleep(0.1)
+            finally:
+                client.close()
+
+
 def shard_lease_quiet(location: str, token: str | None, rpc_timeout_s: float = 5.0) -> Callable[[], float]:
     """``lease_quiet`` for ``watch_driver``: asks the shard at ``location`` (``driver_quiet``)
     how many seconds ago the driver last renewed its lease. The returned function raises a

@@ -1,5 +1,6 @@
-"""The run protocol: which stages a run has, what each reports to the driver, and the variables a
-worker backend sets for every process it starts.
+"""The run protocol: which stages a run has, what each reports to the driver, the loop a stage
+process serves the driver's iterations with, and the variables a worker backend sets for every
+process it starts.
 
 A stage reports through the dock (``dock.report(iteration, report, metrics)``; the value of a
 ``Report`` is its name on the wire) and the driver waits for the reports it expects
@@ -11,37 +12,35 @@ each stage process's loop to ``trainer.iterations``, the index after the last it
 from __future__ import annotations
 
 import enum
+import logging
 import os
+from typing import TYPE_CHECKING, Callable
 
 from dockrl.config import Config
+from dockrl.resume import seed_iteration
+
+if TYPE_CHECKING:
+    from dockrl.dock.api import Dock
+
+logger = logging.getLogger(__name__)
 
 
 class Report(enum.StrEnum):
     """What a stage tells the driver through the dock."""
 
-    ROLLOUT = "rollout"
-    """An iteration's ``rollout/*`` metrics: every row has its response."""
-    REWARD = "reward"
-    """An iteration's ``reward/*`` metrics (and the advantages')."""
-    REFERENCE = "reference"
-    """An iteration's reference log-probs are written (only when ``algorithm.kl_coef > 0``)."""
-    ACTOR = "actor"
-    """An iteration's update is done (with ``trainer.hybrid`` its weight sync too)."""
-    WEIGHT_SYNC = "weight_sync"
-    """The rollout holds the weights of the iteration's update (a separate rollout process only)."""
-    CHECKPOINT = "checkpoint"
-    """The actor wrote the weights and optimizer of the checkpoint after the iteration."""
-    EVAL_BEFORE = "eval_before"
-    """The greedy evaluation before training (``eval/*_before``), at iteration 0."""
-    EVAL_AFTER = "eval_after"
-    """The greedy evaluation after training (``eval/*_after``), at ``trainer.iterations``."""
-    FINAL = "final"
-    """A stage process ended its loop (the actor: after writing ``checkpoints/final``), at
-    ``trainer.iterations``; on the wire ``final/<process>`` (``final_report``)."""
+    ROLLOUT = "rollout"  # an iteration's rollout/* metrics: every row has its response
+    REWARD = "reward"  # an iteration's reward/* metrics (and the advantages')
+    REFERENCE = "reference"  # an iteration's reference log-probs are written (algorithm.kl_coef > 0)
+    ACTOR = "actor"  # an iteration's update is done (with trainer.hybrid its weight sync too)
+    WEIGHT_SYNC = "weight_sync"  # the rollout holds the weights of the iteration's update (a separate rollout only)
+    CHECKPOINT = "checkpoint"  # the actor wrote the weights and optimizer of the checkpoint after the iteration
+    EVAL_BEFORE = "eval_before"  # the greedy evaluation before training (eval/*_before), at iteration 0
+    EVAL_AFTER = "eval_after"  # the greedy evaluation after training (eval/*_after), at trainer.iterations
+    FINAL = "final"  # a stage process ended its loop (the actor wrote checkpoints/final), at trainer.iterations
 
 
 def final_report(process: str) -> str:
-    """The wire name of ``process``'s ``Report.FINAL``: one per stage process."""
+    """The wire name of ``process``'s ``Report.FINAL``, one per stage process: ``final/<process>``."""
     return f"{Report.FINAL}/{process}"
 
 
@@ -60,6 +59,38 @@ def iteration_reports(cfg: Config) -> list[Report]:
     sync = [] if cfg.trainer.hybrid else [Report.WEIGHT_SYNC]  # the hybrid actor syncs inside its ACTOR report
     reference = [Report.REFERENCE] if cfg.algorithm.kl_coef > 0 else []
     return [Report.ROLLOUT, Report.REWARD, *reference, Report.ACTOR, *sync]
+
+
+def serve_iterations(
+    dock: Dock, stage: Report, step: Callable[[int], dict[str, float]], *, timeout_s: float,
+    after_report: Callable[[int], None] | None = None, seed: int | None = None, report: bool = True,
+    first_timeout_s: float | None = None,
+) -> int:
+    """Run ``step(iteration)`` for every iteration the driver opens and report its metrics.
+
+    ``after_report(iteration)`` runs after the report (weight sync, checkpoints). With ``seed``
+    the generators are reseeded from ``(seed, iteration)`` before each step. With ``report``
+    false the metrics are dropped (ranks other than the first of a multi-rank stage). Returns
+    the number of iterations served once the driver called ``finish()``. ``first_timeout_s``
+    (default ``timeout_s``) bounds the wait for the first iteration: every stage starts at
+    once, and the first opens only after the rollout's evaluation (``--first-wait-s``).
+
+    Raises:
+        DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one.
+    """
+    last, served = -1, 0  # -1: before the first iteration
+    while (it := dock.wait_iteration(last, first_timeout_s if served == 0 and first_timeout_s else timeout_s)) is not None:
+        logger.info("%s: iteration %d", stage, it)
+        if seed is not None:
+            seed_iteration(seed, it)
+        metrics = step(it)
+        if report:
+            dock.report(it, stage, metrics)
+        if after_report is not None:
+            after_report(it)
+        last, served = it, served + 1
+    logger.info("%s: finished after %d iterations", stage, served)
+    return served
 
 
 TOKEN_ENV = "DOCKRL_DOCK_TOKEN"

@@ -35,18 +35,13 @@ class RunPlan:
     """The run's config; with a resume, ``run.resume`` names the checkpoint folder itself (never
     ``latest``: a newer checkpoint may appear while the stages start)."""
     model_path: Path
-    """The model folder (``resolve_model``); the stages start from ``weights``."""
+    """The model folder (``resolve_model``); the stages start from ``resume.weights_path``."""
     train_prompts: list[Prompt]
     test_prompts: list[Prompt]
     fingerprint: str
     """``prompts_fingerprint`` of the training prompts: a checkpoint is only resumed with the same."""
     resume: ResumePoint | None
     """The checkpoint this run continues from; None for a fresh run."""
-
-    @property
-    def weights(self) -> Path:
-        """Where the actor and rollout load their starting weights: the checkpoint, else the model."""
-        return self.resume.checkpoint if self.resume else self.model_path
 
 
 def plan_run(cfg: Config) -> RunPlan:

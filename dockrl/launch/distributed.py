@@ -47,7 +47,7 @@ from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
-from dockrl.lifeline import DriverLease
+from dockrl.lifeline import DriverLease, wait_for_shards
 from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, final_report, iteration_reports, stage_processes
 from dockrl.run_setup import RunPlan
 
@@ -140,34 +140,6 @@ def worker_groups(
     ]
 
 
-def wait_for_shards(locations: Sequence[str], token: str, backend: WorkerBackend, timeout_s: float) -> None:
-    """Block until every shard answers; fail at once if a shard process died.
-
-    A readiness probe (as a kubelet's): the shard listens only once its process has imported
-    pyarrow, and gRPC offers no readiness event through pyarrow, so it asks every 0.1 s on a
-    fresh connection (a failed channel would otherwise back off for seconds).
-
-    Raises:
-        WorkerFailed: a shard process exited.
-        TimeoutError: a shard did not answer within ``timeout_s``.
-    """
-    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())], timeout=2.0)
-    deadline = time.monotonic() + timeout_s
-    for location in locations:
-        while True:
-            backend.check()
-            client = flight.connect(location)
-            try:
-                list(client.list_actions(options))
-                break
-            except (flight.FlightUnavailableError, flight.FlightTimedOutError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"dock shard at {location} did not answer within {timeout_s:.0f} s") from None
-                time.sleep(0.1)
-            finally:
-                client.close()
-
-
 def wait_reports(
     dock: Dock, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, logs: str | Path,
 ) -> dict[str, dict[str, float]]:
@@ -250,7 +222,7 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
         backend.start(groups)
         lease = DriverLease(locations, token, cfg.run.driver_timeout_s)  # from now on: shards still starting count too
         backend.wait_ready(backend.start_timeout_s)
-        wait_for_shards(locations, token, backend, timeout_s=backend.start_timeout_s)
+        wait_for_shards(locations, token, backend.start_timeout_s, check=backend.check)
         # a shard that stops answering fails the run within dock.timeout_s (at most a minute), not later
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
                           lease_s=cfg.dock.lease_s, owner=f"{backend.run_id}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))

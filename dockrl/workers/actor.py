@@ -19,9 +19,8 @@ import torch
 from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.engines.train_protocol import TrainEngine
-from dockrl.protocol import Report, final_report
+from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
-from dockrl.workers.serve import serve_iterations
 
 if TYPE_CHECKING:
     from dockrl.dock.api import Dock

@@ -38,11 +38,10 @@ import torch.distributed as dist
 from dockrl.config import Config
 from dockrl.dock.local import Claim
 from dockrl.engines.hybrid import HybridActor
-from dockrl.protocol import REPLICAS_ENV, Report, final_report, replica
+from dockrl.protocol import REPLICAS_ENV, Report, final_report, replica, serve_iterations
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.rollout import RolloutWorker, rollout_metrics
-from dockrl.workers.serve import serve_iterations
 
 if TYPE_CHECKING:
     from dockrl.dock.api import Dock

@@ -29,7 +29,6 @@ from dockrl.workers.hybrid import run_hybrid
 from dockrl.workers.reference import run_reference
 from dockrl.workers.reward import run_reward
 from dockrl.workers.rollout import run_rollout
-from dockrl.workers.serve import wait_for_dock
 
 PROCESSES = {
     "rollout": run_rollout,  # evaluates before and after training; receives the weights
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from dockrl.dock import GRPO_SCHEMA
     from dockrl.dock.client import DockClient
     from dockrl.dock.warehouse import make_warehouse
-    from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, watch_driver
+    from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, wait_for_shards, watch_driver
     from dockrl.run_setup import seed_everything
 
     if args.config_env:
@@ -79,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(cfg.trainer.seed)
     token = os.environ.get(TOKEN_ENV) or None
     locations = [loc for loc in args.dock.split(",") if loc]
-    wait_for_dock(locations, token, args.first_wait_s or cfg.dock.timeout_s)
+    # a run's groups start at once: a shard's pod may come up after this one
+    wait_for_shards(locations, token, args.first_wait_s or cfg.dock.timeout_s)
     # stop with the driver: at once when it was our parent, else when its lease on the dock goes quiet
     watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], token),
                  timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")

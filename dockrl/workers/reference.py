@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 from dockrl.config import Config
 from dockrl.engines.train_protocol import TrainEngine
-from dockrl.protocol import Report, final_report
-from dockrl.workers.serve import serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations
 
 if TYPE_CHECKING:
     from dockrl.dock.api import Dock

@@ -10,11 +10,10 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from dockrl.config import AlgorithmConfig, Config
-from dockrl.protocol import Report, final_report
+from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.rewards import RewardScorer
 from dockrl.rewards.guard import ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
-from dockrl.workers.serve import serve_iterations
 
 if TYPE_CHECKING:
     from dockrl.dock.api import Dock

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from dockrl.config import Config, RolloutConfig
 from dockrl.engines.protocols import RolloutEngine
-from dockrl.protocol import Report, final_report
-from dockrl.workers.serve import serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations
 
 if TYPE_CHECKING:
     from dockrl.dock.api import Dock

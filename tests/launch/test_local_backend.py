@@ -196,7 +196,8 @@ def test_a_frozen_dock_shard_fails_the_wait_in_its_rpc_timeout_naming_it(tmp_pat
 
     from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
     from dockrl.dock.client import DockClient
-    from dockrl.launch.distributed import wait_for_shards, wait_reports
+    from dockrl.launch.distributed import wait_reports
+    from dockrl.lifeline import wait_for_shards
     from dockrl.launch.local import free_ports
 
     port = free_ports(1)[0]
@@ -204,7 +205,7 @@ def test_a_frozen_dock_shard_fails_the_wait_in_its_rpc_timeout_naming_it(tmp_pat
     backend.start([WorkerGroup(name="dock-shard-0", command=(PY, "-m", "dockrl", "dock-shard", "--port", str(port)))])
     location = f"grpc://127.0.0.1:{port}"
     try:
-        wait_for_shards([location], "", backend, timeout_s=60)
+        wait_for_shards([location], "", 60, check=backend.check)
         dock = DockClient([location], GRPO_SCHEMA, rpc_timeout_s=2.0)
         os.kill(backend._procs[0][2].pid, sig.SIGSTOP)  # its process runs, it answers nothing
         start = time.monotonic()
