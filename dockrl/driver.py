@@ -1,31 +1,28 @@
-"""The GRPO driver: the one iteration loop of every run, over the stages wherever they run.
+"""The GRPO driver: the one iteration loop of every run, wherever its stages run.
 
     dockrl train [--config FILE] [section.field=value ...]
 
 The driver never moves payload between stages: it opens an iteration, puts its prompt rows into
-the dock, and each stage claims what it needs and puts its columns back. How the stages run is
-a ``StageRunner``, chosen by ``dock.mode``; nothing else differs:
-
-* ``inprocess``: ``InProcessStages`` (below), every stage in this process, one after the other;
-* ``distributed``: ``ProcessStages`` (``dockrl/launch/distributed.py``), every stage its own
-  process (local or a pod, ``start_processes``), reporting through the dock (``dockrl.protocol.Report``).
-
-One run, top to bottom (``train`` → ``drive``): plan it (model, data, prompts, resume point,
-``dockrl.run_setup``), start the stages, evaluate before training, then per iteration open it
-with its prompts, collect the stages' metrics (the weight sync's included), close it, log it and
-write a checkpoint when due; then the final checkpoint, the evaluation after training and the
-summary. Checkpoints and resuming: ``dockrl/resume.py``.
+the dock, and each stage claims what it needs and puts its columns back. Where the stages run
+is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcessStages`` (below,
+every stage in this process) or ``ProcessStages`` (``dockrl/launch/distributed.py``, every stage
+a process reporting through the dock). A run (``train`` → ``drive``): plan it
+(``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
+collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``); then the
+final checkpoint, the evaluation after training and the summary.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 from dockrl.config import Config
 from dockrl.data import Prompt
+from dockrl.dock import Dock
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.resume import (
@@ -36,7 +33,6 @@ from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches
 
 if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
     from dockrl.launch.backend import WorkerBackend
 
 logger = logging.getLogger(__name__)
@@ -89,10 +85,6 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         WorkerFailed: a stage process died (distributed; its log tail in the message).
     """
     with RunLock(cfg.run.output_dir), sigterm_as_exit():  # `kill` runs the clean-up below (verifier pool, workers, lock)
-        if cfg.dock.mode == "inprocess" and cfg.dock.shards != 1:
-            logger.warning("dock.shards=%d is ignored: dock.mode=inprocess runs one in-memory dock", cfg.dock.shards)
-        if cfg.dock.mode == "inprocess" and cfg.dock.warehouse != "memory":
-            logger.warning("dock.warehouse=%r is ignored: dock.mode=inprocess keeps the dock in the driver's memory", cfg.dock.warehouse)
         plan = plan_run(cfg)
         if cfg.dock.mode == "distributed":
             from dockrl.launch.distributed import start_processes
@@ -179,12 +171,12 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
 
 
 class InProcessStages:
-    """Every stage in this process over one in-memory dock, run one after the other each
+    """Every stage in this process over the in-process dock (``open_dock``), run one after the other each
     iteration: rollout, reward, advantage, reference (β > 0), actor, then the weight sync
     (the hybrid actor syncs inside its update)."""
 
     def __init__(self, plan: RunPlan) -> None:
-        from dockrl.dock import GRPO_SCHEMA, TransferDock
+        from dockrl.dock import GRPO_SCHEMA, open_dock
         from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
         from dockrl.engines.hf import load_tokenizer
         from dockrl.resume import load_optimizer, weights_path
@@ -196,7 +188,7 @@ class InProcessStages:
         from dockrl.workers.rollout import RolloutWorker
 
         cfg = self.cfg = plan.cfg
-        self.plan, self.hybrid, self.run = plan, None, "inprocess"
+        self.plan, self.hybrid, self.run = plan, None, f"dockrl-{secrets.token_hex(6)}"
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
@@ -216,7 +208,7 @@ class InProcessStages:
         if a.kl_coef > 0:
             self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path), cfg))
         self.workers.append(actor_stage)
-        self.dock = TransferDock(GRPO_SCHEMA, timeout_s=cfg.dock.timeout_s, lease_s=cfg.dock.lease_s)
+        self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
         from dockrl.evaluate import evaluate
@@ -241,6 +233,7 @@ class InProcessStages:
         self.save_checkpoint(self.cfg.trainer.iterations - 1, final_dir(self.cfg.run.output_dir))
 
     def close(self) -> None:
+        self.dock.close()
         self.scorer.close()
         if self.hybrid is not None:
             self.hybrid.actor.close()

@@ -17,10 +17,9 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 from dockrl.config import Config
-from dockrl.resume import seed_iteration
 
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
+if TYPE_CHECKING:  # the worker backends import this module for REPLICA_ENV: no torch, no pyarrow here
+    from dockrl.dock import Dock
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +65,18 @@ def serve_iterations(
     after_report: Callable[[int], None] | None = None, seed: int | None = None, report: bool = True,
     first_timeout_s: float | None = None,
 ) -> int:
-    """Run ``step(iteration)`` for every iteration the driver opens and report its metrics.
-
-    ``after_report(iteration)`` runs after the report (weight sync, checkpoints). With ``seed``
-    the generators are reseeded from ``(seed, iteration)`` before each step. With ``report``
-    false the metrics are dropped (ranks other than the first of a multi-rank stage). Returns
-    the number of iterations served once the driver called ``finish()``. ``first_timeout_s``
-    (default ``timeout_s``) bounds the wait for the first iteration: every stage starts at
-    once, and the first opens only after the rollout's evaluation (``--first-wait-s``).
+    """The loop of a stage process: ``step(iteration)`` for every iteration the driver opens, its
+    metrics reported as ``stage`` (unless ``report`` is false: ranks but the first of a stage),
+    then ``after_report(iteration)`` (weight sync, checkpoints); with ``seed`` the generators are
+    reseeded per iteration. ``first_timeout_s`` (default ``timeout_s``) bounds the wait for the
+    first iteration, which opens after the rollout's evaluation. Returns the iterations served
+    once the driver called ``finish()``.
 
     Raises:
         DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one.
     """
+    from dockrl.resume import seed_iteration
+
     last, served = -1, 0  # -1: before the first iteration
     while (it := dock.wait_iteration(last, first_timeout_s if served == 0 and first_timeout_s else timeout_s)) is not None:
         logger.info("%s: iteration %d", stage, it)

@@ -1,41 +1,19 @@
-"""Checkpoints a run can resume from, and resuming one (``dockrl train ... run.resume=latest``).
+"""Checkpoints a run can resume from, and resuming one (``dockrl train ... run.resume=latest``; docs/resume.md).
 
-A checkpoint is the folder ``RUN/checkpoints/iter_<k:06d>/`` written after iteration ``k-1``
-(every ``trainer.save_every`` iterations) and holds all a run needs to go on at iteration ``k``:
+``RUN/checkpoints/iter_<k:06d>/`` is written after iteration ``k-1`` (every
+``trainer.save_every`` iterations), ``RUN/checkpoints/final/`` after the last one; each holds
+the actor's HF weights, ``optimizer.pt`` (``save_optimizer``), the dock snapshot taken with
+iteration ``k`` open and its prompts put but not yet announced (``dock/``, or the run's S3 store:
+``dock_snapshot_uri``; none in ``final``), and ``driver_state.json``, written last and
+atomically: a folder without it is incomplete and never resumed from (``prepare_checkpoint``
+removes it before a folder is written again). ``run.resume=latest`` takes the complete
+checkpoint that resumes furthest (``find_resume``).
 
-* the actor's weights as an HF checkpoint (``model.safetensors``, config, tokenizer), loadable
-  with ``from_pretrained``; the rollout of the resumed run starts from the same weights;
-* ``optimizer.pt``: the actor optimizer's ``state_dict`` (AdamW moments and step counts, which
-  an HF checkpoint lacks; ``save_optimizer``/``load_optimizer``);
-* the dock snapshot (``dockrl.dock.snapshot``) under ``dock/``, or on S3 when
-  ``dock.warehouse=s3`` (``dock_snapshot_uri``). It is taken with iteration ``k`` already open
-  and its prompts put but not yet announced to the stages, so the snapshot holds the rows of
-  iteration ``k`` exactly as the driver inserted them, before any stage touched them;
-* ``driver_state.json``, written last and atomically: the next iteration ``k``, where the dock
-  snapshot is, the run summary so far (the evaluation before training) and what the checkpoint
-  depends on (seed, global batch, group size, a fingerprint of the training prompts). A folder
-  without it is an incomplete checkpoint and is never resumed from; it is removed first when a
-  folder is written again (``prepare_checkpoint``), so a half-overwritten one is never taken.
-
-``RUN/checkpoints/final/`` is written after the last iteration, with every ``trainer.save_every``
-(0 too), and is a checkpoint like the others with ``k = trainer.iterations`` and no dock snapshot
-(no iteration is open). ``run.resume=latest`` takes the complete checkpoint with the highest
-``k``, so a finished run continues from its final weights, optimizer and data position when
-asked for more iterations (``trainer.iterations`` above its own), and a resume with nothing left
-to run is refused before anything of the run folder changes.
-
-**Where a resumed run goes on.** The data sampler is a pure function of ``(trainer.seed,
-iteration)`` (``dockrl.run_setup.prompt_batches``), so its position is the iteration number.
-Randomness is reseeded at the start of every iteration in every process from ``(trainer.seed,
-iteration)`` (``seed_iteration``), so no RNG state needs to be saved: a resumed iteration draws
-what the uninterrupted run drew. ``metrics.jsonl`` keeps the rows of the iterations before
-``k`` and drops those a killed run wrote after the checkpoint; TensorBoard purges its steps from
-``k`` on (``MetricsWriter(resume_from=k)``). Each iteration index is then logged exactly once,
-and the dock rows of iteration ``k`` are neither lost nor repeated: those the snapshot holds are
-restored, every later one is inserted once by the resumed driver.
-
-Known limit: the vLLM rollout engine seeds its sampler at start, not per iteration, so a run
-resumed with ``rollout.engine=vllm`` does not redraw the samples the interrupted run drew.
+A resumed run goes on where the interrupted one was: the sampler is a pure function of
+``(trainer.seed, iteration)`` (``dockrl.run_setup.prompt_batches``), every process reseeds per
+iteration (``seed_iteration``), ``metrics.jsonl`` keeps the iterations before ``k``
+(``MetricsWriter(resume_from=k)``), and the rows of iteration ``k`` come from the snapshot.
+Known limit: vLLM seeds its sampler at start, not per iteration.
 """
 
 from __future__ import annotations

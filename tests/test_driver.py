@@ -1,7 +1,7 @@
 """The driver's iteration loop over fake stages, for both kinds of stage runner.
 
 ``inprocess``: a fake of ``InProcessStages`` (the stages' metrics are return values);
-``processes``: the real ``ProcessStages`` over an in-memory dock, with fake stages in threads
+``processes``: the real ``ProcessStages`` over an in-process dock, with fake stages in threads
 that serve the iterations and report through the dock as the stage processes do. Both fakes
 claim the prompt rows the driver put, so the metrics show which prompts each iteration saw.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from dockrl.config import load_config
 from dockrl.data import Prompt
-from dockrl.dock import GRPO_SCHEMA, TransferDock
+from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.driver import drive
 from dockrl.launch.distributed import ProcessStages
 from dockrl.protocol import Report, final_report, serve_iterations
@@ -69,7 +69,7 @@ class FakeInProcessStages:
 
     def __init__(self, plan: RunPlan) -> None:
         self.cfg, self.run = plan.cfg, "fake"
-        self.dock = TransferDock(GRPO_SCHEMA, timeout_s=plan.cfg.dock.timeout_s)
+        self.dock = open_dock(plan.cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag):
         return evaluation(tag)
@@ -84,7 +84,7 @@ class FakeInProcessStages:
         write_weights(final_dir(self.cfg.run.output_dir), self.cfg.trainer.iterations - 1)
 
     def close(self):
-        pass
+        self.dock.close()
 
 
 class FakeBackend:
@@ -140,7 +140,7 @@ def fake_stage_threads(cfg, dock, backend: FakeBackend) -> list[threading.Thread
 
 
 def fake_process_stages(plan: RunPlan) -> ProcessStages:
-    dock, backend = TransferDock(GRPO_SCHEMA, timeout_s=plan.cfg.dock.timeout_s), FakeBackend()
+    dock, backend = open_dock(plan.cfg.dock, GRPO_SCHEMA, run=FakeBackend.run_id), FakeBackend()
     threads = fake_stage_threads(plan.cfg, dock, backend)
     for thread in threads:
         thread.start()
@@ -150,6 +150,7 @@ def fake_process_stages(plan: RunPlan) -> ProcessStages:
         for thread in threads:
             thread.join(timeout=10)
         assert not any(thread.is_alive() for thread in threads), "a fake stage thread did not end"
+        dock.close()
 
     return ProcessStages(plan.cfg, dock, backend, test_prompts=len(plan.test_prompts), stop=stop)
 

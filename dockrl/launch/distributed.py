@@ -1,31 +1,17 @@
-"""Distributed mode: every GRPO stage its own process, sharing only the sharded dock.
+"""Distributed mode: every GRPO stage its own process, sharing only the sharded dock (docs/distributed.md).
 
-``ProcessStages`` is the driver's stage runner for ``dock.mode=distributed``
-(``dockrl/driver.py`` runs the same iteration loop over it). It starts the processes through a
-worker backend: a ``LocalBackend`` by default (processes on this machine, logs in
-``RUN/logs/<group>-0.log``), or a ``KubernetesBackend`` (one JobSet per run;
-``launcher.run_training(worker_backend="kubernetes")``). Every group starts at once:
-
-1. ``dock.shards`` dock shards (``dockrl dock-shard``), each a group of its own on a port the
-   backend gives, with a bearer token generated for the run and passed as a secret;
-2. one group per stage process (``dockrl worker``, ``dockrl.protocol.stage_processes``):
-   rollout, reward (with the advantage step), reference (only when ``algorithm.kl_coef > 0``)
-   and actor; rollout, reference and actor hold one device each (``member_devices``). Rollout
-   and actor also meet on the weight channel, a gloo group whose ``TCPStore`` this process
-   hosts. The rollout evaluates first; the others load their models meanwhile and wait for the
-   first iteration (``first_wait_s``). With ``trainer.hybrid`` one ``hybrid`` group plays
-   rollout and actor (no weight channel): ``parallel.tp × pp × dp`` members, one per actor
-   rank, whose gloo group meets at this process's ``TCPStore`` instead.
-
-Every address comes from the backend (``backend.address``, ``backend.launcher_host``) and the
-config travels as YAML in an environment variable (``CONFIG_ENV``), so the same groups run as
-local processes and as pods, which cannot read this process's files. Paths in the config
-(model, data, run folder) must be ones the members see: any path for local processes, the
-shared volume (``backend.shared_dir``) or the image for pods.
-
-The stages' metrics arrive as reports (``dockrl.protocol.Report``), waited for in short
-slices that check the workers in between (``wait_reports``). Every process is torn down in
-``ProcessStages.close``.
+``start_processes`` starts, through a worker backend (``LocalBackend`` by default, logs in
+``RUN/logs/``; or ``KubernetesBackend``, one JobSet per run), every group at once:
+``dock.shards`` dock shards (``dockrl dock-shard``, a bearer token generated for the run and
+passed as a secret) and one group per stage process (``dockrl worker``,
+``dockrl.protocol.stage_processes``). Rollout and actor meet on the weight channel, whose
+``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
+× dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
+(``first_wait_s``). Addresses come from the backend and the config travels as YAML in
+``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
+be ones the members see. ``ProcessStages`` is then the driver's stage runner
+(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.protocol.Report``),
+waited for in short slices that check the workers in between (``wait_reports``).
 """
 
 from __future__ import annotations
@@ -36,13 +22,13 @@ import secrets
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import pyarrow.flight as flight
 import torch.distributed as dist
 
 from dockrl.config import Config, dump_config
-from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
+from dockrl.dock import GRPO_SCHEMA, Dock, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
@@ -50,9 +36,6 @@ from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease, wait_for_shards
 from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, final_report, iteration_reports, stage_processes
 from dockrl.run_setup import RunPlan
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
 
 logger = logging.getLogger(__name__)
 

@@ -12,18 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
+from dockrl.dock import Dock
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
 
 logger = logging.getLogger(__name__)
 ACTOR_RANK = 0

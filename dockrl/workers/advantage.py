@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dockrl.algorithms import grpo_advantages
 from dockrl.config import AlgorithmConfig
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
+from dockrl.dock import Dock
 
 
 class AdvantageWorker:

@@ -30,21 +30,18 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dockrl.config import Config
-from dockrl.dock.local import Claim
+from dockrl.dock import Claim, Dock
 from dockrl.engines.hybrid import HybridActor
 from dockrl.protocol import REPLICAS_ENV, Report, final_report, replica, serve_iterations
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.rollout import RolloutWorker, rollout_metrics
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
 
 logger = logging.getLogger(__name__)
 

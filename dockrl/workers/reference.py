@@ -6,14 +6,11 @@ Only started when ``algorithm.kl_coef > 0``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from dockrl.config import Config
+from dockrl.dock import Dock
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
 
 
 class ReferenceWorker:

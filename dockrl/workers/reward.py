@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from dockrl.config import AlgorithmConfig, Config
+from dockrl.dock import Dock
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.rewards import RewardScorer
 from dockrl.rewards.guard import ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
 
 BUILT_IN = "the built-in GSM8K verifier"
 

@@ -8,14 +8,12 @@ loads the actor's weights from the weight channel after every update.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from dockrl.config import Config, RolloutConfig
+from dockrl.dock import Dock
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.protocol import Report, final_report, serve_iterations
-
-if TYPE_CHECKING:
-    from dockrl.dock.api import Dock
 
 ROLLOUT_RANK = 1
 """The rollout's rank on the weight channel (the actor's is 0)."""
