@@ -191,6 +191,21 @@ def test_ctrl_c_is_one_line_and_exit_130(tiny_model_dir, tmp_path):
     assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {CTRL_C}"
 
 
+OTHER_ROWS = [  # checked by the tests named, which need more than a command line
+    ("run", "a custom scorer that returns NaN for every response", 1,
+     "algorithm.scorer='<scorer>': 8 of 8 rewards of this iteration were bad (nan: 8), more than algorithm.max_bad_reward_frac=0.25",
+     "tests/rewards/test_guard.py"),
+    ("run", "a custom scorer that hangs", 1, "... were bad (timed out: 8) ...", "tests/rewards/test_guard.py"),
+    ("run", "a custom scorer that returns strings, or one reward too few", 1, "... were bad (str: 8) ... / (wrong count (a 3 values result for 4 responses): 8)",
+     "tests/rewards/test_guard.py"),
+    ("run", "a dock shard that stops answering (SIGSTOP)", 1,
+     "iteration <i>: dock shard 0 at grpc://<host:port> did not answer within <s> s while its process runs",
+     "tests/launch/test_local_backend.py"),
+    ("run", "a second run into a folder in use", 2, "run.output_dir: <path> is in use by another dockrl run (pid <pid> on <host>, since <time>)",
+     "tests/test_run_lock.py"),
+]
+
+
 def render(cases: list[Case]) -> str:
     lines = [
         "# Bad inputs and what dockrl says",
