@@ -2,7 +2,7 @@
 
 * ``tasks.py``     prepare the dataset, export the model, evaluate it, tear a run's workers down (short pipeline steps)
 * ``launcher.py``  run a training job for the pipeline's train step and report its metrics
-* ``distributed.py`` the driver of ``dock.mode=distributed``: dock shards and stages as worker groups
+* ``distributed.py`` the stage runner of ``dock.mode=distributed``: dock shards and stages as worker groups
 * ``backend.py``   worker groups, the backend protocol and its names (imports nothing of dockrl)
 * ``local.py``     worker groups as local processes
 * ``jobset.py``    a run's worker groups as one JobSet (rendering: Secret, PodGroup, JobSet)
