@@ -162,7 +162,7 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
     from dockrl.config import load_config
     from dockrl.data import generate_problems
     from dockrl.dock import GRPO_SCHEMA, TransferDock
-    from dockrl.engines.factory import build_rollout_engine, build_train_engine
+    from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks
     from dockrl.resharding import device as devices
     from dockrl.workers.actor import ActorWorker
     from dockrl.workers.advantage import AdvantageWorker
@@ -177,7 +177,8 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
         f"rollout.max_response_length={args.tokens}", f"rollout.batch_size={args.rollout_batch}", "rollout.temperature=1.0",
         "algorithm.kl_coef=0.0", "trainer.lr=1e-6",
     ])
-    rollout_engine, actor = build_rollout_engine(cfg, model_dir), build_train_engine(cfg, model_dir)
+    ranks = process_ranks(cfg, trains=True)
+    rollout_engine, actor = build_rollout_engine(cfg, model_dir, ranks), build_train_engine(cfg, model_dir, ranks)
     tokenizer = rollout_engine.tokenizer
     problems = generate_problems(args.prompts, seed=0)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}], add_generation_prompt=True,

@@ -41,10 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups
-from dockrl.resharding.device import destroy_process_group, empty_cache, init_process_group
+from dockrl.resharding.allgather_swap import AllGatherSwap
+from dockrl.resharding.device import empty_cache
 from dockrl.resharding.host_swap import ParamTrainState
 from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.resharding.ranks import ProcessRanks, join_groups, leave_groups
 from dockrl.resharding.spec import cut, model_spec
 
 MiB = 2**20
@@ -92,14 +93,14 @@ def build_state(args, layout: ParallelLayout, model: ModelShape, rank: int, devi
     return params, optimizer
 
 
-def sync_once(args, layout, model, rank, device, swap: bool) -> dict:
+def sync_once(args, ranks: ProcessRanks, model, swap: bool) -> dict:
     """Build a fresh training state, sync once in the given mode, finish generation; the figures."""
-    params, optimizer = build_state(args, layout, model, rank, device)
+    device = ranks.device
+    params, optimizer = build_state(args, ranks.layout, model, ranks.rank, device)
     state = ParamTrainState(params, optimizer, device=device)
     resident = sum(state.device_bytes().values())
     actor = AllGatherSwap(
-        layout=layout, model=model, rank=rank, state=state, groups=ParallelGroups.create(layout, rank), device=device,
-        bucket_bytes=int(args.bucket_mb * MiB), train_dtype=torch.float32, infer_dtype=getattr(torch, args.infer_dtype),
+        ranks=ranks, model=model, state=state, bucket_bytes=int(args.bucket_mb * MiB), train_dtype=torch.float32, infer_dtype=getattr(torch, args.infer_dtype),
         swap=swap,
     )
     dist.barrier()
@@ -115,13 +116,13 @@ def sync_once(args, layout, model, rank, device, swap: bool) -> dict:
     }
 
 
-def measure(args, layout, model, rank, device) -> list[dict]:
+def measure(args, ranks: ProcessRanks, model) -> list[dict]:
     """Both modes, interleaved ``repeats`` times (so that machine noise hits both alike); one row per mode."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.repeats):
         for swap in (False, True):
-            runs[swap].append(sync_once(args, layout, model, rank, device, swap))
-    full_model = sum(s.numel() for s in model_spec(layout, model)) * torch.empty((), dtype=getattr(torch, args.infer_dtype)).element_size()
+            runs[swap].append(sync_once(args, ranks, model, swap))
+    full_model = sum(s.numel() for s in model_spec(ranks.layout, model)) * torch.empty((), dtype=getattr(torch, args.infer_dtype)).element_size()
     rows = []
     for swap, results in runs.items():
         r = dict(results[-1])
@@ -129,17 +130,13 @@ def measure(args, layout, model, rank, device) -> list[dict]:
         alloc = [x["alloc_peak"] for x in results if x["alloc_peak"] is not None]
         r["alloc_peak"] = max(alloc) if alloc else None
         r["seconds"] = statistics.median(x["seconds"] for x in results)
-        r.update(rank=rank, mode="allgather-swap" if swap else "naive co-residence",
+        r.update(rank=ranks.rank, mode="allgather-swap" if swap else "naive co-residence",
                  target=r["infer"] + r["largest"] + 0.05 * r["resident"], s_per_gb=r["seconds"] / (full_model / 1e9))
         rows.append(r)
     return rows
 
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    device = init_process_group(
-        kind=args.device, rank=rank, world_size=args.nproc, master_addr="127.0.0.1", master_port=port,
-        timeout_s=args.timeout_s, external_store=True,
-    )
     if args.device == "cpu":
         torch.set_num_threads(1)
     shape = ModelShape(
@@ -149,8 +146,9 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     )
     layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.nproc // (args.tp * args.pp), infer_tp=args.infer_tp, device=args.device)
     layout.check_model(shape)
+    ranks = join_groups(layout, rank=rank, store_address=f"127.0.0.1:{port}", timeout_s=args.timeout_s)
     try:
-        rows = measure(args, layout, shape, rank, device)
+        rows = measure(args, ranks, shape)
         gathered = [None] * args.nproc if rank == 0 else None
         dist.gather_object(rows, gathered, dst=0)
         if rank == 0:
@@ -159,7 +157,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
     finally:
-        destroy_process_group()
+        leave_groups()
 
 
 def print_table(args, layout: ParallelLayout, model: ModelShape, rows: list[dict]) -> None:

@@ -2,8 +2,8 @@
 
 Shared by the in-process stages (``dockrl/driver.py``), the stage processes
 (``dockrl/workers/``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
-megatron-core are imported only when chosen. Every engine is placed on this process's device
-(``engine_device``: ``parallel.device`` and the process's local rank).
+megatron-core are imported only when chosen. Every engine is placed on this process's device,
+which its entry point chose once with the process's ranks (``process_ranks``).
 """
 
 from __future__ import annotations
@@ -16,68 +16,76 @@ import torch
 from dockrl.config import Config
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.engines.train_protocol import TrainEngine
-from dockrl.resharding import device as devices
+from dockrl.resharding.ranks import ProcessRanks, join_groups
 
 logger = logging.getLogger(__name__)
 
 
-def engine_device(cfg: Config, local_rank: int = 0) -> torch.device:
-    """This process's device: ``parallel.device`` (resolved from ``auto`` at load) and its local rank
-    (``cuda:i``/``npu:i``; one device per rank process), made current.
+def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int = 1, store_address: str = "") -> ProcessRanks:
+    """This process's ranks, made once by its entry point and passed to every engine and worker.
+
+    Args:
+        trains: the process holds the actor's training engine.
+        replica, replicas: this process's index among the members of its launcher group, and their
+            number (a megatron actor's members are the layout's ranks, one process each).
+        store_address: ``host:port`` of the launcher's ``TCPStore`` where several actor ranks meet.
+
+    A process that trains with ``trainer.engine=megatron`` joins its process groups as rank
+    ``replica`` (``join_groups``); any other process is alone on its device.
 
     Raises:
-        RuntimeError: ``parallel.device`` names an accelerator this process cannot see (the
-            message names the field and the fix).
+        RuntimeError: no device of ``parallel.device`` is visible.
+        ValueError: the launcher started another number of actor members than ``parallel.tp × pp × dp``,
+            or no store for several ranks.
     """
-    return devices.process_device(cfg.parallel.device, local_rank)
+    if trains and cfg.trainer.engine == "megatron":
+        world = cfg.parallel.world_size
+        if replicas != world:
+            raise ValueError(f"megatron actor: {replicas} members started, the layout parallel.tp × pp × dp has {world} ranks")
+        return join_groups(cfg.parallel, rank=replica, store_address=store_address, timeout_s=cfg.dock.timeout_s, megatron=True)
+    return ProcessRanks.alone(cfg.parallel, replica=replica, replicas=replicas)
 
 
-def build_rollout_engine(cfg: Config, model_path: Path, *, rank: int = 0, local_rank: int = 0) -> RolloutEngine:
+def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> RolloutEngine:
     """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``) with ``rollout.dtype`` weights,
-    on this process's device (``engine_device``).
+    on this process's device (``ranks.device``).
 
-    ``rank``: of a rollout engine among several generating side by side (the hybrid actor's
-    ranks); vLLM's sampler is seeded with ``trainer.seed + rank`` so that they draw apart.
+    Several rollout engines generating side by side (the hybrid actor's ranks) seed vLLM's
+    sampler with ``trainer.seed + ranks.rank``, so that they draw apart.
 
     Raises:
         ImportError: ``rollout.engine=vllm`` without vLLM installed (the message says how to install it).
         RuntimeError: no device of ``parallel.device`` is visible.
     """
     r = cfg.rollout
-    device = engine_device(cfg, local_rank)
+    device = ranks.device
     if r.engine == "vllm":
         from dockrl.engines.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + rank,
+        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
                                  device=device)
     from dockrl.engines.hf import HFRolloutEngine
 
     return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
 
 
-def build_reference_engine(cfg: Config, model_path: Path, *, local_rank: int = 0) -> TrainEngine:
+def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> TrainEngine:
     """The frozen reference policy (``HFTrainEngine``, ``trainable=False``) on this process's device."""
     from dockrl.engines.hf import HFTrainEngine
 
     return HFTrainEngine(model_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16,
-                         trust_remote_code=cfg.model.trust_remote_code, device=engine_device(cfg, local_rank))
+                         trust_remote_code=cfg.model.trust_remote_code, device=ranks.device)
 
 
-def init_single_process_group(cfg: Config, local_rank: int = 0) -> torch.device:
-    """The default group of this process alone (``devices.init_single_process_group``: gloo, nccl or
-    hccl by ``parallel.device``), unless one exists; returns this process's device."""
-    return devices.init_single_process_group(cfg.parallel.device, cfg.dock.timeout_s, local_rank)
+def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> TrainEngine:
+    """The trainable actor engine of ``trainer.engine``, on this process's device.
 
-
-def build_train_engine(cfg: Config, model_path: Path, *, local_rank: int = 0) -> TrainEngine:
-    """The trainable actor engine of ``trainer.engine``.
-
-    ``megatron``: a ``MegatronTrainEngine`` with ``parallel.tp``/``pp`` over this process's
-    default process group (a group of one is created when none exists); fp32 without autocast,
-    so ``trainer.autocast_bf16`` is ignored (one warning). Both on this process's device.
+    ``megatron``: a ``MegatronTrainEngine`` sharded by ``ranks`` (``process_ranks(trains=True)``:
+    ``parallel.tp``/``pp``/``dp`` and megatron's groups); fp32 without autocast, so
+    ``trainer.autocast_bf16`` is ignored (one warning).
 
     Raises:
-        RuntimeError: no device of ``parallel.device`` is visible.
+        ValueError: ``megatron`` with ranks that joined no megatron groups.
     """
     t = cfg.trainer
     if t.engine == "megatron":
@@ -85,16 +93,15 @@ def build_train_engine(cfg: Config, model_path: Path, *, local_rank: int = 0) ->
 
         if t.autocast_bf16:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
-        device = init_single_process_group(cfg, local_rank)
         return MegatronTrainEngine(
-            model_path, trainable=True, tp=cfg.parallel.tp, pp=cfg.parallel.pp, lr=t.lr, weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip, seed=t.seed, trust_remote_code=cfg.model.trust_remote_code, device=device,
+            model_path, trainable=True, ranks=ranks, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
         )
     from dockrl.engines.hf import HFTrainEngine
 
     return HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code, device=engine_device(cfg, local_rank),
+        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
     )
 
 

@@ -21,8 +21,8 @@ while training, or a forward/backward or optimizer step while generating, raises
 ``PhaseError`` instead of silently using stale or swapped-out weights. The stage loop is
 ``dockrl/workers/hybrid.py``.
 
-Every step is driven by the layout (``ParallelLayout``) and megatron's TP/PP groups, so a
-TP/PP > 1 group runs the same code on every rank (one process per rank, ``run_hybrid`` in
+Every step is driven by the process's ranks (``ProcessRanks``: the layout and megatron's TP/PP
+groups, made once by ``join_groups``), so a TP/PP > 1 group runs the same code on every rank (one process per rank, ``run_hybrid`` in
 ``dockrl/workers/hybrid.py``); each rank's vLLM holds a full copy (TP' = 1). On CPU host and
 device are the same memory, so the swap moves only the accounting (``reshard/*``).
 """
@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.megatron_state import MegatronTrainState
 from dockrl.resharding import device as devices
-from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups, Phase, PhaseError, SyncReport
-from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.resharding.allgather_swap import AllGatherSwap, Phase, PhaseError, SyncReport
+from dockrl.resharding.layout import ModelShape
+from dockrl.resharding.ranks import ProcessRanks, leave_groups
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +65,14 @@ def sync_metrics(report: SyncReport, loaded_bytes: int) -> dict[str, float]:
 class HybridActor:
     """One rank of the hybrid actor (see the module docstring).
 
-    Builds its ``AllGatherSwap`` from the engine's layout and megatron's TP/PP groups, then runs
-    a first sync, so that vLLM serves exactly the training weights and the actor starts in the
-    generating phase.
+    Builds its ``AllGatherSwap`` from the training engine's ranks (layout, TP/PP groups, device),
+    then runs a first sync, so that vLLM serves exactly the training weights and the actor starts
+    in the generating phase.
 
     Args:
-        train: the trainable megatron engine of this rank.
+        train: the trainable megatron engine of this rank (built with this process's ``ProcessRanks``).
         rollout: this rank's vLLM engine (any engine with ``load_weights``; ``layer_members`` if
             it loads fused layers).
-        infer_tp: rollout tensor-parallel size TP'.
-        dp: training data-parallel size.
-        device: the training/inference device (default: the training engine's ``device``).
         bucket_bytes: bound of one gathered bucket, bytes.
         infer_dtype: dtype of the rollout weights.
 
@@ -83,28 +80,16 @@ class HybridActor:
         LayoutError: the layout breaks a rule or does not fit the model (``ParallelLayout``).
     """
 
-    def __init__(
-        self, train, rollout, *, infer_tp: int = 1, dp: int = 1, device: torch.device | None = None,
-        bucket_bytes: int = 256 << 20, infer_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        from megatron.core import parallel_state as ps
-
-        device = device if device is not None else getattr(train, "device", torch.device("cpu"))
-        self.device = device
+    def __init__(self, train, rollout, *, bucket_bytes: int = 256 << 20, infer_dtype: torch.dtype = torch.float32) -> None:
+        ranks: ProcessRanks = train.ranks
+        self.ranks, self.layout, self.device, self.rank = ranks, ranks.layout, ranks.device, ranks.rank
         self.train, self.rollout = train, rollout
         self._asleep = False
-        self.layout = ParallelLayout(tp=train.tp, pp=train.pp, dp=dp, infer_tp=infer_tp, device=device.type)
         self.model = model = ModelShape.from_model_dir(train.model_path)
         self.layout.check_model(model)
-        self.rank = dist.get_rank()
-        groups = ParallelGroups(
-            tp=ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None,
-            pp=ps.get_pipeline_model_parallel_group() if self.layout.pp > 1 else None,
-        )
-        self.state = MegatronTrainState(train, self.layout, model, device=device)
+        self.state = MegatronTrainState(train, self.layout, model, device=self.device)
         self.swap = AllGatherSwap(
-            layout=self.layout, model=model, rank=self.rank, state=self.state, groups=groups, device=device,
-            bucket_bytes=bucket_bytes, train_dtype=torch.float32, infer_dtype=infer_dtype,
+            ranks=ranks, model=model, state=self.state, bucket_bytes=bucket_bytes, train_dtype=torch.float32, infer_dtype=infer_dtype,
         )
         self.rollout_engine = GuardedRollout(rollout, self.swap)
         self.train_engine = GuardedTrain(train, self.swap)
@@ -169,15 +154,11 @@ class HybridActor:
         return self.train.save(path)
 
     def close(self) -> None:
-        """Shut vLLM down (it destroys this process's default group) and megatron's groups."""
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
+        """Shut vLLM down and leave this process's groups (``leave_groups``)."""
         close = getattr(self.rollout, "close", None)
         if close is not None:
             close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_groups()
 
 
 class GuardedRollout:

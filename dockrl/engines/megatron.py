@@ -1,13 +1,15 @@
-"""Training engine on megatron-core: a GPTModel (Llama/Qwen2) with TP/PP/DP from ``parallel_state``.
+"""Training engine on megatron-core: a GPTModel (Llama/Qwen2) sharded by the process's ranks (TP/PP/DP).
 
 ``MegatronTrainEngine`` implements ``dockrl.engines.train_protocol.TrainEngine`` like
 ``HFTrainEngine``: it loads a local HF checkpoint into its TP/PP shard
 (``megatron_convert.hf_to_megatron``), scores responses with megatron's pipeline schedules,
 steps a torch AdamW on its shard, and hands weights back under HF names.
 
-Every method is a collective over all ranks (``torch.distributed`` must be initialized by the
-caller; collectives time out after the process group's ``timeout``). Ranks of one data-parallel
-replica pass the same rows; the results are the same on all of them.
+Every method is a collective over all ranks. The engine takes its layout, ranks and process
+groups from a ``ProcessRanks`` made by ``dockrl.resharding.ranks.join_groups(megatron=True)``
+(which also builds the megatron state its layers read); collectives time out after the process
+group's ``timeout``. Ranks of one data-parallel replica pass the same rows; the results are the
+same on all of them.
 
 The model is built on the host (``use_cpu_initialization=True``, every fusion off) and moved
 to ``device`` once; each micro-batch goes there in one copy per tensor. On CUDA/NPU megatron
@@ -37,10 +39,10 @@ from dockrl.engines.hf import load_tokenizer, pack_sequences
 from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_param_to_hf
 from dockrl.engines.train_protocol import LossFn
 from dockrl.resharding.cpu_device import cpu_device
+from dockrl.resharding.ranks import ProcessRanks
 
 with warnings.catch_warnings():  # "Apex/Transformer Engine not installed": the local fallbacks are what CPU needs
     warnings.simplefilter("ignore", UserWarning)
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -90,12 +92,15 @@ def transformer_config(arch: GPTArch, *, tp: int, pp: int) -> TransformerConfig:
     )
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets`` and entropy under vocab-parallel logits, over the TP group.
 
     Args:
         logits: ``(B, T, V_r)`` fp32, this rank's vocabulary columns ``[vocab_start, vocab_start + V_r)``.
         targets: ``(B, T)`` global token ids.
+        tp_group: the TP group (``None`` when TP = 1).
 
     Returns:
         ``log_prob (B, T)`` = ``z_t − m − log Σ_v exp(z_v − m)`` (``m`` the global max), whose
@@ -105,8 +110,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, voc
     """
     with torch.no_grad():
         m = logits.max(dim=-1).values
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        if tp_group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - m.unsqueeze(-1)
     sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1))
     local = targets - vocab_start
@@ -135,39 +140,19 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def init_parallel_state(tp: int, pp: int) -> None:
-    """Build megatron's TP/PP/DP groups over the default process group, or check existing ones.
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialized.
-        ValueError: the world size is not a multiple of TP×PP, or existing groups differ.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("MegatronTrainEngine: call torch.distributed.init_process_group first (backend 'gloo' on CPU)")
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"parallel layout: world size {world} is not a multiple of TP×PP = {tp}×{pp}")
-    if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise ValueError(f"parallel layout: megatron groups exist with TP, PP = {have}; asked for {(tp, pp)}")
-        return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-
 class MegatronTrainEngine:
     """The actor (or frozen reference) on megatron-core: fp32 TP/PP shard, torch AdamW.
 
     Args:
         model_path: local HF Llama/Qwen2 directory with safetensors weights.
         trainable: build an optimizer and allow updates (False for the reference).
-        tp, pp: tensor- and pipeline-parallel sizes; data-parallel size is world / (tp·pp).
+        ranks: this process's ranks and megatron's groups (``join_groups(..., megatron=True)``):
+            TP, PP and DP from its layout, the device from it.
         seed: megatron's model-parallel RNG seed (reseeds torch's CPU generator).
-        device: this rank's device (``dockrl.resharding.device.process_device``); the default
-            process group must use its backend.
 
     Raises:
-        ValueError: unsupported architecture or a layout that does not divide the model.
+        ValueError: unsupported architecture, a layout that does not divide the model, or
+            ranks without megatron's groups.
     """
 
     def __init__(
@@ -175,16 +160,17 @@ class MegatronTrainEngine:
         model_path: str | Path,
         *,
         trainable: bool,
-        tp: int = 1,
-        pp: int = 1,
+        ranks: ProcessRanks,
         lr: float = 1e-6,
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
         seed: int = 0,
         trust_remote_code: bool = False,
-        device: torch.device = torch.device("cpu"),
     ) -> None:
-        self.device = torch.device(device)
+        if ranks.model_group is None:
+            raise ValueError("MegatronTrainEngine: ranks without megatron's groups; build them with join_groups(..., megatron=True)")
+        self.ranks, self.device = ranks, ranks.device
+        tp, pp = ranks.layout.tp, ranks.layout.pp
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
         self.model_path = Path(model_path)
@@ -192,18 +178,16 @@ class MegatronTrainEngine:
         self.arch = GPTArch.from_hf(self.hf_config)
         self.arch.check_layout(tp, pp)
         self.tp, self.pp, self.grad_clip = tp, pp, grad_clip
+        self.tp_rank, self.pp_rank, self.dp = ranks.tp_rank, ranks.pp_rank, ranks.layout.dp
         with self._scope():
-            init_parallel_state(tp, pp)
             model_parallel_cuda_manual_seed(seed)
-            self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-            self.dp = ps.get_data_parallel_world_size()
             self.model = GPTModel(
                 transformer_config(self.arch, tp=tp, pp=pp),
                 get_gpt_layer_local_spec(normalization="RMSNorm"),
                 vocab_size=self.arch.padded_vocab(tp),
                 max_sequence_length=self.arch.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(),
+                pre_process=ranks.first_stage,
+                post_process=ranks.last_stage,
                 share_embeddings_and_output_weights=self.arch.tied_embeddings,
                 position_embedding_type="rope",
                 rotary_base=self.arch.rope_theta,
@@ -263,7 +247,7 @@ class MegatronTrainEngine:
         B, T = mb["positions"].shape
         z = logits.gather(1, mb["positions"].unsqueeze(-1).expand(B, T, logits.shape[-1]))
         z = z[..., : self.vocab_local].float() / temperature
-        log_prob, entropy = vocab_parallel_log_probs(z, mb["targets"], vocab_start=self.vocab_start)
+        log_prob, entropy = vocab_parallel_log_probs(z, mb["targets"], vocab_start=self.vocab_start, tp_group=self.ranks.tp_group)
         mask = mb["mask"]
         log_prob, entropy = log_prob * mask, entropy * mask
         one = torch.ones((), dtype=torch.long, device=self.device)
@@ -294,8 +278,8 @@ class MegatronTrainEngine:
                 forward_only=forward_only,
             )
         if self.pp > 1:  # only the last stage computed them
-            box = [reported if ps.is_pipeline_last_stage() else None]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            box = [reported if self.ranks.last_stage else None]
+            dist.broadcast_object_list(box, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
             reported = box[0]
         return list(reported)
 
@@ -336,7 +320,7 @@ class MegatronTrainEngine:
         of the replicas when DP > 1, ``values`` unchanged when DP = 1)."""
         out = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         if self.dp > 1:
-            dist.all_reduce(out, group=ps.get_data_parallel_group())
+            dist.all_reduce(out, group=self.ranks.dp_group)
         return out.tolist()
 
     def _finish_grads(self) -> torch.Tensor:
@@ -345,16 +329,16 @@ class MegatronTrainEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.pp > 1 and self.arch.tied_embeddings and ps.is_rank_in_embedding_group():
+        if self.arch.tied_embeddings and self.ranks.embedding_group is not None:
             # the first stage's embedding and the last stage's output layer are one HF tensor
-            dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+            dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=self.ranks.embedding_group)
         if self.dp > 1:  # the sum: each replica's loss is already normalized by the global mini-batch totals
             for p in params:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                dist.all_reduce(p.grad, group=self.ranks.dp_group)
         # each element once: TP-replicated norms on TP rank 0 only, a tied copy on the first stage only
         sq = sum((p.grad.double().pow(2).sum() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)),
                  torch.zeros((), dtype=torch.float64, device=self.device))
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        dist.all_reduce(sq, group=self.ranks.model_group)
         return sq.sqrt().float()
 
     def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -393,11 +377,11 @@ class MegatronTrainEngine:
             shards = [p.detach()]
             if self.tp > 1 and getattr(p, "tensor_model_parallel", False):
                 shards = [torch.empty_like(p) for _ in range(self.tp)]
-                dist.all_gather(shards, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+                dist.all_gather(shards, p.detach().contiguous(), group=self.ranks.tp_group)
             local += megatron_param_to_hf(name, shards, self.arch, layer_offset=self.layer_offset)
         if self.pp > 1:
             stages: list[Any] = [None] * self.pp
-            dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+            dist.all_gather_object(stages, local, group=self.ranks.pp_group)
             local = [item for stage in stages for item in stage]
         weights = dict(local)
         return [(n, weights[n]) for n in hf_param_names(self.arch)]
@@ -406,7 +390,7 @@ class MegatronTrainEngine:
         """Write an HF checkpoint (safetensors, config, tokenizer) from global rank 0; all ranks return after it."""
         path = Path(path)
         weights = dict(self.named_weights())
-        if dist.get_rank() == 0:
+        if self.ranks.rank == 0:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
             missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)

@@ -41,6 +41,7 @@ from dockrl.resharding import device as devices
 from dockrl.resharding.buckets import Bucket, bucket_checksum, checksum_temp_bytes, copy_to_inference, plan_buckets
 from dockrl.resharding.host_swap import MemoryTracker, TrainState, nbytes
 from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resharding.spec import shard_range
 
 logger = logging.getLogger(__name__)
@@ -57,31 +58,6 @@ class Phase(enum.Enum):
 
 class PhaseError(RuntimeError):
     """A hybrid-actor call came in the wrong phase (order: training → syncing → generating → training)."""
-
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    """This rank's training TP and PP process groups (``None`` where the size is 1)."""
-
-    tp: dist.ProcessGroup | None
-    pp: dist.ProcessGroup | None
-
-    @classmethod
-    def create(cls, layout: ParallelLayout, rank: int) -> ParallelGroups:
-        """Create every TP and PP group; collective: all ranks call it, in the same order.
-
-        Megatron's own groups (``parallel_state.get_tensor_model_parallel_group()``, ...) have
-        the same members and may be passed instead.
-        """
-        found: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None}
-        for kind, size, groups in (("tp", layout.tp, layout.tp_groups()), ("pp", layout.pp, layout.pp_groups())):
-            if size == 1:
-                continue
-            for ranks in groups:
-                group = dist.new_group(ranks)  # group rank = index in sorted ranks = tp/pp rank
-                if rank in ranks:
-                    found[kind] = group
-        return cls(tp=found["tp"], pp=found["pp"])
 
 
 @dataclass(frozen=True)
@@ -169,12 +145,10 @@ class AllGatherSwap:
     """The hybrid actor's weight sync on one rank (see the module docstring).
 
     Args:
-        layout: the parallel layout.
+        ranks: this process's ranks: the layout, its rank, TP and PP groups and device
+            (``dockrl.resharding.ranks.join_groups``).
         model: the sizes of the model it shards (``layout.check_model`` passed).
-        rank: this process's global rank.
         state: the training state of this rank (``host_swap.TrainState``).
-        groups: this rank's TP and PP groups (``ParallelGroups.create``).
-        device: the training/inference device.
         bucket_bytes: bound of one gathered buffer, in bytes.
         train_dtype: dtype of the training shards (fp32 or bf16).
         infer_dtype: dtype of the inference weights; defaults to ``train_dtype``.
@@ -184,22 +158,20 @@ class AllGatherSwap:
     def __init__(
         self,
         *,
-        layout: ParallelLayout,
+        ranks: ProcessRanks,
         model: ModelShape,
-        rank: int,
         state: TrainState,
-        groups: ParallelGroups,
-        device: torch.device,
         bucket_bytes: int,
         train_dtype: torch.dtype,
         infer_dtype: torch.dtype | None = None,
         swap: bool = True,
     ) -> None:
-        self.layout, self.model, self.rank, self.state, self.groups, self.device = layout, model, rank, state, groups, device
+        layout = ranks.layout
+        self.ranks, self.layout, self.model, self.rank, self.state, self.device = ranks, layout, model, ranks.rank, state, ranks.device
         self.train_dtype, self.infer_dtype = train_dtype, infer_dtype or train_dtype
         self.swap = swap
-        self.coords = layout.train_coords(rank)
-        self.infer_tp_rank = layout.infer_coords(rank).tp_rank
+        self.coords = layout.train_coords(self.rank)
+        self.infer_tp_rank = ranks.infer_tp_rank
         self.plan = plan_buckets(layout, model, bucket_bytes, torch.empty((), dtype=train_dtype).element_size())
         self.tracker = MemoryTracker()
         self.phase = Phase.TRAINING
@@ -305,10 +277,10 @@ class AllGatherSwap:
                 mine.narrow(0, e.train_offset, shard.numel()).view(e.train_shape).copy_(shard, non_blocking=True)
         moved = 0
         if pp > 1:
-            dist.broadcast(mine, group=self.groups.pp, group_src=bucket.stage)
+            dist.broadcast(mine, group=self.ranks.pp_group, group_src=bucket.stage)
             moved += 0 if holder else nbytes(mine)
         if tp > 1:
-            _all_gather(gathered, mine, group=self.groups.tp)  # in place: input is this rank's chunk
+            _all_gather(gathered, mine, group=self.ranks.tp_group)  # in place: input is this rank's chunk
             moved += nbytes(gathered) - nbytes(mine)
         infer = torch.zeros(bucket.infer_numel, dtype=self.infer_dtype, device=self.device)
         tracker.alloc("buckets", nbytes(infer))

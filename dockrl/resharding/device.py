@@ -7,10 +7,9 @@
 | npu  | ``npu:i``    | hccl               | ``torch_npu`` (only when an NPU is asked for, or ``auto`` finds it installed) |
 
 Every process that computes holds one device, chosen once: ``process_device(kind, local_rank)``
-(``cuda:i``/``npu:i`` from the local rank; ``set_device`` on it). Every process group is made
-here: ``init_process_group`` (the default group of a multi-rank actor), ``init_single_process_group``
-(a group of one, for megatron's groups when the actor has one rank) and ``channel_group`` (a
-group of its own beside the default one: the actor → rollout weight channel). Device-specific
+(``cuda:i``/``npu:i`` from the local rank; ``set_device`` on it). A process's own groups are made
+by ``dockrl.resharding.ranks.join_groups``; the one group outside any layout, the actor → rollout
+weight channel, by ``channel_group`` here (a group of its own beside the default one). Device-specific
 calls go through torch's device-generic API (``torch.accelerator``, ``torch.get_device_module``),
 not ``if cuda … elif npu`` chains.
 
@@ -22,8 +21,6 @@ installed, else the CPU. Asking for ``cuda``/``npu`` where none is visible is an
 ``torch_npu`` needs the CANN libraries; merely installing it without them breaks ``import torch``
 (docs/design.md §7), so it is imported lazily here and nowhere else.
 
-The process group is initialised from explicit arguments: library code never reads ``RANK`` or
-``WORLD_SIZE`` from the environment; the launcher (or a test) passes them in.
 """
 
 from __future__ import annotations
@@ -214,79 +211,6 @@ def _check_group_args(rank: int, world_size: int, timeout_s: float) -> None:
         raise ValueError(f"timeout_s: got {timeout_s}; expected > 0")
 
 
-def init_process_group(
-    *,
-    kind: str,
-    rank: int,
-    world_size: int,
-    master_addr: str,
-    master_port: int,
-    timeout_s: float,
-    local_rank: int | None = None,
-    external_store: bool = False,
-) -> torch.device:
-    """Join the default process group with the backend of ``kind`` and return this rank's device.
-
-    Args:
-        kind: device kind (``cpu`` → gloo, ``cuda`` → nccl, ``npu`` → hccl).
-        rank, world_size: this process's global rank and the number of processes.
-        master_addr, master_port: TCP rendezvous of rank 0.
-        timeout_s: seconds any collective (and the rendezvous) may wait before failing.
-        local_rank: accelerator index on this node; defaults to ``rank``.
-        external_store: the rendezvous store is already served at ``master_addr:master_port``
-            (by the launcher, or a test holding ``torch.distributed.TCPStore(..., is_master=True)``
-            on a port it bound, so no port can be taken in between); otherwise rank 0 serves it.
-
-    Raises:
-        ValueError: a bad argument (named in the message).
-        RuntimeError: a process group already exists, or the accelerator is not available.
-    """
-    _check_group_args(rank, world_size, timeout_s)
-    if not 0 < master_port < 65536:
-        raise ValueError(f"master_port: got {master_port}; expected 1..65535")
-    if dist.is_initialized():
-        raise RuntimeError("init_process_group: this process already belongs to a process group")
-    device = torch_device(kind, rank if local_rank is None else local_rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_addr, master_port, is_master=rank == 0 and not external_store, timeout=timeout, wait_for_workers=False
-    )
-    _join(kind, device, store, rank, world_size, timeout)
-    return device
-
-
-def _join(kind: str, device: torch.device, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    dist.init_process_group(
-        backend=backend_for(kind),
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if kind == "cuda" else None,  # eager NCCL communicator on this GPU
-    )
-    logger.debug("rank %d/%d joined the %s process group on %s", rank, world_size, backend_for(kind), device)
-
-
-def init_single_process_group(kind: str, timeout_s: float, local_rank: int = 0) -> torch.device:
-    """The default group of this process alone (world size 1) with the backend of ``kind``, unless
-    one exists; returns this process's device.
-
-    The megatron engine builds its TP/PP/DP groups over the default group; with one actor rank
-    that is a group of one. Its store listens on a free loopback port.
-
-    Raises:
-        RuntimeError: the accelerator is not available (``torch_device``).
-    """
-    _check_group_args(0, 1, timeout_s)
-    device = torch_device(kind, local_rank)
-    if dist.is_initialized():
-        return device
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    _join(kind, device, store, 0, 1, timeout)
-    return device
-
-
 def channel_backend(kind: str) -> str:
     """Backend of a weight channel between processes on devices of ``kind``: nccl on CUDA (device
     tensors, GPU to GPU), gloo elsewhere — on ``npu`` over host tensors (torch_npu offers no
@@ -312,12 +236,6 @@ def channel_group(
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-
-
-def destroy_process_group() -> None:
-    """Leave the default process group (no-op when none exists)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def synchronize(device: torch.device) -> None:

@@ -84,8 +84,6 @@ def _engine_step(actor, part: dict, loss_agg: str):
 
 def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     """The hybrid update stage on this rank's dock; the gradient is read before the sync."""
-    from megatron.core import parallel_state as ps
-
     from dockrl.dock import GRPO_SCHEMA, TransferDock
     from dockrl.workers.actor import ActorWorker
     from dockrl.workers.hybrid import UpdateThenSync
@@ -93,7 +91,7 @@ def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     trainer = TrainerConfig(global_batch=2, mini_batch=2, micro_batch=4)
     worker = ActorWorker(actor.train_engine, trainer=trainer, algo=AlgorithmConfig(loss_agg=loss_agg),
                          rollout=RolloutConfig(n=N, temperature=TEMPERATURE), replicas=world)
-    update = UpdateThenSync(actor, worker, dp_group=ps.get_data_parallel_group() if world > 1 else None)
+    update = UpdateThenSync(actor, worker, dp_group=actor.ranks.dp_group)
     dock = TransferDock(GRPO_SCHEMA)
     dock.open_iteration(0, len(batch["prompt_ids"]), N)
     dock.put(range(len(batch["prompt_ids"])), {k: batch[k] for k in ("prompt_ids", "response_ids", "advantages", "rollout_log_prob")})
@@ -116,9 +114,12 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
         from dockrl.engines.hf import HFRolloutEngine
         from dockrl.engines.hybrid import HybridActor
         from dockrl.engines.megatron import MegatronTrainEngine
+        from dockrl.resharding.layout import ParallelLayout
+        from dockrl.resharding.ranks import join_groups
 
-        train = MegatronTrainEngine(model_dir, trainable=True, lr=0.0, grad_clip=0.0)
-        actor = HybridActor(train, HFRolloutEngine(model_dir, dtype="float32"), dp=world)
+        ranks = join_groups(ParallelLayout(dp=world, device="cpu"), rank=rank, timeout_s=120, megatron=True)
+        train = MegatronTrainEngine(model_dir, trainable=True, ranks=ranks, lr=0.0, grad_clip=0.0)
+        actor = HybridActor(train, HFRolloutEngine(model_dir, dtype="float32"))
         rows = range(len(batch["prompt_ids"])) if world == 1 else range(rank * N, (rank + 1) * N)
         part = {k: [v[i] for i in rows] for k, v in batch.items() if k != "rollout_log_prob"}
         result = {}
@@ -127,10 +128,9 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
             result[("hybrid", mode)] = _hybrid_step(actor, batch, rank, world, mode)
         torch.save(result, Path(out) / f"world{world}-rank{rank}.pt")
     finally:
-        from megatron.core import parallel_state
+        from dockrl.resharding.ranks import leave_groups
 
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        leave_groups()
 
 
 @pytest.fixture(scope="module")

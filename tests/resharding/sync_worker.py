@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups
+from dockrl.resharding.allgather_swap import AllGatherSwap
 from dockrl.resharding.buckets import bucket_checksum
-from dockrl.resharding.device import destroy_process_group, init_process_group
 from dockrl.resharding.host_swap import ParamTrainState
 from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.resharding.ranks import join_groups, leave_groups
 from dockrl.resharding.spec import model_spec, shard_state_dict
 
 LR, MOMENTUM = 2.0**-4, 0.5
@@ -47,7 +47,7 @@ def dyadic_grads(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Te
     return {n: torch.randint(-8, 9, full[n].shape, generator=g).float() / 16 for n in sorted(full)}
 
 
-def run_job(rank: int, world_size: int, job: dict) -> dict:
+def run_job(rank: int, world_size: int, port: int, job: dict) -> dict:
     model_dir = Path(job["model_dir"])
     full = load_file(str(model_dir / "model.safetensors"))
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
@@ -56,14 +56,13 @@ def run_job(rank: int, world_size: int, job: dict) -> dict:
     tied = shape.tie_word_embeddings
     if tied:
         full.pop("lm_head.weight", None)  # saved by model.state_dict(), not by save_pretrained
-    groups = ParallelGroups.create(layout, rank)
+    ranks = join_groups(layout, rank=rank, store_address=f"127.0.0.1:{port}", timeout_s=120)  # the default group is kept: new TP/PP groups
     params = {n: torch.nn.Parameter(t) for n, t in shard_state_dict(full, layout, shape, rank).items()}
     optimizer = torch.optim.SGD(params.values(), lr=LR, momentum=MOMENTUM)
     state = ParamTrainState(params, optimizer, device=torch.device("cpu"), copy_on_cpu=job["copy_on_cpu"])
     infer_dtype = getattr(torch, job["infer_dtype"])
     actor = AllGatherSwap(
-        layout=layout, model=shape, rank=rank, state=state, groups=groups, device=torch.device("cpu"),
-        bucket_bytes=job["bucket_bytes"], train_dtype=torch.float32, infer_dtype=infer_dtype,
+        ranks=ranks, model=shape, state=state, bucket_bytes=job["bucket_bytes"], train_dtype=torch.float32, infer_dtype=infer_dtype,
     )
     reference = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
     ref_optimizer = torch.optim.SGD(reference.values(), lr=LR, momentum=MOMENTUM)
@@ -115,12 +114,8 @@ def run_job(rank: int, world_size: int, job: dict) -> dict:
 
 def main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     torch.set_num_threads(1)
-    init_process_group(
-        kind="cpu", rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, timeout_s=120,
-        external_store=True,
-    )
     try:
-        results = [run_job(rank, world_size, job) for job in jobs]
+        results = [run_job(rank, world_size, port, job) for job in jobs]
     finally:
-        destroy_process_group()
+        leave_groups()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

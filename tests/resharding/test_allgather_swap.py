@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dockrl.resharding.allgather_swap import AllGatherSwap, ParallelGroups, Phase, PhaseError
+from dockrl.resharding.allgather_swap import AllGatherSwap, Phase, PhaseError
 from dockrl.resharding.host_swap import ParamTrainState
 from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resharding.spec import shard_state_dict
 
 CPU = torch.device("cpu")
@@ -36,8 +37,7 @@ def make_actor(model, *, swap=True, copy_on_cpu=True, step=True):
             p.grad = torch.ones_like(p)
         optimizer.step()
     state = ParamTrainState(params, optimizer, device=CPU, copy_on_cpu=copy_on_cpu)
-    actor = AllGatherSwap(layout=layout, model=shape, rank=0, state=state, groups=ParallelGroups.create(layout, 0), device=CPU,
-                          bucket_bytes=4096, train_dtype=torch.float32, swap=swap)
+    actor = AllGatherSwap(ranks=ProcessRanks.alone(layout), model=shape, state=state, bucket_bytes=4096, train_dtype=torch.float32, swap=swap)
     return actor, params, optimizer
 
 

@@ -1,4 +1,4 @@
-"""Device kinds, collective backends, process-group init from explicit arguments."""
+"""Device kinds, collective backends, placement, the weight channel's group."""
 
 from __future__ import annotations
 
@@ -44,40 +44,6 @@ def test_cpu_device_and_bad_local_rank():
         device.torch_device("cpu", -1)
     assert device.allocator_peak_bytes(torch.device("cpu")) is None
     device.synchronize(torch.device("cpu"))
-
-
-@pytest.mark.parametrize(
-    ("kw", "fragment"),
-    [
-        ({"rank": 2, "world_size": 2}, "rank: got 2; expected 0 <= rank < world_size=2"),
-        ({"world_size": 0}, "world_size: got 0"),
-        ({"master_port": 70000}, "master_port: got 70000"),
-        ({"timeout_s": 0}, "timeout_s: got 0"),
-    ],
-)
-def test_init_rejects_bad_arguments(kw, fragment):
-    args = {"kind": "cpu", "rank": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500, "timeout_s": 5} | kw
-    with pytest.raises(ValueError, match=fragment):
-        device.init_process_group(**args)
-
-
-def test_init_joins_a_gloo_group_from_explicit_arguments(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(var, "garbage")  # never read
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-    dev = device.init_process_group(
-        kind="cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port, timeout_s=30, external_store=True
-    )
-    try:
-        assert dev == torch.device("cpu") and dist.get_backend() == "gloo" and dist.get_world_size() == 1
-        x = torch.ones(3)
-        dist.all_reduce(x)
-        assert torch.equal(x, torch.ones(3))
-        with pytest.raises(RuntimeError, match="already belongs to a process group"):
-            device.init_process_group(kind="cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port, timeout_s=30)
-    finally:
-        device.destroy_process_group()
-    assert not dist.is_initialized()
 
 
 class FakeAccelerator:
@@ -167,13 +133,7 @@ def test_channel_backend_per_kind():
     assert [device.channel_backend(k) for k in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "gloo"]
 
 
-def test_single_process_group_and_channel_group_on_cpu():
-    dev = device.init_single_process_group("cpu", 30)
-    try:
-        assert dev == torch.device("cpu") and dist.get_backend() == "gloo" and dist.get_world_size() == 1
-        assert device.init_single_process_group("cpu", 30) == dev  # an existing group is kept
-    finally:
-        device.destroy_process_group()
+def test_channel_group_on_cpu():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     group = device.channel_group("cpu", store, prefix="test", rank=0, world_size=1, timeout_s=30)
     x = torch.arange(4.0)
