@@ -177,7 +177,7 @@ class InProcessStages:
 
     def __init__(self, plan: RunPlan) -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
-        from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
+        from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine, process_ranks
         from dockrl.engines.hf import load_tokenizer
         from dockrl.resume import load_optimizer, weights_path
         from dockrl.rewards.guard import build_scorer
@@ -191,14 +191,15 @@ class InProcessStages:
         self.plan, self.hybrid, self.run = plan, None, f"dockrl-{secrets.token_hex(6)}"
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
+        ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
             from dockrl.workers.hybrid import build_hybrid_worker
 
-            self.hybrid = build_hybrid_worker(cfg, weights, optimizer_from=optimizer)  # loaded before its first sync
+            self.hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
             self.rollout_engine, self.actor = self.hybrid.actor.rollout_engine, self.hybrid.actor
             rollout_stage, actor_stage = self.hybrid.generation, self.hybrid.update
         else:
-            self.rollout_engine, self.actor = build_rollout_engine(cfg, weights), build_train_engine(cfg, weights)
+            self.rollout_engine, self.actor = build_rollout_engine(cfg, weights, ranks), build_train_engine(cfg, weights, ranks)
             rollout_stage, actor_stage = RolloutWorker(self.rollout_engine, r), ActorWorker(self.actor, trainer=t, algo=a, rollout=r)
             if optimizer:
                 load_optimizer(self.actor, optimizer)
@@ -206,7 +207,7 @@ class InProcessStages:
         tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
         self.workers = [rollout_stage, RewardWorker.from_config(self.scorer, tokenizer, a), AdvantageWorker(a)]
         if a.kl_coef > 0:
-            self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path), cfg))
+            self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg))
         self.workers.append(actor_stage)
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 

@@ -21,6 +21,7 @@ from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 
 logger = logging.getLogger(__name__)
@@ -201,18 +202,18 @@ class ActorWorker:
         return metrics
 
 
-def run_actor(cfg: Config, dock: Dock, weight_sync: str, first_wait_s: float | None = None) -> None:
+def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, first_wait_s: float | None = None) -> None:
     """The ``actor`` stage process: update every iteration (``ACTOR``), send the weights on the
     channel at ``weight_sync``, write a due checkpoint (``CHECKPOINT``), then ``checkpoints/final``."""
-    from dockrl.engines.factory import build_train_engine, engine_device
+    from dockrl.engines.factory import build_train_engine
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.run_setup import resolve_model
 
     t = cfg.trainer
-    engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)))
+    engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)), ranks)
     if cfg.run.resume:
         load_optimizer(engine, Path(cfg.run.resume))
-    channel = WeightChannel(weight_sync, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))
+    channel = WeightChannel(weight_sync, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s, device=ranks.device)
     worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
     run_dir = Path(cfg.run.output_dir)
     wire_dtype = getattr(torch, cfg.rollout.dtype)

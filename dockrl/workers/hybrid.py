@@ -38,7 +38,8 @@ import torch.distributed as dist
 from dockrl.config import Config
 from dockrl.dock import Claim, Dock
 from dockrl.engines.hybrid import HybridActor
-from dockrl.protocol import REPLICAS_ENV, Report, final_report, replica, serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.rollout import RolloutWorker, rollout_metrics
@@ -108,13 +109,14 @@ class ReplicaDock:
 
     Args:
         dock: this rank's dock client.
+        rank: this process's global rank.
         group: the process group of the replica's ranks (None: the default group).
         src: global rank of the member that talks to the dock.
     """
 
-    def __init__(self, dock: Dock, *, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
+    def __init__(self, dock: Dock, *, rank: int, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
         self.dock, self.group, self.src = dock, group, src
-        self.leader = dist.get_rank() == src
+        self.leader = rank == src
 
     @property
     def num_rows(self) -> int:
@@ -170,12 +172,12 @@ class HybridWorker:
         self.update = UpdateThenSync(actor, worker, dp_group=dp_group)
 
 
-def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path | None = None) -> HybridWorker:
-    """Megatron engine first (it creates this process's group of one unless the ranks joined one),
-    then vLLM (which joins it), then the first sync.
+def build_hybrid_worker(cfg: Config, model_path: Path, ranks: ProcessRanks, *, optimizer_from: Path | None = None) -> HybridWorker:
+    """Megatron engine first, then vLLM (which joins the process's default group), then the first sync.
 
     Args:
         model_path: HF weights both engines start from (a checkpoint when resuming).
+        ranks: this process's ranks with megatron's groups (``factory.process_ranks(trains=True)``).
         optimizer_from: a checkpoint whose optimizer state of this rank (``dockrl.resume``) is
             loaded into megatron's optimizer before the first sync swaps it out, so it is
             restored where it lives while training.
@@ -184,56 +186,16 @@ def build_hybrid_worker(cfg: Config, model_path: Path, *, optimizer_from: Path |
         ValueError: ``optimizer_from`` has no optimizer state for this rank.
     """
     from dockrl.engines.factory import build_rollout_engine, build_train_engine
-    from dockrl.resharding.device import local_rank_of
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    local_rank = local_rank_of(cfg.parallel.device, rank)
-    train = build_train_engine(cfg, model_path, local_rank=local_rank)
+    train = build_train_engine(cfg, model_path, ranks)
     if optimizer_from is not None:
-        load_optimizer(train, optimizer_from, rank=dist.get_rank())
-    rollout = build_rollout_engine(cfg, model_path, rank=dist.get_rank(), local_rank=local_rank)
-    p = cfg.parallel
-    actor = HybridActor(
-        train, rollout, infer_tp=p.infer_tp, dp=p.dp, device=train.device, bucket_bytes=p.bucket_mb << 20,
-        infer_dtype=getattr(torch, cfg.rollout.dtype),
-    )
-    dp_group = None
-    if p.dp > 1:
-        from megatron.core import parallel_state as ps
-
-        dp_group = ps.get_data_parallel_group()
-    return HybridWorker(actor, cfg, ranks=dist.get_world_size(), dp_group=dp_group)
+        load_optimizer(train, optimizer_from, rank=ranks.rank)
+    rollout = build_rollout_engine(cfg, model_path, ranks)
+    actor = HybridActor(train, rollout, bucket_bytes=cfg.parallel.bucket_mb << 20, infer_dtype=getattr(torch, cfg.rollout.dtype))
+    return HybridWorker(actor, cfg, ranks=ranks.world_size, dp_group=ranks.dp_group)
 
 
-def join_actor_group(cfg: Config, store_address: str) -> tuple[int, int]:
-    """Join the hybrid actor's process group as member ``DOCKRL_REPLICA`` of ``parallel.tp × pp × dp``
-    (the launcher serves the ``TCPStore`` at ``store_address``); a group of one needs no store.
-    On CPU, unless ``run.num_threads`` says otherwise, each rank takes an equal part of the
-    cores this process may run on (ranks that each take all of them slow generation ~10×).
-
-    Returns:
-        this process's rank and the world size.
-
-    Raises:
-        ValueError: the group the backend started has another size than the layout.
-    """
-    from dockrl.resharding.device import init_process_group, local_rank_of
-
-    rank, members = replica()
-    world = cfg.parallel.world_size
-    if members != world:
-        raise ValueError(f"hybrid actor: {members} members started ({REPLICAS_ENV}), the layout parallel.tp × pp × dp has {world} ranks")
-    if world > 1:
-        if cfg.parallel.device == "cpu" and not cfg.run.num_threads:  # the ranks share this machine's cores
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-        host, _, port = store_address.rpartition(":")
-        init_process_group(kind=cfg.parallel.device, rank=rank, world_size=world, master_addr=host, master_port=int(port),
-                           timeout_s=cfg.dock.timeout_s, external_store=True, local_rank=local_rank_of(cfg.parallel.device, rank))
-        logger.info("hybrid actor rank %d of %d joined its process group at %s", rank, world, store_address)
-    return rank, world
-
-
-def run_hybrid(cfg: Config, dock: Dock, store_address: str, first_wait_s: float | None = None) -> None:
+def run_hybrid(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``hybrid`` stage process, one per actor rank: evaluate, serve the iterations, checkpoint, evaluate again.
 
     Every rank generates for its share of the prompts; rank 0 reports ``rollout`` (metrics over
@@ -249,19 +211,18 @@ def run_hybrid(cfg: Config, dock: Dock, store_address: str, first_wait_s: float 
 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    rank, world = join_actor_group(cfg, store_address)
+    rank, world = ranks.rank, ranks.world_size  # joined by the entry point: parallel.tp × pp × dp ranks, one process each
+    if world > 1 and ranks.device.type == "cpu" and not cfg.run.num_threads:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # ranks that each take all cores generate ~10× slower
     resume = Path(cfg.run.resume) if cfg.run.resume else None  # a checkpoint folder: the driver resolves 'latest'
-    hybrid = build_hybrid_worker(cfg, weights_path(cfg, model_path), optimizer_from=resume)
+    hybrid = build_hybrid_worker(cfg, weights_path(cfg, model_path), ranks, optimizer_from=resume)
     engine = hybrid.actor.rollout_engine
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     t = cfg.trainer
     update_dock = dock
     if cfg.parallel.tp * cfg.parallel.pp > 1:  # the ranks of one model replica train on the same rows
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_model_parallel_group()
-        update_dock = ReplicaDock(dock, group=group, src=dist.get_process_group_ranks(group)[0])
+        update_dock = ReplicaDock(dock, rank=rank, group=ranks.model_group, src=ranks.model_leader)
 
     def save(path: Path) -> None:
         if rank == 0:

@@ -37,7 +37,9 @@ PROCESSES = {
     "actor": run_actor,  # sends the weights; writes the checkpoints
     "hybrid": run_hybrid,  # trainer.hybrid: rollout and actor in one process per actor rank
 }
-"""Each stage process's body: ``(cfg, dock, weight_sync address, first_wait_s)``."""
+"""Each stage process's body: ``(cfg, dock, ranks, weight_sync address, first_wait_s)``."""
+TRAINS = ("actor", "hybrid")
+"""The stage processes that hold the actor's training engine (a megatron one joins its process groups)."""
 NEEDS_WEIGHT_SYNC = ("rollout", "actor", "hybrid")
 
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from dockrl.dock import GRPO_SCHEMA
     from dockrl.dock.client import DockClient
     from dockrl.dock.warehouse import make_warehouse
+    from dockrl.engines.factory import process_ranks
     from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, wait_for_shards, watch_driver
     from dockrl.run_setup import seed_everything
 
@@ -83,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     # stop with the driver: at once when it was our parent, else when its lease on the dock goes quiet
     watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], token),
                  timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
-    index, size = replica()
+    index, size = replica()  # read here once: every stage gets its ranks from this process's ranks object
+    ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync)
     owner = f"{args.run}/{args.stage}" + (f"-{index}" if size > 1 else "")  # members of a group of several differ
     with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
                     lease_s=cfg.dock.lease_s, owner=owner) as dock:
-        PROCESSES[args.stage](cfg, dock, args.weight_sync, args.first_wait_s)
+        PROCESSES[args.stage](cfg, dock, ranks, args.weight_sync, args.first_wait_s)
     return 0
 
 

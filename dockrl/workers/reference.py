@@ -11,6 +11,7 @@ from dockrl.config import Config
 from dockrl.dock import Dock
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.resharding.ranks import ProcessRanks
 
 
 class ReferenceWorker:
@@ -34,12 +35,12 @@ class ReferenceWorker:
         return {"timing_s/reference": time.perf_counter() - start}
 
 
-def run_reference(cfg: Config, dock: Dock, weight_sync: str = "", first_wait_s: float | None = None) -> None:
+def run_reference(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reference`` stage process: log-probs under the initial weights every iteration (``REFERENCE``)."""
     from dockrl.engines.factory import build_reference_engine
     from dockrl.run_setup import resolve_model
 
-    worker = ReferenceWorker.from_config(build_reference_engine(cfg, resolve_model(cfg)), cfg)
+    worker = ReferenceWorker.from_config(build_reference_engine(cfg, resolve_model(cfg), ranks), cfg)
     serve_iterations(dock, Report.REFERENCE, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
                      seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
     dock.report(cfg.trainer.iterations, final_report("reference"), {})

@@ -11,6 +11,7 @@ from collections import Counter
 from dockrl.config import AlgorithmConfig, Config
 from dockrl.dock import Dock
 from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.resharding.ranks import ProcessRanks
 from dockrl.rewards import RewardScorer
 from dockrl.rewards.guard import ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
@@ -75,7 +76,7 @@ class RewardWorker:
         }
 
 
-def run_reward(cfg: Config, dock: Dock, weight_sync: str = "", first_wait_s: float | None = None) -> None:
+def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reward`` stage process: score and compute the advantages of every iteration (``REWARD``)."""
     from dockrl.engines.hf import load_tokenizer
     from dockrl.run_setup import resolve_model

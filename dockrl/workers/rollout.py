@@ -14,6 +14,7 @@ from dockrl.config import Config, RolloutConfig
 from dockrl.dock import Dock
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.resharding.ranks import ProcessRanks
 
 ROLLOUT_RANK = 1
 """The rollout's rank on the weight channel (the actor's is 0)."""
@@ -86,12 +87,12 @@ class RolloutWorker:
         return rollout_metrics(*self.generate_iteration(dock))
 
 
-def run_rollout(cfg: Config, dock: Dock, weight_sync: str, first_wait_s: float | None = None) -> None:
+def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, first_wait_s: float | None = None) -> None:
     """The ``rollout`` stage process: evaluate (a fresh run), generate every iteration, then wait
     for the actor's ``ACTOR`` report, receive its weights on the channel at ``weight_sync`` and
     report ``WEIGHT_SYNC``; evaluate again after training. The driver opens the first iteration
     once ``EVAL_BEFORE`` is reported, so ``first_wait_s`` is not needed here."""
-    from dockrl.engines.factory import build_rollout_engine, engine_device, receive_params
+    from dockrl.engines.factory import build_rollout_engine, receive_params
     from dockrl.engines.layer_loader import WholeLayerLoader
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.evaluate import evaluate
@@ -101,7 +102,7 @@ def run_rollout(cfg: Config, dock: Dock, weight_sync: str, first_wait_s: float |
 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    engine = build_rollout_engine(cfg, weights_path(cfg, model_path))
+    engine = build_rollout_engine(cfg, weights_path(cfg, model_path), ranks)
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     params = receive_params(engine, cfg, model_path)
@@ -119,7 +120,7 @@ def run_rollout(cfg: Config, dock: Dock, weight_sync: str, first_wait_s: float |
     t = cfg.trainer
     try:
         # joined before the evaluation: the actor, started at the same time, waits for it meanwhile
-        channel = WeightChannel(weight_sync, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=engine_device(cfg))
+        channel = WeightChannel(weight_sync, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=ranks.device)
         if t.eval_before and not cfg.run.resume:  # the driver opens the first iteration once this is reported
             dock.report(0, Report.EVAL_BEFORE, evaluate(engine, test_prompts, scorer, cfg, "before"))
         serve_iterations(dock, Report.ROLLOUT, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,

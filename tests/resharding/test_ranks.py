@@ -70,20 +70,26 @@ def test_join_alone_makes_a_group_of_one_and_keeps_it(monkeypatch):
     assert not parallel_state.model_parallel_is_initialized()
 
 
-RANK_READS = re.compile(r"megatron\.core(\.| import )parallel_state|DOCKRL_REPLICA|environ(\.get)?\(?\[?[\"'](RANK|WORLD_SIZE|LOCAL_RANK)[\"']|dist\.get_rank\(|dist\.get_world_size\(\)")
-"""What only the ranks object and the entry points may read: megatron's globals, the launcher's member
-variables, torch's rank variables, the default group's rank and size."""
-ALLOWED = {"dockrl/resharding/ranks.py"}
+RANK_READS = {
+    "megatron's globals": re.compile(r"megatron\.core(\.| import )parallel_state"),
+    "the default group's rank or size": re.compile(r"dist\.get_rank\(|dist\.get_world_size\(\)"),
+    "a rank variable of the environment": re.compile(
+        r"environ(\.get\(|\[)\s*([\"'](RANK|WORLD_SIZE|LOCAL_RANK|DOCKRL_REPLICAS?)[\"']|REPLICAS?_ENV)"),
+    "the launcher's member index": re.compile(r"\breplica\(\)"),
+}
+ALLOWED = {
+    "dockrl/resharding/ranks.py": {"megatron's globals", "the default group's rank or size"},  # builds the ranks object
+    "dockrl/protocol.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
+    "dockrl/workers/main.py": {"the launcher's member index"},  # the stage processes' entry point: reads it once
+}
 
 
-def test_engines_and_resharding_get_ranks_only_from_the_ranks_object():
+def test_engines_and_workers_get_ranks_only_from_the_ranks_object():
     found = []
-    for folder in ("dockrl/engines", "dockrl/resharding"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            if rel in ALLOWED:
-                continue
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                if RANK_READS.search(line):
-                    found.append(f"{rel}:{number}: {line.strip()}")
-    assert not found, "rank reads outside dockrl/resharding/ranks.py:\n" + "\n".join(found)
+    for path in sorted((ROOT / "dockrl").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for what, pattern in RANK_READS.items():
+                if pattern.search(line) and what not in ALLOWED.get(rel, ()):
+                    found.append(f"{rel}:{number}: {what}: {line.strip()}")
+    assert not found, "ranks read outside the ranks object and the entry point:\n" + "\n".join(found)
