@@ -63,13 +63,13 @@ class ProcessRanks:
             raise ValueError(f"replica: got {self.replica} of {self.replicas}; expected 0 <= replica < replicas")
 
     @classmethod
-    def alone(cls, layout: ParallelLayout, *, replica: int = 0, replicas: int = 1, local_rank: int = 0) -> ProcessRanks:
+    def alone(cls, layout: ParallelLayout, *, replica: int = 0, replicas: int = 1) -> ProcessRanks:
         """A process in no process group (a rollout, reward or reference stage, the in-process driver).
 
         Raises:
             RuntimeError: ``parallel.device`` names an accelerator this process cannot see.
         """
-        return cls(layout=layout, device=devices.process_device(layout.device, local_rank), replica=replica, replicas=replicas)
+        return cls(layout=layout, device=devices.process_device(layout.device, 0), replica=replica, replicas=replicas)
 
     @property
     def world_size(self) -> int:

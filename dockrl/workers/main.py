@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                  timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
     index, size = replica()  # read here once: every stage gets its ranks from this process's ranks object
     ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync)
-    owner = f"{args.run}/{args.stage}" + (f"-{index}" if size > 1 else "")  # members of a group of several differ
+    owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
     with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
                     lease_s=cfg.dock.lease_s, owner=owner) as dock:
         PROCESSES[args.stage](cfg, dock, ranks, args.weight_sync, args.first_wait_s)
