@@ -154,7 +154,8 @@ def join_groups(
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
         dist.init_process_group(backend=devices.backend_for(kind), store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if kind == "cuda" else None)  # eager NCCL communicator on this GPU
-        logger.debug("rank %d/%d joined the %s process group on %s", rank, world, devices.backend_for(kind), device)
+        logger.info("rank %d of %d joined its %s process group at %s on %s", rank, world, devices.backend_for(kind),
+                    store_address if world > 1 else "a loopback store", device)
     ranks = ProcessRanks(layout=layout, device=device, rank=rank, replica=rank, replicas=world)
     return _megatron_groups(ranks) if megatron else _own_groups(ranks)
 
