@@ -103,7 +103,10 @@ SNAPSHOT_KIND = "dock"
 
 
 def _part(array: pa.Array, pos: np.ndarray) -> pa.Array:
-    """``array[pos]``: a zero-copy slice when ``pos`` is one contiguous run (the usual put), else a take."""
+    """``array[pos]`` (``pos`` ascending, distinct): the array itself or a zero-copy slice when ``pos`` is
+    one contiguous run (the usual put), else a take."""
+    if len(pos) == len(array):
+        return array
     if len(pos) and pos[-1] - pos[0] + 1 == len(pos) and (np.diff(pos) == 1).all():
         return array.slice(int(pos[0]), len(pos))
     return array.take(pa.array(pos))
@@ -312,7 +315,8 @@ class DockClient:
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         layout = self._layout_for("put", iteration)
         fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
-                 and np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64))))
+                 and (np.array_equal(rows_arr, ack.rows)
+                      or np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64)))))
         lease = ack.lease if ack is not None else ""
         extra = {"ack": {"consumer": ack.consumer, "lease": lease}} if fused and ack is not None else {}
         try:
@@ -505,9 +509,10 @@ class DockClient:
                         take(t, count - got(), at_least=0)
                 want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
             rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
+            batches = []
             if self.warehouse is None:
-                tables = [self._batch(cells[s], columns, np.asarray(taken[s], dtype=np.int64)) for s in sorted(taken) if taken[s]]
-                tables = [pa.Table.from_batches([b]) for b in tables]
+                batches = [self._batch(cells[s], columns, np.asarray(taken[s], dtype=np.int64)) for s in sorted(taken) if taken[s]]
+                tables = [pa.Table.from_batches([b]) for b in batches]
             else:
                 tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
@@ -516,7 +521,8 @@ class DockClient:
                 self._held.pop(lease, None)
             raise
         claimed = [r for part in rows for r in part]
-        return Claim(layout.iteration, claimed, self._batch(tables, columns), lease if claimed else "", consumer)
+        batch = batches[0] if len(batches) == 1 else self._batch(tables, columns)  # one shard's cells: as they came
+        return Claim(layout.iteration, claimed, batch, lease if claimed else "", consumer)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,
@@ -601,13 +607,12 @@ class DockClient:
             if self._closed:
                 return
             self._held[lease] = iteration
-            if self._beat_thread is None:
+            if self._beat_thread is None:  # it beats at a fixed rate: a hold never wakes it (a thread switch per claim)
                 self._beat_thread = threading.Thread(target=self._heartbeat, name=f"dock-lease-{self.owner}", daemon=True)
                 self._beat_thread.start()
-            self._beat.notify_all()
 
     def _heartbeat(self) -> None:
-        """Renew this owner's leases every ``lease_s/3`` while it holds any; sleep on a condition otherwise.
+        """Renew this owner's leases every ``lease_s/3`` while it holds any (a beat with none held sends nothing).
 
         Each beat sends ``renew`` to every shard at once, on a fixed rate, without waiting for the
         answers: a shard slow to answer (a loaded machine) delays neither the other shards'
@@ -615,15 +620,9 @@ class DockClient:
         """
         period = self.lease_s / 3
         in_flight: dict[int, Future] = {}
-        next_beat: float | None = None
+        next_beat = time.monotonic() + period  # a lease taken now is renewed within a period, well inside its term
         while True:
             with self._beat:
-                if not self._held:
-                    while not self._held and not self._closed:
-                        self._beat.wait()
-                    next_beat = None  # the first renewal a period after the first hold
-                if next_beat is None:
-                    next_beat = time.monotonic() + period
                 while not self._closed and (left := next_beat - time.monotonic()) > 0:
                     self._beat.wait(left)  # close() wakes it early
                 if self._closed:

@@ -126,6 +126,8 @@ class Taken(NamedTuple):
     """Rows of the consumer leased by other owners, not acked nor finished: they may come back."""
     lease: str
     """Lease id the rows were taken under."""
+    batch: pa.RecordBatch | None = None
+    """With ``take(..., read=True)``: the cells of ``columns`` of the rows taken, in their order."""
 
 
 @dataclass
@@ -454,8 +456,9 @@ class TransferDock:
         lease: str | None = None,
         lease_s: float | None = None,
         wait_held: bool = True,
+        read: bool = False,
     ) -> Taken:
-        """Claim rows without reading their cells: the controller half of ``claim``.
+        """Claim rows, and with ``read`` their cells of ``columns``: the building block of a claim across shards.
 
         Takes up to ``count`` ready rows once ``min(at_least, rows pending)`` are ready
         (``at_least=None`` means ``count``, as in ``claim``; ``0`` never blocks), under lease
@@ -474,7 +477,8 @@ class TransferDock:
                 consumer, columns, count, whole_groups, count if at_least is None else at_least, timeout_s, iteration,
                 owner or DEFAULT_OWNER, lease, lease_s, wait_held,
             )
-            return Taken((rows + it.first_row).tolist(), pending, held, lease)
+            batch = self._gather(it, columns, rows) if read else None
+            return Taken((rows + it.first_row).tolist(), pending, held, lease, batch)
 
     def _take_locked(  # caller holds self._cond; returns local row indexes
         self, consumer: str, columns: Sequence[str], count: int, whole_groups: bool, at_least: int,

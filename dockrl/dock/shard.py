@@ -102,6 +102,8 @@ class ShardLayout:
         A row out of range goes to the shard owning the nearest row, which refuses it: the
         shard's checks are the only ones.
         """
+        if self.num_shards == 1:
+            return {0: np.arange(len(rows))}
         stops = np.array([stop for _, stop in self.ranges])
         shard = np.searchsorted(stops, np.clip(rows, 0, self.num_rows - 1), side="right")
         return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
@@ -252,18 +254,21 @@ class ShardService:
     def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Take rows for a claim (``TransferDock.take``); rows taken for a caller that gave up
         (``cancelled()`` true once the take returns) are handed back."""
+        return self._claim(req, cancelled, read=False)[0]
+
+    def _claim(self, req: dict[str, Any], cancelled: Callable[[], bool], read: bool) -> tuple[dict[str, Any], pa.RecordBatch | None]:
         timeout = _timeout(req["timeout_s"])
-        rows, pending, held, _ = self.dock.take(
+        rows, pending, held, _, batch = self.dock.take(
             req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
             at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
             owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
-            wait_held=req.get("wait_held", True),
+            wait_held=req.get("wait_held", True), read=read,
         )
         if rows and cancelled():
             logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
             self.dock.release(req["consumer"], rows, iteration=req["iteration"])
-            rows, pending = [], pending + len(rows)
-        return {"rows": rows, "pending": pending, "held": held}
+            rows, pending, batch = [], pending + len(rows), None if batch is None else batch.slice(0, 0)
+        return {"rows": rows, "pending": pending, "held": held}, batch
 
     def _snapshot(self, uri: str) -> None:
         with self._lock:  # no open/close while the layout and the dock are written together
@@ -300,14 +305,10 @@ class ShardService:
         return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
 
     def claim_cells(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> tuple[dict[str, Any], pa.RecordBatch]:
-        """``claim`` and the cells of its rows in one call (memory payload); a failed read hands the rows back."""
+        """``claim`` and the cells of its rows in one call, under one lock (memory payload)."""
         self._require("memory", "get")
-        res = self.claim(req, cancelled)
-        try:
-            batch = self.dock.get(req["columns"], res["rows"], iteration=req["iteration"])
-        except BaseException:
-            self.dock.release(req["consumer"], res["rows"], iteration=req["iteration"])
-            raise
+        res, batch = self._claim(req, cancelled, read=True)
+        assert batch is not None
         return res, batch
 
 
