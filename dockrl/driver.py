@@ -33,6 +33,9 @@ from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches
 
 if TYPE_CHECKING:
+    from dockrl.engines.hybrid import HybridActor
+    from dockrl.engines.protocols import RolloutEngine
+    from dockrl.engines.train_protocol import TrainEngine
     from dockrl.launch.backend import WorkerBackend
 
 logger = logging.getLogger(__name__)
@@ -47,8 +50,11 @@ class StageRunner(Protocol):
     ``run`` is the run's name (the warehouse objects' root, ``dock_snapshot_uri``).
     """
 
-    dock: Dock
-    run: str
+    @property
+    def dock(self) -> Dock: ...
+
+    @property
+    def run(self) -> str: ...
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
         """Greedy test accuracy as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
@@ -170,10 +176,15 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
     })
 
 
+class StageWorker(Protocol):
+    def run_iteration(self, dock: Dock) -> dict[str, float]:
+        """Claim, compute and put until the stage's rows of the open iteration are done; its metrics."""
+
+
 class InProcessStages:
-    """Every stage in this process over the in-process dock (``open_dock``), run one after the other each
-    iteration: rollout, reward, advantage, reference (β > 0), actor, then the weight sync
-    (the hybrid actor syncs inside its update)."""
+    """Every stage in this process over the in-process dock (``open_dock``), run one after the
+    other each iteration: rollout, reward, advantage, reference (β > 0), actor, then the weight
+    sync (the hybrid actor syncs inside its update)."""
 
     def __init__(self, plan: RunPlan) -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
@@ -188,27 +199,32 @@ class InProcessStages:
         from dockrl.workers.rollout import RolloutWorker
 
         cfg = self.cfg = plan.cfg
-        self.plan, self.hybrid, self.run = plan, None, f"dockrl-{secrets.token_hex(6)}"
+        self.plan, self.run, self.close_actor = plan, f"dockrl-{secrets.token_hex(6)}", lambda: None
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
+        self.sync: Callable[[], int] | None = None
+        self.rollout_engine: RolloutEngine
+        self.actor: TrainEngine | HybridActor
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
             from dockrl.workers.hybrid import build_hybrid_worker
 
-            self.hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
-            self.rollout_engine, self.actor = self.hybrid.actor.rollout_engine, self.hybrid.actor
-            rollout_stage, actor_stage = self.hybrid.generation, self.hybrid.update
+            hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
+            self.rollout_engine, self.actor, self.close_actor = hybrid.actor.rollout_engine, hybrid.actor, hybrid.actor.close
+            stages: tuple[StageWorker, StageWorker] = hybrid.generation, hybrid.update
         else:
-            self.rollout_engine, self.actor = build_rollout_engine(cfg, weights, ranks), build_train_engine(cfg, weights, ranks)
-            rollout_stage, actor_stage = RolloutWorker(self.rollout_engine, r), ActorWorker(self.actor, trainer=t, algo=a, rollout=r)
+            rollout, actor = build_rollout_engine(cfg, weights, ranks), build_train_engine(cfg, weights, ranks)
             if optimizer:
-                load_optimizer(self.actor, optimizer)
+                load_optimizer(actor, optimizer)
+            self.rollout_engine, self.actor = rollout, actor
+            self.sync = lambda: rollout.load_weights(actor.named_weights())
+            stages = RolloutWorker(rollout, r), ActorWorker(actor, trainer=t, algo=a, rollout=r)
         self.scorer = build_scorer(a)
         tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
-        self.workers = [rollout_stage, RewardWorker.from_config(self.scorer, tokenizer, a), AdvantageWorker(a)]
+        self.workers = [stages[0], RewardWorker.from_config(self.scorer, tokenizer, a), AdvantageWorker(a)]
         if a.kl_coef > 0:
             self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg))
-        self.workers.append(actor_stage)
+        self.workers.append(stages[1])
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
@@ -221,9 +237,9 @@ class InProcessStages:
         metrics: dict[str, float] = {}
         for worker in self.workers:
             metrics |= worker.run_iteration(self.dock)
-        if self.hybrid is None:
+        if self.sync is not None:
             start = time.perf_counter()
-            metrics["weight_sync/bytes"] = self.rollout_engine.load_weights(self.actor.named_weights())
+            metrics["weight_sync/bytes"] = self.sync()
             metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
 
@@ -236,5 +252,4 @@ class InProcessStages:
     def close(self) -> None:
         self.dock.close()
         self.scorer.close()
-        if self.hybrid is not None:
-            self.hybrid.actor.close()
+        self.close_actor()

@@ -8,8 +8,8 @@ from typing import Sequence
 from dockrl.config import Config
 from dockrl.data import Prompt
 from dockrl.engines.protocols import RolloutEngine
-from dockrl.rewards import RewardScorer, extract_final_answer
-from dockrl.rewards.guard import check_rewards
+from dockrl.rewards import extract_final_answer
+from dockrl.rewards.guard import Scorer, check_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 def greedy_accuracy(
     engine: RolloutEngine,
     prompts: Sequence[Prompt],
-    scorer: RewardScorer,
+    scorer: Scorer,
     *,
     correct_reward: float,
     max_new_tokens: int,
@@ -42,7 +42,7 @@ def greedy_accuracy(
     return {"accuracy": correct / len(prompts), "format_rate": formatted / len(prompts), "count": len(prompts)}
 
 
-def evaluate(engine: RolloutEngine, prompts: Sequence[Prompt], scorer: RewardScorer, cfg: Config, tag: str) -> dict[str, float]:
+def evaluate(engine: RolloutEngine, prompts: Sequence[Prompt], scorer: Scorer, cfg: Config, tag: str) -> dict[str, float]:
     """``greedy_accuracy`` as configured, as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``."""
     res = greedy_accuracy(
         engine, prompts, scorer, correct_reward=cfg.algorithm.correct_reward,

@@ -28,7 +28,7 @@ import pyarrow.flight as flight
 import torch.distributed as dist
 
 from dockrl.config import Config, dump_config
-from dockrl.dock import GRPO_SCHEMA, Dock, DockTimeoutError
+from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
@@ -124,7 +124,7 @@ def worker_groups(
 
 
 def wait_reports(
-    dock: Dock, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, logs: str | Path,
+    dock: DockClient, backend: WorkerBackend, iteration: int, stages: Sequence[str], timeout_s: float, logs: str | Path,
 ) -> dict[str, dict[str, float]]:
     """The reports of ``stages`` for ``iteration``, watching the workers while waiting.
 
@@ -230,7 +230,7 @@ class ProcessStages:
         stop: stops the processes and closes the dock (``close``).
     """
 
-    def __init__(self, cfg: Config, dock: Dock, backend: WorkerBackend, *, test_prompts: int, stop: Callable[[], None]) -> None:
+    def __init__(self, cfg: Config, dock: DockClient, backend: WorkerBackend, *, test_prompts: int, stop: Callable[[], None]) -> None:
         self.cfg, self.dock, self.backend, self.run, self._stop = cfg, dock, backend, backend.run_id, stop
         # dock.timeout_s is what one rollout batch may take (the reward stage waits that long for it)
         self.eval_timeout_s = cfg.dock.timeout_s * eval_batches(cfg, test_prompts)

@@ -24,7 +24,7 @@ import numbers
 import os
 import traceback
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
 from dockrl.rewards.math_verifier import RewardScorer
@@ -222,7 +222,15 @@ def check_rewards(result: Any, n: int) -> tuple[list[float], Counter]:
     return rewards, bad
 
 
-def build_scorer(a: AlgorithmConfig) -> RewardScorer | ScorerProcess:
+class Scorer(Protocol):
+    """What the reward stage and the evaluation call: ``RewardScorer`` or ``ScorerProcess``."""
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> Any: ...
+    def counters(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+def build_scorer(a: AlgorithmConfig) -> Scorer:
     """The reward scorer: ``algorithm.scorer`` (``module:Class``) if set, else the GSM8K rule verifier.
 
     A custom scorer runs in a process of its own under ``algorithm.reward_timeout_s`` per
@@ -233,7 +241,7 @@ def build_scorer(a: AlgorithmConfig) -> RewardScorer | ScorerProcess:
     """
     kwargs = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     if not a.scorer:
-        return RewardScorer(**kwargs)
+        return RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     try:
         import_scorer(a.scorer)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as e:

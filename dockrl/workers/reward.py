@@ -12,8 +12,7 @@ from dockrl.config import AlgorithmConfig, Config
 from dockrl.dock import Dock
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
-from dockrl.rewards import RewardScorer
-from dockrl.rewards.guard import ScorerError, build_scorer, check_rewards
+from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
 
 BUILT_IN = "the built-in GSM8K verifier"
@@ -26,13 +25,13 @@ class RewardWorker:
     ``scorer_name``) once more than this fraction of its rewards were bad: not a finite number
     or missing (``dockrl.rewards.guard.check_rewards``), timed out or failed (the scorer's counters)."""
 
-    def __init__(self, scorer: RewardScorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
+    def __init__(self, scorer: Scorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
                  max_bad_frac: float = 1.0, scorer_name: str = "") -> None:
         self.scorer, self.tokenizer, self.batch_size = scorer, tokenizer, batch_size
         self.correct_reward, self.max_bad_frac, self.scorer_name = correct_reward, max_bad_frac, scorer_name
 
     @classmethod
-    def from_config(cls, scorer: RewardScorer, tokenizer, a: AlgorithmConfig) -> RewardWorker:
+    def from_config(cls, scorer: Scorer, tokenizer, a: AlgorithmConfig) -> RewardWorker:
         return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer)
 
     def run_iteration(self, dock: Dock) -> dict[str, float]:
@@ -41,7 +40,7 @@ class RewardWorker:
         Raises:
             ScorerError: more than ``max_bad_frac`` of the rewards were bad (the message counts them by reason).
         """
-        start, scores, correct, bad = time.perf_counter(), [], [], Counter()
+        start, scores, correct, bad = time.perf_counter(), [], [], Counter[str]()
         before = self.scorer.counters()
         while claim := dock.claim("reward", ["response_ids", "ground_truth"], self.batch_size):
             texts = self.tokenizer.batch_decode(claim.batch.column("response_ids").to_pylist(), skip_special_tokens=True)
@@ -83,13 +82,10 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm)
-    workers = [RewardWorker.from_config(scorer, tokenizer, cfg.algorithm), AdvantageWorker(cfg.algorithm)]
+    reward, advantage = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm), AdvantageWorker(cfg.algorithm)
 
     def step(_: int) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        for worker in workers:
-            metrics |= worker.run_iteration(dock)
-        return metrics
+        return reward.run_iteration(dock) | advantage.run_iteration(dock)
 
     try:
         serve_iterations(dock, Report.REWARD, step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)

@@ -107,9 +107,10 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     scorer = build_scorer(cfg.algorithm)
     params = receive_params(engine, cfg, model_path)
     worker = RolloutWorker(engine, cfg.rollout)
-    channel = None
+    channel: WeightChannel | None = None
 
     def sync(it: int) -> None:
+        assert channel is not None  # joined before the first iteration
         dock.wait_reports(it, [Report.ACTOR], cfg.dock.timeout_s)  # updated: its weights come next on the channel
         loader = WholeLayerLoader(engine.load_weights, getattr(engine, "layer_members", None))  # vLLM: whole layers
         metrics = channel.receive(params, loader)
