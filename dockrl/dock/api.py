@@ -1,7 +1,7 @@
 """The dock API every stage, ``ReplicaDock`` and the driver are written against (docs/design.md §2).
 
-``Dock`` is the one protocol; ``open_dock`` builds the in-process dock of a run from its
-``dock`` config. Rows are indexed ``0 .. num_rows-1`` within an iteration; prompt ``i`` owns
+``Dock`` is the one protocol; ``dockrl.dock.client.open_dock`` builds the in-process dock of
+a run from its ``dock`` config. Rows are indexed ``0 .. num_rows-1`` within an iteration; prompt ``i`` owns
 rows ``[i·n, (i+1)·n)`` (n = group size). A stage loops ``claim`` → compute → ``put(...,
 ack=claim)``; the driver ``open_iteration`` → fills the inputs → waits → ``close_iteration``.
 """
@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import pyarrow as pa
-
-if TYPE_CHECKING:
-    from dockrl.config import DockConfig
-    from dockrl.dock.schema import Schema
 
 Columns: TypeAlias = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
 """The cells of a put: per column name, one value (or Arrow array element) per row."""
@@ -121,31 +117,3 @@ class Dock(Protocol):
     def close(self) -> None:
         """Release what this handle holds (lease heartbeat, connections, in-process shards)."""
 
-
-def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = None) -> Dock:
-    """The in-process dock of run ``run`` (``dock.mode=inprocess``): the stages of this process share it.
-
-    The same sharded front end as in distributed mode (``dockrl.dock.client.DockClient``) over
-    ``dock.shards`` shards of this process reached by direct calls (``LocalTransport``): the
-    settings mean the same in both modes and a snapshot taken in one restores in the other.
-    ``close()`` closes the shards.
-
-    Args:
-        cfg: the run's ``dock`` config: ``shards`` shards in this process, the payload in their
-            memory or in ``warehouse``, ``timeout_s`` and ``lease_s`` as in distributed mode.
-        schema: the column schema.
-        run: the run's name (the warehouse's per-run prefix).
-        owner: lease owner id of the claims made through it; default unique per call.
-
-    Raises:
-        ValueError: as ``make_warehouse`` for a bad ``dock.warehouse`` setting.
-    """
-    from dockrl.dock.client import DockClient
-    from dockrl.dock.shard import LocalTransport, Payload, local_shards
-    from dockrl.dock.warehouse import make_warehouse
-
-    warehouse = make_warehouse(cfg, run)
-    payload: Payload = "memory" if warehouse is None else "store"
-    shards = local_shards(cfg.shards, schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s, payload=payload)
-    return DockClient([LocalTransport(s, owned=True) for s in shards], schema, timeout_s=cfg.timeout_s,
-                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner)

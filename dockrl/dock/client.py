@@ -78,22 +78,26 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from dockrl.dock.api import Claim, Columns
+from dockrl.dock.api import Claim, Columns, Dock
 from dockrl.dock.control import check_metrics
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight import FlightTransport
 from dockrl.dock.local import arrow_columns
 from dockrl.dock.schema import Schema
-from dockrl.dock.shard import ROW, ShardLayout, ShardTransport
+from dockrl.dock.shard import ROW, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards
 from dockrl.dock.warehouse import (
-    Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, new_key, read_cells, write_arrays,
+    Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, make_warehouse, new_key, read_cells,
+    write_arrays,
 )
 from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
+
+if TYPE_CHECKING:
+    from dockrl.config import DockConfig
 
 logger = logging.getLogger(__name__)
 OBJECTS_DIR = "objects"
@@ -820,3 +824,27 @@ class DockClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = None) -> Dock:
+    """The in-process dock of run ``run`` (``dock.mode=inprocess``): the stages of this process share it.
+
+    The same sharded front end as in distributed mode (``dockrl.dock.client.DockClient``) over
+    ``dock.shards`` shards of this process reached by direct calls (``LocalTransport``): the
+    settings mean the same in both modes and a snapshot taken in one restores in the other.
+    ``close()`` closes the shards.
+
+    Args:
+        cfg: the run's ``dock`` config: ``shards`` shards in this process, the payload in their
+            memory or in ``warehouse``, ``timeout_s`` and ``lease_s`` as in distributed mode.
+        schema: the column schema.
+        run: the run's name (the warehouse's per-run prefix).
+        owner: lease owner id of the claims made through it; default unique per call.
+
+    Raises:
+        ValueError: as ``make_warehouse`` for a bad ``dock.warehouse`` setting.
+    """
+    warehouse = make_warehouse(cfg, run)
+    payload: Payload = "memory" if warehouse is None else "store"
+    shards = local_shards(cfg.shards, schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s, payload=payload)
+    return DockClient([LocalTransport(s, owned=True) for s in shards], schema, timeout_s=cfg.timeout_s,
+                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner)
