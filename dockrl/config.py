@@ -318,22 +318,22 @@ def _check_rules(c: Config) -> None:
     if (t.mini_batch * r.n) % t.micro_batch:
         raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
     # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
-    finite_positive = {
+    finite_positive: dict[str, float] = {
         "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
         "dock.store_timeout_s": c.dock.store_timeout_s, "dock.lease_s": c.dock.lease_s,
         "run.driver_timeout_s": c.run.driver_timeout_s,
     }
-    for where, v in finite_positive.items():
-        if not (0 < v < math.inf):
-            raise _fail(where, v, "expected a finite number > 0")
-    non_negative = {  # trainer.lr=0: the standard check of drift between rollout and trainer log-probs
+    for where, x in finite_positive.items():
+        if not (0 < x < math.inf):
+            raise _fail(where, x, "expected a finite number > 0")
+    non_negative: dict[str, float] = {  # trainer.lr=0: the standard check of drift between rollout and trainer log-probs
         "trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
         "algorithm.kl_coef": a.kl_coef, "algorithm.adv_eps": a.adv_eps, "algorithm.clip_high": a.clip_high,
         "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
     }
-    for where, v in non_negative.items():
-        if not (0 <= v < math.inf):
-            raise _fail(where, v, "expected a finite number >= 0")
+    for where, x in non_negative.items():
+        if not (0 <= x < math.inf):
+            raise _fail(where, x, "expected a finite number >= 0")
     if not a.correct_reward > a.format_reward:
         raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
     if not (0 <= a.max_bad_reward_frac <= 1):
@@ -489,7 +489,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for name, value in values.items():
         tp = hints[name]
         key = f"{where}.{name}" if where else name
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key)
         else:
             kwargs[name] = _check_type(key, value, tp)

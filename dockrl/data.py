@@ -214,7 +214,7 @@ def load_prompts(
         raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    report, prompts, seen = LoadReport(str(path)), [], set()
+    report, prompts, seen = LoadReport(str(path)), list[Prompt](), set[str]()
     for line_no, row in _read_rows(path):
         if isinstance(row, Exception):
             report.bad.append((line_no, f"invalid JSON: {row}"))

@@ -26,8 +26,15 @@ from dockrl.dock import Dock
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.resume import (
-    checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, prepare_checkpoint, save_optimizer, seed_iteration,
-    write_driver_state, write_final_state,
+    checkpoint_dir,
+    checkpoint_due,
+    dock_snapshot_uri,
+    final_dir,
+    prepare_checkpoint,
+    save_optimizer,
+    seed_iteration,
+    write_driver_state,
+    write_final_state,
 )
 from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches

@@ -131,7 +131,7 @@ def build_tiny_model(
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(out)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token: one id
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),

@@ -31,8 +31,7 @@ from pathlib import Path
 from dockrl.config import ConfigError, load_config
 from dockrl.launch.backend import WORKER_BACKENDS
 from pipelines import submit
-from pipelines.grpo import (PipelineSettings, Requests, compile_pipeline, compiled_worker_backend, local_summary,
-                            run_local)
+from pipelines.grpo import PipelineSettings, Requests, compile_pipeline, compiled_worker_backend, local_summary, run_local
 
 PLATFORM_CHOICES = ("npu", "gpu", "cpu")
 
@@ -192,7 +191,7 @@ class LocalRunOutput:
     def __init__(self, keep: int = 2000) -> None:
         self.tail: deque = deque(maxlen=keep)
 
-    def __enter__(self) -> "LocalRunOutput":
+    def __enter__(self) -> LocalRunOutput:
         self._saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(sys.stdout, self.tail), _Tee(sys.stderr, self.tail)
         return self

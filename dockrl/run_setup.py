@@ -12,7 +12,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -155,8 +155,8 @@ def seed_everything(seed: int) -> None:
 def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
     """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
     check_chat_template(tokenizer, cfg.data.chat_template, cfg.model.path)  # names model.path, not a data file
-    load = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
-                chat_template=cfg.data.chat_template, model=cfg.model.path)
+    load: dict[str, Any] = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+                                chat_template=cfg.data.chat_template, model=cfg.model.path)
     out = []
     for field, path in (("data.train_path", train_file), ("data.test_path", test_file)):
         try:

@@ -30,7 +30,6 @@ Nothing is compiled at import: ``build_pipeline`` and ``compile_pipeline`` do it
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
 
 from kfp import compiler, dsl, kubernetes
 
@@ -69,7 +68,7 @@ class Requests:
             raise ValueError(f"memory request {self.memory!r}: expected a Kubernetes memory quantity such as '16Gi' or '512Mi'")
 
 
-DEFAULT_REQUESTS: Dict[str, Requests] = {
+DEFAULT_REQUESTS: dict[str, Requests] = {
     "resolve-config": Requests(cpu="500m", memory="1Gi"),
     "prepare-dataset": Requests(cpu="1", memory="4Gi"),
     "train": Requests(cpu="2", memory="8Gi"),  # with the kubernetes backend (drives only); local: the platform's stage size
@@ -89,7 +88,7 @@ class PipelineSettings:
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     workers_namespace: str = ""
     """Namespace of the worker pods ("" for the launcher's own: the run's profile namespace)."""
-    requests: Dict[str, Requests] = field(default_factory=dict)
+    requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
     defaults to the platform's stage size: it runs every stage)."""
 
@@ -146,8 +145,8 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings) -> N
         kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
 
 
-def build_pipeline(platform: Union[Platform, str] = "npu", worker_backend: WorkerBackendName = "local", *,
-                   settings: Optional[PipelineSettings] = None):
+def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBackendName = "local", *,
+                   settings: PipelineSettings | None = None):
     """The GRPO pipeline for ``platform`` (a preset name or a ``Platform``) and ``worker_backend``,
     or for ``settings`` (which then fix both).
 
@@ -174,7 +173,7 @@ def build_pipeline(platform: Union[Platform, str] = "npu", worker_backend: Worke
         model_path: str = p["model_path"],
         train_data: str = p["train_data"],
         test_data: str = p["test_data"],
-        config_overrides: List[str] = [],
+        config_overrides: list[str] = [],  # noqa: B006 - KFP writes the default into the pipeline spec; never mutated
         export_dtype: str = "bfloat16",
     ):
         teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend,
@@ -206,8 +205,8 @@ def build_pipeline(platform: Union[Platform, str] = "npu", worker_backend: Worke
     return grpo
 
 
-def compile_pipeline(out: Union[str, Path], platform: str = "npu", worker_backend: WorkerBackendName = "local", *,
-                     settings: Optional[PipelineSettings] = None) -> Path:
+def compile_pipeline(out: str | Path, platform: str = "npu", worker_backend: WorkerBackendName = "local", *,
+                     settings: PipelineSettings | None = None) -> Path:
     """Compile the pipeline IR to ``out`` (``.yaml``); returns the path (see ``build_pipeline``)."""
     out = Path(out)
     if out.suffix not in (".yaml", ".yml", ".json"):
@@ -218,7 +217,7 @@ def compile_pipeline(out: Union[str, Path], platform: str = "npu", worker_backen
     return out
 
 
-def compiled_worker_backend(package: Union[str, Path]) -> str:
+def compiled_worker_backend(package: str | Path) -> str:
     """The worker backend a compiled package was built for (its train task's constant input).
 
     Raises:
@@ -241,7 +240,7 @@ def compiled_worker_backend(package: Union[str, Path]) -> str:
                      "(recompile it with `dockrl pipeline compile`)")
 
 
-def run_local(overrides: List[str], pipeline_root: Union[str, Path], *, export_dtype: str = "bfloat16") -> Path:
+def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: str = "bfloat16") -> Path:
     """Run the whole pipeline on this machine with ``kfp.local`` (tasks as subprocesses).
 
     Needs no Docker, cluster or network: tasks run in this Python environment one at a time;
@@ -272,7 +271,7 @@ def run_local(overrides: List[str], pipeline_root: Union[str, Path], *, export_d
     return new[0]
 
 
-def local_summary(run_dir: Union[str, Path]) -> dict:
+def local_summary(run_dir: str | Path) -> dict:
     """What ``dockrl pipeline run --local`` prints: where the artifacts are, the greedy test
     accuracy before training (train step) and of the exported model (evaluate step), and the
     training seconds."""
@@ -289,7 +288,7 @@ def local_summary(run_dir: Union[str, Path]) -> dict:
     return summary | task_metadata(run, "evaluate", "metrics")
 
 
-def task_metadata(run_dir: Union[str, Path], task: str, artifact: str) -> dict:
+def task_metadata(run_dir: str | Path, task: str, artifact: str) -> dict:
     """Metadata of output ``artifact`` of ``task`` in a local run folder (metrics for Metrics)."""
     import json
 

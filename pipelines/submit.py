@@ -16,12 +16,11 @@ unchecked: ``validate_cron`` checks it here.
 import json
 import logging
 import re
-import socket
 import urllib.error
 import urllib.request
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 HEALTHZ = "/apis/v2beta1/healthz"
 
@@ -49,7 +48,7 @@ _DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
 CRON_HELP = "6 fields, seconds first: 'sec min hour day-of-month month day-of-week', e.g. '0 0 3 * * *' (03:00 every day)"
 
 
-def _cron_value(text: str, lo: int, hi: int, names: Dict[str, int], where: str) -> int:
+def _cron_value(text: str, lo: int, hi: int, names: dict[str, int], where: str) -> int:
     value = names.get(text.upper()) if not text.isdigit() else int(text)
     if value is None:
         allowed = f"{lo}-{hi}" + (f" or {', '.join(names)}" if names else "")
@@ -111,7 +110,7 @@ COOKIES_ENV = "DOCKRL_KFP_COOKIES"
 """Environment variable with the session cookie(s) for a multi-user KFP (instead of ``--cookies``)."""
 
 
-def _headers(token: str = "", cookies: str = "") -> Dict[str, str]:
+def _headers(token: str = "", cookies: str = "") -> dict[str, str]:
     out = {"Accept": "application/json"}
     if token:
         out["Authorization"] = f"Bearer {token}"
@@ -120,13 +119,13 @@ def _headers(token: str = "", cookies: str = "") -> Dict[str, str]:
     return out
 
 
-def _version(tag: str) -> Optional[tuple]:
+def _version(tag: str) -> tuple | None:
     """``(major, minor, patch)`` of a KFP release tag (``2.5.0``, ``v2.14.3``, ``2.15.0-rc.1``); None if none."""
     m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", tag or "")
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
 
-def check_version(host: str, healthz: Dict[str, Any]) -> Optional[tuple]:
+def check_version(host: str, healthz: dict[str, Any]) -> tuple | None:
     """Check the server's KFP version (``tag_name`` of its healthz answer) against ``MIN_KFP_VERSION``.
 
     Returns the version, or None where the server does not tell it (then a warning: the run may
@@ -148,7 +147,7 @@ def check_version(host: str, healthz: Dict[str, Any]) -> Optional[tuple]:
     return found
 
 
-def server_info(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: str = "") -> Dict[str, Any]:
+def server_info(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: str = "") -> dict[str, Any]:
     """The KFP API's health answer (``commit_sha``, ``tag_name``, ``multi_user``), probed with
     ``timeout_s``; ``token``/``cookies`` authenticate the request on a multi-user install.
 
@@ -170,7 +169,7 @@ def server_info(host: str, timeout_s: float = 10.0, *, token: str = "", cookies:
             raise PipelineError(f"KFP at {host} answered {HEALTHZ} with HTTP {err.code} {err.reason}: a multi-user "
                                 f"install needs --token (or ${TOKEN_ENV}) or --cookies (or ${COOKIES_ENV})") from None
         raise PipelineError(f"KFP at {host} answered {HEALTHZ} with HTTP {err.code} {err.reason}; {fix}") from None
-    except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as err:
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
         reason = getattr(err, "reason", err)
         raise PipelineError(f"cannot reach KFP at {host} within {timeout_s:.0f} s ({reason}); {fix}") from None
     except ValueError:
@@ -203,7 +202,7 @@ def _client(host: str, timeout_s: float, *, token: str = "", cookies: str = "", 
                           namespace=namespace or "kubeflow")
 
 
-def package_parameters(package: Union[str, Path]) -> Dict[str, Any]:
+def package_parameters(package: str | Path) -> dict[str, Any]:
     """The run-time parameters of a compiled package: name -> default (None where it has none)."""
     import yaml
 
@@ -212,7 +211,7 @@ def package_parameters(package: Union[str, Path]) -> Dict[str, Any]:
     return {name: p.get("defaultValue") for name, p in params.items()}
 
 
-def check_params(package: Union[str, Path], params: Dict[str, Any]) -> None:
+def check_params(package: str | Path, params: dict[str, Any]) -> None:
     """Check that ``params`` are run-time parameters of ``package``.
 
     Raises:
@@ -229,7 +228,7 @@ def check_params(package: Union[str, Path], params: Dict[str, Any]) -> None:
                             "compiled in: recompile with `dockrl pipeline compile` to change them")
 
 
-def _package(package: Union[str, Path]) -> str:
+def _package(package: str | Path) -> str:
     path = Path(package)
     if not path.is_file():
         raise PipelineError(f"pipeline package {path} does not exist; create it with `dockrl pipeline compile {path}`")
@@ -248,9 +247,9 @@ def _api_call(host: str, what: str, fn, *args, **kwargs):
         raise PipelineError(f"KFP at {host} refused to {what}: HTTP {err.status} {err.reason} {body}".rstrip()) from None
 
 
-def submit(host: str, package: Union[str, Path], *, params: Optional[Dict[str, Any]] = None,
+def submit(host: str, package: str | Path, *, params: dict[str, Any] | None = None,
            experiment: str = "dockrl", run_name: str = "dockrl-grpo", service_account: str = "",
-           namespace: str = "", token: str = "", cookies: str = "", timeout_s: float = 10.0) -> Dict[str, str]:
+           namespace: str = "", token: str = "", cookies: str = "", timeout_s: float = 10.0) -> dict[str, str]:
     """Start one run of ``package`` in ``experiment`` (created if missing).
 
     ``params``: run-time parameters of the package (``package_parameters``); compile-time
@@ -277,10 +276,10 @@ def submit(host: str, package: Union[str, Path], *, params: Optional[Dict[str, A
     return {"experiment_id": exp.experiment_id, "run_id": run.run_id}
 
 
-def schedule(host: str, package: Union[str, Path], *, cron: str, params: Optional[Dict[str, Any]] = None,
+def schedule(host: str, package: str | Path, *, cron: str, params: dict[str, Any] | None = None,
              experiment: str = "dockrl", name: str = "dockrl-grpo-recurring", max_concurrency: int = 1,
              service_account: str = "", namespace: str = "", token: str = "", cookies: str = "",
-             timeout_s: float = 10.0) -> Dict[str, str]:
+             timeout_s: float = 10.0) -> dict[str, str]:
     """Create a recurring run of ``package`` on a 6-field ``cron`` schedule, without catch-up.
 
     ``no_catchup``: runs missed while the schedule was paused are not started afterwards.

@@ -73,7 +73,7 @@ def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -
     """The frozen reference policy (``HFTrainEngine``, ``trainable=False``) on this process's device."""
     from dockrl.engines.hf import HFTrainEngine
 
-    return HFTrainEngine(model_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16,
+    return HFTrainEngine(model_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16 is True,
                          trust_remote_code=cfg.model.trust_remote_code, device=ranks.device)
 
 
@@ -91,7 +91,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
     if t.engine == "megatron":
         from dockrl.engines.megatron import MegatronTrainEngine
 
-        if t.autocast_bf16:
+        if t.autocast_bf16 is True:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
         return MegatronTrainEngine(
             model_path, trainable=True, ranks=ranks, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
@@ -101,7 +101,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
 
     return HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        autocast_bf16=t.autocast_bf16, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
+        autocast_bf16=t.autocast_bf16 is True, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from dockrl.algorithms import entropy_from_logits
 from dockrl.engines.train_protocol import LossFn
@@ -85,12 +85,12 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 def load_model(
     path: str | Path, dtype: str, trust_remote_code: bool = False, device: torch.device | str = "cpu",
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """A causal LM from a local HF directory, in ``dtype`` (``float32`` / ``bfloat16``), on ``device``."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path {path}: no config.json; expected a local HF model directory")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # transformers types .to() for its own wrapper
 
 
 def autocast(device: torch.device, enabled: bool):
@@ -126,7 +126,7 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     return input_ids, attention_mask, positions, mask
 
 
-def _plain_lm_head(model: torch.nn.Module) -> bool:
+def _plain_lm_head(model: PreTrainedModel) -> bool:
     """True when logits are exactly ``lm_head(final hidden state)`` (Llama, Qwen2, Mistral, ...)."""
     cfg = model.config
     return (
@@ -138,7 +138,7 @@ def _plain_lm_head(model: torch.nn.Module) -> bool:
 
 
 def response_log_probs(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],
     *,

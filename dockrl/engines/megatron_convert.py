@@ -46,7 +46,7 @@ class GPTArch:
     max_position_embeddings: int
 
     @classmethod
-    def from_hf(cls, config: Any) -> "GPTArch":
+    def from_hf(cls, config: Any) -> GPTArch:
         """Read an HF ``PretrainedConfig``.
 
         Raises:

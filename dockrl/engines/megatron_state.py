@@ -20,6 +20,7 @@ boundary may fall between Q and V of one layer).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -30,6 +31,10 @@ from dockrl.resharding.spec import model_spec
 
 Extract = Callable[[torch.Tensor], torch.Tensor]
 
+
+def _chunk(half: int, t: torch.Tensor) -> torch.Tensor:
+    """Half ``half`` (0: gate, 1: up) of megatron's fused ``linear_fc1`` weight ``(2·F, H)``."""
+    return t.chunk(2)[half]
 
 def _qkv_part(engine, part: int) -> Extract:
     """Q (0), K (1) or V (2) rows of a local fused ``linear_qkv`` weight or bias."""
@@ -73,7 +78,7 @@ def hf_sources(engine, layout: ParallelLayout, model: ModelShape) -> dict[str, t
                 out[name] = (m + "self_attention.linear_proj.weight", whole)
             elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
                 half = 0 if "gate" in rest else 1
-                out[name] = (m + "mlp.linear_fc1.weight", lambda t, h=half: t.chunk(2)[h])
+                out[name] = (m + "mlp.linear_fc1.weight", partial(_chunk, half))
             elif rest == "mlp.down_proj.weight":
                 out[name] = (m + "mlp.linear_fc2.weight", whole)
             else:

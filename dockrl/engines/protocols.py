@@ -24,9 +24,14 @@ class RolloutEngine(Protocol):
         pad_id: the padding token (may equal ``eos_id``).
     """
 
-    tokenizer: Any
-    eos_id: int
-    pad_id: int
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
 
     def generate(
         self,

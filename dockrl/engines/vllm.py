@@ -35,6 +35,8 @@ import torch
 
 from dockrl.engines.hf import Sample, load_tokenizer, warn_foreign_sampling
 
+CPU = torch.device("cpu")
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -173,7 +175,7 @@ class VLLMRolloutEngine:
         kv_cache_gib: float | None = 1.0,
         max_model_len: int | None = None,
         enforce_eager: bool = True,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"rollout dtype: got {dtype!r}; expected one of {', '.join(map(repr, _DTYPES))}")
@@ -204,7 +206,7 @@ class VLLMRolloutEngine:
             with _hide_unscannable_modules():
                 self.llm = vllm.LLM(
                     str(model_path),
-                    dtype=dtype,
+                    dtype=dtype,  # type: ignore[arg-type]  # one of _DTYPES, checked above
                     seed=seed,
                     trust_remote_code=trust_remote_code,
                     distributed_executor_backend="uni",
@@ -256,6 +258,8 @@ class VLLMRolloutEngine:
         if top_p < 1.0 and not greedy and not self._warned_top_p:
             logger.warning("rollout.top_p=%s with vLLM: log-probs are renormalized over the nucleus, the actor's are not", top_p)
             self._warned_top_p = True
+        from vllm.inputs import TokensPrompt  # vllm is imported: the engine runs
+
         params = self._vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else temperature,
@@ -268,7 +272,7 @@ class VLLMRolloutEngine:
         )
         out: list[Sample] = []
         for start in range(0, len(prompts), batch_size):
-            chunk = [{"prompt_token_ids": list(p)} for p in prompts[start : start + batch_size]]
+            chunk = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[start : start + batch_size]]
             for request in self.llm.generate(chunk, params, use_tqdm=False):
                 out.append(self._sample(request.outputs[0]))
         return out

@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from dockrl.resharding import device as devices
 
+CPU = torch.device("cpu")
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -103,7 +105,7 @@ class WeightChannel:
 
     def __init__(
         self, address: str, *, rank: int, world_size: int = 2, timeout_s: float = 600.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
     ) -> None:
         host, port = parse_address(address)
         if not 0 <= rank < world_size:

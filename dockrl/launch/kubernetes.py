@@ -53,8 +53,21 @@ from typing import Any, Callable, Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.jobset import (
-    COMPLETION_INDEX, CONTAINER, GROUP_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, RUN_LABEL, VOLCANO_GROUP,
-    VOLCANO_PLURAL, VOLCANO_VERSION, check_run_id, jobset_name, member_host, render_jobset, secret_name,
+    COMPLETION_INDEX,
+    CONTAINER,
+    GROUP_LABEL,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    RUN_LABEL,
+    VOLCANO_GROUP,
+    VOLCANO_PLURAL,
+    VOLCANO_VERSION,
+    check_run_id,
+    jobset_name,
+    member_host,
+    render_jobset,
+    secret_name,
 )
 from dockrl.launch.platform import Platform, get_platform
 

@@ -129,7 +129,7 @@ def local_runs(state_dir: str | Path | None = None) -> list[dict]:
         pid, start = doc.get("driver_pid"), doc.get("driver_start_time")
         runs[doc["run_id"]] = {"run_id": doc["run_id"], "run_dir": doc.get("run_dir"), "driver_pid": pid,
                                "driver_alive": pid is not None and start is not None and _start_time(pid) == start}
-    for pid, rid in live.items():
+    for rid in live.values():
         runs.setdefault(rid, {"run_id": rid, "run_dir": None, "driver_pid": None, "driver_alive": False})
     for run in runs.values():
         run["processes"] = sorted(pid for pid, rid in live.items() if rid == run["run_id"])

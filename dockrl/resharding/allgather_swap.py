@@ -203,7 +203,7 @@ class AllGatherSwap:
 
     def sync(
         self,
-        on_bucket: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+        on_bucket: Callable[[list[tuple[str, torch.Tensor]]], object] | None = None,
         keep_buckets: bool = True,
     ) -> SyncReport:
         """Training → syncing → generating: build the inference weights (collective on all ranks).

@@ -173,6 +173,7 @@ def bucket_checksum(flat: torch.Tensor) -> int:
     if tail:
         col[:tail] += words[rows * k :]
         row = torch.cat([row, words[rows * k :].sum().view(1)])
-    ones = dict(dtype=torch.int64, device=flat.device)
-    total = (col * torch.arange(1, k + 1, **ones)).sum() + (row * torch.arange(1, row.numel() + 1, **ones)).sum() * _ROW_MIX
+    col_w = torch.arange(1, k + 1, dtype=torch.int64, device=flat.device)
+    row_w = torch.arange(1, row.numel() + 1, dtype=torch.int64, device=flat.device)
+    total = (col * col_w).sum() + (row * row_w).sum() * _ROW_MIX
     return int(total.item()) % (1 << 64)

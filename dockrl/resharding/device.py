@@ -234,8 +234,8 @@ def channel_group(
     if channel_backend(kind) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)  # type: ignore[return-value]  # a backend, used as a group
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)  # type: ignore[return-value]
 
 
 def synchronize(device: torch.device) -> None:

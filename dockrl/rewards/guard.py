@@ -24,6 +24,8 @@ import numbers
 import os
 import traceback
 from collections import Counter
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
@@ -97,7 +99,8 @@ class ScorerProcess:
 
     def __init__(self, path: str, kwargs: dict, *, timeout_s: float) -> None:
         self.path, self.kwargs, self.timeout_s = path, dict(kwargs), float(timeout_s)
-        self._proc = self._conn = None
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
         self._timeouts = 0
         self._last_counters: dict[str, int] = {}
 
@@ -113,9 +116,9 @@ class ScorerProcess:
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.path, self.kwargs, os.getpid()), daemon=True,
-                                 name=f"dockrl-scorer {self.path}")
-        self._proc.start()
+        self._proc = proc = ctx.Process(target=_serve, args=(child, self.path, self.kwargs, os.getpid()), daemon=True,
+                                        name=f"dockrl-scorer {self.path}")
+        proc.start()
         child.close()
         self._conn = parent
         if not parent.poll(START_TIMEOUT_S):
@@ -124,6 +127,7 @@ class ScorerProcess:
         self._answer("start")
 
     def _answer(self, what: str) -> Any:
+        assert self._conn is not None, "the scorer's process runs"
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError):
@@ -155,6 +159,7 @@ class ScorerProcess:
             return []
         self.start()
         limit = self.timeout_s * max(1, n)
+        assert self._conn is not None, "started above"
         self._conn.send(("score", (list(responses), list(ground_truths))))
         if not self._conn.poll(limit):
             self._kill()
@@ -166,7 +171,7 @@ class ScorerProcess:
 
     def counters(self) -> dict[str, int]:
         """The scorer's counters (as last read, when its process was restarted) plus this process's ``timeouts``."""
-        if self._proc is not None:
+        if self._conn is not None:
             self._conn.send(("counters", ()))
             self._last_counters = {k: int(v) for k, v in self._answer("counters").items()}
         out = {"timeouts": 0, "errors": 0, "scored": 0} | self._last_counters
@@ -175,7 +180,7 @@ class ScorerProcess:
 
     def close(self) -> None:
         """Close the scorer and stop its process. Safe to call twice."""
-        if self._proc is not None:
+        if self._conn is not None:
             try:
                 self._conn.send(("close", ()))
                 if self._conn.poll(10):
@@ -208,7 +213,7 @@ def check_rewards(result: Any, n: int) -> tuple[list[float], Counter]:
     if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or len(result) != n:
         got = f"{len(result)} values" if isinstance(result, Sequence) and not isinstance(result, (str, bytes)) else type(result).__name__
         return [0.0] * n, Counter({f"wrong count (a {got} result for {n} responses)": n})
-    rewards, bad = [], Counter()
+    rewards, bad = list[float](), Counter[str]()
     for value in result:
         real = _real(value)
         if real is None:

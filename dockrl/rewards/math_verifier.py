@@ -59,7 +59,9 @@ _NUMBER = re.compile(
 _AMBIGUOUS_TAIL = re.compile(r"[,.]?[0-9]")  # right after a number: 1,2  1.2.3  12,34,567
 _MAX_EXPONENT = 100
 _MV_TIMEOUT_S = 5  # math-verify's own signal.alarm timeout (whole seconds), main thread only
-_START_TIMEOUT_S = 180.0  # longest a fresh verifier worker may take to start (fork, sympy imports), seconds: generous, a loaded machine took over 60 s
+# longest a fresh verifier worker may take to start (fork, sympy imports), seconds: generous, a
+# loaded machine took over 60 s
+_START_TIMEOUT_S = 180.0
 
 
 def normalize_typography(text: str) -> str:

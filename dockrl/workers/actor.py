@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -182,10 +183,8 @@ class ActorWorker:
                 mini = {k: v[s : s + rows_per_step] for k, v in batch.items()}
                 steps.append(
                     self.engine.optimizer_step(
-                        lambda: accumulate_mini_batch(
-                            self.engine, mini, algo=self.algo, temperature=self.rollout.temperature,
-                            micro_batch=self.trainer.micro_batch,
-                        )
+                        partial(accumulate_mini_batch, self.engine, mini, algo=self.algo, temperature=self.rollout.temperature,
+                                micro_batch=self.trainer.micro_batch)
                     )
                 )
         if on_policy:
@@ -198,7 +197,8 @@ class ActorWorker:
         metrics |= rollout_log_prob_diff(rollout_log_prob, batch["old_log_prob"])
         tokens = sum(len(r) for r in batch["response_ids"])
         seconds = time.perf_counter() - start
-        metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds, "perf/actor_tokens_per_s": tokens * self.trainer.ppo_epochs / seconds})
+        metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds,
+                        "perf/actor_tokens_per_s": tokens * self.trainer.ppo_epochs / seconds})
         return metrics
 
 
