@@ -161,7 +161,7 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
     """GRPO iterations of ``shape`` through the HF engines on the device; the last iteration's figures."""
     from dockrl.config import load_config
     from dockrl.data import generate_problems
-    from dockrl.dock import GRPO_SCHEMA, TransferDock
+    from dockrl.dock import GRPO_SCHEMA, open_dock
     from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks
     from dockrl.resharding import device as devices
     from dockrl.workers.actor import ActorWorker
@@ -185,7 +185,7 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
                                                   tokenize=True, return_dict=False)) for row in problems]
     rollout, reward = RolloutWorker(rollout_engine, cfg.rollout), SyntheticRewardWorker(seed=0)
     advantage, update = AdvantageWorker(cfg.algorithm), ActorWorker(actor, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout)
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=600.0)
+    dock = open_dock(cfg.dock, GRPO_SCHEMA, run="gpu_check")
     devices.reset_allocator_peak(dev)
     setup_s = time.perf_counter() - build_start
     result: dict = {}
@@ -217,6 +217,7 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
             "setup_s": setup_s,
         }
         logger.info("%s iteration %d: %s", shape.name, it, json.dumps(result))
+    dock.close()
     del rollout_engine, actor, update, rollout
     devices.empty_cache(dev)
     return result

@@ -3,7 +3,6 @@
 from dockrl.dock.api import Claim, Dock
 from dockrl.dock.client import open_dock
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.local import TransferDock
 from dockrl.dock.schema import GRPO_SCHEMA, Column, Schema
 
-__all__ = ["Claim", "Column", "Dock", "DockError", "DockTimeoutError", "GRPO_SCHEMA", "Schema", "TransferDock", "open_dock"]
+__all__ = ["Claim", "Column", "Dock", "DockError", "DockTimeoutError", "GRPO_SCHEMA", "Schema", "open_dock"]

@@ -36,7 +36,7 @@ when its process dies the renewals stop and the rows return to the pool ``lease_
 or at once when the launcher calls ``release_owner``. ``ack`` goes to the shards owning the
 claim's rows. A claim with nothing to take while other owners hold rows of the consumer
 blocks on the shard holding most of them (``wait_held``), for the same reason as
-``TransferDock.claim``; rows coming back on another shard are seen when that one answers.
+a take (``ShardController.take``); rows coming back on another shard are seen when that one answers.
 
 **Snapshots** (one format in both modes). ``snapshot(uri)`` has every shard write its own snapshot under
 ``<uri>/<id>/shard-<s>``, copies the warehouse objects the rows live in (with a warehouse) to
@@ -138,7 +138,7 @@ class DockClient:
         owner: lease owner id; default ``host:pid:random``, unique per client. A launcher that
             passes a known id can ``release_owner`` it when the worker's process dies.
 
-    Thread-safe; every method may raise ``DockError`` as the shards' ``TransferDock`` does,
+    Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
     annotated with the shard and call.
 
@@ -304,7 +304,7 @@ class DockClient:
 
     # --- writes and reads ---------------------------------------------------------------------
     def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
-        """Write cells, sending each shard the rows it owns (``TransferDock.put`` semantics).
+        """Write cells, sending each shard the rows it owns (``ShardController.put`` semantics).
 
         With ``iteration`` the put is refused unless that iteration is the open one. With
         ``ack`` the claim is acked once the put succeeded: when the put covers exactly the
@@ -312,7 +312,7 @@ class DockClient:
         of two), else ``put`` then ``ack``.
 
         Raises:
-            DockError: as ``TransferDock.put`` and ``ack``, or the iteration was closed since
+            DockError: as ``ShardController.put`` and ``ack_rows``, or the iteration was closed since
                 this client learnt it; atomic per shard only.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
@@ -421,7 +421,7 @@ class DockClient:
     def claim(
         self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None
     ) -> Claim:
-        """Take up to ``count`` rows over all shards, as ``TransferDock.claim`` does on one.
+        """Take up to ``count`` rows over all shards, as ``ShardController.take`` does on one.
 
         Returns rows in ascending order with their cells; an empty claim once ``consumer``
         has taken every row of the iteration.
@@ -559,7 +559,7 @@ class DockClient:
     # --- leases -------------------------------------------------------------------------------
     def ack(self, claim: Claim) -> None:
         """The claim's consumer is done with its rows (call after its put): ends the lease on
-        the shards owning them (``TransferDock.ack`` semantics; an empty claim is a no-op).
+        the shards owning them (``ShardController.ack_rows`` semantics; an empty claim is a no-op).
 
         Raises:
             DockError: the claim's iteration is no longer open, or rows of the lease ended before
@@ -703,7 +703,7 @@ class DockClient:
     def restore(self, uri: str) -> None:
         """Load the snapshot at ``uri`` into the shards, shard ``s``'s into shard ``s``.
 
-        Un-acked leases of the snapshot end (``TransferDock.restore``).
+        Un-acked leases of the snapshot end (``ShardController.restore``).
 
         A snapshot taken in either ``dock.mode`` restores in either, with the same shard count.
 

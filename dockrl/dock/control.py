@@ -11,7 +11,7 @@ carries the little coordination they need (metadata only, never payload):
 * ``wait_reports(iteration, stages)`` — the driver blocks until every named stage reported.
 
 Every wait is event-driven on one condition variable and has a timeout whose error names what
-it waited for. ``TransferDock`` owns one ``RunControl`` (``dock.control``); a networked shard
+it waited for. ``ShardService`` owns one ``RunControl`` (``service.control``); a networked shard
 serves shard 0's to every ``DockClient``.
 """
 

@@ -1,19 +1,19 @@
 """The dock controller of one shard: readiness and consumption bits, leases, and the cells (Arrow chunks).
 
-A ``TransferDock`` is the state of one dock shard (``dockrl.dock.shard.ShardService`` wraps
-one; stages reach it through the sharded front end ``dockrl.dock.client.DockClient``, in either
-``dock.mode``): ``open_iteration`` → ``put`` / ``take`` / ``get`` → ``close_iteration``, over
-its slice of rows (``open_iteration(..., first_row=k, total_rows=N)``, so errors name global
-rows). ``take``, ``release``, ``missing`` and ``ack_rows`` are the metadata-only building
-blocks of a claim across shards; ``commit`` and ``locate`` those of a put and a read whose
-payload lives in a warehouse (``dockrl.dock.warehouse``): the dock then holds object keys and
-offsets, never cells. ``claim`` is ``take`` and ``get`` in one (one shard, one owner per call).
+A ``ShardController`` is the state of one dock shard; ``dockrl.dock.shard.ShardService`` wraps
+one and is its only caller (stages reach it through the sharded front end
+``dockrl.dock.client.DockClient``, in either ``dock.mode``): ``open_iteration`` → ``put`` /
+``take`` / ``get`` → ``close_iteration``, over its slice of rows (``open_iteration(...,
+first_row=k, total_rows=N)``, so errors name global rows). ``take``, ``release``, ``missing``
+and ``ack_rows`` are the metadata-only building blocks of a claim across shards; ``commit``
+and ``locate`` those of a put and a read whose payload lives in a warehouse
+(``dockrl.dock.warehouse``): the controller then holds object keys and offsets, never cells.
 Waiting is event-driven on a condition variable, never a sleep-poll loop.
 
-**Leases.** A claim is a lease: for each (row, consumer) it took, the dock records the
-claim's ``lease`` id, its ``owner`` (the claiming client; ``DEFAULT_OWNER`` in-process) and an
-expiry ``lease_s`` seconds ahead. The consumer ``ack``s the claim after its put, which ends
-the lease for good. ``renew(owner)`` pushes the expiry of every lease of an owner ahead (the
+**Leases.** A take is a lease: for each (row, consumer) it took, the controller records the
+``lease`` id, its ``owner`` (the claiming client; ``DEFAULT_OWNER`` if none) and an expiry
+``lease_s`` seconds ahead. The consumer acks (``ack_rows``) after its put, which ends the
+lease for good. ``renew(owner)`` pushes the expiry of every lease of an owner ahead (the
 networked client does it from a heartbeat thread); ``release_owner(owner)`` ends them at once
 (a launcher that saw the owner's process die). A lease that ends without an ack (expiry,
 ``release_owner``, ``restore``) returns its rows to the ready pool, except rows whose output
@@ -21,9 +21,9 @@ columns for that consumer (schema columns whose producer is the consumer) are al
 the put is the commit, so those rows count as acked and are not computed twice. Blocked
 claims wake at the next expiry (the condition wait is bounded by it), never by polling.
 
-**When a consumer is done.** An empty claim means every row of the consumer is acked,
+**When a consumer is done.** A take of no rows with none pending means every row of the consumer is acked,
 finished (outputs written), or leased by the claiming owner itself. While rows are leased by
-another owner and not finished, a claim with nothing to take blocks: they may come back.
+another owner and not finished, a take with nothing to take blocks: they may come back.
 
 **Snapshots.** ``snapshot(uri)`` writes the open iteration's metadata (layout, readiness,
 consumed and acked bits) and payload as Arrow IPC files through ``pyarrow.fs``
@@ -44,7 +44,6 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dockrl.dock.api import Claim
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import Located
@@ -168,15 +167,15 @@ class _Iteration:
         return self.ready[np.ix_(rows, self.outputs[ci])].all(axis=1)
 
 
-class TransferDock:
-    """The experience table of one iteration at a time, shared by the stages of one process.
+class ShardController:
+    """The rows of one shard of the experience table, one iteration at a time.
 
     Args:
         schema: the column schema; every put is checked against it.
-        timeout_s: default claim timeout in seconds.
-        lease_s: default lease term of a claim, seconds (``math.inf``: leases never expire).
+        timeout_s: default timeout of a blocking ``take``, seconds.
+        lease_s: default lease term of a take, seconds (``math.inf``: leases never expire).
 
-    Thread-safe: stages may run as threads and block in ``claim``.
+    Thread-safe: callers may block in ``take`` from many threads.
 
     Raises:
         ValueError: ``lease_s`` is not > 0.
@@ -184,7 +183,7 @@ class TransferDock:
 
     def __init__(self, schema: Schema, *, timeout_s: float = 600.0, lease_s: float = 300.0) -> None:
         if not lease_s > 0:
-            raise ValueError(f"TransferDock: lease_s={lease_s!r}; expected a number of seconds > 0")
+            raise ValueError(f"ShardController: lease_s={lease_s!r}; expected a number of seconds > 0")
         self.schema = schema
         self.timeout_s = timeout_s
         self.lease_s = lease_s
@@ -235,30 +234,18 @@ class TransferDock:
             raise DockError(f"{what}: iteration {iteration} is not open; the open iteration is {self._it.iteration}")
         return self._it
 
-    @property
-    def num_rows(self) -> int:
-        with self._cond:
-            return self._current("num_rows").num_rows
-
-    @property
-    def group_size(self) -> int:
-        with self._cond:
-            return self._current("group_size").group_size
-
     # --- writes ----------------------------------------------------------------------------
     def put(
         self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None,
-        ack: Claim | None = None,
     ) -> None:
         """Write cells: ``columns[name][k]`` is the cell of row ``rows[k]``.
 
         Atomic: either every cell is written or none. With ``iteration`` the put is refused
-        unless that iteration is the open one. With ``ack`` the claim is acked once the put
-        succeeded (``put`` then ``ack``; the sharded dock does both in one round trip per shard).
+        unless that iteration is the open one.
 
         Raises:
             DockError: unknown column, wrong Arrow type or length, row out of range or repeated,
-                a cell already written, no open iteration, or another iteration open; as ``ack``.
+                a cell already written, no open iteration, or another iteration open.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
@@ -274,8 +261,6 @@ class TransferDock:
                 it.ready[rows_arr, it.col_index[name]] = True
                 self.bytes_put += array.nbytes
             self._cond.notify_all()
-        if ack is not None:
-            self.ack(ack)
 
     @staticmethod
     def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
@@ -405,43 +390,6 @@ class TransferDock:
                     )
             return self._gather(it, columns, rows_arr)
 
-    def claim(
-        self,
-        consumer: str,
-        columns: Sequence[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        timeout_s: float | None = None,
-        owner: str | None = None,
-        lease_s: float | None = None,
-    ) -> Claim:
-        """Atomically take up to ``count`` rows ready in all ``columns`` and not yet taken by ``consumer``.
-
-        Blocks until ``min(count, rows this consumer has not taken yet)`` rows are ready, so
-        each call returns a full batch except the last of an iteration. The rows are leased to
-        ``owner`` (default ``DEFAULT_OWNER``) for ``lease_s`` seconds (default the dock's):
-        ``ack`` the claim once its outputs are put. Returns an empty claim once every row of
-        the consumer is acked, finished or leased by ``owner``; while other owners hold
-        un-finished rows it blocks instead (they come back if their lease ends). With
-        ``whole_groups`` only complete prompt groups are taken and ``count`` must be a
-        multiple of the group size.
-
-        Raises:
-            DockError: unknown column or consumer, bad count or lease term, or no open iteration.
-            DockTimeoutError: not enough rows became ready within the timeout; names the
-                columns still missing and how many rows lack each, and the rows other owners hold.
-        """
-        lease = uuid.uuid4().hex
-        with self._cond:
-            it, rows, _, _ = self._take_locked(
-                consumer, columns, count, whole_groups, count, timeout_s, None, owner or DEFAULT_OWNER, lease, lease_s, True
-            )
-            if not len(rows):
-                empty = pa.RecordBatch.from_pylist([], schema=self.schema.arrow_schema(list(columns)))
-                return Claim(it.iteration, [], empty, consumer=consumer)
-            return Claim(it.iteration, (rows + it.first_row).tolist(), self._gather(it, columns, rows), lease, consumer)
-
     def take(
         self,
         consumer: str,
@@ -460,16 +408,21 @@ class TransferDock:
     ) -> Taken:
         """Claim rows, and with ``read`` their cells of ``columns``: the building block of a claim across shards.
 
-        Takes up to ``count`` ready rows once ``min(at_least, rows pending)`` are ready
-        (``at_least=None`` means ``count``, as in ``claim``; ``0`` never blocks), under lease
-        ``lease`` of ``owner`` (a fresh lease id when None; taking again under an existing id
-        adds rows to it and renews it). With no row pending, ``at_least > 0`` and
-        ``wait_held``, it blocks while other owners hold rows of the consumer, as ``claim``.
+        Takes up to ``count`` ready rows (in ``columns``, not yet taken by ``consumer``) once
+        ``min(at_least, rows pending)`` are ready (``at_least=None`` means ``count``; ``0`` never
+        blocks), under lease ``lease`` of ``owner`` for ``lease_s`` seconds (defaults: a fresh
+        lease id, ``DEFAULT_OWNER``, the controller's term; taking again under an existing id
+        adds rows to it and renews it). With ``whole_groups`` only complete prompt groups are
+        taken. With no row pending, ``at_least > 0`` and ``wait_held``, it blocks while other
+        owners hold un-finished rows of the consumer (they come back if their lease ends).
 
         Raises:
-            DockError: as ``claim``; also a negative ``at_least``, another iteration open, or a
-                ``lease`` id of another owner or consumer.
-            DockTimeoutError: as ``claim``.
+            DockError: unknown column or consumer, a count not positive (or not a multiple of
+                the group size with ``whole_groups``), a bad lease term, a negative
+                ``at_least``, no open iteration or another one open, or a ``lease`` id of
+                another owner or consumer.
+            DockTimeoutError: not enough rows became ready within the timeout; names the
+                columns still missing and how many rows lack each, and the rows other owners hold.
         """
         lease = lease or uuid.uuid4().hex
         with self._cond:
@@ -662,25 +615,16 @@ class TransferDock:
                 held += int((~self._lease_done(it, lease)[1]).sum())
         return held
 
-    def ack(self, claim: Claim) -> None:
-        """The claim's consumer is done with its rows (call after its put): end the lease for good.
-
-        Idempotent; an empty claim is a no-op. A lease that already ended (expired, or
-        ``release_owner``) is still accepted for rows it finished or that nobody re-claimed since.
-
-        Raises:
-            DockError: the claim's iteration is not open, unknown consumer, or rows of the
-                lease ended before the ack and were re-delivered to another claim (the message
-                names them; the claim's other rows are acked).
-        """
-        if claim.rows:
-            self.ack_rows(claim.consumer, claim.lease, claim.rows, iteration=claim.iteration)
-
     def ack_rows(self, consumer: str, lease: str, rows: Sequence[int], *, iteration: int | None = None) -> None:
-        """``ack`` of ``rows`` (global indexes) leased to ``consumer`` under ``lease``: the shard's half.
+        """``consumer`` is done with ``rows`` (global indexes) it took under ``lease`` (after its put): end the lease for good.
+
+        Idempotent. A lease that already ended (expired, or ``release_owner``) is still
+        accepted for rows it finished or that nobody re-claimed since.
 
         Raises:
-            DockError: as ``ack``; also a row out of range or repeated.
+            DockError: ``iteration`` not open, unknown consumer, a row out of range or repeated,
+                or rows of the lease ended before the ack and were re-delivered to another
+                claim (the message names them; the other rows are acked).
         """
         what = f"ack by {consumer!r}"
         with self._cond:

@@ -2,7 +2,7 @@
 
 A shard owns a contiguous range of whole prompt groups of each iteration (``shard_ranges``;
 ``dockrl.dock.client`` documents the mapping) and holds, for those rows, the controller state
-and (``payload="memory"``) the cells: it wraps one ``TransferDock`` whose rows keep their
+and (``payload="memory"``) the cells: it wraps one ``ShardController`` whose rows keep their
 global indexes. ``ShardService`` is the shard's whole behaviour as plain calls on Python
 values; a transport carries them (``ShardTransport``):
 
@@ -54,7 +54,7 @@ import pyarrow as pa
 
 from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError
-from dockrl.dock.local import DEFAULT_OWNER, TransferDock, check_sizes
+from dockrl.dock.local import DEFAULT_OWNER, ShardController, check_sizes
 from dockrl.dock.schema import Schema
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ShardLayout:
     """Where the rows of one iteration live: shard ``s`` owns ``ranges[s]``.
 
     Raises:
-        DockError: sizes that ``TransferDock.open_iteration`` refuses.
+        DockError: sizes that ``ShardController.open_iteration`` refuses.
     """
 
     iteration: int
@@ -133,7 +133,7 @@ class ShardService:
         if payload not in ("memory", "store"):
             raise ValueError(f"dock shard payload: got {payload!r}; expected 'memory' or 'store'")
         self.schema, self.name, self.payload = schema, name, payload
-        self.dock = TransferDock(schema, timeout_s=timeout_s, lease_s=lease_s)
+        self.dock = ShardController(schema, timeout_s=timeout_s, lease_s=lease_s)
         self.control = RunControl(timeout_s=timeout_s)  # the run's control channel (used on shard 0)
         self._lock = threading.Lock()
         self._layout: dict[str, int] | None = None
@@ -252,7 +252,7 @@ class ShardService:
         return {name: loc.to_json() for name, loc in located.items()}
 
     def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Take rows for a claim (``TransferDock.take``); rows taken for a caller that gave up
+        """Take rows for a claim (``ShardController.take``); rows taken for a caller that gave up
         (``cancelled()`` true once the take returns) are handed back."""
         return self._claim(req, cancelled, read=False)[0]
 
@@ -288,7 +288,7 @@ class ShardService:
         """Write the cells of ``table`` (an int64 ``row`` column plus data columns), then ack with ``req["ack"]``.
 
         Raises:
-            DockError: a store-payload shard, no ``row`` column, or as ``TransferDock.put``/``ack_rows``.
+            DockError: a store-payload shard, no ``row`` column, or as ``ShardController.put``/``ack_rows``.
         """
         self._require("memory", "put")
         if ROW not in table.schema.names:
@@ -300,7 +300,7 @@ class ShardService:
             self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], rows, iteration=req["iteration"])
 
     def get(self, req: dict[str, Any]) -> pa.RecordBatch:
-        """The cells of ``req["rows"]`` (``TransferDock.get``) of a memory-payload shard."""
+        """The cells of ``req["rows"]`` (``ShardController.get``) of a memory-payload shard."""
         self._require("memory", "get")
         return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
 

@@ -1,4 +1,4 @@
-"""Tests of the sharded transfer dock: DockClient over Arrow Flight shards behaves as TransferDock.
+"""Tests of the sharded transfer dock: DockClient over Arrow Flight shards behaves as the in-process dock.
 
 Every test on the ``client`` fixture runs with the payload in the shards' memory (1 and 3
 shards) and in a warehouse (2 metadata-only shards; an S3 server, a local directory).
@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, TransferDock
+from dockrl.config import DockConfig
+from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, open_dock
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.shard import shard_ranges
@@ -335,13 +336,13 @@ def test_bad_input_raises_dock_error_naming_the_culprit(client, name):
     assert type(info.value) is DockError
     for fragment in fragments:
         assert fragment in str(info.value)
-    local = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    local = open_dock(DockConfig(timeout_s=0.1, shards=len(client.locations)), GRPO_SCHEMA, run="test")
     local.open_iteration(0, 8, 2)
     local.put([7], {"prompt_ids": [[7]]})
     with pytest.raises(DockError) as expected:
         call(local)
-    if name != "repeated row" or len(client.locations) == 1:  # a shard names the rows of its part only
-        assert str(info.value) == str(expected.value)  # the shard's message, wherever it was raised
+    local.close()
+    assert str(info.value) == str(expected.value)  # the shard's message, in either dock.mode
 
 
 @pytest.mark.parametrize("error", [DockError("put: bad"), DockTimeoutError("claim by 'x' timed out")])

@@ -1,6 +1,6 @@
 """The controller's claim / ack / release / expire state machine against a small reference model.
 
-A hypothesis ``RuleBasedStateMachine`` drives one in-process ``TransferDock`` through random
+A hypothesis ``RuleBasedStateMachine`` drives one in-process ``ShardController`` through random
 sequences of puts, claims (blocking with a zero timeout, and the non-blocking ``take``, also
 under an existing lease id), acks (of whole claims, parts of them, rows never leased, stale
 leases), releases, ``release_owner``, ``renew``, clock steps past lease expiries, and a
@@ -35,8 +35,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
+import lease_helpers as lh
+
 import dockrl.dock.local as local
-from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError, TransferDock
+from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
+from dockrl.dock.local import ShardController
 
 OWNERS = ("a", "b", "c")
 INPUTS = {"reward": ["prompt_ids"], "advantage": ["rm_score"]}
@@ -195,7 +198,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self._real_time = local.time
         local.time = self.clock
-        self.dock: TransferDock | None = None
+        self.dock: ShardController | None = None
         self.model: Model | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix="lease-machine-")
         self._log = logging.getLogger(local.__name__)
@@ -210,7 +213,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @initialize(g=st.integers(1, 3), groups=st.integers(1, 4))
     def open(self, g: int, groups: int) -> None:
-        self.dock = TransferDock(GRPO_SCHEMA, timeout_s=0.0, lease_s=TERMS[0])
+        self.dock = ShardController(GRPO_SCHEMA, timeout_s=0.0, lease_s=TERMS[0])
         self.dock.open_iteration(0, g * groups, g)
         self.model = Model(g * groups, g)
 
@@ -234,9 +237,9 @@ class LeaseMachine(RuleBasedStateMachine):
         expected = self.model.take(consumer, count, whole, count, owner, "?", term, self.clock.now)
         if expected is None:
             with pytest.raises(DockTimeoutError, match=f"claim by '{consumer}' timed out"):
-                self.dock.claim(consumer, INPUTS[consumer], count, whole_groups=whole, owner=owner, lease_s=term)
+                lh.claim(self.dock, consumer, INPUTS[consumer], count, whole_groups=whole, owner=owner, lease_s=term)
             return multiple()
-        claim = self.dock.claim(consumer, INPUTS[consumer], count, whole_groups=whole, owner=owner, lease_s=term)
+        claim = lh.claim(self.dock, consumer, INPUTS[consumer], count, whole_groups=whole, owner=owner, lease_s=term)
         assert claim.rows == expected[0]
         for column in INPUTS[consumer]:
             assert claim.batch.column(column).to_pylist() == [CELLS[column](r) for r in claim.rows]
@@ -334,7 +337,7 @@ class LeaseMachine(RuleBasedStateMachine):
         uri = f"{self.tmp.name}/snap-{self.snapshots}"
         self.model.expire(self.clock.now)
         self.dock.snapshot(uri)
-        fresh = TransferDock(GRPO_SCHEMA, timeout_s=0.0, lease_s=TERMS[0])
+        fresh = ShardController(GRPO_SCHEMA, timeout_s=0.0, lease_s=TERMS[0])
         fresh.restore(uri)
         self.dock, self.model = fresh, self.model.restored()
 

@@ -9,7 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError, TransferDock
+import lease_helpers as lh
+
+from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
+from dockrl.dock.local import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight import DockShardServer
@@ -20,15 +23,15 @@ TOKEN = "lease-token"
 @pytest.fixture(autouse=True, scope="module")
 def warm_arrow() -> None:
     """Load Arrow's compute kernels once: the first ``take`` costs ~0.4 s, longer than the short leases here."""
-    make_dock().claim("reward", ["prompt_ids"], 4)
+    lh.claim(make_dock(), "reward", ["prompt_ids"], 4)
 
 
 def prompt_cell(row: int) -> list[int]:
     return [row, row + 100]
 
 
-def make_dock(num_rows: int = 4, group_size: int = 2, lease_s: float = 300.0) -> TransferDock:
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=5.0, lease_s=lease_s)
+def make_dock(num_rows: int = 4, group_size: int = 2, lease_s: float = 300.0) -> ShardController:
+    dock = ShardController(GRPO_SCHEMA, timeout_s=5.0, lease_s=lease_s)
     dock.open_iteration(0, num_rows, group_size)
     dock.put(range(num_rows), {"prompt_ids": [prompt_cell(r) for r in range(num_rows)]})
     return dock
@@ -53,27 +56,27 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
 
 def test_claim_carries_a_lease_and_ack_ends_it_for_good():
     dock = make_dock()
-    claim = dock.claim("reward", ["prompt_ids"], 4, owner="a")
+    claim = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="a")
     assert claim.lease and claim.consumer == "reward"
-    dock.ack(claim)
-    dock.ack(claim)  # idempotent
-    empty = dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=0.1)  # would wait if a still held rows
+    lh.ack(dock, claim)
+    lh.ack(dock, claim)  # idempotent
+    empty = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="b", timeout_s=0.1)  # would wait if a still held rows
     assert empty.rows == [] and empty.lease == ""
-    dock.ack(empty)  # no rows, no lease: a no-op
+    lh.ack(dock, empty)  # no rows, no lease: a no-op
     assert dock.release_owner("a") == 0  # nothing left to return
 
 
 def test_expired_lease_returns_rows_and_a_late_ack_names_the_re_delivered_rows():
     dock = make_dock(lease_s=0.2)
-    first = dock.claim("reward", ["prompt_ids"], 3, owner="slow")
+    first = lh.claim(dock, "reward", ["prompt_ids"], 3, owner="slow")
     time.sleep(0.3)
-    again = dock.claim("reward", ["prompt_ids"], 4, owner="fresh")
+    again = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="fresh")
     assert again.rows == [0, 1, 2, 3]  # the expired rows are back in the ready pool
     with pytest.raises(DockError) as info:
-        dock.ack(first)
+        lh.ack(dock, first)
     msg = str(info.value)
     assert "ack by 'reward'" in msg and "[0, 1, 2]" in msg and "re-delivered" in msg
-    dock.ack(again)
+    lh.ack(dock, again)
     assert dock.stats()["dock/leases_expired"] == 1 and dock.stats()["dock/rows_returned"] == 3
 
 
@@ -86,111 +89,111 @@ def test_a_late_ack_finds_the_rows_of_every_end_of_its_lease():
     assert dock.take("reward", ["prompt_ids"], 1, at_least=0, owner="a", lease="L").rows == [0]  # after L's expiry
     time.sleep(0.3)
     dock.ack_rows("reward", "L", [0, 1])  # both back in the pool, re-claimed by nobody: the work stands
-    assert dock.claim("reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]
+    assert lh.claim(dock, "reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]
 
 
 def test_ack_of_rows_never_leased_under_the_lease_is_refused():
     dock = make_dock()
-    claim = dock.claim("reward", ["prompt_ids"], 2)
+    claim = lh.claim(dock, "reward", ["prompt_ids"], 2)
     forged = dataclasses.replace(claim, rows=[1, 2, 3])
     with pytest.raises(DockError, match=r"rows \[2, 3\] are not leased to 'reward' under lease '[0-9a-f]+' in iteration 0"):
-        dock.ack(forged)
-    assert dock.claim("reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]  # the refused rows stay free
+        lh.ack(dock, forged)
+    assert lh.claim(dock, "reward", ["prompt_ids"], 2, owner="b").rows == [2, 3]  # the refused rows stay free
 
 
 def test_late_ack_is_accepted_when_nobody_re_claimed_the_rows():
     dock = make_dock(lease_s=0.2)
-    claim = dock.claim("reward", ["prompt_ids"], 4)
+    claim = lh.claim(dock, "reward", ["prompt_ids"], 4)
     time.sleep(0.3)
-    dock.ack(claim)  # expired, but nobody took the rows since: the work stands
-    assert dock.claim("reward", ["prompt_ids"], 4, owner="other", timeout_s=0.1).rows == []
+    lh.ack(dock, claim)  # expired, but nobody took the rows since: the work stands
+    assert lh.claim(dock, "reward", ["prompt_ids"], 4, owner="other", timeout_s=0.1).rows == []
 
 
 def test_rows_whose_outputs_are_written_are_not_re_delivered_when_the_lease_ends():
     dock = make_dock()
-    claim = dock.claim("reward", ["prompt_ids"], 4, owner="dies-after-put")
+    claim = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="dies-after-put")
     dock.put([0, 1], {"rm_score": [1.0, 2.0], "correct": [True, False]})  # every column reward produces
     dock.put([2], {"rm_score": [3.0]})  # one output of two: not finished
     assert dock.release_owner("dies-after-put") == 2  # ends the lease as an expiry would, without a clock
-    assert dock.claim("reward", ["prompt_ids"], 4, owner="replacement").rows == [2, 3]
+    assert lh.claim(dock, "reward", ["prompt_ids"], 4, owner="replacement").rows == [2, 3]
     with pytest.raises(DockError, match=r"rows \[2, 3\] were re-delivered"):
-        dock.ack(claim)  # rows 0 and 1 are accepted, the others were handed on
+        lh.ack(dock, claim)  # rows 0 and 1 are accepted, the others were handed on
 
 
 def test_a_whole_group_lease_returns_a_partly_finished_group_whole():
     dock = make_dock(num_rows=4, group_size=2)
     dock.put(range(4), {"rm_score": [0.0] * 4})
-    claim = dock.claim("advantage", ["rm_score"], 4, whole_groups=True, owner="a")
+    claim = lh.claim(dock, "advantage", ["rm_score"], 4, whole_groups=True, owner="a")
     dock.put([0, 1, 2], {"advantages": [0.5, -0.5, 0.1]})  # group 0 finished, group 1 half
     assert dock.release_owner("a") == 2
-    again = dock.claim("advantage", ["rm_score"], 4, whole_groups=True, owner="b")
+    again = lh.claim(dock, "advantage", ["rm_score"], 4, whole_groups=True, owner="b")
     assert again.rows == [2, 3]
     with pytest.raises(DockError, match=r"rows \[2, 3\]"):
-        dock.ack(claim)
+        lh.ack(dock, claim)
 
 
 def test_empty_claim_waits_for_rows_other_owners_hold_then_returns_at_their_ack():
     dock = make_dock()
-    held = dock.claim("reward", ["prompt_ids"], 4, owner="a")
-    assert dock.claim("reward", ["prompt_ids"], 4, owner="a").rows == []  # its own leases: done at once
+    held = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="a")
+    assert lh.claim(dock, "reward", ["prompt_ids"], 4, owner="a").rows == []  # its own leases: done at once
     with pytest.raises(DockTimeoutError) as info:
-        dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=0.2)
+        lh.claim(dock, "reward", ["prompt_ids"], 4, owner="b", timeout_s=0.2)
     assert "4 rows are leased by other owners" in str(info.value)
-    thread, out = in_thread(lambda: dock.claim("reward", ["prompt_ids"], 4, owner="b"))
+    thread, out = in_thread(lambda: lh.claim(dock, "reward", ["prompt_ids"], 4, owner="b"))
     time.sleep(0.1)
     assert thread.is_alive()
-    dock.ack(held)
+    lh.ack(dock, held)
     thread.join(2)
     assert out[0].rows == []
 
 
 def test_a_blocked_claim_wakes_at_the_expiry_of_another_owners_lease():
     dock = make_dock(lease_s=0.3)
-    dock.claim("reward", ["prompt_ids"], 4, owner="dead")
+    lh.claim(dock, "reward", ["prompt_ids"], 4, owner="dead")
     start = time.monotonic()
-    claim = dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=30.0)  # woken by the expiry, not a poll
+    claim = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="b", timeout_s=30.0)  # woken by the expiry, not a poll
     assert claim.rows == [0, 1, 2, 3]
     assert 0.25 <= time.monotonic() - start < 10.0  # far below the claim's timeout
 
 
 def test_renew_keeps_a_slow_owners_rows():
     dock = make_dock(lease_s=1.0)
-    claim = dock.claim("reward", ["prompt_ids"], 4, owner="slow")
-    thread, out = in_thread(lambda: dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=1.6))
+    claim = lh.claim(dock, "reward", ["prompt_ids"], 4, owner="slow")
+    thread, out = in_thread(lambda: lh.claim(dock, "reward", ["prompt_ids"], 4, owner="b", timeout_s=1.6))
     for _ in range(8):
         time.sleep(0.25)
         assert dock.renew("slow") == 1
     thread.join(3)
     assert isinstance(out[0], DockTimeoutError)
-    dock.ack(claim)
+    lh.ack(dock, claim)
     assert dock.renew("slow") == 0
 
 
 def test_release_owner_returns_its_rows_at_once():
     dock = make_dock()
-    dock.claim("reward", ["prompt_ids"], 3, owner="dead")
-    dock.claim("reference", ["prompt_ids"], 2, owner="dead")
-    acked = dock.claim("reward", ["prompt_ids"], 1, owner="alive")
-    dock.ack(acked)
-    thread, out = in_thread(lambda: dock.claim("reward", ["prompt_ids"], 4, owner="b"))
+    lh.claim(dock, "reward", ["prompt_ids"], 3, owner="dead")
+    lh.claim(dock, "reference", ["prompt_ids"], 2, owner="dead")
+    acked = lh.claim(dock, "reward", ["prompt_ids"], 1, owner="alive")
+    lh.ack(dock, acked)
+    thread, out = in_thread(lambda: lh.claim(dock, "reward", ["prompt_ids"], 4, owner="b"))
     time.sleep(0.1)
     assert dock.release_owner("dead") == 5
     thread.join(2)
     assert out[0].rows == [0, 1, 2]
     assert dock.release_owner("dead") == 0
-    assert dock.claim("reference", ["prompt_ids"], 4, owner="b").rows == [0, 1, 2, 3]
+    assert lh.claim(dock, "reference", ["prompt_ids"], 4, owner="b").rows == [0, 1, 2, 3]
 
 
 def test_lease_misuse_is_refused():
     with pytest.raises(ValueError, match="lease_s=0"):
-        TransferDock(GRPO_SCHEMA, lease_s=0)
+        ShardController(GRPO_SCHEMA, lease_s=0)
     dock = make_dock()
     taken = dock.take("reward", ["prompt_ids"], 2, owner="a", lease="L1")
     assert taken.rows == [0, 1] and taken.lease == "L1" and taken.pending == 2 and taken.held == 0
     with pytest.raises(DockError, match="lease 'L1' belongs to owner 'a'"):
         dock.take("reward", ["prompt_ids"], 2, owner="b", lease="L1")
     with pytest.raises(DockError, match="lease_s=-1"):
-        dock.claim("reward", ["prompt_ids"], 1, lease_s=-1)
+        lh.claim(dock, "reward", ["prompt_ids"], 1, lease_s=-1)
     dock.ack_rows("reward", "L1", [0])
     with pytest.raises(DockError, match=r"rows \[0\] are already acked"):
         dock.release("reward", [0, 1])
@@ -200,7 +203,7 @@ def test_lease_misuse_is_refused():
 
 
 def test_no_open_iteration_renew_and_release_owner_are_no_ops():
-    dock = TransferDock(GRPO_SCHEMA)
+    dock = ShardController(GRPO_SCHEMA)
     assert dock.renew("x") == 0 and dock.release_owner("x") == 0
 
 
@@ -241,13 +244,6 @@ def test_client_ack_reaches_every_shard_of_the_claim(opened, shards):
     thread.join(3)
     assert out[0].rows == []
     a.close(), b.close()
-
-
-def test_put_with_ack_ends_the_lease_in_process():
-    dock = make_dock()
-    claim = dock.claim("reward", ["prompt_ids"], 4, owner="a")
-    dock.put(claim.rows, {"rm_score": [1.0] * 4, "correct": [True] * 4}, ack=claim)
-    assert dock.release_owner("a") == 0 and dock.claim("reward", ["prompt_ids"], 4, owner="b", timeout_s=0.1).rows == []
 
 
 @pytest.mark.parametrize("rows", [None, [0, 5, 9]])  # the claim's rows: acked with the put; others: put, then ack

@@ -1,8 +1,7 @@
 """Tests of the in-process transfer dock: delivery, grouping, blocking, errors and Arrow round trips.
 
-Each test runs on a shard's controller alone (``TransferDock``) and on the dock of
-``dock.mode=inprocess`` (``open_dock``) with one and with two shards: the same behaviour and
-messages, checked by the shards.
+Each test runs on the dock of ``dock.mode=inprocess`` (``open_dock``) with one and with two
+shards: the same behaviour and messages, checked by the shards.
 """
 
 from __future__ import annotations
@@ -18,18 +17,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dockrl.config import DockConfig
-from dockrl.dock import GRPO_SCHEMA, Claim, Dock, DockError, DockTimeoutError, TransferDock, open_dock
+from dockrl.dock import GRPO_SCHEMA, Claim, Dock, DockError, DockTimeoutError, open_dock
 
 TOKENS = pa.list_(pa.int32())
 LOGPROBS = pa.list_(pa.float32())
-KIND: dict = {"dock": "controller"}
+KIND: dict = {"dock": "inprocess", "opened": []}
 ROW_ORDER = {  # these check the order rows come in: over two shards a claim starts at a rotating shard
     "test_claims_of_two_consumers_interleave_independently", "test_whole_groups_never_returns_a_partial_group",
     "test_claim_count_must_be_positive_without_whole_groups",
 }
 
 
-@pytest.fixture(autouse=True, params=["controller", "inprocess", "inprocess-2shards"])
+@pytest.fixture(autouse=True, params=["inprocess", "inprocess-2shards"])
 def dock_kind(request: pytest.FixtureRequest):
     """Which dock ``make_dock`` builds in this test; closes the in-process ones afterwards."""
     if request.param == "inprocess-2shards" and request.node.originalname in ROW_ORDER:
@@ -40,13 +39,12 @@ def dock_kind(request: pytest.FixtureRequest):
         dock.close()
 
 
-def make_dock(num_rows: int = 8, group_size: int = 4, timeout_s: float = 5.0) -> TransferDock | Dock:
-    if KIND["dock"] == "controller":
-        dock = TransferDock(GRPO_SCHEMA, timeout_s=timeout_s)
-    else:
-        dock = open_dock(DockConfig(timeout_s=timeout_s, shards=2 if "2shards" in KIND["dock"] else 1), GRPO_SCHEMA, run="test")
-        KIND["opened"].append(dock)
-    dock.open_iteration(0, num_rows, group_size)
+def make_dock(num_rows: int = 8, group_size: int = 4, timeout_s: float = 5.0, *, opened: bool = True) -> Dock:
+    """The dock of this test's kind, with iteration 0 open unless ``opened=False``; closed after the test."""
+    dock = open_dock(DockConfig(timeout_s=timeout_s, shards=2 if "2shards" in KIND["dock"] else 1), GRPO_SCHEMA, run="test")
+    KIND["opened"].append(dock)
+    if opened:
+        dock.open_iteration(0, num_rows, group_size)
     return dock
 
 
@@ -55,12 +53,12 @@ def prompt_cell(row: int) -> list[int]:
     return [row, row + 100, row + 200][: 1 + row % 3]
 
 
-def put_prompts(dock: TransferDock, rows) -> None:
+def put_prompts(dock: Dock, rows) -> None:
     rows = list(rows)
     dock.put(rows, {"prompt_ids": [prompt_cell(r) for r in rows]})
 
 
-def drain(dock: TransferDock, consumer: str, columns: list[str], count: int, **kw) -> list[Claim]:
+def drain(dock: Dock, consumer: str, columns: list[str], count: int, **kw) -> list[Claim]:
     claims = []
     while claim := dock.claim(consumer, columns, count, **kw):
         claims.append(claim)
@@ -307,7 +305,7 @@ def test_second_put_of_a_written_cell_is_refused_and_loses_nothing():
     ids=["put", "claim", "get"],
 )
 def test_no_open_iteration(call):
-    never_opened = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    never_opened = make_dock(timeout_s=0.1, opened=False)
     with pytest.raises(DockError, match="no iteration is open"):
         call(never_opened)
     closed = make_dock(num_rows=2, group_size=1, timeout_s=0.1)
@@ -336,7 +334,7 @@ def test_open_iteration_twice_then_reopen_after_close():
 
 @pytest.mark.parametrize(("num_rows", "group_size"), [(6, 4), (0, 4), (4, 0), (-4, 2)])
 def test_open_iteration_invalid_sizes(num_rows, group_size):
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    dock = make_dock(timeout_s=0.1, opened=False)
     with pytest.raises(DockError, match=rf"num_rows={num_rows} .*group_size={group_size}"):
         dock.open_iteration(0, num_rows, group_size)
     dock.open_iteration(0, 8, 4)  # the failed call left no iteration open

@@ -11,9 +11,10 @@ import pyarrow as pa
 import pytest
 
 from dockrl.config import DockConfig
-from dockrl.dock import GRPO_SCHEMA, Dock, DockError, Schema, TransferDock, open_dock
+from dockrl.dock import GRPO_SCHEMA, Dock, DockError, Schema, open_dock
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
+from dockrl.dock.local import ShardController
 from dockrl.dock.snapshot import join_uri
 
 TOKEN = "snap-token"
@@ -73,7 +74,7 @@ def check_continues(dock, left: dict[str, list[int]]) -> None:
 
 
 def test_round_trip_restores_cells_bits_and_returns_unacked_leases(tmp_path):
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=2.0)
+    dock = open_dock(DockConfig(timeout_s=2.0), GRPO_SCHEMA, run="test")
     dock.open_iteration(7, 8, 2)
     fill(dock)
     left = advance(dock)
@@ -81,8 +82,8 @@ def test_round_trip_restores_cells_bits_and_returns_unacked_leases(tmp_path):
     uri = str(tmp_path / "snap")
     dock.snapshot(uri)
     before = state_of(dock)
-    fresh = TransferDock(GRPO_SCHEMA, timeout_s=2.0)
-    assert fresh.restore(uri) is None
+    fresh = open_dock(DockConfig(timeout_s=2.0), GRPO_SCHEMA, run="test")
+    fresh.restore(uri)
     assert fresh.num_rows == 8 and fresh.group_size == 2
     assert same(state_of(fresh), before)
     bits = fresh.get(["rollout_log_prob"], [3]).column(0).values.to_numpy(zero_copy_only=False).view(np.uint32)
@@ -93,6 +94,7 @@ def test_round_trip_restores_cells_bits_and_returns_unacked_leases(tmp_path):
     with pytest.raises(DockError, match="'rm_score' is already written for rows \\[5\\]"):
         fresh.put([5], {"rm_score": [1.0]})
     fresh.put([6, 7], {"rm_score": [1.0, 2.0]})  # the restored iteration carries on
+    dock.close(), fresh.close()
 
 
 def same(a: dict, b: dict) -> bool:
@@ -102,16 +104,16 @@ def same(a: dict, b: dict) -> bool:
 
 def test_snapshot_without_an_open_iteration_restores_none(tmp_path):
     uri = str(tmp_path / "empty")
-    TransferDock(GRPO_SCHEMA).snapshot(uri)
-    fresh = TransferDock(GRPO_SCHEMA)
+    ShardController(GRPO_SCHEMA).snapshot(uri)
+    fresh = ShardController(GRPO_SCHEMA)
     fresh.restore(uri)
     with pytest.raises(DockError, match="no iteration is open"):
-        fresh.num_rows
+        fresh.missing("reward", ["prompt_ids"])
     fresh.open_iteration(0, 2, 2)
 
 
 def test_a_new_snapshot_replaces_the_old_one_and_its_files(tmp_path):
-    dock = TransferDock(GRPO_SCHEMA)
+    dock = ShardController(GRPO_SCHEMA)
     dock.open_iteration(0, 4, 2)
     uri = tmp_path / "snap"
     dock.snapshot(str(uri))
@@ -120,13 +122,13 @@ def test_a_new_snapshot_replaces_the_old_one_and_its_files(tmp_path):
     dock.snapshot(f"file://{uri}")
     meta = json.loads((uri / "meta.json").read_text())
     assert meta["id"] != first_id and sorted(p.name for p in uri.iterdir()) == sorted(["meta.json", meta["id"]])
-    fresh = TransferDock(GRPO_SCHEMA)
+    fresh = ShardController(GRPO_SCHEMA)
     fresh.restore(str(uri))
     assert fresh.get(["prompt_ids"], [0]).column(0).to_pylist() == [[3]]
 
 
 def test_a_snapshot_cut_short_is_never_read_as_complete(tmp_path, monkeypatch):
-    dock = TransferDock(GRPO_SCHEMA)
+    dock = ShardController(GRPO_SCHEMA)
     dock.open_iteration(0, 4, 2)
     dock.put([1], {"prompt_ids": [[1]]})
     uri = str(tmp_path / "snap")
@@ -148,31 +150,31 @@ def test_a_snapshot_cut_short_is_never_read_as_complete(tmp_path, monkeypatch):
     with pytest.raises(DockError, match="disk full"):
         dock.snapshot(str(tmp_path / "never"))
     monkeypatch.undo()
-    fresh = TransferDock(GRPO_SCHEMA)
+    fresh = ShardController(GRPO_SCHEMA)
     fresh.restore(uri)  # the earlier, complete snapshot
     assert fresh.get(["prompt_ids"], [1]).column(0).to_pylist() == [[1]]
     with pytest.raises(DockError, match=r"not yet written for rows \[2\]"):
         fresh.get(["prompt_ids"], [2])
     with pytest.raises(DockError, match="no complete snapshot at"):
-        TransferDock(GRPO_SCHEMA).restore(str(tmp_path / "never"))
+        ShardController(GRPO_SCHEMA).restore(str(tmp_path / "never"))
 
 
 def test_restore_refuses_what_it_cannot_load(tmp_path):
-    dock = TransferDock(GRPO_SCHEMA)
+    dock = ShardController(GRPO_SCHEMA)
     dock.open_iteration(0, 4, 2)
     uri = tmp_path / "snap"
     dock.snapshot(str(uri), extra={"layout": {"shard": 0}})
     with pytest.raises(DockError, match="iteration 0 is open here; close it first"):
         dock.restore(str(uri))
     with pytest.raises(DockError, match=r"taken with \{'layout': \{'shard': 0\}\}; expected \{'layout': \{'shard': 1\}\}"):
-        TransferDock(GRPO_SCHEMA).restore(str(uri), extra={"layout": {"shard": 1}})
+        ShardController(GRPO_SCHEMA).restore(str(uri), extra={"layout": {"shard": 1}})
     other = Schema(version=2, columns=GRPO_SCHEMA.columns, consumers=GRPO_SCHEMA.consumers)
     with pytest.raises(DockError, match="snapshot has schema v1 .* this dock has v2"):
-        TransferDock(other).restore(str(uri))
+        ShardController(other).restore(str(uri))
     meta = json.loads((uri / "meta.json").read_text())
     (uri / "meta.json").write_text(json.dumps(meta | {"version": 99}))
     with pytest.raises(DockError, match="version 99; this dock reads 'dockrl.dock.snapshot' version 1"):
-        TransferDock(GRPO_SCHEMA).restore(str(uri))
+        ShardController(GRPO_SCHEMA).restore(str(uri))
     with pytest.raises(DockError, match="cannot open 'relative/dir'"):
         dock.snapshot("relative/dir")
 

@@ -20,7 +20,8 @@ import pyarrow.flight as flight
 import pytest
 
 from dockrl.config import ConfigError, DockConfig
-from dockrl.dock import GRPO_SCHEMA, DockError, TransferDock
+from dockrl.dock import GRPO_SCHEMA, DockError
+from dockrl.dock.local import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight import DockShardServer
@@ -381,7 +382,7 @@ def test_client_and_shards_must_agree_on_the_payload_mode(store_servers, tmp_pat
 
 
 def test_commit_and_locate_on_the_in_process_dock():
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    dock = ShardController(GRPO_SCHEMA, timeout_s=0.1)
     dock.open_iteration(0, 4, 2, first_row=4)  # a shard owning rows 4..7
     a, b = "iter-00000000/rm_score/a.arrow", "iter-00000000/rm_score/b.arrow"
     dock.commit([6, 4], {"rm_score": (a, [1, 0])})
@@ -404,7 +405,7 @@ def test_commit_and_locate_on_the_in_process_dock():
 
 
 def test_snapshot_of_committed_cells_keeps_their_object_keys(tmp_path):
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    dock = ShardController(GRPO_SCHEMA, timeout_s=0.1)
     dock.open_iteration(0, 4, 2, first_row=4)
     a, b = "iter-00000000/rm_score/a.arrow", "iter-00000000/rm_score/b.arrow"
     dock.commit([6, 4], {"rm_score": (a, [1, 0])})
@@ -412,7 +413,7 @@ def test_snapshot_of_committed_cells_keeps_their_object_keys(tmp_path):
     dock.put([4, 5], {"advantages": [0.5, -0.5]})
     before = dock.locate(["rm_score"], [4, 5, 6])["rm_score"].to_json()
     dock.snapshot(str(tmp_path / "snap"))
-    restored = TransferDock(GRPO_SCHEMA, timeout_s=0.1)
+    restored = ShardController(GRPO_SCHEMA, timeout_s=0.1)
     restored.restore(str(tmp_path / "snap"))
     assert restored.locate(["rm_score"], [4, 5, 6])["rm_score"].to_json() == before
     assert restored.get(["advantages"], [4, 5]).column("advantages").to_pylist() == [0.5, -0.5]

@@ -84,7 +84,8 @@ def _engine_step(actor, part: dict, loss_agg: str):
 
 def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     """The hybrid update stage on this rank's dock; the gradient is read before the sync."""
-    from dockrl.dock import GRPO_SCHEMA, TransferDock
+    from dockrl.config import DockConfig
+    from dockrl.dock import GRPO_SCHEMA, open_dock
     from dockrl.workers.actor import ActorWorker
     from dockrl.workers.hybrid import UpdateThenSync
 
@@ -92,13 +93,14 @@ def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     worker = ActorWorker(actor.train_engine, trainer=trainer, algo=AlgorithmConfig(loss_agg=loss_agg),
                          rollout=RolloutConfig(n=N, temperature=TEMPERATURE), replicas=world)
     update = UpdateThenSync(actor, worker, dp_group=actor.ranks.dp_group)
-    dock = TransferDock(GRPO_SCHEMA)
+    dock = open_dock(DockConfig(), GRPO_SCHEMA, run="test")
     dock.open_iteration(0, len(batch["prompt_ids"]), N)
     dock.put(range(len(batch["prompt_ids"])), {k: batch[k] for k in ("prompt_ids", "response_ids", "advantages", "rollout_log_prob")})
     for _ in range(rank):  # the replicas before this one claimed their groups from the shared dock
         dock.ack(dock.claim("actor", ["prompt_ids"], N, whole_groups=True))
     seen: dict = {}
     metrics = update.run_iteration(dock, before_sync=lambda: seen.update(_grads(actor.train.model)))
+    dock.close()
     return seen, metrics
 
 

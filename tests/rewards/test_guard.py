@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dockrl.config import load_config
-from dockrl.dock import GRPO_SCHEMA, TransferDock
+from dockrl.config import DockConfig
+from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.rewards.guard import ScorerError, ScorerProcess, check_rewards
 from dockrl.workers.reward import RewardWorker
 
@@ -76,7 +77,7 @@ class FakeTokenizer:
 
 
 def reward_iteration(path: str, **worker):
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=5)
+    dock = open_dock(DockConfig(timeout_s=5), GRPO_SCHEMA, run="test")
     dock.open_iteration(0, 8, 4)
     dock.put(range(8), {"prompt_ids": [[1]] * 8, "ground_truth": ["7"] * 8})
     dock.put(range(8), {"response_ids": [[k] for k in range(8)]})
@@ -85,6 +86,7 @@ def reward_iteration(path: str, **worker):
         return RewardWorker(scorer, FakeTokenizer(), correct_reward=1.0, scorer_name=path, **worker).run_iteration(dock)
     finally:
         scorer.close()
+        dock.close()
 
 
 @pytest.mark.parametrize("path, reason", [

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dockrl.config import AlgorithmConfig
-from dockrl.dock import GRPO_SCHEMA, TransferDock
+from dockrl.config import AlgorithmConfig, DockConfig
+from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.rewards import RewardScorer
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.reward import RewardWorker
@@ -21,7 +21,7 @@ class FakeTokenizer:
 
 def test_reward_then_advantage_through_the_dock():
     texts = ["so #### 7", "#### 8", "no answer 7", "#### 7.", "#### 1,000", "#### 1000", "#### 999", "1000"]
-    dock = TransferDock(GRPO_SCHEMA, timeout_s=5)
+    dock = open_dock(DockConfig(timeout_s=5), GRPO_SCHEMA, run="test")
     dock.open_iteration(0, 8, 4)
     dock.put(range(8), {"prompt_ids": [[1]] * 8, "ground_truth": ["7"] * 4 + ["1000"] * 4})
     dock.put(range(8), {"response_ids": [[k] for k in range(8)]})
@@ -38,3 +38,4 @@ def test_reward_then_advantage_through_the_dock():
     assert a["rollout/frac_zero_std_groups"] == 0.0
     assert adv[0] > 0 and adv[2] < 0 and adv[1] < 0
     assert sum(adv[:4]) == pytest.approx(0.0, abs=1e-5)
+    dock.close()
