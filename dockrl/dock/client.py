@@ -90,11 +90,18 @@ from dockrl.dock.flight import FlightTransport
 from dockrl.dock.local import arrow_columns
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard import ROW, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards
+from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 from dockrl.dock.warehouse import (
-    Located, Warehouse, WarehouseError, delete_iteration, delete_quietly, make_warehouse, new_key, read_cells,
+    Located,
+    Warehouse,
+    WarehouseError,
+    delete_iteration,
+    delete_quietly,
+    make_warehouse,
+    new_key,
+    read_cells,
     write_arrays,
 )
-from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 
 if TYPE_CHECKING:
     from dockrl.config import DockConfig
@@ -743,7 +750,8 @@ class DockClient:
                 )
         keys = meta.get("objects", [])
         for key in keys:
-            assert self.warehouse is not None  # a snapshot with objects has payload "store", as this dock (checked above)  # the snapshot's copies of the objects, back into this run's warehouse
+            # the snapshot's copies of the objects, back into this run's warehouse
+            assert self.warehouse is not None  # a snapshot with objects has payload "store", as this dock (checked above)
             self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
             self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})

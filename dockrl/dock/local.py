@@ -46,8 +46,8 @@ import pyarrow as pa
 
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import Schema
-from dockrl.dock.warehouse import Located
 from dockrl.dock.snapshot import read_meta, read_table, write_snapshot
+from dockrl.dock.warehouse import Located
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class _Iteration:
         """Whether consumer ``ci`` has written every output column of each of ``rows`` (local)."""
         if not self.outputs[ci]:
             return np.zeros(len(rows), dtype=bool)
-        return self.ready[np.ix_(rows, self.outputs[ci])].all(axis=1)
+        return np.asarray(self.ready[np.ix_(rows, np.asarray(self.outputs[ci], dtype=np.int64))].all(axis=1))
 
 
 class ShardController:
@@ -802,9 +802,9 @@ class ShardController:
                 it.chunks[c.name].append(payload.column(c.name).combine_chunks())
                 it.where[c.name][rows, 0] = 0
                 it.where[c.name][rows, 1] = np.arange(len(rows))
-        for i, c in enumerate(self.schema.consumers):
-            it.acked[:, i] = state.column(f"acked:{c}").to_numpy(zero_copy_only=False)
-            it.consumed[:, i] = state.column(f"consumed:{c}").to_numpy(zero_copy_only=False)  # narrowed to acked on install
+        for i, consumer in enumerate(self.schema.consumers):
+            it.acked[:, i] = state.column(f"acked:{consumer}").to_numpy(zero_copy_only=False)
+            it.consumed[:, i] = state.column(f"consumed:{consumer}").to_numpy(zero_copy_only=False)  # narrowed to acked on install
         if (it.acked & ~it.consumed).any():
             raise DockError(f"{what}: state table marks rows acked that are not consumed")
         return it

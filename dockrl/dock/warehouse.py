@@ -273,7 +273,7 @@ class DirectoryWarehouse:
     def write(self, key: str, data: bytes) -> None:
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        for attempt in range(3):  # a concurrent delete may prune the directory between mkdir and rename
+        for _attempt in range(3):  # a concurrent delete may prune the directory between mkdir and rename
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_bytes(data)
@@ -453,7 +453,8 @@ class S3Warehouse:
         names = [self._key(k) for k in keys]
         for start in range(0, len(names), 1000):  # S3 deletes at most 1000 keys per request
             batch = [DeleteObject(n) for n in names[start : start + 1000]]
-            errors = self._call("delete objects", lambda: list(self._client.remove_objects(self.bucket, batch)))
+            # called at once, so the lambda sees this batch
+            errors = self._call("delete objects", lambda: list(self._client.remove_objects(self.bucket, batch)))  # noqa: B023
             if errors:
                 raise WarehouseError(f"{self._where}: delete failed for {len(errors)} object(s), first: {errors[0]}")
 
