@@ -1,6 +1,6 @@
 """KFP component: the launcher. Trains with GRPO and outputs the checkpoint, metrics, curves and run folder.
 
-The work is ``dockrl.launch.launcher.run_training``. Per-iteration metrics land in the Metrics
+The work is ``dockrl.launcher.run_training``. Per-iteration metrics land in the Metrics
 artifact as ``<key>/iter_<NNNN>``; ``curves`` is an HTML page of the run's curves and a table
 of every metric (``dockrl.metrics.metrics_report_html``), shown in the run's Visualizations;
 the run folder (metrics.jsonl, TensorBoard, plot, resolved config) is the ``run_dir``
@@ -34,8 +34,8 @@ def train(
     import logging
     from pathlib import Path
 
-    from dockrl.launch.launcher import run_training
     from dockrl.launch.platform import Platform
+    from dockrl.launcher import run_training
     from dockrl.metrics import metrics_report_html
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

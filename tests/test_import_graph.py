@@ -1,5 +1,6 @@
-"""The package's import graph has no circle: imports only go down (driver -> runners -> stages ->
-engines -> dock, resharding, algorithms). Every import counts, including those inside functions."""
+"""The package's import graph has no circle and imports only go down (cli and launcher -> driver ->
+runners -> stages -> engines -> dock, resharding, algorithms). Every import counts, including those
+inside functions."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def test_dockrl_has_no_import_circle() -> None:
     graph = grimp.build_graph("dockrl", cache_dir=None)
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_stages_and_backends_do_not_import_the_driver() -> None:
+    """The stage processes (``dockrl.workers``) and the worker backends (``dockrl.launch``) sit below
+    the driver: none of them imports it, directly or through another module."""
+    graph = grimp.build_graph("dockrl", cache_dir=None)
+    above = {m for m in graph.modules if m in ("dockrl.workers", "dockrl.launch") or m.startswith(("dockrl.workers.", "dockrl.launch."))}
+    assert above
+    for module in sorted(above):
+        assert not graph.chain_exists(importer=module, imported="dockrl.driver"), graph.find_shortest_chain(module, "dockrl.driver")

@@ -2,7 +2,7 @@
 
 Each function takes plain paths and the run's ``section.field=value`` overrides, so the KFP
 components in ``components/`` stay thin and every step is testable without KFP. Training, the
-long step, lives in ``dockrl/launch/launcher.py``.
+long step, lives in ``dockrl/launcher.py``.
 
 ``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
 run id alone, so it works from a different process than the one that started them.

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dockrl.config import load_config, load_config_text
-from dockrl.launch import launcher
+from dockrl import launcher
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
 from dockrl.launch.jobset import jobset_name

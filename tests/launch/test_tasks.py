@@ -11,7 +11,7 @@ import torch
 
 from dockrl.config import ConfigError
 from dockrl.data import generate_problems, write_jsonl
-from dockrl.launch import launcher
+from dockrl import launcher
 from dockrl.launch.tasks import (
     RUN_PARAMETERS,
     dataset_files,

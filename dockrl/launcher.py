@@ -35,6 +35,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dockrl import driver
 from dockrl.config import Config, load_config
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.platform import Platform
@@ -89,8 +90,6 @@ def run_training(
         ConfigError: an invalid override (the message names the field).
         WorkerFailed: a worker died or cannot start (its log tail in the message).
     """
-    from dockrl import driver
-
     if worker_backend_name(worker_backend) == "kubernetes" and not run_id:
         raise ValueError("run_training: worker_backend='kubernetes' needs run_id (the pipeline run's id)")
     train_file, test_file = dataset_files(dataset_dir)
