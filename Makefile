@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   creates .venv, installs dockrl, runs the GRPO pipeline on SmolLM2-135M-Instruct (runs/pipeline)
-#   make test   creates .venv, installs dockrl with test extras, runs the test suite
+#   make test   creates .venv, installs dockrl with test extras, runs ruff, mypy and the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,8 +24,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dockrl pipeline run --local $(ARGS)
 
-# DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing
+# static checks first (ruff: lint and import order; mypy: types; settings in pyproject.toml), then
+# the suite. DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing
 test: $(STAMP)
+	$(PY) -m ruff check dockrl pipelines components
+	$(PY) -m mypy
 	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # the three images (cpu, gpu from images/cuda, npu) with docker buildx: REGISTRY, TAG, IMAGES,

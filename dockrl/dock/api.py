@@ -39,7 +39,38 @@ class Claim:
         return len(self.rows)
 
 
-class Dock(Protocol):
+class StageDock(Protocol):
+    """The part of the dock a stage loop uses (``run_iteration``): the open iteration's sizes,
+    claim, put, ack. ``Dock`` has all of it; ``ReplicaDock`` (the ranks of one model replica
+    sharing claims) offers only this.
+
+    Raises: as ``Dock``.
+    """
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the open iteration."""
+
+    @property
+    def group_size(self) -> int:
+        """Rows per prompt group of the open iteration."""
+
+    def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
+        """Write ``columns[name][k]`` as the cell of row ``rows[k]``; refused unless ``iteration``
+        (when given) is the open one; with ``ack`` the claim is acked once the put succeeded."""
+
+    def claim(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None,
+    ) -> Claim:
+        """Take up to ``count`` rows ready in all ``columns`` and not yet taken by ``consumer``,
+        leased to this dock's owner; blocks until ``min(count, rows left)`` are ready. An empty
+        claim means the consumer is done with the iteration."""
+
+    def ack(self, claim: Claim) -> None:
+        """The claim's consumer is done with its rows (after its put): end the lease for good."""
+
+
+class Dock(StageDock, Protocol):
     """The transfer dock as a stage or the driver sees it, in either ``dock.mode``.
 
     Every method raises ``DockError`` (``dockrl.dock.errors``) for bad use: unknown column or
@@ -58,31 +89,9 @@ class Dock(Protocol):
     def close_iteration(self) -> None:
         """Drop the open iteration; claims blocked on it fail with ``DockError``."""
 
-    @property
-    def num_rows(self) -> int:
-        """Rows of the open iteration."""
-
-    @property
-    def group_size(self) -> int:
-        """Rows per prompt group of the open iteration."""
-
-    # --- data (stages) --------------------------------------------------------------------------
-    def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
-        """Write ``columns[name][k]`` as the cell of row ``rows[k]``; refused unless ``iteration``
-        (when given) is the open one; with ``ack`` the claim is acked once the put succeeded."""
-
+    # --- data (stages): as StageDock, and reads without consuming ---------------------------------
     def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
         """Read written cells without consuming them, in the order of ``rows``."""
-
-    def claim(
-        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None,
-    ) -> Claim:
-        """Take up to ``count`` rows ready in all ``columns`` and not yet taken by ``consumer``,
-        leased to this dock's owner; blocks until ``min(count, rows left)`` are ready. An empty
-        claim means the consumer is done with the iteration."""
-
-    def ack(self, claim: Claim) -> None:
-        """The claim's consumer is done with its rows (after its put): end the lease for good."""
 
     # --- leases -------------------------------------------------------------------------------
     def renew(self, owner: str) -> int:

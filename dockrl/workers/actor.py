@@ -19,7 +19,7 @@ import torch
 
 from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
-from dockrl.dock import Dock
+from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
@@ -161,7 +161,7 @@ class ActorWorker:
     ) -> None:
         self.engine, self.trainer, self.algo, self.rollout, self.replicas = engine, trainer, algo, rollout, replicas
 
-    def run_iteration(self, dock: Dock) -> dict[str, float]:
+    def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
         columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])

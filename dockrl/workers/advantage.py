@@ -8,14 +8,14 @@ import torch
 
 from dockrl.algorithms import grpo_advantages
 from dockrl.config import AlgorithmConfig
-from dockrl.dock import Dock
+from dockrl.dock import StageDock
 
 
 class AdvantageWorker:
     def __init__(self, cfg: AlgorithmConfig) -> None:
         self.cfg = cfg
 
-    def run_iteration(self, dock: Dock) -> dict[str, float]:
+    def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Compute advantages for every group; returns ``rollout/frac_zero_std_groups``."""
         start, groups, zero_std = time.perf_counter(), 0, 0
         n = dock.group_size

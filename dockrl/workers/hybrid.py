@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dockrl.config import Config
-from dockrl.dock import Claim, Dock
+from dockrl.dock import Claim, Dock, StageDock
 from dockrl.engines.hybrid import HybridActor
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
@@ -76,7 +76,7 @@ class UpdateThenSync:
     def __init__(self, actor: HybridActor, worker: ActorWorker, *, dp_group: dist.ProcessGroup | None = None) -> None:
         self.actor, self.worker, self.dp_group = actor, worker, dp_group
 
-    def run_iteration(self, dock: Dock, *, before_sync: Callable[[], None] | None = None) -> dict[str, float]:
+    def run_iteration(self, dock: StageDock, *, before_sync: Callable[[], None] | None = None) -> dict[str, float]:
         """Returns the ``ActorWorker`` metrics plus the sync's (``HybridActor.sync``).
 
         ``before_sync()`` runs after the update, while the training weights and optimizer are
@@ -126,7 +126,9 @@ class ReplicaDock:
     def group_size(self) -> int:
         return self.dock.group_size
 
-    def claim(self, consumer: str, columns: Sequence[str], count: int, **kwargs: Any) -> Claim:
+    def claim(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None,
+    ) -> Claim:
         """``dock.claim`` on ``src``, the same claim on every rank (a collective over ``group``).
 
         Raises:
@@ -136,7 +138,7 @@ class ReplicaDock:
         box: list[Any] = [None]
         if self.leader:
             try:
-                box[0] = self.dock.claim(consumer, columns, count, **kwargs)
+                box[0] = self.dock.claim(consumer, columns, count, whole_groups=whole_groups, timeout_s=timeout_s)
             except Exception as e:  # noqa: BLE001 - travels to the other ranks, then raised here too
                 box[0] = e
         dist.broadcast_object_list(box, src=self.src, group=self.group)
@@ -146,9 +148,9 @@ class ReplicaDock:
             raise RuntimeError(f"claim by {consumer!r} failed on actor rank {self.src}: {box[0]}")
         return box[0]
 
-    def put(self, rows: Sequence[int], columns: Any, *, ack: Claim | None = None) -> None:
+    def put(self, rows: Sequence[int], columns: Any, *, iteration: int | None = None, ack: Claim | None = None) -> None:
         if self.leader:
-            self.dock.put(rows, columns, ack=ack)
+            self.dock.put(rows, columns, iteration=iteration, ack=ack)
 
     def ack(self, claim: Claim) -> None:
         if self.leader:
@@ -220,7 +222,7 @@ def run_hybrid(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     t = cfg.trainer
-    update_dock = dock
+    update_dock: StageDock = dock
     if cfg.parallel.tp * cfg.parallel.pp > 1:  # the ranks of one model replica train on the same rows
         update_dock = ReplicaDock(dock, rank=rank, group=ranks.model_group, src=ranks.model_leader)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from dockrl.config import Config
-from dockrl.dock import Dock
+from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
@@ -22,7 +22,7 @@ class ReferenceWorker:
     def from_config(cls, engine: TrainEngine, cfg: Config) -> ReferenceWorker:
         return cls(engine, temperature=cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch)
 
-    def run_iteration(self, dock: Dock) -> dict[str, float]:
+    def run_iteration(self, dock: StageDock) -> dict[str, float]:
         start = time.perf_counter()
         while claim := dock.claim("reference", ["prompt_ids", "response_ids"], self.micro_batch * 4):
             lps = self.engine.log_probs(

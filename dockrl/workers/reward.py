@@ -9,7 +9,7 @@ import time
 from collections import Counter
 
 from dockrl.config import AlgorithmConfig, Config
-from dockrl.dock import Dock
+from dockrl.dock import Dock, StageDock
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
@@ -34,7 +34,7 @@ class RewardWorker:
     def from_config(cls, scorer: Scorer, tokenizer, a: AlgorithmConfig) -> RewardWorker:
         return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer)
 
-    def run_iteration(self, dock: Dock) -> dict[str, float]:
+    def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics.
 
         Raises:

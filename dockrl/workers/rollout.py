@@ -11,7 +11,7 @@ import time
 from typing import Sequence
 
 from dockrl.config import Config, RolloutConfig
-from dockrl.dock import Dock
+from dockrl.dock import Dock, StageDock
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
@@ -50,7 +50,7 @@ class RolloutWorker:
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1) -> None:
         self.engine, self.cfg, self.shares = engine, cfg, shares
 
-    def generate_iteration(self, dock: Dock) -> tuple[list[int], int, float]:
+    def generate_iteration(self, dock: StageDock) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
 
         Returns:
@@ -82,7 +82,7 @@ class RolloutWorker:
             truncated += sum(s.truncated for s in samples)
         return lengths, truncated, time.perf_counter() - start
 
-    def run_iteration(self, dock: Dock) -> dict[str, float]:
+    def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Generate for every row of the open iteration; returns ``rollout/*`` metrics (``rollout_metrics``)."""
         return rollout_metrics(*self.generate_iteration(dock))
 
