@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from dockrl.config import ConfigError, load_config
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("dockrl: interrupted (Ctrl-C); a run goes on from its last checkpoint with run.resume=latest", file=sys.stderr)
         return 130
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:  # sigterm_as_exit: the run's clean-up ran
+            print("dockrl: stopped (SIGTERM); a run goes on from its last checkpoint with run.resume=latest", file=sys.stderr)
+        raise
     except Exception as e:  # noqa: BLE001 - every error becomes one message; --debug shows the traceback
         if debug:
             raise

@@ -243,17 +243,19 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
         run_dir = Path(cfg.run.output_dir)
         held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
         if held:
-            raise ConfigError(
-                f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix with it: "
-                "continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)"
-            )
+            how = ("continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)"
+                   if latest_checkpoint(run_dir) is not None else
+                   "it has no complete checkpoint to continue with run.resume=latest (one is written every trainer.save_every "
+                   "iterations and at the end): choose another run.output_dir (or delete that folder)")
+            raise ConfigError(f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix with it: {how}")
         return None
     if value == "latest":
         path = latest_checkpoint(cfg.run.output_dir)
         if path is None:
             raise ConfigError(
                 f"run.resume: got 'latest'; no complete checkpoint under {Path(cfg.run.output_dir) / 'checkpoints'} "
-                f"(folders iter_NNNNNN with {STATE_FILE}); run without run.resume to start fresh"
+                f"(folders iter_NNNNNN with {STATE_FILE}); start fresh without run.resume, in another run.output_dir "
+                "(or delete that folder)"
             )
     else:
         path = Path(value)

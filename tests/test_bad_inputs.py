@@ -88,6 +88,7 @@ def full_disk(tmp: Path, model: Path) -> list[str]:
 
 
 CTRL_C = "interrupted (Ctrl-C); a run goes on from its last checkpoint with run.resume=latest"
+SIGTERM = "stopped (SIGTERM); a run goes on from its last checkpoint with run.resume=latest"
 BAD_LINES = "{oops\n" + json.dumps({"question": "q", "answer": "#### abc"}) + "\n"
 
 CASES = [
@@ -178,17 +179,18 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_is_one_line_and_exit_130(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(("sig", "code", "line"), [(signal.SIGINT, 130, CTRL_C), (signal.SIGTERM, 143, SIGTERM)], ids=["ctrl-c", "sigterm"])
+def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "dockrl", *run_args(tmp_path, tiny_model_dir, "trainer.iterations=50")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "run" / "config.yaml").is_file():  # accepted: the run has started
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {CTRL_C}"
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {line}"
 
 
 OTHER_ROWS = [  # checked by the tests named, which need more than a command line
@@ -223,6 +225,7 @@ def render(cases: list[Case]) -> str:
         lines.append(f"| {c.kind} | {c.given} | {c.code} | `{message}` |")
     lines += [
         f"| run | Ctrl-C during a run | 130 | `{CTRL_C}` |",
+        f"| run | `kill` (SIGTERM) during a run | 143 | `{SIGTERM}` |",
         *(f"| {kind} | {given} | {code} | `{message}` (`{test}`) |" for kind, given, code, message, test in OTHER_ROWS),
         "",
         "Not an error, but reported when the data is loaded: lines dropped (invalid JSON, a missing field, an answer without",

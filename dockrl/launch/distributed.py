@@ -145,7 +145,7 @@ def wait_reports(
                 reports |= dock.wait_reports(iteration, [stage], timeout_s=min(CHECK_EVERY_S, timeout_s))
             except DockTimeoutError:
                 if time.monotonic() >= deadline:
-                    missing = [s for s in stages if s not in reports]
+                    missing = [str(s) for s in stages if s not in reports]
                     raise DockTimeoutError(
                         f"iteration {iteration}: no report from {missing} within dock.timeout_s={timeout_s:.0f} s "
                         f"while their processes run; see their logs in {logs}"
