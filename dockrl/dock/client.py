@@ -638,9 +638,9 @@ class DockClient:
                     self._beat.wait(left)  # close() wakes it early
                 if self._closed:
                     return
+                next_beat = max(next_beat + period, time.monotonic())  # before the skip: an idle beat waits a period too
                 if not self._held:
                     continue
-            next_beat = max(next_beat + period, time.monotonic())
             for s in [s for s, f in in_flight.items() if f.done()]:
                 self._renewed(s, in_flight.pop(s))
             for s in range(len(self.locations)):

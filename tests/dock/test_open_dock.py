@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -94,3 +95,20 @@ def test_close_fails_a_claim_blocked_in_an_in_process_shard(two_shards):
     dock.close_iteration()
     thread.join(5.0)
     assert not thread.is_alive() and isinstance(errors[0], DockError) and "no iteration is open" in str(errors[0])
+
+
+def test_an_idle_lease_heartbeat_sleeps(two_shards):
+    """Once every lease is acked the heartbeat thread skips its beats, waiting a period between
+    them: the process spends next to no CPU while the stage computes (a spinning heartbeat held
+    the GIL and slowed every stage several-fold)."""
+    dock = open_dock(DockConfig(timeout_s=2.0, lease_s=0.3, shards=2), GRPO_SCHEMA, run="test")  # a beat every 0.1 s
+    try:
+        dock.open_iteration(0, 4, 2)
+        dock.put(range(4), {"prompt_ids": [[r] for r in range(4)]})
+        claim = dock.claim("reward", ["prompt_ids"], 4)  # starts the heartbeat
+        dock.put(claim.rows, {"rm_score": [1.0] * 4, "correct": [True] * 4}, ack=claim)  # nothing held now
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        assert time.monotonic() - wall >= 1.0 and time.process_time() - cpu < 0.3
+    finally:
+        dock.close()
