@@ -182,7 +182,10 @@ def test_debug_shows_the_traceback(tmp_path):
 @pytest.mark.parametrize(("sig", "code", "line"), [(signal.SIGINT, 130, CTRL_C), (signal.SIGTERM, 143, SIGTERM)], ids=["ctrl-c", "sigterm"])
 def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "dockrl", *run_args(tmp_path, tiny_model_dir, "trainer.iterations=50")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a suite started in the background of a shell runs with
+    # SIGINT ignored, which the child would inherit (and Python then installs no Ctrl-C handler)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (tmp_path / "run" / "config.yaml").is_file():  # accepted: the run has started
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
