@@ -1,0 +1,237 @@
+"""dockrl against TRL's GRPOTrainer on the same model, prompts, group shape and sampling settings.
+
+Both sides train GRPO on one prompts file (generated GSM8K-format arithmetic, written once),
+``--prompts`` prompts × ``--n`` samples per iteration, ≤ ``--max-new-tokens`` response tokens,
+temperature ``--temperature``, top-p 1, no KL term (β = 0), fp32 weights, the same learning
+rate, micro-batches of ``--micro-batch`` sequences and one optimizer step per iteration; both
+score with dockrl's rule verifier. Each run is a process of its own (its peak RSS is its own);
+runs alternate (TRL, dockrl, TRL, dockrl, ...) so that machine noise hits both sides alike. The
+first iteration of every run is a warm-up and is not counted.
+
+    python benchmarks/vs_trl.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
+    python benchmarks/vs_trl.py --quick          # the tiny random model, both sides, seconds
+
+Prints one table, one row per side: seconds per iteration (median), response tokens per
+iteration (the two sides sample their own responses: similar, not equal), response tokens/s end to
+end, rollout tokens/s (response tokens / generation seconds: TRL's
+``_generate_and_score_completions``, dockrl's ``timing_s/rollout``), update tokens/s (response
+tokens / the rest of TRL's step, dockrl's ``timing_s/actor``), peak RSS, and the ratios to TRL.
+TRL is an optional dependency of this benchmark only (``pip install 'dockrl[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QUICK = dict(prompts=2, n=2, max_new_tokens=8, iterations=2, repeats=1, micro_batch=2)
+
+
+def _tokens_per_s(tokens: list[float], seconds: list[float]) -> float:
+    return sum(tokens) / max(sum(seconds), 1e-9)
+
+
+def _result(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The counted iterations (the first, a warm-up, dropped) of one run → its row values."""
+    counted = steps[1:] if len(steps) > 1 else steps
+    tokens = [s["tokens"] for s in counted]
+    return {
+        "seconds_per_iteration": statistics.median(s["seconds"] for s in counted),
+        "tokens_per_iteration": statistics.mean(tokens),
+        "tokens_per_s": _tokens_per_s(tokens, [s["seconds"] for s in counted]),
+        "rollout_tokens_per_s": _tokens_per_s(tokens, [s["rollout_s"] for s in counted]),
+        "update_tokens_per_s": _tokens_per_s(tokens, [s["update_s"] for s in counted]),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def run_trl(spec: dict[str, Any]) -> dict[str, float]:
+    """One TRL GRPOTrainer run; per-step seconds from a callback, generation timed around
+    ``_generate_and_score_completions`` (sampling, reward, and what TRL computes with them)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dockrl.config import load_config
+    from dockrl.data import prompt_token_ids
+    from dockrl.rewards.guard import build_scorer
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
+    cfg = load_config(None, [])
+    scorer = build_scorer(cfg.algorithm)
+    truth = {}
+    data = []
+    for r in rows:
+        prompt = tok.decode(prompt_token_ids(tok, r["question"], system_prompt=cfg.data.system_prompt))
+        truth[prompt] = r["answer"].split("####")[-1].strip()
+        data.append({"prompt": prompt})
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [float(s) for s in scorer.score(completions, [truth[p] for p in prompts])]
+
+    steps: list[dict[str, float]] = []
+    generation = {"seconds": 0.0, "tokens": 0.0}
+
+    class Timing(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            generation.update(seconds=0.0, tokens=0.0)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.start
+            steps.append({"seconds": seconds, "tokens": generation["tokens"], "rollout_s": generation["seconds"],
+                          "update_s": seconds - generation["seconds"]})
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            generation["seconds"] += time.perf_counter() - start
+            generation["tokens"] += float(out["completion_mask"].sum())
+            return out
+
+    per_iteration = spec["prompts"] * spec["n"]
+    args = GRPOConfig(
+        output_dir=spec["out"], use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+        learning_rate=spec["lr"], beta=0.0, num_generations=spec["n"], temperature=spec["temperature"], top_p=1.0,
+        max_completion_length=spec["max_new_tokens"], per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=per_iteration // spec["micro_batch"], max_steps=spec["iterations"], seed=0,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=Dataset.from_list(data),
+                               callbacks=[Timing()])
+    trainer.train()
+    scorer.close()
+    return _result(steps)
+
+
+def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
+    """One dockrl run (``dockrl train``'s driver, in-process dock) with ``rollout.engine=engine``."""
+    from dockrl import driver
+    from dockrl.config import load_config
+
+    per_iteration = spec["prompts"] * spec["n"]
+    cfg = load_config(None, [
+        f"model.path={spec['model']}", f"data.train_path={spec['data']}", f"data.test_path={spec['data']}",
+        f"run.output_dir={spec['out']}", f"run.cache_dir={spec['out']}/cache", "run.progress=false",
+        f"rollout.engine={engine}", f"rollout.n={spec['n']}", f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0",
+        f"rollout.max_response_length={spec['max_new_tokens']}", "rollout.dtype=float32", f"rollout.batch_size={per_iteration}",
+        f"trainer.iterations={spec['iterations']}", f"trainer.global_batch={spec['prompts']}", f"trainer.mini_batch={spec['prompts']}",
+        f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", "trainer.autocast_bf16=false",
+        "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0",
+    ])
+    steps: list[dict[str, float]] = []
+
+    def on_iteration(_: int, m: dict[str, float]) -> None:
+        steps.append({"seconds": m["timing_s/iteration"], "tokens": m["rollout/response_length_mean"] * per_iteration,
+                      "rollout_s": m["timing_s/rollout"], "update_s": m["timing_s/actor"]})
+
+    driver.train(cfg, on_iteration=on_iteration)
+    return _result(steps)
+
+
+def _child(side: str, spec: dict[str, Any]) -> None:
+    result = run_trl(spec) if side == "trl" else run_dockrl(spec, side.removeprefix("dockrl-"))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run_side(side: str, spec: dict[str, Any], timeout_s: float) -> dict[str, float]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with tempfile.TemporaryDirectory(prefix=f"vs-trl-{side}-") as out:
+        cmd = [sys.executable, __file__, "--child", side, "--spec", json.dumps(spec | {"out": out})]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"vs_trl: the {side} run did not finish within {timeout_s:.0f} s (--timeout-s)") from e
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"vs_trl: the {side} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+COLUMNS = [("seconds_per_iteration", "s/iteration", "{:.2f}"), ("tokens_per_iteration", "response tokens/iteration", "{:.0f}"),
+           ("tokens_per_s", "tokens/s", "{:.1f}"),
+           ("rollout_tokens_per_s", "rollout tok/s", "{:.1f}"), ("update_tokens_per_s", "update tok/s", "{:.1f}"),
+           ("peak_rss_gb", "peak RSS GB", "{:.2f}")]
+
+
+def table(results: dict[str, list[dict[str, float]]]) -> str:
+    """A markdown table: per side the median of its runs per column, and dockrl/TRL ratios."""
+    med = {side: {k: statistics.median(r[k] for r in runs) for k, _, _ in COLUMNS} for side, runs in results.items()}
+    head = ["side", "runs"] + [name for _, name, _ in COLUMNS] + ["tokens/s vs TRL", "RSS vs TRL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = med.get("trl")
+    for side, m in med.items():
+        ratios = [f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['peak_rss_gb'] / base['peak_rss_gb']:.2f}x"] if base else ["", ""]
+        cells = [side, str(len(results[side]))] + [fmt.format(m[k]) for k, _, fmt in COLUMNS] + ratios
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="HF model directory (default with --quick: the tiny random model)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 prompts × 2 samples × 8 tokens, one run per side")
+    parser.add_argument("--sides", default="", help="comma-separated of trl, dockrl-hf, dockrl-vllm (default: all; --quick: trl, dockrl-hf)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--iterations", type=int, default=4, help="per run, the first a warm-up")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args.child, json.loads(args.spec))
+        return ""
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    sides = [s.strip() for s in (args.sides or ("trl,dockrl-hf" if args.quick else "trl,dockrl-hf,dockrl-vllm")).split(",")]
+    unknown = set(sides) - {"trl", "dockrl-hf", "dockrl-vllm"}
+    if unknown:
+        parser.error(f"--sides: unknown {sorted(unknown)}; expected trl, dockrl-hf, dockrl-vllm")
+    if (args.prompts * args.n) % args.micro_batch:
+        parser.error(f"--prompts × --n = {args.prompts * args.n} must be a multiple of --micro-batch={args.micro_batch}")
+
+    from dockrl.data import generate_problems, write_jsonl
+
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as work:
+        model = args.model
+        if not model:
+            if not args.quick:
+                parser.error("--model is required (or --quick for the tiny random model)")
+            from dockrl.models import build_tiny_model
+
+            model = str(build_tiny_model(Path(work) / "tiny-model"))
+        data = write_jsonl(generate_problems(args.prompts * args.iterations * 4, seed=0), Path(work) / "prompts.jsonl")
+        spec = {k: getattr(args, k) for k in ("prompts", "n", "max_new_tokens", "temperature", "micro_batch", "lr", "iterations")}
+        spec |= {"model": str(Path(model).resolve()), "data": str(data)}
+        results: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+        for r in range(args.repeats):
+            for side in sides:
+                results[side].append(_run_side(side, spec, args.timeout_s))
+                print(f"run {r + 1}/{args.repeats} {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)
+    shape = (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, fp32, β=0, "
+             f"{args.iterations - 1} counted iterations per run, {os.cpu_count()} CPUs")
+    out = f"{shape}\n\n{table(results)}"
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

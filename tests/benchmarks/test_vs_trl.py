@@ -1,0 +1,47 @@
+"""benchmarks/vs_trl.py --quick runs TRL's GRPOTrainer and dockrl on the tiny model and prints both rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+from test_dock_benchmark import number
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # two training processes on the tiny model: ~50 s on 2 busy cores
+def test_quick_mode_prints_both_sides_with_finite_numbers():
+    out = load_benchmark().main(["--quick", "--timeout-s", "600"])
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| side")}
+    assert set(rows) == {"trl", "dockrl-hf"}
+    for cells in rows.values():
+        values = [number(c) for c in cells[2:]]
+        assert all(math.isfinite(v) and v > 0 for v in values), cells
+    assert rows["trl"][-2:] == ["1.00x", "1.00x"]
+
+
+def test_the_table_puts_each_side_against_trl():
+    table = load_benchmark().table({
+        "trl": [dict(seconds_per_iteration=2.0, tokens_per_iteration=100, tokens_per_s=50.0, rollout_tokens_per_s=80.0,
+                     update_tokens_per_s=120.0, peak_rss_gb=6.0)],
+        "dockrl-hf": [dict(seconds_per_iteration=1.0, tokens_per_iteration=100, tokens_per_s=100.0, rollout_tokens_per_s=150.0,
+                           update_tokens_per_s=300.0, peak_rss_gb=2.0)] * 2,
+    })
+    last = table.splitlines()[-1]
+    assert last.startswith("| dockrl-hf | 2 | 1.00 | 100 |") and last.endswith("| 2.00x | 0.33x |")
+
+
+def test_a_bad_side_is_named():
+    with pytest.raises(SystemExit):
+        load_benchmark().main(["--quick", "--sides", "trl,verl"])
