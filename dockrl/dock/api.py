@@ -93,6 +93,11 @@ class Dock(StageDock, Protocol):
     def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
         """Read written cells without consuming them, in the order of ``rows``."""
 
+    def drop(self, rows: Sequence[int], *, iteration: int | None = None) -> None:
+        """Take ``rows`` out of the iteration for every consumer that has not taken them yet: they
+        count as acked for it, so its claims skip them and end once nothing else is left (rows a
+        consumer took stay its own). Dynamic sampling drops filtered groups and unneeded rounds."""
+
     # --- leases -------------------------------------------------------------------------------
     def renew(self, owner: str) -> int:
         """Push every lease of ``owner`` a full term ahead; returns the leases renewed."""

@@ -563,6 +563,19 @@ class DockClient:
                 except Exception as e:  # noqa: BLE001 - best effort: the claim's own error is what the caller needs
                     logger.warning("could not release %d rows of %r on dock shard %d: %s", len(rows), consumer, s, e)
 
+    def drop(self, rows: Sequence[int], *, iteration: int | None = None) -> None:
+        """Take ``rows`` out of the iteration for every consumer that has not taken them, on the
+        shards owning them (``ShardController.drop``).
+
+        Raises:
+            DockError: row out of range or repeated, no open iteration, or another one open.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        layout = self._layout_for("drop", iteration)
+        for s, pos in layout.split(rows_arr).items():
+            if len(pos):
+                self._action(s, "drop", {"iteration": layout.iteration, "rows": rows_arr[pos].tolist()})
+
     # --- leases -------------------------------------------------------------------------------
     def ack(self, claim: Claim) -> None:
         """The claim's consumer is done with its rows (call after its put): ends the lease on

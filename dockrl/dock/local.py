@@ -534,6 +534,24 @@ class ShardController:
             it.consumed[local, ci] = False
             self._cond.notify_all()
 
+    def drop(self, rows: Sequence[int], *, iteration: int | None = None) -> None:
+        """Take ``rows`` (global indexes) out of the iteration for every consumer that has not taken
+        them: they count as acked for those consumers, whose claims never return them and end (empty)
+        once nothing else is left. Rows a consumer took or acked stay as they are for it. Idempotent.
+        (Dynamic sampling: the advantage stage drops the groups it filters out and the rounds it
+        does not need, docs/algorithms.md.)
+
+        Raises:
+            DockError: row out of range or repeated, no open iteration, or another iteration open.
+        """
+        with self._cond:
+            it = self._current("drop", iteration)
+            local = self._check_rows(it, np.asarray(rows, dtype=np.int64), "drop")
+            untaken = ~it.consumed[local]  # (rows, consumers)
+            it.consumed[local] |= untaken
+            it.acked[local] |= untaken
+            self._cond.notify_all()
+
     # --- leases ------------------------------------------------------------------------------
     def _grant_locked(
         self, it: _Iteration, ci: int, rows: np.ndarray, owner: str, lease_id: str, term: float, whole_groups: bool

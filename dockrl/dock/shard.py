@@ -19,6 +19,7 @@ Requests (``action(name, body)``; every body and result is JSON-compatible):
   ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
   lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable;
   rows are leased to ``owner`` under ``lease``), ``release`` {iteration, consumer, rows},
+  ``drop`` {iteration, rows} (``ShardController.drop``),
   ``missing`` {iteration, consumer, columns} → {column: rows lacking}, ``stats`` {} → counters.
 * leases (``dockrl.dock.local``): ``ack`` {iteration, consumer, lease, rows},
   ``renew`` {owner} → {leases, iteration}, ``release_owner`` {owner} → {rows}.
@@ -148,6 +149,7 @@ class ShardService:
             "describe": lambda req: self._describe(),
             "claim": self.claim,
             "release": lambda req: d.release(req["consumer"], req["rows"], iteration=req["iteration"]),
+            "drop": lambda req: d.drop(req["rows"], iteration=req["iteration"]),
             "missing": lambda req: d.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
             "stats": lambda req: d.stats() | {"dock/controller_bytes": self.controller_bytes},
             "commit": self._commit,
