@@ -166,6 +166,37 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CriticConfig:
+    """The critic of PPO (``algorithm.adv_estimator=gae``): a value model V(s_t) per response token,
+    trained in the same iteration as the actor on the GAE returns (``dockrl/workers/critic.py``).
+    Names follow verl's ``critic`` section (``trainer.critic_warmup`` is ``warmup_iterations`` here)."""
+
+    enable: bool = False
+    """Run the critic stage; needed by ``algorithm.adv_estimator=gae`` and used by nothing else."""
+    model_path: str = ""
+    """Local HF model directory the value model starts from (its backbone; a value head of one
+    output per token is added when it has none); empty: the policy's ``model.path``. It must
+    share the policy's vocabulary: it reads the policy's token ids."""
+    lr: float = 1e-5
+    """AdamW learning rate of the critic (verl's ``critic.optim.lr``)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the critic."""
+    grad_clip: float = 1.0
+    """Max global gradient norm of the critic (0: no clipping)."""
+    cliprange_value: float = 0.5
+    """Clip range ε_v of the value loss: new values are clipped to ``values ± ε_v`` (verl's default)."""
+    ppo_epochs: int = 1
+    """Passes of the critic over the global batch per iteration."""
+    mini_batch: int = 0
+    """Prompts per critic optimizer step; 0: ``trainer.mini_batch``."""
+    micro_batch: int = 0
+    """Sequences per critic forward/backward; 0: ``trainer.micro_batch``."""
+    warmup_iterations: int = 0
+    """First iterations in which only the critic trains: the actor computes its log-probs but does
+    not step (verl's ``trainer.critic_warmup``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DockConfig:
     timeout_s: float = 600.0
     """Longest a stage waits for rows before failing with the missing columns."""
@@ -232,6 +263,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     dock: DockConfig = field(default_factory=DockConfig)
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     run: RunConfig = field(default_factory=RunConfig)
@@ -355,6 +387,38 @@ def _check_rules(c: Config) -> None:
     _check_dock(c.dock)
     _check_parallel(c)
     _check_engines(c)
+    _check_critic(c)
+
+
+def _check_critic(c: Config) -> None:
+    """The critic's own ranges, and that its batches split as the actor's do."""
+    k, t, n = c.critic, c.trainer, c.rollout.n
+    for where, x in {"critic.lr": k.lr, "critic.weight_decay": k.weight_decay, "critic.grad_clip": k.grad_clip}.items():
+        if not (0 <= x < math.inf):
+            raise _fail(where, x, "expected a finite number >= 0")
+    if not (0 < k.cliprange_value < math.inf):
+        raise _fail("critic.cliprange_value", k.cliprange_value, "expected a finite number > 0")
+    if k.ppo_epochs < 1:
+        raise _fail("critic.ppo_epochs", k.ppo_epochs, "expected a positive integer")
+    for where, v in {"critic.mini_batch": k.mini_batch, "critic.micro_batch": k.micro_batch, "critic.warmup_iterations": k.warmup_iterations}.items():
+        if v < 0:
+            raise _fail(where, v, "expected an integer >= 0 (0: as the actor / no warm-up)")
+    mini, micro = critic_batches(c)
+    if t.global_batch % mini:
+        raise _fail("critic.mini_batch", k.mini_batch, f"must divide trainer.global_batch={t.global_batch} (0: trainer.mini_batch)")
+    if (mini * n) % micro:
+        raise _fail("critic.micro_batch", k.micro_batch, f"must divide the critic's mini-batch × rollout.n = {mini * n} sequences")
+    if not k.enable:
+        if k.model_path:
+            raise _fail("critic.model_path", k.model_path, "is set but critic.enable is false: enable the critic or leave it empty")
+        if k.warmup_iterations:
+            raise _fail("critic.warmup_iterations", k.warmup_iterations, "warms up a critic, but critic.enable is false: "
+                        "enable the critic or use 0")
+
+
+def critic_batches(c: Config) -> tuple[int, int]:
+    """The critic's mini-batch (prompts) and micro-batch (sequences): its own, or the actor's where 0."""
+    return c.critic.mini_batch or c.trainer.mini_batch, c.critic.micro_batch or c.trainer.micro_batch
 
 
 def _check_engines(c: Config) -> None:
@@ -524,7 +588,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
     Args:
         path: YAML file with any of the sections ``model, data, rollout, algorithm, trainer,
-            dock, parallel, run``; ``None`` for the defaults (the demo run).
+            critic, dock, parallel, run``; ``None`` for the defaults (the demo run).
         overrides: ``section.field=value`` strings applied on top.
 
     Raises:

@@ -2,7 +2,8 @@
 
 ``RUN/checkpoints/iter_<k:06d>/`` is written after iteration ``k-1`` (every
 ``trainer.save_every`` iterations), ``RUN/checkpoints/final/`` after the last one; each holds
-the actor's HF weights, ``optimizer.pt`` (``save_optimizer``), the dock snapshot taken with
+the actor's HF weights, ``optimizer.pt`` (``save_optimizer``), with ``critic.enable`` the
+critic's weights and optimizer in ``critic/`` (``critic_dir``), the dock snapshot taken with
 iteration ``k`` open and its prompts put but not yet announced (``dock/``, or the run's S3 store:
 ``dock_snapshot_uri``; none in ``final``), and ``driver_state.json``, written last and
 atomically: a folder without it is incomplete and never resumed from (``prepare_checkpoint``
@@ -40,6 +41,7 @@ STATE_FILE = "driver_state.json"
 """Written last into a checkpoint folder: its presence marks the checkpoint complete."""
 OPTIMIZER_FILE = "optimizer.pt"
 DOCK_DIR = "dock"
+CRITIC_DIR = "critic"
 FINAL_DIR = "final"
 """``RUN/checkpoints/final``: the checkpoint after the last iteration."""
 _ITER_DIR = re.compile(r"iter_(\d{6,})")
@@ -63,6 +65,11 @@ def prepare_checkpoint(checkpoint: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / STATE_FILE).unlink(missing_ok=True)
     return path
+
+
+def critic_dir(checkpoint: str | Path) -> Path:
+    """``CHECKPOINT/critic``: the critic's HF weights and ``optimizer.pt`` (with ``critic.enable``)."""
+    return Path(checkpoint) / CRITIC_DIR
 
 
 def checkpoint_due(t: TrainerConfig, iteration: int) -> bool:
@@ -280,6 +287,9 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
             f"run.resume: {path} holds the optimizer state of a {doc['actor_layout']!r} actor, this run's is {layout!r}: "
             "resume with the checkpoint's trainer.engine and parallel.tp/pp/dp"
         )
+    if cfg.critic.enable and not critic_dir(path).is_dir():
+        raise ConfigError(f"run.resume: {path} has no critic/ (written by a run without critic.enable): resume with the "
+                          "checkpoint's critic.enable, or start a fresh run")
     nxt = doc["next_iteration"]
     if not nxt < cfg.trainer.iterations:
         if path.name == FINAL_DIR:

@@ -69,6 +69,9 @@ GRPO_SCHEMA = Schema(
         Column(name="advantages", type=pa.float32(), producer="advantage", doc="group-normalized advantage of the response"),
         Column(name="ref_log_prob", type=_LOGPROBS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
         Column(name="old_log_prob", type=_LOGPROBS, producer="actor", doc="per-token log-prob under the actor before the update (R,), nats"),
+        Column(name="values", type=_LOGPROBS, producer="critic", doc="per-token value V(s_t) under the critic before its update (R,)"),
+        Column(name="returns", type=_LOGPROBS, producer="advantage", doc="per-token GAE return A_t + V(s_t): the critic's target (R,)"),
     ),
-    consumers=("rollout", "reward", "advantage", "reference", "actor"),
+    # the critic consumes twice per iteration: responses (→ values), then returns (its update)
+    consumers=("rollout", "reward", "advantage", "reference", "actor", "critic", "critic_update"),
 )

@@ -187,6 +187,24 @@ def to_host_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts]).cpu()
 
 
+def clipped_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, accumulate: Callable[[], dict[str, float]],
+) -> tuple[dict[str, float], float]:
+    """One optimizer step of an engine on one device: zero the gradients, ``accumulate`` them
+    (forward/backward over micro-batches), clip their global norm to ``grad_clip`` (0: no clip),
+    step — skipped, with a warning, when the norm is not finite. Returns ``accumulate``'s metrics
+    and the gradient norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    metrics = accumulate()
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if not torch.isfinite(grad_norm):
+        logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm.item())
+    else:
+        optimizer.step()
+    return metrics, float(grad_norm)
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generated response: token ids (EOS included if emitted), per-token log-probs (nats)."""
@@ -382,15 +400,8 @@ class HFTrainEngine:
         """
         if self.optimizer is None:
             raise RuntimeError("optimizer_step on a frozen engine (trainable=False)")
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate()
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if not torch.isfinite(grad_norm):
-            logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm.item())
-        else:
-            self.optimizer.step()
-        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics, grad_norm = clipped_step(self.model, self.optimizer, self.grad_clip, accumulate)
+        metrics["actor/grad_norm"] = grad_norm
         return metrics
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,0 +1,123 @@
+"""The critic's engine on torch + transformers: a value model V(s_t) per response token.
+
+The value model is the policy's architecture with a scalar head on every position: transformers'
+``AutoModelForTokenClassification`` with ``num_labels=1`` (a linear ``hidden → 1`` head over the
+backbone's last hidden state), as verl builds its critic. Started from a causal LM (the policy, or
+``critic.model_path``) it takes the backbone and a freshly initialized head; started from one of
+its own checkpoints (``CHECKPOINT/critic``) it takes both.
+
+The steps are the actor engine's: ``forward_backward`` calls a loss function per micro-batch and
+back-propagates it, ``optimizer_step`` zeroes, accumulates, clips and steps
+(``dockrl.engines.hf.clipped_step``); only the forward pass differs (values instead of log-probs).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
+
+from dockrl.engines.hf import autocast, clipped_step, model_device, pack_sequences, to_host_rows
+
+logger = logging.getLogger(__name__)
+
+ValueLossFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+"""``loss_fn(start, values, mask) -> (loss, aux)`` for one micro-batch: ``start`` is the index of its
+first row in the engine call, ``values (b, T)`` fp32 (differentiable) and ``mask (b, T)`` as returned
+by ``response_values``; ``loss`` is back-propagated unchanged, ``aux`` handed back."""
+
+
+def load_value_model(path: str | Path, *, vocab_size: int, trust_remote_code: bool = False,
+                     device: torch.device | str = "cpu") -> PreTrainedModel:
+    """The value model of ``path`` in fp32 on ``device``, in eval mode (no dropout: see ``HFTrainEngine``).
+
+    Raises:
+        FileNotFoundError: ``path`` has no ``config.json``.
+        ValueError: its vocabulary is smaller than the policy's ``vocab_size`` token ids it must read.
+    """
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"critic.model_path {path}: no config.json; expected a local HF model directory")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if getattr(config, "vocab_size", vocab_size) < vocab_size:
+        raise ValueError(f"critic.model_path {path}: a vocabulary of {config.vocab_size} tokens, the policy's tokenizer has "
+                         f"{vocab_size}: the critic reads the policy's token ids, so it needs the policy's vocabulary")
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                    pad_id: int, autocast_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token values of ``responses`` given ``prompts`` in one forward pass.
+
+    ``V_t = head(h_{P+t-1})``: the value of response token ``t`` is read at the position that
+    predicts it, the state ``(q, o_<t)`` before the token is chosen (verl's
+    ``values[:, -R-1:-1]``; the same positions as the actor's log-probs, ``pack_sequences``).
+
+    Returns:
+        ``values (B, T)`` fp32 (differentiable if grad is enabled; 0 on padding) and ``mask (B, T)``,
+        on the model's device.
+    """
+    device = model_device(model)
+    input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
+    with autocast(device, autocast_bf16):
+        scores = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, L, 1)
+    values = scores.float().squeeze(-1).gather(1, positions)
+    return values * mask, mask
+
+
+class HFCriticEngine:
+    """The critic on torch: fp32 weights, optional bf16 autocast, AdamW.
+
+    Args:
+        model_path: the value model's start (``load_value_model``).
+        pad_id: the policy tokenizer's pad id (the critic reads the policy's token ids).
+        vocab_size: the policy tokenizer's size.
+        device: where the model computes (the process's device).
+    """
+
+    def __init__(self, model_path: str | Path, *, pad_id: int, vocab_size: int, lr: float = 1e-5, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, autocast_bf16: bool = False, trust_remote_code: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        self.model = load_value_model(model_path, vocab_size=vocab_size, trust_remote_code=trust_remote_code, device=device)
+        self.pad_id, self.autocast_bf16, self.grad_clip = pad_id, autocast_bf16, grad_clip
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def values(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int) -> list[list[float]]:
+        """Per-token values of each response (``response_values``), ``micro_batch`` rows per forward
+        pass; back to host memory in one copy for the whole call."""
+        parts = [response_values(self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
+                                 autocast_bf16=self.autocast_bf16)[0] for s in range(0, len(prompts), micro_batch)]
+        host = to_host_rows(parts)
+        return [host[i, : len(r)].tolist() for i, r in enumerate(responses)]
+
+    def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
+                         loss_fn: ValueLossFn) -> list[Any]:
+        """For each micro-batch: ``response_values``, ``loss_fn``, backward. Returns each ``aux``, in order."""
+        out = []
+        for s in range(0, len(prompts), micro_batch):
+            values, mask = response_values(self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch],
+                                           pad_id=self.pad_id, autocast_bf16=self.autocast_bf16)
+            loss, aux = loss_fn(s, values, mask)
+            loss.backward()
+            out.append(aux)
+        return out
+
+    def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
+        """One process, one replica: ``values`` unchanged."""
+        return [float(v) for v in values]
+
+    def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Zero grads, run ``accumulate``, clip, step; its metrics plus ``critic/grad_norm`` (before clipping)."""
+        metrics, grad_norm = clipped_step(self.model, self.optimizer, self.grad_clip, accumulate)
+        metrics["critic/grad_norm"] = grad_norm
+        return metrics
+
+    def save(self, path: str | Path) -> Path:
+        """Write the value model as an HF checkpoint (``AutoModelForTokenClassification.from_pretrained`` loads it)."""
+        path = Path(path)
+        self.model.save_pretrained(path)
+        return path

@@ -1,0 +1,47 @@
+"""The critic's engine: a value head on the policy's backbone (dockrl/engines/critic.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dockrl.engines.critic import HFCriticEngine
+from dockrl.engines.hf import load_tokenizer
+
+
+def engine_of(tiny_model_dir, lr: float = 1e-3) -> HFCriticEngine:
+    torch.manual_seed(0)  # the value head starts random
+    tok = load_tokenizer(tiny_model_dir)
+    return HFCriticEngine(tiny_model_dir, pad_id=tok.pad_token_id, vocab_size=len(tok), lr=lr)
+
+
+def rows(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """``n`` random prompts and responses of token ids below ``vocab``."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))] for _ in range(n)]
+    responses = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))] for _ in range(n)]
+    return prompts, responses
+
+
+def test_a_value_is_the_head_on_the_state_before_its_token(tiny_model_dir):
+    """By hand, one sequence at a time, unpadded: V_t = score(h_{P+t-1}) of the backbone's last hidden state."""
+    engine = engine_of(tiny_model_dir)
+    prompts, responses = rows(3, 300)
+    got = engine.values(prompts, responses, micro_batch=2)  # padded, two micro-batches
+    with torch.no_grad():
+        for p, r, v in zip(prompts, responses, got):
+            hidden = engine.model.model(input_ids=torch.tensor([p + r])).last_hidden_state[0]
+            by_hand = engine.model.score(hidden).squeeze(-1)[len(p) - 1 : len(p) - 1 + len(r)]
+            assert len(v) == len(r)
+            torch.testing.assert_close(torch.tensor(v), by_hand, atol=1e-5, rtol=1e-5)
+
+
+def test_a_saved_critic_loads_as_it_was_and_a_foreign_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    engine = engine_of(tiny_model_dir)
+    prompts, responses = rows(2, 300)
+    again = HFCriticEngine(engine.save(tmp_path / "critic"), pad_id=engine.pad_id, vocab_size=300)
+    assert again.values(prompts, responses, micro_batch=2) == engine.values(prompts, responses, micro_batch=2)
+    with pytest.raises(ValueError, match=r"critic.model_path .*a vocabulary of \d+ tokens, the policy's tokenizer has 100000"):
+        HFCriticEngine(tiny_model_dir, pad_id=0, vocab_size=100000)

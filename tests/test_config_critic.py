@@ -1,0 +1,37 @@
+"""The ``critic:`` section: its rules at load."""
+
+from __future__ import annotations
+
+import pytest
+
+from dockrl.config import ConfigError, critic_batches, load_config
+
+PPO = ["critic.enable=true"]
+
+
+def test_the_critic_is_off_by_default_and_takes_the_actors_batches_unless_given():
+    assert not load_config().critic.enable
+    ppo = load_config(None, PPO)
+    assert critic_batches(ppo) == (ppo.trainer.mini_batch, ppo.trainer.micro_batch)  # 0: the actor's
+    own = load_config(None, [*PPO, "critic.mini_batch=3", "critic.micro_batch=4"])
+    assert critic_batches(own) == (3, 4)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["critic.cliprange_value=0"], "critic.cliprange_value"),
+    (["critic.lr=-1"], "critic.lr"),
+    (["critic.ppo_epochs=0"], "critic.ppo_epochs"),
+    (["critic.warmup_iterations=-1"], "critic.warmup_iterations"),
+    (["critic.mini_batch=4"], "critic.mini_batch"),  # does not divide trainer.global_batch=6
+    (["critic.micro_batch=5"], "critic.micro_batch"),  # does not divide 6 prompts × 8 samples
+])
+def test_bad_critic_values_name_their_field(overrides, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: got"):
+        load_config(None, [*PPO, *overrides])
+
+
+def test_critic_settings_without_the_critic_are_refused():
+    with pytest.raises(ConfigError, match=r"critic.model_path: got 'some/dir'; is set but critic.enable is false"):
+        load_config(None, ["critic.model_path=some/dir"])
+    with pytest.raises(ConfigError, match=r"critic.warmup_iterations: got 2; .*critic.enable is false"):
+        load_config(None, ["critic.warmup_iterations=2"])
