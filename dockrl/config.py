@@ -122,6 +122,34 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RewardModelPathConfig:
+    path: str = ""
+    """Local HF folder of a sequence-classification reward model (``AutoModelForSequenceClassification``,
+    one label, e.g. ``Qwen2ForSequenceClassification``); frozen, never trained."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; keep off unless the model directory is yours."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardModelConfig:
+    """verl's ``reward_model:`` section: a learned scorer next to the rule verifier. Its stage
+    (``dockrl/workers/reward_model.py``) writes ``rm_model_score``; the reward stage writes
+    ``rm_score = rule_weight · rule + model_weight · model``."""
+
+    enable: bool = False
+    """Run the reward-model stage and add its score to the rule reward."""
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    """The reward model (``reward_model.model.path``)."""
+    micro_batch_size: int = 8
+    """Sequences per forward pass of the reward model (verl: ``micro_batch_size_per_gpu``)."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in ``rm_score``."""
+    rule_weight: float = 1.0
+    """Weight of the rule verifier's reward in ``rm_score`` (0: the reward model alone; the
+    verifier still decides ``correct`` and ``reward/accuracy``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     iterations: int = 20
     """RL iterations (one global batch each)."""
@@ -262,6 +290,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     dock: DockConfig = field(default_factory=DockConfig)
@@ -385,6 +414,7 @@ def _check_rules(c: Config) -> None:
         raise _fail("dock.max_inflight", k.max_inflight,
                     "only 1 (on-policy) is supported: the dock holds one open iteration at a time")
     _check_dock(c.dock)
+    _check_reward_model(c.reward_model)
     _check_parallel(c)
     _check_engines(c)
     _check_critic(c)
@@ -419,6 +449,22 @@ def _check_critic(c: Config) -> None:
 def critic_batches(c: Config) -> tuple[int, int]:
     """The critic's mini-batch (prompts) and micro-batch (sequences): its own, or the actor's where 0."""
     return c.critic.mini_batch or c.trainer.mini_batch, c.critic.micro_batch or c.trainer.micro_batch
+
+
+def _check_reward_model(m: RewardModelConfig) -> None:
+    if not m.enable:
+        return
+    if not m.model.path.strip():
+        raise _fail("reward_model.model.path", m.model.path, "reward_model.enable=true needs the folder of a "
+                    "sequence-classification reward model (or reward_model.enable=false)")
+    if m.micro_batch_size < 1:
+        raise _fail("reward_model.micro_batch_size", m.micro_batch_size, "expected a positive integer")
+    for where, x in (("reward_model.model_weight", m.model_weight), ("reward_model.rule_weight", m.rule_weight)):
+        if not math.isfinite(x):
+            raise _fail(where, x, "expected a finite number")
+    if m.model_weight == 0:
+        raise _fail("reward_model.model_weight", m.model_weight, "the reward model would run for nothing: "
+                    "give it a weight, or set reward_model.enable=false")
 
 
 def _check_engines(c: Config) -> None:
@@ -564,13 +610,13 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """``["trainer.lr=1e-5", "run.progress=false"]`` → nested dict; values parsed as YAML scalars."""
+    """``["trainer.lr=1e-5", "reward_model.model.path=rm"]`` → nested dict; values parsed as YAML scalars."""
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected section.field=value, e.g. trainer.lr=1e-5")
         key, raw = item.split("=", 1)
-        section, name = key.split(".", 1)
+        section, *path, name = key.split(".")  # reward_model.model.path: a field of a nested section
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
@@ -579,16 +625,31 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         # anything but a plain scalar, and unquoted text (where YAML would cut a ' #' comment), stays verbatim
         if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and not quoted):
             value = raw
-        tree.setdefault(section, {})[name] = value
+        node = tree.setdefault(section, {})
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = value
     return tree
+
+
+def _merge(data: dict[str, Any], fields: dict[str, Any], where: str) -> None:
+    """Override ``data``'s fields by ``fields`` in place; nested mappings (a nested section) are merged, not replaced."""
+    for name, value in fields.items():
+        key = f"{where}.{name}"
+        if isinstance(value, dict):
+            if not isinstance(data.setdefault(name, {}), dict):
+                raise ConfigError(f"{key}: expected a mapping of fields")
+            _merge(data[name], value, key)
+        else:
+            data[name] = value
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load and validate a config.
 
     Args:
-        path: YAML file with any of the sections ``model, data, rollout, algorithm, trainer,
-            critic, dock, parallel, run``; ``None`` for the defaults (the demo run).
+        path: YAML file with any of the sections ``model, data, rollout, algorithm, reward_model,
+            trainer, critic, dock, parallel, run``; ``None`` for the defaults (the demo run).
         overrides: ``section.field=value`` strings applied on top.
 
     Raises:
@@ -624,7 +685,7 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
     for section, fields in parse_overrides(overrides).items():
         if not isinstance(data.setdefault(section, {}), dict):
             raise ConfigError(f"{section}: expected a mapping of fields")
-        data[section].update(fields)
+        _merge(data[section], fields, section)
     return _build(Config, data, "")
 
 

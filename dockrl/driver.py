@@ -190,8 +190,8 @@ class StageWorker(Protocol):
 
 class InProcessStages:
     """Every stage in this process over the in-process dock (``open_dock``), run one after the
-    other each iteration: rollout, reward, advantage, reference (β > 0), actor, then the weight
-    sync (the hybrid actor syncs inside its update)."""
+    other each iteration: rollout, reward model (``reward_model.enable``), reward, advantage,
+    reference (β > 0), actor, then the weight sync (the hybrid actor syncs inside its update)."""
 
     def __init__(self, plan: RunPlan) -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
@@ -228,7 +228,14 @@ class InProcessStages:
             stages = RolloutWorker(rollout, r), ActorWorker(actor, trainer=t, algo=a, rollout=r)
         self.scorer = build_scorer(a)
         tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
-        self.workers = [stages[0], RewardWorker.from_config(self.scorer, tokenizer, a), AdvantageWorker(a)]
+        self.workers = [stages[0], RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model), AdvantageWorker(a)]
+        if cfg.reward_model.enable:
+            from dockrl.engines.reward_model import build_reward_model
+            from dockrl.run_setup import resolve_reward_model
+            from dockrl.workers.reward_model import RewardModelWorker
+
+            reward_model = build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks)
+            self.workers.insert(1, RewardModelWorker.from_config(reward_model, cfg))  # before the reward stage that waits for it
         if a.kl_coef > 0:
             self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg))
         self.workers.append(stages[1])

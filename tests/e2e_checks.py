@@ -6,6 +6,7 @@ import json
 import math
 
 import torch
+from pytest import approx
 from transformers import AutoModelForCausalLM
 
 
@@ -27,3 +28,13 @@ def check_hybrid_run(run, tiny_model_dir) -> None:
     after = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "final")
     assert [n for n, p in after.named_parameters() if torch.equal(p, before[n])] == []
     assert json.loads((run / "summary.json").read_text())["eval/test_prompts"] == 4
+
+
+def check_reward_model_run(run_dir) -> None:
+    """A 2-iteration run with reward_model.model_weight=0.5, rule_weight=2: rm_score is their weighted sum."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1]
+    for x in lines:  # means are linear: the run's reward is the weighted sum of the rule's and the model's
+        assert math.isfinite(x["reward_model/score_mean"]) and x["reward_model/score_std"] > 0
+        assert x["reward/mean"] == approx(2.0 * x["reward/rule_mean"] + 0.5 * x["reward_model/score_mean"], abs=1e-5)
+        assert x["timing_s/reward_model"] > 0 and math.isfinite(x["actor/loss"])

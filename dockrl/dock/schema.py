@@ -64,7 +64,10 @@ GRPO_SCHEMA = Schema(
         Column(name="response_ids", type=_TOKENS, producer="rollout", doc="sampled response token ids (R,), EOS included when emitted"),
         Column(name="truncated", type=pa.bool_(), producer="rollout", doc="response hit the length limit before EOS"),
         Column(name="rollout_log_prob", type=_LOGPROBS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
-        Column(name="rm_score", type=pa.float32(), producer="reward", doc="rule reward of the response"),
+        Column(name="rm_model_score", type=pa.float32(), producer="reward_model",
+               doc="reward model's score of prompt + response (reward_model.enable only)"),
+        Column(name="rm_score", type=pa.float32(), producer="reward",
+               doc="reward of the response: the rule reward, or rule_weight · rule + model_weight · rm_model_score"),
         Column(name="correct", type=pa.bool_(), producer="reward", doc="final answer matches the ground truth"),
         Column(name="advantages", type=pa.float32(), producer="advantage", doc="group-normalized advantage of the response"),
         Column(name="ref_log_prob", type=_LOGPROBS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
@@ -73,5 +76,5 @@ GRPO_SCHEMA = Schema(
         Column(name="returns", type=_LOGPROBS, producer="advantage", doc="per-token GAE return A_t + V(s_t): the critic's target (R,)"),
     ),
     # the critic consumes twice per iteration: responses (→ values), then returns (its update)
-    consumers=("rollout", "reward", "advantage", "reference", "actor", "critic", "critic_update"),
+    consumers=("rollout", "reward_model", "reward", "advantage", "reference", "actor", "critic", "critic_update"),
 )

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
-ACCELERATOR_STAGES = ("rollout", "reference", "actor", "hybrid")
+ACCELERATOR_STAGES = ("rollout", "reward-model", "reference", "actor", "hybrid")
 """Stages that hold a model and take the platform's accelerators (reward and dock shards do not)."""
 
 
@@ -56,7 +56,7 @@ def member_devices(cfg: Config, stage: str) -> int:
 
     The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
     dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each
-    for the rollout, actor and reference processes of a non-hybrid run.
+    for the rollout, actor and reference processes of a non-hybrid run, and one for the reward model.
     """
     return 1 if stage in ACCELERATOR_STAGES else 0
 

@@ -28,10 +28,12 @@ from dockrl.workers.actor import run_actor
 from dockrl.workers.hybrid import run_hybrid
 from dockrl.workers.reference import run_reference
 from dockrl.workers.reward import run_reward
+from dockrl.workers.reward_model import run_reward_model
 from dockrl.workers.rollout import run_rollout
 
 PROCESSES = {
     "rollout": run_rollout,  # evaluates before and after training; receives the weights
+    "reward-model": run_reward_model,  # only with reward_model.enable
     "reward": run_reward,  # with the advantages
     "reference": run_reference,  # only when algorithm.kl_coef > 0
     "actor": run_actor,  # sends the weights; writes the checkpoints

@@ -1,6 +1,8 @@
 """Reward stage: claim responses, score them, check the rewards, put ``rm_score`` and ``correct``.
 
-As a process of its own (``run_reward``) it computes the group advantages too (``AdvantageWorker``).
+With ``reward_model.enable`` it claims the reward model's ``rm_model_score`` too and puts their
+weighted sum (``RewardWorker``). As a process of its own (``run_reward``) it computes the group
+advantages too (``AdvantageWorker``).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from dockrl.config import AlgorithmConfig, Config
+from dockrl.config import AlgorithmConfig, Config, RewardModelConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
@@ -23,16 +25,23 @@ class RewardWorker:
     requires ``correct_reward > format_reward``), so correctness needs no second, untimed
     verifier call. ``max_bad_frac`` — the iteration fails (``ScorerError`` naming
     ``scorer_name``) once more than this fraction of its rewards were bad: not a finite number
-    or missing (``dockrl.rewards.guard.check_rewards``), timed out or failed (the scorer's counters)."""
+    or missing (``dockrl.rewards.guard.check_rewards``), timed out or failed (the scorer's counters).
+    ``model_weight`` — None: ``rm_score`` is the rule reward; else the row's reward-model score
+    (column ``rm_model_score``) is claimed too and ``rm_score = rule_weight · rule + model_weight · model``
+    (``correct`` stays the rule's verdict)."""
 
     def __init__(self, scorer: Scorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
-                 max_bad_frac: float = 1.0, scorer_name: str = "") -> None:
+                 max_bad_frac: float = 1.0, scorer_name: str = "", model_weight: float | None = None,
+                 rule_weight: float = 1.0) -> None:
         self.scorer, self.tokenizer, self.batch_size = scorer, tokenizer, batch_size
         self.correct_reward, self.max_bad_frac, self.scorer_name = correct_reward, max_bad_frac, scorer_name
+        self.model_weight, self.rule_weight = model_weight, rule_weight
 
     @classmethod
-    def from_config(cls, scorer: Scorer, tokenizer, a: AlgorithmConfig) -> RewardWorker:
-        return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer)
+    def from_config(cls, scorer: Scorer, tokenizer, a: AlgorithmConfig, rm: RewardModelConfig | None = None) -> RewardWorker:
+        weights = (rm.model_weight, rm.rule_weight) if rm is not None and rm.enable else (None, 1.0)
+        return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer,
+                   model_weight=weights[0], rule_weight=weights[1])
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics.
@@ -40,16 +49,22 @@ class RewardWorker:
         Raises:
             ScorerError: more than ``max_bad_frac`` of the rewards were bad (the message counts them by reason).
         """
-        start, scores, correct, bad = time.perf_counter(), [], [], Counter[str]()
+        start, scores, rules, correct, bad = time.perf_counter(), [], [], [], Counter[str]()
         before = self.scorer.counters()
-        while claim := dock.claim("reward", ["response_ids", "ground_truth"], self.batch_size):
+        columns = ["response_ids", "ground_truth"] + ([] if self.model_weight is None else ["rm_model_score"])
+        while claim := dock.claim("reward", columns, self.batch_size):
             texts = self.tokenizer.batch_decode(claim.batch.column("response_ids").to_pylist(), skip_special_tokens=True)
             truths = claim.batch.column("ground_truth").to_pylist()
-            batch_scores, batch_bad = check_rewards(self.scorer.score(texts, truths), len(texts))
+            batch_rules, batch_bad = check_rewards(self.scorer.score(texts, truths), len(texts))
             bad += batch_bad
-            batch_correct = [score >= self.correct_reward for score in batch_scores]
+            batch_correct = [score >= self.correct_reward for score in batch_rules]
+            batch_scores = batch_rules
+            if self.model_weight is not None:
+                model = claim.batch.column("rm_model_score").to_pylist()
+                batch_scores = [self.rule_weight * r + self.model_weight * m for r, m in zip(batch_rules, model)]
             dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct}, ack=claim)
             scores += batch_scores
+            rules += batch_rules
             correct += batch_correct
         after = self.scorer.counters()
         n = len(scores)
@@ -64,7 +79,8 @@ class RewardWorker:
                 "response within algorithm.reward_timeout_s each: fix the scorer (or raise the limit)"
             )
         mean = sum(scores) / n
-        return {
+        combined = {} if self.model_weight is None else {"reward/rule_mean": sum(rules) / n}
+        return combined | {
             "reward/mean": mean,
             "reward/std": (sum((s - mean) ** 2 for s in scores) / n) ** 0.5,
             "reward/accuracy": sum(correct) / n,
@@ -82,7 +98,7 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm)
-    reward, advantage = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm), AdvantageWorker(cfg.algorithm)
+    reward, advantage = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model), AdvantageWorker(cfg.algorithm)
 
     def step(_: int) -> dict[str, float]:
         return reward.run_iteration(dock) | advantage.run_iteration(dock)

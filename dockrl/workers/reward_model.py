@@ -1,0 +1,67 @@
+"""Reward-model stage: claim prompts and responses, score them with the frozen reward model, put ``rm_model_score``.
+
+Only started with ``reward_model.enable``; the reward stage then waits for this column and
+writes ``rm_score = rule_weight · rule + model_weight · rm_model_score`` (``dockrl/workers/reward.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+from dockrl.config import Config
+from dockrl.dock import Dock, StageDock
+from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.resharding.ranks import ProcessRanks
+
+if TYPE_CHECKING:  # transformers loads only in the process that runs this stage
+    from dockrl.engines.reward_model import HFRewardModel
+
+
+class RewardModelWorker:
+    """Args: ``micro_batch`` — rows per forward pass of the reward model; a claim takes four of them."""
+
+    def __init__(self, model: HFRewardModel, *, micro_batch: int) -> None:
+        self.model, self.micro_batch = model, micro_batch
+
+    @classmethod
+    def from_config(cls, model: HFRewardModel, cfg: Config) -> RewardModelWorker:
+        return cls(model, micro_batch=cfg.reward_model.micro_batch_size)
+
+    def run_iteration(self, dock: StageDock) -> dict[str, float]:
+        """Score every row of the open iteration; returns ``reward_model/*`` metrics.
+
+        Raises:
+            ValueError: the reward model gave a score that is not a finite number (naming ``reward_model.model.path``).
+        """
+        start, scores = time.perf_counter(), []
+        while claim := dock.claim("reward_model", ["prompt_ids", "response_ids"], self.micro_batch * 4):
+            batch = self.model.score(claim.batch.column("prompt_ids").to_pylist(), claim.batch.column("response_ids").to_pylist(),
+                                     micro_batch=self.micro_batch)
+            bad = [s for s in batch if not math.isfinite(s)]
+            if bad:
+                raise ValueError(f"reward_model.model.path: the reward model scored {len(bad)} of {len(batch)} responses "
+                                 f"{bad[0]}, not a finite number; check the checkpoint (and trainer.autocast_bf16)")
+            dock.put(claim.rows, {"rm_model_score": batch}, ack=claim)
+            scores += batch
+        n = len(scores)
+        mean = sum(scores) / n
+        return {
+            "reward_model/score_mean": mean,
+            "reward_model/score_std": (sum((s - mean) ** 2 for s in scores) / n) ** 0.5,
+            "timing_s/reward_model": time.perf_counter() - start,
+        }
+
+
+def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
+    """The ``reward-model`` stage process: score every iteration's responses (``REWARD_MODEL``)."""
+    from dockrl.engines.hf import load_tokenizer
+    from dockrl.engines.reward_model import build_reward_model
+    from dockrl.run_setup import resolve_model, resolve_reward_model
+
+    tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
+    worker = RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)
+    serve_iterations(dock, Report.REWARD_MODEL, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
+                     seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
+    dock.report(cfg.trainer.iterations, final_report("reward-model"), {})
