@@ -124,8 +124,9 @@ class AlgorithmConfig:
 @dataclass(frozen=True, kw_only=True)
 class RewardModelPathConfig:
     path: str = ""
-    """Local HF folder of a sequence-classification reward model (``AutoModelForSequenceClassification``,
-    one label, e.g. ``Qwen2ForSequenceClassification``); frozen, never trained."""
+    """Local HF folder of a reward model with one label: a sequence classifier
+    (``AutoModelForSequenceClassification``, e.g. ``Qwen2ForSequenceClassification``) or a value head
+    per token (``…ForTokenClassification``, as verl's), read at the last token; frozen, never trained."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained``; keep off unless the model directory is yours."""
 

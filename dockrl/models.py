@@ -163,16 +163,18 @@ def build_tiny_reward_model(
     num_heads: int = 2,
     num_kv_heads: int = 1,
     seed: int = 1,
+    value_head: bool = False,
 ) -> Path:
-    """Build a random ``Qwen2ForSequenceClassification`` reward model (``num_labels=1``), offline,
-    with the tokenizer of ``tokenizer_dir`` (a ``build_tiny_model`` folder: the policy's own
-    vocabulary, so the reward model reads the policy's token ids).
+    """Build a random ``Qwen2ForSequenceClassification`` reward model (``num_labels=1``; with
+    ``value_head`` a ``Qwen2ForTokenClassification``, a value per token), offline, with the
+    tokenizer of ``tokenizer_dir`` (a ``build_tiny_model`` folder: the policy's own vocabulary, so
+    the reward model reads the policy's token ids).
 
     Returns:
         The directory with ``config.json``, ``model.safetensors`` and the tokenizer files.
     """
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +194,7 @@ def build_tiny_reward_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    model = Qwen2ForSequenceClassification(config)
+    model = (Qwen2ForTokenClassification if value_head else Qwen2ForSequenceClassification)(config)
     with torch.no_grad():  # a score head of unit scale: random rewards that spread over about ±1, not ±0.02
         model.score.weight.normal_(0.0, hidden_size**-0.5)
     model.save_pretrained(out)

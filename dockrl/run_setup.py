@@ -89,7 +89,7 @@ def resolve_model(cfg: Config) -> Path:
 
 def resolve_reward_model(cfg: Config) -> Path:
     """The reward model's folder (``reward_model.model.path``), checked as ``check_model_dir``
-    does and as a one-label classifier (``dockrl.engines.reward_model.check_reward_model_dir``).
+    does and as a one-label classifier or value head (``dockrl.engines.reward_model.check_reward_model_dir``).
 
     Raises:
         ConfigError: naming ``reward_model.model.path``: not a local HF folder, unreadable

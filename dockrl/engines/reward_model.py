@@ -2,8 +2,10 @@
 
 ``HFRewardModel`` loads a one-label sequence-classification checkpoint
 (``AutoModelForSequenceClassification``: ``Qwen2ForSequenceClassification``,
-``LlamaForSequenceClassification``, … as TRL's ``RewardTrainer`` saves them) and returns one
-scalar per row: the ``score`` head on the final hidden state of the row's last token. The rows
+``LlamaForSequenceClassification``, … as TRL's ``RewardTrainer`` saves them), or a decoder with a
+one-label value head per token (``AutoModelForTokenClassification``, as verl's reward model and
+critic), and returns one scalar per row: the ``score`` head on the final hidden state of the
+row's last token. The rows
 are the policy's token ids; a reward model with another vocabulary gets them as text, re-encoded
 by its own tokenizer. Nothing here is trained.
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from dockrl.config import Config, ConfigError
 from dockrl.engines.hf import autocast, load_tokenizer, to_host_rows
@@ -25,10 +27,12 @@ from dockrl.resharding.ranks import ProcessRanks
 logger = logging.getLogger(__name__)
 
 FIELD = "reward_model.model.path"
+HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification, "ForTokenClassification": AutoModelForTokenClassification}
+"""Architecture name suffix → the auto class that loads it: a score per sequence, or a value per token (read at the last)."""
 
 
-def check_reward_model_dir(path: Path) -> None:
-    """Check that ``path``'s ``config.json`` describes a one-label sequence classifier.
+def check_reward_model_dir(path: Path) -> Any:
+    """Check that ``path``'s ``config.json`` describes a one-label classifier (``HEADS``); returns its auto class.
 
     Raises:
         ConfigError: naming ``reward_model.model.path``: no readable ``config.json``, another
@@ -39,12 +43,15 @@ def check_reward_model_dir(path: Path) -> None:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{FIELD}: {path / 'config.json'} is not readable JSON ({e})") from None
     archs = doc.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+    auto = next((cls for a in archs for suffix, cls in HEADS.items() if str(a).endswith(suffix)), None)
+    if auto is None:
         raise ConfigError(f"{FIELD}: {path} holds {archs or 'no architectures'}; expected a sequence-classification "
-                          "reward model (e.g. Qwen2ForSequenceClassification with num_labels=1, as TRL's RewardTrainer saves)")
+                          "reward model (e.g. Qwen2ForSequenceClassification with num_labels=1, as TRL's RewardTrainer saves) "
+                          "or a value head per token (…ForTokenClassification with num_labels=1, as verl's)")
     labels = len(doc["id2label"]) if isinstance(doc.get("id2label"), dict) else doc.get("num_labels", 2)
     if labels != 1:
         raise ConfigError(f"{FIELD}: {path} has {labels} labels; a reward model has one (num_labels=1): one score per response")
+    return auto
 
 
 class HFRewardModel:
@@ -67,12 +74,12 @@ class HFRewardModel:
         device: torch.device | str = "cpu",
     ) -> None:
         path = Path(model_path)
-        check_reward_model_dir(path)
+        auto = check_reward_model_dir(path)
         self.device, self.autocast_bf16 = torch.device(device), autocast_bf16
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.policy_tokenizer = policy_tokenizer
         self.same_vocab = policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
-        model, info = AutoModelForSequenceClassification.from_pretrained(
+        model, info = auto.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=trust_remote_code, output_loading_info=True)
         if info["missing_keys"]:  # a head or layers that from_pretrained would initialize at random
             raise ConfigError(f"{FIELD}: {path} lacks weights {sorted(info['missing_keys'])[:5]}; a reward model's "
@@ -80,7 +87,7 @@ class HFRewardModel:
         base, head = getattr(model, model.base_model_prefix, None), getattr(model, "score", None)
         if not isinstance(head, torch.nn.Linear) or not isinstance(base, torch.nn.Module):
             raise ConfigError(f"{FIELD}: {type(model).__name__} is not a decoder with a `score` head (Llama, Qwen2, "
-                              "Mistral, … ForSequenceClassification)")
+                              "Mistral, … For(Sequence|Token)Classification)")
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.base, self.head = base, head
@@ -97,9 +104,10 @@ class HFRewardModel:
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int) -> list[float]:
         """One score per row, ``micro_batch`` rows per forward pass; back to host memory in one copy.
 
-        ``s_i = w · h_i[L_i - 1]``: the ``score`` head (``w``, ``(1, H)``) on the final hidden state
-        of the row's last token (position ``L_i - 1`` of ``prompt + response``, EOS included when
-        emitted), as ``GenericForSequenceClassification`` pools — read at the row's length here,
+        ``s_i = w · h_i[L_i - 1] (+ b)``: the ``score`` head (``w``, ``(1, H)``) on the final hidden
+        state of the row's last token (position ``L_i - 1`` of ``prompt + response``, EOS included
+        when emitted), as ``GenericForSequenceClassification`` pools and verl reads a token-level
+        value head (the value of the last token; eval mode, no dropout) — read at the row's length here,
         so a pad id that equals EOS cannot move it. Rows are right-padded; a row's score does
         not depend on the others in its micro-batch.
         """

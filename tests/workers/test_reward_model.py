@@ -153,3 +153,12 @@ def test_a_run_in_process_adds_the_reward_model(tiny_model_dir, tiny_reward_mode
     monkeypatch.setattr(guard, "RewardScorer", FakeRandomScorer)
     driver.train(load_config(None, run_overrides(tiny_model_dir, tiny_reward_model_dir, tmp_path)))
     check_reward_model_run(tmp_path / "run")
+
+
+def test_a_value_head_per_token_scores_the_last_token(tmp_path, tiny_model_dir):
+    rm_dir = build_tiny_reward_model(tmp_path / "value-head", tiny_model_dir, value_head=True)
+    model = HFRewardModel(rm_dir, policy_tokenizer=load_tokenizer(tiny_model_dir))
+    got = model.score(PROMPTS, RESPONSES, micro_batch=3)
+    for p, r, score in zip(PROMPTS, RESPONSES, got):
+        values = model.model(input_ids=torch.tensor([p + r])).logits  # (1, L, 1): a value per token
+        assert score == pytest.approx(float(values[0, -1, 0]), abs=1e-5)
