@@ -126,6 +126,46 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     return input_ids, attention_mask, positions, mask
 
 
+def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):
+    """``prompt + response`` sequences packed into as few rows as possible, none longer than the
+    longest sequence: first-fit decreasing (Johnson, 1973) of whole sequences into rows, each
+    sequence's position ids starting at 0. Transformers reads a row whose position ids restart as
+    several sequences that do not attend to each other (``masking_utils.find_packed_sequence_indices``,
+    used when no attention mask is given), so the forward pass computes the same log-probs as on
+    right-padded rows, on fewer tokens; attention per row costs no more than on a padded row.
+
+    Returns:
+        ``input_ids (R, L)``, ``position_ids (R, L)`` (the tail of a row is padding with its own
+        positions 0, 1, …: a segment of its own), ``index (B, T)`` — the flat index in
+        ``(R·L)`` of the logit that predicts response token ``t`` of sequence ``i`` — and the
+        response ``mask (B, T)``, as ``pack_sequences``. ``R ≤ B``.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    L, T = max(lengths), max(max(len(r) for r in responses), 1)
+    free: list[int] = []  # room left in each row
+    place: dict[int, tuple[int, int]] = {}  # sequence -> (row, offset)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((k for k, room in enumerate(free) if room >= lengths[i]), len(free))
+        if row == len(free):
+            free.append(L)
+        place[i] = (row, L - free[row])
+        free[row] -= lengths[i]
+    R = len(free)
+    input_ids = torch.full((R, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((R, L), dtype=torch.long)
+    index = torch.zeros((len(lengths), T), dtype=torch.long)
+    mask = torch.zeros((len(lengths), T), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        row, at = place[i]
+        input_ids[row, at : at + lengths[i]] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        position_ids[row, at : at + lengths[i]] = torch.arange(lengths[i])
+        index[i, : len(r)] = row * L + at + torch.arange(len(p) - 1, len(p) - 1 + len(r))
+        mask[i, : len(r)] = 1.0
+    for row, room in enumerate(free):
+        position_ids[row, L - room :] = torch.arange(room)
+    return input_ids, position_ids, index, mask
+
+
 def _plain_lm_head(model: PreTrainedModel) -> bool:
     """True when logits are exactly ``lm_head(final hidden state)`` (Llama, Qwen2, Mistral, ...)."""
     cfg = model.config
@@ -135,6 +175,28 @@ def _plain_lm_head(model: PreTrainedModel) -> bool:
         and hasattr(model, "get_decoder")
         and model.get_output_embeddings() is not None
     )
+
+
+ENTROPY_CHUNK_TOKENS = 1024
+"""Response tokens whose entropy is computed at once (bounds the fp32 ``(tokens, V)`` temporaries)."""
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(z)[y] = z_y - logsumexp(z)`` of ``(..., V)`` logits at ``(...)`` targets.
+
+    The same value as ``log_softmax(z).gather(y)`` without the ``(..., V)`` log-softmax tensor
+    (one full-vocabulary fp32 tensor less in memory and in the backward pass).
+    """
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def chunked_entropy(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS) -> torch.Tensor:
+    """``entropy_from_logits`` of ``(B, T, V)`` logits over at most ``chunk_tokens`` tokens at a
+    time (no grad): its softmax temporaries stay ``chunk_tokens × V``. Returns ``(B, T)`` nats."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.cat([entropy_from_logits(flat[s : s + chunk_tokens]) for s in range(0, flat.shape[0], chunk_tokens)])
+    return out.view(logits.shape[:-1])
 
 
 def response_log_probs(
@@ -150,6 +212,10 @@ def response_log_probs(
     """Per-token log-probs of ``responses`` given ``prompts`` in one forward pass.
 
     ``log π(o_t | q, o_<t) = log_softmax(z_t / τ)[o_t]`` with the sampling temperature ``τ``.
+    The sequences are packed into as few rows as the longest one allows (``pack_rows``) when that
+    saves rows, else right-padded (``pack_sequences``); the output head runs on response
+    positions only, the log-softmax never materializes (``token_log_probs``) and the entropy is
+    computed in chunks (``chunked_entropy``).
 
     Returns:
         ``log_prob (B, T)`` fp32 (differentiable if grad is enabled), ``mask (B, T)``, and
@@ -157,24 +223,28 @@ def response_log_probs(
         (the packed batch is moved there in one copy per tensor).
     """
     device = model_device(model)
-    input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
-    B, T = positions.shape
+    packed = pack_rows(prompts, responses, pad_id)
+    if packed[0].shape[0] < len(prompts):
+        input_ids, position_ids, index, mask = (t.to(device) for t in packed)
+        inputs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    else:
+        input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
+        index = positions + torch.arange(input_ids.shape[0], device=device).unsqueeze(1) * input_ids.shape[1]
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    B, T = index.shape
+    flat = index.view(-1)
     with autocast(device, autocast_bf16):
         if _plain_lm_head(model):
             # the output head only on response positions: prompt logits are never needed
-            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            hidden = hidden.gather(1, positions.unsqueeze(-1).expand(B, T, hidden.shape[-1]))
-            logits = model.get_output_embeddings()(hidden)
+            hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+            logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[flat]).view(B, T, -1)
         else:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            logits = logits.gather(1, positions.unsqueeze(-1).expand(B, T, logits.shape[-1]))
+            logits = model(**inputs, use_cache=False).logits
+            logits = logits.reshape(-1, logits.shape[-1])[flat].view(B, T, -1)
     logits = logits.float() / temperature
-    targets = input_ids.gather(1, (positions + 1).clamp(max=input_ids.shape[1] - 1))
-    log_prob = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach()) * mask
+    targets = input_ids.reshape(-1)[(flat + 1).clamp(max=input_ids.numel() - 1)].view(B, T)
+    log_prob = token_log_probs(logits, targets) * mask
+    entropy = chunked_entropy(logits.detach()) * mask if with_entropy else None
     return log_prob, mask, entropy
 
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, pack_sequences
+from dockrl.algorithms import entropy_from_logits
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, pack_rows, pack_sequences, response_log_probs
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,33 @@ def test_weight_sync_copies_every_parameter(tiny_model_dir, rollout):
         assert torch.equal(a, b), name
     with pytest.raises(KeyError, match="no parameter named 'nope'"):
         rollout.load_weights([("nope", torch.zeros(1))])
+
+
+def test_pack_rows_fits_sequences_first_fit_decreasing_into_rows_of_the_longest():
+    prompts, responses = [[1, 2], [3], [4, 5, 6], [7]], [[8, 9, 10, 11], [12], [13], [14, 15]]  # lengths 6, 2, 4, 3
+    input_ids, position_ids, index, mask = pack_rows(prompts, responses, pad_id=0)
+    assert input_ids.tolist() == [[1, 2, 8, 9, 10, 11], [4, 5, 6, 13, 3, 12], [7, 14, 15, 0, 0, 0]]
+    assert position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
+    # the logit predicting response token t sits one before it in the flat (R·L) row-major layout
+    assert index.tolist() == [[1, 2, 3, 4], [10, 0, 0, 0], [8, 0, 0, 0], [12, 13, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]]
+
+
+def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir):
+    engine = HFTrainEngine(tiny_model_dir, trainable=True)
+    g = torch.Generator().manual_seed(0)
+    lengths = [(5, 20), (7, 2), (6, 9), (5, 1), (8, 3)]  # packing saves rows: 25 fits 9+3, 13+4
+    V = engine.model.config.vocab_size
+    prompts = [torch.randint(3, V, (p,), generator=g).tolist() for p, _ in lengths]
+    responses = [torch.randint(3, V, (r,), generator=g).tolist() for _, r in lengths]
+    assert pack_rows(prompts, responses, engine.pad_id)[0].shape[0] < len(prompts)
+    log_prob, mask, entropy = response_log_probs(engine.model, prompts, responses, pad_id=engine.pad_id, temperature=0.7,
+                                                 autocast_bf16=False, with_entropy=True)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        logits = engine.model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float() / 0.7
+        alone = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(log_prob[i, : len(r)], alone, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(entropy[i, : len(r)], entropy_from_logits(logits), rtol=1e-4, atol=1e-5)
+        assert mask[i].sum() == len(r) and (log_prob[i, len(r):] == 0).all()
+    log_prob.sum().backward()  # differentiable through the packed rows
+    assert all(p.grad is not None for p in engine.model.parameters() if p.requires_grad)

@@ -1,0 +1,112 @@
+"""The actor update against its compute floor: achieved FLOP/s over the machine's measured matmul rate.
+
+One update is what the actor does per mini-batch: forward and backward of every micro-batch of
+``--rows`` sequences (prompts of the generated arithmetic problems, responses of random tokens
+with lengths drawn from ``--lengths``), then the AdamW step. Its floor is the time the machine
+needs for ``6 · params · tokens`` FLOPs (forward 2, backward 4 per parameter and token, prompt
+tokens included; Kaplan et al., 2020, arXiv 2001.08361 §2.1) at the rate measured in the same
+run: the best of several fp32 matmuls of the model's own shapes (micro-batch tokens × hidden
+size × intermediate size). The ratio ``update / floor`` is the number to watch (target ≤ 1.5).
+
+    python benchmarks/update.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
+    python benchmarks/update.py --model tiny --rows 8   # the tiny random model, seconds
+
+Prints one table: tokens (prompt + response), the tokens right-padded micro-batches compute and
+those packed ones compute (``dockrl.engines.hf.pack_rows``), FLOPs,
+matmul rate, update seconds (median), achieved rate, fraction of the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from dockrl.config import DEFAULT_SYSTEM_PROMPT
+from dockrl.data import generate_problems, prompt_token_ids
+from dockrl.engines import hf
+from dockrl.engines.hf import HFTrainEngine
+from dockrl.models import build_tiny_model
+
+pack_rows = getattr(hf, "pack_rows", None)  # absent in versions that right-pad every micro-batch
+
+
+def matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """Best fp32 FLOP/s of ``(m, k) @ (k, n)`` on this machine's CPU threads over ``repeats`` tries."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * m * k * n / best
+
+
+def response_lengths(kind: str, rows: int, max_len: int, rng: random.Random) -> list[int]:
+    """``uniform``: 1..max_len; ``heavy``: most short, a few at the limit (a lognormal, clipped)."""
+    if kind == "uniform":
+        return [rng.randint(1, max_len) for _ in range(rows)]
+    return [max(1, min(max_len, int(rng.lognormvariate(3.0, 0.9)))) for _ in range(rows)]
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="HF model directory, or 'tiny' for the test model")
+    parser.add_argument("--rows", type=int, default=32, help="sequences per update (the mini-batch)")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--max-response", type=int, default=128)
+    parser.add_argument("--lengths", choices=["uniform", "heavy"], default="heavy")
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = build_tiny_model(tempfile.mkdtemp(prefix="tiny-model-")) if args.model == "tiny" else args.model
+    engine = HFTrainEngine(model, trainable=True, lr=1e-7)
+    tok, cfg = engine.tokenizer, engine.model.config
+    rng = random.Random(0)
+    prompts = [prompt_token_ids(tok, p["question"], system_prompt=DEFAULT_SYSTEM_PROMPT) for p in generate_problems(args.rows, seed=0)]
+    lengths = response_lengths(args.lengths, args.rows, args.max_response, rng)
+    responses = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lengths]
+    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    padded = packed = 0
+    for s in range(0, args.rows, args.micro_batch):  # what right-padded and packed micro-batches compute
+        ps, rs = prompts[s : s + args.micro_batch], responses[s : s + args.micro_batch]
+        padded += max(len(p) + len(r) for p, r in zip(ps, rs)) * len(ps)
+        packed += min(pack_rows(ps, rs, engine.pad_id)[0].numel(), padded) if pack_rows else 0
+    params = sum(p.numel() for p in engine.model.parameters())
+    flops = 6.0 * params * tokens
+
+    def loss_fn(start, log_prob, mask, entropy):
+        return -(log_prob * mask).sum() / tokens, None
+
+    def update() -> float:
+        start = time.perf_counter()
+        engine.optimizer_step(lambda: (engine.forward_backward(prompts, responses, temperature=1.0, micro_batch=args.micro_batch,
+                                                               loss_fn=loss_fn), {})[1])
+        return time.perf_counter() - start
+
+    update()  # warm-up
+    seconds = [update() for _ in range(args.repeats)]
+    micro_tokens = max(tokens // max(args.rows // args.micro_batch, 1), 1)
+    rate = matmul_rate(micro_tokens, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    took = statistics.median(seconds)
+    floor = flops / rate
+    head = ["tokens", "padded tokens", "packed tokens", "params", "TFLOP", "matmul GFLOP/s", "update s", "achieved GFLOP/s", "update / floor"]
+    cells = [f"{tokens:,}", f"{padded:,}", f"{packed:,}" if pack_rows else "-", f"{params / 1e6:.1f}M", f"{flops / 1e12:.3f}",
+             f"{rate / 1e9:.1f}", f"{took:.2f}",
+             f"{flops / took / 1e9:.1f}", f"{took / floor:.2f}x"]
+    out = (f"{args.rows} rows × micro-batch {args.micro_batch}, responses ≤{args.max_response} ({args.lengths}), fp32, "
+           f"{torch.get_num_threads()} threads\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n| " + " | ".join(cells) + " |")
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
