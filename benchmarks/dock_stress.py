@@ -144,11 +144,6 @@ class Cells:
             return (rows + it) % 3 == 0
         if column == "truncated":
             return (rows + 2 * it) % 5 == 0
-        if column == "advantages":  # score minus its group's mean
-            g = self.shape.group_size
-            members = (rows // g * g)[:, None] + np.arange(g)
-            return (self.scalar("rm_score", it, rows).astype(np.float64)
-                    - self.scalar("rm_score", it, members.reshape(-1)).reshape(-1, g).mean(axis=1)).astype(np.float32)
         raise ValueError(f"no scalar cells for column {column!r}")
 
     def column(self, column: str, it: int, rows: np.ndarray) -> pa.Array:

@@ -18,9 +18,9 @@ def resolve_config(
     mini_batch: int,
     group_size: int,
     learning_rate: float,
-    kl_coef: float,
+    kl_loss_coef: float,
     max_response_length: int,
-    algorithm: str,
+    adv_estimator: str,
     model_path: str,
     train_data: str,
     test_data: str,
@@ -33,6 +33,6 @@ def resolve_config(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = {"iterations": iterations, "global_batch": global_batch, "mini_batch": mini_batch, "group_size": group_size,
-              "learning_rate": learning_rate, "kl_coef": kl_coef, "max_response_length": max_response_length,
-              "algorithm": algorithm, "model_path": model_path, "train_data": train_data, "test_data": test_data}
+              "learning_rate": learning_rate, "kl_loss_coef": kl_loss_coef, "max_response_length": max_response_length,
+              "adv_estimator": adv_estimator, "model_path": model_path, "train_data": train_data, "test_data": test_data}
     return resolve_overrides(params, config_overrides)

@@ -92,20 +92,49 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    name: Literal["grpo"] = "grpo"
-    """RL algorithm."""
-    clip_low: float = 0.2
-    """Lower clip ε of the ratio (1 - ε)."""
-    clip_high: float = 0.28
-    """Upper clip ε of the ratio (1 + ε); DAPO's clip-higher."""
-    kl_coef: float = 0.0
-    """β of the k3 KL penalty to the reference; 0 skips the reference stage."""
-    loss_agg: Literal["token", "sequence"] = "token"
-    """Loss aggregation: token-mean or sequence-mean."""
-    norm_adv_by_std: bool = True
-    """Divide group-centered rewards by the group std (GRPO) or not (Dr. GRPO)."""
+    """The RL algorithm: advantage estimator, policy loss, KL terms and the reward. Names follow
+    verl's where it has the concept (docs/algorithms.md maps each verl name to its field here)."""
+
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae", "dr_grpo"] = "grpo"
+    """Advantage estimator (``dockrl.algorithms.compute_advantages``): group-normalized (GRPO),
+    leave-one-out (RLOO), batch-whitened discounted returns (REINFORCE++), GAE with a critic (PPO),
+    or group-centered without the std (Dr. GRPO)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """``grpo`` divides the group-centered rewards by the group std; false: only centered (as ``dr_grpo``)."""
     adv_eps: float = 1e-6
-    """ε in the advantage denominator."""
+    """ε added to the std in the advantage denominator (``grpo``) and to the variance when whitening."""
+    gamma: float = 1.0
+    """Discount γ of the token-level returns (``gae``, ``reinforce_plus_plus``)."""
+    lam: float = 1.0
+    """λ of GAE (``gae``)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become the mini-batch loss: mean over all tokens; mean over sequences of
+    each sequence's token mean; of its token sum; or the token sum over the constant
+    ``rollout.max_response_length`` (Dr. GRPO) (``dockrl.algorithms.aggregate_loss``)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio of the clipped loss: per token (PPO/GRPO) or the length-normalized
+    sequence ratio (GSPO)."""
+    clip_ratio_low: float = 0.2
+    """Lower clip ε of the ratio (1 - ε)."""
+    clip_ratio_high: float = 0.28
+    """Upper clip ε of the ratio (1 + ε); DAPO's clip-higher."""
+    clip_ratio_c: float = 0.0
+    """Dual-clip bound c > 1 of the loss of a negative-advantage token (``-c·A`` at most); 0: off."""
+    entropy_coeff: float = 0.0
+    """Coefficient of the entropy bonus subtracted from the loss; 0: off."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: the policy loss of each token is weighted by
+    ``min(π_old/π_rollout, tis_cap)`` (rollout engine's log-probs); 0: off."""
+    kl_loss_coef: float = 0.0
+    """β of the KL penalty to the reference in the loss; 0: none (without ``kl_in_reward_coef`` no
+    reference stage runs)."""
+    kl_loss_type: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
+    """KL estimator of the loss penalty: k3 (``low_var_kl``), k1 (``kl``), |k1| (``abs``), k2 (``mse``)."""
+    kl_in_reward_coef: float = 0.0
+    """β of the per-token KL penalty subtracted from the token rewards (``gae``,
+    ``reinforce_plus_plus``); 0: none."""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    """KL estimator of the in-reward penalty (as ``kl_loss_type``)."""
     correct_reward: float = 1.0
     """Reward for a correct final answer."""
     format_reward: float = 0.1
@@ -119,6 +148,11 @@ class AlgorithmConfig:
     max_bad_reward_frac: float = 0.25
     """Largest fraction of an iteration's rewards that may be bad — not a finite number, missing,
     timed out or failed (each scores 0) — before the run fails naming the scorer."""
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run needs the reference's log-probs (a KL term in the loss or in the reward)."""
+        return self.kl_loss_coef > 0 or self.kl_in_reward_coef > 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,7 +424,9 @@ def _check_rules(c: Config) -> None:
             raise _fail(where, x, "expected a finite number > 0")
     non_negative: dict[str, float] = {  # trainer.lr=0: the standard check of drift between rollout and trainer log-probs
         "trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
-        "algorithm.kl_coef": a.kl_coef, "algorithm.adv_eps": a.adv_eps, "algorithm.clip_high": a.clip_high,
+        "algorithm.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_in_reward_coef": a.kl_in_reward_coef,
+        "algorithm.adv_eps": a.adv_eps, "algorithm.clip_ratio_high": a.clip_ratio_high,
+        "algorithm.entropy_coeff": a.entropy_coeff, "algorithm.tis_cap": a.tis_cap,
         "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
     }
     for where, x in non_negative.items():
@@ -400,8 +436,7 @@ def _check_rules(c: Config) -> None:
         raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
     if not (0 <= a.max_bad_reward_frac <= 1):
         raise _fail("algorithm.max_bad_reward_frac", a.max_bad_reward_frac, "expected a fraction from 0 to 1")
-    if not (0 <= a.clip_low < 1):
-        raise _fail("algorithm.clip_low", a.clip_low, "expected 0 <= clip_low < 1")
+    _check_algorithm(c)
     if not 0 <= c.dock.store_retries <= 10:
         raise _fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
     if a.scorer and not _IMPORT_PATH.match(a.scorer):
@@ -466,6 +501,32 @@ def _check_reward_model(m: RewardModelConfig) -> None:
     if m.model_weight == 0:
         raise _fail("reward_model.model_weight", m.model_weight, "the reward model would run for nothing: "
                     "give it a weight, or set reward_model.enable=false")
+
+
+def _check_algorithm(c: Config) -> None:
+    """The algorithm's ranges and the combinations it can run; each error names the fields and the fix."""
+    a = c.algorithm
+    if not (0 <= a.clip_ratio_low < 1):
+        raise _fail("algorithm.clip_ratio_low", a.clip_ratio_low, "expected 0 <= clip_ratio_low < 1")
+    if not (a.clip_ratio_c == 0 or 1 < a.clip_ratio_c < math.inf):
+        raise _fail("algorithm.clip_ratio_c", a.clip_ratio_c, "expected 0 (no dual-clip) or a finite bound > 1 (verl: 3.0)")
+    for where, x in {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items():
+        if not (0 <= x <= 1):
+            raise _fail(where, x, "expected a number from 0 to 1")
+    if a.adv_estimator == "gae" and not c.critic.enable:  # PPO's values come from the critic stage
+        raise _fail("algorithm.adv_estimator", a.adv_estimator, "GAE needs the critic's values: set critic.enable=true, "
+                    "or use 'grpo', 'rloo', 'reinforce_plus_plus' or 'dr_grpo'")
+    if a.adv_estimator == "dr_grpo" and a.loss_agg_mode != "seq-mean-token-sum-norm":
+        raise _fail("algorithm.loss_agg_mode", a.loss_agg_mode, "algorithm.adv_estimator='dr_grpo' pairs its unnormalized "
+                    "advantages with the constant normalizer: set algorithm.loss_agg_mode='seq-mean-token-sum-norm' (or use "
+                    "adv_estimator='grpo' with norm_adv_by_std_in_grpo=false for the advantages alone)")
+    if not a.norm_adv_by_std_in_grpo and a.adv_estimator != "grpo":
+        raise _fail("algorithm.norm_adv_by_std_in_grpo", a.norm_adv_by_std_in_grpo,
+                    f"applies to adv_estimator='grpo' only (got algorithm.adv_estimator={a.adv_estimator!r}): remove it")
+    if a.kl_in_reward_coef > 0 and a.adv_estimator not in ("gae", "reinforce_plus_plus"):
+        raise _fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, f"algorithm.adv_estimator={a.adv_estimator!r} scores "
+                    "whole responses and has no per-token rewards to subtract a KL penalty from: use algorithm.kl_loss_coef "
+                    "(KL in the loss, as GRPO), or adv_estimator 'reinforce_plus_plus' or 'gae'")
 
 
 def _check_engines(c: Config) -> None:

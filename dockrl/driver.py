@@ -228,7 +228,7 @@ class InProcessStages:
             stages = RolloutWorker(rollout, r), ActorWorker(actor, trainer=t, algo=a, rollout=r)
         self.scorer = build_scorer(a)
         tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
-        self.workers = [stages[0], RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model), AdvantageWorker(a)]
+        self.workers = [stages[0], RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model)]
         if cfg.reward_model.enable:
             from dockrl.engines.reward_model import build_reward_model
             from dockrl.run_setup import resolve_reward_model
@@ -236,9 +236,9 @@ class InProcessStages:
 
             reward_model = build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks)
             self.workers.insert(1, RewardModelWorker.from_config(reward_model, cfg))  # before the reward stage that waits for it
-        if a.kl_coef > 0:
+        if a.uses_reference:  # before the advantages: a KL penalty in the reward reads the reference's log-probs
             self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg))
-        self.workers.append(stages[1])
+        self.workers += [AdvantageWorker(a), stages[1]]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:

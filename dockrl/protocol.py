@@ -30,7 +30,7 @@ class Report(enum.StrEnum):
     ROLLOUT = "rollout"  # an iteration's rollout/* metrics: every row has its response
     REWARD_MODEL = "reward-model"  # an iteration's reward-model scores are written (reward_model.enable)
     REWARD = "reward"  # an iteration's reward/* metrics (and the advantages')
-    REFERENCE = "reference"  # an iteration's reference log-probs are written (algorithm.kl_coef > 0)
+    REFERENCE = "reference"  # an iteration's reference log-probs are written (algorithm.uses_reference)
     ACTOR = "actor"  # an iteration's update is done (with trainer.hybrid its weight sync too)
     WEIGHT_SYNC = "weight_sync"  # the rollout holds the weights of the iteration's update (a separate rollout only)
     CHECKPOINT = "checkpoint"  # the actor wrote the weights and optimizer of the checkpoint after the iteration
@@ -47,8 +47,8 @@ def final_report(process: str) -> str:
 def stage_processes(cfg: Config) -> list[str]:
     """The stage processes of a run (``dockrl worker --stage``), the one that evaluates first:
     ``hybrid`` (rollout and actor in one, ``trainer.hybrid``) or ``rollout`` … ``actor``;
-    ``reward-model`` only with ``reward_model.enable``, ``reference`` only when ``algorithm.kl_coef > 0``."""
-    reference = ["reference"] if cfg.algorithm.kl_coef > 0 else []
+    ``reward-model`` only with ``reward_model.enable``, ``reference`` only when a KL term needs it (``algorithm.uses_reference``)."""
+    reference = ["reference"] if cfg.algorithm.uses_reference else []
     reward = ["reward-model", "reward"] if cfg.reward_model.enable else ["reward"]
     if cfg.trainer.hybrid:
         return ["hybrid", *reward, *reference]
@@ -58,7 +58,7 @@ def stage_processes(cfg: Config) -> list[str]:
 def iteration_reports(cfg: Config) -> list[Report]:
     """The reports of each iteration, in the order their metrics are merged."""
     sync = [] if cfg.trainer.hybrid else [Report.WEIGHT_SYNC]  # the hybrid actor syncs inside its ACTOR report
-    reference = [Report.REFERENCE] if cfg.algorithm.kl_coef > 0 else []
+    reference = [Report.REFERENCE] if cfg.algorithm.uses_reference else []
     reward = [Report.REWARD_MODEL, Report.REWARD] if cfg.reward_model.enable else [Report.REWARD]
     return [Report.ROLLOUT, *reward, *reference, Report.ACTOR, *sync]
 

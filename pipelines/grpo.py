@@ -167,9 +167,9 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         mini_batch: int = p["mini_batch"],
         group_size: int = p["group_size"],
         learning_rate: float = p["learning_rate"],
-        kl_coef: float = p["kl_coef"],
+        kl_loss_coef: float = p["kl_loss_coef"],
         max_response_length: int = p["max_response_length"],
-        algorithm: str = p["algorithm"],
+        adv_estimator: str = p["adv_estimator"],
         model_path: str = p["model_path"],
         train_data: str = p["train_data"],
         test_data: str = p["test_data"],
@@ -184,7 +184,7 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         with dsl.ExitHandler(teardown, name="grpo-run"):
             resolved = resolve_config(
                 iterations=iterations, global_batch=global_batch, mini_batch=mini_batch, group_size=group_size,
-                learning_rate=learning_rate, kl_coef=kl_coef, max_response_length=max_response_length, algorithm=algorithm,
+                learning_rate=learning_rate, kl_loss_coef=kl_loss_coef, max_response_length=max_response_length, adv_estimator=adv_estimator,
                 model_path=model_path, train_data=train_data, test_data=test_data, config_overrides=config_overrides)
             _common(resolved, "resolve-config", s)
             overrides = resolved.output

@@ -53,13 +53,13 @@ def test_yaml_file_and_overrides_merge(tmp_path):
         tmp_path,
         "trainer:\n  lr: 0.001\n  iterations: 3\nrollout:\n  n: 4\n  dtype: float32\nrun:\n  output_dir: runs/x\n",
     )
-    config = load_config(str(path), ["trainer.iterations=7", "run.progress=false", "algorithm.loss_agg=sequence"])
+    config = load_config(str(path), ["trainer.iterations=7", "run.progress=false", "algorithm.loss_agg_mode=seq-mean-token-mean"])
     assert config.trainer.iterations == 7  # the override wins over the file
     assert config.trainer.lr == 0.001  # from the file
     assert config.rollout.n == 4 and config.rollout.dtype == "float32"
     assert config.run.output_dir == "runs/x"
     assert config.run.progress is False
-    assert config.algorithm.loss_agg == "sequence"
+    assert config.algorithm.loss_agg_mode == "seq-mean-token-mean"
     # fields set nowhere keep their defaults, also in partly given sections
     assert config.trainer.global_batch == TrainerConfig().global_batch
     assert config.run.cache_dir == Config().run.cache_dir
@@ -82,8 +82,8 @@ def test_scientific_learning_rate_parses_as_float(tmp_path, text):
 
 
 def test_integer_for_float_field_becomes_float():
-    config = load_config(None, ["algorithm.kl_coef=1", "rollout.temperature=2"])
-    assert config.algorithm.kl_coef == 1.0 and type(config.algorithm.kl_coef) is float
+    config = load_config(None, ["algorithm.kl_loss_coef=1", "rollout.temperature=2"])
+    assert config.algorithm.kl_loss_coef == 1.0 and type(config.algorithm.kl_loss_coef) is float
     assert type(config.rollout.temperature) is float
 
 
@@ -111,10 +111,11 @@ ERRORS = {
     "string for float": (["trainer.lr=fast"], ["trainer.lr", "'fast'", "number"]),
     "bool for float": (["trainer.lr=true"], ["trainer.lr", "True", "number"]),
     "int for string": (["model.path=3"], ["model.path", "3", "string"]),
-    "literal loss_agg": (["algorithm.loss_agg=seq"], ["algorithm.loss_agg: got 'seq'; expected one of 'token', 'sequence'"]),
+    "literal loss_agg_mode": (["algorithm.loss_agg_mode=seq"], ["algorithm.loss_agg_mode: got 'seq'; expected one of 'token-mean', "
+                                                                "'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm'"]),
     "literal dtype": (["rollout.dtype=float16"], ["rollout.dtype: got 'float16'; expected one of 'auto', 'float32', 'bfloat16'"]),
     "literal engine": (["rollout.engine=sglang"], ["rollout.engine: got 'sglang'; expected one of 'hf', 'vllm'"]),
-    "literal name": (["algorithm.name=ppo"], ["algorithm.name", "'ppo'", "'grpo'"]),
+    "literal adv_estimator": (["algorithm.adv_estimator=ppo"], ["algorithm.adv_estimator", "'ppo'", "'grpo'", "'reinforce_plus_plus'"]),
     "group of one": (["rollout.n=1"], ["rollout.n: got 1", "at least 2"]),
     "mini_batch does not divide global_batch": (
         ["trainer.global_batch=12", "trainer.mini_batch=8"],
@@ -153,6 +154,22 @@ ERRORS = {
     "negative eval size": (["data.eval_size=-5"], ["data.eval_size: got -5", ">= 0"]),
     "negative threads": (["run.num_threads=-3"], ["run.num_threads: got -3", ">= 0"]),
     "scorer not an import path": (["algorithm.scorer=my_scorer"], ["algorithm.scorer: got 'my_scorer'", "'package.module:Class'"]),
+    "clip_ratio_low of 1": (["algorithm.clip_ratio_low=1"], ["algorithm.clip_ratio_low: got 1.0", "< 1"]),
+    "negative clip_ratio_high": (["algorithm.clip_ratio_high=-0.1"], ["algorithm.clip_ratio_high: got -0.1"]),
+    "dual-clip bound of 1": (["algorithm.clip_ratio_c=1"], ["algorithm.clip_ratio_c: got 1.0", "> 1"]),
+    "negative tis_cap": (["algorithm.tis_cap=-1"], ["algorithm.tis_cap: got -1.0"]),
+    "negative entropy_coeff": (["algorithm.entropy_coeff=-0.01"], ["algorithm.entropy_coeff: got -0.01"]),
+    "gamma above 1": (["algorithm.gamma=1.5"], ["algorithm.gamma: got 1.5", "from 0 to 1"]),
+    "lam below 0": (["algorithm.lam=-0.5"], ["algorithm.lam: got -0.5"]),
+    "literal ratio_level": (["algorithm.ratio_level=group"], ["algorithm.ratio_level: got 'group'", "'token', 'sequence'"]),
+    "literal kl_loss_type": (["algorithm.kl_loss_type=k3"], ["algorithm.kl_loss_type: got 'k3'", "'low_var_kl'"]),
+    "gae without a critic": (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator: got 'gae'", "critic.enable=true"]),
+    "dr_grpo with a token mean": (["algorithm.adv_estimator=dr_grpo"],
+                                  ["algorithm.loss_agg_mode: got 'token-mean'", "'dr_grpo'", "'seq-mean-token-sum-norm'"]),
+    "std switch of another estimator": (["algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=false"],
+                                        ["algorithm.norm_adv_by_std_in_grpo: got False", "'rloo'"]),
+    "KL in the reward of an outcome estimator": (["algorithm.kl_in_reward_coef=0.1"],
+                                                 ["algorithm.kl_in_reward_coef: got 0.1", "'grpo'", "algorithm.kl_loss_coef"]),
 }
 
 
@@ -180,7 +197,8 @@ def test_errors_name_the_field(name):
         ("trainer:\n  lr: 1\n  epochs: 2\n", ["trainer", "'epochs'"]),
         ("trainer: 3\n", ["trainer", "mapping"]),
         ("rollout:\n  n: '8'\n", ["rollout.n", "'8'", "integer"]),
-        ("algorithm:\n  loss_agg: seq\n", ["algorithm.loss_agg: got 'seq'; expected one of 'token', 'sequence'"]),
+        ("algorithm:\n  loss_agg_mode: seq\n", ["algorithm.loss_agg_mode: got 'seq'; expected one of 'token-mean', "
+                                                 "'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm'"]),
         ("- trainer\n", ["mapping"]),
     ],
 )
@@ -235,8 +253,8 @@ def test_save_then_load_round_trips(tmp_path):
         [
             "trainer.lr=1e-5",
             "algorithm.adv_eps=1e-8",
-            "algorithm.loss_agg=sequence",
-            "algorithm.norm_adv_by_std=false",
+            "algorithm.loss_agg_mode=seq-mean-token-mean",
+            "algorithm.norm_adv_by_std_in_grpo=false",
             "rollout.dtype=float32",
             "rollout.engine=vllm",
             "rollout.n=4",
@@ -441,3 +459,19 @@ def test_hybrid_actor_settings(tiny_model_dir):
         assert p.tp * p.pp * p.dp == len(layout) * 2 and p.infer_tp == 1
     for mode in ("inprocess", "distributed"):  # without the hybrid: megatron actor, weights over the channel
         assert load_config(None, ["trainer.engine=megatron", f"dock.mode={mode}"]).trainer.engine == "megatron"
+
+
+def test_algorithm_defaults_are_grpo_and_verl_combinations_load():
+    a = Config().algorithm
+    assert (a.adv_estimator, a.loss_agg_mode, a.ratio_level, a.clip_ratio_c, a.tis_cap, a.entropy_coeff) == \
+        ("grpo", "token-mean", "token", 0.0, 0.0, 0.0)
+    assert not a.uses_reference
+    assert load_config(None, ["algorithm.kl_loss_coef=0.1"]).algorithm.uses_reference
+    dr = load_config(None, ["algorithm.adv_estimator=dr_grpo", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"]).algorithm
+    assert dr.adv_estimator == "dr_grpo"
+    rpp = load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_in_reward_coef=0.01",
+                             "algorithm.kl_penalty=low_var_kl", "algorithm.gamma=0.99"]).algorithm
+    assert rpp.uses_reference and rpp.kl_penalty == "low_var_kl"
+    gspo = load_config(None, ["algorithm.ratio_level=sequence", "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4",
+                              "algorithm.clip_ratio_c=3", "algorithm.tis_cap=2"]).algorithm
+    assert (gspo.ratio_level, gspo.clip_ratio_c, gspo.tis_cap) == ("sequence", 3.0, 2.0)

@@ -31,7 +31,7 @@ TESTS = PROMPTS[:2]
 def fake_config(run_dir: Path, *extra: str):
     return load_config(None, [
         f"run.output_dir={run_dir}", "run.progress=false", "trainer.iterations=5", "trainer.save_every=2",
-        "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=2", "rollout.n=2", "algorithm.kl_coef=0",
+        "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=2", "rollout.n=2", "algorithm.kl_loss_coef=0",
         "dock.timeout_s=10", *extra,
     ])
 

@@ -20,7 +20,7 @@ def test_three_iterations_update_every_parameter_and_checkpoint_reloads(tiny_mod
         f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
         "run.progress=false", "trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=2",
         "trainer.micro_batch=4", "rollout.n=4", "rollout.max_response_length=12", "rollout.dtype=float32",
-        "trainer.autocast_bf16=false", "trainer.lr=1e-2", "trainer.save_every=2", "algorithm.kl_coef=0.05",
+        "trainer.autocast_bf16=false", "trainer.lr=1e-2", "trainer.save_every=2", "algorithm.kl_loss_coef=0.05",
         "data.generate_train=40", "data.generate_test=8", "data.eval_size=8",
     ])
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()

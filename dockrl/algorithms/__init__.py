@@ -1,6 +1,29 @@
-"""Advantages and losses of GRPO: small pure tensor functions."""
+"""Advantage estimators and losses: small pure tensor functions (docs/algorithms.md)."""
 
-from dockrl.algorithms.advantages import grpo_advantages
-from dockrl.algorithms.losses import aggregate_loss, entropy_from_logits, kl_k3, policy_loss
+from dockrl.algorithms.advantages import (
+    compute_advantages,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    masked_whiten,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+    token_rewards,
+)
+from dockrl.algorithms.losses import (
+    PolicyLoss,
+    aggregate_loss,
+    entropy_from_logits,
+    kl_k3,
+    kl_penalty,
+    policy_loss,
+    sequence_ratio_log,
+    tis_weight,
+    value_loss,
+)
 
-__all__ = ["aggregate_loss", "entropy_from_logits", "grpo_advantages", "kl_k3", "policy_loss"]
+__all__ = [
+    "PolicyLoss", "aggregate_loss", "compute_advantages", "discounted_returns", "entropy_from_logits", "gae",
+    "grpo_advantages", "kl_k3", "kl_penalty", "masked_whiten", "policy_loss", "reinforce_plus_plus_advantages",
+    "rloo_advantages", "sequence_ratio_log", "tis_weight", "token_rewards", "value_loss",
+]

@@ -1,8 +1,31 @@
-"""Group-normalized advantages (GRPO)."""
+"""Advantage estimators: small pure tensor functions, one per estimator, and the dispatch on
+``algorithm.adv_estimator`` (``compute_advantages``).
+
+Shapes: ``B`` responses (``B = prompts·n``, group ``i`` is rows ``i·n … i·n+n-1``), ``T``
+response tokens, right-padded; ``mask`` ``(B, T)`` is 1 on the response's tokens (EOS
+included) and 0 on padding. Every estimator returns per-token ``(B, T)`` advantages, 0 on
+padding; outcome estimators repeat the response's value over its tokens.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from dockrl.config import AlgorithmConfig
+
+
+def _groups(scores: torch.Tensor, group_size: int, who: str) -> torch.Tensor:
+    if group_size < 2:
+        raise ValueError(f"{who}: group_size={group_size}; need at least 2 samples per prompt")
+    if scores.ndim != 1 or scores.numel() % group_size:
+        raise ValueError(f"{who}: scores of shape {tuple(scores.shape)} is not a multiple of group_size={group_size}")
+    return scores.double().view(-1, group_size)
+
+
+def _equal(groups: torch.Tensor) -> torch.Tensor:
+    """``(G, 1)`` True where all rewards of a group are equal: their advantage is exactly 0 (in
+    floating point ``r - mean(r)`` is not 0 when the mean is inexact)."""
+    return groups.max(dim=1, keepdim=True).values == groups.min(dim=1, keepdim=True).values
 
 
 def grpo_advantages(scores: torch.Tensor, group_size: int, *, eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
@@ -11,30 +34,188 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, *, eps: float = 1e-6,
     ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` — DeepSeekMath (Shao et al., 2024,
     arXiv 2402.03300), §4.1.2 "outcome supervision". ``std`` is the unbiased sample standard
     deviation (as in the paper's reference code and TRL). With ``norm_by_std=False`` only the
-    mean is subtracted (Dr. GRPO, Liu et al., 2025, arXiv 2503.20783).
+    mean is subtracted: ``A_i = r_i - mean(r_group)``, Dr. GRPO (Liu et al., 2025, arXiv
+    2503.20783, eq. 3, which also drops GRPO's ``1/|o_i|``: ``aggregate_loss``'s
+    ``seq-mean-token-sum-norm``).
 
     A group whose rewards are all equal (``max == min``) gets exactly zero advantages, for
-    every group size and reward value: in floating point ``r - mean(r)`` is not 0 when the
-    mean is inexact (twelve rewards of 1.1 in fp32 gave -0.106 each after the division by
-    ``std + eps``). The rest is computed in float64 and returned in float32.
+    every group size and reward value (twelve rewards of 1.1 in fp32 gave -0.106 each after the
+    division by ``std + eps``). The rest is computed in float64 and returned in float32.
 
     Args:
-        scores: ``(B·n,)`` rewards; group ``i`` is ``scores[i·n:(i+1)·n]``.
+        scores: ``(B,)`` rewards; group ``i`` is ``scores[i·n:(i+1)·n]``.
         group_size: ``n`` ≥ 2.
 
     Returns:
-        ``(B·n,)`` float32 advantages.
+        ``(B,)`` float32 advantages.
 
     Raises:
         ValueError: ``group_size < 2`` or ``len(scores)`` not a multiple of it.
     """
-    if group_size < 2:
-        raise ValueError(f"grpo_advantages: group_size={group_size}; need at least 2 samples per prompt")
-    if scores.ndim != 1 or scores.numel() % group_size:
-        raise ValueError(f"grpo_advantages: scores of shape {tuple(scores.shape)} is not a multiple of group_size={group_size}")
-    groups = scores.double().view(-1, group_size)
+    groups = _groups(scores, group_size, "grpo_advantages")
     centered = groups - groups.mean(dim=1, keepdim=True)
     if norm_by_std:
         centered = centered / (groups.std(dim=1, keepdim=True) + eps)
-    equal = groups.max(dim=1, keepdim=True).values == groups.min(dim=1, keepdim=True).values
-    return centered.masked_fill(equal, 0.0).view(-1).float()
+    return centered.masked_fill(_equal(groups), 0.0).view(-1).float()
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out: each response's reward minus the mean reward of the other
+    responses to its prompt.
+
+    ``A_i = r_i - 1/(n-1) Σ_{j≠i} r_j = n/(n-1) · (r_i - mean(r_group))`` — RLOO (Ahmadian et al.,
+    2024, arXiv 2402.14740, §3 "REINFORCE Leave-One-Out", after Kool et al., 2019). A group of
+    equal rewards gets exactly 0. Computed in float64, returned in float32.
+
+    Args:
+        scores: ``(B,)`` rewards; group ``i`` is ``scores[i·n:(i+1)·n]``.
+        group_size: ``n`` ≥ 2.
+
+    Returns:
+        ``(B,)`` float32 advantages.
+
+    Raises:
+        ValueError: ``group_size < 2`` or ``len(scores)`` not a multiple of it.
+    """
+    groups = _groups(scores, group_size, "rloo_advantages")
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).masked_fill(_equal(groups), 0.0).view(-1).float()
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token rewards: the outcome reward on the response's last token, minus ``β·KL_t`` on
+    every token when ``kl`` is given (KL in the reward: Ouyang et al., 2022, arXiv 2203.02155,
+    eq. 2; REINFORCE++, Hu, 2025, arXiv 2501.03262, eq. 1).
+
+    Args:
+        scores: ``(B,)`` outcome rewards.
+        mask: ``(B, T)`` response mask (right-padded; a response has at least one token).
+        kl: ``(B, T)`` per-token KL estimates of the policy to the reference (nats), or None.
+        kl_coef: β.
+
+    Returns:
+        ``(B, T)`` float32 rewards, 0 on padding.
+    """
+    mask = mask.float()
+    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(len(scores)), last] = scores.float()
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl.float()
+    return rewards * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = Σ_{s≥t} γ^{s-t} r_s`` over the response's tokens (padding skipped), ``(B, T)`` → ``(B, T)``, 0 on padding."""
+    mask = mask.float()
+    out, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t] + running * (1 - mask[:, t])
+        out[:, t] = running
+    return out * mask
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with the mean and the unbiased variance over the tokens
+    where ``mask`` is 1 (the whole batch); ``(B, T)`` → ``(B, T)``, 0 on padding. Computed in
+    float64, returned in float32. One token only: centered, not scaled."""
+    m, x = mask.double(), values.double()
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps) * m).float()
+
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float, eps: float) -> torch.Tensor:
+    """REINFORCE++ (Hu, 2025, arXiv 2501.03262, §3: eq. 1 token rewards, §3.2 "advantage
+    normalization"): the discounted return of each token, whitened over all tokens of the batch.
+
+    ``A_t = (G_t - mean_batch(G)) / sqrt(var_batch(G) + eps)``, ``G_t = Σ_{s≥t} γ^{s-t} r_s``.
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards (``token_rewards``: outcome on the last token, the
+            KL penalty on every token).
+        mask: ``(B, T)`` response mask.
+
+    Returns:
+        ``(B, T)`` float32 advantages, 0 on padding.
+    """
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask, eps)
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al., 2015, arXiv 1506.02438, eq. 16).
+
+    ``δ_t = r_t + γ V_{t+1} - V_t``, ``A_t = Σ_{l≥0} (γλ)^l δ_{t+l}``, over the response's tokens
+    (padding is skipped; the value after the last token is 0: the episode ends there);
+    ``returns = A + V``, the critic's regression target. Not whitened (``compute_advantages``
+    whitens for ``gae``).
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards (``token_rewards``).
+        values: ``(B, T)`` the critic's value of each response token's state.
+        mask: ``(B, T)`` response mask.
+        gamma, lam: γ and λ, each in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)`` float32, 0 on padding.
+    """
+    m, r, v = mask.float(), rewards.float(), values.float()
+    adv = torch.zeros_like(r)
+    next_value, running = torch.zeros_like(r[:, 0]), torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = (delta + gamma * lam * running) * m[:, t] + running * (1 - m[:, t])
+        next_value = v[:, t] * m[:, t] + next_value * (1 - m[:, t])
+        adv[:, t] = running
+    return adv * m, (adv + v) * m
+
+
+def compute_advantages(
+    cfg: AlgorithmConfig,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    values: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The advantages of ``cfg.adv_estimator`` for one whole iteration's batch.
+
+    Args:
+        scores: ``(B,)`` outcome rewards, whole groups of ``group_size``.
+        mask: ``(B, T)`` response mask.
+        values: ``(B, T)`` critic values (``gae`` only).
+        kl: ``(B, T)`` per-token KL of the policy to the reference (``kl_penalty``), subtracted
+            from the token rewards times ``cfg.kl_in_reward_coef`` (``gae``, ``reinforce_plus_plus``).
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)`` float32 and 0 on padding. ``returns`` is the
+        critic's target for ``gae``, the discounted returns for ``reinforce_plus_plus`` and the
+        advantages themselves for the outcome estimators.
+
+    Raises:
+        ValueError: an unknown estimator, ``gae`` without ``values``, bad group sizes.
+    """
+    est, m = cfg.adv_estimator, mask.float()
+    if est in ("grpo", "dr_grpo", "rloo"):
+        if est == "rloo":
+            per_seq = rloo_advantages(scores, group_size)
+        else:
+            norm = cfg.norm_adv_by_std_in_grpo and est == "grpo"
+            per_seq = grpo_advantages(scores, group_size, eps=cfg.adv_eps, norm_by_std=norm)
+        adv = per_seq.unsqueeze(1) * m
+        return adv, adv
+    rewards = token_rewards(scores, m, kl, cfg.kl_in_reward_coef)
+    if est == "reinforce_plus_plus":
+        returns = discounted_returns(rewards, m, cfg.gamma)
+        return masked_whiten(returns, m, cfg.adv_eps), returns
+    elif est == "gae":
+        if values is None:
+            raise ValueError("compute_advantages: algorithm.adv_estimator='gae' needs the critic's values")
+        adv, returns = gae(rewards, values, m, cfg.gamma, cfg.lam)
+        return masked_whiten(adv, m, cfg.adv_eps), returns
+    else:
+        raise ValueError(f"algorithm.adv_estimator: got {est!r}; expected one of 'grpo', 'rloo', 'reinforce_plus_plus', 'gae', 'dr_grpo'")

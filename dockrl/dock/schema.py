@@ -54,26 +54,27 @@ class Schema:
 
 
 _TOKENS = pa.list_(pa.int32())
-_LOGPROBS = pa.list_(pa.float32())
+_FLOATS = pa.list_(pa.float32())
 
 GRPO_SCHEMA = Schema(
-    version=1,
+    version=2,  # v2: advantages per token
     columns=(
         Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
         Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
         Column(name="response_ids", type=_TOKENS, producer="rollout", doc="sampled response token ids (R,), EOS included when emitted"),
         Column(name="truncated", type=pa.bool_(), producer="rollout", doc="response hit the length limit before EOS"),
-        Column(name="rollout_log_prob", type=_LOGPROBS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
+        Column(name="rollout_log_prob", type=_FLOATS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
         Column(name="rm_model_score", type=pa.float32(), producer="reward_model",
                doc="reward model's score of prompt + response (reward_model.enable only)"),
         Column(name="rm_score", type=pa.float32(), producer="reward",
                doc="reward of the response: the rule reward, or rule_weight · rule + model_weight · rm_model_score"),
         Column(name="correct", type=pa.bool_(), producer="reward", doc="final answer matches the ground truth"),
-        Column(name="advantages", type=pa.float32(), producer="advantage", doc="group-normalized advantage of the response"),
-        Column(name="ref_log_prob", type=_LOGPROBS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
-        Column(name="old_log_prob", type=_LOGPROBS, producer="actor", doc="per-token log-prob under the actor before the update (R,), nats"),
-        Column(name="values", type=_LOGPROBS, producer="critic", doc="per-token value V(s_t) under the critic before its update (R,)"),
-        Column(name="returns", type=_LOGPROBS, producer="advantage", doc="per-token GAE return A_t + V(s_t): the critic's target (R,)"),
+        Column(name="advantages", type=_FLOATS, producer="advantage",
+               doc="per-token advantage (R,) of algorithm.adv_estimator; outcome estimators repeat the response's value"),
+        Column(name="ref_log_prob", type=_FLOATS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
+        Column(name="old_log_prob", type=_FLOATS, producer="actor", doc="per-token log-prob under the actor before the update (R,), nats"),
+        Column(name="values", type=_FLOATS, producer="critic", doc="per-token value V(s_t) under the critic before its update (R,)"),
+        Column(name="returns", type=_FLOATS, producer="advantage", doc="per-token GAE return A_t + V(s_t): the critic's target (R,)"),
     ),
     # the critic consumes twice per iteration: responses (→ values), then returns (its update)
     consumers=("rollout", "reward_model", "reward", "advantage", "reference", "actor", "critic", "critic_update"),

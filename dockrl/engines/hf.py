@@ -208,6 +208,7 @@ def response_log_probs(
     temperature: float,
     autocast_bf16: bool,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """Per-token log-probs of ``responses`` given ``prompts`` in one forward pass.
 
@@ -219,7 +220,8 @@ def response_log_probs(
 
     Returns:
         ``log_prob (B, T)`` fp32 (differentiable if grad is enabled), ``mask (B, T)``, and
-        ``entropy (B, T)`` (no grad) when ``with_entropy``, else None; all on the model's device
+        ``entropy (B, T)`` when ``with_entropy`` (differentiable with ``entropy_grad``, for an
+        entropy bonus in the loss; else no grad), else None; all on the model's device
         (the packed batch is moved there in one copy per tensor).
     """
     device = model_device(model)
@@ -244,7 +246,9 @@ def response_log_probs(
     logits = logits.float() / temperature
     targets = input_ids.reshape(-1)[(flat + 1).clamp(max=input_ids.numel() - 1)].view(B, T)
     log_prob = token_log_probs(logits, targets) * mask
-    entropy = chunked_entropy(logits.detach()) * mask if with_entropy else None
+    entropy = None
+    if with_entropy:  # differentiable for an entropy bonus: then the softmax of every token is kept for backward
+        entropy = (entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach())) * mask
     return log_prob, mask, entropy
 
 
@@ -441,8 +445,11 @@ class HFTrainEngine:
         host = to_host_rows(parts)
         return [host[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
-    def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
-        """For each micro-batch: ``response_log_probs`` (with entropy), ``loss_fn``, backward.
+    def forward_backward(
+        self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn, entropy_grad: bool = False,
+    ) -> list[Any]:
+        """For each micro-batch: ``response_log_probs`` (with entropy, differentiable with
+        ``entropy_grad``), ``loss_fn``, backward.
 
         Returns:
             The ``aux`` of each micro-batch, in order.
@@ -451,7 +458,7 @@ class HFTrainEngine:
         for s in range(0, len(prompts), micro_batch):
             log_prob, mask, entropy = response_log_probs(
                 self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
-                temperature=temperature, autocast_bf16=self.autocast_bf16, with_entropy=True,
+                temperature=temperature, autocast_bf16=self.autocast_bf16, with_entropy=True, entropy_grad=entropy_grad,
             )
             loss, aux = loss_fn(s, log_prob, mask, entropy)
             loss.backward()

@@ -94,6 +94,7 @@ def transformer_config(arch: GPTArch, *, tp: int, pp: int) -> TransformerConfig:
 
 def vocab_parallel_log_probs(
     logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, tp_group: dist.ProcessGroup | None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets`` and entropy under vocab-parallel logits, over the TP group.
 
@@ -106,7 +107,9 @@ def vocab_parallel_log_probs(
         ``log_prob (B, T)`` = ``z_t − m − log Σ_v exp(z_v − m)`` (``m`` the global max), whose
         gradient on this rank's logits is ``onehot − softmax`` (the sums are all-reduced with
         megatron's ``reduce_from_tensor_model_parallel_region``: identity backward, as in its
-        vocab-parallel cross entropy); ``entropy (B, T)`` = ``log S − Σ p (z − m)``, no grad.
+        vocab-parallel cross entropy); ``entropy (B, T)`` = ``log S − Σ p (z − m)``, no grad
+        unless ``entropy_grad`` (its sums are reduced the same way, so each rank's gradient is
+        that of its own columns; ``m`` is a constant shift, which the entropy does not depend on).
     """
     with torch.no_grad():
         m = logits.max(dim=-1).values
@@ -118,7 +121,7 @@ def vocab_parallel_log_probs(
     here = (local >= 0) & (local < logits.shape[-1])
     target = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * here
     log_prob = reduce_from_tensor_model_parallel_region(target.contiguous()) - sum_exp.log()
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         p_z = (shifted.exp() * shifted).sum(dim=-1) / sum_exp
         entropy = sum_exp.log() - reduce_from_tensor_model_parallel_region(p_z.contiguous())
     return log_prob, entropy
@@ -239,7 +242,7 @@ class MegatronTrainEngine:
             out.append(dict(start=s) | {k: v.to(self.device) for k, v in tensors.items()})
         return out
 
-    def _score(self, temperature: float, loss_fn: LossFn | None, mb: dict[str, Any], logits: torch.Tensor):
+    def _score(self, temperature: float, loss_fn: LossFn | None, mb: dict[str, Any], logits: torch.Tensor, entropy_grad: bool = False):
         """Last-stage loss function of megatron's schedule: ``(loss, num_tokens, reported)``.
 
         ``logits (b, L, V_r)``: this TP rank's vocabulary columns of every position.
@@ -247,7 +250,8 @@ class MegatronTrainEngine:
         B, T = mb["positions"].shape
         z = logits.gather(1, mb["positions"].unsqueeze(-1).expand(B, T, logits.shape[-1]))
         z = z[..., : self.vocab_local].float() / temperature
-        log_prob, entropy = vocab_parallel_log_probs(z, mb["targets"], vocab_start=self.vocab_start, tp_group=self.ranks.tp_group)
+        log_prob, entropy = vocab_parallel_log_probs(z, mb["targets"], vocab_start=self.vocab_start, tp_group=self.ranks.tp_group,
+                                                     entropy_grad=entropy_grad)
         mask = mb["mask"]
         log_prob, entropy = log_prob * mask, entropy * mask
         one = torch.ones((), dtype=torch.long, device=self.device)
@@ -304,8 +308,11 @@ class MegatronTrainEngine:
             rows = [lp.cpu() for lp in self._run_schedule(mbs, partial(self._score, temperature, None), forward_only=True)]
         return [lp[i, : len(r)].tolist() for mb, lp in zip(mbs, rows) for i, r in enumerate(responses[mb["start"] : mb["start"] + micro_batch])]
 
-    def forward_backward(self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn) -> list[Any]:
-        """Forward and backward every micro-batch through megatron's (pipelined) schedule.
+    def forward_backward(
+        self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn, entropy_grad: bool = False,
+    ) -> list[Any]:
+        """Forward and backward every micro-batch through megatron's (pipelined) schedule
+        (the entropy handed to ``loss_fn`` differentiable with ``entropy_grad``).
 
         ``loss_fn`` runs on the last PP stage; its ``aux`` values are broadcast to every stage.
         Gradients accumulate into ``.grad``.
@@ -313,7 +320,7 @@ class MegatronTrainEngine:
         if not prompts:
             return []
         mbs = self._micro_batches(prompts, responses, micro_batch)
-        return self._run_schedule(mbs, partial(self._score, temperature, loss_fn), forward_only=False)
+        return self._run_schedule(mbs, partial(self._score, temperature, loss_fn, entropy_grad=entropy_grad), forward_only=False)
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
         """``values`` summed over megatron's data-parallel group (float64 all-reduce; a collective

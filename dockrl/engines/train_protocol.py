@@ -17,7 +17,8 @@ LossFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.T
 """``loss_fn(start, log_prob, mask, entropy) -> (loss, aux)`` for one micro-batch.
 
 ``start`` is the index of the micro-batch's first row in the engine call; ``log_prob (b, T)``
-(fp32, differentiable), ``mask (b, T)`` and ``entropy (b, T)`` (no grad) are as returned by
+(fp32, differentiable), ``mask (b, T)`` and ``entropy (b, T)`` (no grad unless the engine was
+asked for ``entropy_grad``) are as returned by
 ``dockrl.engines.hf.response_log_probs``. ``loss`` is a scalar the engine back-propagates
 unchanged (normalize it by mini-batch totals); ``aux`` is any picklable value handed back.
 """
@@ -44,8 +45,10 @@ class TrainEngine(Protocol):
         temperature: float,
         micro_batch: int,
         loss_fn: LossFn,
+        entropy_grad: bool = False,
     ) -> list[Any]:
-        """Forward and backward every micro-batch, accumulating gradients; returns each ``aux``."""
+        """Forward and backward every micro-batch, accumulating gradients; returns each ``aux``.
+        ``entropy_grad``: the entropy handed to ``loss_fn`` is differentiable (an entropy bonus)."""
         ...
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:

@@ -1,7 +1,7 @@
-"""Actor stage: claim scored groups, put ``old_log_prob``, run the GRPO update.
+"""Actor stage: claim scored groups, put ``old_log_prob``, run the policy update.
 
 One iteration: claim every row (whole groups) with its advantages (and reference log-probs
-when β > 0); compute the log-probs before the update; then ``ppo_epochs`` passes over the
+when ``algorithm.kl_loss_coef > 0``); compute the log-probs before the update; then ``ppo_epochs`` passes over the
 global batch in mini-batches, each one optimizer step accumulated over micro-batches. As a
 process of its own (``run_actor``) it sends its weights to the rollout after every update and
 writes the checkpoints (weights and optimizer; the driver adds the dock snapshot).
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from dockrl.algorithms import aggregate_loss, kl_k3, policy_loss
+from dockrl.algorithms import aggregate_loss, kl_penalty, policy_loss, tis_weight
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
@@ -31,6 +31,7 @@ ACTOR_RANK = 0
 
 
 _METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean")
+_DUAL_CLIP, _TIS = ("dual_clip_frac",), ("tis_weight_mean", "tis_clip_frac")
 
 
 def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
@@ -41,9 +42,10 @@ def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
 
 
 class DeviceColumns:
-    """The per-row float columns of a mini-batch (advantages, old and reference log-probs) as
-    padded tensors on the engine's device, built on the host and moved in one copy per column
-    the first time a micro-batch asks for them (on the device of its log-probs)."""
+    """The per-row float columns of a mini-batch (advantages, old, reference and rollout
+    log-probs) as padded tensors on the engine's device, built on the host and moved in one copy
+    per column the first time a micro-batch asks for them (on the device of its log-probs).
+    ``advantages`` are per token (the dock's column) or one float per sequence."""
 
     def __init__(self, batch: dict[str, list], names: Sequence[str]) -> None:
         self.batch, self.names = batch, names
@@ -51,9 +53,11 @@ class DeviceColumns:
 
     def get(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self.tensors is None:
-            host = {"advantages": torch.tensor(self.batch["advantages"], dtype=torch.float32)}
-            T = max((len(r) for r in self.batch["response_ids"]), default=1)
-            host |= {n: _pad(self.batch[n], max(T, 1)) for n in self.names}
+            T = max(max((len(r) for r in self.batch["response_ids"]), default=1), 1)
+            adv = self.batch["advantages"]
+            per_token = bool(adv) and isinstance(adv[0], (list, tuple))
+            host = {"advantages": _pad(adv, T) if per_token else torch.tensor(adv, dtype=torch.float32)}
+            host |= {n: _pad(self.batch[n], T) for n in self.names}
             self.tensors = {n: t.to(device) for n, t in host.items()}
         return self.tensors
 
@@ -65,20 +69,24 @@ def accumulate_mini_batch(
     algo: AlgorithmConfig,
     temperature: float,
     micro_batch: int,
+    horizon: int = 0,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch, accumulating gradients.
 
     Args:
-        batch: ``prompt_ids``, ``response_ids``, ``advantages``, ``old_log_prob`` and, when
-            ``algo.kl_coef > 0``, ``ref_log_prob`` — one list entry per sequence: this
-            data-parallel replica's part of the mini-batch. When ``old_log_prob`` is absent the
-            update is on-policy: the detached log-probs of this very forward pass are the old
-            ones (ratio exactly 1, as in verl), and they are added to ``batch["old_log_prob"]``,
-            which saves a forward pass over the batch.
+        batch: ``prompt_ids``, ``response_ids``, ``advantages`` (per token ``(R,)``, or one
+            float per sequence), ``old_log_prob``, ``ref_log_prob`` when ``algo.kl_loss_coef >
+            0`` and ``rollout_log_prob`` when ``algo.tis_cap > 0`` — one list entry per
+            sequence: this data-parallel replica's part of the mini-batch. When ``old_log_prob``
+            is absent the update is on-policy: the detached log-probs of this very forward pass
+            are the old ones (ratio exactly 1, as in verl), and they are added to
+            ``batch["old_log_prob"]``, which saves a forward pass over the batch.
+        horizon: the constant normalizer of ``loss_agg_mode='seq-mean-token-sum-norm'``
+            (``rollout.max_response_length``).
 
     The loss of each micro-batch is normalized by the totals of the whole mini-batch over all
-    data-parallel replicas (response tokens for ``loss_agg=token``, sequences for
-    ``sequence``; ``engine.sum_over_replicas``), and the engine sums the replicas' gradients.
+    data-parallel replicas (response tokens for ``token-mean``, sequences for the ``seq-mean-*``
+    modes; ``engine.sum_over_replicas``), and the engine sums the replicas' gradients.
     So the gradient depends neither on ``micro_batch`` nor on how the mini-batch is split
     over replicas: with DP = k it is the DP = 1 gradient of the same global mini-batch, also
     when the replicas' responses differ in length (a per-replica token mean would weigh a token
@@ -86,15 +94,19 @@ def accumulate_mini_batch(
 
     Returns:
         ``actor/*`` metrics of the whole mini-batch (the same on every replica): ``loss`` and
-        ``pg_loss`` aggregated as ``algo.loss_agg`` says (``pg_loss`` is ``loss`` without the KL
-        term); ``kl``, ``entropy``, ``clip_ratio``, ``ratio_mean`` as token means; ``ratio_max``
-        over this replica's tokens.
+        ``pg_loss`` aggregated as ``algo.loss_agg_mode`` says (``pg_loss`` is ``loss`` without
+        the KL term and the entropy bonus); ``kl``, ``entropy``, ``clip_ratio``, ``ratio_mean`` as token means (the
+        token ratio, also under GSPO); ``ratio_max`` over this replica's tokens; with dual-clip
+        ``dual_clip_frac``, with TIS ``tis_weight_mean`` and ``tis_clip_frac`` (tokens at the cap).
     """
     n_seq = len(batch["response_ids"])
     tokens = float(sum(len(r) for r in batch["response_ids"]))
     total_tokens, total_seqs = engine.sum_over_replicas([tokens, float(n_seq)])
     on_policy = "old_log_prob" not in batch
-    columns = DeviceColumns(batch, (["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_coef > 0 else []))
+    names = ((["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_loss_coef > 0 else [])
+             + (["rollout_log_prob"] if algo.tis_cap > 0 else []))
+    columns = DeviceColumns(batch, names)
+    metric_names = _METRICS + (_DUAL_CLIP if algo.clip_ratio_c > 0 else ()) + (_TIS if algo.tis_cap > 0 else ())
 
     def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
         b, T = log_prob.shape
@@ -102,21 +114,33 @@ def accumulate_mini_batch(
         on_device = columns.get(log_prob.device)
         old = log_prob.detach() if on_policy else on_device["old_log_prob"][rows, :T]
         adv = on_device["advantages"][rows]
-        pg, clip_hit = policy_loss(log_prob, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
+        if adv.ndim == 2:
+            adv = adv[:, :T]
+        weight = tis_weight(old, on_device["rollout_log_prob"][rows, :T], algo.tis_cap) if algo.tis_cap > 0 else None
+        pg, clip_hit, dual_hit = policy_loss(
+            log_prob, old, adv, mask, clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
+            ratio_level=algo.ratio_level, weight=weight,
+        )
         token_loss, kl = pg, torch.zeros((), device=log_prob.device)
-        if algo.kl_coef > 0:
-            kl = kl_k3(log_prob, on_device["ref_log_prob"][rows, :T]) * mask
-            token_loss = pg + algo.kl_coef * kl
-        totals = dict(total_tokens=total_tokens, total_sequences=total_seqs)
-        loss = aggregate_loss(token_loss, mask, algo.loss_agg, **totals)
+        if algo.kl_loss_coef > 0:
+            kl = kl_penalty(log_prob, on_device["ref_log_prob"][rows, :T], algo.kl_loss_type) * mask
+            token_loss = pg + algo.kl_loss_coef * kl
+        if algo.entropy_coeff > 0:  # the bonus: higher entropy, lower loss
+            token_loss = token_loss - algo.entropy_coeff * entropy
+        totals = dict(total_tokens=total_tokens, total_sequences=total_seqs, horizon=float(horizon))
+        loss = aggregate_loss(token_loss, mask, algo.loss_agg_mode, **totals)
         with torch.no_grad():
             ratio = torch.exp(log_prob - old) * mask
             # one device → host copy per micro-batch for all the statistics
             values = [
-                loss.detach(), aggregate_loss(pg.detach(), mask, algo.loss_agg, **totals), kl.detach().sum(), entropy.sum(),
-                clip_hit.sum(), ratio.sum(), ratio.max(),
+                loss.detach(), aggregate_loss(pg.detach(), mask, algo.loss_agg_mode, **totals), kl.detach().sum(), entropy.detach().sum(),
+                clip_hit.sum(), ratio.sum(),
             ]
-            *sums, ratio_max = torch.stack([v.float() for v in values]).tolist()
+            if algo.clip_ratio_c > 0:
+                values.append(dual_hit.sum())
+            if weight is not None:
+                values += [(weight * mask).sum(), ((weight >= algo.tis_cap).float() * mask).sum()]
+            *sums, ratio_max = torch.stack([v.float() for v in [*values, ratio.max()]]).tolist()
         old_rows = None
         if on_policy:
             host_old = old.cpu()
@@ -124,13 +148,14 @@ def accumulate_mini_batch(
         return loss, (sums, ratio_max, old_rows)
 
     parts = engine.forward_backward(
-        batch["prompt_ids"], batch["response_ids"], temperature=temperature, micro_batch=micro_batch, loss_fn=loss_fn
+        batch["prompt_ids"], batch["response_ids"], temperature=temperature, micro_batch=micro_batch, loss_fn=loss_fn,
+        entropy_grad=algo.entropy_coeff > 0,
     )
     if on_policy:
         batch["old_log_prob"] = [row for _, _, rows in parts for row in rows]
     # loss and pg_loss are already shares of the global aggregate; the rest are token sums
-    sums = engine.sum_over_replicas([sum(p[0][k] for p in parts) for k in range(len(_METRICS))])
-    metrics = {f"actor/{k}": v if k in ("loss", "pg_loss") else v / max(total_tokens, 1.0) for k, v in zip(_METRICS, sums)}
+    sums = engine.sum_over_replicas([sum(p[0][k] for p in parts) for k in range(len(metric_names))])
+    metrics = {f"actor/{k}": v if k in ("loss", "pg_loss") else v / max(total_tokens, 1.0) for k, v in zip(metric_names, sums)}
     metrics["actor/ratio_max"] = max(p[1] for p in parts)
     return metrics
 
@@ -145,7 +170,7 @@ def rollout_log_prob_diff(rollout: Sequence[Sequence[float]], actor: Sequence[Se
 
 
 class ActorWorker:
-    """The GRPO update of one iteration.
+    """The policy update of one iteration.
 
     Args:
         replicas: data-parallel replicas of the actor (megatron's DP): each claims an equal
@@ -164,10 +189,12 @@ class ActorWorker:
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
-        columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_coef > 0 else [])
+        columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_loss_coef > 0 else [])
         claim = dock.claim("actor", columns + ["rollout_log_prob"], dock.num_rows // self.replicas, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
+        if self.algo.tis_cap > 0:
+            batch["rollout_log_prob"] = rollout_log_prob
         on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
         if not on_policy:  # later mini-batches need the log-probs from before the first step
             batch["old_log_prob"] = self.engine.log_probs(
@@ -184,7 +211,7 @@ class ActorWorker:
                 steps.append(
                     self.engine.optimizer_step(
                         partial(accumulate_mini_batch, self.engine, mini, algo=self.algo, temperature=self.rollout.temperature,
-                                micro_batch=self.trainer.micro_batch)
+                                micro_batch=self.trainer.micro_batch, horizon=self.rollout.max_response_length)
                     )
                 )
         if on_policy:

@@ -1,4 +1,10 @@
-"""Advantage stage: claim whole groups of scores, put group-normalized advantages (GRPO)."""
+"""Advantage stage: claim the iteration's scored responses (whole groups), put per-token
+``advantages`` of ``algorithm.adv_estimator`` (``dockrl.algorithms.compute_advantages``).
+
+The claim asks for every row of the iteration, so REINFORCE++'s batch whitening spans the
+whole batch. With ``algorithm.kl_in_reward_coef > 0`` the KL penalty per token is that of the
+rollout's log-probs (the policy that sampled) to the reference's.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,16 @@ import time
 
 import torch
 
-from dockrl.algorithms import grpo_advantages
+from dockrl.algorithms import compute_advantages, kl_penalty
 from dockrl.config import AlgorithmConfig
 from dockrl.dock import StageDock
+
+
+def _padded(rows: list[list[float]], T: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
 
 
 class AdvantageWorker:
@@ -16,13 +29,21 @@ class AdvantageWorker:
         self.cfg = cfg
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
-        """Compute advantages for every group; returns ``rollout/frac_zero_std_groups``."""
+        """Compute the advantages of every row; returns ``rollout/frac_zero_std_groups`` and timing."""
         start, groups, zero_std = time.perf_counter(), 0, 0
-        n = dock.group_size
-        while claim := dock.claim("advantage", ["rm_score"], dock.num_rows, whole_groups=True):
+        n, kl_in_reward = dock.group_size, self.cfg.kl_in_reward_coef > 0
+        columns = ["rm_score", "response_ids"] + (["rollout_log_prob", "ref_log_prob"] if kl_in_reward else [])
+        while claim := dock.claim("advantage", columns, dock.num_rows, whole_groups=True):
             scores = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float64)
-            adv = grpo_advantages(scores, n, eps=self.cfg.adv_eps, norm_by_std=self.cfg.norm_adv_by_std)
-            dock.put(claim.rows, {"advantages": adv.tolist()}, ack=claim)
+            lengths = [len(r) for r in claim.batch.column("response_ids").to_pylist()]
+            T = max(max(lengths, default=1), 1)
+            mask = (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
+            kl = None
+            if kl_in_reward:
+                policy, ref = (_padded(claim.batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "ref_log_prob"))
+                kl = kl_penalty(policy, ref, self.cfg.kl_penalty) * mask
+            adv, _ = compute_advantages(self.cfg, scores, mask, group_size=n, kl=kl)
+            dock.put(claim.rows, {"advantages": [row[:k] for row, k in zip(adv.tolist(), lengths)]}, ack=claim)
             per_group = scores.view(-1, n)
             groups += per_group.shape[0]
             zero_std += int((per_group.max(dim=1).values == per_group.min(dim=1).values).sum())

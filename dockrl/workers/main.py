@@ -35,7 +35,7 @@ PROCESSES = {
     "rollout": run_rollout,  # evaluates before and after training; receives the weights
     "reward-model": run_reward_model,  # only with reward_model.enable
     "reward": run_reward,  # with the advantages
-    "reference": run_reference,  # only when algorithm.kl_coef > 0
+    "reference": run_reference,  # only when algorithm.uses_reference
     "actor": run_actor,  # sends the weights; writes the checkpoints
     "hybrid": run_hybrid,  # trainer.hybrid: rollout and actor in one process per actor rank
 }

@@ -1,6 +1,6 @@
 """Reference stage: claim responses, put their log-probs under the frozen initial policy.
 
-Only started when ``algorithm.kl_coef > 0``.
+Only started when a KL term needs it (``algorithm.kl_loss_coef`` or ``kl_in_reward_coef`` > 0).
 """
 
 from __future__ import annotations

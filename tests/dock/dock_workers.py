@@ -35,13 +35,13 @@ def reward_cells(prompts: list[list[int]]) -> dict[str, list]:
 
 
 def advantage_cells(rows: list[int], scores: list[float], group_size: int) -> dict[str, list]:
-    """Score minus its group's mean (the claim holds whole groups), float32."""
+    """Score minus its group's mean (the claim holds whole groups), float32, over 1 + row % 3 tokens."""
     scores_by_row = dict(zip(rows, scores))
     out = []
     for r in rows:
         start = r - r % group_size
         group = np.array([scores_by_row[k] for k in range(start, start + group_size)], dtype=np.float64)
-        out.append(float(np.float32(scores_by_row[r] - group.mean())))
+        out.append([float(np.float32(scores_by_row[r] - group.mean()))] * (1 + r % 3))
     return {"advantages": out}
 
 

@@ -48,7 +48,7 @@ CELLS = {
     "prompt_ids": lambda r: [r, r + 100][: 1 + r % 2],
     "rm_score": lambda r: float(r) / 2,
     "correct": lambda r: r % 2 == 0,
-    "advantages": lambda r: float(r) - 0.5,
+    "advantages": lambda r: [float(r) - 0.5] * (1 + r % 2),
 }
 TERMS = (1.0, 2.5)
 

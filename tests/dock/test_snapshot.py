@@ -54,7 +54,7 @@ def advance(dock) -> dict[str, list[int]]:
     written on rows 0..5, so those count finished; reference: 3 rows leased, one finished.
     """
     done = dock.claim("advantage", ["rm_score"], 4, whole_groups=True)
-    dock.put(done.rows, {"advantages": [0.0] * 4})
+    dock.put(done.rows, {"advantages": [[0.0]] * 4})
     dock.ack(done)
     reward = dock.claim("reward", ["prompt_ids"], 4)
     reference = dock.claim("reference", ["prompt_ids"], 3)
@@ -168,8 +168,8 @@ def test_restore_refuses_what_it_cannot_load(tmp_path):
         dock.restore(str(uri))
     with pytest.raises(DockError, match=r"taken with \{'layout': \{'shard': 0\}\}; expected \{'layout': \{'shard': 1\}\}"):
         ShardController(GRPO_SCHEMA).restore(str(uri), extra={"layout": {"shard": 1}})
-    other = Schema(version=2, columns=GRPO_SCHEMA.columns, consumers=GRPO_SCHEMA.consumers)
-    with pytest.raises(DockError, match="snapshot has schema v1 .* this dock has v2"):
+    other = Schema(version=GRPO_SCHEMA.version + 1, columns=GRPO_SCHEMA.columns, consumers=GRPO_SCHEMA.consumers)
+    with pytest.raises(DockError, match=f"snapshot has schema v{GRPO_SCHEMA.version} .* this dock has v{GRPO_SCHEMA.version + 1}"):
         ShardController(other).restore(str(uri))
     meta = json.loads((uri / "meta.json").read_text())
     (uri / "meta.json").write_text(json.dumps(meta | {"version": 99}))

@@ -399,7 +399,7 @@ def test_commit_and_locate_on_the_in_process_dock():
         dock.locate(["advantages"], [7])
     with pytest.raises(DockError, match="lives in a warehouse"):
         dock.get(["rm_score"], [4])
-    dock.put([4, 5], {"advantages": [0.5, -0.5]})
+    dock.put([4, 5], {"advantages": [[0.5], [-0.5, 0.25]]})
     with pytest.raises(DockError, match="held in the dock's memory"):
         dock.locate(["advantages"], [4])
 
@@ -410,12 +410,12 @@ def test_snapshot_of_committed_cells_keeps_their_object_keys(tmp_path):
     a, b = "iter-00000000/rm_score/a.arrow", "iter-00000000/rm_score/b.arrow"
     dock.commit([6, 4], {"rm_score": (a, [1, 0])})
     dock.commit([5], {"rm_score": (b, [0])})
-    dock.put([4, 5], {"advantages": [0.5, -0.5]})
+    dock.put([4, 5], {"advantages": [[0.5], [-0.5, 0.25]]})
     before = dock.locate(["rm_score"], [4, 5, 6])["rm_score"].to_json()
     dock.snapshot(str(tmp_path / "snap"))
     restored = ShardController(GRPO_SCHEMA, timeout_s=0.1)
     restored.restore(str(tmp_path / "snap"))
     assert restored.locate(["rm_score"], [4, 5, 6])["rm_score"].to_json() == before
-    assert restored.get(["advantages"], [4, 5]).column("advantages").to_pylist() == [0.5, -0.5]
+    assert restored.get(["advantages"], [4, 5]).column("advantages").to_pylist() == [[0.5], [-0.5, 0.25]]
     with pytest.raises(DockError, match="'rm_score' not yet written for rows \\[7\\]"):
         restored.locate(["rm_score"], [7])

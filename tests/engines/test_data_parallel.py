@@ -2,7 +2,7 @@
 
 Two gloo processes (DP = 2, TP = PP = 1) each take one prompt group of a 12-row mini-batch whose
 groups differ ~10× in response length; one process takes the whole mini-batch. Their summed
-gradients must agree to fp32 precision, for ``loss_agg`` token and sequence, on both paths that
+gradients must agree to fp32 precision, for ``loss_agg_mode`` token-mean and seq-mean-token-mean, on both paths that
 train with data parallelism:
 
 * the megatron engine under ``accumulate_mini_batch`` (off-policy, clipped, with KL);
@@ -32,7 +32,7 @@ from dockrl.engines.hf import HFTrainEngine
 
 TEMPERATURE = 0.7
 N = 6  # samples per prompt; one group per replica
-MODES = ("token", "sequence")
+MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def _free_port() -> int:
@@ -56,7 +56,7 @@ def _batch(model_dir: Path) -> dict[str, list]:
     lp = f32(reference.log_probs(prompts, responses, temperature=TEMPERATURE, micro_batch=12))
     return {
         "prompt_ids": prompts, "response_ids": responses,
-        "advantages": torch.tensor([rng.uniform(-1, 1) for _ in prompts]).tolist(),
+        "advantages": [[a] * len(r) for a, r in zip(torch.tensor([rng.uniform(-1, 1) for _ in prompts]).tolist(), responses)],
         "old_log_prob": f32([[x - rng.uniform(0, 0.4) for x in row] for row in lp]),
         "ref_log_prob": f32([[x + rng.uniform(-0.3, 0.3) for x in row] for row in lp]),
         "rollout_log_prob": lp,
@@ -73,7 +73,7 @@ def _engine_step(actor, part: dict, loss_agg: str):
 
     actor.start_training()
     engine = actor.train_engine
-    algo = AlgorithmConfig(loss_agg=loss_agg, kl_coef=0.1)
+    algo = AlgorithmConfig(loss_agg_mode=loss_agg, kl_loss_coef=0.1)
     actor.optimizer.zero_grad(set_to_none=True)
     metrics = accumulate_mini_batch(engine, dict(part), algo=algo, temperature=TEMPERATURE, micro_batch=4)
     actor.train._finish_grads()
@@ -90,7 +90,7 @@ def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     from dockrl.workers.hybrid import UpdateThenSync
 
     trainer = TrainerConfig(global_batch=2, mini_batch=2, micro_batch=4)
-    worker = ActorWorker(actor.train_engine, trainer=trainer, algo=AlgorithmConfig(loss_agg=loss_agg),
+    worker = ActorWorker(actor.train_engine, trainer=trainer, algo=AlgorithmConfig(loss_agg_mode=loss_agg),
                          rollout=RolloutConfig(n=N, temperature=TEMPERATURE), replicas=world)
     update = UpdateThenSync(actor, worker, dp_group=actor.ranks.dp_group)
     dock = open_dock(DockConfig(), GRPO_SCHEMA, run="test")

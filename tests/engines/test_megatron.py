@@ -27,7 +27,7 @@ from dockrl.workers.actor import accumulate_mini_batch
 
 LR = 1e-3
 TEMPERATURE = 0.7
-ALGO = AlgorithmConfig(kl_coef=0.1)
+ALGO = AlgorithmConfig(kl_loss_coef=0.1)
 
 
 # ---------------------------------------------------------------- conversion, in this process

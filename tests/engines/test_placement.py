@@ -100,7 +100,7 @@ def test_log_probs_and_the_update_compute_on_the_device(tiny_model_dir, meta_mas
     assert {t.device for t in out} == {META}
     with pytest.raises(NotImplementedError, match="copy out of meta tensor"):  # the one copy of the whole call to the host
         engine.log_probs(batch["prompt_ids"], batch["response_ids"], temperature=0.7, micro_batch=4)
-    algo = AlgorithmConfig(kl_coef=0.1)
+    algo = AlgorithmConfig(kl_loss_coef=0.1)
     # the dock's columns (advantages, old and reference log-probs) go to the device with the batch:
     # the first micro-batch runs through the forward pass and the loss up to the statistics' one host copy
     with pytest.raises(NotImplementedError, match="copy out of meta tensor"):
@@ -118,7 +118,7 @@ def test_a_dock_column_left_on_the_host_fails_on_the_device(tiny_model_dir, meta
     engine = HFTrainEngine(tiny_model_dir, trainable=True, device=META)
     monkeypatch.setattr(actor, "DeviceColumns", FakeHostColumns)
     with pytest.raises(RuntimeError, match="is not on the expected device meta"):
-        accumulate_mini_batch(engine, _batch(len(engine.tokenizer), engine.pad_id), algo=AlgorithmConfig(kl_coef=0.1),
+        accumulate_mini_batch(engine, _batch(len(engine.tokenizer), engine.pad_id), algo=AlgorithmConfig(kl_loss_coef=0.1),
                               temperature=0.7, micro_batch=4)
 
 

@@ -38,7 +38,7 @@ def run_overrides(tiny_model_dir, tmp_path, *extra: str) -> list[str]:
         "run.progress=false", "dock.mode=distributed", "dock.shards=2", "dock.timeout_s=120",
         "trainer.iterations=2", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-2",
-        "trainer.save_every=1", "algorithm.kl_coef=0.05", "data.generate_train=40", "data.generate_test=8", "data.eval_size=8",
+        "trainer.save_every=1", "algorithm.kl_loss_coef=0.05", "data.generate_train=40", "data.generate_test=8", "data.eval_size=8",
         *extra,
     ]
 
@@ -105,7 +105,7 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert [(g.name, g.devices) for g in groups if g.accelerators] == [("rollout", 1), ("reference", 1), ("actor", 1)]
     assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR, Report.WEIGHT_SYNC]
 
-    no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0")
+    no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_loss_coef=0")
     assert [g.name for g in worker_groups(no_kl, local, [1], "h:2", "t")] == ["dock-shard-0", "rollout", "reward", "actor"]
     assert Report.REFERENCE not in iteration_reports(no_kl)
     ports = free_ports(3)
@@ -266,7 +266,7 @@ def test_vllm_rollout_and_megatron_actor_processes(tiny_model_dir, tmp_path, wor
     require_vllm()
     cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "rollout.engine=vllm",
                      "trainer.engine=megatron",
-                     "algorithm.kl_coef=0", "trainer.eval_before=false", "trainer.save_every=0")
+                     "algorithm.kl_loss_coef=0", "trainer.eval_before=false", "trainer.save_every=0")
     driver.train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -41,7 +41,7 @@ def run_config(tiny_model_dir, tmp_path, name: str, *extra: str):
         "run.progress=false", "dock.mode=distributed", "dock.shards=2", "dock.timeout_s=120",
         "trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-2",
-        "trainer.save_every=1", "trainer.eval_before=false", "algorithm.kl_coef=0",
+        "trainer.save_every=1", "trainer.eval_before=false", "algorithm.kl_loss_coef=0",
         "data.generate_train=40", "data.generate_test=8", "data.eval_size=8", *extra,
     ])
 

@@ -40,7 +40,7 @@ def npu_platform(tmp_path: Path) -> Platform:
 def small_config(tiny_model_dir, out: Path, *extra: str):
     return load_config(None, [
         f"model.path={tiny_model_dir}", f"run.output_dir={out}", "dock.mode=distributed", "dock.shards=2",
-        "algorithm.kl_coef=0.05", "trainer.iterations=1", "trainer.global_batch=2", "trainer.mini_batch=2",
+        "algorithm.kl_loss_coef=0.05", "trainer.iterations=1", "trainer.global_batch=2", "trainer.mini_batch=2",
         "trainer.micro_batch=2", "rollout.n=2", *extra,
     ])
 

@@ -84,8 +84,8 @@ def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_
     assert out == ["trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=4", "rollout.n=4",
                    "trainer.lr=5e-06", "trainer.iterations=2"]
     assert "run parameter iterations=3 is overridden by config_overrides" in caplog.text
-    with pytest.raises(ConfigError, match="algorithm.name"):
-        resolve_overrides(defaults | {"algorithm": "ppo-ish"}, [])
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator"):
+        resolve_overrides(defaults | {"adv_estimator": "ppo-ish"}, [])
     with pytest.raises(ValueError, match=r"run parameters \['epochs'\]"):
         resolve_overrides({"epochs": 2}, [])
 

@@ -1,3 +1,4 @@
+import math
 import random
 
 import pytest
@@ -30,9 +31,9 @@ def test_first_on_policy_update_has_ratio_one(tiny_model_dir):
     assert m["actor/clip_ratio"] == 0.0
 
 
-@pytest.mark.parametrize("loss_agg, kl_coef", [("token", 0.0), ("sequence", 0.1)])
+@pytest.mark.parametrize("loss_agg, kl_coef", [("token-mean", 0.0), ("seq-mean-token-mean", 0.1)])
 def test_micro_batch_size_does_not_change_loss_or_gradients(tiny_model_dir, loss_agg, kl_coef):
-    algo = AlgorithmConfig(loss_agg=loss_agg, kl_coef=kl_coef)
+    algo = AlgorithmConfig(loss_agg_mode=loss_agg, kl_loss_coef=kl_coef)
     results = []
     for micro in (1, 4):
         engine = HFTrainEngine(tiny_model_dir, trainable=True)
@@ -55,14 +56,14 @@ def test_rollout_log_prob_diff_by_hand():
     assert got == {"actor/rollout_log_prob_diff_mean": 0.25, "actor/rollout_log_prob_diff_max": 0.5}
 
 
-@pytest.mark.parametrize("loss_agg", ["token", "sequence"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_pg_loss_is_aggregated_as_the_loss(tiny_model_dir, loss_agg):
-    """Without KL, ``actor/pg_loss`` is ``actor/loss``: both follow ``algorithm.loss_agg`` (a token
-    mean under ``sequence`` differed); with KL the two differ by β times the aggregated KL."""
+    """Without KL, ``actor/pg_loss`` is ``actor/loss``: both follow ``algorithm.loss_agg_mode`` (a
+    token mean under ``seq-mean-token-mean`` differed); with KL the two differ by β times the aggregated KL."""
     engine = HFTrainEngine(tiny_model_dir, trainable=True)
     batch = _batch(engine, kl=True)
     batch["old_log_prob"] = [[x - 0.25 for x in lp] for lp in batch["old_log_prob"]]
-    m = accumulate_mini_batch(engine, dict(batch), algo=AlgorithmConfig(loss_agg=loss_agg), temperature=1.0, micro_batch=4)
+    m = accumulate_mini_batch(engine, dict(batch), algo=AlgorithmConfig(loss_agg_mode=loss_agg), temperature=1.0, micro_batch=4)
     assert m["actor/pg_loss"] == pytest.approx(m["actor/loss"], rel=1e-6)
     with torch.no_grad():
         lp, mask, _ = response_log_probs(engine.model, batch["prompt_ids"], batch["response_ids"], pad_id=engine.pad_id,
@@ -70,10 +71,79 @@ def test_pg_loss_is_aggregated_as_the_loss(tiny_model_dir, loss_agg):
         old = torch.zeros_like(lp)
         for i, row in enumerate(batch["old_log_prob"]):
             old[i, : len(row)] = torch.tensor(row)
-        pg, _ = policy_loss(lp, old, torch.tensor(batch["advantages"]), mask, clip_low=0.2, clip_high=0.28)
+        pg, _, _ = policy_loss(lp, old, torch.tensor(batch["advantages"]), mask, clip_low=0.2, clip_high=0.28)
         per_seq = pg.sum(1) / mask.sum(1)
-        want = float(pg.sum() / mask.sum()) if loss_agg == "token" else float(per_seq.mean())
+        want = float(pg.sum() / mask.sum()) if loss_agg == "token-mean" else float(per_seq.mean())
     assert m["actor/pg_loss"] == pytest.approx(want, rel=1e-5)
-    m_kl = accumulate_mini_batch(engine, dict(batch), algo=AlgorithmConfig(loss_agg=loss_agg, kl_coef=0.5), temperature=1.0, micro_batch=4)
+    m_kl = accumulate_mini_batch(engine, dict(batch), algo=AlgorithmConfig(loss_agg_mode=loss_agg, kl_loss_coef=0.5), temperature=1.0, micro_batch=4)
     assert m_kl["actor/pg_loss"] == pytest.approx(m["actor/pg_loss"], rel=1e-6)
     assert m_kl["actor/loss"] > m_kl["actor/pg_loss"]  # k3 ≥ 0
+
+
+def test_per_token_advantages_give_the_per_sequence_update_bit_for_bit(tiny_model_dir):
+    """The dock's per-token ``advantages`` (the sequence's value repeated over its tokens) give the
+    same loss and gradients, to the bit, as one float per sequence (the GRPO update before)."""
+    results = []
+    for per_token in (False, True):
+        engine = HFTrainEngine(tiny_model_dir, trainable=True)
+        batch = _batch(engine, kl=True)
+        batch["old_log_prob"] = [[x - 0.25 for x in lp] for lp in batch["old_log_prob"]]
+        if per_token:
+            batch["advantages"] = [[a] * len(r) for a, r in zip(batch["advantages"], batch["response_ids"])]
+        engine.optimizer.zero_grad()
+        m = accumulate_mini_batch(engine, batch, algo=AlgorithmConfig(kl_loss_coef=0.1), temperature=1.0, micro_batch=4)
+        results.append((m, {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}))
+    (m1, g1), (m2, g2) = results
+    assert m1 == m2
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
+def _shifted(engine, **kw):
+    batch = _batch(engine, **kw)
+    batch["old_log_prob"] = [[x - 0.25 for x in lp] for lp in batch["old_log_prob"]]
+    return batch
+
+
+def test_entropy_bonus_lowers_the_loss_by_its_aggregate_and_reaches_the_gradient(tiny_model_dir):
+    """``entropy_coeff`` c: ``loss = pg_loss - c·H`` (token-mean), and the entropy is differentiable."""
+    grads, metrics = [], []
+    for coeff in (0.0, 0.1):
+        engine = HFTrainEngine(tiny_model_dir, trainable=True)
+        engine.optimizer.zero_grad()
+        m = accumulate_mini_batch(engine, _shifted(engine), algo=AlgorithmConfig(entropy_coeff=coeff), temperature=1.0, micro_batch=4)
+        metrics.append(m)
+        grads.append(torch.cat([p.grad.flatten() for p in engine.model.parameters() if p.grad is not None]))
+    (m0, m1), (g0, g1) = metrics, grads
+    assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-6)
+    assert m1["actor/loss"] == pytest.approx(m1["actor/pg_loss"] - 0.1 * m1["actor/entropy"], rel=1e-5)
+    assert not torch.allclose(g0, g1)
+
+
+def test_tis_and_dual_clip_metrics(tiny_model_dir):
+    """TIS weights exp(old - rollout) = e^0.1 ≈ 1.105 on every token: under a cap of 2 their mean, under
+    1.05 the cap on every token. Dual-clip reports the fraction of tokens at its bound."""
+    engine = HFTrainEngine(tiny_model_dir, trainable=True)
+    batch = _batch(engine)
+    batch["rollout_log_prob"] = [[x - 0.1 for x in lp] for lp in batch["old_log_prob"]]
+    on_policy = {k: v for k, v in batch.items() if k != "old_log_prob"}  # old = this forward's log-probs
+    m = accumulate_mini_batch(engine, dict(on_policy), algo=AlgorithmConfig(tis_cap=2.0), temperature=1.0, micro_batch=4)
+    assert m["actor/tis_weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-4) and m["actor/tis_clip_frac"] == 0.0
+    m = accumulate_mini_batch(engine, dict(on_policy), algo=AlgorithmConfig(tis_cap=1.05), temperature=1.0, micro_batch=4)
+    assert m["actor/tis_weight_mean"] == pytest.approx(1.05, rel=1e-6) and m["actor/tis_clip_frac"] == 1.0
+    assert "actor/dual_clip_frac" not in m
+    far = dict(batch, old_log_prob=[[x - 3.0 for x in lp] for lp in batch["old_log_prob"]],  # ratio e^3 ≈ 20 > c
+               advantages=[-1.0] * len(batch["advantages"]))
+    m = accumulate_mini_batch(engine, far, algo=AlgorithmConfig(clip_ratio_c=3.0), temperature=1.0, micro_batch=4)
+    assert m["actor/dual_clip_frac"] == pytest.approx(1.0)
+    assert m["actor/pg_loss"] == pytest.approx(3.0, rel=1e-6)  # -c·A = 3 on every token
+
+
+def test_dr_grpo_normalizer_in_the_update(tiny_model_dir):
+    """``seq-mean-token-sum-norm`` with horizon L is the token sum over N·L: L/mean-length times the token mean."""
+    engine = HFTrainEngine(tiny_model_dir, trainable=True)
+    batch = _shifted(engine)
+    tok = accumulate_mini_batch(engine, dict(batch), algo=AlgorithmConfig(), temperature=1.0, micro_batch=4)
+    norm = accumulate_mini_batch(engine, dict(batch), algo=AlgorithmConfig(loss_agg_mode="seq-mean-token-sum-norm"),
+                                 temperature=1.0, micro_batch=4, horizon=16)
+    tokens, n = sum(len(r) for r in batch["response_ids"]), len(batch["response_ids"])
+    assert norm["actor/pg_loss"] == pytest.approx(tok["actor/pg_loss"] * tokens / (n * 16), rel=1e-5)

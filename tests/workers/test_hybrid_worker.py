@@ -31,7 +31,7 @@ def hybrid_overrides(tiny_model_dir, tmp_path) -> list[str]:
         f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}", *HYBRID,
         "rollout.n=4", "rollout.max_response_length=8", "rollout.dtype=float32", "run.progress=false", "trainer.iterations=2",
         "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4", "trainer.autocast_bf16=false",
-        "trainer.lr=1e-2", "trainer.save_every=1", "algorithm.kl_coef=0.05", "parallel.bucket_mb=1",
+        "trainer.lr=1e-2", "trainer.save_every=1", "algorithm.kl_loss_coef=0.05", "parallel.bucket_mb=1",
         "data.generate_train=20", "data.generate_test=4", "data.eval_size=4",
     ]
 

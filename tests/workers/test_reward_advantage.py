@@ -24,7 +24,7 @@ def test_reward_then_advantage_through_the_dock():
     dock = open_dock(DockConfig(timeout_s=5), GRPO_SCHEMA, run="test")
     dock.open_iteration(0, 8, 4)
     dock.put(range(8), {"prompt_ids": [[1]] * 8, "ground_truth": ["7"] * 4 + ["1000"] * 4})
-    dock.put(range(8), {"response_ids": [[k] for k in range(8)]})
+    dock.put(range(8), {"response_ids": [[k] + [9] * (k % 3) for k in range(8)]})
     with RewardScorer(timeout_s=5) as scorer:
         m = RewardWorker(scorer, FakeTokenizer(texts), correct_reward=1.0, batch_size=3).run_iteration(dock)
     got = dock.get(["rm_score", "correct"], range(8)).to_pydict()
@@ -34,7 +34,10 @@ def test_reward_then_advantage_through_the_dock():
     assert m["reward/verifier_timeouts"] == 0
 
     a = AdvantageWorker(AlgorithmConfig()).run_iteration(dock)
-    adv = dock.get(["advantages"], range(8)).column("advantages").to_pylist()
+    per_token = dock.get(["advantages"], range(8)).column("advantages").to_pylist()
+    assert [len(row) for row in per_token] == [1 + k % 3 for k in range(8)]  # one per response token
+    assert all(len(set(row)) == 1 for row in per_token)  # the response's value repeated
+    adv = [row[0] for row in per_token]
     assert a["rollout/frac_zero_std_groups"] == 0.0
     assert adv[0] > 0 and adv[2] < 0 and adv[1] < 0
     assert sum(adv[:4]) == pytest.approx(0.0, abs=1e-5)
