@@ -13,12 +13,15 @@ its index on the shard that owns it (so shard errors name global rows). With few
 than shards some shards own none. Every client derives the mapping from ``(num_rows,
 group_size, S)`` (``flight.shard_ranges``); shards also check, store and ``describe`` it, so a
 worker that did not open the iteration learns it, and shards given out of order are caught.
+``wait_iteration`` brings shard 0's layout of the iteration it returns, so a stage learns the
+mapping without a ``describe`` per shard and ``num_rows``/``group_size`` answer without a round trip.
 
 **Claims.** The controller path is metadata only: a claim takes row indexes on a shard and,
 with the payload in the shards' memory, brings their cells in the same ``do_get`` (the indexes
 travel as schema metadata); with a warehouse the ``claim`` action returns the indexes and the
 client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard. A claim
-sweeps the shards from a rotating start, taking what is ready without waiting; while short
+sweeps the shards from a rotating start (a random shard for a client's first claim, unless
+``first_shard``), taking what is ready without waiting; while short
 of ``min(count, rows the consumer has left)`` it blocks server-side on one shard (the one
 with most rows left for the consumer; for at least the rows no other shard can cover, else
 one row or group) with the remaining deadline, then sweeps the others again: no client
@@ -73,6 +76,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import socket
 import threading
 import time
@@ -144,6 +148,8 @@ class DockClient:
         lease_s: lease term of this client's claims, seconds; renewed every ``lease_s/3``.
         owner: lease owner id; default ``host:pid:random``, unique per client. A launcher that
             passes a known id can ``release_owner`` it when the worker's process dies.
+        first_shard: the shard this client's first claim sweeps from (each claim then starts one
+            shard further); default a random one, so that clients do not all start on shard 0.
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
@@ -156,6 +162,7 @@ class DockClient:
     def __init__(
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
+        first_shard: int | None = None,
     ) -> None:
         if not shards:
             raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
@@ -171,7 +178,9 @@ class DockClient:
         self._closed = False
         self._lock = threading.Lock()
         self._layout: ShardLayout | None = None
-        self._next = 0
+        self._confirmed: int | None = None  # the iteration of _layout when this client opened it or waited for it
+        self._arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
+        self._next = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
         self.warehouse = warehouse
         self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
                       "dock/store_objects_written": 0, "dock/store_objects_read": 0}
@@ -246,15 +255,24 @@ class DockClient:
         shard0, known = self._describe(0), self._layout
         return self._layout_for(what, fresh=shard0 is None or known is None or known.iteration != shard0["iteration"])
 
+    def _sizes(self, what: str) -> ShardLayout:
+        """The layout this client opened or waited for (``wait_iteration``) last, else the shards' (a round trip)."""
+        with self._lock:
+            layout = self._layout
+            if layout is not None and layout.iteration == self._confirmed:
+                return layout
+        return self._open_layout(what)
+
     @property
     def num_rows(self) -> int:
-        """Rows of the iteration open on the shards, all shards together; ``DockError`` if none is open."""
-        return self._open_layout("num_rows").num_rows
+        """Rows of the open iteration, all shards together: the one this client opened or last
+        got from ``wait_iteration`` (no round trip), else the one open on the shards; ``DockError`` if none is open."""
+        return self._sizes("num_rows").num_rows
 
     @property
     def group_size(self) -> int:
-        """Rows per prompt group of the iteration open on the shards; ``DockError`` if none is open."""
-        return self._open_layout("group_size").group_size
+        """Rows per prompt group of the open iteration (as ``num_rows``); ``DockError`` if none is open."""
+        return self._sizes("group_size").group_size
 
     # --- iteration lifecycle ------------------------------------------------------------------
     def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, announce: bool = True) -> None:
@@ -280,7 +298,7 @@ class DockClient:
                     logger.warning("could not close half-opened iteration %d on dock shard %d: %s", iteration, s, e)
             raise
         with self._lock:
-            self._layout = layout
+            self._layout, self._confirmed = layout, layout.iteration
         if announce:
             self.announce(layout.iteration)
 
@@ -300,7 +318,7 @@ class DockClient:
         """
         open_now = (self._describe(0) or {}).get("iteration") if self.warehouse is not None else None
         with self._lock:
-            self._layout = None
+            self._layout = self._confirmed = None
         for s in range(len(self.locations)):
             self._action(s, "close_iteration", {})
         if self.warehouse is not None and open_now is not None:
@@ -326,7 +344,7 @@ class DockClient:
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         layout = self._layout_for("put", iteration)
         fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
-                 and (np.array_equal(rows_arr, ack.rows)
+                 and (rows is ack.rows or np.array_equal(rows_arr, ack.rows)
                       or np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64)))))
         lease = ack.lease if ack is not None else ""
         extra = {"ack": {"consumer": ack.consumer, "lease": lease}} if fused and ack is not None else {}
@@ -392,10 +410,14 @@ class DockClient:
         return self.transports[s].get({"iteration": layout.iteration, "columns": columns, "rows": rows}, self.rpc_timeout_s)
 
     def _arrow_schema(self, columns: list[str], what: str) -> pa.Schema:
-        try:
-            return self.schema.arrow_schema(columns)
-        except KeyError as e:
-            raise DockError(f"{what}: {e.args[0]}") from None
+        key = tuple(columns)
+        schema = self._arrow_schemas.get(key)
+        if schema is None:
+            try:
+                schema = self._arrow_schemas[key] = self.schema.arrow_schema(columns)
+            except KeyError as e:
+                raise DockError(f"{what}: {e.args[0]}") from None
+        return schema
 
     def _batch(self, tables: list[pa.Table], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
         """One record batch of ``tables`` stacked, rows reordered so that row ``order[k]`` comes k-th.
@@ -403,8 +425,8 @@ class DockClient:
         Copies nothing when the cells already come in order in one chunk per column (a claim
         from one shard in one call, the usual case)."""
         schema = self._arrow_schema(columns, "get")
-        table = pa.concat_tables(tables or [schema.empty_table()])
-        if order is not None and (np.diff(order) < 0).any():
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables or [schema.empty_table()])
+        if order is not None and len(order) > 1 and (order[1:] < order[:-1]).any():
             table = table.take(pa.array(np.argsort(order), type=pa.int64()))
         return pa.RecordBatch.from_arrays([_one_chunk(table.column(c)) for c in columns], schema=schema)
 
@@ -523,7 +545,7 @@ class DockClient:
             batches = []
             if self.warehouse is None:
                 batches = [self._batch(cells[s], columns, np.asarray(taken[s], dtype=np.int64)) for s in sorted(taken) if taken[s]]
-                tables = [pa.Table.from_batches([b]) for b in batches]
+                tables = [] if len(batches) == 1 else [pa.Table.from_batches([b]) for b in batches]
             else:
                 tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
         except BaseException:
@@ -805,7 +827,14 @@ class DockClient:
             DockTimeoutError: nothing happened within ``timeout_s`` (default: the client's).
             DockError: the shard is shutting down.
         """
-        return self._wait_action("wait_iteration", {"after": int(after)}, timeout_s)["iteration"]
+        res = self._wait_action("wait_iteration", {"after": int(after)}, timeout_s)
+        meta = res.get("layout")
+        if meta is not None and meta.get("num_shards") == len(self.locations) and meta["iteration"] == res["iteration"]:
+            layout = ShardLayout(meta["iteration"], meta["num_rows"], meta["group_size"], len(self.locations))
+            if layout.shard_meta(0) == meta:  # the row mapping comes with the iteration: no describe per shard
+                with self._lock:
+                    self._layout, self._confirmed = layout, layout.iteration
+        return res["iteration"]
 
     def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
         """Record ``stage``'s metrics of ``iteration`` on shard 0 (``RunControl.report``).
@@ -867,5 +896,6 @@ def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = 
     warehouse = make_warehouse(cfg, run)
     payload: Payload = "memory" if warehouse is None else "store"
     shards = local_shards(cfg.shards, schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s, payload=payload)
+    # one front end serves every stage of the process: its sweeps start at shard 0, so a run repeats exactly
     return DockClient([LocalTransport(s, owned=True) for s in shards], schema, timeout_s=cfg.timeout_s,
-                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner)
+                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner, first_shard=0)

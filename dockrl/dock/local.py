@@ -8,7 +8,13 @@ first_row=k, total_rows=N)``, so errors name global rows). ``take``, ``release``
 and ``ack_rows`` are the metadata-only building blocks of a claim across shards; ``commit``
 and ``locate`` those of a put and a read whose payload lives in a warehouse
 (``dockrl.dock.warehouse``): the controller then holds object keys and offsets, never cells.
-Waiting is event-driven on a condition variable, never a sleep-poll loop.
+Waiting is event-driven, never a sleep-poll loop: a blocked take waits on a condition of its own,
+woken only when it can proceed (``_wake_locked``).
+
+**Cost.** A take costs what it takes: per consumer and set of input columns the controller keeps
+the ready, untaken rows (``_View``, updated by every put, take, return and ack), leases are
+integer arrays (``lease_at``: the lease number of each row), expiries a heap, and the rows other
+owners hold are counted as leases change (``_Lease.undone``), never recounted per take.
 
 **Leases.** A take is a lease: for each (row, consumer) it took, the controller records the
 ``lease`` id, its ``owner`` (the claiming client; ``DEFAULT_OWNER`` if none) and an expiry
@@ -33,6 +39,7 @@ un-acked leases end there (their holders belong to the old run).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -73,7 +80,7 @@ def arrow_columns(
         except KeyError as e:
             raise DockError(f"{what}: {e.args[0]}") from None
         if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
+            values = values.chunk(0) if values.num_chunks == 1 else values.combine_chunks()
         if isinstance(values, pa.Array):
             if values.type != col.type:
                 raise DockError(f"{what}: column {name!r} has Arrow type {values.type}; schema says {col.type}")
@@ -99,8 +106,19 @@ def _slice_cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) ->
         return pa.array([], type=type_)
     chunk, offset = loc[:, 0], loc[:, 1]
     breaks = np.flatnonzero((chunk[1:] != chunk[:-1]) | (offset[1:] != offset[:-1] + 1)) + 1
+    if not len(breaks):  # one run (a contiguous claim): a zero-copy slice
+        return chunks[chunk[0]].slice(offset[0], len(loc))
     starts, stops = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(loc)]])
     return pa.concat_arrays([chunks[chunk[a]].slice(offset[a], b - a) for a, b in zip(starts, stops)])
+
+
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a`` ascending (cheap when ``a`` is ascending already, as rows mostly are)."""
+    if len(a) < 2:
+        return a
+    if (a[1:] >= a[:-1]).all():
+        return a[np.concatenate(([True], a[1:] != a[:-1]))]
+    return np.unique(a)
 
 
 def check_sizes(iteration: int, num_rows: int, group_size: int) -> None:
@@ -129,15 +147,70 @@ class Taken(NamedTuple):
     """With ``take(..., read=True)``: the cells of ``columns`` of the rows taken, in their order."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lease:
     id: str
+    num: int  # the lease id's number in this iteration (``lease_at`` and ``acked_by`` hold it)
     owner: str
     consumer: int
     term_s: float
     expiry: float  # time.monotonic()
-    rows: set[int]  # local row indexes
+    rows: np.ndarray  # local row indexes, ascending
     whole_groups: bool
+    undone: int = 0  # rows that would go back to the pool if it ended now (``_lease_done``): counted as held
+
+
+class _View:
+    """The rows of consumer ``ci`` ready in ``cols`` and not taken yet, in units of ``unit`` rows (1, or whole groups).
+
+    Kept up to date by every write, take and return (``_Iteration.set_ready``/``set_consumed``),
+    so a take costs what it takes, not the size of the iteration: ``avail`` marks the available
+    units, ``navail`` counts them, and no unit below ``lo`` is available, so a take hands out
+    the first ready rows by scanning forward from ``lo`` (vectorized, in growing windows).
+    """
+
+    def __init__(self, it: _Iteration, ci: int, cols: tuple[int, ...], unit: int) -> None:
+        self.ci, self.cols, self.unit = ci, cols, unit
+        self.nready = it.ready[:, list(cols)].sum(axis=1, dtype=np.int16)  # columns of the view ready, per row
+        full = self.nready == len(cols)
+        if unit == 1:
+            self.avail = full & ~it.consumed[:, ci]
+        else:
+            self.unit_ready = full.reshape(-1, unit).sum(axis=1, dtype=np.int32)  # rows of each group fully ready
+            self.avail = (self.unit_ready == unit) & (it.gcons[:, ci] == 0)
+        self.navail = int(np.count_nonzero(self.avail))
+        self.lo = 0
+
+    def add(self, units: np.ndarray) -> None:
+        """Units that just became available (each unavailable before)."""
+        if len(units):
+            self.avail[units] = True
+            self.navail += len(units)
+            self.lo = min(self.lo, int(units.min()))
+
+    def remove(self, units: np.ndarray) -> None:
+        """Units that are not available any more (whether they were or not)."""
+        was = self.avail[units]
+        self.navail -= int(np.count_nonzero(was))
+        self.avail[units] = False
+
+    def first(self, k: int) -> np.ndarray:
+        """The ``k`` smallest available units (``k <= navail``), ascending (the caller consumes them)."""
+        out: list[np.ndarray] = []
+        got, start, n = 0, self.lo, len(self.avail)
+        width = max(256, 4 * k)
+        while got < k and start < n:
+            found = np.flatnonzero(self.avail[start:start + width])
+            if not out:
+                self.lo = start + int(found[0]) if len(found) else start + width  # nothing available below
+            if len(found):
+                found = found[: k - got] + start
+                out.append(found)
+                got += len(found)
+            start, width = start + width, width * 2
+        units = out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        assert len(units) == k, f"dock view lost track of its available rows ({len(units)} of {k})"
+        return units
 
 
 class _Iteration:
@@ -146,25 +219,122 @@ class _Iteration:
         self.total_rows = total_rows  # rows of the iteration over all shards
         self.col_index = {c.name: i for i, c in enumerate(schema.columns)}
         self.consumer_index = {c: i for i, c in enumerate(schema.consumers)}
+        n_cons = len(schema.consumers)
         self.ready = np.zeros((num_rows, len(schema.columns)), dtype=bool)
-        self.consumed = np.zeros((num_rows, len(schema.consumers)), dtype=bool)
-        self.acked = np.zeros((num_rows, len(schema.consumers)), dtype=bool)  # implies consumed
-        self.lease_at = np.full((num_rows, len(schema.consumers)), None, dtype=object)  # _Lease of a consumed, un-acked row
-        self.leases: dict[str, _Lease] = {}
-        # lease id a row was acked under: a repeated ack is accepted
-        self.acked_by = np.full((num_rows, len(schema.consumers)), None, dtype=object)
-        self.ended: dict[str, tuple[int, set[int]]] = {}  # lease id → (consumer, local rows) when it ended un-acked
+        self.consumed = np.zeros((num_rows, n_cons), dtype=bool)
+        self.acked = np.zeros((num_rows, n_cons), dtype=bool)  # implies consumed
+        self.lease_at = np.full((num_rows, n_cons), -1, dtype=np.int32)  # lease number of a consumed, un-acked row
+        # lease number a row was acked under: a repeated ack is accepted
+        self.acked_by = np.full((num_rows, n_cons), -1, dtype=np.int32)
+        self.lease_num: dict[str, int] = {}  # lease id → its number (kept after the lease ends)
+        self.leases: dict[str, _Lease] = {}  # live leases by id
+        self.live: dict[int, _Lease] = {}  # live leases by number
+        self.by_owner: dict[str, set[str]] = {}  # owner → ids of its live leases
+        self.expiries: list[tuple[float, int]] = []  # heap of (expiry, lease number); stale entries skipped
+        self.undone = [0] * n_cons  # rows of live leases that would go back if they ended now, by consumer
+        self.undone_by: list[dict[str, int]] = [{} for _ in range(n_cons)]  # the same by consumer and owner
+        self.ended: dict[str, tuple[int, np.ndarray]] = {}  # lease id → (consumer, local rows) when it ended un-acked
         # output columns of each consumer: a row whose outputs are all written is finished
         self.outputs = [[self.col_index[c.name] for c in schema.columns if c.producer == name] for name in schema.consumers]
+        self.output_of = [[ci for ci, outs in enumerate(self.outputs) if col in outs] for col in range(len(schema.columns))]
+        self.fin = np.zeros((num_rows, n_cons), dtype=bool)  # every output of the consumer written (none: never)
         # warehouse: per column, Arrow chunks (or keys of committed warehouse objects) and, per row, (chunk, offset)
         self.chunks: dict[str, list[pa.Array | str]] = {c.name: [] for c in schema.columns}
         self.where = {c.name: np.full((num_rows, 2), -1, dtype=np.int64) for c in schema.columns}
+        self.views: dict[tuple[int, tuple[int, ...], int], _View] = {}
+        self.views_of_ci: list[list[_View]] = [[] for _ in range(n_cons)]
+        self.views_of_col: list[list[_View]] = [[] for _ in range(len(schema.columns))]
+        self.derive()
+
+    def derive(self) -> None:
+        """Recompute the per-consumer counts from ``consumed`` (after it was loaded or changed wholesale)."""
+        self.npending = (~self.consumed).sum(axis=0).tolist()  # rows not taken, by consumer
+        for ci, outs in enumerate(self.outputs):
+            self.fin[:, ci] = self.ready[:, outs].all(axis=1) if outs else False
+        self.gcons = self.consumed.reshape(-1, self.group_size, self.consumed.shape[1]).sum(axis=1, dtype=np.int32)
+        self.views.clear()
+        for views in (*self.views_of_ci, *self.views_of_col):
+            views.clear()
+
+    def view(self, ci: int, cols: tuple[int, ...], unit: int) -> _View:
+        """The ready, untaken rows of consumer ``ci`` in columns ``cols`` (built on first use, then kept)."""
+        key = (ci, cols, unit)
+        view = self.views.get(key)
+        if view is None:
+            view = self.views[key] = _View(self, ci, cols, unit)
+            self.views_of_ci[ci].append(view)
+            for col in cols:
+                self.views_of_col[col].append(view)
+        return view
+
+    def set_ready(self, col: int, rows: np.ndarray) -> set[int]:
+        """Mark column ``col`` written for ``rows`` (local, distinct, not written before); return the consumers with new rows."""
+        self.ready[rows, col] = True
+        for ci in self.output_of[col]:
+            outs = self.outputs[ci]
+            self.fin[rows, ci] = self.ready[rows, outs[0]] if len(outs) == 1 else self.ready[rows][:, outs].all(axis=1)
+        woken = set()
+        for view in self.views_of_col[col]:
+            view.nready[rows] += 1
+            full = rows[view.nready[rows] == len(view.cols)]
+            if not len(full):
+                continue
+            if view.unit == 1:
+                new = full[~self.consumed[full, view.ci]]
+            else:
+                groups = full // view.unit
+                np.add.at(view.unit_ready, groups, 1)
+                groups = _distinct(groups)
+                new = groups[(view.unit_ready[groups] == view.unit) & (self.gcons[groups, view.ci] == 0)]
+            if len(new):
+                view.add(new)
+                woken.add(view.ci)
+        return woken
+
+    def set_consumed(self, ci: int, rows: np.ndarray, value: bool) -> None:
+        """Flip ``consumed`` of consumer ``ci`` to ``value`` for ``rows`` (local, distinct, each now ``not value``)."""
+        if not len(rows):
+            return
+        groups = rows // self.group_size
+        views = self.views_of_ci[ci]
+        if value:
+            np.add.at(self.gcons[:, ci], groups, 1)
+            self.consumed[rows, ci] = True
+            self.npending[ci] -= len(rows)
+            for view in views:
+                view.remove(rows if view.unit == 1 else _distinct(groups))
+        else:
+            np.subtract.at(self.gcons[:, ci], groups, 1)
+            self.consumed[rows, ci] = False
+            self.npending[ci] += len(rows)
+            for view in views:
+                if view.unit == 1:
+                    view.add(rows[view.nready[rows] == len(view.cols)])
+                else:
+                    ug = _distinct(groups)
+                    view.add(ug[(view.unit_ready[ug] == view.unit) & (self.gcons[ug, ci] == 0)])
+
+    def held(self, ci: int, owner: str) -> int:
+        """Rows of consumer ``ci`` leased by owners other than ``owner``, not acked nor finished."""
+        return self.undone[ci] - self.undone_by[ci].get(owner, 0)
 
     def finished(self, ci: int, rows: np.ndarray) -> np.ndarray:
         """Whether consumer ``ci`` has written every output column of each of ``rows`` (local)."""
-        if not self.outputs[ci]:
-            return np.zeros(len(rows), dtype=bool)
-        return np.asarray(self.ready[np.ix_(rows, np.asarray(self.outputs[ci], dtype=np.int64))].all(axis=1))
+        return self.fin[rows, ci]
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A take blocked for consumer ``ci``: woken (``cond.notify``) only when it can proceed."""
+
+    ci: int
+    view: _View
+    count: int
+    at_least: int
+    wait_held: bool
+    owner: str
+    cond: threading.Condition
+    notified: bool = False
 
 
 class ShardController:
@@ -189,7 +359,10 @@ class ShardController:
         self.lease_s = lease_s
         self.leases_expired = 0
         self.rows_returned = 0
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # guards everything; blocked takes wait on conditions of their own
+        self._waiters: dict[int, list[_Waiter]] = {}  # blocked takes by consumer, oldest first
+        self._arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
         self._it: _Iteration | None = None
         self.bytes_put = 0
         self.bytes_read = 0
@@ -219,13 +392,13 @@ class ShardController:
             if self._it is not None:
                 raise DockError(f"open_iteration({iteration}): iteration {self._it.iteration} is still open")
             self._it = _Iteration(self.schema, iteration, num_rows, group_size, first_row, total)
-            self._cond.notify_all()
+            self._wake_all()
 
     def close_iteration(self) -> None:
         """Drop the current iteration's table; later puts and claims raise ``DockError``."""
         with self._cond:
             self._it = None
-            self._cond.notify_all()
+            self._wake_all()
 
     def _current(self, what: str, iteration: int | None = None) -> _Iteration:
         if self._it is None:
@@ -237,30 +410,40 @@ class ShardController:
     # --- writes ----------------------------------------------------------------------------
     def put(
         self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None,
+        ack: tuple[str, str] | None = None,
     ) -> None:
         """Write cells: ``columns[name][k]`` is the cell of row ``rows[k]``.
 
         Atomic: either every cell is written or none. With ``iteration`` the put is refused
-        unless that iteration is the open one.
+        unless that iteration is the open one. With ``ack=(consumer, lease)`` the rows are then
+        acked as by ``ack_rows`` (under the same lock: one call for a stage's put and ack).
 
         Raises:
             DockError: unknown column, wrong Arrow type or length, row out of range or repeated,
-                a cell already written, no open iteration, or another iteration open.
+                a cell already written, no open iteration, or another iteration open; with
+                ``ack``, as ``ack_rows`` (the cells stay written).
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         with self._cond:
             it = self._current("put", iteration)
+            if ack is not None:
+                self._check_request(it, [], ack[0], f"ack by {ack[0]!r}")
             rows_arr = self._check_rows(it, rows_arr, "put")
             self._refuse_written(it, rows_arr, arrays)
+            contiguous = len(rows_arr) > 0 and rows_arr[-1] - rows_arr[0] + 1 == len(rows_arr) and (np.diff(rows_arr) == 1).all()
+            index = slice(int(rows_arr[0]), int(rows_arr[-1]) + 1) if contiguous else rows_arr
             for name, array in arrays.items():
                 chunk_id = len(it.chunks[name])
                 it.chunks[name].append(array)
-                it.where[name][rows_arr, 0] = chunk_id
-                it.where[name][rows_arr, 1] = np.arange(len(rows_arr))
-                it.ready[rows_arr, it.col_index[name]] = True
+                where = it.where[name]
+                where[index, 0] = chunk_id
+                where[index, 1] = np.arange(len(rows_arr))
                 self.bytes_put += array.nbytes
-            self._cond.notify_all()
+            acking = None if ack is None else (it.consumer_index[ack[0]], it.lease_num.get(ack[1], -2))
+            self._written_locked(it, rows_arr, arrays, acking)
+            if ack is not None:
+                self._ack_locked(it, ack[0], ack[1], rows_arr)
 
     @staticmethod
     def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
@@ -303,8 +486,30 @@ class ShardController:
                 it.where[name][rows_arr, 0] = len(it.chunks[name])
                 it.where[name][rows_arr, 1] = offsets_arr
                 it.chunks[name].append(key)
-                it.ready[rows_arr, it.col_index[name]] = True
-            self._cond.notify_all()
+            self._written_locked(it, rows_arr, refs)
+
+    def _written_locked(
+        self, it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object], acking: tuple[int, int] | None = None,
+    ) -> None:
+        """Cells of ``names`` written for ``rows`` (local): readiness, the leases whose rows finished, wake-ups.
+
+        ``acking=(consumer, lease number)``: the caller acks ``rows`` under that lease next (no recount for it).
+        """
+        woken: set[int] = set()
+        finishing: set[int] = set()
+        for name in names:
+            col = it.col_index[name]
+            woken |= it.set_ready(col, rows)
+            finishing.update(it.output_of[col])
+        for ci in finishing:  # rows a consumer's outputs finished no longer count as held by its lease
+            nums = it.lease_at[rows, ci]
+            if acking is not None and acking[0] == ci and (nums == acking[1]).all():
+                continue  # the ack that follows ends the lease's hold on them
+            for num in np.unique(nums[nums >= 0]).tolist():
+                self._recount_locked(it, it.live[num])
+            woken.add(ci)
+        for ci in woken:
+            self._wake_locked(it, ci)
 
     def locate(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> dict[str, Located]:
         """Where the cells of ``rows`` live in the warehouse, per column, in the order of ``rows``.
@@ -336,6 +541,8 @@ class ShardController:
     def _check_rows(it: _Iteration, rows: np.ndarray, what: str) -> np.ndarray:
         """Check row numbers against the iteration's range; return them as local indexes."""
         stop = it.first_row + it.num_rows
+        if len(rows) and rows[0] >= it.first_row and rows[-1] < stop and (len(rows) == 1 or (rows[1:] > rows[:-1]).all()):
+            return rows - it.first_row  # ascending and in range (the usual request): nothing more to check
         bad = rows[(rows < 0) | (rows >= it.total_rows)]
         if len(bad):
             raise DockError(f"{what}: rows {bad[:10].tolist()} out of range [0, {it.total_rows}) in iteration {it.iteration}")
@@ -345,7 +552,7 @@ class ShardController:
                 f"{what}: rows {bad[:10].tolist()} belong to another dock shard; this one holds [{it.first_row}, {stop}) "
                 f"of iteration {it.iteration}"
             )
-        if len(np.unique(rows)) != len(rows):
+        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all() and len(np.unique(rows)) != len(rows):
             raise DockError(f"{what}: repeated row indexes in {rows[:20].tolist()}")
         return rows - it.first_row
 
@@ -359,7 +566,11 @@ class ShardController:
 
     def _gather(self, it: _Iteration, columns: Sequence[str], rows: np.ndarray) -> pa.RecordBatch:
         arrays = [self._cells(it, name, rows) for name in columns]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema.arrow_schema(list(columns)))
+        key = tuple(columns)
+        schema = self._arrow_schemas.get(key)
+        if schema is None:
+            schema = self._arrow_schemas[key] = self.schema.arrow_schema(list(columns))
+        batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
         self.bytes_read += batch.nbytes
         return batch
 
@@ -445,55 +656,102 @@ class ShardController:
         what = f"claim by {consumer!r}"
         if not term > 0:
             raise DockError(f"{what}: lease_s={term!r} must be > 0 seconds")
-        while True:
-            it = self._current(what, iteration)
-            self._check_request(it, columns, consumer, what)
-            if count < 1 or (whole_groups and count % it.group_size):
-                raise DockError(
-                    f"{what}: count={count} must be positive"
-                    + (f" and a multiple of group_size={it.group_size}" if whole_groups else "")
-                )
-            if at_least < 0:
-                raise DockError(f"{what}: at_least={at_least} must be >= 0")
-            ci = it.consumer_index[consumer]
-            known = it.leases.get(lease_id)
-            if known is not None and (known.owner != owner or known.consumer != ci):
-                raise DockError(
-                    f"{what}: lease {lease_id!r} belongs to owner {known.owner!r} and consumer "
-                    f"{self.schema.consumers[known.consumer]!r}, not owner {owner!r}"
-                )
-            next_expiry = self._expire_locked(it)
-            pending = ~it.consumed[:, ci]
-            num_pending = int(pending.sum())
-            held = self._held_locked(it, ci, owner)
-            want = min(at_least, num_pending)
-            ok = pending & it.ready[:, [it.col_index[c] for c in columns]].all(axis=1)
-            if whole_groups:
-                ok = np.repeat(ok.reshape(-1, it.group_size).all(axis=1), it.group_size)
-            candidates = np.flatnonzero(ok)
-            wait_for_held = num_pending == 0 and held > 0 and at_least > 0 and wait_held
-            if not wait_for_held and (num_pending == 0 or (len(candidates) >= want and (want > 0 or at_least == 0))):
-                rows = candidates[:count]
-                if len(rows):  # waiters for this consumer re-check how many rows they can still get
-                    it.consumed[rows, ci] = True
-                    self._grant_locked(it, ci, rows, owner, lease_id, term, whole_groups)
-                    self._cond.notify_all()
-                self.wait_s += time.monotonic() - start
-                return it, rows, num_pending - len(rows), held
-            now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
-                held_note = (
-                    f"; {held} rows are leased by other owners and not yet acked (they come back if their leases "
-                    "expire or are released)" if held else ""
-                )
-                raise DockTimeoutError(
-                    f"{what} timed out after {timeout:.1f}s in iteration {it.iteration}: "
-                    f"wanted {want} rows ready in {list(columns)}, {len(candidates)} ready; "
-                    f"columns still missing (rows lacking): {self._missing_locked(it, ci, columns)}{held_note}"
-                )
-            wait = max(min(remaining, next_expiry - now), 0.0)  # wake at the next lease expiry: rows may come back
-            self._cond.wait(wait if math.isfinite(wait) else None)
+        waiter: _Waiter | None = None
+        try:
+            while True:
+                it = self._current(what, iteration)
+                self._check_request(it, columns, consumer, what)
+                if count < 1 or (whole_groups and count % it.group_size):
+                    raise DockError(
+                        f"{what}: count={count} must be positive"
+                        + (f" and a multiple of group_size={it.group_size}" if whole_groups else "")
+                    )
+                if at_least < 0:
+                    raise DockError(f"{what}: at_least={at_least} must be >= 0")
+                ci = it.consumer_index[consumer]
+                known = it.leases.get(lease_id)
+                if known is not None and (known.owner != owner or known.consumer != ci):
+                    raise DockError(
+                        f"{what}: lease {lease_id!r} belongs to owner {known.owner!r} and consumer "
+                        f"{self.schema.consumers[known.consumer]!r}, not owner {owner!r}"
+                    )
+                next_expiry = self._expire_locked(it)
+                unit = it.group_size if whole_groups else 1
+                view = it.view(ci, tuple(sorted({it.col_index[c] for c in columns})), unit)
+                num_pending = it.npending[ci]
+                held = it.held(ci, owner)
+                if self._can_take(num_pending, held, view.navail * unit, at_least, wait_held):
+                    units = view.first(min(count // unit, view.navail))
+                    rows = units if unit == 1 else (units[:, None] * unit + np.arange(unit)).reshape(-1)
+                    if len(rows):
+                        it.set_consumed(ci, rows, True)
+                        self._grant_locked(it, ci, rows, owner, lease_id, term, whole_groups)
+                        self._wake_locked(it, ci)  # waiters of this consumer may need fewer rows now
+                    self._forget_waiter(waiter)
+                    waiter = None  # it took: no wake-up to hand on
+                    self.wait_s += time.monotonic() - start
+                    return it, rows, num_pending - len(rows), held
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0:
+                    held_note = (
+                        f"; {held} rows are leased by other owners and not yet acked (they come back if their leases "
+                        "expire or are released)" if held else ""
+                    )
+                    raise DockTimeoutError(
+                        f"{what} timed out after {timeout:.1f}s in iteration {it.iteration}: "
+                        f"wanted {min(at_least, num_pending)} rows ready in {list(columns)}, {view.navail * unit} ready; "
+                        f"columns still missing (rows lacking): {self._missing_locked(it, ci, columns)}{held_note}"
+                    )
+                if waiter is None or waiter.ci != ci:
+                    self._forget_waiter(waiter)
+                    waiter = _Waiter(ci, view, count, at_least, wait_held, owner, threading.Condition(self._lock))
+                    self._waiters.setdefault(ci, []).append(waiter)
+                waiter.view, waiter.notified = view, False
+                wait = max(min(remaining, next_expiry - now), 0.0)  # wake at the next lease expiry: rows may come back
+                waiter.cond.wait(wait if math.isfinite(wait) else None)
+        finally:
+            if waiter is not None:
+                self._forget_waiter(waiter)
+                if waiter.notified and self._it is not None:  # woken for rows it did not take: hand the wake-up on
+                    self._wake_locked(self._it, waiter.ci)
+
+    @staticmethod
+    def _can_take(num_pending: int, held: int, available: int, at_least: int, wait_held: bool) -> bool:
+        """Whether a take proceeds now: enough rows available, or none left to wait for."""
+        if num_pending == 0:  # done, unless rows other owners hold may come back
+            return not (held > 0 and at_least > 0 and wait_held)
+        want = min(at_least, num_pending)
+        return available >= want and (want > 0 or at_least == 0)
+
+    def _forget_waiter(self, waiter: _Waiter | None) -> None:
+        if waiter is not None:
+            waiters = self._waiters.get(waiter.ci, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+
+    def _wake_locked(self, it: _Iteration, ci: int) -> None:
+        """Wake the blocked takes of consumer ``ci`` that can proceed now, oldest first, no more than the rows allow."""
+        waiters = self._waiters.get(ci)
+        if not waiters:
+            return
+        budget: dict[int, int] = {}  # rows of each view not yet promised to a woken waiter
+        for w in waiters:
+            if w.notified:
+                continue
+            unit = w.view.unit
+            available = budget.get(id(w.view), w.view.navail * unit)
+            if self._can_take(it.npending[ci], it.held(ci, w.owner), available, w.at_least, w.wait_held):
+                w.notified = True
+                budget[id(w.view)] = available - min(available, w.count)
+                w.cond.notify()
+
+    def _wake_all(self) -> None:
+        """Wake every blocked take (the open iteration changed): each re-checks."""
+        for waiters in self._waiters.values():
+            for w in waiters:
+                w.notified = True
+                w.cond.notify()
 
     def _missing_locked(self, it: _Iteration, ci: int, columns: Sequence[str]) -> dict[str, int]:
         pending = ~it.consumed[:, ci]
@@ -531,8 +789,8 @@ class ShardController:
             if acked.any():
                 raise DockError(f"{what}: rows {(local[acked] + it.first_row)[:10].tolist()} are already acked")
             self._unlease_locked(it, ci, local)
-            it.consumed[local, ci] = False
-            self._cond.notify_all()
+            it.set_consumed(ci, local, False)
+            self._wake_locked(it, ci)
 
     def drop(self, rows: Sequence[int], *, iteration: int | None = None) -> None:
         """Take ``rows`` (global indexes) out of the iteration for every consumer that has not taken
@@ -558,21 +816,55 @@ class ShardController:
     ) -> None:
         lease = it.leases.get(lease_id)
         if lease is None:
-            lease = it.leases[lease_id] = _Lease(lease_id, owner, ci, term, 0.0, set(), whole_groups)
+            num = it.lease_num.setdefault(lease_id, len(it.lease_num))
+            lease = it.leases[lease_id] = it.live[num] = _Lease(lease_id, num, owner, ci, term, 0.0, rows, whole_groups)
+            it.by_owner.setdefault(owner, set()).add(lease_id)
+        elif len(lease.rows) and rows[0] > lease.rows[-1]:  # rows are new to it (taken now): keep them ascending
+            lease.rows = np.concatenate([lease.rows, rows])
+        else:
+            lease.rows = np.sort(np.concatenate([lease.rows, rows]))
         lease.whole_groups |= whole_groups
-        lease.rows.update(rows.tolist())
         lease.expiry = time.monotonic() + term
-        it.lease_at[rows, ci] = lease
+        heapq.heappush(it.expiries, (lease.expiry, lease.num))
+        it.lease_at[rows, ci] = lease.num
+        self._recount_locked(it, lease)
+
+    def _recount_locked(self, it: _Iteration, lease: _Lease, undone: int | None = None) -> None:
+        """Set ``lease.undone`` (default: count it now) and the held totals with it."""
+        if undone is None:
+            undone = len(lease.rows) - int(np.count_nonzero(self._lease_done(it, lease)[1]))
+        delta, lease.undone = undone - lease.undone, undone
+        if delta:
+            it.undone[lease.consumer] += delta
+            by = it.undone_by[lease.consumer]
+            by[lease.owner] = by.get(lease.owner, 0) + delta
+
+    def _drop_lease_locked(self, it: _Iteration, lease: _Lease) -> None:
+        """Remove a lease from the live ones (its rows were detached or are being handled by the caller)."""
+        self._recount_locked(it, lease, 0)
+        del it.leases[lease.id], it.live[lease.num]
+        ids = it.by_owner[lease.owner]
+        ids.discard(lease.id)
+        if not ids:
+            del it.by_owner[lease.owner]
 
     def _unlease_locked(self, it: _Iteration, ci: int, local: np.ndarray) -> None:
         """Detach rows from their leases (an ack or a release); drop leases left empty."""
-        for r in local.tolist():
-            lease = it.lease_at[r, ci]
-            if lease is not None:
-                lease.rows.discard(r)
-                if not lease.rows:
-                    it.leases.pop(lease.id, None)
-        it.lease_at[local, ci] = None
+        nums = it.lease_at[local, ci]
+        leased = nums >= 0
+        local, nums = local[leased], nums[leased]
+        if not len(local):
+            return
+        it.lease_at[local, ci] = -1
+        same = bool((nums == nums[0]).all())  # the usual ack: the rows of one lease
+        for num in ([int(nums[0])] if same else np.unique(nums).tolist()):
+            lease = it.live[num]
+            mine = local if same else local[nums == num]
+            if len(mine) == len(lease.rows):  # every row of the lease (its rows are distinct): it is over
+                self._drop_lease_locked(it, lease)
+            else:
+                lease.rows = np.setdiff1d(lease.rows, mine, assume_unique=True)
+                self._recount_locked(it, lease)
 
     def _end_leases_locked(self, it: _Iteration, leases: list[_Lease], why: str) -> int:
         """End un-acked leases: finished rows count as acked, the others go back to the ready pool.
@@ -581,16 +873,16 @@ class ShardController:
         """
         returned = 0
         for lease in leases:
-            del it.leases[lease.id]
             rows, done = self._lease_done(it, lease)
+            self._drop_lease_locked(it, lease)
             # an id can end more than once (a sharded claim takes rows under its id again after an
             # expiry): a late ack must still find the rows of every end
-            ended_ci, ended = it.ended.get(lease.id, (lease.consumer, set()))
-            it.ended[lease.id] = (lease.consumer, (ended if ended_ci == lease.consumer else set()) | set(rows.tolist()))
-            it.lease_at[rows, lease.consumer] = None
+            ended_ci, ended = it.ended.get(lease.id, (lease.consumer, np.zeros(0, dtype=np.int64)))
+            it.ended[lease.id] = (lease.consumer, np.union1d(ended, rows) if ended_ci == lease.consumer else rows)
+            it.lease_at[rows, lease.consumer] = -1
             it.acked[rows[done], lease.consumer] = True
-            it.acked_by[rows[done], lease.consumer] = lease.id
-            it.consumed[rows[~done], lease.consumer] = False
+            it.acked_by[rows[done], lease.consumer] = lease.num
+            it.set_consumed(lease.consumer, rows[~done], False)
             returned += int((~done).sum())
             logger.warning(
                 "lease %s of owner %r (consumer %r, iteration %d) %s: %d rows back to the ready pool, %d finished",
@@ -598,8 +890,8 @@ class ShardController:
                 int((~done).sum()), int(done.sum()),
             )
         self.rows_returned += returned
-        if leases:
-            self._cond.notify_all()
+        for ci in {lease.consumer for lease in leases}:
+            self._wake_locked(it, ci)
         return returned
 
     @staticmethod
@@ -609,9 +901,9 @@ class ShardController:
         A whole-group lease finishes group by group (a group with any row unfinished goes
         back whole), so whole-group claims never meet a partial group.
         """
-        rows = np.fromiter(sorted(lease.rows), dtype=np.int64, count=len(lease.rows))
-        done = it.finished(lease.consumer, rows)
-        if lease.whole_groups and len(rows):
+        rows = lease.rows
+        done = it.fin[rows, lease.consumer]
+        if lease.whole_groups and len(rows) and done.any() and not done.all():
             groups = rows // it.group_size
             unfinished = np.unique(groups[~done])
             done &= ~np.isin(groups, unfinished)
@@ -620,18 +912,24 @@ class ShardController:
     def _expire_locked(self, it: _Iteration) -> float:
         """End the leases past their expiry; return the next expiry (``time.monotonic``), inf if none."""
         now = time.monotonic()
-        expired = [lease for lease in it.leases.values() if lease.expiry <= now]
+        heap = it.expiries
+        expired: dict[int, _Lease] = {}
+        while heap:
+            expiry, num = heap[0]
+            lease = it.live.get(num)
+            if lease is None or lease.expiry != expiry:  # ended, or renewed since: a stale entry
+                heapq.heappop(heap)
+            elif expiry <= now:
+                heapq.heappop(heap)
+                expired[num] = lease
+            else:
+                break
         if expired:
-            self.leases_expired += len(expired)
-            self._end_leases_locked(it, expired, f"expired (not renewed within its {expired[0].term_s:g}s term)")
-        return min((lease.expiry for lease in it.leases.values()), default=math.inf)
-
-    def _held_locked(self, it: _Iteration, ci: int, owner: str) -> int:
-        held = 0
-        for lease in it.leases.values():
-            if lease.consumer == ci and lease.owner != owner:
-                held += int((~self._lease_done(it, lease)[1]).sum())
-        return held
+            leases = [expired[num] for num in sorted(expired)]
+            self.leases_expired += len(leases)
+            self._end_leases_locked(it, leases, f"expired (not renewed within its {leases[0].term_s:g}s term)")
+            return self._expire_locked(it)
+        return heap[0][0] if heap else math.inf
 
     def ack_rows(self, consumer: str, lease: str, rows: Sequence[int], *, iteration: int | None = None) -> None:
         """``consumer`` is done with ``rows`` (global indexes) it took under ``lease`` (after its put): end the lease for good.
@@ -648,38 +946,48 @@ class ShardController:
         with self._cond:
             it = self._current(what, iteration)
             self._check_request(it, [], consumer, what)
-            local = self._check_rows(it, np.asarray(rows, dtype=np.int64), what)
-            ci = it.consumer_index[consumer]
-            self._expire_locked(it)
-            held = np.array([getattr(it.lease_at[r, ci], "id", None) == lease for r in local.tolist()], dtype=bool)
-            done = it.acked_by[local, ci] == lease  # acked before, or finished when the lease ended
-            ended_ci, ended = it.ended.get(lease, (ci, set()))
-            ended = ended if ended_ci == ci else set()
-            was_leased = np.array([r in ended for r in local.tolist()], dtype=bool)
-            late = was_leased & ~it.consumed[local, ci]  # back in the pool and not re-claimed: a late ack still counts
-            bad = ~(held | done | late)
-            self._unlease_locked(it, ci, local[held])
-            ok = local[~bad]
-            it.consumed[ok, ci] = True
-            it.acked[ok, ci] = True
-            it.acked_by[ok, ci] = lease
-            self._cond.notify_all()
-            errors = []
-            if (bad & was_leased).any():
-                errors.append(
-                    f"lease {lease!r} ended before this ack (it expired or its owner was released) and rows "
-                    f"{(local[bad & was_leased] + it.first_row)[:10].tolist()} were re-delivered to another claim of "
-                    f"{consumer!r}; keep workers renewing their leases (DockClient does, while its process lives) "
-                    "or raise lease_s"
-                )
-            if (bad & ~was_leased).any():
-                errors.append(
-                    f"rows {(local[bad & ~was_leased] + it.first_row)[:10].tolist()} are not leased to {consumer!r} under "
-                    f"lease {lease!r} in iteration {it.iteration} (never granted here, or granted before a restore, which "
-                    "returned its rows to the pool to be re-delivered)"
-                )
-            if errors:
-                raise DockError(f"{what}: " + "; ".join(errors))
+            self._ack_locked(it, consumer, lease, self._check_rows(it, np.asarray(rows, dtype=np.int64), what))
+
+    def _ack_locked(self, it: _Iteration, consumer: str, lease: str, local: np.ndarray) -> None:
+        """``ack_rows`` of checked local rows."""
+        what = f"ack by {consumer!r}"
+        ci = it.consumer_index[consumer]
+        self._expire_locked(it)
+        num = it.lease_num.get(lease, -2)  # -2: an id never seen here matches no row
+        held = it.lease_at[local, ci] == num
+        if held.all():  # the usual ack: every row still held under the lease
+            self._unlease_locked(it, ci, local)
+            it.acked[local, ci] = True
+            it.acked_by[local, ci] = num
+            self._wake_locked(it, ci)
+            return
+        done = it.acked_by[local, ci] == num  # acked before, or finished when the lease ended
+        ended_ci, ended = it.ended.get(lease, (ci, None))
+        was_leased = np.isin(local, ended) if ended is not None and ended_ci == ci else np.zeros(len(local), dtype=bool)
+        late = was_leased & ~it.consumed[local, ci]  # back in the pool and not re-claimed: a late ack still counts
+        bad = ~(held | done | late)
+        self._unlease_locked(it, ci, local[held])
+        ok = local[~bad]
+        it.set_consumed(ci, ok[~it.consumed[ok, ci]], True)
+        it.acked[ok, ci] = True
+        it.acked_by[ok, ci] = num
+        self._wake_locked(it, ci)
+        errors = []
+        if (bad & was_leased).any():
+            errors.append(
+                f"lease {lease!r} ended before this ack (it expired or its owner was released) and rows "
+                f"{(local[bad & was_leased] + it.first_row)[:10].tolist()} were re-delivered to another claim of "
+                f"{consumer!r}; keep workers renewing their leases (DockClient does, while its process lives) "
+                "or raise lease_s"
+            )
+        if (bad & ~was_leased).any():
+            errors.append(
+                f"rows {(local[bad & ~was_leased] + it.first_row)[:10].tolist()} are not leased to {consumer!r} under "
+                f"lease {lease!r} in iteration {it.iteration} (never granted here, or granted before a restore, which "
+                "returned its rows to the pool to be re-delivered)"
+            )
+        if errors:
+            raise DockError(f"{what}: " + "; ".join(errors))
 
     def renew(self, owner: str) -> int:
         """Push the expiry of every lease of ``owner`` a full term ahead (a heartbeat).
@@ -689,12 +997,14 @@ class ShardController:
         with self._cond:
             if self._it is None:
                 return 0
-            self._expire_locked(self._it)
-            now, renewed = time.monotonic(), 0
-            for lease in self._it.leases.values():
-                if lease.owner == owner:
-                    lease.expiry, renewed = now + lease.term_s, renewed + 1
-            return renewed
+            it = self._it
+            self._expire_locked(it)
+            now, ids = time.monotonic(), it.by_owner.get(owner, ())
+            for lease_id in ids:
+                lease = it.leases[lease_id]
+                lease.expiry = now + lease.term_s
+                heapq.heappush(it.expiries, (lease.expiry, lease.num))
+            return len(ids)
 
     def release_owner(self, owner: str) -> int:
         """End every lease of ``owner`` now, as if expired (the owner's process died).
@@ -704,7 +1014,8 @@ class ShardController:
         with self._cond:
             if self._it is None:
                 return 0
-            leases = [lease for lease in self._it.leases.values() if lease.owner == owner]
+            it = self._it
+            leases = sorted((it.leases[i] for i in it.by_owner.get(owner, ())), key=lambda lease: lease.num)
             return self._end_leases_locked(self._it, leases, f"released (owner {owner!r} is gone)")
 
     # --- snapshots ---------------------------------------------------------------------------
@@ -790,7 +1101,8 @@ class ShardController:
             if it is not None:
                 self.rows_returned += int((it.consumed & ~it.acked).sum())
                 it.consumed &= it.acked
-            self._cond.notify_all()
+                it.derive()
+            self._wake_all()
         return meta["extra"]
 
     def _load_iteration(self, uri: str, meta: dict[str, Any], what: str) -> _Iteration:

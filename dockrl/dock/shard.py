@@ -27,7 +27,8 @@ Requests (``action(name, body)``; every body and result is JSON-compatible):
   ``restore`` {uri, layout} loads it into a shard with no open iteration, checking that the
   snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null).
 * control channel (``dockrl.dock.control``; front ends use shard 0's): ``announce_iteration``
-  {iteration}, ``wait_iteration`` {after, timeout_s} → {iteration} (null once finished),
+  {iteration}, ``wait_iteration`` {after, timeout_s} → {iteration (null once finished), layout (shard 0's
+  ``shard_meta`` of that iteration while it is open, else null)},
   ``report`` {iteration, stage, metrics}, ``wait_reports`` {iteration, stages, timeout_s} →
   {stage: metrics}, ``finish`` {}; ``timeout_s`` null waits without limit.
 * warehouse payload (``payload="store"`` only): ``commit`` {iteration, rows, objects:
@@ -42,6 +43,7 @@ claim's result and the cells of its rows, in one call.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 ROW = "row"
 """Name of the int64 column of global row indexes in every put table."""
 Payload = Literal["memory", "store"]
+CANCEL_CHECK_S = 0.05
+"""A claim's take that ran longer than this (seconds: it blocked) checks whether its caller gave up."""
 
 
 def shard_ranges(num_rows: int, group_size: int, num_shards: int) -> list[tuple[int, int]]:
@@ -87,7 +91,7 @@ class ShardLayout:
     def __post_init__(self) -> None:
         check_sizes(self.iteration, self.num_rows, self.group_size)
 
-    @property
+    @functools.cached_property  # a claim asks for it every time
     def ranges(self) -> list[tuple[int, int]]:
         return shard_ranges(self.num_rows, self.group_size, self.num_shards)
 
@@ -161,7 +165,7 @@ class ShardService:
             "snapshot": lambda req: self._snapshot(req["uri"]),
             "restore": lambda req: self._restore(req["uri"], req["layout"]),
             "announce_iteration": lambda req: self._announce_iteration(req["iteration"]),
-            "wait_iteration": lambda req: {"iteration": self.control.wait_iteration(req["after"], _timeout(req["timeout_s"]))},
+            "wait_iteration": lambda req: self._wait_iteration(req["after"], _timeout(req["timeout_s"])),
             "report": lambda req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
             "wait_reports": lambda req: self.control.wait_reports(req["iteration"], req["stages"], _timeout(req["timeout_s"])),
             "finish": lambda req: self.control.finish(),
@@ -222,6 +226,14 @@ class ShardService:
             self.dock.close_iteration()
             self.control.set_open(None)
 
+    def _wait_iteration(self, after: int, timeout_s: float) -> dict[str, Any]:
+        """``RunControl.wait_iteration``, answered with this shard's layout of that iteration while it is open
+        (a front end learns the row mapping with the iteration, without a ``describe`` per shard)."""
+        iteration = self.control.wait_iteration(after, timeout_s)
+        layout = self._layout  # read without the lock, as renew does: a snapshot in progress holds it
+        return {"iteration": iteration,
+                "layout": dict(layout) if layout is not None and layout["iteration"] == iteration else None}
+
     def _announce_iteration(self, iteration: int) -> None:
         with self._lock:
             open_now = None if self._layout is None else self._layout["iteration"]
@@ -255,18 +267,21 @@ class ShardService:
 
     def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Take rows for a claim (``ShardController.take``); rows taken for a caller that gave up
-        (``cancelled()`` true once the take returns) are handed back."""
+        (``cancelled()`` true once a take that blocked returns) are handed back."""
         return self._claim(req, cancelled, read=False)[0]
 
     def _claim(self, req: dict[str, Any], cancelled: Callable[[], bool], read: bool) -> tuple[dict[str, Any], pa.RecordBatch | None]:
         timeout = _timeout(req["timeout_s"])
+        start = time.monotonic()
         rows, pending, held, _, batch = self.dock.take(
             req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
             at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
             owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
             wait_held=req.get("wait_held", True), read=read,
         )
-        if rows and cancelled():
+        # only a take that blocked can outlive its caller (whose deadline is the wait plus an RPC's
+        # slack); asking the transport costs more than a take that did not block
+        if rows and time.monotonic() - start > CANCEL_CHECK_S and cancelled():
             logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
             self.dock.release(req["consumer"], rows, iteration=req["iteration"])
             rows, pending, batch = [], pending + len(rows), None if batch is None else batch.slice(0, 0)
@@ -297,9 +312,8 @@ class ShardService:
             raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
         rows = table.column(ROW).to_numpy()
         columns = {name: table.column(name) for name in table.schema.names if name != ROW}
-        self.dock.put(rows, columns, iteration=req["iteration"])
-        if "ack" in req:  # put and ack in one call (put(..., ack=claim))
-            self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], rows, iteration=req["iteration"])
+        ack = (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None  # put and ack in one call (put(..., ack=claim))
+        self.dock.put(rows, columns, iteration=req["iteration"], ack=ack)
 
     def get(self, req: dict[str, Any]) -> pa.RecordBatch:
         """The cells of ``req["rows"]`` (``ShardController.get``) of a memory-payload shard."""

@@ -353,6 +353,14 @@ class LeaseMachine(RuleBasedStateMachine):
             assert set(np.flatnonzero(it.acked[:, ci]).tolist()) == self.model.acked[consumer], consumer
         leases = {lid: (lease.owner, self.dock.schema.consumers[lease.consumer], set(lease.rows)) for lid, lease in it.leases.items()}
         assert leases == {lid: (m.owner, m.consumer, m.rows) for lid, m in self.model.leases.items()}
+        # the controller's incremental state (available rows per view, rows held per owner) equals a recount
+        for (ci, cols, unit), view in it.views.items():
+            full = it.ready[:, list(cols)].all(axis=1)
+            ok = (full & ~it.consumed[:, ci]).reshape(-1, unit).all(axis=1)
+            assert view.navail == int(ok.sum()) and (view.avail == ok).all() and not ok[: view.lo].any(), (ci, cols, unit)
+        for consumer in INPUTS:
+            for owner in OWNERS:
+                assert it.held(it.consumer_index[consumer], owner) == self.model.held(consumer, owner), (consumer, owner)
         stats = self.dock.stats()
         assert (stats["dock/rows_returned"], stats["dock/leases_expired"]) == (self.model.rows_returned, self.model.leases_expired)
         # expiries not yet applied must not change what the dock says is missing either

@@ -219,7 +219,7 @@ def shards() -> Iterator[list[str]]:
 
 
 def connect(locations: list[str], **kw) -> DockClient:
-    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=5.0, rpc_timeout_s=10.0, **kw)
+    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=5.0, rpc_timeout_s=10.0, first_shard=0, **kw)
 
 
 @pytest.fixture

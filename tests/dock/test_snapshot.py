@@ -198,7 +198,7 @@ def two_docks() -> Iterator[tuple[list[str], list[str]]]:
 
 
 def connect(locations: list[str]) -> DockClient:
-    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, rpc_timeout_s=10.0)
+    return DockClient(locations, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, rpc_timeout_s=10.0, first_shard=0)
 
 
 def snapshot_and_restore(old: Dock, new: Dock, uri: str) -> None:

@@ -224,7 +224,7 @@ def store_servers() -> Iterator[list[DockShardServer]]:
 
 def dock_on(servers: list[DockShardServer], warehouse: Warehouse | None, timeout_s: float = 5.0) -> DockClient:
     return DockClient([s.location for s in servers], GRPO_SCHEMA, token=TOKEN, timeout_s=timeout_s, rpc_timeout_s=10.0,
-                      warehouse=warehouse)
+                      warehouse=warehouse, first_shard=0)
 
 
 @pytest.fixture
@@ -321,7 +321,8 @@ def test_store_failing_mid_put_leaves_no_object_and_no_readiness_bit(dock):
 
 
 def dock_on_same(dock: DockClient, warehouse: Warehouse) -> DockClient:
-    return DockClient(dock.locations, GRPO_SCHEMA, token=TOKEN, timeout_s=5.0, rpc_timeout_s=10.0, warehouse=warehouse)
+    return DockClient(dock.locations, GRPO_SCHEMA, token=TOKEN, timeout_s=5.0, rpc_timeout_s=10.0, warehouse=warehouse,
+                      first_shard=0)
 
 
 @pytest.mark.parametrize("fault", ["closed port", "wrong secret"])
