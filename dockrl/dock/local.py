@@ -806,9 +806,11 @@ class ShardController:
             it = self._current("drop", iteration)
             local = self._check_rows(it, np.asarray(rows, dtype=np.int64), "drop")
             untaken = ~it.consumed[local]  # (rows, consumers)
-            it.consumed[local] |= untaken
             it.acked[local] |= untaken
-            self._cond.notify_all()
+            for ci in range(untaken.shape[1]):
+                if untaken[:, ci].any():
+                    it.set_consumed(ci, local[untaken[:, ci]], True)
+                    self._wake_locked(it, ci)  # fewer rows to wait for: a claim may be done
 
     # --- leases ------------------------------------------------------------------------------
     def _grant_locked(

@@ -313,7 +313,7 @@ BAD_CALLS = {
     "put unknown column": (lambda d: d.put([0], {"promptids": [[1]]}), ["'promptids'"]),
     "claim unknown column": (lambda d: d.claim("reward", ["prompt_ids", "score"], 1), ["'score'"]),
     "get unknown column": (lambda d: d.get(["score"], [0]), ["'score'"]),
-    "unknown consumer": (lambda d: d.claim("critic", ["prompt_ids"], 1), ["'critic'"]),
+    "unknown consumer": (lambda d: d.claim("judge", ["prompt_ids"], 1), ["'judge'"]),
     "wrong arrow type": (
         lambda d: d.put([0, 1], {"prompt_ids": pa.array([1, 2], type=pa.int64())}),
         ["'prompt_ids'", "int64", "list<item: int32>"],

@@ -245,7 +245,7 @@ BAD_CALLS = {
     "put unknown column": (lambda d: d.put([0], {"promptids": [[1]]}), ["'promptids'"]),
     "claim unknown column": (lambda d: d.claim("reward", ["prompt_ids", "score"], 1), ["'score'"]),
     "get unknown column": (lambda d: d.get(["score"], [0]), ["'score'"]),
-    "unknown consumer": (lambda d: d.claim("critic", ["prompt_ids"], 1), ["'critic'"]),
+    "unknown consumer": (lambda d: d.claim("judge", ["prompt_ids"], 1), ["'judge'"]),
     "put negative row": (lambda d: d.put([0, -1], {"ground_truth": ["a", "b"]}), ["-1", "out of range", "[0, 8)"]),
     "put row == num_rows": (lambda d: d.put([8], {"ground_truth": ["a"]}), ["[8]", "out of range"]),
     "get row out of range": (lambda d: d.get(["prompt_ids"], [9]), ["[9]", "out of range"]),
