@@ -209,13 +209,14 @@ def response_log_probs(
     autocast_bf16: bool,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    pack: bool = True,
 ):
     """Per-token log-probs of ``responses`` given ``prompts`` in one forward pass.
 
     ``log π(o_t | q, o_<t) = log_softmax(z_t / τ)[o_t]`` with the sampling temperature ``τ``.
     The sequences are packed into as few rows as the longest one allows (``pack_rows``) when that
-    saves rows, else right-padded (``pack_sequences``); the output head runs on response
-    positions only, the log-softmax never materializes (``token_log_probs``) and the entropy is
+    saves rows and ``pack`` allows it (``packing_works``), else right-padded (``pack_sequences``);
+    the output head runs on response positions only, the log-softmax never materializes (``token_log_probs``) and the entropy is
     computed in chunks (``chunked_entropy``).
 
     Returns:
@@ -225,8 +226,8 @@ def response_log_probs(
         (the packed batch is moved there in one copy per tensor).
     """
     device = model_device(model)
-    packed = pack_rows(prompts, responses, pad_id)
-    if packed[0].shape[0] < len(prompts):
+    packed = pack_rows(prompts, responses, pad_id) if pack else None
+    if packed is not None and packed[0].shape[0] < len(prompts):
         input_ids, position_ids, index, mask = (t.to(device) for t in packed)
         inputs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
     else:
@@ -250,6 +251,25 @@ def response_log_probs(
     if with_entropy:  # differentiable for an entropy bonus: then the softmax of every token is kept for backward
         entropy = (entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach())) * mask
     return log_prob, mask, entropy
+
+
+@torch.no_grad()
+def packing_works(model: PreTrainedModel, pad_id: int) -> bool:
+    """Whether ``model`` keeps packed sequences apart (``pack_rows``): the log-probs of two short
+    sequences packed into one row (beside a longer one in a row of its own) equal those of each
+    alone (1e-4). Architectures whose attention
+    does not build its mask with transformers' ``masking_utils`` (some remote code) read a packed
+    row as one sequence; their engine right-pads instead."""
+    vocab = model.get_input_embeddings().num_embeddings
+    prompts = [[1 % vocab, 2 % vocab], [3 % vocab], [4 % vocab]]
+    responses = [[5 % vocab, 6 % vocab, 7 % vocab, 8 % vocab], [9 % vocab, 10 % vocab], [11 % vocab, 12 % vocab]]
+    args = dict(pad_id=pad_id, temperature=1.0, autocast_bf16=False)
+    packed, _, _ = response_log_probs(model, prompts, responses, **args)
+    alone = [response_log_probs(model, [p], [r], **args, pack=False)[0][0, : len(r)] for p, r in zip(prompts, responses)]
+    works = all(torch.allclose(packed[i, : len(r)], a, atol=1e-4) for i, (r, a) in enumerate(zip(responses, alone)))
+    if not works:
+        logger.warning("%s does not keep packed sequences apart: micro-batches are right-padded", type(model).__name__)
+    return works
 
 
 def to_host_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -426,6 +446,7 @@ class HFTrainEngine:
         # config.attention_dropout and apply it when the module is in train mode (as verl and TRL,
         # RL runs without any dropout). A causal LM has no other train-mode behaviour.
         self.model.eval()
+        self.pack = packing_works(self.model, self.pad_id)
         if trainable:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
@@ -439,7 +460,7 @@ class HFTrainEngine:
         for s in range(0, len(prompts), micro_batch):
             lp, _, _ = response_log_probs(
                 self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch],
-                pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
+                pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16, pack=self.pack,
             )
             parts.append(lp)
         host = to_host_rows(parts)
@@ -459,6 +480,7 @@ class HFTrainEngine:
             log_prob, mask, entropy = response_log_probs(
                 self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
                 temperature=temperature, autocast_bf16=self.autocast_bf16, with_entropy=True, entropy_grad=entropy_grad,
+                pack=self.pack,
             )
             loss, aux = loss_fn(s, log_prob, mask, entropy)
             loss.backward()

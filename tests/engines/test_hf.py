@@ -95,3 +95,11 @@ def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir):
         assert mask[i].sum() == len(r) and (log_prob[i, len(r):] == 0).all()
     log_prob.sum().backward()  # differentiable through the packed rows
     assert all(p.grad is not None for p in engine.model.parameters() if p.requires_grad)
+
+
+def test_a_model_that_reads_a_packed_row_as_one_sequence_is_right_padded(tiny_model_dir, monkeypatch):
+    from transformers import masking_utils
+
+    assert HFTrainEngine(tiny_model_dir, trainable=False).pack
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)  # packing ignored, like remote code
+    assert not HFTrainEngine(tiny_model_dir, trainable=False).pack
