@@ -32,6 +32,16 @@ class FakeRandomScorer:
         pass
 
 
+class FakeDigitScorer(FakeRandomScorer):
+    """Fake: a reward the tiny random model learns to please within a few iterations at a high
+    learning rate: the fraction of the response's characters that are digits (0 for an empty
+    response). Dense (every response scores between 0 and 1) and independent of the prompt, so a
+    shift of the output distribution towards the digit tokens earns it (``tests/learning.py``)."""
+
+    def score(self, responses, ground_truths):
+        return [sum(c.isdigit() for c in r) / len(r) if r else 0.0 for r in responses]
+
+
 class FakeCrashingScorer(FakeRandomScorer):
     """Fake: raises on every batch, as a buggy verifier would: the process that scores dies."""
 
