@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from dockrl.engines.protocols import RolloutEngine
     from dockrl.engines.train_protocol import TrainEngine
     from dockrl.launch.backend import WorkerBackend
+    from dockrl.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +191,9 @@ class StageWorker(Protocol):
 
 class InProcessStages:
     """Every stage in this process over the in-process dock (``open_dock``), run one after the
-    other each iteration: rollout, reward model (``reward_model.enable``), reward, advantage,
-    reference (β > 0), actor, then the weight sync (the hybrid actor syncs inside its update)."""
+    other each iteration: rollout, the critic's values (``critic.enable``), reward model
+    (``reward_model.enable``), reward, reference (β > 0), advantage, the critic's update, actor,
+    then the weight sync (the hybrid actor syncs inside its update)."""
 
     def __init__(self, plan: RunPlan) -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
@@ -201,6 +203,7 @@ class InProcessStages:
         from dockrl.rewards.guard import build_scorer
         from dockrl.workers.actor import ActorWorker
         from dockrl.workers.advantage import AdvantageWorker
+        from dockrl.workers.critic import CriticWorker, build_critic_engine
         from dockrl.workers.reference import ReferenceWorker
         from dockrl.workers.reward import RewardWorker
         from dockrl.workers.rollout import RolloutWorker
@@ -225,20 +228,26 @@ class InProcessStages:
                 load_optimizer(actor, optimizer)
             self.rollout_engine, self.actor = rollout, actor
             self.sync = lambda: rollout.load_weights(actor.named_weights())
-            stages = RolloutWorker(rollout, r), ActorWorker(actor, trainer=t, algo=a, rollout=r)
+            stages = RolloutWorker(rollout, r), ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations)
         self.scorer = build_scorer(a)
         tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
-        self.workers = [stages[0], RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model)]
-        if cfg.reward_model.enable:
+        self.critic: CriticWorker | None = None
+        if cfg.critic.enable:  # its values before the advantages, its update on their returns
+            self.critic = CriticWorker.from_config(build_critic_engine(cfg, plan.model_path, ranks.device, resume=optimizer), cfg)
+        critic_values, critic_update = ([self.critic.values_step()], [self.critic.update_step()]) if self.critic else ([], [])
+        reward_model: list[StageWorker] = []
+        if cfg.reward_model.enable:  # before the reward stage that waits for it
             from dockrl.engines.reward_model import build_reward_model
             from dockrl.run_setup import resolve_reward_model
             from dockrl.workers.reward_model import RewardModelWorker
 
-            reward_model = build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks)
-            self.workers.insert(1, RewardModelWorker.from_config(reward_model, cfg))  # before the reward stage that waits for it
-        if a.uses_reference:  # before the advantages: a KL penalty in the reward reads the reference's log-probs
-            self.workers.append(ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg))
-        self.workers += [AdvantageWorker(a), stages[1]]
+            reward_model = [RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)]
+        # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
+        reference = [ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg)] if a.uses_reference else []
+        self.workers: list[StageWorker] = [
+            stages[0], *critic_values, *reward_model, RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model), *reference,
+            AdvantageWorker(a), *critic_update, stages[1],
+        ]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
@@ -259,6 +268,10 @@ class InProcessStages:
 
     def save_checkpoint(self, iteration: int, folder: Path) -> None:
         save_optimizer(self.actor, self.actor.save(prepare_checkpoint(folder)))
+        if self.critic is not None:
+            from dockrl.workers.critic import save_critic
+
+            save_critic(self.critic.engine, folder)
 
     def finish(self) -> None:
         self.save_checkpoint(self.cfg.trainer.iterations - 1, final_dir(self.cfg.run.output_dir))

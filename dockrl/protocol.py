@@ -33,7 +33,9 @@ class Report(enum.StrEnum):
     REFERENCE = "reference"  # an iteration's reference log-probs are written (algorithm.uses_reference)
     ACTOR = "actor"  # an iteration's update is done (with trainer.hybrid its weight sync too)
     WEIGHT_SYNC = "weight_sync"  # the rollout holds the weights of the iteration's update (a separate rollout only)
+    CRITIC = "critic"  # an iteration's values are written and the critic's update is done (critic.enable)
     CHECKPOINT = "checkpoint"  # the actor wrote the weights and optimizer of the checkpoint after the iteration
+    CRITIC_CHECKPOINT = "critic_checkpoint"  # the critic wrote its weights and optimizer there (critic.enable)
     EVAL_BEFORE = "eval_before"  # the greedy evaluation before training (eval/*_before), at iteration 0
     EVAL_AFTER = "eval_after"  # the greedy evaluation after training (eval/*_after), at trainer.iterations
     FINAL = "final"  # a stage process ended its loop (the actor wrote checkpoints/final), at trainer.iterations
@@ -47,12 +49,14 @@ def final_report(process: str) -> str:
 def stage_processes(cfg: Config) -> list[str]:
     """The stage processes of a run (``dockrl worker --stage``), the one that evaluates first:
     ``hybrid`` (rollout and actor in one, ``trainer.hybrid``) or ``rollout`` … ``actor``;
-    ``reward-model`` only with ``reward_model.enable``, ``reference`` only when a KL term needs it (``algorithm.uses_reference``)."""
+    ``reward-model`` only with ``reward_model.enable``, ``reference`` only when a KL term needs it (``algorithm.uses_reference``),
+    ``critic`` only with ``critic.enable``."""
     reference = ["reference"] if cfg.algorithm.uses_reference else []
     reward = ["reward-model", "reward"] if cfg.reward_model.enable else ["reward"]
+    critic = ["critic"] if cfg.critic.enable else []
     if cfg.trainer.hybrid:
-        return ["hybrid", *reward, *reference]
-    return ["rollout", *reward, *reference, "actor"]
+        return ["hybrid", *reward, *reference, *critic]
+    return ["rollout", *reward, *reference, *critic, "actor"]
 
 
 def iteration_reports(cfg: Config) -> list[Report]:
@@ -60,7 +64,13 @@ def iteration_reports(cfg: Config) -> list[Report]:
     sync = [] if cfg.trainer.hybrid else [Report.WEIGHT_SYNC]  # the hybrid actor syncs inside its ACTOR report
     reference = [Report.REFERENCE] if cfg.algorithm.uses_reference else []
     reward = [Report.REWARD_MODEL, Report.REWARD] if cfg.reward_model.enable else [Report.REWARD]
-    return [Report.ROLLOUT, *reward, *reference, Report.ACTOR, *sync]
+    critic = [Report.CRITIC] if cfg.critic.enable else []
+    return [Report.ROLLOUT, *reward, *reference, *critic, Report.ACTOR, *sync]
+
+
+def checkpoint_reports(cfg: Config) -> list[Report]:
+    """The reports that say a due checkpoint's trained state is written: the actor's, and the critic's."""
+    return [Report.CHECKPOINT, *([Report.CRITIC_CHECKPOINT] if cfg.critic.enable else [])]
 
 
 def serve_iterations(

@@ -34,14 +34,14 @@ from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease, wait_for_shards
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, final_report, iteration_reports, stage_processes
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, checkpoint_reports, final_report, iteration_reports, stage_processes
 from dockrl.run_setup import RunPlan
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
-ACCELERATOR_STAGES = ("rollout", "reward-model", "reference", "actor", "hybrid")
+ACCELERATOR_STAGES = ("rollout", "reward-model", "reference", "critic", "actor", "hybrid")
 """Stages that hold a model and take the platform's accelerators (reward and dock shards do not)."""
 
 
@@ -56,7 +56,7 @@ def member_devices(cfg: Config, stage: str) -> int:
 
     The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
     dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each
-    for the rollout, actor and reference processes of a non-hybrid run, and one for the reward model.
+    for the rollout, actor, reference and critic processes of a non-hybrid run, and one for the reward model.
     """
     return 1 if stage in ACCELERATOR_STAGES else 0
 
@@ -255,7 +255,7 @@ class ProcessStages:
         return metrics
 
     def save_checkpoint(self, iteration: int, folder: Path) -> None:
-        self._wait(iteration, [Report.CHECKPOINT], self.cfg.dock.timeout_s)  # the actor wrote weights and optimizer there
+        self._wait(iteration, checkpoint_reports(self.cfg), self.cfg.dock.timeout_s)  # the actor (and critic) wrote weights and optimizer there
 
     def finish(self) -> None:
         """Every process ends its loop; the actor writes ``checkpoints/final``, the rollout evaluates (``trainer.eval_after``)."""

@@ -173,6 +173,7 @@ class ActorWorker:
     """The policy update of one iteration.
 
     Args:
+        warmup_iterations: the first iterations only ack their rows (``critic.warmup_iterations``).
         replicas: data-parallel replicas of the actor (megatron's DP): each claims an equal
             part of the global batch (``num_rows / replicas`` rows) and steps on an equal part
             of every mini-batch; each part's loss is normalized by the mini-batch's global token
@@ -183,8 +184,10 @@ class ActorWorker:
 
     def __init__(
         self, engine: TrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig, replicas: int = 1,
+        warmup_iterations: int = 0,
     ) -> None:
         self.engine, self.trainer, self.algo, self.rollout, self.replicas = engine, trainer, algo, rollout, replicas
+        self.warmup_iterations = warmup_iterations
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
@@ -193,6 +196,9 @@ class ActorWorker:
         claim = dock.claim("actor", columns + ["rollout_log_prob"], dock.num_rows // self.replicas, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
+        if claim.iteration < self.warmup_iterations:  # critic.warmup_iterations: only the critic trains (verl's critic_warmup)
+            dock.ack(claim)
+            return {"actor/warmup": 1.0, "timing_s/actor": time.perf_counter() - start}
         if self.algo.tis_cap > 0:
             batch["rollout_log_prob"] = rollout_log_prob
         on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
@@ -241,7 +247,7 @@ def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, fi
     if cfg.run.resume:
         load_optimizer(engine, Path(cfg.run.resume))
     channel = WeightChannel(weight_sync, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s, device=ranks.device)
-    worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout)
+    worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout, warmup_iterations=cfg.critic.warmup_iterations)
     run_dir = Path(cfg.run.output_dir)
     wire_dtype = getattr(torch, cfg.rollout.dtype)
 

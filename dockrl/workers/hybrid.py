@@ -170,7 +170,8 @@ class HybridWorker:
     def __init__(self, actor: HybridActor, cfg: Config, *, ranks: int = 1, dp_group: dist.ProcessGroup | None = None) -> None:
         self.actor = actor
         self.generation = RolloutWorker(actor.rollout_engine, cfg.rollout, shares=ranks)
-        worker = ActorWorker(actor.train_engine, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout, replicas=cfg.parallel.dp)
+        worker = ActorWorker(actor.train_engine, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout, replicas=cfg.parallel.dp,
+                             warmup_iterations=cfg.critic.warmup_iterations)
         self.update = UpdateThenSync(actor, worker, dp_group=dp_group)
 
 

@@ -10,7 +10,7 @@ variable ``CONFIG_ENV``: a stage pod cannot read the launcher's files. Each proc
 next to its stage loop (``PROCESSES``): it builds its engine, serves the driver's iterations until
 ``finish()`` and reports through the dock (``dockrl.protocol.Report``). The stages share nothing
 but the dock, and the actor → rollout weight channel. With ``run.resume`` (a checkpoint folder)
-the rollout and actor load their weights from it, the actor its optimizer.
+the rollout and actor load their weights from it, the actor its optimizer, the critic both from its ``critic/``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from dockrl.config import load_config, load_config_text
 from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, replica
 from dockrl.workers.actor import run_actor
+from dockrl.workers.critic import run_critic
 from dockrl.workers.hybrid import run_hybrid
 from dockrl.workers.reference import run_reference
 from dockrl.workers.reward import run_reward
@@ -36,6 +37,7 @@ PROCESSES = {
     "reward-model": run_reward_model,  # only with reward_model.enable
     "reward": run_reward,  # with the advantages
     "reference": run_reference,  # only when algorithm.uses_reference
+    "critic": run_critic,  # only with critic.enable: values, then its update on the returns; writes its checkpoints
     "actor": run_actor,  # sends the weights; writes the checkpoints
     "hybrid": run_hybrid,  # trainer.hybrid: rollout and actor in one process per actor rank
 }

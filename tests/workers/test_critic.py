@@ -1,0 +1,101 @@
+"""The critic stage through the dock: values, then the update on the returns (dockrl/workers/critic.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dockrl.config import CriticConfig, DockConfig
+from dockrl.dock import GRPO_SCHEMA, DockTimeoutError, open_dock
+from dockrl.engines.critic import HFCriticEngine
+from dockrl.engines.hf import load_tokenizer
+from dockrl.workers.critic import CriticWorker, accumulate_value_mini_batch
+
+
+def engine_of(tiny_model_dir, lr: float = 1e-3) -> HFCriticEngine:
+    torch.manual_seed(0)  # the value head starts random
+    tok = load_tokenizer(tiny_model_dir)
+    return HFCriticEngine(tiny_model_dir, pad_id=tok.pad_token_id, vocab_size=len(tok), lr=lr)
+
+
+def rows(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """``n`` random prompts and responses of token ids below ``vocab``."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))] for _ in range(n)]
+    responses = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))] for _ in range(n)]
+    return prompts, responses
+
+
+def test_values_then_returns_through_the_dock(tiny_model_dir):
+    """The critic puts ``values`` for every row; its update waits for ``returns``, which it claims
+    as a second consumer; the first step's loss is ½·mean((V - R)²) (no clipping at V = V_old)."""
+    engine = engine_of(tiny_model_dir, lr=1e-4)
+    worker = CriticWorker(engine, CriticConfig(enable=True, cliprange_value=0.5), mini_batch=2, micro_batch=3)
+    dock = open_dock(DockConfig(timeout_s=2), GRPO_SCHEMA, run="test")
+    prompts, responses = rows(8, 300)
+    dock.open_iteration(0, 8, 4)
+    dock.put(range(8), {"prompt_ids": prompts, "ground_truth": ["1"] * 8})
+    dock.put(range(8), {"response_ids": responses})
+    assert "timing_s/critic_values" in worker.compute_values(dock)
+    values = dock.get(["values"], range(8)).column("values").to_pylist()
+    for a, b in zip(values, engine.values(prompts, responses, micro_batch=8)):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(DockTimeoutError, match="returns"):  # the advantage stage has not put them yet
+        worker.update(dock)
+    targets = [[v + (0.25 if i % 2 else -0.5) for v in row] for i, row in enumerate(values)]
+    dock.put(range(8), {"returns": targets})
+    m = worker.update(dock)
+    first_half = [(0.25 if i % 2 else -0.5) ** 2 for i in range(4) for _ in responses[i]]  # mini-batch 1: rows 0-3
+    assert m["critic/values_mean"] == pytest.approx(sum(map(sum, values)) / sum(map(len, values)), abs=1e-5)
+    assert m["critic/returns_mean"] == pytest.approx(sum(map(sum, targets)) / sum(map(len, targets)), abs=1e-5)
+    assert m["critic/grad_norm"] > 0 and m["timing_s/critic"] > 0
+    assert not dock.claim("critic_update", ["returns"], 8, timeout_s=1)  # every row acked: the consumer is done
+    assert not dock.claim("critic", ["response_ids"], 8, timeout_s=1)
+
+    # the first step by hand: the loss of rows 0-3 at the values before the update
+    fresh = engine_of(tiny_model_dir, lr=1e-4)
+    batch = {"prompt_ids": prompts[:4], "response_ids": responses[:4], "values": values[:4], "returns": targets[:4]}
+    fresh.optimizer.zero_grad()
+    step = accumulate_value_mini_batch(fresh, batch, cliprange_value=0.5, micro_batch=3)
+    assert step["critic/vf_loss"] == pytest.approx(0.5 * sum(first_half) / len(first_half), rel=1e-4)
+    assert step["critic/vf_clipfrac"] == 0.0
+    after = engine.values(prompts, responses, micro_batch=8)  # two steps towards the targets
+    err = lambda vs: sum(abs(a - b) for v, t in zip(vs, targets) for a, b in zip(v, t))  # noqa: E731
+    assert err(after) < err(values)
+    dock.close()
+
+
+def test_the_value_loss_is_clipped_around_the_old_values(tiny_model_dir):
+    """Old values far from the current ones (by 2 > ε_v = 0.5) and returns beyond them: the clipped
+    term is the larger on every token, and its gradient is 0 (it does not depend on V)."""
+    engine = engine_of(tiny_model_dir)
+    prompts, responses = rows(4, 300, seed=1)
+    now = engine.values(prompts, responses, micro_batch=4)
+    batch = {"prompt_ids": prompts, "response_ids": responses, "values": [[v - 2.0 for v in r] for r in now],
+             "returns": [[v + 1.0 for v in r] for r in now]}
+    engine.optimizer.zero_grad()
+    m = accumulate_value_mini_batch(engine, batch, cliprange_value=0.5, micro_batch=4)
+    # clip(V, V_old ± 0.5) = V - 1.5, its error to R = V + 1 is 2.5: ½·2.5² on every token
+    assert m["critic/vf_clipfrac"] == pytest.approx(1.0)
+    assert m["critic/vf_loss"] == pytest.approx(0.5 * 2.5**2, rel=1e-5)
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in engine.model.parameters())
+
+
+def test_micro_batch_size_does_not_change_the_critic_gradient(tiny_model_dir):
+    prompts, responses = rows(6, 300, seed=2)
+    grads, losses = [], []
+    for micro in (1, 6):
+        engine = engine_of(tiny_model_dir)
+        values = engine.values(prompts, responses, micro_batch=6)
+        batch = {"prompt_ids": prompts, "response_ids": responses, "values": values,
+                 "returns": [[v + 0.1 * (i + 1) for v in r] for i, r in enumerate(values)]}
+        engine.optimizer.zero_grad()
+        losses.append(accumulate_value_mini_batch(engine, batch, cliprange_value=0.5, micro_batch=micro)["critic/vf_loss"])
+        grads.append({n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert grads[0].keys() == grads[1].keys() and "score.weight" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
