@@ -474,6 +474,9 @@ def _check_critic(c: Config) -> None:
         raise _fail("critic.mini_batch", k.mini_batch, f"must divide trainer.global_batch={t.global_batch} (0: trainer.mini_batch)")
     if (mini * n) % micro:
         raise _fail("critic.micro_batch", k.micro_batch, f"must divide the critic's mini-batch × rollout.n = {mini * n} sequences")
+    if k.enable and c.algorithm.adv_estimator != "gae":  # only GAE reads values; no other estimator puts returns to train on
+        raise _fail("critic.enable", k.enable, f"the critic serves algorithm.adv_estimator='gae' only (got "
+                    f"{c.algorithm.adv_estimator!r}, which does not use values): set algorithm.adv_estimator=gae, or critic.enable=false")
     if not k.enable:
         if k.model_path:
             raise _fail("critic.model_path", k.model_path, "is set but critic.enable is false: enable the critic or leave it empty")

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from dockrl.config import CriticConfig, DockConfig
+from dockrl.config import AlgorithmConfig, CriticConfig, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError, open_dock
 from dockrl.engines.critic import HFCriticEngine
 from dockrl.engines.hf import load_tokenizer
+from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.critic import CriticWorker, accumulate_value_mini_batch
 
 
@@ -99,3 +100,31 @@ def test_micro_batch_size_does_not_change_the_critic_gradient(tiny_model_dir):
     assert grads[0].keys() == grads[1].keys() and "score.weight" in grads[0]
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_advantage_stage_turns_the_critics_values_into_gae_returns(tiny_model_dir):
+    """critic (values) → advantage (gae, γ = 0.5, λ = 1) → critic update, through the dock. By hand:
+    with λ = 1, A_t = G_t - V_t where G_t = γ^(R-1-t)·score (the score on the last token), so the
+    returns are G_t whatever the values, and the advantages are A_t whitened over all tokens."""
+    engine = engine_of(tiny_model_dir, lr=1e-4)
+    worker = CriticWorker(engine, CriticConfig(enable=True), mini_batch=1, micro_batch=4)
+    dock = open_dock(DockConfig(timeout_s=5), GRPO_SCHEMA, run="test")
+    prompts, _ = rows(4, 300)
+    responses = [[5, 6, 7], [8], [9, 10], [11, 12, 13]]
+    scores = [1.0, 0.0, 2.0, 1.0]
+    dock.open_iteration(0, 4, 2)
+    dock.put(range(4), {"prompt_ids": prompts, "ground_truth": ["1"] * 4})
+    dock.put(range(4), {"response_ids": responses})
+    worker.compute_values(dock)
+    dock.put(range(4), {"rm_score": scores, "correct": [True] * 4})
+    AdvantageWorker(AlgorithmConfig(adv_estimator="gae", gamma=0.5, lam=1.0)).run_iteration(dock)
+    got = dock.get(["values", "returns", "advantages"], range(4)).to_pydict()
+    by_hand = [[0.25, 0.5, 1.0], [0.0], [1.0, 2.0], [0.25, 0.5, 1.0]]
+    for r, want in zip(got["returns"], by_hand):
+        assert r == pytest.approx(want, abs=1e-6)
+    a = torch.tensor([g - v for gs, vs in zip(by_hand, got["values"]) for g, v in zip(gs, vs)], dtype=torch.float64)
+    whitened = (a - a.mean()) / torch.sqrt(a.var() + 1e-6)  # unbiased variance, algorithm.adv_eps
+    assert [x for row in got["advantages"] for x in row] == pytest.approx(whitened.tolist(), abs=1e-4)
+    m = worker.update(dock)  # claims the returns: one step per prompt group
+    assert m["critic/returns_mean"] == pytest.approx(sum(map(sum, by_hand)) / 9, abs=1e-6)
+    dock.close()
