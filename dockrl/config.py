@@ -91,6 +91,48 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (arXiv 2503.14476 §3.2; verl's ``algorithm.filter_groups``): train
+    only on groups whose responses are not all equal in ``metric``, sampling further rounds of
+    prompts until ``trainer.global_batch`` such groups are found (docs/algorithms.md)."""
+
+    enable: bool = False
+    """Filter the groups and refill from the next prompts; the trained batch stays exactly
+    ``trainer.global_batch`` groups."""
+    metric: Literal["acc", "score"] = "acc"
+    """What must differ within a kept group: ``acc``, the ``correct`` column (DAPO's choice);
+    ``score``, the reward ``rm_score`` (after the overlong shaping)."""
+    max_num_gen_batches: int = 3
+    """Rollout rounds per iteration, the first included, each of ``trainer.global_batch`` prompts
+    (verl's name). At least 1: verl's 0 (no limit) is refused, so an iteration always ends."""
+    on_exhausted: Literal["error", "fill"] = "error"
+    """When the rounds are used up with fewer kept groups than ``trainer.global_batch``:
+    ``error`` fails the run naming these fields (verl's behaviour); ``fill`` trains on what it
+    has, the kept groups topped up with the latest filtered ones to the configured size (they
+    carry no group-relative signal)."""
+
+    @property
+    def rounds(self) -> int:
+        """Rollout rounds an iteration holds rows for: ``max_num_gen_batches`` when enabled, else 1."""
+        return self.max_num_gen_batches if self.enable else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 §3.4, eq. 13; verl's
+    ``reward_model.overlong_buffer``): the reward of a response in the last ``len`` tokens before
+    ``rollout.max_response_length`` drops linearly, by up to ``penalty_factor``
+    (``dockrl.algorithms.dapo.overlong_penalty``)."""
+
+    enable: bool = False
+    """Add the length penalty to every reward."""
+    len: int = 16
+    """L_cache: the buffer, in tokens before ``rollout.max_response_length``, where the penalty grows."""
+    penalty_factor: float = 1.0
+    """The penalty at ``rollout.max_response_length`` (eq. 13's 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy loss, KL terms and the reward. Names follow
     verl's where it has the concept (docs/algorithms.md maps each verl name to its field here)."""
@@ -148,6 +190,13 @@ class AlgorithmConfig:
     max_bad_reward_frac: float = 0.25
     """Largest fraction of an iteration's rewards that may be bad — not a finite number, missing,
     timed out or failed (each scores 0) — before the run fails naming the scorer."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (``algorithm.filter_groups.*``)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping (``algorithm.overlong_buffer.*``)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering (§3.4): truncated responses (the ``truncated`` column) are masked
+    out of the policy loss and its normalizer."""
 
     @property
     def uses_reference(self) -> bool:
@@ -451,6 +500,7 @@ def _check_rules(c: Config) -> None:
                     "only 1 (on-policy) is supported: the dock holds one open iteration at a time")
     _check_dock(c.dock)
     _check_reward_model(c.reward_model)
+    _check_dapo(c)
     _check_parallel(c)
     _check_engines(c)
     _check_critic(c)
@@ -530,6 +580,35 @@ def _check_algorithm(c: Config) -> None:
         raise _fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, f"algorithm.adv_estimator={a.adv_estimator!r} scores "
                     "whole responses and has no per-token rewards to subtract a KL penalty from: use algorithm.kl_loss_coef "
                     "(KL in the loss, as GRPO), or adv_estimator 'reinforce_plus_plus' or 'gae'")
+
+
+def _check_dapo(c: Config) -> None:
+    """DAPO's dynamic sampling and overlong shaping: their ranges and what they combine with."""
+    a, r = c.algorithm, c.rollout
+    f, o = a.filter_groups, a.overlong_buffer
+    if f.max_num_gen_batches < 1:
+        raise _fail("algorithm.filter_groups.max_num_gen_batches", f.max_num_gen_batches,
+                    "expected a positive integer: the rollout rounds of an iteration need a bound (verl's 0, no limit, "
+                    "could sample forever on data the model always or never solves)")
+    if o.enable and not 1 <= o.len <= r.max_response_length:
+        raise _fail("algorithm.overlong_buffer.len", o.len, f"expected 1 to rollout.max_response_length={r.max_response_length}: "
+                    "the buffer lies before the maximum length")
+    if not (0 <= o.penalty_factor < math.inf):
+        raise _fail("algorithm.overlong_buffer.penalty_factor", o.penalty_factor, "expected a finite number >= 0")
+    if not f.enable:
+        return
+    if c.dock.shards != 1:
+        raise _fail("dock.shards", c.dock.shards, "algorithm.filter_groups.enable needs dock.shards=1: a claim across "
+                    "shards waits on one shard at a time, and the rows of a round released later may all lie on another, "
+                    "which it would see only at its timeout (docs/algorithms.md)")
+    if c.critic.enable:
+        raise _fail("critic.enable", c.critic.enable, "algorithm.filter_groups.enable: the critic's values feed the "
+                    "advantages, so it would score every sampled group before dynamic sampling chose the trained ones; "
+                    "DAPO trains without a critic: turn one of them off")
+    if a.kl_in_reward_coef > 0:
+        raise _fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, "algorithm.filter_groups.enable: the reference scores only "
+                    "the groups dynamic sampling keeps, after the advantage stage chose them, so the advantages cannot "
+                    "wait for its log-probs; use algorithm.kl_loss_coef (KL in the loss) or turn one of them off")
 
 
 def _check_engines(c: Config) -> None:

@@ -129,7 +129,9 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     run_dir = Path(cfg.run.output_dir)
     summary: dict[str, float] = {"eval/test_prompts": len(plan.test_prompts), "data/train_prompts": len(plan.train_prompts)}
     summary |= point.summary if point else {}
-    batches = list(prompt_batches(plan.train_prompts, t))
+    rounds = cfg.algorithm.filter_groups.rounds  # dynamic sampling: prompts for every rollout round it may sample
+    batches = list(prompt_batches(plan.train_prompts, t, rounds=rounds))
+    gate = t.global_batch if cfg.algorithm.filter_groups.enable else 0
     first, open_now = (point.next_iteration, point.open_iteration) if point else (0, None)
     if point:
         if point.dock_uri:  # checkpoints/final has no open iteration to restore
@@ -144,19 +146,20 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             if open_now == it:  # opened and filled before a checkpoint's snapshot: the stages may start now
                 dock.announce(it)
             else:
-                open_with_prompts(dock, it, batches[it], n)
+                open_with_prompts(dock, it, batches[it], n, gate=gate)
             metrics = runner.run_iteration(it)
             metrics |= dock.stats()
             dock.close_iteration()
             seconds = time.perf_counter() - start  # perf: response tokens of all rows per second
+            responses = metrics.get("rollout/responses", len(batches[it]) * n)  # dynamic sampling: the rounds sampled
             metrics |= {"timing_s/iteration": seconds,
-                        "perf/response_tokens_per_s": metrics["rollout/response_length_mean"] * len(batches[it]) * n / seconds}
+                        "perf/response_tokens_per_s": metrics["rollout/response_length_mean"] * responses / seconds}
             writer.log(it, metrics)
             progress.update(metrics)
             if checkpoint_due(t, it):
                 folder = checkpoint_dir(run_dir, it + 1)
                 runner.save_checkpoint(it, folder)
-                open_with_prompts(dock, it + 1, batches[it + 1], n, announce=False)
+                open_with_prompts(dock, it + 1, batches[it + 1], n, announce=False, gate=gate)
                 uri = dock_snapshot_uri(cfg, folder, runner.run)
                 dock.snapshot(uri)
                 write_driver_state(folder, cfg, next_iteration=it + 1, dock_uri=uri, open_iteration=it + 1, summary=summary,
@@ -172,16 +175,21 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     return summary
 
 
-def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, *, announce: bool = True) -> None:
+def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, *, announce: bool = True, gate: int = 0) -> None:
     """Open ``iteration`` with ``len(picked)·n`` rows; prompt ``i`` fills rows ``[i·n, (i+1)·n)``.
 
     ``announce=False`` leaves it unannounced to the stages (a checkpoint snapshots it first).
+    ``gate`` (dynamic sampling: ``trainer.global_batch``): only the first ``gate`` prompts, the
+    first round, get the ``released`` gate; the advantage stage releases the later rounds
+    (``dockrl.workers.dynamic_sampling``).
     """
     dock.open_iteration(iteration, len(picked) * n, n, announce=announce)
     dock.put(range(len(picked) * n), {
         "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
         "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
     })
+    if gate:
+        dock.put(range(gate * n), {"released": [True] * (gate * n)})
 
 
 class StageWorker(Protocol):
@@ -193,7 +201,10 @@ class InProcessStages:
     """Every stage in this process over the in-process dock (``open_dock``), run one after the
     other each iteration: rollout, the critic's values (``critic.enable``), reward model
     (``reward_model.enable``), reward, reference (β > 0), advantage, the critic's update, actor,
-    then the weight sync (the hybrid actor syncs inside its update)."""
+    then the weight sync (the hybrid actor syncs inside its update). With dynamic sampling
+    (``algorithm.filter_groups.enable``) the stages up to the advantage run side by side in threads
+    (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage stage releases each next round
+    of the rollout; the reference follows them."""
 
     def __init__(self, plan: RunPlan) -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
@@ -204,6 +215,7 @@ class InProcessStages:
         from dockrl.workers.actor import ActorWorker
         from dockrl.workers.advantage import AdvantageWorker
         from dockrl.workers.critic import CriticWorker, build_critic_engine
+        from dockrl.workers.dynamic_sampling import SideBySide, groups_per_round
         from dockrl.workers.reference import ReferenceWorker
         from dockrl.workers.reward import RewardWorker
         from dockrl.workers.rollout import RolloutWorker
@@ -228,7 +240,8 @@ class InProcessStages:
                 load_optimizer(actor, optimizer)
             self.rollout_engine, self.actor = rollout, actor
             self.sync = lambda: rollout.load_weights(actor.named_weights())
-            stages = RolloutWorker(rollout, r), ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations)
+            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg)),
+                      ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations))
         self.scorer = build_scorer(a)
         tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
         self.critic: CriticWorker | None = None
@@ -242,12 +255,13 @@ class InProcessStages:
             from dockrl.workers.reward_model import RewardModelWorker
 
             reward_model = [RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)]
-        # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
         reference = [ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg)] if a.uses_reference else []
-        self.workers: list[StageWorker] = [
-            stages[0], *critic_values, *reward_model, RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model), *reference,
-            AdvantageWorker(a), *critic_update, stages[1],
-        ]
+        sampling = [stages[0], *critic_values, *reward_model, RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model, cfg)]
+        self.workers: list[StageWorker]
+        if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
+            self.workers = [SideBySide([*sampling, AdvantageWorker(a)]), *reference, stages[1]]
+        else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
+            self.workers = [*sampling, *reference, AdvantageWorker(a), *critic_update, stages[1]]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:

@@ -194,24 +194,27 @@ def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) 
     return train_prompts, test_prompts
 
 
-def prompt_batches(prompts: Sequence[T], t: TrainerConfig) -> Iterator[list[T]]:
-    """The ``trainer.global_batch`` prompts of each iteration, seeded by ``trainer.seed``.
+def prompt_batches(prompts: Sequence[T], t: TrainerConfig, *, rounds: int = 1) -> Iterator[list[T]]:
+    """The ``rounds × trainer.global_batch`` prompts of each iteration, seeded by ``trainer.seed``.
 
     Epochs follow each other as fresh seeded permutations of all prompts, so every prompt is
     used once per epoch; a batch that crosses the end of an epoch continues into the next.
     Deterministic: a resumed run regenerates the same batches (its position is the iteration).
+    ``rounds`` > 1 (dynamic sampling, ``algorithm.filter_groups``): prompts for every rollout
+    round an iteration may sample; those of rounds it does not sample are skipped, not reused.
     """
     rng = random.Random(t.seed)
     epoch: list[int] = []
     pos = 0
+    size = rounds * t.global_batch
     for _ in range(t.iterations):
         picked: list[int] = []
-        while len(picked) < t.global_batch:
+        while len(picked) < size:
             if pos == len(epoch):  # next epoch over the prompts
                 epoch = list(range(len(prompts)))
                 rng.shuffle(epoch)
                 pos = 0
-            take = min(t.global_batch - len(picked), len(epoch) - pos)
+            take = min(size - len(picked), len(epoch) - pos)
             picked += epoch[pos:pos + take]
             pos += take
         yield [prompts[i] for i in picked]

@@ -109,3 +109,10 @@ class FakeMostlyFineScorer(FakeRandomScorer):
 
     def score(self, responses, ground_truths):
         return [math.inf, *(1.1 for _ in responses[1:])]
+
+
+class FakeSolvedScorer(FakeRandomScorer):
+    """Fake: every response is correct (1.1), so every group is solved and dynamic sampling filters it out."""
+
+    def score(self, responses, ground_truths):
+        return [1.1 for _ in responses]

@@ -61,6 +61,9 @@ GRPO_SCHEMA = Schema(
     columns=(
         Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
         Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
+        Column(name="released", type=pa.bool_(), producer="driver",
+               doc="the rollout may sample the row (dynamic sampling: the driver writes it for the first round, the "
+                   "advantage stage for each later round it releases)"),
         Column(name="response_ids", type=_TOKENS, producer="rollout", doc="sampled response token ids (R,), EOS included when emitted"),
         Column(name="truncated", type=pa.bool_(), producer="rollout", doc="response hit the length limit before EOS"),
         Column(name="rollout_log_prob", type=_FLOATS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),

@@ -74,7 +74,8 @@ def accumulate_mini_batch(
     """Forward/backward every micro-batch of one mini-batch, accumulating gradients.
 
     Args:
-        batch: ``prompt_ids``, ``response_ids``, ``advantages`` (per token ``(R,)``, or one
+        batch: ``prompt_ids``, ``response_ids``, ``truncated`` when ``algo.overlong_filter`` (those
+            rows are masked out of the loss and its normalizer), ``advantages`` (per token ``(R,)``, or one
             float per sequence), ``old_log_prob``, ``ref_log_prob`` when ``algo.kl_loss_coef >
             0`` and ``rollout_log_prob`` when ``algo.tis_cap > 0`` — one list entry per
             sequence: this data-parallel replica's part of the mini-batch. When ``old_log_prob``
@@ -99,8 +100,11 @@ def accumulate_mini_batch(
         token ratio, also under GSPO); ``ratio_max`` over this replica's tokens; with dual-clip
         ``dual_clip_frac``, with TIS ``tis_weight_mean`` and ``tis_clip_frac`` (tokens at the cap).
     """
-    n_seq = len(batch["response_ids"])
-    tokens = float(sum(len(r) for r in batch["response_ids"]))
+    keep = None
+    if algo.overlong_filter:  # DAPO §3.4: truncated responses leave the loss and its normalizer
+        keep = torch.tensor([not t for t in batch["truncated"]], dtype=torch.float32)
+    kept = [r for i, r in enumerate(batch["response_ids"]) if keep is None or keep[i]]
+    n_seq, tokens = len(kept), float(sum(len(r) for r in kept))
     total_tokens, total_seqs = engine.sum_over_replicas([tokens, float(n_seq)])
     on_policy = "old_log_prob" not in batch
     names = ((["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_loss_coef > 0 else [])
@@ -111,6 +115,9 @@ def accumulate_mini_batch(
     def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
         b, T = log_prob.shape
         rows = slice(start, start + b)
+        if keep is not None:
+            mask = mask * keep[rows].to(mask)[:, None]
+            entropy = entropy * keep[rows].to(entropy)[:, None]
         on_device = columns.get(log_prob.device)
         old = log_prob.detach() if on_policy else on_device["old_log_prob"][rows, :T]
         adv = on_device["advantages"][rows]
@@ -175,7 +182,8 @@ class ActorWorker:
     Args:
         warmup_iterations: the first iterations only ack their rows (``critic.warmup_iterations``).
         replicas: data-parallel replicas of the actor (megatron's DP): each claims an equal
-            part of the global batch (``num_rows / replicas`` rows) and steps on an equal part
+            part of the global batch (``num_rows / replicas`` rows; with dynamic sampling the kept
+            groups, ``num_rows / rounds / replicas``) and steps on an equal part
             of every mini-batch; each part's loss is normalized by the mini-batch's global token
             or sequence count and the engine sums the replicas' gradients
             (``accumulate_mini_batch``). ``trainer.global_batch`` and ``trainer.mini_batch``
@@ -192,8 +200,10 @@ class ActorWorker:
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
-        columns = ["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_loss_coef > 0 else [])
-        claim = dock.claim("actor", columns + ["rollout_log_prob"], dock.num_rows // self.replicas, whole_groups=True)
+        columns = (["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_loss_coef > 0 else [])
+                   + (["truncated"] if self.algo.overlong_filter else []))
+        rows = dock.num_rows // self.algo.filter_groups.rounds  # dynamic sampling: one round's worth of kept groups is trained
+        claim = dock.claim("actor", columns + ["rollout_log_prob"], rows // self.replicas, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
         if claim.iteration < self.warmup_iterations:  # critic.warmup_iterations: only the critic trains (verl's critic_warmup)
@@ -227,6 +237,9 @@ class ActorWorker:
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["actor/ratio_max"] = max(m["actor/ratio_max"] for m in steps)
         metrics["actor/first_step_ratio_mean"] = steps[0]["actor/ratio_mean"]
+        metrics["actor/sequences"] = len(claim.rows)  # trained by this replica (dynamic sampling: exactly its part of the batch)
+        if self.algo.overlong_filter:
+            metrics["actor/overlong_filtered"] = sum(batch["truncated"]) / len(claim.rows)
         metrics |= rollout_log_prob_diff(rollout_log_prob, batch["old_log_prob"])
         tokens = sum(len(r) for r in batch["response_ids"])
         seconds = time.perf_counter() - start

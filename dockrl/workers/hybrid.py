@@ -42,6 +42,7 @@ from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 from dockrl.workers.actor import ActorWorker
+from dockrl.workers.dynamic_sampling import groups_per_round
 from dockrl.workers.rollout import RolloutWorker, rollout_metrics
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class HybridWorker:
 
     def __init__(self, actor: HybridActor, cfg: Config, *, ranks: int = 1, dp_group: dist.ProcessGroup | None = None) -> None:
         self.actor = actor
-        self.generation = RolloutWorker(actor.rollout_engine, cfg.rollout, shares=ranks)
+        self.generation = RolloutWorker(actor.rollout_engine, cfg.rollout, shares=ranks, round_groups=groups_per_round(cfg))
         worker = ActorWorker(actor.train_engine, trainer=cfg.trainer, algo=cfg.algorithm, rollout=cfg.rollout, replicas=cfg.parallel.dp,
                              warmup_iterations=cfg.critic.warmup_iterations)
         self.update = UpdateThenSync(actor, worker, dp_group=dp_group)

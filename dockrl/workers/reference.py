@@ -15,16 +15,21 @@ from dockrl.resharding.ranks import ProcessRanks
 
 
 class ReferenceWorker:
-    def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int) -> None:
+    """Args: ``after_advantages`` — with dynamic sampling, claim rows once their advantages are
+    written: the groups the advantage stage keeps, never those it filters out."""
+
+    def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int, after_advantages: bool = False) -> None:
         self.engine, self.temperature, self.micro_batch = engine, temperature, micro_batch
+        self.columns = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantages else [])
 
     @classmethod
     def from_config(cls, engine: TrainEngine, cfg: Config) -> ReferenceWorker:
-        return cls(engine, temperature=cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch)
+        return cls(engine, temperature=cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch,
+                   after_advantages=cfg.algorithm.filter_groups.enable)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         start = time.perf_counter()
-        while claim := dock.claim("reference", ["prompt_ids", "response_ids"], self.micro_batch * 4):
+        while claim := dock.claim("reference", self.columns, self.micro_batch * 4):
             lps = self.engine.log_probs(
                 claim.batch.column("prompt_ids").to_pylist(),
                 claim.batch.column("response_ids").to_pylist(),

@@ -10,12 +10,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from dockrl.config import AlgorithmConfig, Config, RewardModelConfig
+import torch
+
+from dockrl.algorithms.dapo import overlong_penalty
+from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
+from dockrl.workers.dynamic_sampling import SideBySide, divisor_at_most, groups_per_round
 
 BUILT_IN = "the built-in GSM8K verifier"
 
@@ -28,20 +32,33 @@ class RewardWorker:
     or missing (``dockrl.rewards.guard.check_rewards``), timed out or failed (the scorer's counters).
     ``model_weight`` — None: ``rm_score`` is the rule reward; else the row's reward-model score
     (column ``rm_model_score``) is claimed too and ``rm_score = rule_weight · rule + model_weight · model``
-    (``correct`` stays the rule's verdict)."""
+    (``correct`` stays the rule's verdict). ``overlong`` with ``max_length``
+    (``rollout.max_response_length``) — DAPO's soft overlong punishment added to every score
+    (``dockrl.algorithms.dapo.overlong_penalty``). ``round_rows`` — with dynamic sampling, the rows
+    of a round (``trainer.global_batch × rollout.n``): claims take a number of rows dividing it, so
+    none waits for a round not yet released (``dockrl.workers.dynamic_sampling``); 0: no rounds."""
 
     def __init__(self, scorer: Scorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
                  max_bad_frac: float = 1.0, scorer_name: str = "", model_weight: float | None = None,
-                 rule_weight: float = 1.0) -> None:
+                 rule_weight: float = 1.0, overlong: OverlongBufferConfig | None = None, max_length: int = 0,
+                 round_rows: int = 0) -> None:
         self.scorer, self.tokenizer, self.batch_size = scorer, tokenizer, batch_size
         self.correct_reward, self.max_bad_frac, self.scorer_name = correct_reward, max_bad_frac, scorer_name
         self.model_weight, self.rule_weight = model_weight, rule_weight
+        self.overlong = overlong if overlong is not None and overlong.enable else None
+        self.max_length = max_length
+        if round_rows:
+            self.batch_size = divisor_at_most(round_rows, batch_size)
 
     @classmethod
-    def from_config(cls, scorer: Scorer, tokenizer, a: AlgorithmConfig, rm: RewardModelConfig | None = None) -> RewardWorker:
+    def from_config(cls, scorer: Scorer, tokenizer, a: AlgorithmConfig, rm: RewardModelConfig | None = None,
+                    cfg: Config | None = None) -> RewardWorker:
+        """``cfg``: the run's config, for DAPO's overlong shaping and dynamic sampling (``a`` is its ``algorithm``)."""
         weights = (rm.model_weight, rm.rule_weight) if rm is not None and rm.enable else (None, 1.0)
         return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer,
-                   model_weight=weights[0], rule_weight=weights[1])
+                   model_weight=weights[0], rule_weight=weights[1], overlong=a.overlong_buffer,
+                   max_length=cfg.rollout.max_response_length if cfg else 0,
+                   round_rows=groups_per_round(cfg) * cfg.rollout.n if cfg else 0)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics.
@@ -49,11 +66,12 @@ class RewardWorker:
         Raises:
             ScorerError: more than ``max_bad_frac`` of the rewards were bad (the message counts them by reason).
         """
-        start, scores, rules, correct, bad = time.perf_counter(), [], [], [], Counter[str]()
+        start, scores, rules, correct, bad, penalties = time.perf_counter(), [], [], [], Counter[str](), 0.0
         before = self.scorer.counters()
         columns = ["response_ids", "ground_truth"] + ([] if self.model_weight is None else ["rm_model_score"])
         while claim := dock.claim("reward", columns, self.batch_size):
-            texts = self.tokenizer.batch_decode(claim.batch.column("response_ids").to_pylist(), skip_special_tokens=True)
+            responses = claim.batch.column("response_ids").to_pylist()
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
             truths = claim.batch.column("ground_truth").to_pylist()
             batch_rules, batch_bad = check_rewards(self.scorer.score(texts, truths), len(texts))
             bad += batch_bad
@@ -62,6 +80,12 @@ class RewardWorker:
             if self.model_weight is not None:
                 model = claim.batch.column("rm_model_score").to_pylist()
                 batch_scores = [self.rule_weight * r + self.model_weight * m for r, m in zip(batch_rules, model)]
+            if self.overlong is not None:
+                o = self.overlong
+                penalty = overlong_penalty(torch.tensor([len(r) for r in responses]), max_length=self.max_length,
+                                           buffer_length=o.len, penalty_factor=o.penalty_factor).tolist()
+                batch_scores = [score + p for score, p in zip(batch_scores, penalty)]
+                penalties += sum(penalty)
             dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct}, ack=claim)
             scores += batch_scores
             rules += batch_rules
@@ -87,6 +111,7 @@ class RewardWorker:
             "reward/verifier_timeouts": timeouts,
             "reward/verifier_errors": errors,
             "reward/invalid": sum(bad.values()),
+            **({"reward/overlong_penalty_mean": penalties / n} if self.overlong is not None else {}),
             "timing_s/reward": time.perf_counter() - start,
         }
 
@@ -98,9 +123,12 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm)
-    reward, advantage = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model), AdvantageWorker(cfg.algorithm)
+    reward = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model, cfg)
+    advantage = AdvantageWorker(cfg.algorithm)
 
     def step(_: int) -> dict[str, float]:
+        if cfg.algorithm.filter_groups.enable:  # the advantage stage releases the rounds the reward scores: side by side
+            return SideBySide([reward, advantage]).run_iteration(dock)
         return reward.run_iteration(dock) | advantage.run_iteration(dock)
 
     try:

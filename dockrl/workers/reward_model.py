@@ -14,6 +14,7 @@ from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
+from dockrl.workers.dynamic_sampling import divisor_at_most, groups_per_round
 
 if TYPE_CHECKING:  # transformers loads only in the process that runs this stage
     from dockrl.engines.reward_model import HFRewardModel
@@ -22,12 +23,14 @@ if TYPE_CHECKING:  # transformers loads only in the process that runs this stage
 class RewardModelWorker:
     """Args: ``micro_batch`` — rows per forward pass of the reward model; a claim takes four of them."""
 
-    def __init__(self, model: HFRewardModel, *, micro_batch: int) -> None:
+    def __init__(self, model: HFRewardModel, *, micro_batch: int, round_rows: int = 0) -> None:
         self.model, self.micro_batch = model, micro_batch
+        # dynamic sampling: a claim never waits for a round not yet released (dockrl.workers.dynamic_sampling)
+        self.claim_rows = divisor_at_most(round_rows, micro_batch * 4) if round_rows else micro_batch * 4
 
     @classmethod
     def from_config(cls, model: HFRewardModel, cfg: Config) -> RewardModelWorker:
-        return cls(model, micro_batch=cfg.reward_model.micro_batch_size)
+        return cls(model, micro_batch=cfg.reward_model.micro_batch_size, round_rows=groups_per_round(cfg) * cfg.rollout.n)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward_model/*`` metrics.
@@ -36,7 +39,7 @@ class RewardModelWorker:
             ValueError: the reward model gave a score that is not a finite number (naming ``reward_model.model.path``).
         """
         start, scores = time.perf_counter(), []
-        while claim := dock.claim("reward_model", ["prompt_ids", "response_ids"], self.micro_batch * 4):
+        while claim := dock.claim("reward_model", ["prompt_ids", "response_ids"], self.claim_rows):
             batch = self.model.score(claim.batch.column("prompt_ids").to_pylist(), claim.batch.column("response_ids").to_pylist(),
                                      micro_batch=self.micro_batch)
             bad = [s for s in batch if not math.isfinite(s)]

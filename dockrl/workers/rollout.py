@@ -15,6 +15,7 @@ from dockrl.dock import Dock, StageDock
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
+from dockrl.workers.dynamic_sampling import GATE, divisor_at_most, groups_per_round
 
 ROLLOUT_RANK = 1
 """The rollout's rank on the weight channel (the actor's is 0)."""
@@ -33,6 +34,7 @@ def rollout_metrics(lengths: Sequence[int], truncated: int, seconds: float) -> d
         "rollout/response_length_mean": sum(lengths) / len(lengths),
         "rollout/response_length_max": max(lengths),
         "rollout/truncated_ratio": truncated / len(lengths),
+        "rollout/responses": len(lengths),
         "perf/rollout_tokens_per_s": sum(lengths) / seconds,
         "timing_s/rollout": seconds,
     }
@@ -43,12 +45,16 @@ class RolloutWorker:
 
     Args:
         shares: rollout replicas claiming from the same iteration; each claim takes at most
-            ``1/shares`` of the iteration's groups, so that every replica gets work (the hybrid
-            actor's ranks, each with a full inference copy, generate side by side).
+            ``1/shares`` of the iteration's groups (of a round's), so that every replica gets work
+            (the hybrid actor's ranks, each with a full inference copy, generate side by side).
+        round_groups: with dynamic sampling (``algorithm.filter_groups.enable``), the groups of a
+            round (``trainer.global_batch``): rows are claimed once their ``released`` gate is
+            written, in claims of a number of groups dividing a round, so that no claim waits for
+            a round not yet released (``dockrl.workers.dynamic_sampling``). 0: no rounds.
     """
 
-    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1) -> None:
-        self.engine, self.cfg, self.shares = engine, cfg, shares
+    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1, round_groups: int = 0) -> None:
+        self.engine, self.cfg, self.shares, self.round_groups = engine, cfg, shares, round_groups
 
     def generate_iteration(self, dock: StageDock) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
@@ -57,10 +63,13 @@ class RolloutWorker:
             response lengths (tokens), how many were truncated, seconds taken.
         """
         start, lengths, truncated = time.perf_counter(), [], 0
-        groups = max(self.cfg.batch_size // dock.group_size, 1)
+        groups, columns = max(self.cfg.batch_size // dock.group_size, 1), ["prompt_ids"]
+        total = self.round_groups or dock.num_rows // dock.group_size  # groups claimable at once
         if self.shares > 1:
-            groups = min(groups, -(-dock.num_rows // (dock.group_size * self.shares)))
-        while claim := dock.claim("rollout", ["prompt_ids"], groups * dock.group_size, whole_groups=True):
+            groups = min(groups, -(-total // self.shares))
+        if self.round_groups:
+            groups, columns = divisor_at_most(self.round_groups, groups), ["prompt_ids", GATE]
+        while claim := dock.claim("rollout", columns, groups * dock.group_size, whole_groups=True):
             prompts = claim.batch.column("prompt_ids").to_pylist()
             samples = self.engine.generate(
                 prompts,
@@ -106,7 +115,7 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
     scorer = build_scorer(cfg.algorithm)
     params = receive_params(engine, cfg, model_path)
-    worker = RolloutWorker(engine, cfg.rollout)
+    worker = RolloutWorker(engine, cfg.rollout, round_groups=groups_per_round(cfg))
     channel: WeightChannel | None = None
 
     def sync(it: int) -> None:
