@@ -122,8 +122,11 @@ def vocab_parallel_log_probs(
     target = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * here
     log_prob = reduce_from_tensor_model_parallel_region(target.contiguous()) - sum_exp.log()
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        p_z = (shifted.exp() * shifted).sum(dim=-1) / sum_exp
-        entropy = sum_exp.log() - reduce_from_tensor_model_parallel_region(p_z.contiguous())
+        # Σ p (z − m) = (Σ_v e^(z_v − m)(z_v − m)) / S with the sum reduced first: S depends on every
+        # rank's columns, so dividing each rank's part by S before the reduction would lose, in the
+        # identity backward, the other ranks' terms' dependence on this rank's logits
+        p_z = reduce_from_tensor_model_parallel_region((shifted.exp() * shifted).sum(dim=-1).contiguous()) / sum_exp
+        entropy = sum_exp.log() - p_z
     return log_prob, entropy
 
 

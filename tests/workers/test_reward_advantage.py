@@ -42,3 +42,35 @@ def test_reward_then_advantage_through_the_dock():
     assert adv[0] > 0 and adv[2] < 0 and adv[1] < 0
     assert sum(adv[:4]) == pytest.approx(0.0, abs=1e-5)
     dock.close()
+
+
+def _scored_dock(scores, responses, **columns):
+    dock = open_dock(DockConfig(timeout_s=5), GRPO_SCHEMA, run="test")
+    dock.open_iteration(0, len(scores), 2)
+    dock.put(range(len(scores)), {"prompt_ids": [[1]] * len(scores), "response_ids": responses, "rm_score": scores, **columns})
+    return dock
+
+
+def test_kl_in_the_reward_through_the_dock_by_hand():
+    """REINFORCE++ with β = 0.2, k1 = rollout - reference log-prob: row 0 (2 tokens) k1 = 0.5, 0;
+    row 1 (1 token) k1 = -1. Rewards [-0.1, 1.0] and [0 + 0.2]; γ = 1 returns [0.9, 1.0], [0.2];
+    whitened over the 3 tokens: mean 0.7, deviations 0.2, 0.3, -0.5, unbiased variance 0.38 / 2."""
+    dock = _scored_dock([1.0, 0.0], [[5, 6], [7]], rollout_log_prob=[[-1.0, -1.0], [-2.0]], ref_log_prob=[[-1.5, -1.0], [-1.0]])
+    cfg = AlgorithmConfig(adv_estimator="reinforce_plus_plus", kl_in_reward_coef=0.2, kl_penalty="kl", adv_eps=0.0)
+    AdvantageWorker(cfg).run_iteration(dock)
+    adv = dock.get(["advantages"], range(2)).column("advantages").to_pylist()
+    std = (0.38 / 2) ** 0.5
+    assert adv[0] == pytest.approx([0.2 / std, 0.3 / std], rel=1e-5) and adv[1] == pytest.approx([-0.5 / std], rel=1e-5)
+    dock.close()
+
+
+def test_gae_reads_the_values_and_puts_the_returns():
+    """γ = λ = 1, no KL: the return of every token is the outcome; A = return - V, then whitened."""
+    dock = _scored_dock([1.0, 0.0], [[5, 6], [7]], values=[[0.25, 0.5], [0.5]])
+    AdvantageWorker(AlgorithmConfig(adv_estimator="gae", adv_eps=0.0)).run_iteration(dock)
+    got = dock.get(["advantages", "returns"], range(2)).to_pydict()
+    assert got["returns"] == [[1.0, 1.0], [0.0]]
+    # A = 0.75, 0.5, -0.5: mean 0.25, deviations 0.5, 0.25, -0.75, unbiased variance 0.875 / 2
+    std = (0.875 / 2) ** 0.5
+    assert [x for row in got["advantages"] for x in row] == pytest.approx([0.5 / std, 0.25 / std, -0.75 / std], rel=1e-5)
+    dock.close()
