@@ -251,7 +251,9 @@ class _Iteration:
         self.npending = (~self.consumed).sum(axis=0).tolist()  # rows not taken, by consumer
         for ci, outs in enumerate(self.outputs):
             self.fin[:, ci] = self.ready[:, outs].all(axis=1) if outs else False
-        self.gcons = self.consumed.reshape(-1, self.group_size, self.consumed.shape[1]).sum(axis=1, dtype=np.int32)
+        # rows of each group taken, by consumer: kept only for consumers with a whole-group view
+        self.gcons = np.zeros((self.num_rows // self.group_size, self.consumed.shape[1]), dtype=np.int32)
+        self.gcons_on = [False] * self.consumed.shape[1]
         self.views.clear()
         for views in (*self.views_of_ci, *self.views_of_col):
             views.clear()
@@ -261,6 +263,9 @@ class _Iteration:
         key = (ci, cols, unit)
         view = self.views.get(key)
         if view is None:
+            if unit > 1 and not self.gcons_on[ci]:
+                self.gcons[:, ci] = self.consumed[:, ci].reshape(-1, self.group_size).sum(axis=1)
+                self.gcons_on[ci] = True
             view = self.views[key] = _View(self, ci, cols, unit)
             self.views_of_ci[ci].append(view)
             for col in cols:
@@ -295,7 +300,7 @@ class _Iteration:
         """Flip ``consumed`` of consumer ``ci`` to ``value`` for ``rows`` (local, distinct, each now ``not value``)."""
         if not len(rows):
             return
-        groups = rows // self.group_size
+        groups = rows // self.group_size if self.gcons_on[ci] else rows[:0]
         views = self.views_of_ci[ci]
         if value:
             np.add.at(self.gcons[:, ci], groups, 1)
@@ -431,7 +436,8 @@ class ShardController:
                 self._check_request(it, [], ack[0], f"ack by {ack[0]!r}")
             rows_arr = self._check_rows(it, rows_arr, "put")
             self._refuse_written(it, rows_arr, arrays)
-            contiguous = len(rows_arr) > 0 and rows_arr[-1] - rows_arr[0] + 1 == len(rows_arr) and (np.diff(rows_arr) == 1).all()
+            n = len(rows_arr)  # distinct rows: ascending and spanning n rows is one run, written through a slice
+            contiguous = n > 0 and rows_arr[-1] - rows_arr[0] + 1 == n and (n == 1 or (rows_arr[1:] > rows_arr[:-1]).all())
             index = slice(int(rows_arr[0]), int(rows_arr[-1]) + 1) if contiguous else rows_arr
             for name, array in arrays.items():
                 chunk_id = len(it.chunks[name])

@@ -310,7 +310,8 @@ class ShardService:
         self._require("memory", "put")
         if ROW not in table.schema.names:
             raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
-        rows = table.column(ROW).to_numpy()
+        row = table.column(ROW)
+        rows = row.chunk(0).to_numpy() if isinstance(row, pa.ChunkedArray) and row.num_chunks == 1 else row.to_numpy()
         columns = {name: table.column(name) for name in table.schema.names if name != ROW}
         ack = (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None  # put and ack in one call (put(..., ack=claim))
         self.dock.put(rows, columns, iteration=req["iteration"], ack=ack)

@@ -42,7 +42,7 @@ def advantage_cells(rows: list[int], scores: list[float], group_size: int) -> di
         start = r - r % group_size
         group = np.array([scores_by_row[k] for k in range(start, start + group_size)], dtype=np.float64)
         out.append([float(np.float32(scores_by_row[r] - group.mean()))] * (1 + r % 3))
-    return {"advantages": out}
+    return {"advantages": out, "returns": out}  # every output of the stage: a row is finished once both are written
 
 
 def reference_cells(prompts: list[list[int]]) -> dict[str, list]:

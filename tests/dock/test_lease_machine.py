@@ -43,13 +43,15 @@ from dockrl.dock.local import ShardController
 
 OWNERS = ("a", "b", "c")
 INPUTS = {"reward": ["prompt_ids"], "advantage": ["rm_score"]}
-OUTPUTS = {"reward": ("rm_score", "correct"), "advantage": ("advantages",)}  # the schema's producers
+OUTPUTS = {c: tuple(col.name for col in GRPO_SCHEMA.columns if col.producer == c) for c in INPUTS}  # the schema's producers
 CELLS = {
     "prompt_ids": lambda r: [r, r + 100][: 1 + r % 2],
     "rm_score": lambda r: float(r) / 2,
     "correct": lambda r: r % 2 == 0,
     "advantages": lambda r: [float(r) - 0.5] * (1 + r % 2),
+    "returns": lambda r: [float(r) + 0.5] * (1 + r % 2),
 }
+assert {c for outs in OUTPUTS.values() for c in outs} <= set(CELLS), "a cell maker per output column of the schema"
 TERMS = (1.0, 2.5)
 
 

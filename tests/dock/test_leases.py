@@ -124,7 +124,8 @@ def test_a_whole_group_lease_returns_a_partly_finished_group_whole():
     dock = make_dock(num_rows=4, group_size=2)
     dock.put(range(4), {"rm_score": [0.0] * 4})
     claim = lh.claim(dock, "advantage", ["rm_score"], 4, whole_groups=True, owner="a")
-    dock.put([0, 1, 2], {"advantages": [[0.5], [-0.5], [0.1]]})  # group 0 finished, group 1 half
+    # every output of the advantage stage (advantages and returns): group 0 finished, group 1 half
+    dock.put([0, 1, 2], {"advantages": [[0.5], [-0.5], [0.1]], "returns": [[0.5], [-0.5], [0.1]]})
     assert dock.release_owner("a") == 2
     again = lh.claim(dock, "advantage", ["rm_score"], 4, whole_groups=True, owner="b")
     assert again.rows == [2, 3]
