@@ -38,13 +38,15 @@ RECIPES: dict[str, list[str]] = {
     "dapo": ["algorithm.adv_estimator=grpo", "algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.28",
              "algorithm.loss_agg_mode=token-mean", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
              "algorithm.filter_groups.max_num_gen_batches=3", "algorithm.filter_groups.on_exhausted=fill",
-             "algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.penalty_factor=1.0"],
+             "algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.penalty_factor=1.0",
+             "algorithm.overlong_buffer.len={buffer}"],  # the paper's 4k of 20k tokens: a fifth of --max-length
     # RLOO (arXiv 2402.14740): the leave-one-out baseline, with the same clipped loss as GRPO
     "rloo": ["algorithm.adv_estimator=rloo", *SHARED_LOSS],
     # PPO (arXiv 1707.06347) with a critic initialized from the policy; GAE with verl's γ = λ = 1
     "ppo": ["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0", "critic.enable=true", *SHARED_LOSS],
 }
-"""Each algorithm's own settings, on top of the shared budget (``budget_overrides``)."""
+"""Each algorithm's own settings, on top of the shared budget (``budget_overrides``); ``{buffer}``
+is the overlong buffer, a fifth of ``--max-length``."""
 STAGES = {"ppo": "critic"}
 """A stage process an algorithm needs besides the GRPO ones: without it the build cannot run it."""
 
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> str:
         rows: dict[str, dict[str, float] | str] = {}
         device = ""
         for name in picked:
-            overrides = [*budget, f"run.output_dir={Path(work) / name}", *RECIPES[name]]
+            recipe = [x.format(buffer=max(1, args.max_length // 5)) for x in RECIPES[name]]
+            overrides = [*budget, f"run.output_dir={Path(work) / name}", *recipe]
             why = availability(name, overrides)
             if why:
                 rows[name] = why
