@@ -447,9 +447,9 @@ class ShardController:
                 where[index, 1] = np.arange(len(rows_arr))
                 self.bytes_put += array.nbytes
             acking = None if ack is None else (it.consumer_index[ack[0]], it.lease_num.get(ack[1], -2))
-            self._written_locked(it, rows_arr, arrays, acking)
+            held_all = self._written_locked(it, rows_arr, arrays, acking)
             if ack is not None:
-                self._ack_locked(it, ack[0], ack[1], rows_arr)
+                self._ack_locked(it, ack[0], ack[1], rows_arr, held_all=held_all)
 
     @staticmethod
     def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
@@ -496,13 +496,15 @@ class ShardController:
 
     def _written_locked(
         self, it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object], acking: tuple[int, int] | None = None,
-    ) -> None:
+    ) -> bool:
         """Cells of ``names`` written for ``rows`` (local): readiness, the leases whose rows finished, wake-ups.
 
-        ``acking=(consumer, lease number)``: the caller acks ``rows`` under that lease next (no recount for it).
+        ``acking=(consumer, lease number)``: the caller acks ``rows`` under that lease next (no recount for
+        it). Returns whether every row is held under that lease (False without ``acking``).
         """
         woken: set[int] = set()
         finishing: set[int] = set()
+        held_all = False
         for name in names:
             col = it.col_index[name]
             woken |= it.set_ready(col, rows)
@@ -510,12 +512,14 @@ class ShardController:
         for ci in finishing:  # rows a consumer's outputs finished no longer count as held by its lease
             nums = it.lease_at[rows, ci]
             if acking is not None and acking[0] == ci and (nums == acking[1]).all():
+                held_all = True
                 continue  # the ack that follows ends the lease's hold on them
             for num in np.unique(nums[nums >= 0]).tolist():
                 self._recount_locked(it, it.live[num])
             woken.add(ci)
         for ci in woken:
             self._wake_locked(it, ci)
+        return held_all
 
     def locate(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> dict[str, Located]:
         """Where the cells of ``rows`` live in the warehouse, per column, in the order of ``rows``.
@@ -856,8 +860,20 @@ class ShardController:
         if not ids:
             del it.by_owner[lease.owner]
 
-    def _unlease_locked(self, it: _Iteration, ci: int, local: np.ndarray) -> None:
-        """Detach rows from their leases (an ack or a release); drop leases left empty."""
+    def _unlease_locked(self, it: _Iteration, ci: int, local: np.ndarray, num: int | None = None) -> None:
+        """Detach rows from their leases (an ack or a release); drop leases left empty.
+
+        ``num``: every row is held under that lease number (the caller checked).
+        """
+        if num is not None and len(local):
+            it.lease_at[local, ci] = -1
+            lease = it.live[num]
+            if len(local) == len(lease.rows):  # every row of the lease (its rows are distinct): it is over
+                self._drop_lease_locked(it, lease)
+            else:
+                lease.rows = np.setdiff1d(lease.rows, local, assume_unique=True)
+                self._recount_locked(it, lease)
+            return
         nums = it.lease_at[local, ci]
         leased = nums >= 0
         local, nums = local[leased], nums[leased]
@@ -956,15 +972,22 @@ class ShardController:
             self._check_request(it, [], consumer, what)
             self._ack_locked(it, consumer, lease, self._check_rows(it, np.asarray(rows, dtype=np.int64), what))
 
-    def _ack_locked(self, it: _Iteration, consumer: str, lease: str, local: np.ndarray) -> None:
-        """``ack_rows`` of checked local rows."""
+    def _ack_locked(self, it: _Iteration, consumer: str, lease: str, local: np.ndarray, held_all: bool = False) -> None:
+        """``ack_rows`` of checked local rows (``held_all``: the caller saw every row held under ``lease``)."""
         what = f"ack by {consumer!r}"
         ci = it.consumer_index[consumer]
+        expired = self.leases_expired
         self._expire_locked(it)
         num = it.lease_num.get(lease, -2)  # -2: an id never seen here matches no row
+        if held_all and expired == self.leases_expired:  # nothing ended since the caller looked
+            self._unlease_locked(it, ci, local, num)
+            it.acked[local, ci] = True
+            it.acked_by[local, ci] = num
+            self._wake_locked(it, ci)
+            return
         held = it.lease_at[local, ci] == num
         if held.all():  # the usual ack: every row still held under the lease
-            self._unlease_locked(it, ci, local)
+            self._unlease_locked(it, ci, local, num)
             it.acked[local, ci] = True
             it.acked_by[local, ci] = num
             self._wake_locked(it, ci)
