@@ -281,7 +281,8 @@ class TrainerConfig:
 class CriticConfig:
     """The critic of PPO (``algorithm.adv_estimator=gae``): a value model V(s_t) per response token,
     trained in the same iteration as the actor on the GAE returns (``dockrl/workers/critic.py``).
-    Names follow verl's ``critic`` section (``trainer.critic_warmup`` is ``warmup_iterations`` here)."""
+    Names follow verl's ``critic`` section (``trainer.critic_warmup`` is ``warmup_iterations`` here).
+    It trains with transformers (the ``hf`` engine) whatever ``trainer.engine`` the actor uses."""
 
     enable: bool = False
     """Run the critic stage; needed by ``algorithm.adv_estimator=gae`` and used by nothing else."""

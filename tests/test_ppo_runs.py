@@ -47,10 +47,13 @@ def check_ppo_rows(rows: list[dict], warmup: int) -> None:
 
 @pytest.mark.slow  # one short run of the tiny model
 def test_ppo_warms_the_critic_up_then_trains_both(tiny_model_dir, tmp_path, monkeypatch):
+    """With the KL penalty in the reward: the reference runs before the advantages, which read it."""
     monkeypatch.syspath_prepend(str(FAKES))
-    driver.train(ppo_run(tiny_model_dir, tmp_path, "run", "trainer.iterations=2", "critic.warmup_iterations=1"))
+    driver.train(ppo_run(tiny_model_dir, tmp_path, "run", "trainer.iterations=2", "critic.warmup_iterations=1",
+                         "algorithm.kl_in_reward_coef=0.05"))
     run = tmp_path / "run"
     check_ppo_rows(read_rows(run), warmup=1)
+    assert all(x["timing_s/reference"] > 0 for x in read_rows(run))
     policy = state(tiny_model_dir)
     warmed = state(checkpoint_dir(run, 1))  # after iteration 0: the actor did not step
     assert all(torch.equal(warmed[n], p) for n, p in policy.items())
@@ -91,3 +94,14 @@ def test_an_interrupted_ppo_run_resumes_to_the_uninterrupted_result(tiny_model_d
     for k in adam[1]:  # the critic's AdamW moments and step count carried over the cut
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(adam[0][k][name], adam[1][k][name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # six iterations of the tiny model (the shared learning harness)
+def test_ppo_reward_rises(tiny_model_dir, tmp_path, monkeypatch):
+    """PPO (GAE with the critic, γ = λ = 1 as verl's defaults) learns the harness's reward."""
+    from learning import reward_curve, rises
+
+    curve = reward_curve(monkeypatch, tiny_model_dir, tmp_path, "algorithm.adv_estimator=gae", "critic.enable=true",
+                         "critic.lr=1e-2")
+    assert len(curve) == 6
+    assert rises(curve), f"reward curve {[round(r, 3) for r in curve]} does not rise"
