@@ -31,17 +31,23 @@ def test_first_on_policy_update_has_ratio_one(tiny_model_dir):
     assert m["actor/clip_ratio"] == 0.0
 
 
-@pytest.mark.parametrize("loss_agg, kl_coef", [("token-mean", 0.0), ("seq-mean-token-mean", 0.1)])
-def test_micro_batch_size_does_not_change_loss_or_gradients(tiny_model_dir, loss_agg, kl_coef):
-    algo = AlgorithmConfig(loss_agg_mode=loss_agg, kl_loss_coef=kl_coef)
+@pytest.mark.parametrize("loss_agg, kl_coef, extra", [
+    ("token-mean", 0.0, {}),
+    ("seq-mean-token-mean", 0.1, {}),
+    ("seq-mean-token-sum-norm", 0.1, {"kl_loss_type": "mse"}),
+    ("seq-mean-token-mean", 0.0, {"ratio_level": "sequence", "clip_ratio_c": 1.5, "tis_cap": 1.1, "entropy_coeff": 0.01}),
+], ids=["token-mean", "seq-mean-token-mean", "dr_grpo_norm", "gspo_dual_clip_tis_entropy"])
+def test_micro_batch_size_does_not_change_loss_or_gradients(tiny_model_dir, loss_agg, kl_coef, extra):
+    algo = AlgorithmConfig(loss_agg_mode=loss_agg, kl_loss_coef=kl_coef, **extra)
     results = []
     for micro in (1, 4):
         engine = HFTrainEngine(tiny_model_dir, trainable=True)
         batch = _batch(engine, kl=kl_coef > 0)
         # a second, shifted view so the ratio is not 1 and the clip and KL paths are exercised
         batch["old_log_prob"] = [[x - 0.25 for x in lp] for lp in batch["old_log_prob"]]
+        batch["rollout_log_prob"] = [[x - 0.1 for x in lp] for lp in batch["old_log_prob"]]
         engine.optimizer.zero_grad()
-        m = accumulate_mini_batch(engine, batch, algo=algo, temperature=1.0, micro_batch=micro)
+        m = accumulate_mini_batch(engine, batch, algo=algo, temperature=1.0, micro_batch=micro, horizon=16)
         results.append((m, {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}))
     (m1, g1), (m4, g4) = results
     assert m1["actor/loss"] == pytest.approx(m4["actor/loss"], abs=1e-6)
