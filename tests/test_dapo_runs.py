@@ -105,3 +105,39 @@ def test_dapo_settings_load_from_yaml_and_overrides(tmp_path):
     f = cfg.algorithm.filter_groups
     assert (f.enable, f.max_num_gen_batches, f.on_exhausted, f.rounds) == (True, 4, "fill", 4)
     assert cfg.algorithm.overlong_filter and not cfg.algorithm.overlong_buffer.enable
+
+
+class Interrupt(Exception):
+    pass
+
+
+def stop_in_iteration_2(it: int, metrics: dict) -> None:
+    if it == 2:  # its metrics line is written, the checkpoint after iteration 1 (iteration 2 open, gated) is complete
+        raise Interrupt
+
+
+@pytest.mark.slow  # three short runs of the tiny model
+def test_an_interrupted_dapo_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path, monkeypatch):
+    from fake_scorers import FakeHashScorer
+
+    from dockrl.resume import checkpoint_dir
+
+    monkeypatch.setattr(guard, "RewardScorer", FakeHashScorer)  # a response's score from its text: the same in every run
+
+    def config(name: str, *extra: str):
+        return dapo_config(tiny_model_dir, tmp_path / name, "trainer.iterations=3", "trainer.save_every=1",
+                           "algorithm.filter_groups.on_exhausted=fill", *extra)
+
+    with deadline(DEADLINE_S):
+        driver.train(config("straight"))
+        with pytest.raises(Interrupt):
+            driver.train(config("cut"), on_iteration=stop_in_iteration_2)
+        assert (checkpoint_dir(tmp_path / "cut" / "run", 2) / "dock" / "meta.json").is_file()
+        driver.train(config("cut", "run.resume=latest"))
+    straight, cut = metrics(tmp_path / "straight"), metrics(tmp_path / "cut")
+    assert [x["iteration"] for x in cut] == [0, 1, 2]
+    for x, y in zip(straight, cut):
+        keys = [k for k in x if k.startswith(("reward/", "rollout/", "actor/"))]
+        assert "rollout/gen_batches" in keys and "actor/sequences" in keys
+        for k in keys:
+            assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["iteration"], k, x[k], y[k])
