@@ -82,11 +82,11 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
 
 def value_metrics(values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
     """``critic/values_mean``, ``critic/returns_mean`` and ``critic/vf_explained_var``
-    ``= 1 - Var(R - V) / Var(R)`` over all response tokens, before the update (verl's metrics)."""
+    ``= 1 - Var(R - V) / (Var(R) + 1e-5)`` over all response tokens, before the update (verl's
+    metrics and ε: returns that are all equal do not divide by zero)."""
     v = torch.tensor([x for row in values for x in row], dtype=torch.float64)
     r = torch.tensor([x for row in returns for x in row], dtype=torch.float64)
-    var = r.var(unbiased=False)
-    explained = 1.0 - (r - v).var(unbiased=False) / var if var > 0 else torch.tensor(0.0)
+    explained = 1.0 - (r - v).var(unbiased=False) / (r.var(unbiased=False) + 1e-5)
     return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()), "critic/vf_explained_var": float(explained)}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
+from test_distributed import HYBRID, workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 from test_distributed_resume import VARYING, read_rows
 from test_ppo_runs import ppo_run
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from dockrl import driver
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend
+from dockrl.protocol import Report, iteration_reports
 from dockrl.resume import checkpoint_dir, critic_dir, final_dir
 
 FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py
@@ -31,6 +32,10 @@ def test_the_critic_is_a_stage_group_on_an_accelerator(tiny_model_dir, tmp_path)
     assert [g.name for g in groups] == ["dock-shard-0", "rollout", "reward", "critic", "actor"]
     critic = groups[3]
     assert critic.devices == 1 and critic.command[critic.command.index("--stage") + 1] == "critic"
+    assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.CRITIC, Report.ACTOR, Report.WEIGHT_SYNC]
+    hybrid = ppo_run(tiny_model_dir, tmp_path, "run", "dock.mode=distributed", *HYBRID)  # beside the hybrid actor too
+    assert [g.name for g in worker_groups(hybrid, LocalBackend("dockrl-test", state_dir=tmp_path / "state"), [5001], "h:2", "t")] == [
+        "dock-shard-0", "hybrid", "reward", "critic"]
 
 
 @pytest.mark.slow  # an in-process run and two distributed runs of the tiny model
@@ -62,3 +67,20 @@ def test_a_distributed_ppo_run_cut_and_resumed_ends_as_the_in_process_run(tiny_m
         resumed, uncut = cls.from_pretrained(folder(cut)).state_dict(), cls.from_pretrained(folder(tmp_path / "straight")).state_dict()
         for name, p in uncut.items():
             torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_critic_runs_as_a_pod_of_the_runs_jobset_with_its_accelerator(tiny_model_dir, tmp_path, validate_jobset):
+    from dockrl.launch.jobset import render_jobset
+    from dockrl.launch.platform import PLATFORMS
+
+    cfg = ppo_run(tiny_model_dir, tmp_path, "run", "dock.mode=distributed")
+    groups = worker_groups(cfg, LocalBackend("dockrl-test", state_dir=tmp_path / "state"), [5001], "h:2", "t")
+    [jobset] = [o for o in render_jobset(groups, run_id="3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d", namespace="team-rl",
+                                         platform=PLATFORMS["gpu"]) if o["kind"] == "JobSet"]
+    validate_jobset(jobset)
+    jobs = {r["name"]: r["template"]["spec"]["template"]["spec"]["containers"][0] for r in jobset["spec"]["replicatedJobs"]}
+    assert set(jobs) == {"dock-shard-0", "rollout", "reward", "critic", "actor"}
+    critic = jobs["critic"]
+    assert critic["resources"]["limits"] == {"nvidia.com/gpu": 1} and critic["image"] == PLATFORMS["gpu"].image
+    command = [*critic.get("command", []), *critic.get("args", [])]
+    assert command[command.index("--stage") + 1] == "critic"

@@ -128,3 +128,13 @@ def test_the_advantage_stage_turns_the_critics_values_into_gae_returns(tiny_mode
     m = worker.update(dock)  # claims the returns: one step per prompt group
     assert m["critic/returns_mean"] == pytest.approx(sum(map(sum, by_hand)) / 9, abs=1e-6)
     dock.close()
+
+
+def test_explained_variance_by_hand_and_with_equal_returns():
+    from dockrl.workers.critic import value_metrics
+
+    m = value_metrics([[0.0, 1.0], [2.0]], [[1.0, 1.0], [4.0]])  # R - V = 1, 0, 2: var 2/3; var R = 2
+    assert m["critic/vf_explained_var"] == pytest.approx(1 - (2 / 3) / (2 + 1e-5))
+    assert m["critic/values_mean"] == pytest.approx(1.0) and m["critic/returns_mean"] == pytest.approx(2.0)
+    same = value_metrics([[0.5, 0.25]], [[1.0, 1.0]])  # every return equal: finite, not a division by zero
+    assert same["critic/vf_explained_var"] == pytest.approx(1 - 0.015625 / 1e-5)
