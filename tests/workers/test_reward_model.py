@@ -3,6 +3,8 @@ weighted sum the reward stage writes, its config errors, and whole runs with it 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -162,3 +164,13 @@ def test_a_value_head_per_token_scores_the_last_token(tmp_path, tiny_model_dir):
     for p, r, score in zip(PROMPTS, RESPONSES, got):
         values = model.model(input_ids=torch.tensor([p + r])).logits  # (1, L, 1): a value per token
         assert score == pytest.approx(float(values[0, -1, 0]), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_filters_groups_on_the_combined_reward(tiny_model_dir, tiny_reward_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(guard, "RewardScorer", FakeRandomScorer)
+    driver.train(load_config(None, run_overrides(tiny_model_dir, tiny_reward_model_dir, tmp_path, "algorithm.filter_groups.enable=true",
+                                                 "algorithm.filter_groups.metric=score", "algorithm.filter_groups.on_exhausted=fill")))
+    check_reward_model_run(tmp_path / "run")  # the rounds' rows scored by the reward model are those the reward stage combines
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["rollout/kept_groups"] + x["rollout/filled_groups"] >= 2 and x["rollout/gen_batches"] >= 1 for x in lines)
