@@ -49,3 +49,11 @@ def test_gae_and_the_critic_come_together():
     with pytest.raises(ConfigError, match=r"critic.enable: got True; the critic serves algorithm.adv_estimator='gae' only "
                                           r"\(got 'grpo', which does not use values\)"):
         load_config(None, ["critic.enable=true"])
+
+
+def test_a_pipeline_run_chooses_ppo_by_its_estimator_and_the_critic_override():
+    from dockrl.launch.tasks import resolve_overrides
+
+    assert resolve_overrides({"adv_estimator": "gae"}, ["critic.enable=true"]) == ["algorithm.adv_estimator=gae", "critic.enable=true"]
+    with pytest.raises(ConfigError, match=r"^algorithm.adv_estimator: got 'gae'; GAE needs the critic's values"):
+        resolve_overrides({"adv_estimator": "gae"}, [])
