@@ -257,15 +257,16 @@ def response_log_probs(
 def packing_works(model: PreTrainedModel, pad_id: int) -> bool:
     """Whether ``model`` keeps packed sequences apart (``pack_rows``): the log-probs of two short
     sequences packed into one row (beside a longer one in a row of its own) equal those of each
-    alone (1e-4). Architectures whose attention
-    does not build its mask with transformers' ``masking_utils`` (some remote code) read a packed
-    row as one sequence; their engine right-pads instead."""
-    vocab = model.get_input_embeddings().num_embeddings
-    prompts = [[1 % vocab, 2 % vocab], [3 % vocab], [4 % vocab]]
-    responses = [[5 % vocab, 6 % vocab, 7 % vocab, 8 % vocab], [9 % vocab, 10 % vocab], [11 % vocab, 12 % vocab]]
-    args = dict(pad_id=pad_id, temperature=1.0, autocast_bf16=False)
-    packed, _, _ = response_log_probs(model, prompts, responses, **args)
-    alone = [response_log_probs(model, [p], [r], **args, pack=False)[0][0, : len(r)] for p, r in zip(prompts, responses)]
+    alone (1e-4), token ids 1-12. Architectures whose attention does not build its mask with
+    transformers' ``masking_utils`` (some remote code) read a packed row as one sequence; their
+    engine right-pads instead."""
+    prompts, responses = [[1, 2], [3], [4]], [[5, 6, 7, 8], [9, 10], [11, 12]]
+
+    def log_probs(ps: list[list[int]], rs: list[list[int]], pack: bool) -> torch.Tensor:
+        return response_log_probs(model, ps, rs, pad_id=pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0]
+
+    packed = log_probs(prompts, responses, True)
+    alone = [log_probs([p], [r], False)[0, : len(r)] for p, r in zip(prompts, responses)]
     works = all(torch.allclose(packed[i, : len(r)], a, atol=1e-4) for i, (r, a) in enumerate(zip(responses, alone)))
     if not works:
         logger.warning("%s does not keep packed sequences apart: micro-batches are right-padded", type(model).__name__)
