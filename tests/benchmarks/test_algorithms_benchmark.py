@@ -23,7 +23,7 @@ def data_rows(out: str) -> dict[str, list[str]]:
             for line in out.splitlines() if line.startswith("| ") and not line.startswith("| algorithm")}
 
 
-@pytest.mark.slow  # one training process per algorithm on the tiny model: ~30 s each on 2 busy cores
+@pytest.mark.slow  # one training process per algorithm on the tiny model: ~4 min for the four on 2 busy cores
 def test_quick_mode_prints_every_algorithm_with_the_same_budget():
     out = load_benchmark().main(["--quick", "--timeout-s", "600"])
     assert "machine: " in out and "2 iterations × 2 prompts × 4 samples × ≤8 tokens" in out
