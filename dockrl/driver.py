@@ -222,6 +222,7 @@ class InProcessStages:
 
         cfg = self.cfg = plan.cfg
         self.plan, self.run, self.close_actor = plan, f"dockrl-{secrets.token_hex(6)}", lambda: None
+        self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
@@ -259,7 +260,8 @@ class InProcessStages:
         sampling = [stages[0], *critic_values, *reward_model, RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model, cfg)]
         self.workers: list[StageWorker]
         if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
-            self.workers = [SideBySide([*sampling, AdvantageWorker(a)]), *reference, stages[1]]
+            side_by_side = SideBySide([*sampling, AdvantageWorker(a)])
+            self.workers, self.stop_threads = [side_by_side, *reference, stages[1]], side_by_side.close
         else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
             self.workers = [*sampling, *reference, AdvantageWorker(a), *critic_update, stages[1]]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
@@ -292,5 +294,6 @@ class InProcessStages:
 
     def close(self) -> None:
         self.dock.close()
+        self.stop_threads()
         self.scorer.close()
         self.close_actor()

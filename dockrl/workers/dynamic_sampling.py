@@ -166,17 +166,23 @@ class SideBySide:
     def __init__(self, workers: Sequence[StageWorker]) -> None:
         self.workers = list(workers)
         self.done: queue.Queue[tuple[int, dict[str, float] | BaseException]] = queue.Queue()
-        self.jobs: list[queue.Queue[Dock]] = [queue.Queue() for _ in self.workers]
-        for i, worker in enumerate(self.workers):
-            threading.Thread(target=self._serve, args=(i, worker), name=f"stage-{type(worker).__name__}", daemon=True).start()
+        self.jobs: list[queue.Queue[Dock | None]] = [queue.Queue() for _ in self.workers]  # None: stop
+        self.threads = [threading.Thread(target=self._serve, args=(i, worker), name=f"stage-{type(worker).__name__}", daemon=True)
+                        for i, worker in enumerate(self.workers)]
+        for thread in self.threads:
+            thread.start()
 
     def _serve(self, i: int, worker: StageWorker) -> None:
-        while True:
-            dock = self.jobs[i].get()
+        while (dock := self.jobs[i].get()) is not None:
             try:
                 self.done.put((i, worker.run_iteration(dock)))
             except BaseException as e:  # noqa: BLE001 - handed to the calling thread
                 self.done.put((i, e))
+
+    def close(self) -> None:
+        """End the threads once their current iteration (if any) is over; they are daemons, so nothing waits for them."""
+        for jobs in self.jobs:
+            jobs.put(None)
 
     def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Every worker's iteration, side by side; their merged metrics.

@@ -187,3 +187,16 @@ def test_one_round_is_plain_grpo_filtering(docks):
 @pytest.mark.parametrize(("total", "limit", "expected"), [(12, 64, 12), (12, 5, 4), (7, 3, 1), (6, 0, 1), (8, 8, 8)])
 def test_divisor_at_most(total, limit, expected):
     assert divisor_at_most(total, limit) == expected
+
+
+def test_side_by_side_threads_end_on_close():
+    class FakeWorker:
+        def run_iteration(self, dock):
+            return {"fake/x": 1.0}
+
+    together = SideBySide([FakeWorker(), FakeWorker()])
+    assert together.run_iteration(object()) == {"fake/x": 1.0}  # any dock: the fakes do not touch it
+    together.close()
+    for thread in together.threads:
+        thread.join(5)
+    assert not any(t.is_alive() for t in together.threads)
