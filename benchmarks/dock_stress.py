@@ -82,9 +82,9 @@ READS = {
     "rollout": ("prompt_ids",), "reward": ("response_ids",), "reference": ("response_ids",), "advantage": ("rm_score",),
     "actor": ("prompt_ids", "response_ids", "rollout_log_prob", "ref_log_prob", "advantages"),
 }
-WRITES = {
+WRITES = {  # every output column of the stage in the schema: a row is finished (not computed twice) once all are written
     "rollout": ("response_ids", "rollout_log_prob", "truncated"), "reward": ("rm_score", "correct"),
-    "reference": ("ref_log_prob",), "advantage": ("advantages",), "actor": ("old_log_prob",),
+    "reference": ("ref_log_prob",), "advantage": ("advantages", "returns"), "actor": ("old_log_prob",),
 }
 WHOLE_GROUPS = {"rollout": True, "reward": False, "reference": False, "advantage": True, "actor": True}
 SHARE = {"rollout": 0.22, "reward": 0.14, "reference": 0.18, "advantage": 0.10, "actor": 0.36}
