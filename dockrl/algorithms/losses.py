@@ -22,7 +22,7 @@ class PolicyLoss(NamedTuple):
     clip_hit: torch.Tensor
     """1 where the clipped term (1 ± ε) was selected."""
     dual_clip_hit: torch.Tensor
-    """1 where the dual-clip bound ``-c·A`` was selected (negative advantages, ``clip_c > 0``)."""
+    """1 where the dual-clip bound ``-c·A`` was selected (negative advantages, ``clip_c > 1``)."""
 
 
 def sequence_ratio_log(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def policy_loss(
     ``L_t = -min(ρ_t A_t, clip(ρ_t, 1-ε_low, 1+ε_high) A_t)``: PPO (Schulman et al., 2017, arXiv
     1707.06347, eq. 7) with the decoupled clip range of DAPO (Yu et al., 2025, arXiv 2503.14476,
     eq. 10). ``ρ_t = exp(logπ_t - logπ_old,t)`` (``ratio_level="token"``) or GSPO's sequence
-    ratio ``s_i`` (``"sequence"``, ``sequence_ratio_log``). With ``clip_c > 1``, dual-clip for
+    ratio ``s_i`` (``"sequence"``, ``sequence_ratio_log``). With ``clip_c > 1`` (0: off), dual-clip for
     ``A_t < 0``: ``L_t = min(L_t, -c·A_t)`` (Ye et al., 2020, arXiv 1912.09729, eq. 5), which bounds
     the loss of a token whose ratio grew far above 1. ``weight`` (e.g. ``tis_weight``) multiplies
     each token's loss.
@@ -65,7 +65,12 @@ def policy_loss(
 
     Returns:
         ``PolicyLoss`` of ``(B, T)`` tensors, 0 where masked.
+
+    Raises:
+        ValueError: ``0 < clip_c <= 1`` (a bound at or below the clipped loss, ``algorithm.clip_ratio_c``).
     """
+    if 0 < clip_c <= 1:
+        raise ValueError(f"policy_loss: clip_c={clip_c}; expected 0 (no dual-clip) or a bound > 1")
     if advantages.ndim == 1:
         advantages = advantages.unsqueeze(1)
     log_ratio = log_prob - old_log_prob if ratio_level == "token" else sequence_ratio_log(log_prob, old_log_prob, mask)
@@ -75,7 +80,7 @@ def policy_loss(
     loss = -torch.minimum(unclipped, clipped)
     clip_hit = (clipped < unclipped).float()
     dual_hit = torch.zeros_like(clip_hit)
-    if clip_c > 0:
+    if clip_c > 1:
         bound = -clip_c * advantages
         dual = (advantages < 0) & (bound < loss)
         loss, dual_hit = torch.where(dual, bound.expand_as(loss), loss), dual.float()

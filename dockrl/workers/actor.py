@@ -110,7 +110,7 @@ def accumulate_mini_batch(
     names = ((["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_loss_coef > 0 else [])
              + (["rollout_log_prob"] if algo.tis_cap > 0 else []))
     columns = DeviceColumns(batch, names)
-    metric_names = _METRICS + (_DUAL_CLIP if algo.clip_ratio_c > 0 else ()) + (_TIS if algo.tis_cap > 0 else ())
+    metric_names = _METRICS + (_DUAL_CLIP if algo.clip_ratio_c > 1 else ()) + (_TIS if algo.tis_cap > 0 else ())
 
     def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
         b, T = log_prob.shape
@@ -143,7 +143,7 @@ def accumulate_mini_batch(
                 loss.detach(), aggregate_loss(pg.detach(), mask, algo.loss_agg_mode, **totals), kl.detach().sum(), entropy.detach().sum(),
                 clip_hit.sum(), ratio.sum(),
             ]
-            if algo.clip_ratio_c > 0:
+            if algo.clip_ratio_c > 1:
                 values.append(dual_hit.sum())
             if weight is not None:
                 values += [(weight * mask).sum(), ((weight >= algo.tis_cap).float() * mask).sum()]

@@ -102,6 +102,8 @@ def test_dual_clip_hand_computed():
     assert log_prob.grad.tolist() == [[0.0, 0.0, 0.0]]  # the bound and the clips are constants
     plain, _, none = policy_loss(log_prob, torch.zeros(1, 3), adv, mask, clip_low=0.2, clip_high=0.28)
     assert plain[0, 0].item() == pytest.approx(4.0) and none.sum() == 0  # off: the loss grows with the ratio
+    with pytest.raises(ValueError, match="clip_c=1.0"):  # a bound of 1 would cut below the clipped loss
+        policy_loss(log_prob, torch.zeros(1, 3), adv, mask, clip_low=0.2, clip_high=0.28, clip_c=1.0)
 
 
 def test_tis_weight_and_weighted_loss_hand_computed():
