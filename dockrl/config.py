@@ -108,7 +108,7 @@ class FilterGroupsConfig:
     on_exhausted: Literal["error", "fill"] = "error"
     """When the rounds are used up with fewer kept groups than ``trainer.global_batch``:
     ``error`` fails the run naming these fields (verl's behaviour); ``fill`` trains on what it
-    has, the kept groups topped up with the latest filtered ones to the configured size (they
+    has, the kept groups topped up with the first filtered ones to the configured size (they
     carry no group-relative signal)."""
 
     @property
@@ -155,18 +155,20 @@ class AlgorithmConfig:
     ``rollout.max_response_length`` (Dr. GRPO) (``dockrl.algorithms.aggregate_loss``)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio of the clipped loss: per token (PPO/GRPO) or the length-normalized
-    sequence ratio (GSPO)."""
+    sequence ratio (GSPO; with ``loss_agg_mode=seq-mean-token-mean``, its eq. 5)."""
     clip_ratio_low: float = 0.2
     """Lower clip ε of the ratio (1 - ε)."""
     clip_ratio_high: float = 0.28
     """Upper clip ε of the ratio (1 + ε); DAPO's clip-higher."""
     clip_ratio_c: float = 0.0
-    """Dual-clip bound c > 1 of the loss of a negative-advantage token (``-c·A`` at most); 0: off."""
+    """Dual-clip bound c > 1 of the loss of a negative-advantage token (``-c·A`` at most); 0: off
+    (0 < c <= 1 is refused: the bound would cut below the clipped loss)."""
     entropy_coeff: float = 0.0
     """Coefficient of the entropy bonus subtracted from the loss; 0: off."""
     tis_cap: float = 0.0
     """Truncated importance sampling: the policy loss of each token is weighted by
-    ``min(π_old/π_rollout, tis_cap)`` (rollout engine's log-probs); 0: off."""
+    ``min(π_old/π_rollout, tis_cap)`` (rollout engine's log-probs); 0: off, else at least 1 (a cap
+    below 1 would scale every token's loss down)."""
     kl_loss_coef: float = 0.0
     """β of the KL penalty to the reference in the loss; 0: none (without ``kl_in_reward_coef`` no
     reference stage runs)."""
@@ -305,8 +307,8 @@ class CriticConfig:
     micro_batch: int = 0
     """Sequences per critic forward/backward; 0: ``trainer.micro_batch``."""
     warmup_iterations: int = 0
-    """First iterations in which only the critic trains: the actor computes its log-probs but does
-    not step (verl's ``trainer.critic_warmup``)."""
+    """First iterations in which only the critic trains: the actor acks its rows without a forward
+    pass or a step (verl's ``trainer.critic_warmup``); below ``trainer.iterations``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -451,8 +453,14 @@ def _check_rules(c: Config) -> None:
     for where, v in {"data.eval_size": d.eval_size, "run.num_threads": c.run.num_threads}.items():
         if v < 0:
             raise _fail(where, v, "expected an integer >= 0 (0: all test prompts / torch's default threads)")
-    if r.n < 2:
-        raise _fail("rollout.n", r.n, "GRPO needs a group of at least 2 samples per prompt")
+    if r.n < 1:
+        raise _fail("rollout.n", r.n, "expected a positive integer")
+    if r.n < 2 and a.adv_estimator in ("grpo", "dr_grpo", "rloo"):  # gae and reinforce_plus_plus need no group (verl's PPO)
+        raise _fail("rollout.n", r.n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the responses to one prompt: "
+                    "it needs a group of at least 2 samples per prompt (or 'reinforce_plus_plus' or 'gae', which do not)")
+    if r.n < 2 and a.filter_groups.enable:
+        raise _fail("rollout.n", r.n, "algorithm.filter_groups.enable keeps the groups whose responses differ: it needs "
+                    "a group of at least 2 samples per prompt")
     if not 0.0 < r.temperature:
         raise _fail("rollout.temperature", r.temperature, "expected > 0")
     if not 0.0 < r.top_p <= 1.0:
@@ -476,7 +484,7 @@ def _check_rules(c: Config) -> None:
         "trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
         "algorithm.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_in_reward_coef": a.kl_in_reward_coef,
         "algorithm.adv_eps": a.adv_eps, "algorithm.clip_ratio_high": a.clip_ratio_high,
-        "algorithm.entropy_coeff": a.entropy_coeff, "algorithm.tis_cap": a.tis_cap,
+        "algorithm.entropy_coeff": a.entropy_coeff,
         "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
     }
     for where, x in non_negative.items():
@@ -528,6 +536,9 @@ def _check_critic(c: Config) -> None:
     if k.enable and c.algorithm.adv_estimator != "gae":  # only GAE reads values; no other estimator puts returns to train on
         raise _fail("critic.enable", k.enable, f"the critic serves algorithm.adv_estimator='gae' only (got "
                     f"{c.algorithm.adv_estimator!r}, which does not use values): set algorithm.adv_estimator=gae, or critic.enable=false")
+    if k.enable and k.warmup_iterations >= t.iterations:
+        raise _fail("critic.warmup_iterations", k.warmup_iterations, f"must be below trainer.iterations={t.iterations}: "
+                    "the actor trains only after the warm-up")
     if not k.enable:
         if k.model_path:
             raise _fail("critic.model_path", k.model_path, "is set but critic.enable is false: enable the critic or leave it empty")
@@ -542,7 +553,16 @@ def critic_batches(c: Config) -> tuple[int, int]:
 
 
 def _check_reward_model(m: RewardModelConfig) -> None:
-    if not m.enable:
+    if not m.enable:  # as the critic's: a setting that would be silently ignored is refused
+        unset = RewardModelConfig()
+        settings = {"reward_model.model.path": (m.model.path, unset.model.path),
+                    "reward_model.model.trust_remote_code": (m.model.trust_remote_code, unset.model.trust_remote_code),
+                    "reward_model.micro_batch_size": (m.micro_batch_size, unset.micro_batch_size),
+                    "reward_model.model_weight": (m.model_weight, unset.model_weight),
+                    "reward_model.rule_weight": (m.rule_weight, unset.rule_weight)}
+        for where, (value, default) in settings.items():
+            if value != default:
+                raise _fail(where, value, "is set but reward_model.enable is false: enable the reward model or leave it unset")
         return
     if not m.model.path.strip():
         raise _fail("reward_model.model.path", m.model.path, "reward_model.enable=true needs the folder of a "
@@ -564,6 +584,12 @@ def _check_algorithm(c: Config) -> None:
         raise _fail("algorithm.clip_ratio_low", a.clip_ratio_low, "expected 0 <= clip_ratio_low < 1")
     if not (a.clip_ratio_c == 0 or 1 < a.clip_ratio_c < math.inf):
         raise _fail("algorithm.clip_ratio_c", a.clip_ratio_c, "expected 0 (no dual-clip) or a finite bound > 1 (verl: 3.0)")
+    if not (a.tis_cap == 0 or 1 <= a.tis_cap < math.inf):  # a cap below 1 would scale every token's loss down
+        raise _fail("algorithm.tis_cap", a.tis_cap, "expected 0 (no truncated importance sampling) or a finite cap >= 1 (verl: 2.0)")
+    if a.ratio_level == "sequence" and a.loss_agg_mode != "seq-mean-token-mean":
+        raise _fail("algorithm.loss_agg_mode", a.loss_agg_mode, "algorithm.ratio_level='sequence' (GSPO) averages each "
+                    "sequence's token losses, then the sequences (arXiv 2507.18071, eq. 5): set "
+                    "algorithm.loss_agg_mode='seq-mean-token-mean', or algorithm.ratio_level='token'")
     for where, x in {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items():
         if not (0 <= x <= 1):
             raise _fail(where, x, "expected a number from 0 to 1")

@@ -116,7 +116,11 @@ ERRORS = {
     "literal dtype": (["rollout.dtype=float16"], ["rollout.dtype: got 'float16'; expected one of 'auto', 'float32', 'bfloat16'"]),
     "literal engine": (["rollout.engine=sglang"], ["rollout.engine: got 'sglang'; expected one of 'hf', 'vllm'"]),
     "literal adv_estimator": (["algorithm.adv_estimator=ppo"], ["algorithm.adv_estimator", "'ppo'", "'grpo'", "'reinforce_plus_plus'"]),
-    "group of one": (["rollout.n=1"], ["rollout.n: got 1", "at least 2"]),
+    "group of one": (["rollout.n=1"], ["rollout.n: got 1", "algorithm.adv_estimator='grpo'", "at least 2"]),
+    "group of one under dynamic sampling": (
+        ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.filter_groups.enable=true"],
+        ["rollout.n: got 1", "algorithm.filter_groups.enable", "at least 2"],
+    ),
     "mini_batch does not divide global_batch": (
         ["trainer.global_batch=12", "trainer.mini_batch=8"],
         ["trainer.mini_batch: got 8", "trainer.global_batch=12"],
@@ -158,6 +162,11 @@ ERRORS = {
     "negative clip_ratio_high": (["algorithm.clip_ratio_high=-0.1"], ["algorithm.clip_ratio_high: got -0.1"]),
     "dual-clip bound of 1": (["algorithm.clip_ratio_c=1"], ["algorithm.clip_ratio_c: got 1.0", "> 1"]),
     "negative tis_cap": (["algorithm.tis_cap=-1"], ["algorithm.tis_cap: got -1.0"]),
+    "tis_cap below 1": (["algorithm.tis_cap=0.5"], ["algorithm.tis_cap: got 0.5", ">= 1"]),
+    "GSPO with a token mean": (["algorithm.ratio_level=sequence"],
+                               ["algorithm.loss_agg_mode: got 'token-mean'", "algorithm.ratio_level='sequence'", "'seq-mean-token-mean'"]),
+    "reward-model setting without the reward model": (["reward_model.rule_weight=2"],
+                                                      ["reward_model.rule_weight: got 2.0", "reward_model.enable is false"]),
     "negative entropy_coeff": (["algorithm.entropy_coeff=-0.01"], ["algorithm.entropy_coeff: got -0.01"]),
     "gamma above 1": (["algorithm.gamma=1.5"], ["algorithm.gamma: got 1.5", "from 0 to 1"]),
     "lam below 0": (["algorithm.lam=-0.5"], ["algorithm.lam: got -0.5"]),
@@ -472,6 +481,9 @@ def test_algorithm_defaults_are_grpo_and_verl_combinations_load():
     rpp = load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_in_reward_coef=0.01",
                              "algorithm.kl_penalty=low_var_kl", "algorithm.gamma=0.99"]).algorithm
     assert rpp.uses_reference and rpp.kl_penalty == "low_var_kl"
-    gspo = load_config(None, ["algorithm.ratio_level=sequence", "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4",
+    gspo = load_config(None, ["algorithm.ratio_level=sequence", "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4",
                               "algorithm.clip_ratio_c=3", "algorithm.tis_cap=2"]).algorithm
     assert (gspo.ratio_level, gspo.clip_ratio_c, gspo.tis_cap) == ("sequence", 3.0, 2.0)
+    for estimator in ("reinforce_plus_plus", "gae"):  # no group: one sample per prompt, as verl's PPO
+        one = load_config(None, ["rollout.n=1", "trainer.micro_batch=6", f"algorithm.adv_estimator={estimator}", f"critic.enable={estimator == 'gae'}"])
+        assert one.rollout.n == 1

@@ -28,6 +28,7 @@ def test_the_critic_is_off_by_default_and_adds_its_stage_and_reports_when_on():
     (["critic.lr=-1"], "critic.lr"),
     (["critic.ppo_epochs=0"], "critic.ppo_epochs"),
     (["critic.warmup_iterations=-1"], "critic.warmup_iterations"),
+    (["critic.warmup_iterations=3", "trainer.iterations=3"], "critic.warmup_iterations"),  # the actor would never train
     (["critic.mini_batch=4"], "critic.mini_batch"),  # does not divide trainer.global_batch=6
     (["critic.micro_batch=5"], "critic.micro_batch"),  # does not divide 6 prompts × 8 samples
 ])

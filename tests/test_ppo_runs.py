@@ -67,6 +67,16 @@ def test_ppo_warms_the_critic_up_then_trains_both(tiny_model_dir, tmp_path, monk
     assert (critic_dir(final_dir(run)) / "optimizer.pt").is_file()
 
 
+@pytest.mark.slow  # one short run of the tiny model
+def test_ppo_runs_with_one_sample_per_prompt(tiny_model_dir, tmp_path, monkeypatch):
+    """GAE needs no group (verl's PPO samples once per prompt); a group of one has no spread to report."""
+    monkeypatch.syspath_prepend(str(FAKES))
+    driver.train(ppo_run(tiny_model_dir, tmp_path, "run", "trainer.iterations=2", "rollout.n=1", "trainer.micro_batch=2"))
+    rows = read_rows(tmp_path / "run")
+    check_ppo_rows(rows, warmup=0)
+    assert len(rows) == 2 and all("rollout/frac_zero_std_groups" not in x for x in rows)
+
+
 @pytest.mark.slow  # two short runs of the tiny model and a resumed one
 def test_an_interrupted_ppo_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FAKES))

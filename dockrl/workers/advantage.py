@@ -38,7 +38,8 @@ class AdvantageWorker:
                         + (["values"] if gae else []))
 
     def run_iteration(self, dock: Dock) -> dict[str, float]:
-        """Compute the advantages of every row; returns ``rollout/frac_zero_std_groups`` and timing."""
+        """Compute the advantages of every row; returns ``rollout/frac_zero_std_groups`` (groups of
+        ``rollout.n >= 2``) and timing."""
         n = dock.group_size
         if self.cfg.filter_groups.enable:
             return DynamicSampler(self.cfg.filter_groups, self.columns, lambda batch: self.advantages(batch, n)).run_iteration(dock)
@@ -48,7 +49,8 @@ class AdvantageWorker:
             per_group = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float64).view(-1, n)
             groups += per_group.shape[0]
             zero_std += int((per_group.max(dim=1).values == per_group.min(dim=1).values).sum())
-        return {"rollout/frac_zero_std_groups": zero_std / groups, "timing_s/advantage": time.perf_counter() - start}
+        spread = {"rollout/frac_zero_std_groups": zero_std / groups} if n > 1 else {}  # a group of one has no spread
+        return spread | {"timing_s/advantage": time.perf_counter() - start}
 
     def advantages(self, batch: pa.RecordBatch, n: int) -> dict[str, list]:
         """The ``advantages`` (and with ``gae`` the ``returns``) columns, per token, of whole groups of
