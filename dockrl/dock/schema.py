@@ -77,7 +77,7 @@ GRPO_SCHEMA = Schema(
         Column(name="ref_log_prob", type=_FLOATS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
         Column(name="old_log_prob", type=_FLOATS, producer="actor", doc="per-token log-prob under the actor before the update (R,), nats"),
         Column(name="values", type=_FLOATS, producer="critic", doc="per-token value V(s_t) under the critic before its update (R,)"),
-        Column(name="returns", type=_FLOATS, producer="advantage", doc="per-token GAE return A_t + V(s_t): the critic's target (R,)"),
+        Column(name="returns", type=_FLOATS, producer="advantage", doc="per-token return (R,): GAE's A_t + V(s_t), else the advantages"),
     ),
     # the critic consumes twice per iteration: responses (→ values), then returns (its update)
     consumers=("rollout", "reward_model", "reward", "advantage", "reference", "actor", "critic", "critic_update"),

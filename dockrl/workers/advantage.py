@@ -53,8 +53,12 @@ class AdvantageWorker:
         return spread | {"timing_s/advantage": time.perf_counter() - start}
 
     def advantages(self, batch: pa.RecordBatch, n: int) -> dict[str, list]:
-        """The ``advantages`` (and with ``gae`` the ``returns``) columns, per token, of whole groups of
-        ``n`` rows; ``batch`` holds ``self.columns``."""
+        """The ``advantages`` and ``returns`` columns, per token, of whole groups of ``n`` rows;
+        ``batch`` holds ``self.columns``. Both are this stage's outputs in the schema, so both are
+        always written (a row counts as finished for the stage only then, which a lease that ends
+        between the put and the ack relies on); ``returns`` is the critic's target with ``gae``,
+        the discounted returns with ``reinforce_plus_plus`` and the advantages themselves with the
+        outcome estimators, as verl."""
         scores = torch.tensor(batch.column("rm_score").to_pylist(), dtype=torch.float64)
         lengths = [len(r) for r in batch.column("response_ids").to_pylist()]
         T = max(max(lengths, default=1), 1)
@@ -66,7 +70,5 @@ class AdvantageWorker:
         gae = self.cfg.adv_estimator == "gae"
         values = _padded(batch.column("values").to_pylist(), T) if gae else None
         adv, returns = compute_advantages(self.cfg, scores, mask, group_size=n, values=values, kl=kl)
-        out = {"advantages": [row[:k] for row, k in zip(adv.tolist(), lengths)]}
-        if gae:  # the critic's target, claimed by its update
-            out["returns"] = [row[:k] for row, k in zip(returns.tolist(), lengths)]
-        return out
+        return {"advantages": [row[:k] for row, k in zip(adv.tolist(), lengths)],
+                "returns": [row[:k] for row, k in zip(returns.tolist(), lengths)]}

@@ -41,6 +41,9 @@ def test_reward_then_advantage_through_the_dock():
     assert a["rollout/frac_zero_std_groups"] == 0.0
     assert adv[0] > 0 and adv[2] < 0 and adv[1] < 0
     assert sum(adv[:4]) == pytest.approx(0.0, abs=1e-5)
+    # both outputs of the stage are written (the rows are finished for it): an outcome estimator's
+    # returns are its advantages, as verl's
+    assert dock.get(["returns"], range(8)).column("returns").to_pylist() == per_token
     dock.close()
 
 
