@@ -12,6 +12,10 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Config
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,29 @@ def prepare_smollm2(out_dir: str | Path) -> Path:
     return out
 
 
+def _tiny_qwen2_config(
+    vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, *, eos: int | None, pad: int | None,
+    **extra: Any,
+) -> Qwen2Config:
+    """The Qwen2 shape of the tiny policy and of the tiny reward model (MLP twice the hidden size,
+    1,024 positions, no BOS); ``extra``: their own keywords (tied embeddings, ``num_labels``)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=1024,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        **extra,
+    )
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -102,7 +129,7 @@ def build_tiny_model(
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     from dockrl.data import generate_problems
 
@@ -133,19 +160,8 @@ def build_tiny_model(
     tokenizer.save_pretrained(out)
     eos = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token: one id
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        bos_token_id=None,
-    )
+    config = _tiny_qwen2_config(len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads, eos=eos, pad=eos,
+                                tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
@@ -174,26 +190,15 @@ def build_tiny_reward_model(
         The directory with ``config.json``, ``model.safetensors`` and the tokenizer files.
     """
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
+    from transformers import AutoTokenizer, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.save_pretrained(out)
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=1024,
-        num_labels=1,  # type: ignore[call-arg]  # a PretrainedConfig keyword the Qwen2Config stub does not list
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    config = _tiny_qwen2_config(len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads, eos=tokenizer.eos_token_id,
+                                pad=tokenizer.pad_token_id, num_labels=1)
     model = (Qwen2ForTokenClassification if value_head else Qwen2ForSequenceClassification)(config)
     with torch.no_grad():  # a score head of unit scale: random rewards that spread over about ±1, not ±0.02
         model.score.weight.normal_(0.0, hidden_size**-0.5)
