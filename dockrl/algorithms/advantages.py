@@ -126,7 +126,9 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     return ((x - mean) * torch.rsqrt(var + eps) * m).float()
 
 
-def reinforce_plus_plus_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float, eps: float) -> torch.Tensor:
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu, 2025, arXiv 2501.03262, §3: eq. 1 token rewards, §3.2 "advantage
     normalization"): the discounted return of each token, whitened over all tokens of the batch.
 
@@ -138,9 +140,11 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, mask: torch.Tensor, *,
         mask: ``(B, T)`` response mask.
 
     Returns:
-        ``(B, T)`` float32 advantages, 0 on padding.
+        ``(advantages, returns)``: ``(B, T)`` float32 advantages and the discounted returns ``G_t``,
+        each 0 on padding.
     """
-    return masked_whiten(discounted_returns(rewards, mask, gamma), mask, eps)
+    returns = discounted_returns(rewards, mask, gamma)
+    return masked_whiten(returns, mask, eps), returns
 
 
 def gae(
@@ -210,8 +214,7 @@ def compute_advantages(
         return adv, adv
     rewards = token_rewards(scores, m, kl, cfg.kl_in_reward_coef)
     if est == "reinforce_plus_plus":
-        returns = discounted_returns(rewards, m, cfg.gamma)
-        return masked_whiten(returns, m, cfg.adv_eps), returns
+        return reinforce_plus_plus_advantages(rewards, m, gamma=cfg.gamma, eps=cfg.adv_eps)
     elif est == "gae":
         if values is None:
             raise ValueError("compute_advantages: algorithm.adv_estimator='gae' needs the critic's values")

@@ -112,7 +112,8 @@ def test_reinforce_plus_plus_hand_computed():
     # unbiased variance 0.756875 / 3
     mask = torch.ones(2, 2)
     rewards = token_rewards(torch.tensor([1.0, 0.0]), mask, torch.tensor([[0.2, 0.2], [0.0, 0.4]]), 0.5)
-    adv = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5, eps=0.0)
+    adv, returns = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5, eps=0.0)
+    torch.testing.assert_close(returns, torch.tensor([[0.35, 0.9], [-0.1, -0.2]]))
     std = math.sqrt(0.756875 / 3)
     torch.testing.assert_close(adv, torch.tensor([[0.1125, 0.6625], [-0.3375, -0.4375]]) / std)
 
@@ -120,7 +121,7 @@ def test_reinforce_plus_plus_hand_computed():
 def test_reinforce_plus_plus_whitens_over_the_batch_not_the_group_and_skips_padding():
     # returns [[1, 1], [0, pad]] (γ = 1, no KL): mean 2/3, unbiased variance ((1/3)²·2 + (2/3)²)/2 = 1/3
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    adv = reinforce_plus_plus_advantages(token_rewards(torch.tensor([1.0, 0.0]), mask), mask, gamma=1.0, eps=0.0)
+    adv, _ = reinforce_plus_plus_advantages(token_rewards(torch.tensor([1.0, 0.0]), mask), mask, gamma=1.0, eps=0.0)
     s = math.sqrt(3)
     torch.testing.assert_close(adv, torch.tensor([[s / 3, s / 3], [-2 * s / 3, 0.0]]))
 
@@ -170,7 +171,7 @@ def test_compute_advantages_of_reinforce_plus_plus_and_gae():
     adv, returns = compute_advantages(cfg, scores, mask, group_size=2, kl=kl)
     rewards = torch.tensor([[-0.1, 0.8], [-0.3, 0.0]])
     torch.testing.assert_close(returns, torch.tensor([[-0.1 + 0.9 * 0.8, 0.8], [-0.3, 0.0]]))
-    torch.testing.assert_close(adv, reinforce_plus_plus_advantages(rewards, mask, gamma=0.9, eps=0.0))
+    torch.testing.assert_close(adv, reinforce_plus_plus_advantages(rewards, mask, gamma=0.9, eps=0.0)[0])
     cfg = _algo(adv_estimator="gae", gamma=1.0, lam=1.0, adv_eps=0.0)
     with pytest.raises(ValueError, match="needs the critic's values"):
         compute_advantages(cfg, scores, mask, group_size=2)
