@@ -8,7 +8,8 @@ its own checkpoints (``CHECKPOINT/critic``) it takes both.
 
 The steps are the actor engine's: ``forward_backward`` calls a loss function per micro-batch and
 back-propagates it, ``optimizer_step`` zeroes, accumulates, clips and steps
-(``dockrl.engines.hf.clipped_step``); only the forward pass differs (values instead of log-probs).
+(``dockrl.engines.hf.clipped_step``); only the forward pass differs (values instead of log-probs), and
+packs a micro-batch's sequences into as few rows as the actor's engine does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf import autocast, clipped_step, model_device, pack_sequences, to_host_rows
+from dockrl.engines.hf import autocast, clipped_step, model_device, pack_rows, pack_sequences, to_host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +50,48 @@ def load_value_model(path: str | Path, *, vocab_size: int, trust_remote_code: bo
 
 
 def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                    pad_id: int, autocast_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    pad_id: int, autocast_bf16: bool, pack: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token values of ``responses`` given ``prompts`` in one forward pass.
 
     ``V_t = head(h_{P+t-1})``: the value of response token ``t`` is read at the position that
     predicts it, the state ``(q, o_<t)`` before the token is chosen (verl's
-    ``values[:, -R-1:-1]``; the same positions as the actor's log-probs, ``pack_sequences``).
+    ``values[:, -R-1:-1]``; the same positions as the actor's log-probs). The sequences are packed
+    into as few rows as the longest allows (``dockrl.engines.hf.pack_rows``) when that saves rows
+    and ``pack`` allows it (``values_packing_works``), else right-padded (``pack_sequences``).
 
     Returns:
         ``values (B, T)`` fp32 (differentiable if grad is enabled; 0 on padding) and ``mask (B, T)``,
         on the model's device.
     """
     device = model_device(model)
-    input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
+    packed = pack_rows(prompts, responses, pad_id) if pack else None
+    if packed is not None and packed[0].shape[0] < len(prompts):
+        input_ids, position_ids, index, mask = (t.to(device) for t in packed)
+        inputs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    else:
+        input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
+        index = positions + torch.arange(input_ids.shape[0], device=device).unsqueeze(1) * input_ids.shape[1]
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
     with autocast(device, autocast_bf16):
-        scores = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, L, 1)
-    values = scores.float().squeeze(-1).gather(1, positions)
+        scores = model(**inputs, use_cache=False).logits  # (rows, L, 1); with a cache the packed rows are not kept apart
+    values = scores.float().reshape(-1)[index.reshape(-1)].view(index.shape)
     return values * mask, mask
+
+
+@torch.no_grad()
+def values_packing_works(model: PreTrainedModel, pad_id: int) -> bool:
+    """Whether the value model keeps packed sequences apart: the values of two short sequences packed
+    into one row (beside a longer one) equal those of each alone (1e-4), as ``packing_works`` checks
+    the actor's log-probs; a model whose attention reads a packed row as one sequence is right-padded."""
+    vocab = int(model.config.vocab_size)
+    prompts = [[1 % vocab, 2 % vocab], [3 % vocab], [4 % vocab]]
+    responses = [[5 % vocab, 6 % vocab, 7 % vocab, 8 % vocab], [9 % vocab, 10 % vocab], [11 % vocab, 12 % vocab]]
+    packed, _ = response_values(model, prompts, responses, pad_id=pad_id, autocast_bf16=False)
+    alone = [response_values(model, [p], [r], pad_id=pad_id, autocast_bf16=False, pack=False)[0][0] for p, r in zip(prompts, responses)]
+    works = all(torch.allclose(packed[i, : len(r)], a, atol=1e-4) for i, (r, a) in enumerate(zip(responses, alone)))
+    if not works:
+        logger.warning("%s does not keep packed sequences apart: the critic's micro-batches are right-padded", type(model).__name__)
+    return works
 
 
 class HFCriticEngine:
@@ -83,6 +109,7 @@ class HFCriticEngine:
                  device: torch.device | str = "cpu") -> None:
         self.model = load_value_model(model_path, vocab_size=vocab_size, trust_remote_code=trust_remote_code, device=device)
         self.pad_id, self.autocast_bf16, self.grad_clip = pad_id, autocast_bf16, grad_clip
+        self.pack = values_packing_works(self.model, pad_id)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
 
     @torch.no_grad()
@@ -90,7 +117,7 @@ class HFCriticEngine:
         """Per-token values of each response (``response_values``), ``micro_batch`` rows per forward
         pass; back to host memory in one copy for the whole call."""
         parts = [response_values(self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
-                                 autocast_bf16=self.autocast_bf16)[0] for s in range(0, len(prompts), micro_batch)]
+                                 autocast_bf16=self.autocast_bf16, pack=self.pack)[0] for s in range(0, len(prompts), micro_batch)]
         host = to_host_rows(parts)
         return [host[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
@@ -100,7 +127,7 @@ class HFCriticEngine:
         out = []
         for s in range(0, len(prompts), micro_batch):
             values, mask = response_values(self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch],
-                                           pad_id=self.pad_id, autocast_bf16=self.autocast_bf16)
+                                           pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)
             loss, aux = loss_fn(s, values, mask)
             loss.backward()
             out.append(aux)

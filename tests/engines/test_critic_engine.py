@@ -45,3 +45,22 @@ def test_a_saved_critic_loads_as_it_was_and_a_foreign_vocabulary_is_refused(tiny
     assert again.values(prompts, responses, micro_batch=2) == engine.values(prompts, responses, micro_batch=2)
     with pytest.raises(ValueError, match=r"critic.model_path .*a vocabulary of \d+ tokens, the policy's tokenizer has 100000"):
         HFCriticEngine(tiny_model_dir, pad_id=0, vocab_size=100000)
+
+
+def test_packed_values_equal_right_padded_ones(tiny_model_dir):
+    """Sequences of 3 to 9 tokens: the short ones share rows (fewer rows than sequences); every
+    value equals the right-padded pass's, and so the gradient of a loss on them."""
+    from dockrl.engines.critic import response_values
+
+    engine = engine_of(tiny_model_dir)
+    assert engine.pack  # the tiny Qwen2 keeps packed sequences apart
+    prompts = [[5, 6, 7, 8, 9], [10], [11, 12], [13], [14, 15, 16]]
+    responses = [[20, 21, 22, 23], [24, 25], [26], [27, 28], [29]]
+    got = {}
+    for pack in (True, False):
+        engine.model.zero_grad()
+        values, mask = response_values(engine.model, prompts, responses, pad_id=engine.pad_id, autocast_bf16=False, pack=pack)
+        (values * mask).pow(2).sum().backward()
+        got[pack] = values.detach(), engine.model.score.weight.grad.clone()
+    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-5, rtol=1e-4)
