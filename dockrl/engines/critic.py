@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf import autocast, clipped_step, model_device, pack_rows, pack_sequences, to_host_rows
+from dockrl.engines.hf import autocast, backward_per_micro_batch, clipped_step, model_device, pack_rows, pack_sequences, to_host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +124,10 @@ class HFCriticEngine:
     def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
                          loss_fn: ValueLossFn) -> list[Any]:
         """For each micro-batch: ``response_values``, ``loss_fn``, backward. Returns each ``aux``, in order."""
-        out = []
-        for s in range(0, len(prompts), micro_batch):
-            values, mask = response_values(self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch],
-                                           pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)
-            loss, aux = loss_fn(s, values, mask)
-            loss.backward()
-            out.append(aux)
-        return out
+        def forward(p: Sequence[Sequence[int]], r: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+            return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)
+
+        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn)
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
         """One process, one replica: ``values`` unchanged."""

@@ -282,6 +282,22 @@ def to_host_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts]).cpu()
 
 
+def backward_per_micro_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], micro_batch: int,
+    forward: Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], tuple[torch.Tensor, ...]],
+    loss_fn: Callable[..., tuple[torch.Tensor, Any]],
+) -> list[Any]:
+    """The ``forward_backward`` of an engine on one device: for each ``micro_batch`` rows from
+    ``start``, ``loss, aux = loss_fn(start, *forward(prompts, responses))``, then ``loss.backward()``.
+    Returns each micro-batch's ``aux``, in order."""
+    out = []
+    for s in range(0, len(prompts), micro_batch):
+        loss, aux = loss_fn(s, *forward(prompts[s : s + micro_batch], responses[s : s + micro_batch]))
+        loss.backward()
+        out.append(aux)
+    return out
+
+
 def clipped_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, accumulate: Callable[[], dict[str, float]],
 ) -> tuple[dict[str, float], float]:
@@ -476,17 +492,11 @@ class HFTrainEngine:
         Returns:
             The ``aux`` of each micro-batch, in order.
         """
-        out = []
-        for s in range(0, len(prompts), micro_batch):
-            log_prob, mask, entropy = response_log_probs(
-                self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
-                temperature=temperature, autocast_bf16=self.autocast_bf16, with_entropy=True, entropy_grad=entropy_grad,
-                pack=self.pack,
-            )
-            loss, aux = loss_fn(s, log_prob, mask, entropy)
-            loss.backward()
-            out.append(aux)
-        return out
+        def forward(p: Sequence[Sequence[int]], r: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+            return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
+                                      with_entropy=True, entropy_grad=entropy_grad, pack=self.pack)
+
+        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn)
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
         """One process, one replica: ``values`` unchanged."""
