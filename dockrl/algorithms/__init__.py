@@ -10,6 +10,7 @@ from dockrl.algorithms.advantages import (
     rloo_advantages,
     token_rewards,
 )
+from dockrl.algorithms.dapo import mixed_groups
 from dockrl.algorithms.losses import (
     PolicyLoss,
     aggregate_loss,
@@ -21,9 +22,10 @@ from dockrl.algorithms.losses import (
     tis_weight,
     value_loss,
 )
+from dockrl.algorithms.padding import right_pad
 
 __all__ = [
     "PolicyLoss", "aggregate_loss", "compute_advantages", "discounted_returns", "entropy_from_logits", "gae",
-    "grpo_advantages", "kl_k3", "kl_penalty", "masked_whiten", "policy_loss", "reinforce_plus_plus_advantages",
-    "rloo_advantages", "sequence_ratio_log", "tis_weight", "token_rewards", "value_loss",
+    "grpo_advantages", "kl_k3", "kl_penalty", "masked_whiten", "mixed_groups", "policy_loss",
+    "reinforce_plus_plus_advantages", "right_pad", "rloo_advantages", "sequence_ratio_log", "tis_weight", "token_rewards", "value_loss",
 ]

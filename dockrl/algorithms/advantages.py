@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dockrl.algorithms.dapo import mixed_groups
 from dockrl.config import AlgorithmConfig
 
 
@@ -25,7 +26,7 @@ def _groups(scores: torch.Tensor, group_size: int, who: str) -> torch.Tensor:
 def _equal(groups: torch.Tensor) -> torch.Tensor:
     """``(G, 1)`` True where all rewards of a group are equal: their advantage is exactly 0 (in
     floating point ``r - mean(r)`` is not 0 when the mean is inexact)."""
-    return groups.max(dim=1, keepdim=True).values == groups.min(dim=1, keepdim=True).values
+    return ~mixed_groups(groups.reshape(-1), groups.shape[1]).unsqueeze(1)
 
 
 def grpo_advantages(scores: torch.Tensor, group_size: int, *, eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:

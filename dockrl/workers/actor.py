@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from dockrl.algorithms import aggregate_loss, kl_penalty, policy_loss, tis_weight
+from dockrl.algorithms import aggregate_loss, kl_penalty, policy_loss, right_pad, tis_weight
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
@@ -32,13 +32,6 @@ ACTOR_RANK = 0
 
 _METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean")
 _DUAL_CLIP, _TIS = ("dual_clip_frac",), ("tis_weight_mean", "tis_clip_frac")
-
-
-def _pad(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), T), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
 
 
 class DeviceColumns:
@@ -56,8 +49,8 @@ class DeviceColumns:
             T = max(max((len(r) for r in self.batch["response_ids"]), default=1), 1)
             adv = self.batch["advantages"]
             per_token = bool(adv) and isinstance(adv[0], (list, tuple))
-            host = {"advantages": _pad(adv, T) if per_token else torch.tensor(adv, dtype=torch.float32)}
-            host |= {n: _pad(self.batch[n], T) for n in self.names}
+            host = {"advantages": right_pad(adv, T) if per_token else torch.tensor(adv, dtype=torch.float32)}
+            host |= {n: right_pad(self.batch[n], T) for n in self.names}
             self.tensors = {n: t.to(device) for n, t in host.items()}
         return self.tensors
 
