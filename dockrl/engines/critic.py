@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf import autocast, backward_per_micro_batch, clipped_step, model_device, pack_rows, pack_sequences, to_host_rows
+from dockrl.engines.hf import autocast, backward_per_micro_batch, clipped_step, model_device, model_inputs, to_host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +64,7 @@ def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], re
         on the model's device.
     """
     device = model_device(model)
-    packed = pack_rows(prompts, responses, pad_id) if pack else None
-    if packed is not None and packed[0].shape[0] < len(prompts):
-        input_ids, position_ids, index, mask = (t.to(device) for t in packed)
-        inputs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-    else:
-        input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
-        index = positions + torch.arange(input_ids.shape[0], device=device).unsqueeze(1) * input_ids.shape[1]
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    inputs, index, mask = model_inputs(prompts, responses, pad_id, pack, device)
     with autocast(device, autocast_bf16):
         scores = model(**inputs, use_cache=False).logits  # (rows, L, 1); with a cache the packed rows are not kept apart
     values = scores.float().reshape(-1)[index.reshape(-1)].view(index.shape)

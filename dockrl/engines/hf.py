@@ -199,6 +199,23 @@ def chunked_entropy(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKE
     return out.view(logits.shape[:-1])
 
 
+def model_inputs(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, pack: bool, device: torch.device,
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """The forward pass's keyword inputs for ``prompts`` + ``responses`` on ``device``: packed into
+    as few rows as the longest allows (``pack_rows``) when ``pack`` and that saves rows, else
+    right-padded (``pack_sequences``). Returns ``(inputs, index, mask)``: ``index (B, T)`` the
+    position in the flattened ``(rows·L)`` output that predicts each response token, ``mask (B, T)``
+    1 on response tokens."""
+    packed = pack_rows(prompts, responses, pad_id) if pack else None
+    if packed is not None and packed[0].shape[0] < len(prompts):
+        input_ids, position_ids, index, mask = (t.to(device) for t in packed)
+        return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None), index, mask
+    input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
+    index = positions + torch.arange(input_ids.shape[0], device=device).unsqueeze(1) * input_ids.shape[1]
+    return dict(input_ids=input_ids, attention_mask=attention_mask), index, mask
+
+
 def response_log_probs(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -226,14 +243,7 @@ def response_log_probs(
         (the packed batch is moved there in one copy per tensor).
     """
     device = model_device(model)
-    packed = pack_rows(prompts, responses, pad_id) if pack else None
-    if packed is not None and packed[0].shape[0] < len(prompts):
-        input_ids, position_ids, index, mask = (t.to(device) for t in packed)
-        inputs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-    else:
-        input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
-        index = positions + torch.arange(input_ids.shape[0], device=device).unsqueeze(1) * input_ids.shape[1]
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    inputs, index, mask = model_inputs(prompts, responses, pad_id, pack, device)
     B, T = index.shape
     flat = index.view(-1)
     with autocast(device, autocast_bf16):
@@ -245,7 +255,8 @@ def response_log_probs(
             logits = model(**inputs, use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])[flat].view(B, T, -1)
     logits = logits.float() / temperature
-    targets = input_ids.reshape(-1)[(flat + 1).clamp(max=input_ids.numel() - 1)].view(B, T)
+    ids = inputs["input_ids"].reshape(-1)
+    targets = ids[(flat + 1).clamp(max=ids.numel() - 1)].view(B, T)
     log_prob = token_log_probs(logits, targets) * mask
     entropy = None
     if with_entropy:  # differentiable for an entropy bonus: then the softmax of every token is kept for backward
