@@ -200,7 +200,7 @@ class StageWorker(Protocol):
 class InProcessStages:
     """Every stage in this process over the in-process dock (``open_dock``), run one after the
     other each iteration: rollout, the critic's values (``critic.enable``), reward model
-    (``reward_model.enable``), reward, reference (β > 0), advantage, the critic's update, actor,
+    (``reward_model.enable``), reward, reference (``algorithm.kl_loss_coef`` or ``kl_in_reward_coef`` > 0), advantage, the critic's update, actor,
     then the weight sync (the hybrid actor syncs inside its update). With dynamic sampling
     (``algorithm.filter_groups.enable``) the stages up to the advantage run side by side in threads
     (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage stage releases each next round
@@ -260,7 +260,7 @@ class InProcessStages:
         sampling = [stages[0], *critic_values, *reward_model, RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model, cfg)]
         self.workers: list[StageWorker]
         if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
-            side_by_side = SideBySide([*sampling, AdvantageWorker(a)])
+            side_by_side = SideBySide([*sampling, AdvantageWorker(a)], timeout_s=cfg.dock.timeout_s)
             self.workers, self.stop_threads = [side_by_side, *reference, stages[1]], side_by_side.close
         else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
             self.workers = [*sampling, *reference, AdvantageWorker(a), *critic_update, stages[1]]

@@ -160,11 +160,12 @@ class SideBySide:
     custom scorer's, ``dockrl.rewards.guard``) is bound to the starting thread: it is killed when
     that thread ends (Linux ties ``PR_SET_PDEATHSIG`` to the parent thread). The first error of
     any worker is raised at once; the other threads are daemons, blocked at most until their claims
-    time out (``dock.timeout_s``) or the dock closes (the runner's clean-up).
+    time out (``dock.timeout_s``) or the dock closes (the runner's clean-up). Each worker may take
+    ``timeout_s`` after the previous one ended (as the driver waits for the stages' reports).
     """
 
-    def __init__(self, workers: Sequence[StageWorker]) -> None:
-        self.workers = list(workers)
+    def __init__(self, workers: Sequence[StageWorker], *, timeout_s: float) -> None:
+        self.workers, self.timeout_s = list(workers), timeout_s
         self.done: queue.Queue[tuple[int, dict[str, float] | BaseException]] = queue.Queue()
         self.jobs: list[queue.Queue[Dock | None]] = [queue.Queue() for _ in self.workers]  # None: stop
         self.threads = [threading.Thread(target=self._serve, args=(i, worker), name=f"stage-{type(worker).__name__}", daemon=True)
@@ -189,12 +190,18 @@ class SideBySide:
 
         Raises:
             the first error of a worker (a worker that failed leaves the others blocked: the run ends).
+            TimeoutError: no worker ended within ``timeout_s`` of the previous one; names those still running.
         """
         for jobs in self.jobs:
             jobs.put(dock)
         results: dict[int, dict[str, float]] = {}
         while len(results) < len(self.workers):
-            i, out = self.done.get()  # every worker ends or fails within the timeouts of its claims
+            try:
+                i, out = self.done.get(timeout=self.timeout_s)
+            except queue.Empty:
+                running = [type(w).__name__ for j, w in enumerate(self.workers) if j not in results]
+                raise TimeoutError(f"dynamic sampling: {running} still running {self.timeout_s:g} s after the previous "
+                                   "stage ended (dock.timeout_s)") from None
             if isinstance(out, BaseException):
                 raise out
             results[i] = out

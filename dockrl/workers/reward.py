@@ -125,14 +125,19 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     scorer = build_scorer(cfg.algorithm)
     reward = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model, cfg)
     advantage = AdvantageWorker(cfg.algorithm)
+    side_by_side = None  # the advantage stage releases the rounds the reward scores: side by side, threads kept for the run
+    if cfg.algorithm.filter_groups.enable:
+        side_by_side = SideBySide([reward, advantage], timeout_s=cfg.dock.timeout_s)
 
     def step(_: int) -> dict[str, float]:
-        if cfg.algorithm.filter_groups.enable:  # the advantage stage releases the rounds the reward scores: side by side
-            return SideBySide([reward, advantage]).run_iteration(dock)
+        if side_by_side is not None:
+            return side_by_side.run_iteration(dock)
         return reward.run_iteration(dock) | advantage.run_iteration(dock)
 
     try:
         serve_iterations(dock, Report.REWARD, step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
         dock.report(cfg.trainer.iterations, final_report("reward"), {})
     finally:
+        if side_by_side is not None:
+            side_by_side.close()
         scorer.close()

@@ -11,6 +11,7 @@ rollout alone, reward and advantage side by side as in ``run_reward``), each sta
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -129,7 +130,7 @@ def sample(docks, mixed: set[int], filter_groups: FilterGroupsConfig):
     claims = {"actor": ["advantages", "response_ids"], "reference": ["prompt_ids", "response_ids", "advantages"]}
     results = run_in_threads({
         "rollout": lambda: rollout.run_iteration(docks["rollout"]),
-        "reward+advantage": lambda: SideBySide([reward, advantage]).run_iteration(docks["reward"]),
+        "reward+advantage": lambda: SideBySide([reward, advantage], timeout_s=WAIT_S).run_iteration(docks["reward"]),
         **{c: (lambda c=c, cols=cols: docks[c].claim(c, cols, B * N, whole_groups=True)) for c, cols in claims.items()},
     })
     return engine, results
@@ -194,9 +195,25 @@ def test_side_by_side_threads_end_on_close():
         def run_iteration(self, dock):
             return {"fake/x": 1.0}
 
-    together = SideBySide([FakeWorker(), FakeWorker()])
+    together = SideBySide([FakeWorker(), FakeWorker()], timeout_s=5)
     assert together.run_iteration(object()) == {"fake/x": 1.0}  # any dock: the fakes do not touch it
     together.close()
     for thread in together.threads:
         thread.join(5)
     assert not any(t.is_alive() for t in together.threads)
+
+
+def test_side_by_side_names_the_stage_still_running_at_its_timeout():
+    class FakeFastWorker:
+        def run_iteration(self, dock):
+            return {}
+
+    class FakeStuckWorker:
+        def run_iteration(self, dock):
+            time.sleep(2)
+            return {}
+
+    together = SideBySide([FakeFastWorker(), FakeStuckWorker()], timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"\['FakeStuckWorker'\] still running 0.2 s"):
+        together.run_iteration(object())
+    together.close()
