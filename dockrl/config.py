@@ -552,17 +552,22 @@ def critic_batches(c: Config) -> tuple[int, int]:
     return c.critic.mini_batch or c.trainer.mini_batch, c.critic.micro_batch or c.trainer.micro_batch
 
 
+def _refuse_settings_when_off(where: str, section: Any, unset: Any, switch: str = "") -> None:
+    """A section whose ``enable`` (``switch``, default ``where.enable``) is false ignores its other
+    fields: any of them set (not its default, nested sections included) is refused naming it, as
+    the critic's settings are."""
+    switch = switch or f"{where}.enable"
+    for f in dataclasses.fields(section):
+        value, default = getattr(section, f.name), getattr(unset, f.name)
+        if dataclasses.is_dataclass(value):
+            _refuse_settings_when_off(f"{where}.{f.name}", value, default, switch)
+        elif f.name != "enable" and value != default:
+            raise _fail(f"{where}.{f.name}", value, f"is set but {switch} is false: enable it or leave the field unset")
+
+
 def _check_reward_model(m: RewardModelConfig) -> None:
-    if not m.enable:  # as the critic's: a setting that would be silently ignored is refused
-        unset = RewardModelConfig()
-        settings = {"reward_model.model.path": (m.model.path, unset.model.path),
-                    "reward_model.model.trust_remote_code": (m.model.trust_remote_code, unset.model.trust_remote_code),
-                    "reward_model.micro_batch_size": (m.micro_batch_size, unset.micro_batch_size),
-                    "reward_model.model_weight": (m.model_weight, unset.model_weight),
-                    "reward_model.rule_weight": (m.rule_weight, unset.rule_weight)}
-        for where, (value, default) in settings.items():
-            if value != default:
-                raise _fail(where, value, "is set but reward_model.enable is false: enable the reward model or leave it unset")
+    if not m.enable:
+        _refuse_settings_when_off("reward_model", m, RewardModelConfig())
         return
     if not m.model.path.strip():
         raise _fail("reward_model.model.path", m.model.path, "reward_model.enable=true needs the folder of a "
@@ -622,7 +627,10 @@ def _check_dapo(c: Config) -> None:
                     "the buffer lies before the maximum length")
     if not (0 <= o.penalty_factor < math.inf):
         raise _fail("algorithm.overlong_buffer.penalty_factor", o.penalty_factor, "expected a finite number >= 0")
+    if not o.enable:
+        _refuse_settings_when_off("algorithm.overlong_buffer", o, OverlongBufferConfig())
     if not f.enable:
+        _refuse_settings_when_off("algorithm.filter_groups", f, FilterGroupsConfig())
         return
     if c.dock.shards != 1:
         raise _fail("dock.shards", c.dock.shards, "algorithm.filter_groups.enable needs dock.shards=1: a claim across "
