@@ -17,17 +17,10 @@ import time
 import pyarrow as pa
 import torch
 
-from dockrl.algorithms import compute_advantages, kl_penalty
+from dockrl.algorithms import compute_advantages, kl_penalty, mixed_groups, right_pad
 from dockrl.config import AlgorithmConfig
 from dockrl.dock import Dock
 from dockrl.workers.dynamic_sampling import DynamicSampler
-
-
-def _padded(rows: list[list[float]], T: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), T), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
 
 
 class AdvantageWorker:
@@ -46,9 +39,9 @@ class AdvantageWorker:
         start, groups, zero_std = time.perf_counter(), 0, 0
         while claim := dock.claim("advantage", self.columns, dock.num_rows, whole_groups=True):
             dock.put(claim.rows, self.advantages(claim.batch, n), ack=claim)
-            per_group = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float64).view(-1, n)
-            groups += per_group.shape[0]
-            zero_std += int((per_group.max(dim=1).values == per_group.min(dim=1).values).sum())
+            scores = torch.tensor(claim.batch.column("rm_score").to_pylist(), dtype=torch.float64)
+            groups += len(scores) // n
+            zero_std += int((~mixed_groups(scores, n)).sum())
         spread = {"rollout/frac_zero_std_groups": zero_std / groups} if n > 1 else {}  # a group of one has no spread
         return spread | {"timing_s/advantage": time.perf_counter() - start}
 
@@ -65,10 +58,10 @@ class AdvantageWorker:
         mask = (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
         kl = None
         if self.cfg.kl_in_reward_coef > 0:
-            policy, ref = (_padded(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "ref_log_prob"))
+            policy, ref = (right_pad(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "ref_log_prob"))
             kl = kl_penalty(policy, ref, self.cfg.kl_penalty) * mask
         gae = self.cfg.adv_estimator == "gae"
-        values = _padded(batch.column("values").to_pylist(), T) if gae else None
+        values = right_pad(batch.column("values").to_pylist(), T) if gae else None
         adv, returns = compute_advantages(self.cfg, scores, mask, group_size=n, values=values, kl=kl)
         return {"advantages": [row[:k] for row, k in zip(adv.tolist(), lengths)],
                 "returns": [row[:k] for row, k in zip(returns.tolist(), lengths)]}

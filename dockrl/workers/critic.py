@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from dockrl.algorithms import value_loss
+from dockrl.algorithms import right_pad, value_loss
 from dockrl.config import Config, CriticConfig, critic_batches
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.critic import HFCriticEngine
@@ -36,13 +36,6 @@ from dockrl.resume import checkpoint_dir, checkpoint_due, critic_dir, final_dir,
 logger = logging.getLogger(__name__)
 
 _SUMS = ("vf_loss", "vf_clipfrac", "vpred_sum")
-
-
-def _pad(rows: list[list[float]], T: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), T), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
 
 
 def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], *, cliprange_value: float,
@@ -62,7 +55,7 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
     """
     total_tokens = float(sum(len(r) for r in batch["response_ids"]))
     T = max((len(r) for r in batch["response_ids"]), default=1)
-    old, returns = _pad(batch["values"], max(T, 1)), _pad(batch["returns"], max(T, 1))
+    old, returns = right_pad(batch["values"], max(T, 1)), right_pad(batch["returns"], max(T, 1))
 
     def loss_fn(start: int, vpreds: torch.Tensor, mask: torch.Tensor):
         b, t = vpreds.shape
