@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf import autocast, backward_per_micro_batch, clipped_step, model_device, model_inputs, to_host_rows
+from dockrl.engines.hf import autocast, backward_per_micro_batch, clipped_step, model_device, model_inputs, packing_works, to_host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], re
     predicts it, the state ``(q, o_<t)`` before the token is chosen (verl's
     ``values[:, -R-1:-1]``; the same positions as the actor's log-probs). The sequences are packed
     into as few rows as the longest allows (``dockrl.engines.hf.pack_rows``) when that saves rows
-    and ``pack`` allows it (``values_packing_works``), else right-padded (``pack_sequences``).
+    and ``pack`` allows it (``dockrl.engines.hf.packing_works``), else right-padded (``pack_sequences``).
 
     Returns:
         ``values (B, T)`` fp32 (differentiable if grad is enabled; 0 on padding) and ``mask (B, T)``,
@@ -69,22 +69,6 @@ def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], re
         scores = model(**inputs, use_cache=False).logits  # (rows, L, 1); with a cache the packed rows are not kept apart
     values = scores.float().reshape(-1)[index.reshape(-1)].view(index.shape)
     return values * mask, mask
-
-
-@torch.no_grad()
-def values_packing_works(model: PreTrainedModel, pad_id: int) -> bool:
-    """Whether the value model keeps packed sequences apart: the values of two short sequences packed
-    into one row (beside a longer one) equal those of each alone (1e-4), as ``packing_works`` checks
-    the actor's log-probs; a model whose attention reads a packed row as one sequence is right-padded."""
-    vocab = int(model.config.vocab_size)
-    prompts = [[1 % vocab, 2 % vocab], [3 % vocab], [4 % vocab]]
-    responses = [[5 % vocab, 6 % vocab, 7 % vocab, 8 % vocab], [9 % vocab, 10 % vocab], [11 % vocab, 12 % vocab]]
-    packed, _ = response_values(model, prompts, responses, pad_id=pad_id, autocast_bf16=False)
-    alone = [response_values(model, [p], [r], pad_id=pad_id, autocast_bf16=False, pack=False)[0][0] for p, r in zip(prompts, responses)]
-    works = all(torch.allclose(packed[i, : len(r)], a, atol=1e-4) for i, (r, a) in enumerate(zip(responses, alone)))
-    if not works:
-        logger.warning("%s does not keep packed sequences apart: the critic's micro-batches are right-padded", type(model).__name__)
-    return works
 
 
 class HFCriticEngine:
@@ -102,7 +86,8 @@ class HFCriticEngine:
                  device: torch.device | str = "cpu") -> None:
         self.model = load_value_model(model_path, vocab_size=vocab_size, trust_remote_code=trust_remote_code, device=device)
         self.pad_id, self.autocast_bf16, self.grad_clip = pad_id, autocast_bf16, grad_clip
-        self.pack = values_packing_works(self.model, pad_id)
+        self.pack = packing_works(self.model, lambda ps, rs, pack: response_values(
+            self.model, ps, rs, pad_id=pad_id, autocast_bf16=False, pack=pack)[0], "the critic's micro-batches")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
 
     @torch.no_grad()

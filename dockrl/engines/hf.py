@@ -264,23 +264,26 @@ def response_log_probs(
     return log_prob, mask, entropy
 
 
+PackedForward = Callable[[list[list[int]], list[list[int]], bool], torch.Tensor]
+"""``(prompts, responses, pack) -> (B, T)`` per-response-token outputs of a model (log-probs, values)."""
+
+
 @torch.no_grad()
-def packing_works(model: PreTrainedModel, pad_id: int) -> bool:
-    """Whether ``model`` keeps packed sequences apart (``pack_rows``): the log-probs of two short
-    sequences packed into one row (beside a longer one in a row of its own) equal those of each
-    alone (1e-4), token ids 1-12. Architectures whose attention does not build its mask with
+def packing_works(model: torch.nn.Module, forward: PackedForward, what: str) -> bool:
+    """Whether ``model`` keeps packed sequences apart (``pack_rows``): ``forward``'s outputs for two
+    short sequences packed into one row (beside a longer one in a row of its own) equal those of
+    each alone (1e-4), token ids 1-12. Architectures whose attention does not build its mask with
     transformers' ``masking_utils`` (some remote code) read a packed row as one sequence; their
-    engine right-pads instead."""
+    engine right-pads instead (a warning names ``what``), as on a device that computes no values
+    (``meta``)."""
+    if model_device(model).type == "meta":
+        return False
     prompts, responses = [[1, 2], [3], [4]], [[5, 6, 7, 8], [9, 10], [11, 12]]
-
-    def log_probs(ps: list[list[int]], rs: list[list[int]], pack: bool) -> torch.Tensor:
-        return response_log_probs(model, ps, rs, pad_id=pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0]
-
-    packed = log_probs(prompts, responses, True)
-    alone = [log_probs([p], [r], False)[0, : len(r)] for p, r in zip(prompts, responses)]
+    packed = forward(prompts, responses, True)
+    alone = [forward([p], [r], False)[0, : len(r)] for p, r in zip(prompts, responses)]
     works = all(torch.allclose(packed[i, : len(r)], a, atol=1e-4) for i, (r, a) in enumerate(zip(responses, alone)))
     if not works:
-        logger.warning("%s does not keep packed sequences apart: micro-batches are right-padded", type(model).__name__)
+        logger.warning("%s does not keep packed sequences apart: %s are right-padded", type(model).__name__, what)
     return works
 
 
@@ -474,7 +477,8 @@ class HFTrainEngine:
         # config.attention_dropout and apply it when the module is in train mode (as verl and TRL,
         # RL runs without any dropout). A causal LM has no other train-mode behaviour.
         self.model.eval()
-        self.pack = packing_works(self.model, self.pad_id)
+        self.pack = packing_works(self.model, lambda ps, rs, pack: response_log_probs(
+            self.model, ps, rs, pad_id=self.pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0], "the actor's micro-batches")
         if trainable:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
