@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
+from critic_helpers import engine_of, rows
 
 from dockrl.engines.critic import HFCriticEngine
-from dockrl.engines.hf import load_tokenizer
 
 
-def engine_of(tiny_model_dir, lr: float = 1e-3) -> HFCriticEngine:
-    torch.manual_seed(0)  # the value head starts random
-    tok = load_tokenizer(tiny_model_dir)
-    return HFCriticEngine(tiny_model_dir, pad_id=tok.pad_token_id, vocab_size=len(tok), lr=lr)
 
-
-def rows(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """``n`` random prompts and responses of token ids below ``vocab``."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))] for _ in range(n)]
-    responses = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))] for _ in range(n)]
-    return prompts, responses
 
 
 def test_a_value_is_the_head_on_the_state_before_its_token(tiny_model_dir):

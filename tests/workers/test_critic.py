@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from dockrl.config import AlgorithmConfig, CriticConfig, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError, open_dock
-from dockrl.engines.critic import HFCriticEngine
-from dockrl.engines.hf import load_tokenizer
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.critic import CriticWorker, accumulate_value_mini_batch
+from critic_helpers import engine_of, rows
 
 
-def engine_of(tiny_model_dir, lr: float = 1e-3) -> HFCriticEngine:
-    torch.manual_seed(0)  # the value head starts random
-    tok = load_tokenizer(tiny_model_dir)
-    return HFCriticEngine(tiny_model_dir, pad_id=tok.pad_token_id, vocab_size=len(tok), lr=lr)
-
-
-def rows(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """``n`` random prompts and responses of token ids below ``vocab``."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))] for _ in range(n)]
-    responses = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))] for _ in range(n)]
-    return prompts, responses
 
 
 def test_values_then_returns_through_the_dock(tiny_model_dir):
