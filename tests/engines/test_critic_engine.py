@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from critic_helpers import engine_of, rows
 
 from dockrl.engines.critic import HFCriticEngine
-
-
-
 
 
 def test_a_value_is_the_head_on_the_state_before_its_token(tiny_model_dir):

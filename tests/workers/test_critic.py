@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from critic_helpers import engine_of, rows
 
 from dockrl.config import AlgorithmConfig, CriticConfig, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError, open_dock
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.critic import CriticWorker, accumulate_value_mini_batch
-from critic_helpers import engine_of, rows
-
-
 
 
 def test_values_then_returns_through_the_dock(tiny_model_dir):
