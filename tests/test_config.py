@@ -114,7 +114,7 @@ ERRORS = {
     "literal loss_agg_mode": (["algorithm.loss_agg_mode=seq"], ["algorithm.loss_agg_mode: got 'seq'; expected one of 'token-mean', "
                                                                 "'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm'"]),
     "literal dtype": (["rollout.dtype=float16"], ["rollout.dtype: got 'float16'; expected one of 'auto', 'float32', 'bfloat16'"]),
-    "literal engine": (["rollout.engine=sglang"], ["rollout.engine: got 'sglang'; expected one of 'hf', 'vllm'"]),
+    "literal engine": (["rollout.engine=sglang"], ["rollout.engine: got 'sglang'; expected one of 'auto', 'hf', 'vllm'"]),
     "literal adv_estimator": (["algorithm.adv_estimator=ppo"], ["algorithm.adv_estimator", "'ppo'", "'grpo'", "'reinforce_plus_plus'"]),
     "group of one": (["rollout.n=1"], ["rollout.n: got 1", "algorithm.adv_estimator='grpo'", "at least 2"]),
     "group of one under dynamic sampling": (
@@ -447,8 +447,8 @@ ENGINE_ERRORS = {
     ),
     "hybrid on hf": (["trainer.hybrid=true", "rollout.engine=vllm"], ["trainer.hybrid: got True", "needs trainer.engine='megatron' (got 'hf')", "reshards"]),
     "hybrid with hf rollout": (
-        ["trainer.hybrid=true", "trainer.engine=megatron"],
-        ["trainer.hybrid: got True", "needs rollout.engine='vllm' (got 'hf')", "on the devices it trains on"],
+        ["trainer.hybrid=true", "trainer.engine=megatron", "rollout.engine=hf"],
+        ["trainer.hybrid: got True", "needs rollout.engine='vllm' or 'auto' (got 'hf')", "on the devices it trains on"],
     ),
 }
 

@@ -47,8 +47,8 @@ def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int 
 
 
 def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> RolloutEngine:
-    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``) with ``rollout.dtype`` weights,
-    on this process's device (``ranks.device``).
+    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``, which the config resolved from
+    ``auto`` when it was loaded) with ``rollout.dtype`` weights, on this process's device (``ranks.device``).
 
     Several rollout engines generating side by side (the hybrid actor's ranks) seed vLLM's
     sampler with ``trainer.seed + ranks.rank``, so that they draw apart.
@@ -59,6 +59,7 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> 
     """
     r = cfg.rollout
     device = ranks.device
+    assert r.engine != "auto", "rollout.engine is resolved when the config is built (dockrl.config.auto_rollout_engine)"
     if r.engine == "vllm":
         from dockrl.engines.vllm import VLLMRolloutEngine
 

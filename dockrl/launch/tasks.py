@@ -162,20 +162,22 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
 def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str]) -> dict[str, float]:
     """Greedy accuracy of ``model_dir`` on the test split of ``dataset_dir``.
 
-    Prompt formatting, ``data.eval_size``, the response length, the rollout dtype and the
-    reward settings come from the run's config (``overrides``), as in ``dockrl train``.
+    Prompt formatting, ``data.eval_size``, the response length, the rollout engine and dtype
+    (``rollout.engine=auto``: vLLM where it runs here, else HF) and the reward settings come from the
+    run's config (``overrides``), as in ``dockrl train``.
 
     Returns:
         ``eval/accuracy``, ``eval/format_rate`` (fractions in [0, 1]) and ``eval/count``.
     """
     from dockrl.data import load_prompts
-    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.factory import build_rollout_engine
     from dockrl.evaluate import greedy_accuracy
+    from dockrl.resharding.ranks import ProcessRanks
     from dockrl.rewards import RewardScorer
 
     cfg = load_config(None, overrides)
     _, test_file = dataset_files(dataset_dir)
-    engine = HFRolloutEngine(Path(model_dir), dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    engine = build_rollout_engine(cfg, Path(model_dir), ProcessRanks.alone(cfg.parallel))
     prompts, report = load_prompts(
         test_file, engine.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
         chat_template=cfg.data.chat_template, model=str(model_dir),
@@ -193,7 +195,10 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         )
     finally:
         scorer.close()
-    logger.info("greedy test accuracy %.3f (format %.3f, %d prompts)", res["accuracy"], res["format_rate"], res["count"])
+        if (close := getattr(engine, "close", None)) is not None:  # vLLM's engine holds its parallel state
+            close()
+    logger.info("greedy test accuracy %.3f (format %.3f, %d prompts, %s)", res["accuracy"], res["format_rate"], res["count"],
+                cfg.rollout.engine)
     return {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"], "eval/count": float(res["count"])}
 
 
