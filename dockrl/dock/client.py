@@ -21,7 +21,11 @@ with the payload in the shards' memory, brings their cells in the same ``do_get`
 travel as schema metadata); with a warehouse the ``claim`` action returns the indexes and the
 client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard. A claim
 sweeps the shards from a rotating start (a random shard for a client's first claim, unless
-``first_shard``), taking what is ready without waiting; while short
+``first_shard``), taking what is ready without waiting. A client with a locality hint
+(``local_shard``: the shard on its own node or pod, whose cells do not cross a network link)
+sweeps that shard first on every claim and the others in rotation after it: it steals rows from
+another shard only for what the local one has no ready rows for, and when it must block it
+blocks on the local one while that has rows left for the consumer; while short
 of ``min(count, rows the consumer has left)`` it blocks server-side on one shard (the one
 with most rows left for the consumer; for at least the rows no other shard can cover, else
 one row or group) with the remaining deadline, then sweeps the others again: no client
@@ -150,24 +154,30 @@ class DockClient:
             passes a known id can ``release_owner`` it when the worker's process dies.
         first_shard: the shard this client's first claim sweeps from (each claim then starts one
             shard further); default a random one, so that clients do not all start on shard 0.
+        local_shard: locality hint, the shard co-located with this client (same node or pod):
+            every claim takes from it first and steals from the others (in rotation) only the
+            rows it lacks ready; None (default) for no preference.
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
     annotated with the shard and call.
 
     Raises:
-        ValueError: no shards, or ``lease_s`` not a finite number > 0.
+        ValueError: no shards, ``lease_s`` not a finite number > 0, or ``local_shard`` not a shard index.
     """
 
     def __init__(
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
-        first_shard: int | None = None,
+        first_shard: int | None = None, local_shard: int | None = None,
     ) -> None:
         if not shards:
             raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
         if not 0 < lease_s < math.inf:
             raise ValueError(f"DockClient: lease_s={lease_s!r}; expected a finite number of seconds > 0")
+        if local_shard is not None and not (isinstance(local_shard, int) and 0 <= local_shard < len(shards)):
+            raise ValueError(f"DockClient: local_shard={local_shard!r}; expected a shard index in [0, {len(shards)}) or None")
+        self.local_shard = local_shard
         self.transports: list[ShardTransport] = [FlightTransport(t, token=token) if isinstance(t, str) else t for t in shards]
         self.locations, self.schema = [t.location for t in self.transports], schema
         self.timeout_s, self.rpc_timeout_s, self.lease_s = timeout_s, rpc_timeout_s, lease_s
@@ -486,6 +496,10 @@ class DockClient:
         with self._lock:
             first, self._next = self._next % len(active), self._next + 1
         order = active[first:] + active[:first]
+        local = self.local_shard if self.local_shard in active else None
+        if local is not None:  # the co-located shard first: the others are swept (stolen from) only for what it lacks
+            order.remove(local)
+            order.insert(0, local)
         lease = uuid.uuid4().hex
         taken: dict[int, list[int]] = {}
         pending: dict[int, int] = {}
@@ -521,7 +535,8 @@ class DockClient:
             while got() < want or (got() == 0 and sum(held.values()) > 0):
                 if got() < want:
                     left = [s for s in order if pending.get(s, 0) > 0]
-                    s = max(left, key=lambda t: pending[t])  # first of the most loaded shards, in rotation order
+                    # the local shard while it has rows left for the consumer, else the first of the most loaded shards
+                    s = local if local in left else max(left, key=lambda t: pending[t])
                     others = sum(pending[t] for t in left if t != s)
                     at_least, wait_held = max(unit, min(pending[s], want - got() - others)), False
                 else:
