@@ -175,7 +175,7 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
         f"model.path={model_dir}", f"parallel.device={device_kind}", f"rollout.n={args.samples}",
         f"trainer.global_batch={args.prompts}", f"trainer.mini_batch={args.prompts}", f"trainer.micro_batch={args.micro_batch}",
         f"rollout.max_response_length={args.tokens}", f"rollout.batch_size={args.rollout_batch}", "rollout.temperature=1.0",
-        "algorithm.kl_loss_coef=0.0", "trainer.lr=1e-6",
+        "algorithm.kl_loss_coef=0.0", "trainer.lr=1e-6", "rollout.engine=hf",  # the HF engines, wherever vLLM is installed
     ])
     ranks = process_ranks(cfg, trains=True)
     rollout_engine, actor = build_rollout_engine(cfg, model_dir, ranks), build_train_engine(cfg, model_dir, ranks)
