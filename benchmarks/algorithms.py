@@ -86,7 +86,9 @@ def run_algorithm(overrides: list[str]) -> dict[str, Any]:
     from dockrl import driver
     from dockrl.config import load_config
 
-    cfg = load_config(None, overrides)
+    # the table of record generates with transformers: rollout.engine=auto would pick vLLM where it
+    # is installed; `--set rollout.engine=vllm` (later in the overrides) still chooses vLLM
+    cfg = load_config(None, ["rollout.engine=hf", *overrides])
     metrics: list[dict[str, float]] = []
     summary = driver.train(cfg, on_iteration=lambda _, m: metrics.append(dict(m)))
     return {"summary": summary, "metrics": metrics, "device": cfg.parallel.device}
