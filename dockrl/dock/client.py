@@ -23,9 +23,9 @@ client reads the objects. ``put(..., ack=claim)`` acks with the put, one round t
 sweeps the shards from a rotating start (a random shard for a client's first claim, unless
 ``first_shard``), taking what is ready without waiting. A client with a locality hint
 (``local_shard``: the shard on its own node or pod, whose cells do not cross a network link)
-sweeps that shard first on every claim and the others in rotation after it: it steals rows from
-another shard only for what the local one has no ready rows for, and when it must block it
-blocks on the local one while that has rows left for the consumer; while short
+claims from that shard alone, blocking on it, while it has rows left for the consumer (ready or
+not); once it has none (empty), the claim steals from the others as below, for what it still
+lacks; while short
 of ``min(count, rows the consumer has left)`` it blocks server-side on one shard (the one
 with most rows left for the consumer; for at least the rows no other shard can cover, else
 one row or group) with the remaining deadline, then sweeps the others again: no client
@@ -155,8 +155,9 @@ class DockClient:
         first_shard: the shard this client's first claim sweeps from (each claim then starts one
             shard further); default a random one, so that clients do not all start on shard 0.
         local_shard: locality hint, the shard co-located with this client (same node or pod):
-            every claim takes from it first and steals from the others (in rotation) only the
-            rows it lacks ready; None (default) for no preference.
+            claims take (and wait for) its rows while it has rows left for the consumer, and
+            steal from the others (in rotation) only once it is empty; None (default) for no
+            preference.
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
@@ -526,8 +527,15 @@ class DockClient:
             return sum(len(r) for r in taken.values())
 
         try:
+            if local is not None:  # the co-located shard alone while it has rows left for the consumer, ready or not
+                take(local, count, at_least=0)
+                try:
+                    while got() < count and pending[local] > 0:
+                        take(local, count - got(), min(pending[local], count - got()), max(deadline - time.monotonic(), 0.0))
+                except DockTimeoutError:
+                    pass  # the sweep below looks at every other shard once more, then raises the claim's timeout
             for i, s in enumerate(order):  # sweep: take what is ready now (the first shard checks the request)
-                if i == 0 or got() < count:
+                if (i == 0 and local is None) or (got() < count and s != local):
                     take(s, count - got(), at_least=0)
             want = min(count, got() + sum(pending.values()))
             # block while short of rows the consumer still has pending, or, with nothing to take at all,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
+from dockrl.dock.flight import is_loopback
 from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
@@ -112,12 +113,15 @@ def worker_groups(
     dock = ",".join(shard_locations(backend, ports))
     stages = stage_processes(cfg)
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
+    replicas = {stage: cfg.parallel.world_size if stage == "hybrid" else 1 for stage in stages}
+    # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
+    local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
     return shards + [
         # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
         WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
-                    replicas=cfg.parallel.world_size if stage == "hybrid" else 1, command=(
+                    replicas=replicas[stage], command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
-            "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait,
+            "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
         ))
         for stage in stages
     ]

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
     parser.add_argument("--weight-sync", default="", help="host:port of the launcher's TCPStore: the weight channel's "
                         "(rollout and actor) or the hybrid actor ranks' rendezvous")
+    parser.add_argument("--local-shard-of-replica", action="store_true",
+                        help="this member shares its machine with dock shard (replica index mod shards): its claims take "
+                        "from that shard first (the DockClient's local_shard)")
     parser.add_argument("--first-wait-s", type=float, default=None,
                         help="longest wait for the dock shards to answer and for the first iteration, seconds (default "
                         "dock.timeout_s); the launcher adds the time of the rollout's evaluation before training, which "
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync)
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
     with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
-                    lease_s=cfg.dock.lease_s, owner=owner) as dock:
+                    lease_s=cfg.dock.lease_s, owner=owner,
+                    local_shard=index % len(locations) if args.local_shard_of_replica else None) as dock:
         PROCESSES[args.stage](cfg, dock, ranks, args.weight_sync, args.first_wait_s)
     return 0
 

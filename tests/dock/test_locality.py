@@ -1,5 +1,5 @@
-"""Locality-aware claims: a client with ``local_shard`` takes from its co-located shard first and
-steals from the others only what that shard lacks; rows are still claimed exactly once."""
+"""Locality-aware claims: a client with ``local_shard`` claims from its co-located shard while that
+has rows left and steals from the others only once it is empty; rows are still claimed exactly once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dockrl.dock import GRPO_SCHEMA
+from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.shard import LocalTransport, ShardService, local_shards
 
@@ -61,26 +61,26 @@ def test_once_the_local_shard_is_empty_the_claim_steals_from_the_others(services
     assert not dock.claim("reward", ["prompt_ids"], 1).rows  # every row taken: the consumer is done
 
 
-def test_rows_ready_only_on_other_shards_are_stolen_at_once(services):
-    put_prompts(client(services), [0, 1])  # shard 0 only; the local shard 2 has nothing ready
-    claim = client(services, local_shard=2).claim("reward", ["prompt_ids"], 2, timeout_s=5.0)
-    assert claim.rows == [0, 1]
-
-
-def test_a_short_claim_blocks_on_the_local_shard_while_it_has_rows_left(services):
-    # shard 0 has the most rows left (4), the local shard 2 only 1: without the hint the claim would
-    # block on shard 0 and see a put on shard 2 only at its deadline
-    put_prompts(client(services), [4, 5, 6, 7, 8, 9, 10])
+def test_while_the_local_shard_has_rows_left_the_claim_waits_for_them_instead_of_stealing(services):
+    put_prompts(client(services), [4, 5, 6, 7, 8, 9, 10])  # shard 1 all ready; the local shard 2 lacks row 11
     dock = client(services, local_shard=2)
-    assert dock.claim("reward", ["prompt_ids"], 7).rows == [4, 5, 6, 7, 8, 9, 10]
-    writer = client(services)
-    timer = threading.Timer(0.3, put_prompts, args=(writer, [11]))
+    assert dock.claim("reward", ["prompt_ids"], 3).rows == [8, 9, 10]
+    timer = threading.Timer(0.3, put_prompts, args=(client(services), [11]))
     timer.start()
     start = time.monotonic()
-    claim = dock.claim("reward", ["prompt_ids"], 1, timeout_s=5.0)
+    claim = dock.claim("reward", ["prompt_ids"], 1, timeout_s=5.0)  # rows 4..7 are ready on shard 1: not taken
     timer.join()
     assert claim.rows == [11]
     assert time.monotonic() - start < 2.5  # woken by the put, not by the 5 s deadline
+    assert dock.claim("reward", ["prompt_ids"], 2).rows == [4, 5]  # the local shard is empty now: it steals
+
+
+def test_a_local_shard_whose_rows_never_come_fails_the_claim_at_its_timeout_consuming_nothing(services):
+    put_prompts(client(services), [0, 1])
+    dock = client(services, local_shard=2)
+    with pytest.raises(DockTimeoutError, match="timed out"):
+        dock.claim("reward", ["prompt_ids"], 4, timeout_s=0.5)  # 2 ready elsewhere, 4 wanted: rows 8..11 never come
+    assert client(services).claim("reward", ["prompt_ids"], 2).rows == [0, 1]  # released by the failed claim
 
 
 def test_clients_with_different_hints_claim_every_row_exactly_once(services):

@@ -100,6 +100,7 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert rollout[rollout.index("--dock") + 1] == "grpc://127.0.0.1:5001,grpc://127.0.0.1:5002"
     assert rollout[rollout.index("--weight-sync") + 1] == "127.0.0.1:29500"
     assert "--first-wait-s" not in rollout  # none given: dock.timeout_s
+    assert not any("--local-shard-of-replica" in g.command for g in groups)  # one member per stage: no locality hint
     for group in worker_groups(cfg, local, [1], "h:2", "t", first_wait=900.0)[1:]:  # every stage starts at once
         assert group.command[group.command.index("--first-wait-s") + 1] == "900", group.name
     assert [(g.name, g.devices) for g in groups if g.accelerators] == [("rollout", 1), ("reference", 1), ("actor", 1)]
@@ -214,6 +215,8 @@ def test_the_hybrid_actor_replaces_the_rollout_and_actor_processes(tiny_model_di
     assert groups[1].replicas == 1
     wide = worker_groups(run_config(tiny_model_dir, tmp_path, *HYBRID, "parallel.tp=2", "parallel.pp=2"), local, [5001], "127.0.0.1:29500", "secret")
     assert [(g.name, g.replicas) for g in wide] == [("dock-shard-0", 1), ("hybrid", 4), ("reward", 1), ("reference", 1)]
+    # on one machine every shard is each member's: replica r claims from shard r mod shards first
+    assert ["--local-shard-of-replica" in g.command for g in wide] == [False, True, False, False]
 
 
 @pytest.mark.slow
