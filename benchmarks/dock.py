@@ -202,9 +202,9 @@ class StageServer(flight.FlightServerBase):
     the output (the ceiling measurement). Ticket (JSON): {key, pop}.
     """
 
-    def __init__(self, cells: Cells, token: str) -> None:
-        super().__init__("grpc://127.0.0.1:0", middleware={"auth": BearerTokenMiddlewareFactory(token)})
-        self.cells, self.location = cells, f"grpc://127.0.0.1:{self.port}"
+    def __init__(self, cells: Cells, token: str, host: str = "127.0.0.1") -> None:
+        super().__init__(f"grpc://{host}:0", middleware={"auth": BearerTokenMiddlewareFactory(token)})
+        self.cells, self.location = cells, f"grpc://{host}:{self.port}"
         self._outputs: dict[str, pa.Table] = {}
         self._lock = threading.Lock()
 

@@ -1,0 +1,54 @@
+"""The emulated-network dock benchmark runs end to end in its quick mode (or says why it cannot here) and cleans up."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDES = ["centralized", "dock", "dock+locality"]
+
+
+def namespaces() -> set[str]:
+    """The benchmark's network namespaces that exist now (``dkn<pid>-*``)."""
+    if shutil.which("ip") is None:
+        return set()
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.startswith("dkn")}
+
+
+def table(text: str, title: str) -> list[list[str]]:
+    """The data rows of the table under the ``## title...`` line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title}"))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return [r for r in rows[1:] if not set(r[0]) <= {"-"}]
+
+
+@pytest.mark.slow  # ~30 s on one busy core: two shard processes, two worker nodes and the driver node's process start
+def test_quick_mode_prints_every_side_with_finite_numbers_and_leaves_no_namespace():
+    before = namespaces()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dock_network.py"), "--quick"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if proc.stdout.startswith("# skipped:"):
+        pytest.skip(proc.stdout.strip().removeprefix("# "))  # e.g. not root, or no netns in an unprivileged container
+    assert namespaces() <= before, "the benchmark left network namespaces behind"
+    rows = table(proc.stdout, "shaped links")
+    assert [(r[0], r[1]) for r in rows] == [("2", side) for side in SIDES]
+    for r in rows:
+        values = [float(c.rstrip("x")) for i, c in enumerate(r) if i not in (0, 1, 5)]
+        assert all(math.isfinite(v) and v > 0 for v in values), r
+    assert [r[0] for r in table(proc.stdout, "halving R")] == SIDES
+    assert "- dock+locality:" in proc.stdout and "its own link bound" in proc.stdout
