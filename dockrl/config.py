@@ -352,8 +352,9 @@ class DockConfig:
     """Dock shards (in either mode); an iteration's rows are split over them by whole prompt
     groups, so at most ``trainer.global_batch``."""
     max_inflight: int = 1
-    """Iterations open at once in ``distributed`` mode (backpressure on the driver). 1 is
-    on-policy and the only value supported: the dock holds one open iteration at a time."""
+    """Iterations open at once (``distributed`` mode): with m > 1 the rollout generates the next
+    m-1 iterations while the actor trains on this one, iteration k with the weights of update
+    k-m (bounded staleness, one-step off-policy at m = 2). 1 is on-policy."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -509,15 +510,33 @@ def _check_rules(c: Config) -> None:
         raise _fail("dock.shards", k.shards, "expected a positive integer")
     if k.shards > t.global_batch:
         raise _fail("dock.shards", k.shards, f"expected at most trainer.global_batch={t.global_batch}: a shard holds whole prompt groups")
-    if k.max_inflight != 1:
-        raise _fail("dock.max_inflight", k.max_inflight,
-                    "only 1 (on-policy) is supported: the dock holds one open iteration at a time")
+    _check_inflight(c)
     _check_dock(c.dock)
     _check_reward_model(c.reward_model)
     _check_dapo(c)
     _check_parallel(c)
     _check_engines(c)
     _check_critic(c)
+
+
+def _check_inflight(c: Config) -> None:
+    """``dock.max_inflight``: a positive integer; above 1 only where iterations overlap and resume exactly."""
+    k = c.dock
+    if not 1 <= k.max_inflight <= 8:
+        raise _fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
+    if k.max_inflight == 1:
+        return
+    refused = {
+        "dock.mode": (k.mode, k.mode != "distributed", "in-process stages run one after another; use dock.mode=distributed"),
+        "trainer.hybrid": (c.trainer.hybrid, c.trainer.hybrid, "one hybrid actor generates and trains in turn"),
+        "algorithm.filter_groups.enable": (c.algorithm.filter_groups.enable, c.algorithm.filter_groups.enable,
+                                           "dynamic sampling's rounds are not supported in flight yet"),
+        "critic.enable": (c.critic.enable, c.critic.enable, "the critic's checkpoint is not held back for the snapshot yet"),
+        "dock.warehouse": (k.warehouse, k.warehouse != "memory", "snapshots of several open iterations keep payload in the shards"),
+    }
+    for where, (value, bad, why) in refused.items():
+        if bad:
+            raise _fail("dock.max_inflight", k.max_inflight, f"not supported with {where}={value!r} ({why}); set dock.max_inflight=1")
 
 
 def _check_critic(c: Config) -> None:

@@ -9,7 +9,9 @@ every stage in this process) or ``ProcessStages`` (``dockrl/launch/distributed.p
 a process reporting through the dock). A run (``train`` → ``drive``): plan it
 (``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
 collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``); then the
-final checkpoint, the evaluation after training and the summary.
+final checkpoint, the evaluation after training and the summary. With ``dock.max_inflight`` = m
+(distributed) up to m iterations are open at once: the rollout generates the next ones while
+this one trains (``dockrl.workers.rollout.sync_target`` bounds their staleness).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dockrl.data import Prompt
 from dockrl.dock import Dock
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
+from dockrl.protocol import Report
 from dockrl.resume import (
     checkpoint_dir,
     checkpoint_due,
@@ -72,6 +75,10 @@ class StageRunner(Protocol):
 
     def save_checkpoint(self, iteration: int, folder: Path) -> None:
         """Once ``folder`` holds the actor's weights and optimizer after ``iteration``."""
+
+    def generated(self, iterations: range) -> dict[int, dict[str, dict[str, float]]]:
+        """The rollout's reports of ``iterations`` (open, after a due checkpoint's: iterations in flight),
+        ``{iteration: {"rollout": metrics}}``, once each is reported."""
 
     def finish(self) -> None:
         """No iteration follows: return once every stage ended and ``checkpoints/final`` holds weights and optimizer."""
@@ -122,6 +129,12 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     weights and optimizer, then the driver opens iteration ``k+1`` with its prompts without
     announcing it, snapshots the dock and writes its state last; the loop then announces
     ``k+1`` instead of opening it, as a run resumed from that checkpoint does.
+
+    With ``dock.max_inflight`` = m > 1 the driver keeps iterations ``k`` … ``k+m-1`` open while
+    it waits for ``k``'s reports, and closes ``k`` once they are in. A checkpoint after ``k``
+    then holds ``k+1`` … ``k+m-2`` generated (the rollout took update ``k`` only after them),
+    ``k+m-1`` opened unannounced with its prompts, and the rollout's reports of the generated
+    ones; the other stages wait for the driver's ``SNAPSHOT`` report before they touch them.
     """
     t0 = time.perf_counter()
     cfg, point, dock = plan.cfg, plan.resume, runner.dock
@@ -132,10 +145,16 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     rounds = cfg.algorithm.filter_groups.rounds  # dynamic sampling: prompts for every rollout round it may sample
     batches = list(prompt_batches(plan.train_prompts, t, rounds=rounds))
     gate = t.global_batch if cfg.algorithm.filter_groups.enable else 0
-    first, open_now = (point.next_iteration, point.open_iteration) if point else (0, None)
+    inflight = cfg.dock.max_inflight
+    first = point.next_iteration if point else 0
+    unannounced = list(point.open_iterations) if point else []  # open and filled before a checkpoint's snapshot
+    opened = max(unannounced, default=first - 1) + 1  # the next iteration to open
     if point:
         if point.dock_uri:  # checkpoints/final has no open iteration to restore
             dock.restore(point.dock_uri)  # before any stage asks for an iteration
+        for it, reports in (point.reports or {}).items():  # handed in before the snapshot: the resumed stages do not repeat them
+            for stage, stage_metrics in reports.items():
+                dock.report(it, stage, stage_metrics)
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
     with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
@@ -143,13 +162,15 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             summary |= runner.evaluate("before")
         for it in range(first, t.iterations):
             start = time.perf_counter()
-            if open_now == it:  # opened and filled before a checkpoint's snapshot: the stages may start now
-                dock.announce(it)
-            else:
-                open_with_prompts(dock, it, batches[it], n, gate=gate)
+            for ready in unannounced:  # opened and filled before a checkpoint's snapshot: the stages may start now
+                dock.announce(ready)
+            unannounced = []
+            while opened < min(it + inflight, t.iterations):  # up to dock.max_inflight iterations open
+                open_with_prompts(dock, opened, batches[opened], n, gate=gate)
+                opened += 1
             metrics = runner.run_iteration(it)
             metrics |= dock.stats()
-            dock.close_iteration()
+            dock.close_iteration(it)
             seconds = time.perf_counter() - start  # perf: response tokens of all rows per second
             responses = metrics.get("rollout/responses", len(batches[it]) * n)  # dynamic sampling: the rounds sampled
             metrics |= {"timing_s/iteration": seconds,
@@ -159,13 +180,17 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             if checkpoint_due(t, it):
                 folder = checkpoint_dir(run_dir, it + 1)
                 runner.save_checkpoint(it, folder)
-                open_with_prompts(dock, it + 1, batches[it + 1], n, announce=False, gate=gate)
+                generated = runner.generated(range(it + 1, opened))  # in flight: the rollout took update `it` after them
+                if opened < min(it + 1 + inflight, t.iterations):
+                    open_with_prompts(dock, opened, batches[opened], n, announce=False, gate=gate)
+                    unannounced, opened = [opened], opened + 1
                 uri = dock_snapshot_uri(cfg, folder, runner.run)
                 dock.snapshot(uri)
                 write_driver_state(folder, cfg, next_iteration=it + 1, dock_uri=uri, open_iteration=it + 1, summary=summary,
-                                   prompts=plan.fingerprint)
+                                   prompts=plan.fingerprint, open_iterations=range(it + 1, opened), reports=generated,
+                                   generated_through=max(generated, default=it))
+                dock.report(it, Report.SNAPSHOT, {})  # the stages that wait for it may take rows of the open iterations now
                 logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
-                open_now = it + 1
         runner.finish()
         write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here
         if t.eval_after:
@@ -187,9 +212,9 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
     dock.put(range(len(picked) * n), {
         "prompt_ids": [p.prompt_ids for p in picked for _ in range(n)],
         "ground_truth": [p.ground_truth for p in picked for _ in range(n)],
-    })
+    }, iteration=iteration)
     if gate:
-        dock.put(range(gate * n), {"released": [True] * (gate * n)})
+        dock.put(range(gate * n), {"released": [True] * (gate * n)}, iteration=iteration)
 
 
 class StageWorker(Protocol):
@@ -281,6 +306,11 @@ class InProcessStages:
             metrics["weight_sync/bytes"] = self.sync()
             metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
+
+    def generated(self, iterations: range) -> dict[int, dict[str, dict[str, float]]]:
+        if len(iterations):  # the config refuses dock.max_inflight > 1 in this mode
+            raise AssertionError(f"in-process stages run one iteration at a time; iterations {list(iterations)} are open")
+        return {}
 
     def save_checkpoint(self, iteration: int, folder: Path) -> None:
         save_optimizer(self.actor, self.actor.save(prepare_checkpoint(folder)))

@@ -34,6 +34,7 @@ class Report(enum.StrEnum):
     ACTOR = "actor"  # an iteration's update is done (with trainer.hybrid its weight sync too)
     WEIGHT_SYNC = "weight_sync"  # the rollout holds the weights of the iteration's update (a separate rollout only)
     CRITIC = "critic"  # an iteration's values are written and the critic's update is done (critic.enable)
+    SNAPSHOT = "snapshot"  # the driver snapshotted the dock of a due checkpoint (stages then take rows of the next)
     CHECKPOINT = "checkpoint"  # the actor wrote the weights and optimizer of the checkpoint after the iteration
     CRITIC_CHECKPOINT = "critic_checkpoint"  # the critic wrote its weights and optimizer there (critic.enable)
     EVAL_BEFORE = "eval_before"  # the greedy evaluation before training (eval/*_before), at iteration 0
@@ -73,24 +74,41 @@ def checkpoint_reports(cfg: Config) -> list[Report]:
     return [Report.CHECKPOINT, *([Report.CRITIC_CHECKPOINT] if cfg.critic.enable else [])]
 
 
+def snapshot_after(cfg: Config) -> Callable[[int], bool] | None:
+    """With iterations in flight (``dock.max_inflight`` > 1), the iterations after which a stage
+    other than the rollout waits for the driver's ``SNAPSHOT`` before it takes rows of the next
+    (those with a checkpoint due): the snapshot then holds the later open iterations as the
+    rollout left them, untouched by the stages whose state the checkpoint holds as of that
+    iteration (the actor's weights). ``None`` with one iteration in flight: the driver opens the
+    next only after its snapshot."""
+    if cfg.dock.max_inflight == 1:
+        return None
+    from dockrl.resume import checkpoint_due
+
+    return lambda it: checkpoint_due(cfg.trainer, it)
+
+
 def serve_iterations(
     dock: Dock, stage: Report, step: Callable[[int], dict[str, float]], *, timeout_s: float,
     after_report: Callable[[int], None] | None = None, seed: int | None = None, report: bool = True,
-    first_timeout_s: float | None = None,
+    first_timeout_s: float | None = None, after: int = -1, hold: Callable[[int], bool] | None = None,
 ) -> int:
-    """The loop of a stage process: ``step(iteration)`` for every iteration the driver opens, its
+    """The loop of a stage process: ``step(iteration)`` for every iteration the driver opens
+    after ``after`` (oldest first: several may be open, ``dock.max_inflight``), its
     metrics reported as ``stage`` (unless ``report`` is false: ranks but the first of a stage),
-    then ``after_report(iteration)`` (weight sync, checkpoints); with ``seed`` the generators are
+    then ``after_report(iteration)`` (weight sync, checkpoints), then, where ``hold(iteration)``,
+    a wait for the driver's ``SNAPSHOT`` of it (``snapshot_after``); with ``seed`` the generators are
     reseeded per iteration. ``first_timeout_s`` (default ``timeout_s``) bounds the wait for the
     first iteration, which opens after the rollout's evaluation. Returns the iterations served
     once the driver called ``finish()``.
 
     Raises:
-        DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one.
+        DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one, or no
+            ``SNAPSHOT`` report within ``timeout_s`` (the message names the report).
     """
     from dockrl.resume import seed_iteration
 
-    last, served = -1, 0  # -1: before the first iteration
+    last, served = after, 0  # -1: before the first iteration
     while (it := dock.wait_iteration(last, first_timeout_s if served == 0 and first_timeout_s else timeout_s)) is not None:
         logger.info("%s: iteration %d", stage, it)
         if seed is not None:
@@ -100,6 +118,8 @@ def serve_iterations(
             dock.report(it, stage, metrics)
         if after_report is not None:
             after_report(it)
+        if hold is not None and hold(it):  # the driver snapshots the later open iterations before this stage touches them
+            dock.wait_reports(it, [Report.SNAPSHOT], timeout_s)
         last, served = it, served + 1
     logger.info("%s: finished after %d iterations", stage, served)
     return served

@@ -154,7 +154,12 @@ ERRORS = {
         ["dock.mode=distributed", "dock.shards=7", "trainer.global_batch=6"],
         ["dock.shards: got 7", "trainer.global_batch=6", "whole prompt groups"],
     ),
-    "off-policy in flight": (["dock.max_inflight=2"], ["dock.max_inflight: got 2", "only 1"]),
+    "in flight in-process": (["dock.max_inflight=2"], ["dock.max_inflight: got 2", "dock.mode='inprocess'", "dock.mode=distributed"]),
+    "in flight with the hybrid actor": (
+        ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed", "dock.max_inflight=2"],
+        ["dock.max_inflight: got 2", "trainer.hybrid=True"],
+    ),
+    "too many in flight": (["dock.mode=distributed", "dock.max_inflight=0"], ["dock.max_inflight: got 0", "from 1"]),
     "negative eval size": (["data.eval_size=-5"], ["data.eval_size: got -5", ">= 0"]),
     "negative threads": (["run.num_threads=-3"], ["run.num_threads: got -3", ">= 0"]),
     "scorer not an import path": (["algorithm.scorer=my_scorer"], ["algorithm.scorer: got 'my_scorer'", "'package.module:Class'"]),

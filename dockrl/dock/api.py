@@ -81,13 +81,15 @@ class Dock(StageDock, Protocol):
     # --- iteration lifecycle (driver) ---------------------------------------------------------
     def open_iteration(self, iteration: int, num_rows: int, group_size: int, *, announce: bool = True) -> None:
         """Open an empty table of ``num_rows`` rows in groups of ``group_size``; with
-        ``announce=False`` stages see it only after ``announce(iteration)``."""
+        ``announce=False`` stages see it only after ``announce(iteration)``. Up to
+        ``dock.max_inflight`` iterations are open at once, in order; calls that name no
+        iteration go to the one this handle opened or waited for (``wait_iteration``) last."""
 
     def announce(self, iteration: int) -> None:
         """Let the stages' ``wait_iteration`` return ``iteration``, which must be open."""
 
-    def close_iteration(self) -> None:
-        """Drop the open iteration; claims blocked on it fail with ``DockError``."""
+    def close_iteration(self, iteration: int | None = None) -> None:
+        """Drop ``iteration`` (default: every open one); claims blocked on it fail with ``DockError``."""
 
     # --- data (stages): as StageDock, and reads without consuming ---------------------------------
     def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
@@ -117,7 +119,7 @@ class Dock(StageDock, Protocol):
 
     # --- control channel ------------------------------------------------------------------------
     def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
-        """Block until an iteration newer than ``after`` is announced; ``None`` after ``finish()``."""
+        """Block until an iteration newer than ``after`` is announced (the oldest such); ``None`` after ``finish()``."""
 
     def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:
         """Record ``stage``'s flat metrics of ``iteration``."""

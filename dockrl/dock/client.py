@@ -56,6 +56,13 @@ place, ``dock.warehouse``: a snapshot taken otherwise is refused naming them; no
 there), after writing the copied objects back into this client's warehouse under their keys. A
 restored open iteration is not announced: the driver calls ``announce``.
 
+**Iterations in flight.** With ``max_inflight`` > 1 (``dock.max_inflight``) up to that many
+iterations are open at once, oldest first (the rollout of the next overlaps the update of this
+one). Every request names its iteration: a stage's claims, puts and gets go to the iteration
+it last waited for (``wait_iteration``), the driver's to the one it opened last, unless
+``iteration=`` names another; ``close_iteration(k)`` closes one. A snapshot holds every open
+iteration (``ShardService``: the others beside the oldest).
+
 **Control channel.** ``wait_iteration``, ``report``, ``wait_reports`` and ``finish``
 (``dockrl.dock.control``) go to shard 0, which holds the run's control state for every client;
 the waits block server-side with the client's timeout (plus ``rpc_timeout_s`` of slack).
@@ -131,6 +138,11 @@ def _part(array: pa.Array, pos: np.ndarray) -> pa.Array:
     return array.take(pa.array(pos))
 
 
+def _one(layouts: list[dict[str, int]]) -> list[dict[str, int]] | dict[str, int] | None:
+    """Layouts for a message: none as None, one as itself, several as the list."""
+    return None if not layouts else layouts[0] if len(layouts) == 1 else layouts
+
+
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
     """The cells of ``column`` as one array (zero-copy when it has one chunk)."""
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
@@ -154,10 +166,14 @@ class DockClient:
             passes a known id can ``release_owner`` it when the worker's process dies.
         first_shard: the shard this client's first claim sweeps from (each claim then starts one
             shard further); default a random one, so that clients do not all start on shard 0.
+<<<<<<< HEAD
         local_shard: locality hint, the shard co-located with this client (same node or pod):
             claims take (and wait for) its rows while it has rows left for the consumer, and
             steal from the others (in rotation) only once it is empty; None (default) for no
             preference.
+=======
+        max_inflight: iterations this client may have open at once (``open_iteration``; ``dock.max_inflight``).
+>>>>>>> 99daf43 (Iterations in flight: dock.max_inflight >= 2 in distributed mode (one-step off-policy): the shards keep one controller per open iteration, stages serve iterations in order and claim from their own, the rollout takes update k after generating k+m-1 (rollout/policy_version, rollout/staleness), checkpoints hold the iterations in flight and resume exactly; tests, benchmarks/inflight.py, docs)
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
@@ -170,7 +186,11 @@ class DockClient:
     def __init__(
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
+<<<<<<< HEAD
         first_shard: int | None = None, local_shard: int | None = None,
+=======
+        first_shard: int | None = None, max_inflight: int = 1,
+>>>>>>> 99daf43 (Iterations in flight: dock.max_inflight >= 2 in distributed mode (one-step off-policy): the shards keep one controller per open iteration, stages serve iterations in order and claim from their own, the rollout takes update k after generating k+m-1 (rollout/policy_version, rollout/staleness), checkpoints hold the iterations in flight and resume exactly; tests, benchmarks/inflight.py, docs)
     ) -> None:
         if not shards:
             raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
@@ -188,8 +208,10 @@ class DockClient:
         self._beat_thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._layout: ShardLayout | None = None
+        self._layout: ShardLayout | None = None  # this client's current iteration (opened or waited for last), else the shards' newest
         self._confirmed: int | None = None  # the iteration of _layout when this client opened it or waited for it
+        self._known: dict[int, ShardLayout] = {}  # layouts of open iterations seen, by iteration
+        self.max_inflight = max_inflight
         self._arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
         self._next = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
         self.warehouse = warehouse
@@ -212,6 +234,12 @@ class DockClient:
 
     # --- layout -------------------------------------------------------------------------------
     def _describe(self, shard: int) -> dict[str, int] | None:
+        """Shard ``shard``'s layout of its newest open iteration (None: none is open)."""
+        layouts = self._describe_all(shard)
+        return layouts[-1] if layouts else None
+
+    def _describe_all(self, shard: int) -> list[dict[str, int]]:
+        """Shard ``shard``'s layouts of its open iterations, oldest first."""
         desc = self._action(shard, "describe", {})
         names = [c.name for c in self.schema.columns]
         if desc["schema_version"] != self.schema.version or desc["columns"] != names:
@@ -227,19 +255,26 @@ class DockClient:
                 "shards started with payload='store' need a DockClient with warehouse=..., payload='memory' ones one without "
                 "(dock.warehouse)"
             )
-        return desc["layout"]
+        return desc.get("layouts", [desc["layout"]] if desc["layout"] is not None else [])
 
-    def _fetch_layout(self) -> ShardLayout | None:
-        raw = [self._describe(s) for s in range(len(self.locations))]
-        first = raw[0]
-        layout = None if first is None else ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(raw))
+    def _fetch_layouts(self) -> list[ShardLayout]:
+        """The layouts of the iterations open on the shards, oldest first (``_known`` is set to them)."""
+        raw = [self._describe_all(s) for s in range(len(self.locations))]
+        layouts = [ShardLayout(m["iteration"], m["num_rows"], m["group_size"], len(raw)) for m in raw[0]]
         for s, got in enumerate(raw):
-            want = None if layout is None else layout.shard_meta(s)
+            want = [layout.shard_meta(s) for layout in layouts]
             if got != want:
                 raise DockError(
-                    f"dock shards disagree: shard {s} at {self.locations[s]} has layout {got}, expected {want} from shard 0; "
-                    "pass every shard, in the order the iteration was opened with, and do not open it concurrently"
+                    f"dock shards disagree: shard {s} at {self.locations[s]} has layout {_one(got)}, expected {_one(want)} "
+                    "from shard 0; pass every shard, in the order the iteration was opened with, and do not open it concurrently"
                 )
+        with self._lock:
+            self._known = {layout.iteration: layout for layout in layouts}
+        return layouts
+
+    def _fetch_layout(self) -> ShardLayout | None:
+        layouts = self._fetch_layouts()
+        layout = layouts[-1] if layouts else None
         with self._lock:
             self._layout = layout
         return layout
@@ -252,14 +287,23 @@ class DockClient:
         Raises:
             DockError: no iteration is open, or ``iteration`` is not the open one.
         """
-        layout = None if fresh else self._layout
-        if layout is None or (iteration is not None and layout.iteration != iteration):
-            layout = self._fetch_layout()
-        if layout is None:
+        with self._lock:
+            layout = None if fresh else self._layout if iteration is None else self._known.get(iteration)
+        if layout is not None and (iteration is None or layout.iteration == iteration):
+            return layout
+        layouts = self._fetch_layouts()
+        if not layouts:
             raise DockError(f"{what}: no iteration is open (call open_iteration first, or it was closed)")
-        if iteration is not None and layout.iteration != iteration:
-            raise DockError(f"{what}: iteration {iteration} is not open; the open iteration is {layout.iteration}")
-        return layout
+        if iteration is None:
+            with self._lock:
+                self._layout = layouts[-1]
+            return layouts[-1]
+        found = [layout for layout in layouts if layout.iteration == iteration]
+        if not found:
+            open_now = f"the open iteration is {layouts[0].iteration}" if len(layouts) == 1 else \
+                f"the open iterations are {[x.iteration for x in layouts]}"
+            raise DockError(f"{what}: iteration {iteration} is not open; {open_now}")
+        return found[0]
 
     def _open_layout(self, what: str) -> ShardLayout:
         """The layout of the iteration open on the shards now (one ``describe`` when it is the known one)."""
@@ -297,19 +341,21 @@ class DockClient:
         """
         layout = ShardLayout(int(iteration), int(num_rows), int(group_size), len(self.locations))
         opened: list[int] = []
+        limit = {"max_open": self.max_inflight} if self.max_inflight != 1 else {}
         try:
             for s in range(layout.num_shards):
-                self._action(s, "open_iteration", layout.shard_meta(s))
+                self._action(s, "open_iteration", layout.shard_meta(s) | limit)
                 opened.append(s)
         except BaseException:
             for s in opened:  # leave no shard half-opened
                 try:
-                    self._action(s, "close_iteration", {})
+                    self._action(s, "close_iteration", {"iteration": layout.iteration})
                 except Exception as e:  # noqa: BLE001 - the open's own error is what the caller needs
                     logger.warning("could not close half-opened iteration %d on dock shard %d: %s", iteration, s, e)
             raise
         with self._lock:
             self._layout, self._confirmed = layout, layout.iteration
+            self._known[layout.iteration] = layout
         if announce:
             self.announce(layout.iteration)
 
@@ -321,22 +367,25 @@ class DockClient:
         """
         self._action(0, "announce_iteration", {"iteration": int(iteration)})  # control channel: now stages may start
 
-    def close_iteration(self) -> None:
-        """Drop the iteration on every shard; claims blocked on any shard fail with ``DockError``.
+    def close_iteration(self, iteration: int | None = None) -> None:
+        """Drop ``iteration`` (default: every open one) on every shard; claims blocked on it fail with ``DockError``.
 
         With a warehouse, the iteration's objects are deleted afterwards (a store failure there
         is logged, not raised: the iteration is closed either way).
         """
-        open_now = (self._describe(0) or {}).get("iteration") if self.warehouse is not None else None
+        closing = ([m["iteration"] for m in self._describe_all(0)] if iteration is None else [int(iteration)]) \
+            if self.warehouse is not None else []
         with self._lock:
-            self._layout = self._confirmed = None
+            if iteration is None or (self._layout is not None and self._layout.iteration == iteration):
+                self._layout = self._confirmed = None
+            self._known = {} if iteration is None else {k: v for k, v in self._known.items() if k != iteration}
         for s in range(len(self.locations)):
-            self._action(s, "close_iteration", {})
-        if self.warehouse is not None and open_now is not None:
+            self._action(s, "close_iteration", {} if iteration is None else {"iteration": int(iteration)})
+        for it in closing:
             try:
-                delete_iteration(self.warehouse, open_now)
+                delete_iteration(self.warehouse, it)  # type: ignore[arg-type]  # closing is empty without a warehouse
             except WarehouseError as e:
-                logger.warning("iteration %d closed, but its objects stay in %s: %s", open_now, self.warehouse.url, e)
+                logger.warning("iteration %d closed, but its objects stay in %s: %s", it, self.warehouse.url, e)  # type: ignore[union-attr]
 
     # --- writes and reads ---------------------------------------------------------------------
     def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
@@ -479,8 +528,10 @@ class DockClient:
         try:
             claim = self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline)
         except DockError as e:
-            shard0 = None if isinstance(e, DockTimeoutError) else self._describe(0)
-            if shard0 is None or shard0["iteration"] == layout.iteration:  # closed (maybe still closing), or the same one
+            open_now = [] if isinstance(e, DockTimeoutError) or layout.iteration == self._confirmed else \
+                [m["iteration"] for m in self._describe_all(0)]
+            # closed (maybe still closing), still open, or the one this client opened or waited for: never another's rows
+            if not open_now or layout.iteration in open_now:
                 raise
             # the iteration this client knew was closed and another opened: claim from that one
             claim = self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
@@ -739,7 +790,8 @@ class DockClient:
         Raises:
             DockError: the shards disagree on the layout, or a shard's filesystem refused a write.
         """
-        layout = self._fetch_layout()
+        layouts = self._fetch_layouts()
+        layout, more = (layouts[0], layouts[1:]) if layouts else (None, [])
         sid = new_id()
         shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.locations))]
         for s, name in enumerate(shards):
@@ -751,7 +803,7 @@ class DockClient:
                 write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
         meta = {"kind": SNAPSHOT_KIND, "schema_version": self.schema.version, "num_shards": len(self.locations),
                 "mode": self.mode, "payload": self._payload, "layout": None if layout is None else layout.shard_meta(0),
-                "shards": shards, "objects": keys}
+                "shards": shards, "objects": keys} | ({"more": [m.shard_meta(0) for m in more]} if more else {})
         write_snapshot(uri, meta, {}, snapshot_id=sid)
 
     @staticmethod
@@ -760,9 +812,11 @@ class DockClient:
         keys: set[str] = set()
         for name in shards:
             shard_uri = join_uri(uri, name)
-            meta = read_meta(shard_uri, what)
-            for column in meta.get("objects", []):
-                keys.update(read_table(shard_uri, meta, f"objects.{column}", what).column("key").to_pylist())
+            more = (read_meta(shard_uri, what).get("extra") or {}).get("more") or []  # open beside the oldest (ShardService)
+            for where in [shard_uri, *(join_uri(shard_uri, f"open-{m['iteration']}") for m in more)]:
+                meta = read_meta(where, what)
+                for column in meta.get("objects", []):
+                    keys.update(read_table(where, meta, f"objects.{column}", what).column("key").to_pylist())
         return sorted(keys)
 
     def restore(self, uri: str) -> None:
@@ -800,6 +854,7 @@ class DockClient:
         layout = None
         if first is not None:
             layout = ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(self.locations))
+        more = [ShardLayout(m["iteration"], m["num_rows"], m["group_size"], len(self.locations)) for m in meta.get("more", [])]
         for s in range(len(self.locations)):
             open_now = self._describe(s)
             if open_now is not None:
@@ -812,9 +867,11 @@ class DockClient:
             assert self.warehouse is not None  # a snapshot with objects has payload "store", as this dock (checked above)
             self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
-            self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)})
+            self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)}
+                         | ({"more": [m.shard_meta(s) for m in more]} if more else {}))
         with self._lock:
             self._layout = layout
+            self._known = {x.iteration: x for x in ([layout] if layout else []) + more}
 
     def stats(self) -> dict[str, float]:
         """Counters summed over shards: ``dock/bytes_put``, ``dock/bytes_read`` (payload bytes
@@ -857,6 +914,7 @@ class DockClient:
             if layout.shard_meta(0) == meta:  # the row mapping comes with the iteration: no describe per shard
                 with self._lock:
                     self._layout, self._confirmed = layout, layout.iteration
+                    self._known = {k: v for k, v in self._known.items() if k > layout.iteration - 64} | {layout.iteration: layout}
         return res["iteration"]
 
     def report(self, iteration: int, stage: str, metrics: Mapping[str, float]) -> None:

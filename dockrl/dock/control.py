@@ -4,8 +4,8 @@ When stages run as separate processes they share nothing but the dock, so the do
 carries the little coordination they need (metadata only, never payload):
 
 * ``wait_iteration(after)`` — a stage blocks until an iteration newer than ``after`` is open
-  and gets its number, or ``None`` once the driver called ``finish()`` (and no newer one is
-  open): its loop ends.
+  and gets its number (the oldest such, when several are open: ``dock.max_inflight``), or
+  ``None`` once the driver called ``finish()`` (and no newer one is open): its loop ends.
 * ``report(iteration, stage, metrics)`` — a stage hands in the flat metrics dict of an
   iteration (or of a pseudo-iteration such as the evaluation before training).
 * ``wait_reports(iteration, stages)`` — the driver blocks until every named stage reported.
@@ -51,23 +51,37 @@ class RunControl:
     Args:
         timeout_s: default timeout of the waits, seconds (``math.inf``: wait forever).
 
-    Thread-safe. The owner calls ``set_open`` when an iteration opens or closes and
-    ``shutdown`` when it goes away (blocked waits then fail with ``DockError``).
+    Thread-safe. The owner calls ``set_open`` when an iteration is announced, ``set_closed``
+    when one closes (several may be open: ``dock.max_inflight``) and ``shutdown`` when it goes
+    away (blocked waits then fail with ``DockError``).
     """
 
     def __init__(self, *, timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
-        self._open: int | None = None
+        self._open: set[int] = set()  # announced and not closed
         self._finished = False
         self._shutdown: str | None = None
         self._reports: dict[int, dict[str, dict[str, float]]] = {}
 
-    def set_open(self, iteration: int | None) -> None:
-        """The iteration now open (``None``: none is)."""
+    def set_open(self, iteration: int) -> None:
+        """``iteration`` is announced: ``wait_iteration`` may return it."""
         with self._cond:
-            self._open = iteration
+            self._open.add(iteration)
             self._cond.notify_all()
+
+    def set_closed(self, iteration: int | None = None) -> None:
+        """``iteration`` closed (``None``: every open one)."""
+        with self._cond:
+            if iteration is None:
+                self._open.clear()
+            else:
+                self._open.discard(iteration)
+            self._cond.notify_all()
+
+    def _open_now(self) -> int | list[int] | None:
+        """The announced open iterations for messages: one as a number, several as a list."""
+        return None if not self._open else min(self._open) if len(self._open) == 1 else sorted(self._open)
 
     def shutdown(self, reason: str) -> None:
         """Fail every blocked and later wait with ``DockError(reason)``."""
@@ -83,7 +97,8 @@ class RunControl:
             raise DockError(f"{what}: {self._shutdown}")
 
     def wait_iteration(self, after: int, timeout_s: float | None = None) -> int | None:
-        """Block until an iteration newer than ``after`` is open; return its number.
+        """Block until an iteration newer than ``after`` is open; return its number (the oldest
+        such when several are).
 
         Returns ``None`` once ``finish()`` was called and no iteration newer than ``after``
         is open: the caller's stage loop is over.
@@ -99,15 +114,16 @@ class RunControl:
         with self._cond:
             while True:
                 self._check_shutdown(what)
-                if self._open is not None and self._open > after:
-                    return self._open
+                newer = [i for i in self._open if i > after]
+                if newer:
+                    return min(newer)
                 if self._finished:
                     return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DockTimeoutError(
                         f"{what} timed out after {timeout:.1f}s: no iteration after {after} was opened "
-                        f"(open now: {self._open}) and the driver has not called finish()"
+                        f"(open now: {self._open_now()}) and the driver has not called finish()"
                     )
                 self._wait(remaining)
 

@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError, DockTimeoutError
+from dockrl.dock.local import ShardController
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard import Payload, ShardService
 
@@ -120,7 +121,6 @@ class DockShardServer(flight.FlightServerBase):
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         self._location = f"grpc://{host}:{self.port}"
         self.service = ShardService(schema, name=self._location, timeout_s=timeout_s, payload=payload, lease_s=lease_s)
-        self.dock = self.service.dock
         self._lock = threading.Lock()
         self._closed = False
         if token:
@@ -133,6 +133,11 @@ class DockShardServer(flight.FlightServerBase):
     def location(self) -> str:
         """``grpc://host:port`` a client connects to (the real port when started with port 0)."""
         return self._location
+
+    @property
+    def dock(self) -> ShardController:
+        """The shard's controller of its open iteration (``ShardService.dock``)."""
+        return self.service.dock
 
     @property
     def controller_bytes(self) -> int:

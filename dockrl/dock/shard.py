@@ -2,9 +2,11 @@
 
 A shard owns a contiguous range of whole prompt groups of each iteration (``shard_ranges``;
 ``dockrl.dock.client`` documents the mapping) and holds, for those rows, the controller state
-and (``payload="memory"``) the cells: it wraps one ``ShardController`` whose rows keep their
-global indexes. ``ShardService`` is the shard's whole behaviour as plain calls on Python
-values; a transport carries them (``ShardTransport``):
+and (``payload="memory"``) the cells: it wraps one ``ShardController`` per open iteration, whose
+rows keep their global indexes. Several iterations may be open at once (``dock.max_inflight``:
+the rollout of the next overlaps the update of this one); every request names its iteration.
+``ShardService`` is the shard's whole behaviour as plain calls on Python values; a transport
+carries them (``ShardTransport``):
 
 * ``LocalTransport`` — calls the service of a shard in this process directly (``dock.mode=
   inprocess``): no sockets, no serialization, the request and result objects are passed as is.
@@ -14,18 +16,21 @@ values; a transport carries them (``ShardTransport``):
 Requests (``action(name, body)``; every body and result is JSON-compatible):
 
 * controller path, metadata only: ``open_iteration`` {iteration, num_rows, group_size,
-  first_row, stop_row, shard, num_shards} (checked against the row mapping ``ShardLayout``),
-  ``close_iteration`` {}, ``describe`` {} → {schema_version, columns, layout, payload},
+  first_row, stop_row, shard, num_shards, max_open?} (checked against the row mapping ``ShardLayout``;
+  refused while ``max_open``, default 1, iterations are open), ``close_iteration`` {iteration?}
+  (null or absent: every open one), ``describe`` {} → {schema_version, columns, layout (the newest
+  open iteration's), layouts (every open one's, oldest first), payload},
   ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
   lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable;
   rows are leased to ``owner`` under ``lease``), ``release`` {iteration, consumer, rows},
   ``drop`` {iteration, rows} (``ShardController.drop``),
   ``missing`` {iteration, consumer, columns} → {column: rows lacking}, ``stats`` {} → counters.
 * leases (``dockrl.dock.local``): ``ack`` {iteration, consumer, lease, rows},
-  ``renew`` {owner} → {leases, iteration}, ``release_owner`` {owner} → {rows}.
-* snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri``;
-  ``restore`` {uri, layout} loads it into a shard with no open iteration, checking that the
-  snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null).
+  ``renew`` {owner} → {leases, iteration (the oldest open)}, ``release_owner`` {owner} → {rows}.
+* snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri`` (the oldest open
+  iteration; each further one to ``<uri>/open-<k>``, named in the stored ``more``);
+  ``restore`` {uri, layout, more?} loads it into a shard with no open iteration, checking that the
+  snapshot was taken on the shard with that ``layout`` (its ``shard_meta``, or null) and ``more``.
 * control channel (``dockrl.dock.control``; front ends use shard 0's): ``announce_iteration``
   {iteration}, ``wait_iteration`` {after, timeout_s} → {iteration (null once finished), layout (shard 0's
   ``shard_meta`` of that iteration while it is open, else null)},
@@ -59,6 +64,7 @@ from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError
 from dockrl.dock.local import DEFAULT_OWNER, ShardController, check_sizes
 from dockrl.dock.schema import Schema
+from dockrl.dock.snapshot import join_uri
 
 logger = logging.getLogger(__name__)
 
@@ -138,32 +144,36 @@ class ShardService:
         if payload not in ("memory", "store"):
             raise ValueError(f"dock shard payload: got {payload!r}; expected 'memory' or 'store'")
         self.schema, self.name, self.payload = schema, name, payload
-        self.dock = ShardController(schema, timeout_s=timeout_s, lease_s=lease_s)
+        self.timeout_s, self.lease_s = timeout_s, lease_s
         self.control = RunControl(timeout_s=timeout_s)  # the run's control channel (used on shard 0)
         self._lock = threading.Lock()
-        self._layout: dict[str, int] | None = None
+        self._idle = ShardController(schema, timeout_s=timeout_s, lease_s=lease_s)  # never opened: answers "no iteration is open"
+        self._docks: dict[int, ShardController] = {}  # of the open iterations this shard owns rows of
+        self._layouts: dict[int, dict[str, int]] = {}  # of every open iteration, oldest first
+        self._closed_stats: dict[str, float] = {}  # counters of the controllers of closed iterations
         self._closed = False
         self.controller_bytes = 0
         """Request and result bytes of the controller path (counted by a transport that serializes)."""
         self._driver_seen = time.monotonic()  # the driver's lease runs from the shard's start
-        d = self.dock
+        d = self._at
         self.actions: dict[str, Callable[[dict[str, Any]], Any]] = {
             "open_iteration": self._open_iteration,
-            "close_iteration": lambda req: self._close_iteration(),
+            "close_iteration": lambda req: self._close_iteration(req.get("iteration")),
             "describe": lambda req: self._describe(),
             "claim": self.claim,
-            "release": lambda req: d.release(req["consumer"], req["rows"], iteration=req["iteration"]),
-            "drop": lambda req: d.drop(req["rows"], iteration=req["iteration"]),
-            "missing": lambda req: d.missing(req["consumer"], req["columns"], iteration=req["iteration"]),
-            "stats": lambda req: d.stats() | {"dock/controller_bytes": self.controller_bytes},
+            "release": lambda req: d(req).release(req["consumer"], req["rows"], iteration=req["iteration"]),
+            "drop": lambda req: d(req).drop(req["rows"], iteration=req["iteration"]),
+            "missing": lambda req: d(req).missing(req["consumer"], req["columns"], iteration=req["iteration"]),
+            "stats": lambda req: self.stats(),
             "commit": self._commit,
             "locate": self._locate,
-            "ack": lambda req: d.ack_rows(req["consumer"], req["lease"], req["rows"], iteration=req["iteration"]),
-            # the layout is read without the lock: a snapshot in progress holds it, and beats must not wait
-            "renew": lambda req: {"leases": d.renew(req["owner"]), "iteration": (self._layout or {}).get("iteration")},
-            "release_owner": lambda req: {"rows": d.release_owner(req["owner"])},
+            "ack": lambda req: d(req).ack_rows(req["consumer"], req["lease"], req["rows"], iteration=req["iteration"]),
+            # the layouts are read without the lock: a snapshot in progress holds it, and beats must not wait
+            "renew": lambda req: {"leases": sum(c.renew(req["owner"]) for c in list(self._docks.values())),
+                                  "iteration": min(self._layouts, default=None)},
+            "release_owner": lambda req: {"rows": sum(c.release_owner(req["owner"]) for c in list(self._docks.values()))},
             "snapshot": lambda req: self._snapshot(req["uri"]),
-            "restore": lambda req: self._restore(req["uri"], req["layout"]),
+            "restore": lambda req: self._restore(req["uri"], req["layout"], req.get("more") or []),
             "announce_iteration": lambda req: self._announce_iteration(req["iteration"]),
             "wait_iteration": lambda req: self._wait_iteration(req["after"], _timeout(req["timeout_s"])),
             "report": lambda req: self.control.report(req["iteration"], req["stage"], req["metrics"]),
@@ -185,15 +195,49 @@ class ShardService:
             raise DockError(f"dock shard: unknown action {name!r}; known: {sorted(self.actions)}")
         return handler(body)
 
+    @property
+    def dock(self) -> ShardController:
+        """The controller of the open iteration (of the newest when several are open; a never
+        opened one, which refuses every call, when none is)."""
+        docks = list(self._docks.values())
+        return docks[-1] if docks else self._idle
+
+    def _at(self, req: dict[str, Any]) -> ShardController:
+        """The controller of the request's iteration (``req["iteration"]``; null: the only open one).
+
+        Raises:
+            DockError: that iteration is not open on this shard while others are (with one or
+                none open, that controller refuses it with its own message).
+        """
+        iteration, docks = req.get("iteration"), self._docks
+        found = docks.get(iteration) if iteration is not None else None
+        if found is not None:
+            return found
+        if len(docks) <= 1:
+            return next(iter(docks.values()), self._idle)
+        open_now = sorted(docks)
+        if iteration is None:
+            raise DockError(f"iterations {open_now} are open on dock shard {self.name}: name the iteration")
+        raise DockError(f"iteration {iteration} is not open; the open iterations are {open_now}")
+
+    def stats(self) -> dict[str, float]:
+        """The controllers' counters (``ShardController.stats``) over every iteration so far, and ``dock/controller_bytes``."""
+        total = dict(self._closed_stats)
+        for controller in [*list(self._docks.values()), self._idle]:
+            for key, value in controller.stats().items():
+                total[key] = total.get(key, 0) + value
+        return total | {"dock/controller_bytes": self.controller_bytes}
+
     def close(self) -> None:
         """Fail blocked claims and waits, and every later one. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._layout = None
+            docks, self._docks, self._layouts = list(self._docks.values()), {}, {}
         self.control.shutdown(f"dock shard at {self.name} is shutting down")
-        self.dock.close_iteration()
+        for controller in docks:
+            controller.close_iteration()
 
     def _driver_beat(self) -> None:
         self._driver_seen = time.monotonic()
@@ -204,12 +248,20 @@ class ShardService:
 
     # --- controller path ----------------------------------------------------------------------
     def _open_iteration(self, req: dict[str, Any]) -> None:
+        req = dict(req)
+        max_open = int(req.pop("max_open", 1))
         iteration, first, stop = req["iteration"], req["first_row"], req["stop_row"]
         with self._lock:
             if self._closed:
                 raise DockError(f"open_iteration({iteration}): dock shard at {self.name} is shutting down")
-            if self._layout is not None:
-                raise DockError(f"open_iteration({iteration}): iteration {self._layout['iteration']} is still open")
+            if iteration in self._layouts or len(self._layouts) >= max_open:
+                open_now = list(self._layouts)
+                raise DockError(
+                    f"open_iteration({iteration}): iteration {open_now[0]} is still open" if len(open_now) == 1 else
+                    f"open_iteration({iteration}): iterations {open_now} are still open (at most {max_open}: dock.max_inflight)"
+                )
+            if self._layouts and iteration < max(self._layouts):
+                raise DockError(f"open_iteration({iteration}): iteration {max(self._layouts)} is open; iterations open in order")
             shard, num_shards = req["shard"], req["num_shards"]
             if not 0 <= shard < num_shards:
                 raise DockError(f"open_iteration({iteration}): shard {shard} is not one of {num_shards} shards")
@@ -217,35 +269,43 @@ class ShardService:
             if req != expected:
                 raise DockError(f"open_iteration({iteration}): shard layout {req} does not match the row mapping {expected}")
             if stop > first:  # a shard may own no group when there are fewer groups than shards
-                self.dock.open_iteration(iteration, stop - first, req["group_size"], first_row=first, total_rows=req["num_rows"])
-            self._layout = expected
+                controller = ShardController(self.schema, timeout_s=self.timeout_s, lease_s=self.lease_s)
+                controller.open_iteration(iteration, stop - first, req["group_size"], first_row=first, total_rows=req["num_rows"])
+                self._docks = {**self._docks, iteration: controller}  # replaced, not changed: read without the lock
+            self._layouts = {**self._layouts, iteration: expected}
 
-    def _close_iteration(self) -> None:
+    def _close_iteration(self, iteration: int | None = None) -> None:
         with self._lock:
-            self._layout = None
-            self.dock.close_iteration()
-            self.control.set_open(None)
+            closing = list(self._layouts) if iteration is None else [iteration] if iteration in self._layouts else []
+            self._layouts = {k: v for k, v in self._layouts.items() if k not in closing}
+            docks = [self._docks[k] for k in closing if k in self._docks]
+            self._docks = {k: v for k, v in self._docks.items() if k not in closing}
+            for controller in docks:
+                controller.close_iteration()
+                for key, value in controller.stats().items():
+                    self._closed_stats[key] = self._closed_stats.get(key, 0) + value
+            self.control.set_closed(iteration)
 
     def _wait_iteration(self, after: int, timeout_s: float) -> dict[str, Any]:
         """``RunControl.wait_iteration``, answered with this shard's layout of that iteration while it is open
         (a front end learns the row mapping with the iteration, without a ``describe`` per shard)."""
         iteration = self.control.wait_iteration(after, timeout_s)
-        layout = self._layout  # read without the lock, as renew does: a snapshot in progress holds it
-        return {"iteration": iteration,
-                "layout": dict(layout) if layout is not None and layout["iteration"] == iteration else None}
+        layout = None if iteration is None else self._layouts.get(iteration)  # read without the lock, as renew does
+        return {"iteration": iteration, "layout": None if layout is None else dict(layout)}
 
     def _announce_iteration(self, iteration: int) -> None:
         with self._lock:
-            open_now = None if self._layout is None else self._layout["iteration"]
-            if open_now != iteration:
-                raise DockError(f"announce({iteration}): iteration {open_now} is open on dock shard 0 at {self.name}")
+            if iteration not in self._layouts:
+                open_now = list(self._layouts) or None
+                raise DockError(f"announce({iteration}): iteration {open_now if open_now is None or len(open_now) > 1 else open_now[0]} "
+                                f"is open on dock shard 0 at {self.name}")
             self.control.set_open(iteration)
 
     def _describe(self) -> dict[str, Any]:
         with self._lock:
-            layout = self._layout
+            layouts = [dict(v) for v in self._layouts.values()]
         return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns],
-                "layout": None if layout is None else dict(layout), "payload": self.payload}
+                "layout": layouts[-1] if layouts else None, "layouts": layouts, "payload": self.payload}
 
     def _require(self, payload: str, what: str) -> None:
         if self.payload != payload:
@@ -256,13 +316,13 @@ class ShardService:
     def _commit(self, req: dict[str, Any]) -> None:
         self._require("store", "commit")
         objects = {name: (ref["key"], ref["offsets"]) for name, ref in req["objects"].items()}
-        self.dock.commit(req["rows"], objects, iteration=req["iteration"])
+        self._at(req).commit(req["rows"], objects, iteration=req["iteration"])
         if "ack" in req:  # commit and ack in one call (put(..., ack=claim))
-            self.dock.ack_rows(req["ack"]["consumer"], req["ack"]["lease"], req["rows"], iteration=req["iteration"])
+            self._at(req).ack_rows(req["ack"]["consumer"], req["ack"]["lease"], req["rows"], iteration=req["iteration"])
 
     def _locate(self, req: dict[str, Any]) -> dict[str, Any]:
         self._require("store", "locate")
-        located = self.dock.locate(req["columns"], req["rows"], iteration=req["iteration"])
+        located = self._at(req).locate(req["columns"], req["rows"], iteration=req["iteration"])
         return {name: loc.to_json() for name, loc in located.items()}
 
     def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
@@ -273,7 +333,8 @@ class ShardService:
     def _claim(self, req: dict[str, Any], cancelled: Callable[[], bool], read: bool) -> tuple[dict[str, Any], pa.RecordBatch | None]:
         timeout = _timeout(req["timeout_s"])
         start = time.monotonic()
-        rows, pending, held, _, batch = self.dock.take(
+        controller = self._at(req)
+        rows, pending, held, _, batch = controller.take(
             req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
             at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
             owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
@@ -283,22 +344,40 @@ class ShardService:
         # slack); asking the transport costs more than a take that did not block
         if rows and time.monotonic() - start > CANCEL_CHECK_S and cancelled():
             logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
-            self.dock.release(req["consumer"], rows, iteration=req["iteration"])
+            controller.release(req["consumer"], rows, iteration=req["iteration"])
             rows, pending, batch = [], pending + len(rows), None if batch is None else batch.slice(0, 0)
         return {"rows": rows, "pending": pending, "held": held}, batch
 
-    def _snapshot(self, uri: str) -> None:
-        with self._lock:  # no open/close while the layout and the dock are written together
-            self.dock.snapshot(uri, extra={"layout": self._layout})
+    @staticmethod
+    def _snapshots(uri: str, layout: dict[str, int] | None, more: list[dict[str, int]]) -> list[tuple[dict[str, int] | None, str, dict]]:
+        """Where each open iteration's controller is stored, and the ``extra`` stored with it: the
+        oldest (or none) at ``uri``, naming the others (``more``), each of them at ``<uri>/open-<k>``."""
+        first = (layout, uri, {"layout": layout} | ({"more": more} if more else {}))
+        return [first, *((m, join_uri(uri, f"open-{m['iteration']}"), {"layout": m}) for m in more)]
 
-    def _restore(self, uri: str, layout: dict[str, int] | None) -> None:
+    def _snapshot(self, uri: str) -> None:
+        with self._lock:  # no open/close while the layouts and the controllers are written together
+            layouts = list(self._layouts.values())
+            places = self._snapshots(uri, layouts[0] if layouts else None, layouts[1:])
+            for layout, where, extra in reversed(places):  # the oldest's, naming the others, last
+                controller = self._idle if layout is None else self._docks.get(layout["iteration"], self._idle)
+                controller.snapshot(where, extra=extra)
+
+    def _restore(self, uri: str, layout: dict[str, int] | None, more: list[dict[str, int]]) -> None:
         with self._lock:
             if self._closed:
                 raise DockError(f"restore from {uri!r}: dock shard at {self.name} is shutting down")
-            if self._layout is not None:
-                raise DockError(f"restore from {uri!r}: iteration {self._layout['iteration']} is open on this shard; close it first")
-            self.dock.restore(uri, extra={"layout": layout})
-            self._layout = layout
+            if self._layouts:
+                raise DockError(f"restore from {uri!r}: iteration {next(iter(self._layouts))} is open on this shard; close it first")
+            docks, layouts = {}, {}
+            for lay, where, extra in self._snapshots(uri, layout, more):
+                controller = ShardController(self.schema, timeout_s=self.timeout_s, lease_s=self.lease_s)
+                controller.restore(where, extra=extra)
+                if lay is not None:
+                    layouts[lay["iteration"]] = lay
+                    if lay["stop_row"] > lay["first_row"]:  # a shard that owns no group of it stores none
+                        docks[lay["iteration"]] = controller
+            self._docks, self._layouts = docks, layouts
 
     # --- payload path -------------------------------------------------------------------------
     def put(self, req: dict[str, Any], table: pa.Table | pa.RecordBatch) -> None:
@@ -314,12 +393,12 @@ class ShardService:
         rows = row.chunk(0).to_numpy() if isinstance(row, pa.ChunkedArray) and row.num_chunks == 1 else row.to_numpy()
         columns = {name: table.column(name) for name in table.schema.names if name != ROW}
         ack = (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None  # put and ack in one call (put(..., ack=claim))
-        self.dock.put(rows, columns, iteration=req["iteration"], ack=ack)
+        self._at(req).put(rows, columns, iteration=req["iteration"], ack=ack)
 
     def get(self, req: dict[str, Any]) -> pa.RecordBatch:
         """The cells of ``req["rows"]`` (``ShardController.get``) of a memory-payload shard."""
         self._require("memory", "get")
-        return self.dock.get(req["columns"], req["rows"], iteration=req["iteration"])
+        return self._at(req).get(req["columns"], req["rows"], iteration=req["iteration"])
 
     def claim_cells(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> tuple[dict[str, Any], pa.RecordBatch]:
         """``claim`` and the cells of its rows in one call, under one lock (memory payload)."""

@@ -212,7 +212,8 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
         wait_for_shards(locations, token, backend.start_timeout_s, check=backend.check)
         # a shard that stops answering fails the run within dock.timeout_s (at most a minute), not later
         dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
-                          lease_s=cfg.dock.lease_s, owner=f"{backend.run_id}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s))
+                          lease_s=cfg.dock.lease_s, owner=f"{backend.run_id}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s),
+                          max_inflight=cfg.dock.max_inflight)
     except BaseException:
         stop()
         raise
@@ -260,6 +261,9 @@ class ProcessStages:
 
     def save_checkpoint(self, iteration: int, folder: Path) -> None:
         self._wait(iteration, checkpoint_reports(self.cfg), self.cfg.dock.timeout_s)  # the actor (and critic) wrote weights and optimizer there
+
+    def generated(self, iterations: range) -> dict[int, dict[str, dict[str, float]]]:
+        return {it: self._wait(it, [Report.ROLLOUT], self.cfg.dock.timeout_s) for it in iterations}
 
     def finish(self) -> None:
         """Every process ends its loop; the actor writes ``checkpoints/final``, the rollout evaluates (``trainer.eval_after``)."""

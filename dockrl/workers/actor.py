@@ -21,7 +21,7 @@ from dockrl.algorithms import aggregate_loss, kl_penalty, policy_loss, right_pad
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
-from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
 
@@ -243,7 +243,11 @@ class ActorWorker:
 
 def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, first_wait_s: float | None = None) -> None:
     """The ``actor`` stage process: update every iteration (``ACTOR``), send the weights on the
-    channel at ``weight_sync``, write a due checkpoint (``CHECKPOINT``), then ``checkpoints/final``."""
+    channel at ``weight_sync``, write a due checkpoint (``CHECKPOINT``), then ``checkpoints/final``.
+
+    With ``dock.max_inflight`` = m > 1 the rollout takes the weights of update ``k`` only after
+    generating iteration ``k+m-1`` (``dockrl.workers.rollout.sync_target``): the send waits for that
+    ``ROLLOUT`` report first, so the broadcast itself never waits on a generation."""
     from dockrl.engines.factory import build_train_engine
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.run_setup import resolve_model
@@ -258,6 +262,8 @@ def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, fi
     wire_dtype = getattr(torch, cfg.rollout.dtype)
 
     def after_update(it: int) -> None:
+        if cfg.dock.max_inflight > 1:  # the rollout receives these weights once it generated the iterations in flight
+            dock.wait_reports(min(it + cfg.dock.max_inflight - 1, t.iterations - 1), [Report.ROLLOUT], cfg.dock.timeout_s)
         sent = channel.send(engine.named_weights(), wire_dtype)
         logger.info("actor: sent %.1f MB of weights in %d buckets in %.2f s", sent["weight_sync/bytes"] / 1e6,
                     sent["weight_sync/buckets"], sent["weight_sync/seconds"])
@@ -267,7 +273,7 @@ def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, fi
 
     try:
         serve_iterations(dock, Report.ACTOR, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
-                         after_report=after_update, seed=t.seed, first_timeout_s=first_wait_s)
+                         after_report=after_update, seed=t.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))
         save_optimizer(engine, engine.save(prepare_checkpoint(final_dir(run_dir))))  # the driver completes it
         dock.report(t.iterations, final_report("actor"), {})
     finally:

@@ -10,7 +10,7 @@ import time
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
-from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
 from dockrl.resharding.ranks import ProcessRanks
 
 
@@ -47,5 +47,5 @@ def run_reference(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str
 
     worker = ReferenceWorker.from_config(build_reference_engine(cfg, resolve_model(cfg), ranks), cfg)
     serve_iterations(dock, Report.REFERENCE, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
-                     seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
+                     seed=cfg.trainer.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))
     dock.report(cfg.trainer.iterations, final_report("reference"), {})

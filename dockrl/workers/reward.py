@@ -15,7 +15,7 @@ import torch
 from dockrl.algorithms.dapo import overlong_penalty
 from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig
 from dockrl.dock import Dock, StageDock
-from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
@@ -135,7 +135,8 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
         return reward.run_iteration(dock) | advantage.run_iteration(dock)
 
     try:
-        serve_iterations(dock, Report.REWARD, step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
+        serve_iterations(dock, Report.REWARD, step, timeout_s=cfg.dock.timeout_s, seed=cfg.trainer.seed, first_timeout_s=first_wait_s,
+                         hold=snapshot_after(cfg))
         dock.report(cfg.trainer.iterations, final_report("reward"), {})
     finally:
         if side_by_side is not None:

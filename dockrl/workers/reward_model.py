@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
-from dockrl.protocol import Report, final_report, serve_iterations
+from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.workers.dynamic_sampling import divisor_at_most, groups_per_round
 
@@ -66,5 +66,5 @@ def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     worker = RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)
     serve_iterations(dock, Report.REWARD_MODEL, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
-                     seed=cfg.trainer.seed, first_timeout_s=first_wait_s)
+                     seed=cfg.trainer.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))
     dock.report(cfg.trainer.iterations, final_report("reward-model"), {})
