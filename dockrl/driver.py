@@ -180,7 +180,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             if checkpoint_due(t, it):
                 folder = checkpoint_dir(run_dir, it + 1)
                 runner.save_checkpoint(it, folder)
-                generated = runner.generated(range(it + 1, opened))  # in flight: the rollout took update `it` after them
+                ahead = range(it + 1, opened)  # in flight: the rollout took update `it` after generating them
+                generated = runner.generated(ahead) if len(ahead) else {}
                 if opened < min(it + 1 + inflight, t.iterations):
                     open_with_prompts(dock, opened, batches[opened], n, announce=False, gate=gate)
                     unannounced, opened = [opened], opened + 1
