@@ -166,14 +166,11 @@ class DockClient:
             passes a known id can ``release_owner`` it when the worker's process dies.
         first_shard: the shard this client's first claim sweeps from (each claim then starts one
             shard further); default a random one, so that clients do not all start on shard 0.
-<<<<<<< HEAD
         local_shard: locality hint, the shard co-located with this client (same node or pod):
             claims take (and wait for) its rows while it has rows left for the consumer, and
             steal from the others (in rotation) only once it is empty; None (default) for no
             preference.
-=======
         max_inflight: iterations this client may have open at once (``open_iteration``; ``dock.max_inflight``).
->>>>>>> 99daf43 (Iterations in flight: dock.max_inflight >= 2 in distributed mode (one-step off-policy): the shards keep one controller per open iteration, stages serve iterations in order and claim from their own, the rollout takes update k after generating k+m-1 (rollout/policy_version, rollout/staleness), checkpoints hold the iterations in flight and resume exactly; tests, benchmarks/inflight.py, docs)
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
@@ -186,11 +183,7 @@ class DockClient:
     def __init__(
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
-<<<<<<< HEAD
-        first_shard: int | None = None, local_shard: int | None = None,
-=======
-        first_shard: int | None = None, max_inflight: int = 1,
->>>>>>> 99daf43 (Iterations in flight: dock.max_inflight >= 2 in distributed mode (one-step off-policy): the shards keep one controller per open iteration, stages serve iterations in order and claim from their own, the rollout takes update k after generating k+m-1 (rollout/policy_version, rollout/staleness), checkpoints hold the iterations in flight and resume exactly; tests, benchmarks/inflight.py, docs)
+        first_shard: int | None = None, local_shard: int | None = None, max_inflight: int = 1,
     ) -> None:
         if not shards:
             raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
