@@ -55,12 +55,12 @@ def run_side(model: str, work: Path, inflight: int, args: argparse.Namespace) ->
 def table(results: dict[int, dict[str, float]]) -> str:
     """The sides as columns, with the ratio of the last to the first."""
     first, last = results[SIDES[0]], results[SIDES[-1]]
-    lines = [f"{'':28}" + "".join(f"{f'max_inflight={m}':>18}" for m in SIDES) + f"{'ratio 2/1':>12}"]
+    lines = [f"{'':32}" + "".join(f"{f'max_inflight={m}':>18}" for m in SIDES) + f"{'ratio 2/1':>12}"]
     for key, label in [("wall_s", "iterations' wall clock, s"), ("actor_s", "actor busy, s"), ("rollout_s", "rollout busy, s"),
                        ("bubble", "actor bubble (idle / wall)"), ("tokens_per_s", "response tokens/s, end to end"),
                        ("staleness", "max rollout staleness")]:
         ratio = last[key] / first[key] if first[key] else float("nan")
-        lines.append(f"{label:28}" + "".join(f"{results[m][key]:>18.3f}" for m in SIDES) + f"{ratio:>12.2f}")
+        lines.append(f"{label:32}" + "".join(f"{results[m][key]:>18.3f}" for m in SIDES) + f"{ratio:>12.2f}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ def load_benchmark():
 @pytest.mark.slow  # two distributed runs of the tiny model, three iterations each: ~1-2 min on one busy core
 def test_quick_mode_prints_the_bubble_of_both_sides():
     out = load_benchmark().main(["--quick"])
-    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines()[1:]}
+    cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()[1:]]
+    rows = {c[0]: c[1:] for c in cells}
     bubble = [float(v) for v in rows["actor bubble (idle / wall)"]]
     assert all(0 <= b < 1 for b in bubble[:2]), out
     assert [float(v) for v in rows["max rollout staleness"][:2]] == [0.0, 1.0], out  # the off-policy side ran one step behind
