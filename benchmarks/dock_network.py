@@ -593,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
         driver.start()
         child.close()
         try:
+            while not parent.poll(1.0):  # the driver node's waits have their own timeouts; this one ends if it dies
+                if not driver.is_alive() and not parent.poll(0):
+                    raise EOFError
             kind, text = parent.recv()
         except EOFError:
             raise RuntimeError(f"the driver node's process exited with code {driver.exitcode} (shard log: {log.name})") from None

@@ -2,7 +2,7 @@
 
 Runs the same distributed GRPO run (every stage its own process, the tiny random model unless
 ``--model``) once per ``dock.max_inflight`` and prints one table side by side. The bubble is the
-actor's idle time over the iterations' wall clock: ``1 - Σ timing_s/actor / Σ timing_s/iteration``
+actor's idle time over the iterations' wall clock: ``1 - Σ (timing_s/actor - timing_s/actor_claim) / Σ timing_s/iteration``
 (the driver's loop time; no checkpoints, no evaluation). With one iteration in flight the actor
 waits for every rollout; with two the rollout of iteration k+1 runs while the actor updates on k
 (verl's one-step-off-policy recipe; MindSpeed RL, arXiv 2507.19017).
@@ -45,7 +45,7 @@ def run_side(model: str, work: Path, inflight: int, args: argparse.Namespace) ->
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "timing_s/iteration" in r]
     wall = sum(r["timing_s/iteration"] for r in rows)
-    actor = sum(r["timing_s/actor"] for r in rows)
+    actor = sum(r["timing_s/actor"] - r.get("timing_s/actor_claim", 0.0) for r in rows)  # computing, not waiting for its rows
     rollout = sum(r["timing_s/rollout"] for r in rows)
     tokens = sum(r["rollout/response_length_mean"] * r["rollout/responses"] for r in rows)
     return {"iterations": len(rows), "wall_s": wall, "actor_s": actor, "rollout_s": rollout, "bubble": 1 - actor / wall,

@@ -19,9 +19,12 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from dockrl.config import load_config
+from dockrl.config import Config, load_config
+
+if TYPE_CHECKING:
+    from dockrl.engines.protocols import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +162,29 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
     return info
 
 
+def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
+    """The evaluate step's engine, on this process's CPU (the step runs in the CPU image, whatever
+    ``parallel.device`` the training used): ``VLLMRolloutEngine`` where the resolved
+    ``rollout.engine`` is ``vllm`` and vLLM runs on this CPU (``vllm_support``), else
+    ``HFRolloutEngine`` (with a warning when the config asked for vLLM), ``rollout.dtype`` weights."""
+    from dockrl.engines.vllm_support import vllm_support
+
+    r = cfg.rollout
+    if r.engine == "vllm":
+        support = vllm_support("cpu")
+        if support.ok:
+            import torch
+
+            from dockrl.engines.vllm import VLLMRolloutEngine
+
+            return VLLMRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code,
+                                     seed=cfg.trainer.seed, device=torch.device("cpu"))
+        logger.warning("evaluate: rollout.engine=vllm cannot run here (%s); evaluating with HF on the CPU", support.reason)
+    from dockrl.engines.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
+
+
 def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str]) -> dict[str, float]:
     """Greedy accuracy of ``model_dir`` on the test split of ``dataset_dir``.
 
@@ -170,14 +196,12 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         ``eval/accuracy``, ``eval/format_rate`` (fractions in [0, 1]) and ``eval/count``.
     """
     from dockrl.data import load_prompts
-    from dockrl.engines.factory import build_rollout_engine
     from dockrl.evaluate import greedy_accuracy
-    from dockrl.resharding.ranks import ProcessRanks
     from dockrl.rewards import RewardScorer
 
     cfg = load_config(None, overrides)
     _, test_file = dataset_files(dataset_dir)
-    engine = build_rollout_engine(cfg, Path(model_dir), ProcessRanks.alone(cfg.parallel))
+    engine = evaluation_engine(cfg, Path(model_dir))
     prompts, report = load_prompts(
         test_file, engine.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
         chat_template=cfg.data.chat_template, model=str(model_dir),
@@ -198,7 +222,7 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         if (close := getattr(engine, "close", None)) is not None:  # vLLM's engine holds its parallel state
             close()
     logger.info("greedy test accuracy %.3f (format %.3f, %d prompts, %s)", res["accuracy"], res["format_rate"], res["count"],
-                cfg.rollout.engine)
+                type(engine).__name__)
     return {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"], "eval/count": float(res["count"])}
 
 

@@ -197,6 +197,7 @@ class ActorWorker:
                    + (["truncated"] if self.algo.overlong_filter else []))
         rows = dock.num_rows // self.algo.filter_groups.rounds  # dynamic sampling: one round's worth of kept groups is trained
         claim = dock.claim("actor", columns + ["rollout_log_prob"], rows // self.replicas, whole_groups=True)
+        claim_s = time.perf_counter() - start  # waiting for the scored rows: the actor is idle meanwhile
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
         if claim.iteration < self.warmup_iterations:  # critic.warmup_iterations: only the critic trains (verl's critic_warmup)
@@ -236,7 +237,7 @@ class ActorWorker:
         metrics |= rollout_log_prob_diff(rollout_log_prob, batch["old_log_prob"])
         tokens = sum(len(r) for r in batch["response_ids"])
         seconds = time.perf_counter() - start
-        metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds,
+        metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds, "timing_s/actor_claim": claim_s,
                         "perf/actor_tokens_per_s": tokens * self.trainer.ppo_epochs / seconds})
         return metrics
 

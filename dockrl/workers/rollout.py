@@ -151,7 +151,10 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
             dock.report(update, Report.WEIGHT_SYNC, metrics)
 
     def generate(it: int) -> dict[str, float]:
-        return worker.run_iteration(dock) | {"rollout/policy_version": synced, "rollout/staleness": it - 1 - synced}
+        metrics = worker.run_iteration(dock)
+        if m > 1:  # iterations in flight: which update generated it (on-policy runs report as the in-process rollout does)
+            metrics |= {"rollout/policy_version": synced, "rollout/staleness": it - 1 - synced}
+        return metrics
 
     try:
         # joined before the evaluation: the actor, started at the same time, waits for it meanwhile

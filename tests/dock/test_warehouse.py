@@ -244,10 +244,10 @@ def round_of_traffic(servers: list[DockShardServer], warehouse: Warehouse, cell_
     claim = client.claim("actor", ["response_ids", "rm_score"], 8, whole_groups=True)
     assert claim.batch.column("response_ids").to_pylist() == [[r] * cell_tokens for r in range(8)]
     assert client.get(["rm_score"], [7, 0]).column(0).to_pylist() == [7.0, 0.0]
+    payload = sum(s.dock.bytes_put + s.dock.bytes_read for s in servers)  # the open iteration's controllers
     client.close_iteration()
     controller = sum(s.controller_bytes for s in servers) - before
     store = client.store["dock/store_bytes_written"] + client.store["dock/store_bytes_read"]
-    payload = sum(s.dock.bytes_put + s.dock.bytes_read for s in servers)
     client.close()
     return controller, store, payload
 

@@ -119,7 +119,7 @@ def test_evaluate_model_on_the_resolved_engine_matches_hf(tiny_model_dir, tmp_pa
         by_engine = {e: evaluate_model(tiny_model_dir, tmp_path / "ds", [*common, f"rollout.engine={e}"]) for e in ("hf", "vllm")}
     assert by_engine["vllm"] == by_engine["hf"] and by_engine["vllm"]["eval/count"] == 4.0
     stated = [r.getMessage().rpartition(", ")[2] for r in caplog.records if r.getMessage().startswith("greedy test accuracy")]
-    assert stated == ["hf)", "vllm)"]  # each evaluation ran on the engine its config named
+    assert stated == ["HFRolloutEngine)", "VLLMRolloutEngine)"]  # each evaluation ran on the engine its config named
 
 
 def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, monkeypatch):
