@@ -424,15 +424,26 @@ def start_shards(n: int, token: str, timeout_s: float, log: IO[str]) -> tuple[li
     env = {**os.environ, TOKEN_ENV: token}
     cmd = [sys.executable, "-m", "dockrl.dock.flight", "--port", "0", "--token-env", TOKEN_ENV, "--timeout-s", str(timeout_s)]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True) for _ in range(n)]
+    return procs, shard_locations(procs, timeout_s, log)
+
+
+def shard_locations(procs: list[subprocess.Popen], timeout_s: float, log: IO[str]) -> list[str]:
+    """The ``grpc://`` location each started shard process prints first, in order.
+
+    Raises:
+        TimeoutError: a shard printed no location within ``timeout_s``.
+        RuntimeError: a shard exited before printing its location.
+    """
     locations = []
     for s, proc in enumerate(procs):
+        assert proc.stdout is not None
         if not select.select([proc.stdout], [], [], timeout_s)[0]:
             raise TimeoutError(f"dock shard {s} printed no location within {timeout_s:.0f}s (log: {log.name})")
         line = proc.stdout.readline().strip()
         if not line.startswith("grpc://"):
             raise RuntimeError(f"dock shard {s} exited with {proc.poll()} before printing its location (log: {log.name})")
         locations.append(line)
-    return procs, locations
+    return locations
 
 
 # --- the table ---------------------------------------------------------------------------------------

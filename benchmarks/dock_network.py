@@ -49,7 +49,6 @@ import json
 import multiprocessing as mp
 import os
 import secrets
-import select
 import shutil
 import signal
 import statistics
@@ -524,16 +523,7 @@ def start_shards(net: Network, n: int, token: str, timeout_s: float, log: IO[str
         cmd = ["ip", "netns", "exec", net.nodes[k + 1], sys.executable, "-m", "dockrl.dock.flight", "--host",
                net.address(k + 1), "--port", "0", "--token-env", flow.TOKEN_ENV, "--timeout-s", str(timeout_s)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True))
-    locations = []
-    for k, proc in enumerate(procs):
-        assert proc.stdout is not None
-        if not select.select([proc.stdout], [], [], timeout_s)[0]:
-            raise TimeoutError(f"dock shard {k} printed no location within {timeout_s:.0f}s (log: {log.name})")
-        line = proc.stdout.readline().strip()
-        if not line.startswith("grpc://"):
-            raise RuntimeError(f"dock shard {k} exited with {proc.poll()} before printing its location (log: {log.name})")
-        locations.append(line)
-    return procs, locations
+    return procs, flow.shard_locations(procs, timeout_s, log)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
