@@ -3,8 +3,8 @@
 The value model is the policy's architecture with a scalar head on every position: transformers'
 ``AutoModelForTokenClassification`` with ``num_labels=1`` (a linear ``hidden → 1`` head over the
 backbone's last hidden state), as verl builds its critic. Started from a causal LM (the policy, or
-``critic.model_path``) it takes the backbone and a freshly initialized head; started from one of
-its own checkpoints (``CHECKPOINT/critic``) it takes both.
+``critic.model_path``) it takes the backbone and a new head initialized to zero (``load_value_model``);
+started from one of its own checkpoints (``CHECKPOINT/critic``) it takes both.
 
 The steps are the actor engine's: ``forward_backward`` calls a loss function per micro-batch and
 back-propagates it, ``optimizer_step`` zeroes, accumulates, clips and steps
@@ -35,9 +35,18 @@ def load_value_model(path: str | Path, *, vocab_size: int, trust_remote_code: bo
                      device: torch.device | str = "cpu") -> PreTrainedModel:
     """The value model of ``path`` in fp32 on ``device``, in eval mode (no dropout: see ``HFTrainEngine``).
 
+    A new value head (``path`` is a causal LM) starts at zero, weights and bias, so that every
+    value is 0 until the critic trains: GAE's first advantages are then the (whitened) returns,
+    as REINFORCE with a zero baseline, instead of returns minus per-token noise. transformers'
+    default initialization (normal, std ``initializer_range``) gives V with a std of ~0.5 per token
+    on SmolLM2-135M, ten times the 0/1 verifier reward's mean there, and PPO then learned
+    nothing (docs/benchmarks.md). The backbone still gets gradients once the head has moved
+    (one step).
+
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
-        ValueError: its vocabulary is smaller than the policy's ``vocab_size`` token ids it must read.
+        ValueError: its vocabulary is smaller than the policy's ``vocab_size`` token ids it must read,
+            or it lacks backbone weights.
     """
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"critic.model_path {path}: no config.json; expected a local HF model directory")
@@ -45,7 +54,19 @@ def load_value_model(path: str | Path, *, vocab_size: int, trust_remote_code: bo
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         raise ValueError(f"critic.model_path {path}: a vocabulary of {config.vocab_size} tokens, the policy's tokenizer has "
                          f"{vocab_size}: the critic reads the policy's token ids, so it needs the policy's vocabulary")
-    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model, info = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                                  trust_remote_code=trust_remote_code, output_loading_info=True)
+    fresh = set(info["missing_keys"])
+    if fresh:  # a causal LM: its value head is new
+        backbone = [k for k in fresh if k.startswith(f"{model.base_model_prefix}.")]
+        if backbone:
+            raise ValueError(f"critic.model_path {path}: the checkpoint lacks backbone weights {sorted(backbone)[:3]}: "
+                             "expected a causal LM of the policy's architecture or a critic checkpoint")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in fresh:
+                    param.zero_()
+        logger.info("critic: a new value head %s, initialized to zero (V = 0 before the critic trains)", sorted(fresh))
     return model.to(device).eval()
 
 

@@ -48,3 +48,21 @@ def test_packed_values_equal_right_padded_ones(tiny_model_dir):
         got[pack] = values.detach(), engine.model.score.weight.grad.clone()
     torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[True][1], got[False][1], atol=1e-5, rtol=1e-4)
+
+
+def test_a_new_value_head_starts_at_zero_and_learns(tiny_model_dir):
+    """From a causal LM the head is new: every value is exactly 0 (a zero baseline), and one
+    step on a value loss moves the head, then the backbone gets gradients through it."""
+    engine = engine_of(tiny_model_dir, lr=1e-2, random_head=False)
+    prompts, responses = rows(3, 300)
+    assert all(v == 0.0 for vs in engine.values(prompts, responses, micro_batch=3) for v in vs)
+
+    def loss(start, values, mask):
+        return ((values - 1.0) ** 2 * mask).sum() / mask.sum(), None
+
+    for _ in range(2):
+        engine.optimizer_step(lambda: (engine.forward_backward(prompts, responses, micro_batch=3, loss_fn=loss), {})[1])
+    after = engine.values(prompts, responses, micro_batch=3)
+    assert all(v != 0.0 for vs in after for v in vs)
+    backbone = next(p for n, p in engine.model.named_parameters() if n.startswith("model.") and p.grad is not None)
+    assert backbone.grad.abs().sum() > 0
