@@ -92,6 +92,12 @@ class RolloutConfig:
     AMX), else ``float32`` — emulated bf16 on an AVX2 CPU is several times slower than fp32."""
     batch_size: int = 64
     """Sequences generated together."""
+    partial_tokens: int = 0
+    """Partial rollout (Kimi k1.5, arXiv 2501.12599 §2.6.2; MindSpeed RL, arXiv 2507.19017): the
+    tokens a response may get in the rollout's pass for its iteration; one cut there is kept in the
+    dock and continued, with the weights synced since, in the rollout's next pass, which has no
+    budget (a response spans at most 2 passes). 0: off (every response in one pass). Needs
+    ``dock.max_inflight`` >= 2 (docs/distributed.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -511,6 +517,7 @@ def _check_rules(c: Config) -> None:
     if k.shards > t.global_batch:
         raise _fail("dock.shards", k.shards, f"expected at most trainer.global_batch={t.global_batch}: a shard holds whole prompt groups")
     _check_inflight(c)
+    _check_partial(c)
     _check_dock(c.dock)
     _check_reward_model(c.reward_model)
     _check_dapo(c)
@@ -537,6 +544,22 @@ def _check_inflight(c: Config) -> None:
     for where, (value, bad, why) in refused.items():
         if bad:
             raise _fail("dock.max_inflight", k.max_inflight, f"not supported with {where}={value!r} ({why}); set dock.max_inflight=1")
+
+
+def _check_partial(c: Config) -> None:
+    """``rollout.partial_tokens``: 0 (off), or a budget below ``rollout.max_response_length`` with
+    iterations in flight (the next pass, which continues the cut responses, opens only with them)."""
+    r = c.rollout
+    if r.partial_tokens == 0:
+        return
+    if not 0 < r.partial_tokens < r.max_response_length:
+        raise _fail("rollout.partial_tokens", r.partial_tokens,
+                    f"expected 0 (off) or from 1 to rollout.max_response_length - 1 = {r.max_response_length - 1}")
+    if c.dock.max_inflight < 2:
+        raise _fail("rollout.partial_tokens", r.partial_tokens,
+                    f"not supported with dock.max_inflight={c.dock.max_inflight} (a cut response continues in the rollout's "
+                    "pass for the next iteration, which is open while this one trains only with iterations in flight); "
+                    "set dock.mode=distributed dock.max_inflight=2, or rollout.partial_tokens=0")
 
 
 def _check_critic(c: Config) -> None:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 class Report(enum.StrEnum):
     """What a stage tells the driver through the dock."""
 
-    ROLLOUT = "rollout"  # an iteration's rollout/* metrics: every row has its response
+    ROLLOUT = "rollout"  # an iteration's rollout/* metrics: every row has its response (partial rollout: or its carry-over)
     REWARD_MODEL = "reward-model"  # an iteration's reward-model scores are written (reward_model.enable)
     REWARD = "reward"  # an iteration's reward/* metrics (and the advantages')
     REFERENCE = "reference"  # an iteration's reference log-probs are written (algorithm.uses_reference)

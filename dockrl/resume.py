@@ -211,6 +211,7 @@ def write_driver_state(
         "open_iteration": open_iteration, "summary": summary, "seed": cfg.trainer.seed,
         "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts,
         "actor_layout": actor_layout(cfg), "max_inflight": cfg.dock.max_inflight, "open_iterations": opened,
+        "partial_tokens": cfg.rollout.partial_tokens,
         "generated_through": next_iteration - 1 if generated_through is None else generated_through,
         "reports": {str(k): v for k, v in (reports or {}).items()},
     }
@@ -313,6 +314,13 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
             f"dock.max_inflight: got {cfg.dock.max_inflight}; the checkpoint {path} was written with dock.max_inflight={inflight} "
             "and holds the iterations then in flight: resume with its dock.max_inflight (a final checkpoint takes any)"
         )
+    partial = doc.get("partial_tokens", 0)
+    if doc.get("open_iterations") and partial != cfg.rollout.partial_tokens:
+        raise ConfigError(
+            f"rollout.partial_tokens: got {cfg.rollout.partial_tokens}; the checkpoint {path} was written with "
+            f"rollout.partial_tokens={partial} and holds iterations in flight whose responses its rollout may have cut: "
+            "resume with its rollout.partial_tokens (a final checkpoint takes any)"
+        )
     if cfg.critic.enable and not critic_dir(path).is_dir():
         raise ConfigError(f"run.resume: {path} has no critic/ (written by a run without critic.enable): resume with the "
                           "checkpoint's critic.enable, or start a fresh run")
@@ -350,6 +358,14 @@ def generated_through(cfg: Config) -> int:
     if not doc:
         return -1
     return int(doc.get("generated_through", int(doc["next_iteration"]) - 1))
+
+
+def held_open(cfg: Config) -> tuple[int, ...]:
+    """The iterations the resumed checkpoint holds open in its dock snapshot (none for a fresh run or ``final``)."""
+    doc = _read_state(Path(cfg.run.resume)) if cfg.run.resume else None
+    if not doc:
+        return ()
+    return tuple(doc.get("open_iterations", [doc["open_iteration"]] if doc.get("open_iteration") is not None else []))
 
 
 def weights_path(cfg: Config, model_path: Path) -> Path:

@@ -111,6 +111,11 @@ def test_resume_refuses_what_would_lose_or_repeat_rows(tmp_path):
     for cfg_, prompts, message in cases:
         with pytest.raises(ConfigError, match=message):
             find_resume(cfg_, prompts)
+    inflight = ("dock.mode=distributed", "dock.max_inflight=2")
+    other = tmp_path / "partial"
+    partial = complete(config(other, *inflight, "rollout.partial_tokens=8"), 4)  # iteration 4 open, its rows maybe cut
+    with pytest.raises(ConfigError, match="rollout.partial_tokens: got 0; .* written with rollout.partial_tokens=8"):
+        find_resume(config(other, *inflight, f"run.resume={partial}"), "p")
     complete(cfg, 3, version=99)
     with pytest.raises(ConfigError, match="checkpoint version 99"):
         find_resume(config(tmp_path, "run.resume=latest"), "p")

@@ -57,7 +57,7 @@ _TOKENS = pa.list_(pa.int32())
 _FLOATS = pa.list_(pa.float32())
 
 GRPO_SCHEMA = Schema(
-    version=2,  # v2: advantages per token
+    version=3,  # v2: advantages per token; v3: partial rollout's carry-over columns
     columns=(
         Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
         Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
@@ -67,6 +67,15 @@ GRPO_SCHEMA = Schema(
         Column(name="response_ids", type=_TOKENS, producer="rollout", doc="sampled response token ids (R,), EOS included when emitted"),
         Column(name="truncated", type=pa.bool_(), producer="rollout", doc="response hit the length limit before EOS"),
         Column(name="rollout_log_prob", type=_FLOATS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
+        # partial rollout (rollout.partial_tokens): the rollout's own carry-over between its passes, read by no other
+        # stage; their producer is no consumer, so they never count toward finishing a rollout row
+        Column(name="rollout_cut", type=pa.bool_(), producer="rollout_partial",
+               doc="partial rollout: the response was cut at rollout.partial_tokens in the pass for its iteration and is "
+                   "continued in the next (written for every row of that pass)"),
+        Column(name="partial_ids", type=_TOKENS, producer="rollout_partial",
+               doc="partial rollout: the tokens of a cut response so far (rollout.partial_tokens,)"),
+        Column(name="partial_log_prob", type=_FLOATS, producer="rollout_partial",
+               doc="partial rollout: their per-token log-probs under the weights of the pass that cut it (rollout.partial_tokens,), nats"),
         Column(name="rm_model_score", type=pa.float32(), producer="reward_model",
                doc="reward model's score of prompt + response (reward_model.enable only)"),
         Column(name="rm_score", type=pa.float32(), producer="reward",

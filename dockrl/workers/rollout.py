@@ -5,7 +5,12 @@ As a process of its own (``run_rollout``) it also evaluates before and after tra
 loads the actor's weights from the weight channel after every update: right after generating
 the iteration it updates on (on-policy), or with ``dock.max_inflight`` = m > 1 once it
 generated the iterations in flight after it (``sync_target``; bounded staleness as in verl's
-one-step-off-policy recipe and MindSpeed RL's dataflow, arXiv 2507.19017).
+one-step-off-policy recipe and MindSpeed RL's dataflow, arXiv 2507.19017). With partial rollout
+(``rollout.partial_tokens``, Kimi k1.5's partial rollouts, arXiv 2501.12599 §2.6.2) a response
+without EOS within the budget in the pass for its iteration is put back into the dock as carry-over
+(``rollout_cut``, ``partial_ids``, ``partial_log_prob``, read by no other stage) and finished in the
+next pass, after the weight sync, from prompt + tokens so far: only then are its response columns
+written, so every other stage sees each row once, complete (``RolloutWorker.run_pass``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Sequence
 
 from dockrl.config import Config, RolloutConfig
 from dockrl.dock import Dock, StageDock
+from dockrl.engines.hf import Sample
 from dockrl.engines.protocols import RolloutEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
@@ -43,6 +49,12 @@ def rollout_metrics(lengths: Sequence[int], truncated: int, seconds: float) -> d
     }
 
 
+def response_columns(samples: Sequence[Sample]) -> dict[str, list]:
+    """The rollout's response columns of ``samples``, one row each."""
+    return {"response_ids": [s.response_ids for s in samples], "rollout_log_prob": [s.log_probs for s in samples],
+            "truncated": [s.truncated for s in samples]}
+
+
 class RolloutWorker:
     """Generates for the rows of an iteration, ``rollout.batch_size`` rows (whole groups) per claim.
 
@@ -58,14 +70,25 @@ class RolloutWorker:
 
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1, round_groups: int = 0) -> None:
         self.engine, self.cfg, self.shares, self.round_groups = engine, cfg, shares, round_groups
+        self.cut: list[int] = []
+        """Rows of the last iteration generated with a budget that were cut there (``generate_iteration``)."""
+        self.pending: list[int] | None = []
+        """Partial rollout: rows of the iteration before the next pass's to finish in it (``run_pass``);
+        ``None``: read them from the dock (a resumed run, whose checkpoint holds that iteration open)."""
 
-    def generate_iteration(self, dock: StageDock) -> tuple[list[int], int, float]:
+    def generate_iteration(self, dock: StageDock, *, budget: int = 0) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
 
+        ``budget`` (partial rollout, ``rollout.partial_tokens``; 0: none): tokens per response in
+        this pass; a response without EOS within it is cut: it gets no response columns but its
+        carry-over (``partial_ids``, ``partial_log_prob``; every row of the pass gets ``rollout_cut``)
+        and its row goes to ``self.cut`` (``continue_cut`` finishes it in the next pass).
+
         Returns:
-            response lengths (tokens), how many were truncated, seconds taken.
+            lengths (tokens) of the responses finished in this pass, how many were truncated, seconds taken.
         """
         start, lengths, truncated = time.perf_counter(), [], 0
+        self.cut = []
         groups, columns = max(self.cfg.batch_size // dock.group_size, 1), ["prompt_ids"]
         total = self.round_groups or dock.num_rows // dock.group_size  # groups claimable at once
         if self.shares > 1:
@@ -74,25 +97,93 @@ class RolloutWorker:
             groups, columns = divisor_at_most(self.round_groups, groups), ["prompt_ids", GATE]
         while claim := dock.claim("rollout", columns, groups * dock.group_size, whole_groups=True):
             prompts = claim.batch.column("prompt_ids").to_pylist()
-            samples = self.engine.generate(
-                prompts,
-                max_new_tokens=self.cfg.max_response_length,
-                temperature=self.cfg.temperature,
-                top_p=self.cfg.top_p,
-                batch_size=self.cfg.batch_size,
-            )
-            dock.put(
-                claim.rows,
-                {
-                    "response_ids": [s.response_ids for s in samples],
-                    "rollout_log_prob": [s.log_probs for s in samples],
-                    "truncated": [s.truncated for s in samples],
-                },
-                ack=claim,  # acked with the put: a worker that dies before it leaves its rows to another
-            )
+            samples = self._sample(prompts, budget or self.cfg.max_response_length)
+            if budget:
+                cut = [s.truncated for s in samples]  # no EOS within the budget: continued in the next pass
+                self._put_cut(dock, claim.rows, cut, samples)
+                dock.put(claim.rows, {"rollout_cut": cut}, ack=claim)
+                samples = [s for s, c in zip(samples, cut) if not c]
+            else:
+                dock.put(
+                    claim.rows,
+                    response_columns(samples),
+                    ack=claim,  # acked with the put: a worker that dies before it leaves its rows to another
+                )
             lengths += [len(s.response_ids) for s in samples]
             truncated += sum(s.truncated for s in samples)
         return lengths, truncated, time.perf_counter() - start
+
+    def _sample(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Sample]:
+        c = self.cfg
+        return self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+                                    batch_size=c.batch_size)
+
+    def _put_cut(self, dock: StageDock, rows: Sequence[int], cut: Sequence[bool], samples: Sequence[Sample]) -> None:
+        """The response columns of the rows not ``cut``, the carry-over of those cut (added to ``self.cut``)."""
+        done = [k for k, c in enumerate(cut) if not c]
+        held = [k for k, c in enumerate(cut) if c]
+        if held:
+            dock.put([rows[k] for k in held], {"partial_ids": [samples[k].response_ids for k in held],
+                                               "partial_log_prob": [samples[k].log_probs for k in held]})
+            self.cut += [rows[k] for k in held]
+        if done:
+            dock.put([rows[k] for k in done], response_columns([samples[k] for k in done]))
+
+    def continue_cut(self, dock: Dock, iteration: int, rows: Sequence[int]) -> tuple[list[int], int]:
+        """Finish the responses of ``rows`` of ``iteration`` cut in the pass before (``generate_iteration``)
+        with the engine's current weights: generate from prompt + the tokens so far, with the rest
+        of ``rollout.max_response_length`` as the limit, and write the rows' response columns (the
+        carry-over's tokens and log-probs, then the new ones).
+
+        Returns:
+            the finished responses' lengths (tokens, both segments), how many were truncated.
+
+        Raises:
+            DockError: ``iteration`` is not open, or a row has no carry-over.
+        """
+        batch = dock.get(["prompt_ids", "partial_ids", "partial_log_prob"], rows, iteration=iteration)
+        prompts, so_far, log_probs = (batch.column(k).to_pylist() for k in range(3))
+        by_length: dict[int, list[int]] = {}  # every cut response holds the budget's tokens; grouped all the same
+        for k, tokens in enumerate(so_far):
+            by_length.setdefault(len(tokens), []).append(k)
+        finished: list[Sample | None] = [None] * len(rows)
+        for length, ks in by_length.items():
+            samples = self._sample([prompts[k] + so_far[k] for k in ks], self.cfg.max_response_length - length)
+            for k, s in zip(ks, samples):
+                finished[k] = Sample(so_far[k] + s.response_ids, log_probs[k] + s.log_probs, s.truncated)
+        done = [s for s in finished if s is not None]
+        assert len(done) == len(rows), "a cut response was not continued"
+        dock.put(rows, response_columns(done), iteration=iteration)
+        return [len(s.response_ids) for s in done], sum(s.truncated for s in done)
+
+    def run_pass(self, dock: Dock, iteration: int, *, last: bool) -> dict[str, float]:
+        """One pass of partial rollout (``rollout.partial_tokens``) for the open ``iteration``: first
+        finish the responses of ``iteration - 1`` cut in its pass (``self.pending``; a resumed run
+        reads them from the dock), then generate ``iteration``'s rows with the budget (none when
+        ``last``: no pass follows). A response thus spans at most two passes.
+
+        Returns:
+            ``rollout/*`` metrics of the responses finished in this pass (``rollout_metrics``; lengths
+            0 when every one was cut), with ``rollout/partial_cut`` (responses of ``iteration`` cut),
+            ``rollout/partial_continued`` (those of ``iteration - 1`` finished) and
+            ``rollout/response_passes_max`` (the passes a finished response spanned).
+        """
+        start = time.perf_counter()
+        if self.pending is None:  # resumed: the checkpoint holds the iteration before open, with its cut rows
+            rows = range(dock.num_rows)  # as the iteration before's: partial rollout has no dynamic sampling's rounds
+            cut = dock.get(["rollout_cut"], rows, iteration=iteration - 1).column(0).to_pylist()
+            self.pending = [r for r, c in zip(rows, cut) if c]
+        lengths, truncated = self.continue_cut(dock, iteration - 1, self.pending) if self.pending else ([], 0)
+        continued = len(self.pending)
+        new, new_truncated, _ = self.generate_iteration(dock, budget=0 if last else self.cfg.partial_tokens)
+        self.pending = self.cut
+        lengths, truncated = lengths + new, truncated + new_truncated
+        seconds = time.perf_counter() - start
+        metrics = rollout_metrics(lengths, truncated, seconds) if lengths else {
+            "rollout/response_length_mean": 0.0, "rollout/response_length_max": 0, "rollout/truncated_ratio": 0.0,
+            "rollout/responses": 0, "perf/rollout_tokens_per_s": 0.0, "timing_s/rollout": seconds}
+        return metrics | {"rollout/partial_cut": len(self.cut), "rollout/partial_continued": continued,
+                          "rollout/response_passes_max": 2 if continued else 1}
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Generate for every row of the open iteration; returns ``rollout/*`` metrics (``rollout_metrics``)."""
@@ -116,13 +207,15 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     ``rollout/policy_version`` is the last update in the weights an iteration was generated with
     (-1: the initial ones) and ``rollout/staleness`` how many updates that lags behind on-policy.
     A resumed run starts after the iterations the checkpoint holds generated
-    (``dockrl.resume.generated_through``). The driver opens the first iteration once
+    (``dockrl.resume.generated_through``). With partial rollout (``rollout.partial_tokens``) each
+    iteration is a ``RolloutWorker.run_pass``, and ``rollout/oldest_policy_version`` is the oldest
+    update in the weights of a response it finished (a continued one's first segment's). The driver opens the first iteration once
     ``EVAL_BEFORE`` is reported, so ``first_wait_s`` is not needed here."""
     from dockrl.engines.factory import build_rollout_engine, receive_params
     from dockrl.engines.layer_loader import WholeLayerLoader
     from dockrl.engines.weight_sync import WeightChannel
     from dockrl.evaluate import evaluate
-    from dockrl.resume import generated_through, resumed_at, weights_path
+    from dockrl.resume import generated_through, held_open, resumed_at, weights_path
     from dockrl.rewards.guard import build_scorer
     from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
 
@@ -150,10 +243,22 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
             synced = update
             dock.report(update, Report.WEIGHT_SYNC, metrics)
 
+    done = generated_through(cfg)  # a resumed run: the checkpoint holds these generated
+    if cfg.rollout.partial_tokens and done in held_open(cfg):
+        worker.pending = None  # the responses of `done` cut in its pass are in the restored dock
+    previous = max(done - m, -1)  # the weights the pass before generated with (iteration k: update k-m)
+
     def generate(it: int) -> dict[str, float]:
-        metrics = worker.run_iteration(dock)
+        nonlocal previous
+        if cfg.rollout.partial_tokens:
+            metrics = worker.run_pass(dock, it, last=it == t.iterations - 1)
+            oldest = previous if metrics["rollout/partial_continued"] else synced  # of the responses finished here
+            metrics["rollout/oldest_policy_version"] = oldest
+        else:
+            metrics = worker.run_iteration(dock)
         if m > 1:  # iterations in flight: which update generated it (on-policy runs report as the in-process rollout does)
             metrics |= {"rollout/policy_version": synced, "rollout/staleness": it - 1 - synced}
+        previous = synced
         return metrics
 
     try:
@@ -161,7 +266,6 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
         channel = WeightChannel(weight_sync, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=ranks.device)
         if t.eval_before and not cfg.run.resume:  # the driver opens the first iteration once this is reported
             dock.report(0, Report.EVAL_BEFORE, evaluate(engine, test_prompts, scorer, cfg, "before"))
-        done = generated_through(cfg)  # a resumed run: the checkpoint holds these generated
         if done > synced:
             sync(done)
         serve_iterations(dock, Report.ROLLOUT, generate, timeout_s=cfg.dock.timeout_s, after_report=sync, seed=t.seed,

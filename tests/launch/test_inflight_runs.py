@@ -76,3 +76,48 @@ def test_two_iterations_in_flight_bound_staleness_train_every_row_once_and_resum
     for name, p in straight.items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
     assert optimizer_steps(cut / "checkpoints" / "final") == {2.0 * ITERATIONS}
+
+
+@pytest.mark.slow  # three distributed runs of the tiny model, four iterations each: ~2-4 min on one busy core
+def test_partial_rollout_finishes_cut_responses_in_the_next_pass_once_and_resumes_mid_overlap(
+    tiny_model_dir, tmp_path, workers_path, monkeypatch,  # noqa: F811 - the fixture
+):
+    partial = ("rollout.partial_tokens=5",)  # of rollout.max_response_length=12: the tiny random model rarely ends sooner
+    driver.train(inflight_config(tiny_model_dir, tmp_path, "straight", "algorithm.scorer=fake_scorers:FakeHashScorer", *partial))
+    rows = read_rows(tmp_path / "straight")
+    assert [x["iteration"] for x in rows] == list(range(ITERATIONS))
+    for k, x in enumerate(rows):
+        last = k == ITERATIONS - 1
+        # the pass for iteration k cuts its responses (but the last pass, which has no budget) and finishes those cut in
+        # the pass before, with the weights synced since: none spans more than two passes
+        assert x["rollout/partial_cut"] > 0 or last, k
+        assert x["rollout/partial_continued"] == (rows[k - 1]["rollout/partial_cut"] if k else 0), k
+        assert x["rollout/response_passes_max"] <= 2
+        assert x["rollout/responses"] == ROWS_PER_ITERATION - x["rollout/partial_cut"] + x["rollout/partial_continued"], k
+        # staleness: the pass for k samples with update k-2 as before; a continued response's first segment is one
+        # update older (k-3), and iteration k-1, which it belongs to, trains with update k-1: at most 2 behind
+        assert x["rollout/policy_version"] == max(k - 2, -1), k
+        assert x["rollout/oldest_policy_version"] == (max(k - 3, -1) if x["rollout/partial_continued"] else x["rollout/policy_version"])
+        assert x["actor/sequences"] == ROWS_PER_ITERATION, k  # exactly once: every row, complete, one global batch
+    straight_final = tmp_path / "straight" / "checkpoints" / "final"
+    assert optimizer_steps(straight_final) == {2.0 * ITERATIONS}
+
+    # killed as the reward starts iteration 2: the checkpoint after 1 holds iteration 2 generated with its cut responses'
+    # carry-over in the dock (continued only in the pass for 3) and 3 with its prompts
+    monkeypatch.setenv("FAKE_KILL_AFTER_ROWS", str(2 * ROWS_PER_ITERATION))
+    with pytest.raises(WorkerFailed) as err:
+        driver.train(inflight_config(tiny_model_dir, tmp_path, "cut", "algorithm.scorer=fake_scorers:FakeKillingScorer", *partial))
+    assert err.value.member == "reward-0"
+    cut = tmp_path / "cut"
+    state = json.loads((checkpoint_dir(cut, 2) / "driver_state.json").read_text())
+    assert (state["open_iterations"], state["generated_through"], state["partial_tokens"]) == ([2, 3], 2, 5)
+    assert state["reports"]["2"]["rollout"]["rollout/partial_cut"] == rows[2]["rollout/partial_cut"] > 0
+
+    driver.train(inflight_config(tiny_model_dir, tmp_path, "cut", "algorithm.scorer=fake_scorers:FakeHashScorer",
+                                 "run.resume=latest", *partial))
+    same_rows(read_rows(cut), rows)
+    resumed = AutoModelForCausalLM.from_pretrained(cut / "checkpoints" / "final").state_dict()
+    straight = AutoModelForCausalLM.from_pretrained(straight_final).state_dict()
+    for name, p in straight.items():
+        torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    assert optimizer_steps(cut / "checkpoints" / "final") == {2.0 * ITERATIONS}
