@@ -94,10 +94,13 @@ class RolloutConfig:
     """Sequences generated together."""
     partial_tokens: int = 0
     """Partial rollout (Kimi k1.5, arXiv 2501.12599 §2.6.2; MindSpeed RL, arXiv 2507.19017): the
-    tokens a response may get in the rollout's pass for its iteration; one cut there is kept in the
-    dock and continued, with the weights synced since, in the rollout's next pass, which has no
-    budget (a response spans at most 2 passes). 0: off (every response in one pass). Needs
-    ``dock.max_inflight`` >= 2 (docs/distributed.md)."""
+    tokens a response may get in one pass of the rollout; one cut there is kept in the dock and
+    continued, with the weights synced since, in the rollout's next pass. 0: off (every response
+    in one pass). Needs ``dock.max_inflight`` >= 2 (docs/distributed.md)."""
+    partial_max_age: int = 2
+    """Partial rollout: the most passes a response spans; its last gets no budget, so it ends
+    there. From 2 to ``dock.max_inflight`` (the actor of iteration k waits for the pass for
+    k + partial_max_age - 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -548,9 +551,12 @@ def _check_inflight(c: Config) -> None:
 
 def _check_partial(c: Config) -> None:
     """``rollout.partial_tokens``: 0 (off), or a budget below ``rollout.max_response_length`` with
-    iterations in flight (the next pass, which continues the cut responses, opens only with them)."""
+    iterations in flight (the next pass, which continues the cut responses, opens only with them);
+    ``rollout.partial_max_age`` within them."""
     r = c.rollout
     if r.partial_tokens == 0:
+        if r.partial_max_age != 2:
+            raise _fail("rollout.partial_max_age", r.partial_max_age, "only read with rollout.partial_tokens > 0 (partial rollout)")
         return
     if not 0 < r.partial_tokens < r.max_response_length:
         raise _fail("rollout.partial_tokens", r.partial_tokens,
@@ -560,6 +566,11 @@ def _check_partial(c: Config) -> None:
                     f"not supported with dock.max_inflight={c.dock.max_inflight} (a cut response continues in the rollout's "
                     "pass for the next iteration, which is open while this one trains only with iterations in flight); "
                     "set dock.mode=distributed dock.max_inflight=2, or rollout.partial_tokens=0")
+    if not 2 <= r.partial_max_age <= c.dock.max_inflight:
+        raise _fail("rollout.partial_max_age", r.partial_max_age,
+                    f"expected from 2 to dock.max_inflight={c.dock.max_inflight} (a response cut in the pass for iteration k "
+                    "ends by the pass for k + partial_max_age - 1, which opens only while k is in flight, and k's update waits "
+                    "for it); raise dock.max_inflight or lower rollout.partial_max_age")
 
 
 def _check_critic(c: Config) -> None:

@@ -211,7 +211,7 @@ def write_driver_state(
         "open_iteration": open_iteration, "summary": summary, "seed": cfg.trainer.seed,
         "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts,
         "actor_layout": actor_layout(cfg), "max_inflight": cfg.dock.max_inflight, "open_iterations": opened,
-        "partial_tokens": cfg.rollout.partial_tokens,
+        "partial_tokens": cfg.rollout.partial_tokens, "partial_max_age": cfg.rollout.partial_max_age,
         "generated_through": next_iteration - 1 if generated_through is None else generated_through,
         "reports": {str(k): v for k, v in (reports or {}).items()},
     }
@@ -314,13 +314,14 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
             f"dock.max_inflight: got {cfg.dock.max_inflight}; the checkpoint {path} was written with dock.max_inflight={inflight} "
             "and holds the iterations then in flight: resume with its dock.max_inflight (a final checkpoint takes any)"
         )
-    partial = doc.get("partial_tokens", 0)
-    if doc.get("open_iterations") and partial != cfg.rollout.partial_tokens:
-        raise ConfigError(
-            f"rollout.partial_tokens: got {cfg.rollout.partial_tokens}; the checkpoint {path} was written with "
-            f"rollout.partial_tokens={partial} and holds iterations in flight whose responses its rollout may have cut: "
-            "resume with its rollout.partial_tokens (a final checkpoint takes any)"
-        )
+    for key in ("partial_tokens", "partial_max_age"):
+        theirs, ours_ = doc.get(key, {"partial_tokens": 0, "partial_max_age": 2}[key]), getattr(cfg.rollout, key)
+        if doc.get("open_iterations") and theirs != ours_:
+            raise ConfigError(
+                f"rollout.{key}: got {ours_}; the checkpoint {path} was written with rollout.{key}={theirs} and holds "
+                f"iterations in flight whose responses its rollout may have cut: resume with its rollout.{key} "
+                "(a final checkpoint takes any)"
+            )
     if cfg.critic.enable and not critic_dir(path).is_dir():
         raise ConfigError(f"run.resume: {path} has no critic/ (written by a run without critic.enable): resume with the "
                           "checkpoint's critic.enable, or start a fresh run")

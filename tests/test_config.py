@@ -165,6 +165,13 @@ ERRORS = {
     "partial budget of a whole response": (["dock.mode=distributed", "dock.max_inflight=2", "rollout.partial_tokens=80"],
                                            ["rollout.partial_tokens: got 80", "rollout.max_response_length - 1 = 79"]),
     "negative partial budget": (["rollout.partial_tokens=-1"], ["rollout.partial_tokens: got -1", "0 (off)"]),
+    "partial age beyond the iterations in flight": (
+        ["dock.mode=distributed", "dock.max_inflight=2", "rollout.partial_tokens=16", "rollout.partial_max_age=3"],
+        ["rollout.partial_max_age: got 3", "from 2 to dock.max_inflight=2", "raise dock.max_inflight"],
+    ),
+    "partial age of one pass": (["dock.mode=distributed", "dock.max_inflight=2", "rollout.partial_tokens=16", "rollout.partial_max_age=1"],
+                                ["rollout.partial_max_age: got 1"]),
+    "partial age without partial rollout": (["rollout.partial_max_age=3"], ["rollout.partial_max_age: got 3", "rollout.partial_tokens > 0"]),
     "negative eval size": (["data.eval_size=-5"], ["data.eval_size: got -5", ">= 0"]),
     "negative threads": (["run.num_threads=-3"], ["run.num_threads: got -3", ">= 0"]),
     "scorer not an import path": (["algorithm.scorer=my_scorer"], ["algorithm.scorer: got 'my_scorer'", "'package.module:Class'"]),
@@ -414,6 +421,8 @@ def test_distributed_mode_settings():
     assert config.algorithm.scorer == "my.rewards:Scorer"
     with pytest.raises(ConfigError, match="dock.shards"):  # the same rule in the in-process mode
         load_config(None, ["dock.shards=7"])
+    partial = load_config(None, ["dock.mode=distributed", "dock.max_inflight=3", "rollout.partial_tokens=16", "rollout.partial_max_age=3"])
+    assert (partial.rollout.partial_tokens, partial.rollout.partial_max_age) == (16, 3)
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -74,7 +74,7 @@ class Dock(StageDock, Protocol):
     """The transfer dock as a stage or the driver sees it, in either ``dock.mode``.
 
     Every method raises ``DockError`` (``dockrl.dock.errors``) for bad use: unknown column or
-    consumer, a row out of range, a cell written twice, no open iteration; the waits raise
+    consumer, a row out of range, a cell written twice (but one of a ``Column.rewritable`` column), no open iteration; the waits raise
     ``DockTimeoutError`` naming what they waited for.
     """
 

@@ -218,6 +218,7 @@ class _Iteration:
         self.iteration, self.num_rows, self.group_size, self.first_row = iteration, num_rows, group_size, first_row
         self.total_rows = total_rows  # rows of the iteration over all shards
         self.col_index = {c.name: i for i, c in enumerate(schema.columns)}
+        self.rewritable = {c.name for c in schema.columns if c.rewritable}  # a later put may overwrite their cells
         self.consumer_index = {c: i for i, c in enumerate(schema.consumers)}
         n_cons = len(schema.consumers)
         self.ready = np.zeros((num_rows, len(schema.columns)), dtype=bool)
@@ -454,6 +455,8 @@ class ShardController:
     @staticmethod
     def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
         for name in names:
+            if name in it.rewritable:
+                continue
             written = it.ready[rows, it.col_index[name]]
             if written.any():
                 raise DockError(f"put: column {name!r} is already written for rows {(rows[written] + it.first_row)[:10].tolist()}")
@@ -507,7 +510,7 @@ class ShardController:
         held_all = False
         for name in names:
             col = it.col_index[name]
-            woken |= it.set_ready(col, rows)
+            woken |= it.set_ready(col, rows[~it.ready[rows, col]] if name in it.rewritable else rows)  # once per cell
             finishing.update(it.output_of[col])
         for ci in finishing:  # rows a consumer's outputs finished no longer count as held by its lease
             nums = it.lease_at[rows, ci]

@@ -23,6 +23,9 @@ class Column:
     """Stage that writes the column (``driver`` for inputs)."""
     doc: str
     """What a cell holds, with its unit or shape."""
+    rewritable: bool = False
+    """A later put may overwrite a cell (a stage's own carry-over between its passes); no stage
+    claims on such a column. Every other cell is written once."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,13 @@ GRPO_SCHEMA = Schema(
         Column(name="rollout_log_prob", type=_FLOATS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
         # partial rollout (rollout.partial_tokens): the rollout's own carry-over between its passes, read by no other
         # stage; their producer is no consumer, so they never count toward finishing a rollout row
-        Column(name="rollout_cut", type=pa.bool_(), producer="rollout_partial",
-               doc="partial rollout: the response was cut at rollout.partial_tokens in the pass for its iteration and is "
-                   "continued in the next (written for every row of that pass)"),
-        Column(name="partial_ids", type=_TOKENS, producer="rollout_partial",
-               doc="partial rollout: the tokens of a cut response so far (rollout.partial_tokens,)"),
-        Column(name="partial_log_prob", type=_FLOATS, producer="rollout_partial",
-               doc="partial rollout: their per-token log-probs under the weights of the pass that cut it (rollout.partial_tokens,), nats"),
+        Column(name="rollout_cut", type=pa.bool_(), producer="rollout_partial", rewritable=True,
+               doc="partial rollout: the response was cut at rollout.partial_tokens and waits for the rollout's next pass "
+                   "(written for every row in the pass for its iteration, false again once it is finished)"),
+        Column(name="partial_ids", type=_TOKENS, producer="rollout_partial", rewritable=True,
+               doc="partial rollout: the tokens of a cut response so far (rollout.partial_tokens per pass,)"),
+        Column(name="partial_log_prob", type=_FLOATS, producer="rollout_partial", rewritable=True,
+               doc="partial rollout: their per-token log-probs, each under the weights of the pass that sampled it, nats"),
         Column(name="rm_model_score", type=pa.float32(), producer="reward_model",
                doc="reward model's score of prompt + response (reward_model.enable only)"),
         Column(name="rm_score", type=pa.float32(), producer="reward",

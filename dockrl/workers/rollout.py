@@ -7,10 +7,11 @@ the iteration it updates on (on-policy), or with ``dock.max_inflight`` = m > 1 o
 generated the iterations in flight after it (``sync_target``; bounded staleness as in verl's
 one-step-off-policy recipe and MindSpeed RL's dataflow, arXiv 2507.19017). With partial rollout
 (``rollout.partial_tokens``, Kimi k1.5's partial rollouts, arXiv 2501.12599 §2.6.2) a response
-without EOS within the budget in the pass for its iteration is put back into the dock as carry-over
-(``rollout_cut``, ``partial_ids``, ``partial_log_prob``, read by no other stage) and finished in the
-next pass, after the weight sync, from prompt + tokens so far: only then are its response columns
-written, so every other stage sees each row once, complete (``RolloutWorker.run_pass``).
+without EOS within the budget in a pass is put back into the dock as carry-over (``rollout_cut``,
+``partial_ids``, ``partial_log_prob``, read by no other stage) and continued in the next pass, after
+the weight sync, from prompt + tokens so far, until it ends or spans ``rollout.partial_max_age``
+passes: only then are its response columns written, so every other stage sees each row once,
+complete (``RolloutWorker.run_pass``).
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class RolloutWorker:
         self.engine, self.cfg, self.shares, self.round_groups = engine, cfg, shares, round_groups
         self.cut: list[int] = []
         """Rows of the last iteration generated with a budget that were cut there (``generate_iteration``)."""
-        self.pending: list[int] | None = []
-        """Partial rollout: rows of the iteration before the next pass's to finish in it (``run_pass``);
-        ``None``: read them from the dock (a resumed run, whose checkpoint holds that iteration open)."""
+        self.pending: dict[int, list[int] | None] = {}
+        """Partial rollout: by iteration, the rows whose cut responses the next pass continues
+        (``run_pass``); ``None``: read them from the dock (a resumed run's checkpoint holds them)."""
 
     def generate_iteration(self, dock: StageDock, *, budget: int = 0) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
@@ -82,7 +83,7 @@ class RolloutWorker:
         ``budget`` (partial rollout, ``rollout.partial_tokens``; 0: none): tokens per response in
         this pass; a response without EOS within it is cut: it gets no response columns but its
         carry-over (``partial_ids``, ``partial_log_prob``; every row of the pass gets ``rollout_cut``)
-        and its row goes to ``self.cut`` (``continue_cut`` finishes it in the next pass).
+        and its row goes to ``self.cut`` (``continue_cut`` continues it in the next pass).
 
         Returns:
             lengths (tokens) of the responses finished in this pass, how many were truncated, seconds taken.
@@ -100,7 +101,7 @@ class RolloutWorker:
             samples = self._sample(prompts, budget or self.cfg.max_response_length)
             if budget:
                 cut = [s.truncated for s in samples]  # no EOS within the budget: continued in the next pass
-                self._put_cut(dock, claim.rows, cut, samples)
+                self.cut += self._put_cut(dock, claim.rows, cut, samples)
                 dock.put(claim.rows, {"rollout_cut": cut}, ack=claim)
                 samples = [s for s, c in zip(samples, cut) if not c]
             else:
@@ -118,72 +119,96 @@ class RolloutWorker:
         return self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=c.temperature, top_p=c.top_p,
                                     batch_size=c.batch_size)
 
-    def _put_cut(self, dock: StageDock, rows: Sequence[int], cut: Sequence[bool], samples: Sequence[Sample]) -> None:
-        """The response columns of the rows not ``cut``, the carry-over of those cut (added to ``self.cut``)."""
+    @staticmethod
+    def _put_cut(dock: Dock | StageDock, rows: Sequence[int], cut: Sequence[bool], samples: Sequence[Sample],
+                 iteration: int | None = None) -> list[int]:
+        """Write the response columns of the rows not ``cut`` and the carry-over of those cut; returns the cut rows."""
         done = [k for k, c in enumerate(cut) if not c]
         held = [k for k, c in enumerate(cut) if c]
         if held:
             dock.put([rows[k] for k in held], {"partial_ids": [samples[k].response_ids for k in held],
-                                               "partial_log_prob": [samples[k].log_probs for k in held]})
-            self.cut += [rows[k] for k in held]
+                                               "partial_log_prob": [samples[k].log_probs for k in held]}, iteration=iteration)
         if done:
-            dock.put([rows[k] for k in done], response_columns([samples[k] for k in done]))
+            dock.put([rows[k] for k in done], response_columns([samples[k] for k in done]), iteration=iteration)
+        return [rows[k] for k in held]
 
-    def continue_cut(self, dock: Dock, iteration: int, rows: Sequence[int]) -> tuple[list[int], int]:
-        """Finish the responses of ``rows`` of ``iteration`` cut in the pass before (``generate_iteration``)
-        with the engine's current weights: generate from prompt + the tokens so far, with the rest
-        of ``rollout.max_response_length`` as the limit, and write the rows' response columns (the
-        carry-over's tokens and log-probs, then the new ones).
+    def continue_cut(self, dock: Dock, iteration: int, rows: Sequence[int], *, budget: int = 0) -> tuple[list[int], int, list[int]]:
+        """Continue the cut responses of ``rows`` of ``iteration`` (``generate_iteration``) with the
+        engine's current weights: generate from prompt + the tokens so far, at most ``budget`` more
+        (0: none) within ``rollout.max_response_length``. A response that ends here gets its
+        response columns (the carry-over's tokens and log-probs, then the new ones) and
+        ``rollout_cut`` false; one cut again gets the longer carry-over.
 
         Returns:
-            the finished responses' lengths (tokens, both segments), how many were truncated.
+            the finished responses' lengths (tokens, every segment), how many were truncated, the rows cut again.
 
         Raises:
             DockError: ``iteration`` is not open, or a row has no carry-over.
         """
         batch = dock.get(["prompt_ids", "partial_ids", "partial_log_prob"], rows, iteration=iteration)
         prompts, so_far, log_probs = (batch.column(k).to_pylist() for k in range(3))
-        by_length: dict[int, list[int]] = {}  # every cut response holds the budget's tokens; grouped all the same
+        by_length: dict[int, list[int]] = {}  # a budget's multiple each: grouped, each group has one limit
         for k, tokens in enumerate(so_far):
             by_length.setdefault(len(tokens), []).append(k)
-        finished: list[Sample | None] = [None] * len(rows)
+        longer: list[Sample | None] = [None] * len(rows)
         for length, ks in by_length.items():
-            samples = self._sample([prompts[k] + so_far[k] for k in ks], self.cfg.max_response_length - length)
+            room = self.cfg.max_response_length - length
+            samples = self._sample([prompts[k] + so_far[k] for k in ks], min(budget, room) if budget else room)
             for k, s in zip(ks, samples):
-                finished[k] = Sample(so_far[k] + s.response_ids, log_probs[k] + s.log_probs, s.truncated)
-        done = [s for s in finished if s is not None]
-        assert len(done) == len(rows), "a cut response was not continued"
-        dock.put(rows, response_columns(done), iteration=iteration)
-        return [len(s.response_ids) for s in done], sum(s.truncated for s in done)
+                longer[k] = Sample(so_far[k] + s.response_ids, log_probs[k] + s.log_probs, s.truncated)
+        samples_ = [s for s in longer if s is not None]
+        assert len(samples_) == len(rows), "a cut response was not continued"
+        # no EOS within the budget: cut again, unless it reached max_response_length (then it ends, truncated)
+        cut = [bool(budget) and s.truncated and len(s.response_ids) < self.cfg.max_response_length for s in samples_]
+        again = self._put_cut(dock, rows, cut, samples_, iteration)
+        if len(again) < len(rows):
+            dock.put([r for r, c in zip(rows, cut) if not c], {"rollout_cut": [False] * (len(rows) - len(again))}, iteration=iteration)
+        done = [s for s, c in zip(samples_, cut) if not c]
+        return [len(s.response_ids) for s in done], sum(s.truncated for s in done), again
 
     def run_pass(self, dock: Dock, iteration: int, *, last: bool) -> dict[str, float]:
         """One pass of partial rollout (``rollout.partial_tokens``) for the open ``iteration``: first
-        finish the responses of ``iteration - 1`` cut in its pass (``self.pending``; a resumed run
-        reads them from the dock), then generate ``iteration``'s rows with the budget (none when
-        ``last``: no pass follows). A response thus spans at most two passes.
+        continue the cut responses of the iterations before, oldest first (``self.pending``; a
+        resumed run reads them from the dock), then generate ``iteration``'s rows. Each response gets
+        at most ``rollout.partial_tokens`` tokens in a pass but in its ``rollout.partial_max_age``-th
+        pass and in the ``last`` (no pass follows), which finish it: no response spans more passes.
 
         Returns:
             ``rollout/*`` metrics of the responses finished in this pass (``rollout_metrics``; lengths
             0 when every one was cut), with ``rollout/partial_cut`` (responses of ``iteration`` cut),
-            ``rollout/partial_continued`` (those of ``iteration - 1`` finished) and
-            ``rollout/response_passes_max`` (the passes a finished response spanned).
+            ``rollout/partial_continued`` (those of earlier iterations finished), ``rollout/partial_held``
+            (responses cut and waiting after this pass) and ``rollout/response_passes_max`` (the most
+            passes a finished response spanned).
         """
         start = time.perf_counter()
-        if self.pending is None:  # resumed: the checkpoint holds the iteration before open, with its cut rows
-            rows = range(dock.num_rows)  # as the iteration before's: partial rollout has no dynamic sampling's rounds
-            cut = dock.get(["rollout_cut"], rows, iteration=iteration - 1).column(0).to_pylist()
-            self.pending = [r for r, c in zip(rows, cut) if c]
-        lengths, truncated = self.continue_cut(dock, iteration - 1, self.pending) if self.pending else ([], 0)
-        continued = len(self.pending)
+        lengths: list[int] = []
+        truncated = continued = 0
+        passes = 1
+        for it in sorted(self.pending):
+            rows = self.pending.pop(it)
+            if rows is None:  # resumed: the checkpoint's dock holds the iteration open, with its cut rows
+                everything = range(dock.num_rows)  # as this iteration's: partial rollout has no dynamic sampling's rounds
+                rows = [r for r, c in zip(everything, dock.get(["rollout_cut"], everything, iteration=it).column(0).to_pylist()) if c]
+            if not rows:
+                continue
+            age = iteration - it + 1  # passes the responses span once this one is done
+            budget = 0 if last or age >= self.cfg.partial_max_age else self.cfg.partial_tokens
+            done, done_truncated, again = self.continue_cut(dock, it, rows, budget=budget)
+            lengths, truncated, continued = lengths + done, truncated + done_truncated, continued + len(done)
+            passes = max(passes, age) if done else passes
+            if again:
+                self.pending[it] = again
         new, new_truncated, _ = self.generate_iteration(dock, budget=0 if last else self.cfg.partial_tokens)
-        self.pending = self.cut
+        if self.cut:  # in row order, as a resumed run reads them: the same batches sample the same continuations
+            self.pending[iteration] = sorted(self.cut)
         lengths, truncated = lengths + new, truncated + new_truncated
         seconds = time.perf_counter() - start
         metrics = rollout_metrics(lengths, truncated, seconds) if lengths else {
             "rollout/response_length_mean": 0.0, "rollout/response_length_max": 0, "rollout/truncated_ratio": 0.0,
             "rollout/responses": 0, "perf/rollout_tokens_per_s": 0.0, "timing_s/rollout": seconds}
+        held = sum(len(rows or []) for rows in self.pending.values())
         return metrics | {"rollout/partial_cut": len(self.cut), "rollout/partial_continued": continued,
-                          "rollout/response_passes_max": 2 if continued else 1}
+                          "rollout/partial_held": held, "rollout/response_passes_max": passes}
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Generate for every row of the open iteration; returns ``rollout/*`` metrics (``rollout_metrics``)."""
@@ -244,21 +269,20 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
             dock.report(update, Report.WEIGHT_SYNC, metrics)
 
     done = generated_through(cfg)  # a resumed run: the checkpoint holds these generated
-    if cfg.rollout.partial_tokens and done in held_open(cfg):
-        worker.pending = None  # the responses of `done` cut in its pass are in the restored dock
-    previous = max(done - m, -1)  # the weights the pass before generated with (iteration k: update k-m)
+    if cfg.rollout.partial_tokens:  # their responses cut and not yet finished are in the restored dock
+        worker.pending = {it: None for it in held_open(cfg) if it <= done}
+    versions: dict[int, int] = {}  # by pass (iteration): the last update in the weights it generated with
 
     def generate(it: int) -> dict[str, float]:
-        nonlocal previous
+        versions[it] = synced
         if cfg.rollout.partial_tokens:
             metrics = worker.run_pass(dock, it, last=it == t.iterations - 1)
-            oldest = previous if metrics["rollout/partial_continued"] else synced  # of the responses finished here
-            metrics["rollout/oldest_policy_version"] = oldest
+            first = it - int(metrics["rollout/response_passes_max"]) + 1  # the oldest pass of a response finished here
+            metrics["rollout/oldest_policy_version"] = versions.get(first, max(first - m, -1))  # before a resume: k-m
         else:
             metrics = worker.run_iteration(dock)
         if m > 1:  # iterations in flight: which update generated it (on-policy runs report as the in-process rollout does)
             metrics |= {"rollout/policy_version": synced, "rollout/staleness": it - 1 - synced}
-        previous = synced
         return metrics
 
     try:

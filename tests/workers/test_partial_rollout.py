@@ -67,8 +67,9 @@ def open_filled(driver: DockClient, iteration: int) -> None:
     driver.put(range(ROWS), {"prompt_ids": [[iteration, r] for r in range(ROWS)]}, iteration=iteration)
 
 
-def worker(engine) -> RolloutWorker:
-    return RolloutWorker(engine, RolloutConfig(n=GROUP, max_response_length=MAX_LEN, partial_tokens=BUDGET, batch_size=4))
+def worker(engine, max_age: int = 2) -> RolloutWorker:
+    return RolloutWorker(engine, RolloutConfig(n=GROUP, max_response_length=MAX_LEN, partial_tokens=BUDGET, partial_max_age=max_age,
+                                               batch_size=4))
 
 
 def rollout_pass(stage: DockClient, rollout: RolloutWorker, iteration: int, *, last: bool = False) -> dict[str, float]:
@@ -88,11 +89,11 @@ def train_rows(client: DockClient, iteration: int) -> dict[int, tuple[list[int],
     return got
 
 
-def expected(iteration: int, row: int, first: int, budget: int = BUDGET) -> tuple[list[int], list[float]]:
-    """The complete response of a row and its log-probs: the first ``budget`` tokens under the weights
-    ``first``, the rest (a cut response) under the next ones."""
+def expected(iteration: int, row: int, first: int, budget: int = BUDGET, passes: int = 2) -> tuple[list[int], list[float]]:
+    """The complete response of a row and its log-probs: ``budget`` tokens a pass, each pass's under
+    its weights (``first``, ``first + 1``, …), all the rest in the row's ``passes``-th pass."""
     n = target_length([iteration, row])
-    return [*range(n - 1), EOS], [-float(first if t < budget or n <= budget else first + 1) for t in range(n)]
+    return [*range(n - 1), EOS], [-float(first + min(t // budget, passes - 1)) for t in range(n)]
 
 
 def test_cut_responses_finish_in_the_next_pass_with_its_weights_and_every_row_is_trained_once(shards):
@@ -104,7 +105,7 @@ def test_cut_responses_finish_in_the_next_pass_with_its_weights_and_every_row_is
         open_filled(driver, 1)
         first = rollout_pass(stage, rollout, 0)
         cut0 = [r for r in range(ROWS) if target_length([0, r]) > BUDGET]
-        assert sorted(rollout.pending) == cut0 and first["rollout/partial_cut"] == len(cut0) > 0
+        assert rollout.pending == {0: cut0} and first["rollout/partial_cut"] == len(cut0) > 0
         assert (first["rollout/responses"], first["rollout/partial_continued"], first["rollout/response_passes_max"]) == \
             (ROWS - len(cut0), 0, 1)
         with pytest.raises(DockError, match="not yet written"):  # a cut row has no response for any other stage yet
@@ -121,9 +122,9 @@ def test_cut_responses_finish_in_the_next_pass_with_its_weights_and_every_row_is
         open_filled(driver, 2)
         engine.load_weights([])
         third = rollout_pass(stage, rollout, 2, last=True)  # the last pass has no budget: nothing left over
-        assert third["rollout/partial_cut"] == 0 and rollout.pending == []
+        assert third["rollout/partial_cut"] == 0 and rollout.pending == {}
         assert train_rows(actor, 1) == {r: expected(1, r, 1) for r in range(ROWS)}
-        assert train_rows(actor, 2) == {r: expected(2, r, 2, budget=MAX_LEN) for r in range(ROWS)}
+        assert train_rows(actor, 2) == {r: expected(2, r, 2, passes=1) for r in range(ROWS)}
         # the staleness bound: a response spans at most two passes, so its tokens come from at most two
         # consecutive weights (its iteration's pass's and the next one's), as `expected` spells out
     finally:
@@ -146,7 +147,7 @@ def test_a_snapshot_between_the_passes_resumes_the_cut_responses_exactly(shards,
         for it in (0, 1):
             driver.announce(it)
         resumed = worker(engine)
-        resumed.pending = None  # a resumed rollout reads the cut rows from the dock
+        resumed.pending = {0: None}  # a resumed rollout reads the cut rows from the dock
         engine.load_weights([])
         metrics = rollout_pass(stage, resumed, 1)
         assert metrics["rollout/partial_continued"] == sum(target_length([0, r]) > BUDGET for r in range(ROWS))
@@ -155,6 +156,52 @@ def test_a_snapshot_between_the_passes_resumes_the_cut_responses_exactly(shards,
     finally:
         driver.close_iteration()
         stage.close()
+        driver.close()
+
+
+def test_a_response_spans_at_most_max_age_passes_each_under_its_weights(shards):
+    driver, stage, actor = connect(shards, max_inflight=3), connect(shards), connect(shards)
+    engine = FakePolicyEngine()
+    rollout = worker(engine, max_age=3)
+    try:
+        for it in (0, 1, 2):
+            open_filled(driver, it)
+        passes = []
+        for it in (0, 1, 2):
+            passes.append(rollout_pass(stage, rollout, it))
+            engine.load_weights([])
+        assert [p["rollout/response_passes_max"] for p in passes] == [1, 2, 3]
+        longest = [r for r in range(ROWS) if target_length([0, r]) > 2 * BUDGET]  # cut twice: continued in its third pass
+        assert longest and passes[1]["rollout/partial_held"] >= len(longest)
+        assert train_rows(actor, 0) == {r: expected(0, r, 0, passes=3) for r in range(ROWS)}
+        driver.close_iteration(0)
+        open_filled(driver, 3)
+        last = rollout_pass(stage, rollout, 3, last=True)
+        assert last["rollout/partial_held"] == 0 and rollout.pending == {}
+        assert train_rows(actor, 1) == {r: expected(1, r, 1, passes=3) for r in range(ROWS)}
+        assert train_rows(actor, 2) == {r: expected(2, r, 2, passes=2) for r in range(ROWS)}  # the last pass ends it
+        assert train_rows(actor, 3) == {r: expected(3, r, 3, passes=1) for r in range(ROWS)}
+    finally:
+        driver.close_iteration()
+        for c in (stage, actor, driver):
+            c.close()
+
+
+def test_only_a_rewritable_column_takes_a_second_put_and_a_snapshot_holds_the_last(shards, tmp_path):
+    driver = connect(shards)
+    try:
+        open_filled(driver, 0)
+        driver.put([1, 2], {"partial_ids": [[1], [2]], "rollout_cut": [True, True]})
+        driver.put([2], {"partial_ids": [[2, 3]], "rollout_cut": [False]})
+        with pytest.raises(DockError, match="already written"):
+            driver.put([2], {"prompt_ids": [[9]]})
+        driver.snapshot(str(tmp_path / "snap"))
+        driver.close_iteration()
+        driver.restore(str(tmp_path / "snap"))
+        cells = driver.get(["partial_ids", "rollout_cut"], [1, 2], iteration=0)
+        assert cells.to_pylist() == [{"partial_ids": [1], "rollout_cut": True}, {"partial_ids": [2, 3], "rollout_cut": False}]
+    finally:
+        driver.close_iteration()
         driver.close()
 
 
