@@ -104,7 +104,7 @@ from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight import FlightTransport
 from dockrl.dock.local import arrow_columns
 from dockrl.dock.schema import Schema
-from dockrl.dock.shard import ROW, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards
+from dockrl.dock.shard import ROW, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards, runs_rows
 from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 from dockrl.dock.warehouse import (
     Located,
@@ -406,8 +406,10 @@ class DockClient:
                 self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
             else:
                 for s, pos in layout.split(rows_arr).items():
+                    whole = len(pos) == len(rows_arr)  # one shard owns every row: the arrays as they are
                     batch = pa.RecordBatch.from_arrays(
-                        [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())], names=[ROW, *arrays]
+                        [pa.array(rows_arr if whole else rows_arr[pos]), *(a if whole else _part(a, pos) for a in arrays.values())],
+                        names=[ROW, *arrays],
                     )
                     self.transports[s].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
         finally:
@@ -545,7 +547,7 @@ class DockClient:
         if local is not None:  # the co-located shard first: the others are swept (stolen from) only for what it lacks
             order.remove(local)
             order.insert(0, local)
-        lease = uuid.uuid4().hex
+        lease = os.urandom(16).hex()  # as uuid4().hex, without building a UUID
         taken: dict[int, list[int]] = {}
         pending: dict[int, int] = {}
         held: dict[int, int] = {}  # rows of the consumer other owners lease, by shard: they may come back
@@ -562,9 +564,10 @@ class DockClient:
                 cells.setdefault(s, []).append(table)
             else:
                 res = self._action(s, "claim", body, timeout=rpc)
-            taken.setdefault(s, []).extend(res["rows"])
+            rows = runs_rows(res["runs"]) if "runs" in res else res["rows"]
+            taken.setdefault(s, []).extend(rows)
             pending[s], held[s] = res["pending"], res.get("held", 0)
-            if res["rows"]:  # renewed from now on: the claim may still wait on other shards for longer than a term
+            if rows:  # renewed from now on: the claim may still wait on other shards for longer than a term
                 self._hold(lease, layout.iteration)
 
         def got() -> int:
@@ -608,10 +611,12 @@ class DockClient:
                     if t != s and got() < count and (pending.get(t, 0) > 0 or held.get(t, 0) > 0):
                         take(t, count - got(), at_least=0)
                 want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
-            rows = [sorted(taken[s]) for s in sorted(taken)]  # shards hold ascending ranges: rows come out ascending
+            # shards hold ascending ranges, and one take's rows come ascending: rows come out ascending
+            rows = [taken[s] if len(cells.get(s, ())) == 1 else sorted(taken[s]) for s in sorted(taken)]
             batches = []
             if self.warehouse is None:
-                batches = [self._batch(cells[s], columns, np.asarray(taken[s], dtype=np.int64)) for s in sorted(taken) if taken[s]]
+                batches = [self._batch(cells[s], columns, None if len(cells[s]) == 1 else np.asarray(taken[s], dtype=np.int64))
+                           for s in sorted(taken) if taken[s]]
                 tables = [] if len(batches) == 1 else [pa.Table.from_batches([b]) for b in batches]
             else:
                 tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
@@ -620,7 +625,7 @@ class DockClient:
             with self._beat:
                 self._held.pop(lease, None)
             raise
-        claimed = [r for part in rows for r in part]
+        claimed = rows[0] if len(rows) == 1 else [r for part in rows for r in part]
         batch = batches[0] if len(batches) == 1 else self._batch(tables, columns)  # one shard's cells: as they came
         return Claim(layout.iteration, claimed, batch, lease if claimed else "", consumer)
 

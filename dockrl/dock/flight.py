@@ -10,7 +10,8 @@ mapping onto Flight (every body and result UTF-8 JSON):
   int64 ``row`` column (global row indexes) plus the data columns.
 * ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
   stream, in the order of ``rows``; ticket {"claim": <claim body>} claims and reads in one
-  round trip, the claim's result travelling as the schema metadata ``CLAIM_META``.
+  round trip, the claim's result travelling as the schema metadata ``CLAIM_META`` (JSON
+  {runs, pending, held}: ``ShardService.claim_cells``).
 
 ``DockError`` and ``DockTimeoutError`` raised in the shard travel as ``FlightServerError``
 whose message starts with ``dockrl.<type>:`` and whose ``extra_info`` is JSON {type, message};
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLAIM_META = b"dockrl.claim"
-"""Schema metadata key of a claim-and-read ``do_get`` answer: JSON ``{rows, pending, held}``."""
+"""Schema metadata key of a claim-and-read ``do_get`` answer: JSON ``{runs, pending, held}`` (rows as ranges)."""
 _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
 
 
@@ -123,6 +124,7 @@ class DockShardServer(flight.FlightServerBase):
         self.service = ShardService(schema, name=self._location, timeout_s=timeout_s, payload=payload, lease_s=lease_s)
         self._lock = threading.Lock()
         self._closed = False
+        self._ipc = pa.ipc.IpcWriteOptions()  # once: the default options read the environment on every stream
         if token:
             logger.info("dock shard listening at %s (bearer token required)", self._location)
         else:
@@ -209,7 +211,7 @@ class DockShardServer(flight.FlightServerBase):
             self._count(len(ticket.ticket) + len(meta))
             return pa.Table.from_batches([batch], schema=batch.schema.with_metadata({CLAIM_META: meta}))
 
-        return flight.RecordBatchStream(_guard("get", get))
+        return flight.RecordBatchStream(_guard("get", get), options=self._ipc)
 
 
 class FlightTransport:
@@ -230,11 +232,17 @@ class FlightTransport:
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._client = flight.connect(location)
         self._lock = threading.Lock()
+        self._call_options: dict[float | None, flight.FlightCallOptions] = {}
         self.controller_bytes = 0
         """Bytes of action bodies and results, put descriptors and claim tickets and results sent and received."""
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
-        return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+        options = self._call_options.get(timeout)
+        if options is None:
+            options = flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+            if len(self._call_options) < 64:  # the timeouts a client uses repeat (rpc_timeout_s, a claim's wait + slack)
+                self._call_options[timeout] = options
+        return options
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:

@@ -242,6 +242,10 @@ class _Iteration:
         # warehouse: per column, Arrow chunks (or keys of committed warehouse objects) and, per row, (chunk, offset)
         self.chunks: dict[str, list[pa.Array | str]] = {c.name: [] for c in schema.columns}
         self.where = {c.name: np.full((num_rows, 2), -1, dtype=np.int64) for c in schema.columns}
+        self.stored: set[str] = set()  # columns with a chunk that is a warehouse key (``commit``, ``restore``)
+        self.col_types = {c.name: c.type for c in schema.columns}
+        # a take's request, (consumer, columns, whole groups) → (consumer index, its view's columns): checked once
+        self.requests: dict[tuple[str, tuple[str, ...], bool], tuple[int, tuple[int, ...]]] = {}
         self.views: dict[tuple[int, tuple[int, ...], int], _View] = {}
         self.views_of_ci: list[list[_View]] = [[] for _ in range(n_cons)]
         self.views_of_col: list[list[_View]] = [[] for _ in range(len(schema.columns))]
@@ -495,6 +499,7 @@ class ShardController:
                 it.where[name][rows_arr, 0] = len(it.chunks[name])
                 it.where[name][rows_arr, 1] = offsets_arr
                 it.chunks[name].append(key)
+                it.stored.add(name)
             self._written_locked(it, rows_arr, refs)
 
     def _written_locked(
@@ -572,10 +577,9 @@ class ShardController:
     # --- reads -----------------------------------------------------------------------------
     def _cells(self, it: _Iteration, name: str, rows: np.ndarray) -> pa.Array:
         """The written cells of column ``name`` at local ``rows``, in that order."""
-        chunks = it.chunks[name]
-        if any(isinstance(c, str) for c in chunks):
+        if name in it.stored:
             raise DockError(f"get: column {name!r} lives in a warehouse (committed objects); read it with locate")
-        return _slice_cells(chunks, it.where[name][rows], self.schema.column(name).type)
+        return _slice_cells(it.chunks[name], it.where[name][rows], it.col_types[name])
 
     def _gather(self, it: _Iteration, columns: Sequence[str], rows: np.ndarray) -> pa.RecordBatch:
         arrays = [self._cells(it, name, rows) for name in columns]
@@ -648,6 +652,21 @@ class ShardController:
             DockTimeoutError: not enough rows became ready within the timeout; names the
                 columns still missing and how many rows lack each, and the rows other owners hold.
         """
+        rows, pending, held, lease, batch = self.take_rows(
+            consumer, columns, count, whole_groups=whole_groups, at_least=at_least, timeout_s=timeout_s, iteration=iteration,
+            owner=owner, lease=lease, lease_s=lease_s, wait_held=wait_held, read=read,
+        )
+        return Taken(rows.tolist(), pending, held, lease, batch)
+
+    def take_rows(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, at_least: int | None = None,
+        timeout_s: float | None = None, iteration: int | None = None, owner: str | None = None, lease: str | None = None,
+        lease_s: float | None = None, wait_held: bool = True, read: bool = False,
+    ) -> tuple[np.ndarray, int, int, str, pa.RecordBatch | None]:
+        """``take`` with the rows as an int64 array of global indexes (ascending): (rows, pending, held, lease, batch).
+
+        Raises: as ``take``.
+        """
         lease = lease or uuid.uuid4().hex
         with self._cond:
             it, rows, pending, held = self._take_locked(
@@ -655,7 +674,7 @@ class ShardController:
                 owner or DEFAULT_OWNER, lease, lease_s, wait_held,
             )
             batch = self._gather(it, columns, rows) if read else None
-            return Taken((rows + it.first_row).tolist(), pending, held, lease, batch)
+            return rows + it.first_row, pending, held, lease, batch
 
     def _take_locked(  # caller holds self._cond; returns local row indexes
         self, consumer: str, columns: Sequence[str], count: int, whole_groups: bool, at_least: int,
@@ -673,7 +692,12 @@ class ShardController:
         try:
             while True:
                 it = self._current(what, iteration)
-                self._check_request(it, columns, consumer, what)
+                key = (consumer, tuple(columns), whole_groups)
+                request = it.requests.get(key)
+                if request is None:  # a request not seen in this iteration: check it once
+                    self._check_request(it, columns, consumer, what)
+                    request = it.requests[key] = (it.consumer_index[consumer], tuple(sorted({it.col_index[c] for c in columns})))
+                ci, cols = request
                 if count < 1 or (whole_groups and count % it.group_size):
                     raise DockError(
                         f"{what}: count={count} must be positive"
@@ -681,7 +705,6 @@ class ShardController:
                     )
                 if at_least < 0:
                     raise DockError(f"{what}: at_least={at_least} must be >= 0")
-                ci = it.consumer_index[consumer]
                 known = it.leases.get(lease_id)
                 if known is not None and (known.owner != owner or known.consumer != ci):
                     raise DockError(
@@ -690,7 +713,7 @@ class ShardController:
                     )
                 next_expiry = self._expire_locked(it)
                 unit = it.group_size if whole_groups else 1
-                view = it.view(ci, tuple(sorted({it.col_index[c] for c in columns})), unit)
+                view = it.view(ci, cols, unit)
                 num_pending = it.npending[ci]
                 held = it.held(ci, owner)
                 if self._can_take(num_pending, held, view.navail * unit, at_least, wait_held):
@@ -1159,6 +1182,7 @@ class ShardController:
             if in_store:  # keys of warehouse objects, one chunk per key
                 keys = payload.column("key").to_pylist()
                 it.chunks[c.name] = list(dict.fromkeys(keys))
+                it.stored.add(c.name)
                 chunk_of = {key: k for k, key in enumerate(it.chunks[c.name])}
                 it.where[c.name][rows, 0] = [chunk_of[key] for key in keys]
                 it.where[c.name][rows, 1] = payload.column("offset").to_numpy()

@@ -6,6 +6,7 @@ Each column has an Arrow type, the stage that produces it and the stages that co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -41,15 +42,19 @@ class Schema:
         if len(set(names)) != len(names):
             raise ValueError(f"schema v{self.version}: duplicate column names in {names}")
 
+    @functools.cached_property  # a put and a read ask for it per column
+    def _by_name(self) -> dict[str, Column]:
+        return {c.name: c for c in self.columns}
+
     def column(self, name: str) -> Column:
         """The column called ``name``.
 
         Raises:
             KeyError: unknown column; the message lists the known ones.
         """
-        for c in self.columns:
-            if c.name == name:
-                return c
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         raise KeyError(f"unknown column {name!r}; schema v{self.version} has {[c.name for c in self.columns]}")
 
     def arrow_schema(self, names: list[str] | tuple[str, ...]) -> pa.Schema:

@@ -120,6 +120,26 @@ class ShardLayout:
         return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
 
 
+def row_runs(rows: np.ndarray) -> list[list[int]]:
+    """The ascending, distinct int64 ``rows`` as runs ``[[start, stop), ...]`` of consecutive rows."""
+    n = len(rows)
+    if not n:
+        return []
+    if int(rows[-1]) - int(rows[0]) + 1 == n:  # ascending and distinct: one run
+        return [[int(rows[0]), int(rows[-1]) + 1]]
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [n]))
+    return np.stack([rows[starts], rows[stops - 1] + 1], axis=1).tolist()
+
+
+def runs_rows(runs: list[list[int]]) -> list[int]:
+    """The rows of ``runs`` (``row_runs``), in order."""
+    if len(runs) == 1:
+        return list(range(runs[0][0], runs[0][1]))
+    return [r for start, stop in runs for r in range(start, stop)]
+
+
 def _timeout(value: float | None) -> float:
     """A wait's ``timeout_s`` from a request body: null means no limit."""
     return math.inf if value is None else float(value)
@@ -328,13 +348,17 @@ class ShardService:
     def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Take rows for a claim (``ShardController.take``); rows taken for a caller that gave up
         (``cancelled()`` true once a take that blocked returns) are handed back."""
-        return self._claim(req, cancelled, read=False)[0]
+        rows, res, _ = self._claim(req, cancelled, read=False)
+        return {"rows": rows.tolist()} | res
 
-    def _claim(self, req: dict[str, Any], cancelled: Callable[[], bool], read: bool) -> tuple[dict[str, Any], pa.RecordBatch | None]:
+    def _claim(
+        self, req: dict[str, Any], cancelled: Callable[[], bool], read: bool,
+    ) -> tuple[np.ndarray, dict[str, Any], pa.RecordBatch | None]:
+        """(rows taken, global and ascending; {pending, held}; the cells with ``read``)."""
         timeout = _timeout(req["timeout_s"])
         start = time.monotonic()
         controller = self._at(req)
-        rows, pending, held, _, batch = controller.take(
+        rows, pending, held, _, batch = controller.take_rows(
             req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
             at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
             owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
@@ -342,11 +366,11 @@ class ShardService:
         )
         # only a take that blocked can outlive its caller (whose deadline is the wait plus an RPC's
         # slack); asking the transport costs more than a take that did not block
-        if rows and time.monotonic() - start > CANCEL_CHECK_S and cancelled():
+        if len(rows) and time.monotonic() - start > CANCEL_CHECK_S and cancelled():
             logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
             controller.release(req["consumer"], rows, iteration=req["iteration"])
-            rows, pending, batch = [], pending + len(rows), None if batch is None else batch.slice(0, 0)
-        return {"rows": rows, "pending": pending, "held": held}, batch
+            rows, pending, batch = rows[:0], pending + len(rows), None if batch is None else batch.slice(0, 0)
+        return rows, {"pending": pending, "held": held}, batch
 
     @staticmethod
     def _snapshots(uri: str, layout: dict[str, int] | None, more: list[dict[str, int]]) -> list[tuple[dict[str, int] | None, str, dict]]:
@@ -389,9 +413,12 @@ class ShardService:
         self._require("memory", "put")
         if ROW not in table.schema.names:
             raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
+        names = table.schema.names
+        if isinstance(table, pa.Table) and table.column(0).num_chunks == 1:  # one batch (a client's put): its arrays as they are
+            table = table.to_batches()[0]
         row = table.column(ROW)
-        rows = row.chunk(0).to_numpy() if isinstance(row, pa.ChunkedArray) and row.num_chunks == 1 else row.to_numpy()
-        columns = {name: table.column(name) for name in table.schema.names if name != ROW}
+        rows = row.to_numpy() if isinstance(row, pa.Array) else row.combine_chunks().to_numpy()
+        columns = {name: table.column(name) for name in names if name != ROW}
         ack = (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None  # put and ack in one call (put(..., ack=claim))
         self._at(req).put(rows, columns, iteration=req["iteration"], ack=ack)
 
@@ -401,10 +428,15 @@ class ShardService:
         return self._at(req).get(req["columns"], req["rows"], iteration=req["iteration"])
 
     def claim_cells(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> tuple[dict[str, Any], pa.RecordBatch]:
-        """``claim`` and the cells of its rows in one call, under one lock (memory payload)."""
+        """``claim`` and the cells of its rows in one call, under one lock (memory payload).
+
+        The result names the rows as ``runs`` instead of ``rows``: ``[[start, stop], ...]``, the
+        ascending row ranges ``[start, stop)`` taken (``row_runs``; a claim is mostly one run).
+        """
         self._require("memory", "get")
-        res, batch = self._claim(req, cancelled, read=True)
+        rows, res, batch = self._claim(req, cancelled, read=True)
         assert batch is not None
+        res["runs"] = row_runs(rows)
         return res, batch
 
 
