@@ -805,7 +805,7 @@ class ShardController:
             self._check_request(it, columns, consumer, f"missing for {consumer!r}")
             return self._missing_locked(it, it.consumer_index[consumer], columns)
 
-    def release(self, consumer: str, rows: Sequence[int], *, iteration: int | None = None) -> None:
+    def release(self, consumer: str, rows: Sequence[int] | np.ndarray, *, iteration: int | None = None) -> None:
         """Hand rows taken by ``consumer`` back, as if never taken (undo of a claim that failed midway).
 
         Raises:
