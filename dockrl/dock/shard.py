@@ -414,8 +414,10 @@ class ShardService:
         if ROW not in table.schema.names:
             raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
         names = table.schema.names
-        if isinstance(table, pa.Table) and table.column(0).num_chunks == 1:  # one batch (a client's put): its arrays as they are
-            table = table.to_batches()[0]
+        if isinstance(table, pa.Table):
+            batches = table.to_batches()
+            if len(batches) == 1:  # one batch (a client's put): its arrays as they are
+                table = batches[0]
         row = table.column(ROW)
         rows = row.to_numpy() if isinstance(row, pa.Array) else row.combine_chunks().to_numpy()
         columns = {name: table.column(name) for name in names if name != ROW}

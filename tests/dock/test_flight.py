@@ -671,3 +671,18 @@ def test_cli_refuses_a_bind_beyond_loopback_without_a_token(host, capsys):
         serve_shard(["--host", host])
     assert info.value.code == 2
     assert f"--host {host}: a shard reachable from other machines must require a bearer token" in capsys.readouterr().err
+
+
+def test_a_put_table_chunked_unevenly_writes_every_row():
+    """A shard's put of a table whose columns are chunked differently writes all its rows, not the first batch's."""
+    from dockrl.dock.shard import ShardService, row_runs, runs_rows
+
+    svc = ShardService(GRPO_SCHEMA, name="local://test")
+    svc.action("open_iteration", {"iteration": 0, "num_rows": 8, "group_size": 4, "first_row": 0, "stop_row": 8,
+                                  "shard": 0, "num_shards": 1})
+    cells = pa.chunked_array([[[1]] * 3, [[2]] * 5], type=pa.list_(pa.int32()))
+    svc.put({"iteration": 0}, pa.Table.from_arrays([pa.chunked_array([np.arange(8)]), cells], names=["row", "prompt_ids"]))
+    assert svc.get({"iteration": 0, "columns": ["prompt_ids"], "rows": list(range(8))}).column(0).to_pylist() == [[1]] * 3 + [[2]] * 5
+    rows = np.array([0, 1, 2, 5, 7, 8], dtype=np.int64)
+    assert row_runs(rows) == [[0, 3], [5, 6], [7, 9]] and runs_rows(row_runs(rows)) == rows.tolist()
+    assert row_runs(rows[:0]) == [] and row_runs(rows[:3]) == [[0, 3]]
