@@ -597,6 +597,9 @@ class ShardController:
                 raise DockError(f"{what}: unknown column {name!r}; schema v{self.schema.version} has {list(it.col_index)}")
         if consumer is not None and consumer not in it.consumer_index:
             raise DockError(f"{what}: unknown consumer {consumer!r}; schema has {list(it.consumer_index)}")
+        if consumer is not None and (rewritable := [name for name in columns if name in it.rewritable]):
+            raise DockError(f"{what}: consumer {consumer!r} claims on rewritable columns {rewritable}: a rewrite after the "
+                            "claim would not reach it; read them with get")
 
     def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
         """Read cells without consuming them (driver, metrics, checkpoints).

@@ -76,6 +76,8 @@ class RolloutWorker:
         self.pending: dict[int, list[int] | None] = {}
         """Partial rollout: by iteration, the rows whose cut responses the next pass continues
         (``run_pass``); ``None``: read them from the dock (a resumed run's checkpoint holds them)."""
+        self.generated = 0
+        """Response tokens sampled since ``run_pass`` began (every segment, finished or cut)."""
 
     def generate_iteration(self, dock: StageDock, *, budget: int = 0) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
@@ -101,13 +103,16 @@ class RolloutWorker:
             samples = self._sample(prompts, budget or self.cfg.max_response_length)
             if budget:
                 cut = [s.truncated for s in samples]  # no EOS within the budget: continued in the next pass
-                self.cut += self._put_cut(dock, claim.rows, cut, samples)
+                self.cut += self._put_cut(dock, claim.rows, cut, samples, claim.iteration)
                 dock.put(claim.rows, {"rollout_cut": cut}, ack=claim)
                 samples = [s for s, c in zip(samples, cut) if not c]
             else:
+                # partial rollout's pass without a budget (the run's last) still says "not cut" for every
+                # row: a resumed rollout reads rollout_cut of every open iteration it generated
+                flags = {"rollout_cut": [False] * len(samples)} if self.cfg.partial_tokens else {}
                 dock.put(
                     claim.rows,
-                    response_columns(samples),
+                    response_columns(samples) | flags,
                     ack=claim,  # acked with the put: a worker that dies before it leaves its rows to another
                 )
             lengths += [len(s.response_ids) for s in samples]
@@ -116,8 +121,10 @@ class RolloutWorker:
 
     def _sample(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Sample]:
         c = self.cfg
-        return self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-                                    batch_size=c.batch_size)
+        samples = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+                                       batch_size=c.batch_size)
+        self.generated += sum(len(s.response_ids) for s in samples)
+        return samples
 
     @staticmethod
     def _put_cut(dock: Dock | StageDock, rows: Sequence[int], cut: Sequence[bool], samples: Sequence[Sample],
@@ -177,10 +184,12 @@ class RolloutWorker:
             ``rollout/*`` metrics of the responses finished in this pass (``rollout_metrics``; lengths
             0 when every one was cut), with ``rollout/partial_cut`` (responses of ``iteration`` cut),
             ``rollout/partial_continued`` (those of earlier iterations finished), ``rollout/partial_held``
-            (responses cut and waiting after this pass) and ``rollout/response_passes_max`` (the most
-            passes a finished response spanned).
+            (responses cut and waiting after this pass), ``rollout/response_passes_max`` (the most
+            passes a finished response spanned), and ``rollout/tokens_generated``: the tokens this
+            pass sampled, whichever response they belong to, which ``perf/rollout_tokens_per_s`` divides
+            by the pass's seconds.
         """
-        start = time.perf_counter()
+        start, self.generated = time.perf_counter(), 0
         lengths: list[int] = []
         truncated = continued = 0
         passes = 1
@@ -207,6 +216,8 @@ class RolloutWorker:
             "rollout/response_length_mean": 0.0, "rollout/response_length_max": 0, "rollout/truncated_ratio": 0.0,
             "rollout/responses": 0, "perf/rollout_tokens_per_s": 0.0, "timing_s/rollout": seconds}
         held = sum(len(rows or []) for rows in self.pending.values())
+        # the tokens this pass generated (segments of responses it cut or continued included), not the finished lengths
+        metrics |= {"perf/rollout_tokens_per_s": self.generated / seconds, "rollout/tokens_generated": self.generated}
         return metrics | {"rollout/partial_cut": len(self.cut), "rollout/partial_continued": continued,
                           "rollout/partial_held": held, "rollout/response_passes_max": passes}
 

@@ -111,6 +111,9 @@ def test_cut_responses_finish_in_the_next_pass_with_its_weights_and_every_row_is
         with pytest.raises(DockError, match="not yet written"):  # a cut row has no response for any other stage yet
             driver.get(["response_ids"], cut0[:1], iteration=0)
         assert engine.calls == [BUDGET] * len(engine.calls)
+        sampled = sum(min(target_length([0, r]), BUDGET) for r in range(ROWS))  # cut ones included
+        assert first["rollout/tokens_generated"] == sampled
+        assert first["perf/rollout_tokens_per_s"] == pytest.approx(sampled / first["timing_s/rollout"])
 
         engine.load_weights([])  # the update synced between the passes
         second = rollout_pass(stage, rollout, 1)
@@ -200,8 +203,32 @@ def test_only_a_rewritable_column_takes_a_second_put_and_a_snapshot_holds_the_la
         driver.restore(str(tmp_path / "snap"))
         cells = driver.get(["partial_ids", "rollout_cut"], [1, 2], iteration=0)
         assert cells.to_pylist() == [{"partial_ids": [1], "rollout_cut": True}, {"partial_ids": [2, 3], "rollout_cut": False}]
+        with pytest.raises(DockError, match=r"claims on rewritable columns \['partial_ids'\]"):  # a rewrite would not reach it
+            driver.claim("actor", ["prompt_ids", "partial_ids"], 2, timeout_s=1.0)
     finally:
         driver.close_iteration()
+        driver.close()
+
+
+def test_a_run_resumed_after_its_last_pass_reads_no_cut_rows_there(shards):
+    """The run's last pass has no budget; a checkpoint that holds it open is resumed with more
+    iterations: the resumed rollout reads ``rollout_cut`` of that iteration (every row false) and
+    goes on, instead of failing on a cell never written."""
+    driver, stage = connect(shards, max_inflight=2), connect(shards)
+    engine = FakePolicyEngine()
+    try:
+        open_filled(driver, 0)
+        open_filled(driver, 1)
+        rollout_pass(stage, worker(engine), 0, last=True)  # the old run's last pass
+        resumed = worker(engine)
+        resumed.pending = {0: None}  # what run_rollout sets for the open iterations it generated
+        metrics = rollout_pass(stage, resumed, 1)
+        assert metrics["rollout/partial_continued"] == 0
+        assert driver.get(["rollout_cut"], range(ROWS), iteration=0).column(0).to_pylist() == [False] * ROWS
+    finally:
+        driver.close_iteration()
+        driver.close_iteration()
+        stage.close()
         driver.close()
 
 
