@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dockrl.config import Config, ConfigError, TrainerConfig
+from dockrl.config import Config, ConfigError, RolloutConfig, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
             "and holds the iterations then in flight: resume with its dock.max_inflight (a final checkpoint takes any)"
         )
     for key in ("partial_tokens", "partial_max_age"):
-        theirs, ours_ = doc.get(key, {"partial_tokens": 0, "partial_max_age": 2}[key]), getattr(cfg.rollout, key)
+        theirs, ours_ = doc.get(key, getattr(RolloutConfig(), key)), getattr(cfg.rollout, key)  # older checkpoints: the defaults
         if doc.get("open_iterations") and theirs != ours_:
             raise ConfigError(
                 f"rollout.{key}: got {ours_}; the checkpoint {path} was written with rollout.{key}={theirs} and holds "
