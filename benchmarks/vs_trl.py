@@ -4,9 +4,9 @@ Both sides train GRPO on one prompts file (generated GSM8K-format arithmetic, wr
 ``--prompts`` prompts × ``--n`` samples per iteration, ≤ ``--max-new-tokens`` response tokens,
 temperature ``--temperature``, top-p 1, no KL term (β = 0), fp32 weights, the same learning
 rate, micro-batches of ``--micro-batch`` sequences and one optimizer step per iteration; both
-score with dockrl's rule verifier. Each run is a process of its own (its peak RSS is its own);
-runs alternate (TRL, dockrl, TRL, dockrl, ...) so that machine noise hits both sides alike. The
-first iteration of every run is a warm-up and is not counted.
+score with dockrl's rule verifier. Each run is a process of its own; runs alternate (TRL, dockrl,
+TRL, dockrl, ...) so that machine noise hits both sides alike. The first iteration of every run is
+a warm-up and is not counted.
 
     python benchmarks/vs_trl.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
     python benchmarks/vs_trl.py --quick          # the tiny random model, both sides, seconds
@@ -16,7 +16,18 @@ iteration (the two sides sample their own responses: similar, not equal), respon
 end, rollout tokens/s (response tokens / generation seconds: TRL's
 ``_generate_and_score_completions``, dockrl's ``timing_s/rollout``), update tokens/s (response
 tokens / the rest of TRL's step, dockrl's ``timing_s/actor``), peak RSS, and the ratios to TRL.
-TRL is an optional dependency of this benchmark only (``pip install 'dockrl[bench]'``).
+
+Peak RSS is that of the run's whole process tree (``tree_peak_rss``): the run's process and every
+process it starts (both sides' rule verifier runs in processes of its own, ~0.35 GB; dockrl's vLLM
+engine core runs in the run's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, but a default vLLM
+would start one). ``ru_maxrss`` of ``RUSAGE_SELF`` misses those, and ``RUSAGE_CHILDREN`` is no fix: it
+gives the largest single waited-for descendant, not a sum over processes alive together. The
+parent samples the sum of the tree's resident set sizes every ``RSS_SAMPLE_S`` (psutil) and takes
+the larger of its peak and the run process's own ``ru_maxrss``, which catches a peak of that
+process between two samples. Pages that processes share count in each (the verifier's forkserver
+and the process it forks: tens of MB).
+
+TRL and psutil are optional dependencies of this benchmark only (``pip install 'dockrl[bench]'``).
 """
 
 from __future__ import annotations
@@ -29,9 +40,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+RSS_SAMPLE_S = 0.05
+"""Seconds between two samples of a run's process tree RSS (``tree_peak_rss``)."""
 
 QUICK = dict(prompts=2, n=2, max_new_tokens=8, iterations=2, repeats=1, micro_batch=2)
 
@@ -50,7 +65,7 @@ def _result(steps: list[dict[str, float]]) -> dict[str, float]:
         "tokens_per_s": _tokens_per_s(tokens, [s["seconds"] for s in counted]),
         "rollout_tokens_per_s": _tokens_per_s(tokens, [s["rollout_s"] for s in counted]),
         "update_tokens_per_s": _tokens_per_s(tokens, [s["update_s"] for s in counted]),
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "self_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: KiB
     }
 
 
@@ -145,24 +160,77 @@ def _child(side: str, spec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def tree_rss(pid: int) -> int:
+    """Bytes resident in process ``pid`` and all its live descendants (0 once it has exited)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:  # ended between the listing and the reading
+            pass
+    return total
+
+
+def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS_SAMPLE_S) -> tuple[str, str, int]:
+    """Wait for ``proc`` (stdout and stderr piped, text) while sampling ``tree_rss`` every ``every_s``.
+
+    Returns:
+        ``(stdout, stderr, peak bytes)`` — the largest sampled sum over the process tree.
+
+    Raises:
+        subprocess.TimeoutExpired: ``proc`` ran longer than ``timeout_s`` (it is killed).
+    """
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, tree_rss(proc.pid))
+            done.wait(every_s)
+
+    sampler = threading.Thread(target=sample, name="tree-rss", daemon=True)
+    sampler.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        done.set()
+        sampler.join(timeout=5.0)
+    return out, err, peak
+
+
 def _run_side(side: str, spec: dict[str, Any], timeout_s: float) -> dict[str, float]:
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory(prefix=f"vs-trl-{side}-") as out:
         cmd = [sys.executable, __file__, "--child", side, "--spec", json.dumps(spec | {"out": out})]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+            stdout, stderr, peak = tree_peak_rss(proc, timeout_s)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vs_trl: the {side} run did not finish within {timeout_s:.0f} s (--timeout-s)") from e
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"vs_trl: the {side} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+        raise RuntimeError(f"vs_trl: the {side} run failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["peak_rss_gb"] = max(peak / 2**30, result["self_peak_rss_gb"])  # the tree's, never below the process's own
+    return result
 
 
 COLUMNS = [("seconds_per_iteration", "s/iteration", "{:.2f}"), ("tokens_per_iteration", "response tokens/iteration", "{:.0f}"),
            ("tokens_per_s", "tokens/s", "{:.1f}"),
            ("rollout_tokens_per_s", "rollout tok/s", "{:.1f}"), ("update_tokens_per_s", "update tok/s", "{:.1f}"),
-           ("peak_rss_gb", "peak RSS GB", "{:.2f}")]
+           ("peak_rss_gb", "peak RSS GB (tree)", "{:.2f}"), ("self_peak_rss_gb", "run process GB", "{:.2f}")]
 
 
 def table(results: dict[str, list[dict[str, float]]]) -> str:

@@ -34,12 +34,26 @@ def test_quick_mode_prints_both_sides_with_finite_numbers():
 def test_the_table_puts_each_side_against_trl():
     table = load_benchmark().table({
         "trl": [dict(seconds_per_iteration=2.0, tokens_per_iteration=100, tokens_per_s=50.0, rollout_tokens_per_s=80.0,
-                     update_tokens_per_s=120.0, peak_rss_gb=6.0)],
+                     update_tokens_per_s=120.0, peak_rss_gb=6.0, self_peak_rss_gb=5.5)],
         "dockrl-hf": [dict(seconds_per_iteration=1.0, tokens_per_iteration=100, tokens_per_s=100.0, rollout_tokens_per_s=150.0,
-                           update_tokens_per_s=300.0, peak_rss_gb=2.0)] * 2,
+                           update_tokens_per_s=300.0, peak_rss_gb=2.0, self_peak_rss_gb=1.5)] * 2,
     })
     last = table.splitlines()[-1]
     assert last.startswith("| dockrl-hf | 2 | 1.00 | 100 |") and last.endswith("| 2.00x | 0.33x |")
+
+
+def test_the_peak_rss_counts_every_process_of_the_tree():
+    import subprocess
+    import sys
+
+    bench = load_benchmark()
+    # a parent that starts a child: each holds ~200 MB for a second, the tree's peak holds both
+    hold = "import subprocess, sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+    code = hold + f"p = subprocess.Popen([sys.executable, '-c', {hold + 'time.sleep(1.5)'!r}]); time.sleep(1.5); p.wait()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err, peak = bench.tree_peak_rss(proc, timeout_s=60, every_s=0.02)
+    assert proc.returncode == 0, err
+    assert peak > 400 * 2**20  # both processes' 200 MB: RUSAGE_SELF of the parent would see one
 
 
 def test_a_bad_side_is_named():
