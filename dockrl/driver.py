@@ -227,14 +227,22 @@ class InProcessStages:
     """Every stage in this process over the in-process dock (``open_dock``), run one after the
     other each iteration: rollout, the critic's values (``critic.enable``), reward model
     (``reward_model.enable``), reward, reference (``algorithm.kl_loss_coef`` or ``kl_in_reward_coef`` > 0), advantage, the critic's update, actor,
-    then the weight sync (the hybrid actor syncs inside its update). With dynamic sampling
+    then the weight sync (the hybrid actor syncs inside its update). An fp32 HF rollout beside an HF
+    actor generates with the actor's module itself (``dockrl.engines.factory.shares_actor_module``):
+    one copy of the weights in memory, and a sync that copies nothing (``weight_sync/bytes`` 0). With dynamic sampling
     (``algorithm.filter_groups.enable``) the stages up to the advantage run side by side in threads
     (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage stage releases each next round
     of the rollout; the reference follows them."""
 
     def __init__(self, plan: RunPlan) -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
-        from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine, process_ranks
+        from dockrl.engines.factory import (
+            build_reference_engine,
+            build_rollout_engine,
+            build_train_engine,
+            process_ranks,
+            shares_actor_module,
+        )
         from dockrl.engines.hf import load_tokenizer
         from dockrl.resume import load_optimizer, weights_path
         from dockrl.rewards.guard import build_scorer
@@ -262,11 +270,15 @@ class InProcessStages:
             self.rollout_engine, self.actor, self.close_actor = hybrid.actor.rollout_engine, hybrid.actor, hybrid.actor.close
             stages: tuple[StageWorker, StageWorker] = hybrid.generation, hybrid.update
         else:
-            rollout, actor = build_rollout_engine(cfg, weights, ranks), build_train_engine(cfg, weights, ranks)
+            actor = build_train_engine(cfg, weights, ranks)
+            rollout = build_rollout_engine(cfg, weights, ranks, actor=actor)
             if optimizer:
                 load_optimizer(actor, optimizer)
             self.rollout_engine, self.actor = rollout, actor
-            self.sync = lambda: rollout.load_weights(actor.named_weights())
+            if shares_actor_module(cfg, actor):  # the rollout generates with the actor's module: nothing to copy
+                self.sync = lambda: 0
+            else:
+                self.sync = lambda: rollout.load_weights(actor.named_weights())
             stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg)),
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations))
         self.scorer = build_scorer(a)

@@ -46,9 +46,13 @@ def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int 
     return ProcessRanks.alone(cfg.parallel, replica=replica, replicas=replicas)
 
 
-def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> RolloutEngine:
+def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, actor: TrainEngine | None = None) -> RolloutEngine:
     """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``, which the config resolved from
     ``auto`` when it was loaded) with ``rollout.dtype`` weights, on this process's device (``ranks.device``).
+
+    ``actor``: the actor's engine when it lives in this process (the in-process stages). Where the
+    rollout can generate with the actor's module itself (``shares_actor_module``) the engine is
+    built over it (``HFRolloutEngine.sharing``): no second copy of the weights, none to sync.
 
     Several rollout engines generating side by side (the hybrid actor's ranks) seed vLLM's
     sampler with ``trainer.seed + ranks.rank``, so that they draw apart.
@@ -65,9 +69,25 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> 
 
         return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
                                  device=device)
-    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine
 
+    if actor is not None and shares_actor_module(cfg, actor):
+        assert isinstance(actor, HFTrainEngine), "shares_actor_module: an HFTrainEngine"
+        return HFRolloutEngine.sharing(actor.model, actor.tokenizer, model_path)
     return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
+
+
+def shares_actor_module(cfg: Config, actor: TrainEngine) -> bool:
+    """Whether the rollout generates with the actor's module itself instead of a copy: an HF rollout
+    (``rollout.engine=hf``) beside an ``HFTrainEngine`` actor in the same process, whose fp32
+    weights are what ``rollout.dtype=float32`` asks for (the actor's module is on the process's
+    device, where the rollout would be). A ``bfloat16`` rollout keeps its own bf16 copy (faster
+    sampling where bf16 is native); vLLM and megatron hold weights in their own layouts.
+    """
+    from dockrl.engines.hf import HFTrainEngine
+
+    return cfg.rollout.engine == "hf" and cfg.rollout.dtype == "float32" and isinstance(actor, HFTrainEngine) \
+        and next(actor.model.parameters()).dtype == torch.float32
 
 
 def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> TrainEngine:

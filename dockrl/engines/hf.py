@@ -340,7 +340,8 @@ class Sample:
 
 
 class HFRolloutEngine:
-    """Samples responses with ``transformers`` ``generate`` from a copy of the actor's weights.
+    """Samples responses with ``transformers`` ``generate``: from a copy of the actor's weights, or
+    from the actor's own module (``HFRolloutEngine.sharing``).
 
     Args:
         model_path: local HF model directory.
@@ -352,18 +353,55 @@ class HFRolloutEngine:
         self, model_path: str | Path, *, dtype: str = "bfloat16", trust_remote_code: bool = False,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.device = torch.device(device)
-        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
-        self.model = load_model(model_path, dtype, trust_remote_code, self.device).eval()
-        self.model.requires_grad_(False)
-        self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id
-        # generate() fills every field left unset from the model's generation config: replace it by
+        model = load_model(model_path, dtype, trust_remote_code, torch.device(device)).eval()
+        model.requires_grad_(False)
+        self._setup(model, load_tokenizer(model_path, trust_remote_code), model_path, shared=False)
+
+    @classmethod
+    def sharing(cls, model: PreTrainedModel, tokenizer: Any, model_path: str | Path) -> HFRolloutEngine:
+        """An engine that generates with ``model`` itself — the actor's module, trained in the same
+        process — instead of a copy: no second set of weights in memory and nothing to copy after
+        an update (``load_weights`` then copies nothing), as TRL's GRPOTrainer and verl's
+        colocated hybrid engine do. ``generate`` runs under ``torch.no_grad`` with the model in
+        eval mode and its own generation config swapped in for the call only; it leaves the
+        module's mode, generation config, ``requires_grad`` and ``.grad`` as they were.
+
+        Args:
+            model: the module to generate with (its device and dtype are the engine's).
+            tokenizer: ``model``'s tokenizer (``load_tokenizer``: a PAD token set).
+            model_path: the directory ``model`` was loaded from (named in warnings).
+        """
+        engine = cls.__new__(cls)
+        engine._setup(model, tokenizer, model_path, shared=True)
+        return engine
+
+    def _setup(self, model: PreTrainedModel, tokenizer: Any, model_path: str | Path, *, shared: bool) -> None:
+        self.model, self.tokenizer, self.shared = model, tokenizer, shared
+        self.device = model_device(model)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+        # generate() fills every field left unset from the model's generation config: generate with
         # one without processors, so that only what generate() passes applies (warn_foreign_sampling)
-        self.ignored_sampling = warn_foreign_sampling(model_path, self.model.generation_config, "hf")
-        self.model.generation_config = GenerationConfig(
-            bos_token_id=self.model.generation_config.bos_token_id, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+        self.ignored_sampling = warn_foreign_sampling(model_path, model.generation_config, "hf")
+        self.generation_config = GenerationConfig(
+            bos_token_id=model.generation_config.bos_token_id, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
         )
+        if not shared:  # its own copy: set once
+            model.generation_config = self.generation_config
+
+    @contextlib.contextmanager
+    def _generating(self):
+        """The model in eval mode with this engine's generation config, restored afterwards (a
+        shared module goes back to the actor as it was: ``save_pretrained`` writes its own config)."""
+        model = self.model
+        training, config = model.training, model.generation_config
+        model.eval()
+        model.generation_config = self.generation_config
+        try:
+            yield model
+        finally:
+            model.generation_config = config
+            model.train(training)
 
     @torch.no_grad()
     def generate(
@@ -403,9 +441,10 @@ class HFRolloutEngine:
             max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id, output_logits=True,
             return_dict_in_generate=True, **sampling,
         )
-        gen = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=config,
-        )
+        with self._generating() as model:
+            gen = model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=config,
+            )
         tokens = gen.sequences[:, P:]
         step_lp = []
         for t, logits in enumerate(gen.logits):  # (B, V) per step; one step at a time keeps memory small
@@ -425,7 +464,9 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy updated weights in place (cast to this engine's dtype); returns bytes copied.
+        """Copy updated weights in place (cast to this engine's dtype); returns bytes copied. A
+        tensor that already is the parameter's storage (``sharing``: the actor's own weights) is
+        not copied and not counted.
 
         Raises:
             KeyError: a name this model does not have.
@@ -435,8 +476,11 @@ class HFRolloutEngine:
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"rollout engine: no parameter named {name!r}")
-            params[name].copy_(tensor)
-            copied += params[name].numel() * params[name].element_size()
+            param = params[name]
+            if tensor.data_ptr() == param.data_ptr() and tensor.dtype == param.dtype and tensor.shape == param.shape:
+                continue  # the very same weights
+            param.copy_(tensor)
+            copied += param.numel() * param.element_size()
         return copied
 
 

@@ -1,0 +1,82 @@
+"""In process, an fp32 HF rollout generates with the actor's module itself: no copy, no sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dockrl.config import load_config
+from dockrl.engines import factory
+from dockrl.engines.hf import HFRolloutEngine
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
+
+
+def engines(tiny_model_dir, *overrides: str):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.engine=hf", "trainer.autocast_bf16=false",
+                             "trainer.lr=1e-2", *overrides])
+    ranks = factory.process_ranks(cfg, trains=True)
+    actor = factory.build_train_engine(cfg, tiny_model_dir, ranks)
+    return cfg, actor, factory.build_rollout_engine(cfg, tiny_model_dir, ranks, actor=actor)
+
+
+def test_an_fp32_rollout_shares_the_actors_parameters(tiny_model_dir):
+    cfg, actor, rollout = engines(tiny_model_dir, "rollout.dtype=float32")
+    assert factory.shares_actor_module(cfg, actor)
+    assert rollout.model is actor.model
+    assert rollout.load_weights(actor.named_weights()) == 0  # nothing to copy: the very same tensors
+
+
+def test_a_bf16_rollout_keeps_its_own_copy(tiny_model_dir):
+    cfg, actor, rollout = engines(tiny_model_dir, "rollout.dtype=bfloat16")
+    assert not factory.shares_actor_module(cfg, actor)
+    own = {p.data_ptr() for p in rollout.model.parameters()}
+    assert own.isdisjoint(p.data_ptr() for p in actor.model.parameters())
+    assert rollout.load_weights(actor.named_weights()) > 0
+
+
+def test_generation_leaves_the_actors_module_as_it_was(tiny_model_dir):
+    _, actor, rollout = engines(tiny_model_dir, "rollout.dtype=float32")
+    model = actor.model
+    model.train()  # whatever mode the actor keeps, generation gives it back
+    config, flags = model.generation_config, [p.requires_grad for p in model.parameters()]
+    samples = rollout.generate(PROMPTS, max_new_tokens=6, temperature=1.0)
+    assert len(samples) == 2 and all(s.response_ids for s in samples)
+    assert model.training and model.generation_config is config
+    assert [p.requires_grad for p in model.parameters()] == flags and all(flags)
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    rollout.generate(PROMPTS, max_new_tokens=6, greedy=True)
+    assert not model.training
+
+
+def test_after_an_update_generation_samples_the_new_weights_without_a_copy(tiny_model_dir):
+    _, actor, rollout = engines(tiny_model_dir, "rollout.dtype=float32")
+    before = rollout.generate(PROMPTS, max_new_tokens=6, greedy=True)
+    responses = [s.response_ids for s in before]
+
+    def loss_fn(start, log_prob, mask, entropy):
+        return -(log_prob * mask).sum(), None
+
+    def accumulate() -> dict[str, float]:
+        actor.forward_backward(PROMPTS, responses, temperature=1.0, micro_batch=2, loss_fn=loss_fn)
+        return {}
+
+    actor.optimizer_step(accumulate)
+    moved = actor.log_probs(PROMPTS, responses, temperature=1.0, micro_batch=2)
+    assert all(sum(m) > sum(b.log_probs) + 1e-3 for m, b in zip(moved, before))  # the step moved the policy
+    # no sync: what the rollout samples now, with its log-probs, is the trained actor's
+    after = rollout.generate(PROMPTS, max_new_tokens=6, greedy=True)
+    trained = actor.log_probs(PROMPTS, [s.response_ids for s in after], temperature=1.0, micro_batch=2)
+    for a, t in zip(after, trained):
+        assert a.log_probs == pytest.approx(t, abs=1e-5)
+
+
+def test_sharing_builds_no_second_model(tiny_model_dir, monkeypatch):
+    from dockrl.engines import hf
+
+    _, actor, _ = engines(tiny_model_dir, "rollout.dtype=float32")
+    loads = []
+    monkeypatch.setattr(hf, "load_model", lambda *a, **k: loads.append(a) or torch.nn.Linear(1, 1))
+    engine = HFRolloutEngine.sharing(actor.model, actor.tokenizer, tiny_model_dir)
+    assert loads == [] and engine.model is actor.model and engine.device == torch.device("cpu")
