@@ -10,10 +10,13 @@ size × intermediate size). The ratio ``update / floor`` is the number to watch 
 
     python benchmarks/update.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
     python benchmarks/update.py --model tiny --rows 8   # the tiny random model, seconds
+    python benchmarks/update.py --model ... --micro-batch-tokens 1024   # token-budget micro-batches
 
-Prints one table: tokens (prompt + response), the tokens right-padded micro-batches compute and
-those packed ones compute (``dockrl.engines.hf.pack_rows``), FLOPs,
-matmul rate, update seconds (median), achieved rate, fraction of the floor.
+Prints one table: tokens (prompt + response); the tokens computed by micro-batches of consecutive
+rows right-padded ("padded") and packed (``dockrl.engines.hf.pack_rows``, "packed"), and by the
+micro-batches the engine forms now ("now": by length, ``dockrl.engines.hf.micro_batches``, with
+``--micro-batch-tokens`` as ``trainer.micro_batch_tokens``); FLOPs, matmul rate, update seconds
+(median), achieved rate, fraction of the floor.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dockrl.engines.hf import HFTrainEngine
 from dockrl.models import build_tiny_model
 
 pack_rows = getattr(hf, "pack_rows", None)  # absent in versions that right-pad every micro-batch
+micro_batches = getattr(hf, "micro_batches", None)  # absent in versions that cut micro-batches of consecutive rows
 
 
 def matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
@@ -54,11 +58,25 @@ def response_lengths(kind: str, rows: int, max_len: int, rng: random.Random) -> 
     return [max(1, min(max_len, int(rng.lognormvariate(3.0, 0.9)))) for _ in range(rows)]
 
 
+def computed_tokens(prompts, responses, micro_batch: int, max_tokens: int, pad_id: int, pack: bool) -> int:
+    """Tokens the engine's forward passes compute over its micro-batches (``micro_batches``), each
+    packed when that saves rows (``model_inputs``), else right-padded; 0 in versions without it."""
+    if micro_batches is None:
+        return 0
+    total = 0
+    for rows in micro_batches([len(p) + len(r) for p, r in zip(prompts, responses)], micro_batch, max_tokens):
+        ps, rs = [prompts[i] for i in rows], [responses[i] for i in rows]
+        padded = len(rows) * max(len(p) + len(r) for p, r in zip(ps, rs))
+        total += min(pack_rows(ps, rs, pad_id)[0].numel(), padded) if pack else padded
+    return total
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model directory, or 'tiny' for the test model")
     parser.add_argument("--rows", type=int, default=32, help="sequences per update (the mini-batch)")
     parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="trainer.micro_batch_tokens (0: off)")
     parser.add_argument("--max-response", type=int, default=128)
     parser.add_argument("--lengths", choices=["uniform", "heavy"], default="heavy")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
@@ -80,16 +98,19 @@ def main(argv: list[str] | None = None) -> str:
         ps, rs = prompts[s : s + args.micro_batch], responses[s : s + args.micro_batch]
         padded += max(len(p) + len(r) for p, r in zip(ps, rs)) * len(ps)
         packed += min(pack_rows(ps, rs, engine.pad_id)[0].numel(), padded) if pack_rows else 0
+    now = computed_tokens(prompts, responses, args.micro_batch, args.micro_batch_tokens, engine.pad_id, engine.pack)
     params = sum(p.numel() for p in engine.model.parameters())
     flops = 6.0 * params * tokens
 
-    def loss_fn(start, log_prob, mask, entropy):
+    def loss_fn(rows, log_prob, mask, entropy):
         return -(log_prob * mask).sum() / tokens, None
+
+    budget = {"micro_batch_tokens": args.micro_batch_tokens} if micro_batches else {}
 
     def update() -> float:
         start = time.perf_counter()
         engine.optimizer_step(lambda: (engine.forward_backward(prompts, responses, temperature=1.0, micro_batch=args.micro_batch,
-                                                               loss_fn=loss_fn), {})[1])
+                                                               loss_fn=loss_fn, **budget), {})[1])
         return time.perf_counter() - start
 
     update()  # warm-up
@@ -98,11 +119,14 @@ def main(argv: list[str] | None = None) -> str:
     rate = matmul_rate(micro_tokens, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
     took = statistics.median(seconds)
     floor = flops / rate
-    head = ["tokens", "padded tokens", "packed tokens", "params", "TFLOP", "matmul GFLOP/s", "update s", "achieved GFLOP/s", "update / floor"]
-    cells = [f"{tokens:,}", f"{padded:,}", f"{packed:,}" if pack_rows else "-", f"{params / 1e6:.1f}M", f"{flops / 1e12:.3f}",
+    head = ["tokens", "padded tokens", "packed tokens", "now tokens", "params", "TFLOP", "matmul GFLOP/s", "update s",
+            "achieved GFLOP/s", "update / floor"]
+    cells = [f"{tokens:,}", f"{padded:,}", f"{packed:,}" if pack_rows else "-", f"{now:,}" if now else "-",
+             f"{params / 1e6:.1f}M", f"{flops / 1e12:.3f}",
              f"{rate / 1e9:.1f}", f"{took:.2f}",
              f"{flops / took / 1e9:.1f}", f"{took / floor:.2f}x"]
-    out = (f"{args.rows} rows × micro-batch {args.micro_batch}, responses ≤{args.max_response} ({args.lengths}), fp32, "
+    budget_note = f" or ≤{args.micro_batch_tokens} tokens" if args.micro_batch_tokens else ""
+    out = (f"{args.rows} rows × micro-batch {args.micro_batch}{budget_note}, responses ≤{args.max_response} ({args.lengths}), fp32, "
            f"{torch.get_num_threads()} threads\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n| " + " | ".join(cells) + " |")
     print(out)
     return out

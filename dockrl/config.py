@@ -257,7 +257,14 @@ class TrainerConfig:
     mini_batch: int = 6
     """Prompts per optimizer step."""
     micro_batch: int = 8
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch); the hf engine
+    forms each micro-batch of sequences of similar length (sorted), which changes no gradient."""
+    micro_batch_tokens: int = 0
+    """Token budget per forward/backward of the hf engine's actor and reference (0: off, then
+    ``micro_batch`` sequences): micro-batches of length-sorted sequences, each as many as keep
+    ``sequences × longest (prompt + response) ≤ micro_batch_tokens`` (one longer sequence goes
+    alone), so short sequences go in bigger micro-batches (verl's ``ppo_max_token_len_per_gpu``).
+    The megatron engine ignores it."""
     ppo_epochs: int = 1
     """Passes over the global batch per iteration."""
     lr: float = 1e-5
@@ -468,6 +475,8 @@ def _check_rules(c: Config) -> None:
     for where, v in {"data.eval_size": d.eval_size, "run.num_threads": c.run.num_threads}.items():
         if v < 0:
             raise _fail(where, v, "expected an integer >= 0 (0: all test prompts / torch's default threads)")
+    if t.micro_batch_tokens < 0:
+        raise _fail("trainer.micro_batch_tokens", t.micro_batch_tokens, "expected an integer >= 0 (0: off, micro_batch sequences)")
     if r.n < 1:
         raise _fail("rollout.n", r.n, "expected a positive integer")
     if r.n < 2 and a.adv_estimator in ("grpo", "dr_grpo", "rloo"):  # gae and reinforce_plus_plus need no group (verl's PPO)

@@ -21,14 +21,24 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf import autocast, backward_per_micro_batch, clipped_step, model_device, model_inputs, packing_works, to_host_rows
+from dockrl.engines.hf import (
+    adamw,
+    autocast,
+    backward_per_micro_batch,
+    clipped_step,
+    forward_per_micro_batch,
+    model_device,
+    model_inputs,
+    packing_works,
+)
 
 logger = logging.getLogger(__name__)
 
-ValueLossFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
-"""``loss_fn(start, values, mask) -> (loss, aux)`` for one micro-batch: ``start`` is the index of its
-first row in the engine call, ``values (b, T)`` fp32 (differentiable) and ``mask (b, T)`` as returned
-by ``response_values``; ``loss`` is back-propagated unchanged, ``aux`` handed back."""
+ValueLossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+"""``loss_fn(rows, values, mask) -> (loss, aux)`` for one micro-batch: ``rows`` are the indices of its
+rows in the engine call (``dockrl.engines.hf.micro_batches``: formed by length, not consecutive),
+``values (b, T)`` fp32 (differentiable) and ``mask (b, T)`` as returned by ``response_values``;
+``loss`` is back-propagated unchanged, ``aux`` handed back."""
 
 
 def load_value_model(path: str | Path, *, vocab_size: int, trust_remote_code: bool = False,
@@ -85,7 +95,7 @@ def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], re
         on the model's device.
     """
     device = model_device(model)
-    inputs, index, mask = model_inputs(prompts, responses, pad_id, pack, device)
+    inputs, index, mask, _, _ = model_inputs(prompts, responses, pad_id, pack, device)
     with autocast(device, autocast_bf16):
         scores = model(**inputs, use_cache=False).logits  # (rows, L, 1); with a cache the packed rows are not kept apart
     values = scores.float().reshape(-1)[index.reshape(-1)].view(index.shape)
@@ -109,24 +119,27 @@ class HFCriticEngine:
         self.pad_id, self.autocast_bf16, self.grad_clip = pad_id, autocast_bf16, grad_clip
         self.pack = packing_works(self.model, lambda ps, rs, pack: response_values(
             self.model, ps, rs, pad_id=pad_id, autocast_bf16=False, pack=pack)[0], "the critic's micro-batches")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = adamw(self.model, lr=lr, weight_decay=weight_decay)
 
     @torch.no_grad()
-    def values(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int) -> list[list[float]]:
-        """Per-token values of each response (``response_values``), ``micro_batch`` rows per forward
-        pass; back to host memory in one copy for the whole call."""
-        parts = [response_values(self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id=self.pad_id,
-                                 autocast_bf16=self.autocast_bf16, pack=self.pack)[0] for s in range(0, len(prompts), micro_batch)]
-        host = to_host_rows(parts)
-        return [host[i, : len(r)].tolist() for i, r in enumerate(responses)]
+    def values(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
+               micro_batch_tokens: int = 0) -> list[list[float]]:
+        """Per-token values of each response (``response_values``), in the caller's row order, over
+        micro-batches formed by length (``dockrl.engines.hf.micro_batches``: ``micro_batch`` rows, or
+        at most ``micro_batch_tokens`` tokens when > 0); back to host memory in one copy for the whole call."""
+        def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> torch.Tensor:
+            return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)[0]
+
+        return forward_per_micro_batch(prompts, responses, micro_batch, micro_batch_tokens, forward)
 
     def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
-                         loss_fn: ValueLossFn) -> list[Any]:
-        """For each micro-batch: ``response_values``, ``loss_fn``, backward. Returns each ``aux``, in order."""
-        def forward(p: Sequence[Sequence[int]], r: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+                         loss_fn: ValueLossFn, micro_batch_tokens: int = 0) -> list[Any]:
+        """For each micro-batch formed by length (``dockrl.engines.hf.micro_batches``): ``response_values``,
+        ``loss_fn(rows, values, mask)``, backward. Returns each ``aux``, in micro-batch order."""
+        def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
             return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)
 
-        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn)
+        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn, micro_batch_tokens)
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
         """One process, one replica: ``values`` unchanged."""

@@ -191,29 +191,50 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def chunked_entropy(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS) -> torch.Tensor:
-    """``entropy_from_logits`` of ``(B, T, V)`` logits over at most ``chunk_tokens`` tokens at a
-    time (no grad): its softmax temporaries stay ``chunk_tokens × V``. Returns ``(B, T)`` nats."""
+def chunked_entropy(
+    logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS, lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``entropy_from_logits`` of ``(..., V)`` logits over at most ``chunk_tokens`` tokens at a
+    time (no grad): its softmax temporaries stay ``chunk_tokens × V``. With ``lse (...)``, the
+    ``logsumexp(z)`` already computed for the log-probs, ``H = lse - Σ exp(z - lse)·z`` reuses it
+    (one pass over the vocabulary less). Returns ``(...)`` nats."""
     flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.cat([entropy_from_logits(flat[s : s + chunk_tokens]) for s in range(0, flat.shape[0], chunk_tokens)])
+    if lse is None:
+        parts = [entropy_from_logits(flat[s : s + chunk_tokens]) for s in range(0, flat.shape[0], chunk_tokens)]
+    else:
+        flat_lse = lse.reshape(-1, 1)
+        parts = []
+        for s in range(0, flat.shape[0], chunk_tokens):
+            z, m = flat[s : s + chunk_tokens], flat_lse[s : s + chunk_tokens]
+            parts.append(m.squeeze(1) - ((z - m).exp_() * z).sum(dim=-1))
+    out = torch.cat(parts) if parts else flat.new_zeros(0)
     return out.view(logits.shape[:-1])
 
 
 def model_inputs(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, pack: bool, device: torch.device,
-) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass's keyword inputs for ``prompts`` + ``responses`` on ``device``: packed into
     as few rows as the longest allows (``pack_rows``) when ``pack`` and that saves rows, else
-    right-padded (``pack_sequences``). Returns ``(inputs, index, mask)``: ``index (B, T)`` the
-    position in the flattened ``(rows·L)`` output that predicts each response token, ``mask (B, T)``
-    1 on response tokens."""
+    right-padded (``pack_sequences``) with an all-ones attention mask: under the causal mask a real
+    token never attends to the padding after it, and with no padding to mask transformers calls
+    its causal attention kernel without a mask tensor (``is_causal``).
+    Returns ``(inputs, index, mask, real, at)``: ``index (B, T)`` the position in the flattened
+    ``(rows·L)`` output that predicts each response token, ``mask (B, T)`` 1 on response tokens;
+    ``real (N,)`` the response tokens' slots in the flattened ``(B·T)`` and ``at (N,)`` their
+    ``index`` (computed on the host: no data-dependent shape on the device)."""
     packed = pack_rows(prompts, responses, pad_id) if pack else None
     if packed is not None and packed[0].shape[0] < len(prompts):
-        input_ids, position_ids, index, mask = (t.to(device) for t in packed)
-        return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None), index, mask
-    input_ids, attention_mask, positions, mask = (t.to(device) for t in pack_sequences(prompts, responses, pad_id))
-    index = positions + torch.arange(input_ids.shape[0], device=device).unsqueeze(1) * input_ids.shape[1]
-    return dict(input_ids=input_ids, attention_mask=attention_mask), index, mask
+        input_ids, position_ids, index, mask = packed
+        inputs = dict(input_ids=input_ids, position_ids=position_ids)  # no attention mask: the restarting positions separate them
+    else:
+        input_ids, _, positions, mask = pack_sequences(prompts, responses, pad_id)
+        index = positions + torch.arange(input_ids.shape[0]).unsqueeze(1) * input_ids.shape[1]
+        inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    real = mask.view(-1).nonzero().squeeze(1)
+    at = index.view(-1)[real]
+    on_device = [t.to(device) for t in (*inputs.values(), index, mask, real, at)]
+    return {"attention_mask": None} | dict(zip(inputs, on_device)), *on_device[len(inputs):]
 
 
 def response_log_probs(
@@ -233,8 +254,9 @@ def response_log_probs(
     ``log π(o_t | q, o_<t) = log_softmax(z_t / τ)[o_t]`` with the sampling temperature ``τ``.
     The sequences are packed into as few rows as the longest one allows (``pack_rows``) when that
     saves rows and ``pack`` allows it (``packing_works``), else right-padded (``pack_sequences``);
-    the output head runs on response positions only, the log-softmax never materializes (``token_log_probs``) and the entropy is
-    computed in chunks (``chunked_entropy``).
+    the output head runs on the response tokens only (not on prompt or padding positions), the
+    log-softmax never materializes (``token_log_probs``) and the entropy is computed in chunks
+    (``chunked_entropy``) from the same ``logsumexp``.
 
     Returns:
         ``log_prob (B, T)`` fp32 (differentiable if grad is enabled), ``mask (B, T)``, and
@@ -243,24 +265,27 @@ def response_log_probs(
         (the packed batch is moved there in one copy per tensor).
     """
     device = model_device(model)
-    inputs, index, mask = model_inputs(prompts, responses, pad_id, pack, device)
-    B, T = index.shape
-    flat = index.view(-1)
+    inputs, index, mask, real, at = model_inputs(prompts, responses, pad_id, pack, device)
+    B, T = index.shape  # real (N,): the response tokens among the B·T slots; at (N,): their logits' positions
     with autocast(device, autocast_bf16):
         if _plain_lm_head(model):
-            # the output head only on response positions: prompt logits are never needed
+            # the output head only on response tokens: prompt and padding logits are never needed
             hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-            logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[flat]).view(B, T, -1)
+            logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[at])
         else:
             logits = model(**inputs, use_cache=False).logits
-            logits = logits.reshape(-1, logits.shape[-1])[flat].view(B, T, -1)
-    logits = logits.float() / temperature
-    ids = inputs["input_ids"].reshape(-1)
-    targets = ids[(flat + 1).clamp(max=ids.numel() - 1)].view(B, T)
-    log_prob = token_log_probs(logits, targets) * mask
+            logits = logits.reshape(-1, logits.shape[-1])[at]
+    logits = logits.float() / temperature  # (N, V)
+    targets = inputs["input_ids"].reshape(-1)[at + 1]  # the token each logit predicts: the next position, same row
+
+    def spread(x: torch.Tensor) -> torch.Tensor:  # (N,) -> (B, T), 0 off the response tokens
+        return x.new_zeros(B * T).index_put((real,), x).view(B, T)
+
+    lse = torch.logsumexp(logits, dim=-1)
+    log_prob = spread(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse)  # token_log_probs, lse kept
     entropy = None
     if with_entropy:  # differentiable for an entropy bonus: then the softmax of every token is kept for backward
-        entropy = (entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach())) * mask
+        entropy = spread(entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach(), lse=lse.detach()))
     return log_prob, mask, entropy
 
 
@@ -296,20 +321,87 @@ def to_host_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts]).cpu()
 
 
+def micro_batches(lengths: Sequence[int], micro_batch: int, max_tokens: int = 0) -> list[list[int]]:
+    """The rows of each micro-batch of a call, formed by length so that padding nearly vanishes.
+
+    The rows are sorted by ``lengths`` (prompt + response tokens), longest first, and cut in
+    runs: of ``micro_batch`` rows when ``max_tokens`` is 0, else of as many rows as keep
+    ``rows × longest ≤ max_tokens`` (the tokens the micro-batch computes right-padded: a bound on
+    its activations; a row longer than ``max_tokens`` alone), so short sequences go in bigger
+    micro-batches. verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` does the same with a
+    token budget. Ties keep the caller's order.
+
+    Returns:
+        The micro-batches' row indices into ``lengths``, longest micro-batch first; every row in
+        exactly one.
+
+    Raises:
+        ValueError: ``micro_batch < 1`` or ``max_tokens < 0``.
+    """
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch: got {micro_batch}; expected >= 1")
+    if max_tokens < 0:
+        raise ValueError(f"micro_batch_tokens: got {max_tokens}; expected >= 0 (0: micro_batch rows per micro-batch)")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) < micro_batch if max_tokens == 0 else (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def sequence_lengths(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[int]:
+    """``len(prompt) + len(response)`` of each row.
+
+    Raises:
+        ValueError: different numbers of prompts and responses.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"prompts/responses: got {len(prompts)} prompts and {len(responses)} responses")
+    return [len(p) + len(r) for p, r in zip(prompts, responses)]
+
+
+def forward_per_micro_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], micro_batch: int, max_tokens: int,
+    forward: Callable[[list[Sequence[int]], list[Sequence[int]]], torch.Tensor],
+) -> list[list[float]]:
+    """A no-grad per-token output (log-probs, values) of every response: ``forward`` on each of
+    ``micro_batches(...)``, back to host memory in one copy, returned in the caller's row order
+    (row ``i`` has ``len(responses[i])`` floats)."""
+    groups = micro_batches(sequence_lengths(prompts, responses), micro_batch, max_tokens)
+    host = to_host_rows([forward([prompts[i] for i in g], [responses[i] for i in g]) for g in groups])
+    at = {i: k for k, i in enumerate(i for g in groups for i in g)}  # row -> its row in host
+    return [host[at[i], : len(r)].tolist() for i, r in enumerate(responses)]
+
+
 def backward_per_micro_batch(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], micro_batch: int,
-    forward: Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], tuple[torch.Tensor, ...]],
-    loss_fn: Callable[..., tuple[torch.Tensor, Any]],
+    forward: Callable[[list[Sequence[int]], list[Sequence[int]]], tuple[torch.Tensor, ...]],
+    loss_fn: Callable[..., tuple[torch.Tensor, Any]], max_tokens: int = 0,
 ) -> list[Any]:
-    """The ``forward_backward`` of an engine on one device: for each ``micro_batch`` rows from
-    ``start``, ``loss, aux = loss_fn(start, *forward(prompts, responses))``, then ``loss.backward()``.
-    Returns each micro-batch's ``aux``, in order."""
+    """The ``forward_backward`` of an engine on one device: for the rows of each micro-batch
+    (``micro_batches``: by length, ``micro_batch`` rows or ``max_tokens`` tokens at most),
+    ``loss, aux = loss_fn(rows, *forward(their prompts, their responses))``, then ``loss.backward()``.
+
+    The gradients accumulate, so they are those of the sum of the micro-batches' losses whichever
+    rows go together, as long as ``loss_fn`` normalizes by mini-batch totals (up to float rounding).
+    Returns each micro-batch's ``aux``, in micro-batch order (``loss_fn`` knows its ``rows``)."""
     out = []
-    for s in range(0, len(prompts), micro_batch):
-        loss, aux = loss_fn(s, *forward(prompts[s : s + micro_batch], responses[s : s + micro_batch]))
+    for rows in micro_batches(sequence_lengths(prompts, responses), micro_batch, max_tokens):
+        loss, aux = loss_fn(rows, *forward([prompts[i] for i in rows], [responses[i] for i in rows]))
         loss.backward()
         out.append(aux)
     return out
+
+
+def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters, with torch's fused kernel where its device has one (CPU,
+    CUDA): one pass over each parameter and its two moments instead of a dozen elementwise ops
+    (the same update up to float rounding; the for-loop default elsewhere)."""
+    fused = model_device(model).type in ("cpu", "cuda")
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def clipped_step(
@@ -524,38 +616,40 @@ class HFTrainEngine:
         self.pack = packing_works(self.model, lambda ps, rs, pack: response_log_probs(
             self.model, ps, rs, pad_id=self.pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0], "the actor's micro-batches")
         if trainable:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+            self.optimizer = adamw(self.model, lr=lr, weight_decay=weight_decay)
         else:
             self.model.requires_grad_(False)
 
     @torch.no_grad()
-    def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
-        """Per-token log-probs (nats) of each response, computed ``micro_batch`` rows at a time;
-        they come back to host memory in one copy for the whole call."""
-        parts: list[torch.Tensor] = []
-        for s in range(0, len(prompts), micro_batch):
-            lp, _, _ = response_log_probs(
-                self.model, prompts[s : s + micro_batch], responses[s : s + micro_batch],
-                pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16, pack=self.pack,
-            )
-            parts.append(lp)
-        host = to_host_rows(parts)
-        return [host[i, : len(r)].tolist() for i, r in enumerate(responses)]
+    def log_probs(
+        self, prompts, responses, *, temperature: float, micro_batch: int, micro_batch_tokens: int = 0,
+    ) -> list[list[float]]:
+        """Per-token log-probs (nats) of each response, in the caller's row order, computed over
+        micro-batches formed by length (``micro_batches``: ``micro_batch`` rows, or at most
+        ``micro_batch_tokens`` tokens when > 0); they come back to host memory in one copy for the
+        whole call."""
+        def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> torch.Tensor:
+            return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature,
+                                      autocast_bf16=self.autocast_bf16, pack=self.pack)[0]
+
+        return forward_per_micro_batch(prompts, responses, micro_batch, micro_batch_tokens, forward)
 
     def forward_backward(
         self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn, entropy_grad: bool = False,
+        micro_batch_tokens: int = 0,
     ) -> list[Any]:
-        """For each micro-batch: ``response_log_probs`` (with entropy, differentiable with
-        ``entropy_grad``), ``loss_fn``, backward.
+        """For each micro-batch formed by length (``micro_batches``: ``micro_batch`` rows, or at most
+        ``micro_batch_tokens`` tokens when > 0): ``response_log_probs`` (with entropy,
+        differentiable with ``entropy_grad``), ``loss_fn(rows, ...)``, backward.
 
         Returns:
-            The ``aux`` of each micro-batch, in order.
+            The ``aux`` of each micro-batch, in micro-batch order.
         """
-        def forward(p: Sequence[Sequence[int]], r: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+        def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
             return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
                                       with_entropy=True, entropy_grad=entropy_grad, pack=self.pack)
 
-        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn)
+        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn, micro_batch_tokens)
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
         """One process, one replica: ``values`` unchanged."""

@@ -188,9 +188,9 @@ class GuardedTrain:
         self.engine, self.swap = engine, swap
         self.tokenizer, self.pad_id = engine.tokenizer, engine.pad_id
 
-    def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
+    def log_probs(self, prompts, responses, **kwargs: Any) -> list[list[float]]:
         self.swap.require_training("log_probs")
-        return self.engine.log_probs(prompts, responses, temperature=temperature, micro_batch=micro_batch)
+        return self.engine.log_probs(prompts, responses, **kwargs)
 
     def forward_backward(self, prompts, responses, **kwargs: Any) -> list[Any]:
         self.swap.require_training("forward_backward")

@@ -179,6 +179,7 @@ class MegatronTrainEngine:
         tp, pp = ranks.layout.tp, ranks.layout.pp
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
+        self._warned_token_budget = False
         self.model_path = Path(model_path)
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.arch = GPTArch.from_hf(self.hf_config)
@@ -230,6 +231,12 @@ class MegatronTrainEngine:
         for name, tensor in shard.items():
             params[name].copy_(tensor)
 
+    def _warn_token_budget(self, micro_batch_tokens: int) -> None:
+        if micro_batch_tokens > 0 and not self._warned_token_budget:
+            self._warned_token_budget = True
+            logger.warning("trainer.micro_batch_tokens=%d: the megatron engine forms micro-batches of trainer.micro_batch "
+                           "consecutive rows and ignores it", micro_batch_tokens)
+
     def _micro_batches(self, prompts, responses, micro_batch: int) -> list[dict[str, Any]]:
         if micro_batch < 1:
             raise ValueError(f"micro_batch: got {micro_batch}; expected >= 1")
@@ -242,7 +249,7 @@ class MegatronTrainEngine:
             # right padding under a causal mask never reaches the real tokens: no attention mask needed
             pos_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
             tensors = dict(input_ids=ids, position_ids=pos_ids, positions=positions, targets=targets, mask=mask)
-            out.append(dict(start=s) | {k: v.to(self.device) for k, v in tensors.items()})
+            out.append(dict(start=s, rows=list(range(s, s + len(mask)))) | {k: v.to(self.device) for k, v in tensors.items()})
         return out
 
     def _score(self, temperature: float, loss_fn: LossFn | None, mb: dict[str, Any], logits: torch.Tensor, entropy_grad: bool = False):
@@ -260,7 +267,7 @@ class MegatronTrainEngine:
         one = torch.ones((), dtype=torch.long, device=self.device)
         if loss_fn is None:
             return torch.zeros((), device=self.device), one, log_prob.detach()
-        loss, aux = loss_fn(mb["start"], log_prob, mask, entropy)
+        loss, aux = loss_fn(mb["rows"], log_prob, mask, entropy)
         return loss, one, aux
 
     def _run_schedule(self, micro_batches: list[dict[str, Any]], score: Callable, forward_only: bool) -> list[Any]:
@@ -302,8 +309,10 @@ class MegatronTrainEngine:
 
         return self._run_schedule([mb], gather, forward_only=True)[0]
 
-    def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int) -> list[list[float]]:
-        """Per-token log-probs (nats) of each response, ``micro_batch`` rows at a time, no grad."""
+    def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int, micro_batch_tokens: int = 0) -> list[list[float]]:
+        """Per-token log-probs (nats) of each response, ``micro_batch`` rows at a time in the
+        caller's order, no grad (``micro_batch_tokens`` is not implemented here: ignored, with a warning)."""
+        self._warn_token_budget(micro_batch_tokens)
         if not prompts:
             return []
         mbs = self._micro_batches(prompts, responses, micro_batch)
@@ -313,13 +322,16 @@ class MegatronTrainEngine:
 
     def forward_backward(
         self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn, entropy_grad: bool = False,
+        micro_batch_tokens: int = 0,
     ) -> list[Any]:
         """Forward and backward every micro-batch through megatron's (pipelined) schedule
-        (the entropy handed to ``loss_fn`` differentiable with ``entropy_grad``).
+        (the entropy handed to ``loss_fn`` differentiable with ``entropy_grad``): ``micro_batch``
+        consecutive rows each (``micro_batch_tokens`` is ignored, with a warning).
 
         ``loss_fn`` runs on the last PP stage; its ``aux`` values are broadcast to every stage.
         Gradients accumulate into ``.grad``.
         """
+        self._warn_token_budget(micro_batch_tokens)
         if not prompts:
             return []
         mbs = self._micro_batches(prompts, responses, micro_batch)

@@ -13,10 +13,12 @@ from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkabl
 
 import torch
 
-LossFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
-"""``loss_fn(start, log_prob, mask, entropy) -> (loss, aux)`` for one micro-batch.
+LossFn = Callable[[list[int], torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+"""``loss_fn(rows, log_prob, mask, entropy) -> (loss, aux)`` for one micro-batch.
 
-``start`` is the index of the micro-batch's first row in the engine call; ``log_prob (b, T)``
+``rows`` are the indices in the engine call of the micro-batch's ``b`` rows, in the order of its
+outputs (the hf engine forms micro-batches by length, ``dockrl.engines.hf.micro_batches``: not
+consecutive rows); ``log_prob (b, T)``
 (fp32, differentiable), ``mask (b, T)`` and ``entropy (b, T)`` (no grad unless the engine was
 asked for ``entropy_grad``) are as returned by
 ``dockrl.engines.hf.response_log_probs``. ``loss`` is a scalar the engine back-propagates
@@ -32,9 +34,11 @@ class TrainEngine(Protocol):
     pad_id: int
 
     def log_probs(
-        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float, micro_batch: int
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float, micro_batch: int,
+        micro_batch_tokens: int = 0,
     ) -> list[list[float]]:
-        """Per-token log-probs (nats) of each response, ``micro_batch`` rows per forward pass, no grad."""
+        """Per-token log-probs (nats) of each response in the caller's row order, ``micro_batch``
+        rows (or at most ``micro_batch_tokens`` tokens when > 0) per forward pass, no grad."""
         ...
 
     def forward_backward(
@@ -46,9 +50,12 @@ class TrainEngine(Protocol):
         micro_batch: int,
         loss_fn: LossFn,
         entropy_grad: bool = False,
+        micro_batch_tokens: int = 0,
     ) -> list[Any]:
         """Forward and backward every micro-batch, accumulating gradients; returns each ``aux``.
-        ``entropy_grad``: the entropy handed to ``loss_fn`` is differentiable (an entropy bonus)."""
+        ``entropy_grad``: the entropy handed to ``loss_fn`` is differentiable (an entropy bonus);
+        ``micro_batch_tokens`` > 0: micro-batches of at most that many tokens (engines that do not
+        implement it warn and use ``micro_batch``)."""
         ...
 
     def sum_over_replicas(self, values: Sequence[float]) -> list[float]:

@@ -63,6 +63,7 @@ def accumulate_mini_batch(
     temperature: float,
     micro_batch: int,
     horizon: int = 0,
+    micro_batch_tokens: int = 0,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch, accumulating gradients.
 
@@ -77,12 +78,15 @@ def accumulate_mini_batch(
             ``batch["old_log_prob"]``, which saves a forward pass over the batch.
         horizon: the constant normalizer of ``loss_agg_mode='seq-mean-token-sum-norm'``
             (``rollout.max_response_length``).
+        micro_batch_tokens: the engine forms micro-batches of at most this many tokens instead of
+            ``micro_batch`` rows (``trainer.micro_batch_tokens``; 0: off).
 
     The loss of each micro-batch is normalized by the totals of the whole mini-batch over all
     data-parallel replicas (response tokens for ``token-mean``, sequences for the ``seq-mean-*``
     modes; ``engine.sum_over_replicas``), and the engine sums the replicas' gradients.
-    So the gradient depends neither on ``micro_batch`` nor on how the mini-batch is split
-    over replicas: with DP = k it is the DP = 1 gradient of the same global mini-batch, also
+    Every term is a sum over whole sequences, so the gradient depends neither on ``micro_batch``,
+    nor on which rows the engine puts together (it forms micro-batches by length), nor on how
+    the mini-batch is split over replicas: with DP = k it is the DP = 1 gradient of the same global mini-batch, also
     when the replicas' responses differ in length (a per-replica token mean would weigh a token
     of a replica with short responses more).
 
@@ -105,25 +109,26 @@ def accumulate_mini_batch(
     columns = DeviceColumns(batch, names)
     metric_names = _METRICS + (_DUAL_CLIP if algo.clip_ratio_c > 1 else ()) + (_TIS if algo.tis_cap > 0 else ())
 
-    def loss_fn(start: int, log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
-        b, T = log_prob.shape
-        rows = slice(start, start + b)
+    def loss_fn(rows: list[int], log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
+        T = log_prob.shape[1]
+        idx = torch.tensor(rows)  # this micro-batch's rows of the mini-batch, in the engine's order
         if keep is not None:
-            mask = mask * keep[rows].to(mask)[:, None]
-            entropy = entropy * keep[rows].to(entropy)[:, None]
+            mask = mask * keep[idx].to(mask)[:, None]
+            entropy = entropy * keep[idx].to(entropy)[:, None]
         on_device = columns.get(log_prob.device)
-        old = log_prob.detach() if on_policy else on_device["old_log_prob"][rows, :T]
-        adv = on_device["advantages"][rows]
+        at = idx.to(log_prob.device)
+        old = log_prob.detach() if on_policy else on_device["old_log_prob"][at, :T]
+        adv = on_device["advantages"][at]
         if adv.ndim == 2:
             adv = adv[:, :T]
-        weight = tis_weight(old, on_device["rollout_log_prob"][rows, :T], algo.tis_cap) if algo.tis_cap > 0 else None
+        weight = tis_weight(old, on_device["rollout_log_prob"][at, :T], algo.tis_cap) if algo.tis_cap > 0 else None
         pg, clip_hit, dual_hit = policy_loss(
             log_prob, old, adv, mask, clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
             ratio_level=algo.ratio_level, weight=weight,
         )
         token_loss, kl = pg, torch.zeros((), device=log_prob.device)
         if algo.kl_loss_coef > 0:
-            kl = kl_penalty(log_prob, on_device["ref_log_prob"][rows, :T], algo.kl_loss_type) * mask
+            kl = kl_penalty(log_prob, on_device["ref_log_prob"][at, :T], algo.kl_loss_type) * mask
             token_loss = pg + algo.kl_loss_coef * kl
         if algo.entropy_coeff > 0:  # the bonus: higher entropy, lower loss
             token_loss = token_loss - algo.entropy_coeff * entropy
@@ -144,15 +149,16 @@ def accumulate_mini_batch(
         old_rows = None
         if on_policy:
             host_old = old.cpu()
-            old_rows = [host_old[i, : len(r)].tolist() for i, r in enumerate(batch["response_ids"][rows])]
-        return loss, (sums, ratio_max, old_rows)
+            old_rows = [host_old[k, : len(batch["response_ids"][i])].tolist() for k, i in enumerate(rows)]
+        return loss, (sums, ratio_max, rows, old_rows)
 
     parts = engine.forward_backward(
         batch["prompt_ids"], batch["response_ids"], temperature=temperature, micro_batch=micro_batch, loss_fn=loss_fn,
-        entropy_grad=algo.entropy_coeff > 0,
+        entropy_grad=algo.entropy_coeff > 0, micro_batch_tokens=micro_batch_tokens,
     )
-    if on_policy:
-        batch["old_log_prob"] = [row for _, _, rows in parts for row in rows]
+    if on_policy:  # back in the mini-batch's row order
+        old_by_row = {i: lp for _, _, rows, olds in parts for i, lp in zip(rows, olds)}
+        batch["old_log_prob"] = [old_by_row[i] for i in range(len(batch["response_ids"]))]
     # loss and pg_loss are already shares of the global aggregate; the rest are token sums
     sums = engine.sum_over_replicas([sum(p[0][k] for p in parts) for k in range(len(metric_names))])
     metrics = {f"actor/{k}": v if k in ("loss", "pg_loss") else v / max(total_tokens, 1.0) for k, v in zip(metric_names, sums)}
@@ -208,7 +214,8 @@ class ActorWorker:
         on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
         if not on_policy:  # later mini-batches need the log-probs from before the first step
             batch["old_log_prob"] = self.engine.log_probs(
-                batch["prompt_ids"], batch["response_ids"], temperature=self.rollout.temperature, micro_batch=self.trainer.micro_batch
+                batch["prompt_ids"], batch["response_ids"], temperature=self.rollout.temperature, micro_batch=self.trainer.micro_batch,
+                micro_batch_tokens=self.trainer.micro_batch_tokens,
             )
             dock.put(claim.rows, {"old_log_prob": batch["old_log_prob"]})
         old_s = time.perf_counter() - start
@@ -221,7 +228,8 @@ class ActorWorker:
                 steps.append(
                     self.engine.optimizer_step(
                         partial(accumulate_mini_batch, self.engine, mini, algo=self.algo, temperature=self.rollout.temperature,
-                                micro_batch=self.trainer.micro_batch, horizon=self.rollout.max_response_length)
+                                micro_batch=self.trainer.micro_batch, horizon=self.rollout.max_response_length,
+                                micro_batch_tokens=self.trainer.micro_batch_tokens)
                     )
                 )
         if on_policy:

@@ -57,10 +57,10 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
     T = max((len(r) for r in batch["response_ids"]), default=1)
     old, returns = right_pad(batch["values"], max(T, 1)), right_pad(batch["returns"], max(T, 1))
 
-    def loss_fn(start: int, vpreds: torch.Tensor, mask: torch.Tensor):
-        b, t = vpreds.shape
-        rows = slice(start, start + b)
-        per_token, clipped = value_loss(vpreds, old[rows, :t].to(vpreds.device), returns[rows, :t].to(vpreds.device), mask,
+    def loss_fn(rows: list[int], vpreds: torch.Tensor, mask: torch.Tensor):  # rows: this micro-batch's, by length
+        t = vpreds.shape[1]
+        idx = torch.tensor(rows)
+        per_token, clipped = value_loss(vpreds, old[idx, :t].to(vpreds.device), returns[idx, :t].to(vpreds.device), mask,
                                         clip_range=cliprange_value)
         loss = (per_token * mask).sum() / max(total_tokens, 1.0)  # token-mean over the mini-batch
         with torch.no_grad():

@@ -18,14 +18,16 @@ class ReferenceWorker:
     """Args: ``after_advantages`` — with dynamic sampling, claim rows once their advantages are
     written: the groups the advantage stage keeps, never those it filters out."""
 
-    def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int, after_advantages: bool = False) -> None:
+    def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int, after_advantages: bool = False,
+                 micro_batch_tokens: int = 0) -> None:
         self.engine, self.temperature, self.micro_batch = engine, temperature, micro_batch
+        self.micro_batch_tokens = micro_batch_tokens
         self.columns = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantages else [])
 
     @classmethod
     def from_config(cls, engine: TrainEngine, cfg: Config) -> ReferenceWorker:
         return cls(engine, temperature=cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch,
-                   after_advantages=cfg.algorithm.filter_groups.enable)
+                   micro_batch_tokens=cfg.trainer.micro_batch_tokens, after_advantages=cfg.algorithm.filter_groups.enable)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         start = time.perf_counter()
@@ -35,6 +37,7 @@ class ReferenceWorker:
                 claim.batch.column("response_ids").to_pylist(),
                 temperature=self.temperature,
                 micro_batch=self.micro_batch,
+                micro_batch_tokens=self.micro_batch_tokens,
             )
             dock.put(claim.rows, {"ref_log_prob": lps}, ack=claim)
         return {"timing_s/reference": time.perf_counter() - start}

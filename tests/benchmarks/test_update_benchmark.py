@@ -21,5 +21,6 @@ def test_the_update_is_reported_against_its_floor():
     cells = [c.strip() for c in out.splitlines()[-1].strip("|").split("|")]
     values = [number(c.removesuffix("M")) for c in cells]
     assert all(math.isfinite(v) and v > 0 for v in values), cells
-    tokens, padded, packed = values[:3]
+    tokens, padded, packed, now = values[:4]
     assert padded >= packed >= tokens  # packing computes no more than padding, and at least the real tokens
+    assert padded >= now >= tokens  # micro-batches formed by length compute no more than padded consecutive ones

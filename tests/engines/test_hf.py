@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dockrl.algorithms import entropy_from_logits
-from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, pack_rows, pack_sequences, response_log_probs
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, micro_batches, pack_rows, pack_sequences, response_log_probs
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,8 @@ def test_pack_rows_fits_sequences_first_fit_decreasing_into_rows_of_the_longest(
     assert mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]]
 
 
-def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir):
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "right-padded"])
+def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir, pack):
     engine = HFTrainEngine(tiny_model_dir, trainable=True)
     g = torch.Generator().manual_seed(0)
     lengths = [(5, 20), (7, 2), (6, 9), (5, 1), (8, 3)]  # packing saves rows: 25 fits 9+3, 13+4
@@ -86,7 +87,7 @@ def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir):
     responses = [torch.randint(3, V, (r,), generator=g).tolist() for _, r in lengths]
     assert pack_rows(prompts, responses, engine.pad_id)[0].shape[0] < len(prompts)
     log_prob, mask, entropy = response_log_probs(engine.model, prompts, responses, pad_id=engine.pad_id, temperature=0.7,
-                                                 autocast_bf16=False, with_entropy=True)
+                                                 autocast_bf16=False, with_entropy=True, pack=pack)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         logits = engine.model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float() / 0.7
         alone = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1)
@@ -95,6 +96,33 @@ def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir):
         assert mask[i].sum() == len(r) and (log_prob[i, len(r):] == 0).all()
     log_prob.sum().backward()  # differentiable through the packed rows
     assert all(p.grad is not None for p in engine.model.parameters() if p.requires_grad)
+
+
+def test_micro_batches_are_formed_by_length_by_hand():
+    lengths = [5, 9, 2, 9, 4]  # longest first, ties in the caller's order: rows 1, 3, 0, 4, 2
+    assert micro_batches(lengths, 2) == [[1, 3], [0, 4], [2]]
+    assert micro_batches(lengths, 2, max_tokens=18) == [[1, 3], [0, 4, 2]]  # 2 × 9 = 18; 3 × 5 = 15
+    assert micro_batches(lengths, 2, max_tokens=8) == [[1], [3], [0], [4, 2]]  # a row over the budget goes alone
+    assert micro_batches([], 2) == []
+    with pytest.raises(ValueError, match="micro_batch: got 0"):
+        micro_batches(lengths, 0)
+    with pytest.raises(ValueError, match="micro_batch_tokens: got -1"):
+        micro_batches(lengths, 2, max_tokens=-1)
+
+
+@pytest.mark.parametrize("micro_batch, budget", [(3, 0), (8, 40), (8, 10)], ids=["rows", "budget", "budget-below-longest"])
+def test_log_probs_come_back_in_the_callers_order(tiny_model_dir, micro_batch, budget):
+    engine = HFTrainEngine(tiny_model_dir, trainable=False)
+    g = torch.Generator().manual_seed(1)
+    lengths = [(3, 2), (6, 9), (4, 1), (5, 12), (2, 3), (7, 5), (3, 8)]
+    V = engine.model.config.vocab_size
+    prompts = [torch.randint(3, V, (p,), generator=g).tolist() for p, _ in lengths]
+    responses = [torch.randint(3, V, (r,), generator=g).tolist() for _, r in lengths]
+    got = engine.log_probs(prompts, responses, temperature=0.7, micro_batch=micro_batch, micro_batch_tokens=budget)
+    for p, r, lp in zip(prompts, responses, got):
+        alone = engine.log_probs([p], [r], temperature=0.7, micro_batch=1)[0]
+        assert len(lp) == len(r)
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(alone), atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_that_reads_a_packed_row_as_one_sequence_is_right_padded(tiny_model_dir, monkeypatch):

@@ -57,6 +57,62 @@ def test_micro_batch_size_does_not_change_loss_or_gradients(tiny_model_dir, loss
         torch.testing.assert_close(g1[name], g4[name], atol=1e-6, rtol=0, msg=name)
 
 
+def _consecutive(lengths, micro_batch, max_tokens=0):
+    """Micro-batches of consecutive rows: what the engine formed before it sorted by length."""
+    return [list(range(s, min(s + micro_batch, len(lengths)))) for s in range(0, len(lengths), micro_batch)]
+
+
+@pytest.mark.parametrize("on_policy", [False, True], ids=["off-policy", "on-policy"])
+@pytest.mark.parametrize("loss_agg, extra", [
+    ("token-mean", {"kl_loss_coef": 0.1, "overlong_filter": True}),
+    ("seq-mean-token-mean", {"ratio_level": "sequence", "clip_ratio_c": 1.5, "tis_cap": 1.1, "entropy_coeff": 0.01}),
+    ("seq-mean-token-sum-norm", {}),
+], ids=["token-mean_kl_overlong", "gspo_dual_clip_tis_entropy", "dr_grpo_norm"])
+def test_micro_batches_by_length_give_the_loss_and_gradient_of_consecutive_ones(tiny_model_dir, monkeypatch, on_policy, loss_agg, extra):
+    """The engine sorts the rows by length into micro-batches (and with a token budget, into more
+    or fewer of them): the loss, the metrics, the gradient and the on-policy old log-probs (in the
+    mini-batch's row order) are those of micro-batches of consecutive rows, up to float rounding."""
+    from dockrl.engines import hf
+
+    algo = AlgorithmConfig(loss_agg_mode=loss_agg, **extra)
+    results = {}
+    for mode in ("consecutive", "by length", "token budget"):
+        engine = HFTrainEngine(tiny_model_dir, trainable=True)
+        batch = _batch(engine, n=12, kl=True, seed=3)
+        rng = random.Random(4)  # heavy-tailed response lengths, so that sorting changes the micro-batches
+        batch["response_ids"] = [r * rng.choice([1, 1, 2, 6]) for r in batch["response_ids"]]
+        batch["ref_log_prob"] = [[-1.0] * len(r) for r in batch["response_ids"]]
+        batch["truncated"] = [i % 5 == 0 for i in range(12)]
+        if on_policy:
+            del batch["old_log_prob"]
+        else:
+            batch["old_log_prob"] = [[x - 0.25 for x in lp] for lp in engine.log_probs(
+                batch["prompt_ids"], batch["response_ids"], temperature=1.0, micro_batch=12)]
+        batch["rollout_log_prob"] = [[-2.0] * len(r) for r in batch["response_ids"]]
+        lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
+        assert hf.micro_batches(lengths, 4) != _consecutive(lengths, 4)
+        with monkeypatch.context() as patch:
+            if mode == "consecutive":
+                patch.setattr(hf, "micro_batches", _consecutive)
+            engine.optimizer.zero_grad()
+            m = accumulate_mini_batch(engine, batch, algo=algo, temperature=1.0, micro_batch=4, horizon=32,
+                                      micro_batch_tokens=60 if mode == "token budget" else 0)
+        grads = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+        results[mode] = m, grads, batch["old_log_prob"]
+    m0, g0, old0 = results["consecutive"]
+    assert len(g0) > 0
+    for mode in ("by length", "token budget"):
+        m, g, old = results[mode]
+        assert m.keys() == m0.keys()
+        for k in m0:
+            assert m[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (mode, k)
+        assert g.keys() == g0.keys()
+        for name in g0:
+            torch.testing.assert_close(g[name], g0[name], atol=1e-6, rtol=1e-5, msg=f"{mode}: {name}")
+        assert [len(r) for r in old] == [len(r) for r in old0]
+        torch.testing.assert_close(torch.tensor(sum(old, [])), torch.tensor(sum(old0, [])), atol=1e-5, rtol=0)
+
+
 def test_rollout_log_prob_diff_by_hand():
     got = rollout_log_prob_diff([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]])
     assert got == {"actor/rollout_log_prob_diff_mean": 0.25, "actor/rollout_log_prob_diff_max": 0.5}
