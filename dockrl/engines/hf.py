@@ -275,7 +275,9 @@ def response_log_probs(
         else:
             logits = model(**inputs, use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])[at]
-    logits = logits.float() / temperature  # (N, V)
+    logits = logits.float()  # (N, V)
+    if temperature != 1.0:  # a (N, V) copy, and its backward, only when it changes something
+        logits = logits / temperature
     targets = inputs["input_ids"].reshape(-1)[at + 1]  # the token each logit predicts: the next position, same row
 
     def spread(x: torch.Tensor) -> torch.Tensor:  # (N,) -> (B, T), 0 off the response tokens
