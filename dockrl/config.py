@@ -260,7 +260,7 @@ class TrainerConfig:
     """Sequences per forward/backward (gradient accumulation inside a mini-batch); the hf engine
     forms each micro-batch of sequences of similar length (sorted), which changes no gradient."""
     micro_batch_tokens: int = 0
-    """Token budget per forward/backward of the hf engine's actor and reference (0: off, then
+    """Token budget per forward/backward of the hf engine's actor, reference and critic (0: off, then
     ``micro_batch`` sequences): micro-batches of length-sorted sequences, each as many as keep
     ``sequences × longest (prompt + response) ≤ micro_batch_tokens`` (one longer sequence goes
     alone), so short sequences go in bigger micro-batches (verl's ``ppo_max_token_len_per_gpu``).

@@ -39,7 +39,7 @@ _SUMS = ("vf_loss", "vf_clipfrac", "vpred_sum")
 
 
 def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], *, cliprange_value: float,
-                                micro_batch: int) -> dict[str, float]:
+                                micro_batch: int, micro_batch_tokens: int = 0) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch with the clipped value loss, accumulating gradients.
 
     Args:
@@ -47,7 +47,8 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
             and ``returns``, one list entry per sequence.
 
     The loss is the token mean over the whole mini-batch (each micro-batch's token sum divided by
-    the mini-batch's response tokens), so the gradient does not depend on ``micro_batch``.
+    the mini-batch's response tokens), so the gradient depends neither on ``micro_batch`` nor on
+    which rows the engine puts together (by length; at most ``micro_batch_tokens`` tokens when > 0).
 
     Returns:
         ``critic/vf_loss`` (the mini-batch loss), ``critic/vf_clipfrac`` (share of tokens where the
@@ -67,7 +68,8 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
             sums = torch.stack([loss.detach(), (clipped * mask).sum(), (vpreds.detach() * mask).sum()]).tolist()
         return loss, sums
 
-    parts = engine.forward_backward(batch["prompt_ids"], batch["response_ids"], micro_batch=micro_batch, loss_fn=loss_fn)
+    parts = engine.forward_backward(batch["prompt_ids"], batch["response_ids"], micro_batch=micro_batch, loss_fn=loss_fn,
+                                    micro_batch_tokens=micro_batch_tokens)
     loss, clipfrac, vpred = (sum(p[k] for p in parts) for k in range(len(_SUMS)))
     return {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac / max(total_tokens, 1.0),
             "critic/vpred_mean": vpred / max(total_tokens, 1.0)}
@@ -88,23 +90,26 @@ class CriticWorker:
 
     Args:
         mini_batch: prompts per optimizer step; micro_batch: sequences per forward/backward
-            (``config.critic_batches``).
+            (``config.critic_batches``); micro_batch_tokens: or at most this many tokens
+            (``trainer.micro_batch_tokens``; 0: off).
     """
 
-    def __init__(self, engine: HFCriticEngine, cfg: CriticConfig, *, mini_batch: int, micro_batch: int) -> None:
+    def __init__(self, engine: HFCriticEngine, cfg: CriticConfig, *, mini_batch: int, micro_batch: int,
+                 micro_batch_tokens: int = 0) -> None:
         self.engine, self.cfg, self.mini_batch, self.micro_batch = engine, cfg, mini_batch, micro_batch
+        self.micro_batch_tokens = micro_batch_tokens
 
     @classmethod
     def from_config(cls, engine: HFCriticEngine, cfg: Config) -> CriticWorker:
         mini, micro = critic_batches(cfg)
-        return cls(engine, cfg.critic, mini_batch=mini, micro_batch=micro)
+        return cls(engine, cfg.critic, mini_batch=mini, micro_batch=micro, micro_batch_tokens=cfg.trainer.micro_batch_tokens)
 
     def compute_values(self, dock: StageDock) -> dict[str, float]:
         """Put ``values`` for every row of the open iteration; returns ``timing_s/critic_values``."""
         start = time.perf_counter()
         while claim := dock.claim("critic", ["prompt_ids", "response_ids"], self.micro_batch * 4):
             values = self.engine.values(claim.batch.column("prompt_ids").to_pylist(), claim.batch.column("response_ids").to_pylist(),
-                                        micro_batch=self.micro_batch)
+                                        micro_batch=self.micro_batch, micro_batch_tokens=self.micro_batch_tokens)
             dock.put(claim.rows, {"values": values}, ack=claim)
         return {"timing_s/critic_values": time.perf_counter() - start}
 
@@ -120,7 +125,8 @@ class CriticWorker:
             for s in range(0, len(claim.rows), rows_per_step):
                 mini = {k: v[s : s + rows_per_step] for k, v in batch.items()}
                 steps.append(self.engine.optimizer_step(partial(accumulate_value_mini_batch, self.engine, mini,
-                                                                cliprange_value=self.cfg.cliprange_value, micro_batch=self.micro_batch)))
+                                                                cliprange_value=self.cfg.cliprange_value, micro_batch=self.micro_batch,
+                                                                micro_batch_tokens=self.micro_batch_tokens)))
         dock.ack(claim)
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics |= value_metrics(batch["values"], batch["returns"])

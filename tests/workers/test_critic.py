@@ -68,17 +68,22 @@ def test_the_value_loss_is_clipped_around_the_old_values(tiny_model_dir):
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in engine.model.parameters())
 
 
-def test_micro_batch_size_does_not_change_the_critic_gradient(tiny_model_dir):
+@pytest.mark.parametrize("micro, budget", [(2, 0), (6, 12)], ids=["by-length", "token-budget"])
+def test_micro_batches_do_not_change_the_critic_gradient(tiny_model_dir, micro, budget):
+    """Against one micro-batch of all rows: micro-batches of 2 rows formed by length, or of at most
+    12 tokens, give the same loss, gradient and values (in the caller's row order)."""
     prompts, responses = rows(6, 300, seed=2)
-    grads, losses = [], []
-    for micro in (1, 6):
+    grads, losses, values_seen = [], [], []
+    for m, b in ((6, 0), (micro, budget)):
         engine = engine_of(tiny_model_dir)
-        values = engine.values(prompts, responses, micro_batch=6)
+        values = engine.values(prompts, responses, micro_batch=m, micro_batch_tokens=b)
+        values_seen.append(values)
         batch = {"prompt_ids": prompts, "response_ids": responses, "values": values,
                  "returns": [[v + 0.1 * (i + 1) for v in r] for i, r in enumerate(values)]}
         engine.optimizer.zero_grad()
-        losses.append(accumulate_value_mini_batch(engine, batch, cliprange_value=0.5, micro_batch=micro)["critic/vf_loss"])
+        losses.append(accumulate_value_mini_batch(engine, batch, cliprange_value=0.5, micro_batch=m, micro_batch_tokens=b)["critic/vf_loss"])
         grads.append({n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(torch.tensor(sum(values_seen[0], [])), torch.tensor(sum(values_seen[1], [])), atol=1e-5, rtol=1e-5)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert grads[0].keys() == grads[1].keys() and "score.weight" in grads[0]
     for name in grads[0]:
