@@ -9,9 +9,10 @@ ack=claim)``; the driver ``open_iteration`` → fills the inputs → waits → `
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
+import numpy as np
 import pyarrow as pa
 
 Columns: TypeAlias = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
@@ -34,6 +35,9 @@ class Claim:
     """Id of the lease on ``rows`` (empty for an empty claim): ``ack`` the claim after the put."""
     consumer: str = ""
     """The consumer that claimed the rows."""
+    row_array: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """``rows`` as an int64 array, when the dock that made the claim kept one (``put(claim.rows, ..., ack=claim)``
+    then converts nothing)."""
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -104,7 +104,7 @@ from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight import FlightTransport
 from dockrl.dock.local import arrow_columns
 from dockrl.dock.schema import Schema
-from dockrl.dock.shard import ROW, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards, runs_rows
+from dockrl.dock.shard import ROW, ClaimRequest, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards
 from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
 from dockrl.dock.warehouse import (
     Located,
@@ -143,8 +143,10 @@ def _one(layouts: list[dict[str, int]]) -> list[dict[str, int]] | dict[str, int]
     return None if not layouts else layouts[0] if len(layouts) == 1 else layouts
 
 
-def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+def _one_chunk(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     """The cells of ``column`` as one array (zero-copy when it has one chunk)."""
+    if isinstance(column, pa.Array):
+        return column
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
@@ -206,6 +208,7 @@ class DockClient:
         self._known: dict[int, ShardLayout] = {}  # layouts of open iterations seen, by iteration
         self.max_inflight = max_inflight
         self._arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
+        self._put_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the put batches (row + columns) sent so far
         self._next = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
         self.warehouse = warehouse
         self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
@@ -393,7 +396,8 @@ class DockClient:
             DockError: as ``ShardController.put`` and ``ack_rows``, or the iteration was closed since
                 this client learnt it; atomic per shard only.
         """
-        rows_arr = np.asarray(rows, dtype=np.int64)
+        kept = ack.row_array if ack is not None and rows is ack.rows else None  # put(claim.rows, ..., ack=claim)
+        rows_arr = kept if kept is not None and len(kept) == len(rows) else np.asarray(rows, dtype=np.int64)
         arrays = arrow_columns(self.schema, columns, len(rows_arr))
         layout = self._layout_for("put", iteration)
         fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
@@ -405,11 +409,12 @@ class DockClient:
             if self.warehouse is not None:
                 self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
             else:
+                schema = self._put_schema(tuple(arrays))
                 for s, pos in layout.split(rows_arr).items():
                     whole = len(pos) == len(rows_arr)  # one shard owns every row: the arrays as they are
                     batch = pa.RecordBatch.from_arrays(
                         [pa.array(rows_arr if whole else rows_arr[pos]), *(a if whole else _part(a, pos) for a in arrays.values())],
-                        names=[ROW, *arrays],
+                        schema=schema,
                     )
                     self.transports[s].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
         finally:
@@ -418,6 +423,15 @@ class DockClient:
                     self._held.pop(lease, None)
         if ack is not None and not fused:
             self.ack(ack)
+
+    def _put_schema(self, names: tuple[str, ...]) -> pa.Schema:
+        """The schema of a put batch of ``names`` (checked columns): the int64 row column, then theirs (one
+        object per column list: a stream of a schema seen before costs less)."""
+        schema = self._put_schemas.get(names)
+        if schema is None:
+            schema = self._put_schemas[names] = pa.schema(
+                [pa.field(ROW, pa.int64()), *(pa.field(n, self.schema.column(n).type) for n in names)])
+        return schema
 
     def _put_objects(
         self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array], extra: dict[str, Any],
@@ -474,13 +488,17 @@ class DockClient:
                 raise DockError(f"{what}: {e.args[0]}") from None
         return schema
 
-    def _batch(self, tables: list[pa.Table], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
+    def _batch(self, tables: Sequence[pa.Table | pa.RecordBatch], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
         """One record batch of ``tables`` stacked, rows reordered so that row ``order[k]`` comes k-th.
 
         Copies nothing when the cells already come in order in one chunk per column (a claim
         from one shard in one call, the usual case)."""
         schema = self._arrow_schema(columns, "get")
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables or [schema.empty_table()])
+        if len(tables) == 1:
+            table = tables[0]
+        else:
+            table = pa.concat_tables([pa.Table.from_batches([t]) if isinstance(t, pa.RecordBatch) else t for t in tables]
+                                     or [schema.empty_table()])
         if order is not None and len(order) > 1 and (order[1:] < order[:-1]).any():
             table = table.take(pa.array(np.argsort(order), type=pa.int64()))
         return pa.RecordBatch.from_arrays([_one_chunk(table.column(c)) for c in columns], schema=schema)
@@ -530,9 +548,7 @@ class DockClient:
                 raise
             # the iteration this client knew was closed and another opened: claim from that one
             claim = self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
-        if claim.rows:
-            self._hold(claim.lease, claim.iteration)
-        return claim
+        return claim  # held (renewed) since its first rows were taken
 
     def _claim(
         self, layout: ShardLayout, consumer: str, columns: list[str], count: int, whole_groups: bool,
@@ -548,86 +564,84 @@ class DockClient:
             order.remove(local)
             order.insert(0, local)
         lease = os.urandom(16).hex()  # as uuid4().hex, without building a UUID
-        taken: dict[int, list[int]] = {}
+        names = tuple(columns)
+        taken: dict[int, list[np.ndarray]] = {}  # rows of each take (global, ascending), by shard
         pending: dict[int, int] = {}
         held: dict[int, int] = {}  # rows of the consumer other owners lease, by shard: they may come back
-        cells: dict[int, list[pa.Table]] = {}  # memory payload: the cells each take brought along, by shard
+        cells: dict[int, list[pa.Table | pa.RecordBatch]] = {}  # memory payload: the cells each take brought along, by shard
+        got = 0  # rows taken so far
 
         def take(s: int, limit: int, at_least: int, wait_s: float = 0.0, wait_held: bool = False) -> None:
-            body = {"iteration": layout.iteration, "consumer": consumer, "columns": columns, "count": int(limit),
-                    "at_least": at_least, "whole_groups": whole_groups,
-                    "timeout_s": wait_s if math.isfinite(wait_s) else None,
-                    "owner": self.owner, "lease": lease, "lease_s": self.lease_s, "wait_held": wait_held}
-            rpc = wait_s + self.rpc_timeout_s if math.isfinite(wait_s) else None
+            nonlocal got
+            finite = math.isfinite(wait_s)
+            req = ClaimRequest(layout.iteration, consumer, names, int(limit), at_least, whole_groups, wait_s if finite else None,
+                               self.owner, lease, self.lease_s, wait_held)
+            rpc = wait_s + self.rpc_timeout_s if finite else None
             if self.warehouse is None:  # claim and read in one call
-                res, table = self.transports[s].claim_cells(body, rpc)
+                rows, pending[s], held[s], table = self.transports[s].claim_cells(req, rpc)
                 cells.setdefault(s, []).append(table)
             else:
-                res = self._action(s, "claim", body, timeout=rpc)
-            rows = runs_rows(res["runs"]) if "runs" in res else res["rows"]
-            taken.setdefault(s, []).extend(rows)
-            pending[s], held[s] = res["pending"], res.get("held", 0)
-            if rows:  # renewed from now on: the claim may still wait on other shards for longer than a term
+                res = self._action(s, "claim", req.to_json(), timeout=rpc)
+                rows, pending[s], held[s] = np.asarray(res["rows"], dtype=np.int64), res["pending"], res.get("held", 0)
+            taken.setdefault(s, []).append(rows)
+            if len(rows):  # renewed from now on: the claim may still wait on other shards for longer than a term
+                got += len(rows)
                 self._hold(lease, layout.iteration)
-
-        def got() -> int:
-            return sum(len(r) for r in taken.values())
 
         try:
             if local is not None:  # the co-located shard alone while it has rows left for the consumer, ready or not
                 take(local, count, at_least=0)
                 try:
-                    while got() < count and pending[local] > 0:
-                        take(local, count - got(), min(pending[local], count - got()), max(deadline - time.monotonic(), 0.0))
+                    while got < count and pending[local] > 0:
+                        take(local, count - got, min(pending[local], count - got), max(deadline - time.monotonic(), 0.0))
                 except DockTimeoutError:
                     pass  # the sweep below looks at every other shard once more, then raises the claim's timeout
             for i, s in enumerate(order):  # sweep: take what is ready now (the first shard checks the request)
-                if (i == 0 and local is None) or (got() < count and s != local):
-                    take(s, count - got(), at_least=0)
-            want = min(count, got() + sum(pending.values()))
+                if (i == 0 and local is None) or (got < count and s != local):
+                    take(s, count - got, at_least=0)
+            want = min(count, got + sum(pending.values()))
             # block while short of rows the consumer still has pending, or, with nothing to take at all,
             # while other owners hold rows (an empty claim means the consumer is done)
-            while got() < want or (got() == 0 and sum(held.values()) > 0):
-                if got() < want:
+            while got < want or (got == 0 and sum(held.values()) > 0):
+                if got < want:
                     left = [s for s in order if pending.get(s, 0) > 0]
                     # the local shard while it has rows left for the consumer, else the first of the most loaded shards
                     s = local if local in left else max(left, key=lambda t: pending[t])
                     others = sum(pending[t] for t in left if t != s)
-                    at_least, wait_held = max(unit, min(pending[s], want - got() - others)), False
+                    at_least, wait_held = max(unit, min(pending[s], want - got - others)), False
                 else:
                     left = [s for s in order if held.get(s, 0) > 0]
                     s = max(left, key=lambda t: held[t])
                     at_least, wait_held = unit, True
                 try:
-                    take(s, count - got(), at_least, max(deadline - time.monotonic(), 0.0), wait_held)
+                    take(s, count - got, at_least, max(deadline - time.monotonic(), 0.0), wait_held)
                 except DockTimeoutError:
                     for t in order:  # a last look at the other shards before giving up
-                        if t != s and got() < count:
-                            take(t, count - got(), at_least=0)
-                    if got() < want or got() == 0:
-                        raise self._timeout(layout, consumer, columns, timeout, want, got(), pending, held) from None
+                        if t != s and got < count:
+                            take(t, count - got, at_least=0)
+                    if got < want or got == 0:
+                        raise self._timeout(layout, consumer, columns, timeout, want, got, pending, held) from None
                     break
                 for t in order:  # rows held elsewhere may have come back too (leases of one claim expire together)
-                    if t != s and got() < count and (pending.get(t, 0) > 0 or held.get(t, 0) > 0):
-                        take(t, count - got(), at_least=0)
-                want = min(count, got() + sum(pending.values()))  # other clients of this consumer may take rows too
+                    if t != s and got < count and (pending.get(t, 0) > 0 or held.get(t, 0) > 0):
+                        take(t, count - got, at_least=0)
+                want = min(count, got + sum(pending.values()))  # other clients of this consumer may take rows too
             # shards hold ascending ranges, and one take's rows come ascending: rows come out ascending
-            rows = [taken[s] if len(cells.get(s, ())) == 1 else sorted(taken[s]) for s in sorted(taken)]
-            batches = []
+            shards = [s for s in sorted(taken) if any(len(r) for r in taken[s])]
+            parts = [taken[s][0] if len(taken[s]) == 1 else np.sort(np.concatenate(taken[s])) for s in shards]
             if self.warehouse is None:
-                batches = [self._batch(cells[s], columns, None if len(cells[s]) == 1 else np.asarray(taken[s], dtype=np.int64))
-                           for s in sorted(taken) if taken[s]]
-                tables = [] if len(batches) == 1 else [pa.Table.from_batches([b]) for b in batches]
+                batches = [self._batch(cells[s], columns, None if len(cells[s]) == 1 else np.concatenate(taken[s])) for s in shards]
+                batch = batches[0] if len(batches) == 1 else self._batch([pa.Table.from_batches([b]) for b in batches], columns)
             else:
-                tables = self._gather(layout, columns, dict(zip(sorted(taken), rows)))
+                batch = self._batch(self._gather(layout, columns, {s: r.tolist() for s, r in zip(shards, parts)}), columns)
         except BaseException:
-            self._release(layout, consumer, taken)
+            self._release(layout, consumer, {s: np.concatenate(r).tolist() for s, r in taken.items()})
             with self._beat:
                 self._held.pop(lease, None)
             raise
-        claimed = rows[0] if len(rows) == 1 else [r for part in rows for r in part]
-        batch = batches[0] if len(batches) == 1 else self._batch(tables, columns)  # one shard's cells: as they came
-        return Claim(layout.iteration, claimed, batch, lease if claimed else "", consumer)
+        row_array = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, dtype=np.int64), *parts])
+        claimed = row_array.tolist()
+        return Claim(layout.iteration, claimed, batch, lease if claimed else "", consumer, row_array)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,

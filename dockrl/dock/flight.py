@@ -3,15 +3,20 @@
 ``DockShardServer`` serves one ``dockrl.dock.shard.ShardService`` (the shard's behaviour and
 its requests are documented there); ``FlightTransport`` is the front end's side of it
 (``dockrl.dock.client.DockClient`` given ``grpc://`` locations builds one per shard). The
-mapping onto Flight (every body and result UTF-8 JSON):
+mapping onto Flight (action bodies and results UTF-8 JSON; the claim cycle's messages binary):
 
 * ``do_action`` — every request of the service, by name (``ShardService.action``).
-* ``do_put`` — payload in: descriptor command {iteration, ack?}; one record batch with an
-  int64 ``row`` column (global row indexes) plus the data columns.
-* ``do_get`` — payload out: ticket {iteration, columns, rows} → the cells as a record batch
-  stream, in the order of ``rows``; ticket {"claim": <claim body>} claims and reads in one
-  round trip, the claim's result travelling as the schema metadata ``CLAIM_META`` (JSON
-  {runs, pending, held}: ``ShardService.claim_cells``).
+* ``do_put`` — payload in: descriptor command {iteration, ack?} as JSON, or the same in the
+  binary put descriptor (``encode_put``, what ``FlightTransport`` sends); one record batch with
+  an int64 ``row`` column (global row indexes) plus the data columns.
+* ``do_get`` — payload out: ticket {iteration, columns, rows} (JSON) → the cells as a record
+  batch stream, in the order of ``rows``; a binary claim ticket (``encode_claim``: a
+  ``ClaimRequest``) claims and reads in one round trip, the claim's result travelling as the
+  schema metadata ``CLAIM_META`` (``encode_claim_result``: pending, held and the rows as
+  ascending runs; ``ShardService.claim_cells``).
+
+The binary messages carry ``WIRE_VERSION``; a shard refuses another version, and a claim
+ticket in the JSON form of earlier releases, naming both versions.
 
 ``DockError`` and ``DockTimeoutError`` raised in the shard travel as ``FlightServerError``
 whose message starts with ``dockrl.<type>:`` and whose ``extra_info`` is JSON {type, message};
@@ -33,24 +38,147 @@ import logging
 import math
 import os
 import signal
+import struct
 import sys
 import threading
 from typing import Any, Callable, Iterator, Literal, NoReturn, TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.local import ShardController
 from dockrl.dock.schema import Schema
-from dockrl.dock.shard import Payload, ShardService
+from dockrl.dock.shard import ClaimRequest, Payload, ShardService, row_runs, runs_rows
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLAIM_META = b"dockrl.claim"
-"""Schema metadata key of a claim-and-read ``do_get`` answer: JSON ``{runs, pending, held}`` (rows as ranges)."""
+"""Schema metadata key of a claim-and-read ``do_get`` answer (``encode_claim_result``)."""
+WIRE_VERSION = 2
+"""Version of the binary claim ticket, claim result and put descriptor (1: the JSON forms before them)."""
 _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
+
+# --- the claim cycle's binary messages ---------------------------------------------------------
+# A claim ticket: header, then the lease id, then the request's fixed part (JSON [consumer, owner,
+# columns]: the same bytes claim after claim, parsed once per shard). Little-endian throughout.
+_CLAIM_MAGIC, _PUT_MAGIC = b"dkc", b"dkp"
+_CLAIM_HEAD = struct.Struct("<3sBqqqddBHH")
+"""magic, version, iteration, count, at_least, timeout_s (NaN: none), lease_s (NaN: the shard's), flags, len(lease), len(fixed part)."""
+_WHOLE_GROUPS, _WAIT_HELD = 1, 2
+_RESULT_HEAD = struct.Struct("<BqqI")
+"""version, pending, held, number of runs; then the runs as int64 ``[start, stop)`` pairs."""
+_PUT_HEAD = struct.Struct("<3sBqHH")
+"""magic, version, iteration, len(ack consumer), len(ack lease) (0, 0: no ack); then the two strings."""
+_MAX_PREPARED = 1024
+"""Fixed parts of claim tickets a shard keeps parsed (cleared when full)."""
+
+
+def claim_fixed_part(consumer: str, owner: str, columns: tuple[str, ...]) -> bytes:
+    """The part of a claim ticket that repeats from claim to claim of one client (``encode_claim``)."""
+    return json.dumps([consumer, owner, list(columns)]).encode()
+
+
+def encode_claim(req: ClaimRequest, fixed: bytes) -> bytes:
+    """The binary claim ticket of ``req`` (``fixed``: ``claim_fixed_part`` of its consumer, owner and columns)."""
+    lease = (req.lease or "").encode()
+    flags = (_WHOLE_GROUPS if req.whole_groups else 0) | (_WAIT_HELD if req.wait_held else 0)
+    head = _CLAIM_HEAD.pack(
+        _CLAIM_MAGIC, WIRE_VERSION, req.iteration, req.limit, req.at_least, math.nan if req.timeout_s is None else req.timeout_s,
+        math.nan if req.lease_s is None else req.lease_s, flags, len(lease), len(fixed),
+    )
+    return head + lease + fixed
+
+
+def _version_error(what: str, version: object) -> DockError:
+    return DockError(
+        f"{what}: the client speaks dock wire version {version}; this shard speaks {WIRE_VERSION}: "
+        "run clients and shards of the same dockrl release"
+    )
+
+
+def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str, ...]]]) -> ClaimRequest:
+    """The ``ClaimRequest`` of a binary claim ticket; ``fixed_parts`` caches the parsed fixed parts.
+
+    Raises:
+        DockError: another wire version, or a malformed ticket.
+    """
+    if len(data) < _CLAIM_HEAD.size:
+        raise DockError(f"dock shard: malformed claim ticket ({len(data)} bytes)")
+    _, version, iteration, count, at_least, timeout_s, lease_s, flags, n_lease, n_fixed = _CLAIM_HEAD.unpack_from(data)
+    if version != WIRE_VERSION:
+        raise _version_error("claim", version)
+    start = _CLAIM_HEAD.size + n_lease
+    if len(data) != start + n_fixed:
+        raise DockError(f"dock shard: malformed claim ticket ({len(data)} bytes; the header says {start + n_fixed})")
+    key = data[start:]
+    fixed = fixed_parts.get(key)
+    if fixed is None:
+        consumer, owner, columns = json.loads(key)
+        if not (isinstance(consumer, str) and isinstance(owner, str) and isinstance(columns, list)
+                and all(isinstance(c, str) for c in columns)):
+            raise DockError(f"dock shard: malformed claim ticket (consumer, owner, columns: {key[:200]!r})")
+        if len(fixed_parts) >= _MAX_PREPARED:
+            fixed_parts.clear()
+        fixed = fixed_parts[key] = (consumer, owner, tuple(columns))
+    return ClaimRequest(
+        iteration, fixed[0], fixed[2], count, at_least, bool(flags & _WHOLE_GROUPS), None if math.isnan(timeout_s) else timeout_s,
+        fixed[1], data[_CLAIM_HEAD.size:start].decode() if n_lease else None, None if math.isnan(lease_s) else lease_s,
+        bool(flags & _WAIT_HELD),
+    )
+
+
+def encode_claim_result(rows: np.ndarray, pending: int, held: int) -> bytes:
+    """A claim's answer (``CLAIM_META``): pending, held and ``rows`` (ascending, distinct) as runs."""
+    runs = row_runs(rows)
+    return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, len(runs)) + runs.astype("<i8", copy=False).tobytes()
+
+
+def decode_claim_result(meta: bytes) -> tuple[np.ndarray, int, int]:
+    """(rows as an int64 array, pending, held) of ``encode_claim_result``.
+
+    Raises:
+        DockError: another wire version, or a malformed answer.
+    """
+    version, pending, held, n = _RESULT_HEAD.unpack_from(meta)
+    if version != WIRE_VERSION:
+        raise DockError(f"claim: the dock shard speaks wire version {version}; this client speaks {WIRE_VERSION}: "
+                        "run clients and shards of the same dockrl release")
+    if len(meta) != _RESULT_HEAD.size + 16 * n:
+        raise DockError(f"claim: malformed answer of the dock shard ({len(meta)} bytes for {n} runs)")
+    runs = np.frombuffer(meta, dtype="<i8", count=2 * n, offset=_RESULT_HEAD.size).reshape(n, 2)
+    return runs_rows(runs), pending, held
+
+
+def encode_put(iteration: int, ack: tuple[str, str] | None) -> bytes:
+    """The binary put descriptor: the iteration and, with ``ack=(consumer, lease)``, the claim it acks."""
+    consumer, lease = (ack[0].encode(), ack[1].encode()) if ack is not None else (b"", b"")
+    return _PUT_HEAD.pack(_PUT_MAGIC, WIRE_VERSION, iteration, len(consumer), len(lease)) + consumer + lease
+
+
+def decode_put(command: bytes) -> tuple[int, tuple[str, str] | None]:
+    """(iteration, ack) of a put descriptor: binary (``encode_put``) or JSON {iteration, ack?: {consumer, lease}}.
+
+    Raises:
+        DockError: another wire version, or a malformed binary descriptor.
+        KeyError, TypeError, ValueError: a malformed JSON one.
+    """
+    if command[:3] != _PUT_MAGIC:
+        req = json.loads(command)
+        return req["iteration"], (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None
+    if len(command) < _PUT_HEAD.size:
+        raise DockError(f"dock shard: malformed put descriptor ({len(command)} bytes)")
+    _, version, iteration, n_consumer, n_lease = _PUT_HEAD.unpack_from(command)
+    if version != WIRE_VERSION:
+        raise _version_error("put", version)
+    if len(command) != _PUT_HEAD.size + n_consumer + n_lease:
+        raise DockError(f"dock shard: malformed put descriptor ({len(command)} bytes)")
+    if not n_consumer:
+        return iteration, None
+    start = _PUT_HEAD.size + n_consumer
+    return iteration, (command[_PUT_HEAD.size:start].decode(), command[start:].decode())
 
 
 def dock_error_to_flight(e: DockError) -> flight.FlightServerError:
@@ -125,6 +253,7 @@ class DockShardServer(flight.FlightServerBase):
         self._lock = threading.Lock()
         self._closed = False
         self._ipc = pa.ipc.IpcWriteOptions()  # once: the default options read the environment on every stream
+        self._fixed_parts: dict[bytes, tuple[str, str, tuple[str, ...]]] = {}  # of claim tickets (decode_claim)
         if token:
             logger.info("dock shard listening at %s (bearer token required)", self._location)
         else:
@@ -192,26 +321,37 @@ class DockShardServer(flight.FlightServerBase):
         reader: flight.MetadataRecordBatchReader,
         writer: flight.FlightMetadataWriter,
     ) -> None:
+        command = descriptor.command
+
         def put() -> None:
-            self.service.put(json.loads(descriptor.command), reader.read_all())
-            self._count(len(descriptor.command))  # the descriptor is metadata: it counts as controller bytes
+            iteration, ack = decode_put(command)
+            self.service.write(iteration, reader.read_all(), ack)
+            self._count(len(command))  # the descriptor is metadata: it counts as controller bytes
 
         _guard("put", put)
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
-        """A read (ticket ``{iteration, columns, rows}``), or with ticket ``{"claim": <claim body>}``
-        a claim and the read of its rows in one round trip (``ShardService.claim_cells``)."""
+        """A read (JSON ticket ``{iteration, columns, rows}``), or with a binary claim ticket
+        (``encode_claim``) a claim and the read of its rows in one round trip (``ShardService.claim_cells``)."""
+        data = ticket.ticket
+        if data[:3] == _CLAIM_MAGIC:
+            return _guard("claim", lambda: self._claim_stream(data, context))
+
         def get() -> pa.Table:
-            req = json.loads(ticket.ticket)
-            if "claim" not in req:
-                batch = self.service.get(req)
-                return pa.Table.from_batches([batch], schema=batch.schema)
-            res, batch = self.service.claim_cells(req["claim"], context.is_cancelled)
-            meta = json.dumps(res).encode()
-            self._count(len(ticket.ticket) + len(meta))
-            return pa.Table.from_batches([batch], schema=batch.schema.with_metadata({CLAIM_META: meta}))
+            req = json.loads(data)
+            if "claim" in req:  # the JSON claim ticket of wire version 1
+                raise _version_error("claim", 1)
+            batch = self.service.get(req)
+            return pa.Table.from_batches([batch], schema=batch.schema)
 
         return flight.RecordBatchStream(_guard("get", get), options=self._ipc)
+
+    def _claim_stream(self, data: bytes, context: flight.ServerCallContext) -> flight.RecordBatchStream:
+        rows, pending, held, batch = self.service.claim_cells(decode_claim(data, self._fixed_parts), context.is_cancelled)
+        meta = encode_claim_result(rows, pending, held)
+        self._count(len(data) + len(meta))
+        table = pa.Table.from_batches([batch], schema=batch.schema.with_metadata({CLAIM_META: meta}))
+        return flight.RecordBatchStream(table, options=self._ipc)
 
 
 class FlightTransport:
@@ -233,6 +373,7 @@ class FlightTransport:
         self._client = flight.connect(location)
         self._lock = threading.Lock()
         self._call_options: dict[float | None, flight.FlightCallOptions] = {}
+        self._fixed_parts: dict[tuple[str, str, tuple[str, ...]], bytes] = {}  # claim_fixed_part by consumer, owner, columns
         self.controller_bytes = 0
         """Bytes of action bodies and results, put descriptors and claim tickets and results sent and received."""
 
@@ -264,7 +405,8 @@ class FlightTransport:
         return json.loads(out)
 
     def put(self, body: dict[str, Any], batch: pa.RecordBatch, timeout: float | None) -> None:
-        command = json.dumps(body).encode()
+        ack = body.get("ack")
+        command = encode_put(body["iteration"], None if ack is None else (ack["consumer"], ack["lease"]))
         self._count(len(command))
 
         def send() -> None:
@@ -278,12 +420,17 @@ class FlightTransport:
         ticket = flight.Ticket(json.dumps(body).encode())
         return self._call("get", lambda: self._client.do_get(ticket, self._options(timeout)).read_all())
 
-    def claim_cells(self, body: dict[str, Any], timeout: float | None) -> tuple[dict[str, Any], pa.Table]:
-        data = json.dumps({"claim": body}).encode()
+    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.Table]:
+        key = (req.consumer, req.owner, req.columns)
+        fixed = self._fixed_parts.get(key)
+        if fixed is None:
+            fixed = self._fixed_parts[key] = claim_fixed_part(*key)
+        data = encode_claim(req, fixed)
         table = self._call("claim", lambda: self._client.do_get(flight.Ticket(data), self._options(timeout)).read_all())
         meta = table.schema.metadata[CLAIM_META]
         self._count(len(data) + len(meta))
-        return json.loads(meta), table.replace_schema_metadata(None)
+        rows, pending, held = decode_claim_result(meta)
+        return rows, pending, held, table
 
     def close(self) -> None:
         self._client.close()
@@ -314,7 +461,7 @@ def _guard(what: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except DockError as e:
         _fail(e)
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
+    except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError, struct.error) as e:
         _fail(DockError(f"dock shard: malformed {what} request ({type(e).__name__}: {e})"))
 
 

@@ -188,7 +188,7 @@ class _View:
             self.navail += len(units)
             self.lo = min(self.lo, int(units.min()))
 
-    def remove(self, units: np.ndarray) -> None:
+    def remove(self, units: np.ndarray | slice) -> None:
         """Units that are not available any more (whether they were or not)."""
         was = self.avail[units]
         self.navail -= int(np.count_nonzero(was))
@@ -241,6 +241,10 @@ class _Iteration:
         self.fin = np.zeros((num_rows, n_cons), dtype=bool)  # every output of the consumer written (none: never)
         # warehouse: per column, Arrow chunks (or keys of committed warehouse objects) and, per row, (chunk, offset)
         self.chunks: dict[str, list[pa.Array | str]] = {c.name: [] for c in schema.columns}
+        # per chunk: the local rows [start, stop) it holds in order (a put of one ascending run), else None;
+        # and its bytes (a zero-copy read of part of it counts them pro rata)
+        self.spans: dict[str, list[tuple[int, int] | None]] = {c.name: [] for c in schema.columns}
+        self.chunk_bytes: dict[str, list[int]] = {c.name: [] for c in schema.columns}
         self.where = {c.name: np.full((num_rows, 2), -1, dtype=np.int64) for c in schema.columns}
         self.stored: set[str] = set()  # columns with a chunk that is a warehouse key (``commit``, ``restore``)
         self.col_types = {c.name: c.type for c in schema.columns}
@@ -277,12 +281,14 @@ class _Iteration:
                 self.views_of_col[col].append(view)
         return view
 
-    def set_ready(self, col: int, rows: np.ndarray) -> set[int]:
-        """Mark column ``col`` written for ``rows`` (local, distinct, not written before); return the consumers with new rows."""
-        self.ready[rows, col] = True
+    def set_ready(self, col: int, rows: np.ndarray, run: tuple[int, int] | None = None) -> set[int]:
+        """Mark column ``col`` written for ``rows`` (local, distinct, not written before; ``run``: they are
+        the range ``[start, stop)``, ascending); return the consumers with new rows."""
+        idx = rows if run is None else slice(*run)
+        self.ready[idx, col] = True
         for ci in self.output_of[col]:
             outs = self.outputs[ci]
-            self.fin[rows, ci] = self.ready[rows, outs[0]] if len(outs) == 1 else self.ready[rows][:, outs].all(axis=1)
+            self.fin[idx, ci] = self.ready[idx, outs[0]] if len(outs) == 1 else self.ready[idx][:, outs].all(axis=1)
         woken = set()
         for view in self.views_of_col[col]:
             view.nready[rows] += 1
@@ -301,18 +307,21 @@ class _Iteration:
                 woken.add(view.ci)
         return woken
 
-    def set_consumed(self, ci: int, rows: np.ndarray, value: bool) -> None:
-        """Flip ``consumed`` of consumer ``ci`` to ``value`` for ``rows`` (local, distinct, each now ``not value``)."""
+    def set_consumed(self, ci: int, rows: np.ndarray, value: bool, run: tuple[int, int] | None = None) -> None:
+        """Flip ``consumed`` of consumer ``ci`` to ``value`` for ``rows`` (local, distinct, each now ``not value``;
+        ``run``: they are the range ``[start, stop)``, ascending)."""
         if not len(rows):
             return
         groups = rows // self.group_size if self.gcons_on[ci] else rows[:0]
         views = self.views_of_ci[ci]
         if value:
-            np.add.at(self.gcons[:, ci], groups, 1)
-            self.consumed[rows, ci] = True
+            if self.gcons_on[ci]:
+                np.add.at(self.gcons[:, ci], groups, 1)
+            idx = rows if run is None else slice(*run)
+            self.consumed[idx, ci] = True
             self.npending[ci] -= len(rows)
             for view in views:
-                view.remove(rows if view.unit == 1 else _distinct(groups))
+                view.remove(idx if view.unit == 1 else _distinct(groups))
         else:
             np.subtract.at(self.gcons[:, ci], groups, 1)
             self.consumed[rows, ci] = False
@@ -439,29 +448,35 @@ class ShardController:
             it = self._current("put", iteration)
             if ack is not None:
                 self._check_request(it, [], ack[0], f"ack by {ack[0]!r}")
-            rows_arr = self._check_rows(it, rows_arr, "put")
-            self._refuse_written(it, rows_arr, arrays)
+            rows_arr, ascending = self._local_rows(it, rows_arr, "put")
             n = len(rows_arr)  # distinct rows: ascending and spanning n rows is one run, written through a slice
-            contiguous = n > 0 and rows_arr[-1] - rows_arr[0] + 1 == n and (n == 1 or (rows_arr[1:] > rows_arr[:-1]).all())
-            index = slice(int(rows_arr[0]), int(rows_arr[-1]) + 1) if contiguous else rows_arr
+            run = (int(rows_arr[0]), int(rows_arr[-1]) + 1) if ascending and n and rows_arr[-1] - rows_arr[0] + 1 == n else None
+            index = rows_arr if run is None else slice(*run)
+            self._refuse_written(it, rows_arr, arrays, index)
             for name, array in arrays.items():
                 chunk_id = len(it.chunks[name])
                 it.chunks[name].append(array)
+                it.spans[name].append(run)
+                nbytes = array.nbytes
+                it.chunk_bytes[name].append(nbytes)
                 where = it.where[name]
                 where[index, 0] = chunk_id
-                where[index, 1] = np.arange(len(rows_arr))
-                self.bytes_put += array.nbytes
+                where[index, 1] = np.arange(n)
+                self.bytes_put += nbytes
             acking = None if ack is None else (it.consumer_index[ack[0]], it.lease_num.get(ack[1], -2))
-            held_all = self._written_locked(it, rows_arr, arrays, acking)
+            held_all = self._written_locked(it, rows_arr, arrays, acking, run)
             if ack is not None:
-                self._ack_locked(it, ack[0], ack[1], rows_arr, held_all=held_all)
+                self._ack_locked(it, ack[0], ack[1], rows_arr, held_all=held_all, run=run)
 
     @staticmethod
-    def _refuse_written(it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object]) -> None:
+    def _refuse_written(
+        it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object], index: np.ndarray | slice | None = None,
+    ) -> None:
+        """Refuse cells of ``names`` already written for ``rows`` (local; ``index``: the same rows as an index, a slice)."""
         for name in names:
             if name in it.rewritable:
                 continue
-            written = it.ready[rows, it.col_index[name]]
+            written = it.ready[rows if index is None else index, it.col_index[name]]
             if written.any():
                 raise DockError(f"put: column {name!r} is already written for rows {(rows[written] + it.first_row)[:10].tolist()}")
 
@@ -499,13 +514,17 @@ class ShardController:
                 it.where[name][rows_arr, 0] = len(it.chunks[name])
                 it.where[name][rows_arr, 1] = offsets_arr
                 it.chunks[name].append(key)
+                it.spans[name].append(None)
+                it.chunk_bytes[name].append(0)
                 it.stored.add(name)
             self._written_locked(it, rows_arr, refs)
 
     def _written_locked(
         self, it: _Iteration, rows: np.ndarray, names: Sequence[str] | Mapping[str, object], acking: tuple[int, int] | None = None,
+        run: tuple[int, int] | None = None,
     ) -> bool:
-        """Cells of ``names`` written for ``rows`` (local): readiness, the leases whose rows finished, wake-ups.
+        """Cells of ``names`` written for ``rows`` (local; ``run``: they are the range ``[start, stop)``, ascending):
+        readiness, the leases whose rows finished, wake-ups.
 
         ``acking=(consumer, lease number)``: the caller acks ``rows`` under that lease next (no recount for
         it). Returns whether every row is held under that lease (False without ``acking``).
@@ -515,10 +534,13 @@ class ShardController:
         held_all = False
         for name in names:
             col = it.col_index[name]
-            woken |= it.set_ready(col, rows[~it.ready[rows, col]] if name in it.rewritable else rows)  # once per cell
+            if name in it.rewritable:  # once per cell
+                woken |= it.set_ready(col, rows[~it.ready[rows, col]])
+            else:
+                woken |= it.set_ready(col, rows, run)
             finishing.update(it.output_of[col])
         for ci in finishing:  # rows a consumer's outputs finished no longer count as held by its lease
-            nums = it.lease_at[rows, ci]
+            nums = it.lease_at[rows if run is None else slice(*run), ci]
             if acking is not None and acking[0] == ci and (nums == acking[1]).all():
                 held_all = True
                 continue  # the ack that follows ends the lease's hold on them
@@ -555,12 +577,17 @@ class ShardController:
                 out[name] = Located(tuple(str(k) for k in keys), index.astype(np.int64).reshape(-1), loc[:, 1].copy())
             return out
 
-    @staticmethod
-    def _check_rows(it: _Iteration, rows: np.ndarray, what: str) -> np.ndarray:
+    @classmethod
+    def _check_rows(cls, it: _Iteration, rows: np.ndarray, what: str) -> np.ndarray:
         """Check row numbers against the iteration's range; return them as local indexes."""
+        return cls._local_rows(it, rows, what)[0]
+
+    @staticmethod
+    def _local_rows(it: _Iteration, rows: np.ndarray, what: str) -> tuple[np.ndarray, bool]:
+        """``_check_rows``, and whether the rows are ascending."""
         stop = it.first_row + it.num_rows
         if len(rows) and rows[0] >= it.first_row and rows[-1] < stop and (len(rows) == 1 or (rows[1:] > rows[:-1]).all()):
-            return rows - it.first_row  # ascending and in range (the usual request): nothing more to check
+            return rows - it.first_row, True  # ascending and in range (the usual request): nothing more to check
         bad = rows[(rows < 0) | (rows >= it.total_rows)]
         if len(bad):
             raise DockError(f"{what}: rows {bad[:10].tolist()} out of range [0, {it.total_rows}) in iteration {it.iteration}")
@@ -572,7 +599,7 @@ class ShardController:
             )
         if len(rows) > 1 and not (rows[1:] > rows[:-1]).all() and len(np.unique(rows)) != len(rows):
             raise DockError(f"{what}: repeated row indexes in {rows[:20].tolist()}")
-        return rows - it.first_row
+        return rows - it.first_row, False
 
     # --- reads -----------------------------------------------------------------------------
     def _cells(self, it: _Iteration, name: str, rows: np.ndarray) -> pa.Array:
@@ -581,15 +608,29 @@ class ShardController:
             raise DockError(f"get: column {name!r} lives in a warehouse (committed objects); read it with locate")
         return _slice_cells(it.chunks[name], it.where[name][rows], it.col_types[name])
 
-    def _gather(self, it: _Iteration, columns: Sequence[str], rows: np.ndarray) -> pa.RecordBatch:
-        arrays = [self._cells(it, name, rows) for name in columns]
+    def _gather(self, it: _Iteration, columns: Sequence[str], rows: np.ndarray, run: tuple[int, int] | None = None) -> pa.RecordBatch:
+        """The cells of ``columns`` at local ``rows`` (``run``: they are the range ``[start, stop)``, ascending)."""
+        arrays = []
+        for name in columns:
+            cells = None
+            if run is not None and name not in it.rewritable and name not in it.stored:  # written once: where never changes
+                start, stop = run
+                c = int(it.where[name][start, 0])
+                span = it.spans[name][c]
+                if span is not None and span[0] <= start and stop <= span[1]:  # all in one chunk, in order: a zero-copy slice
+                    chunk = it.chunks[name][c]
+                    assert isinstance(chunk, pa.Array)
+                    cells = chunk.slice(start - span[0], stop - start)
+                    self.bytes_read += it.chunk_bytes[name][c] * (stop - start) // max(len(chunk), 1)  # pro rata
+            if cells is None:
+                cells = self._cells(it, name, rows)
+                self.bytes_read += cells.nbytes
+            arrays.append(cells)
         key = tuple(columns)
         schema = self._arrow_schemas.get(key)
         if schema is None:
             schema = self._arrow_schemas[key] = self.schema.arrow_schema(list(columns))
-        batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
-        self.bytes_read += batch.nbytes
-        return batch
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     def _check_request(self, it: _Iteration, columns: Sequence[str], consumer: str | None, what: str) -> None:
         for name in columns:
@@ -676,7 +717,8 @@ class ShardController:
                 consumer, columns, count, whole_groups, count if at_least is None else at_least, timeout_s, iteration,
                 owner or DEFAULT_OWNER, lease, lease_s, wait_held,
             )
-            batch = self._gather(it, columns, rows) if read else None
+            run = (int(rows[0]), int(rows[-1]) + 1) if len(rows) and rows[-1] - rows[0] + 1 == len(rows) else None  # ascending
+            batch = self._gather(it, columns, rows, run) if read else None
             return rows + it.first_row, pending, held, lease, batch
 
     def _take_locked(  # caller holds self._cond; returns local row indexes
@@ -722,9 +764,10 @@ class ShardController:
                 if self._can_take(num_pending, held, view.navail * unit, at_least, wait_held):
                     units = view.first(min(count // unit, view.navail))
                     rows = units if unit == 1 else (units[:, None] * unit + np.arange(unit)).reshape(-1)
-                    if len(rows):
-                        it.set_consumed(ci, rows, True)
-                        self._grant_locked(it, ci, rows, owner, lease_id, term, whole_groups)
+                    if len(rows):  # ascending: one run when they span as many rows as they are
+                        run = (int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else None
+                        it.set_consumed(ci, rows, True, run)
+                        self._grant_locked(it, ci, rows, owner, lease_id, term, whole_groups, run)
                         self._wake_locked(it, ci)  # waiters of this consumer may need fewer rows now
                     self._forget_waiter(waiter)
                     waiter = None  # it took: no wake-up to hand on
@@ -853,9 +896,13 @@ class ShardController:
 
     # --- leases ------------------------------------------------------------------------------
     def _grant_locked(
-        self, it: _Iteration, ci: int, rows: np.ndarray, owner: str, lease_id: str, term: float, whole_groups: bool
+        self, it: _Iteration, ci: int, rows: np.ndarray, owner: str, lease_id: str, term: float, whole_groups: bool,
+        run: tuple[int, int] | None = None,
     ) -> None:
+        """Lease ``rows`` (local, ascending; ``run``: they are the range ``[start, stop)``) to ``owner`` under ``lease_id``."""
+        idx = rows if run is None else slice(*run)
         lease = it.leases.get(lease_id)
+        new = lease is None
         if lease is None:
             num = it.lease_num.setdefault(lease_id, len(it.lease_num))
             lease = it.leases[lease_id] = it.live[num] = _Lease(lease_id, num, owner, ci, term, 0.0, rows, whole_groups)
@@ -867,8 +914,9 @@ class ShardController:
         lease.whole_groups |= whole_groups
         lease.expiry = time.monotonic() + term
         heapq.heappush(it.expiries, (lease.expiry, lease.num))
-        it.lease_at[rows, ci] = lease.num
-        self._recount_locked(it, lease)
+        it.lease_at[idx, ci] = lease.num
+        # a new lease of rows none of which is finished (the usual take) holds all of them: no recount
+        self._recount_locked(it, lease, len(rows) if new and not it.fin[idx, ci].any() else None)
 
     def _recount_locked(self, it: _Iteration, lease: _Lease, undone: int | None = None) -> None:
         """Set ``lease.undone`` (default: count it now) and the held totals with it."""
@@ -889,13 +937,15 @@ class ShardController:
         if not ids:
             del it.by_owner[lease.owner]
 
-    def _unlease_locked(self, it: _Iteration, ci: int, local: np.ndarray, num: int | None = None) -> None:
+    def _unlease_locked(
+        self, it: _Iteration, ci: int, local: np.ndarray, num: int | None = None, idx: np.ndarray | slice | None = None,
+    ) -> None:
         """Detach rows from their leases (an ack or a release); drop leases left empty.
 
-        ``num``: every row is held under that lease number (the caller checked).
+        ``num``: every row is held under that lease number (the caller checked); ``idx``: the rows as an index.
         """
         if num is not None and len(local):
-            it.lease_at[local, ci] = -1
+            it.lease_at[local if idx is None else idx, ci] = -1
             lease = it.live[num]
             if len(local) == len(lease.rows):  # every row of the lease (its rows are distinct): it is over
                 self._drop_lease_locked(it, lease)
@@ -1001,17 +1051,21 @@ class ShardController:
             self._check_request(it, [], consumer, what)
             self._ack_locked(it, consumer, lease, self._check_rows(it, np.asarray(rows, dtype=np.int64), what))
 
-    def _ack_locked(self, it: _Iteration, consumer: str, lease: str, local: np.ndarray, held_all: bool = False) -> None:
-        """``ack_rows`` of checked local rows (``held_all``: the caller saw every row held under ``lease``)."""
+    def _ack_locked(
+        self, it: _Iteration, consumer: str, lease: str, local: np.ndarray, held_all: bool = False, run: tuple[int, int] | None = None,
+    ) -> None:
+        """``ack_rows`` of checked local rows (``held_all``: the caller saw every row held under ``lease``;
+        ``run``: the rows are the range ``[start, stop)``, ascending)."""
         what = f"ack by {consumer!r}"
         ci = it.consumer_index[consumer]
         expired = self.leases_expired
         self._expire_locked(it)
         num = it.lease_num.get(lease, -2)  # -2: an id never seen here matches no row
         if held_all and expired == self.leases_expired:  # nothing ended since the caller looked
-            self._unlease_locked(it, ci, local, num)
-            it.acked[local, ci] = True
-            it.acked_by[local, ci] = num
+            idx = local if run is None else slice(*run)
+            self._unlease_locked(it, ci, local, num, idx)
+            it.acked[idx, ci] = True
+            it.acked_by[idx, ci] = num
             self._wake_locked(it, ci)
             return
         held = it.lease_at[local, ci] == num
@@ -1185,12 +1239,17 @@ class ShardController:
             if in_store:  # keys of warehouse objects, one chunk per key
                 keys = payload.column("key").to_pylist()
                 it.chunks[c.name] = list(dict.fromkeys(keys))
+                it.spans[c.name] = [None] * len(it.chunks[c.name])
+                it.chunk_bytes[c.name] = [0] * len(it.chunks[c.name])
                 it.stored.add(c.name)
                 chunk_of = {key: k for k, key in enumerate(it.chunks[c.name])}
                 it.where[c.name][rows, 0] = [chunk_of[key] for key in keys]
                 it.where[c.name][rows, 1] = payload.column("offset").to_numpy()
             else:
-                it.chunks[c.name].append(payload.column(c.name).combine_chunks())
+                cells = payload.column(c.name).combine_chunks()
+                it.chunks[c.name].append(cells)
+                it.spans[c.name].append((int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else None)
+                it.chunk_bytes[c.name].append(cells.nbytes)
                 it.where[c.name][rows, 0] = 0
                 it.where[c.name][rows, 1] = np.arange(len(rows))
         for i, consumer in enumerate(self.schema.consumers):
@@ -1201,7 +1260,8 @@ class ShardController:
         return it
 
     def stats(self) -> dict[str, float]:
-        """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read``, ``dock/wait_s``,
+        """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read`` (a read served as a zero-copy
+        slice of one put's cells counts that put's bytes pro rata), ``dock/wait_s``,
         ``dock/leases_expired`` and ``dock/rows_returned`` (rows back to the pool after a lease
         ended un-acked)."""
         with self._cond:

@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -120,24 +120,66 @@ class ShardLayout:
         return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
 
 
-def row_runs(rows: np.ndarray) -> list[list[int]]:
-    """The ascending, distinct int64 ``rows`` as runs ``[[start, stop), ...]`` of consecutive rows."""
+def row_runs(rows: np.ndarray) -> np.ndarray:
+    """The ascending, distinct int64 ``rows`` as runs of consecutive rows: an int64 ``(k, 2)`` array of ``[start, stop)``."""
     n = len(rows)
     if not n:
-        return []
+        return np.zeros((0, 2), dtype=np.int64)
     if int(rows[-1]) - int(rows[0]) + 1 == n:  # ascending and distinct: one run
-        return [[int(rows[0]), int(rows[-1]) + 1]]
+        return np.array([[rows[0], rows[-1] + 1]], dtype=np.int64)
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     starts = np.concatenate(([0], breaks))
     stops = np.concatenate((breaks, [n]))
-    return np.stack([rows[starts], rows[stops - 1] + 1], axis=1).tolist()
+    return np.stack([rows[starts], rows[stops - 1] + 1], axis=1).astype(np.int64, copy=False)
 
 
-def runs_rows(runs: list[list[int]]) -> list[int]:
-    """The rows of ``runs`` (``row_runs``), in order."""
+def runs_rows(runs: np.ndarray) -> np.ndarray:
+    """The rows of ``runs`` (``row_runs``), in order, as an int64 array."""
     if len(runs) == 1:
-        return list(range(runs[0][0], runs[0][1]))
-    return [r for start, stop in runs for r in range(start, stop)]
+        return np.arange(runs[0, 0], runs[0, 1], dtype=np.int64)
+    return np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(a, b, dtype=np.int64) for a, b in runs.tolist())])
+
+
+class ClaimRequest(NamedTuple):
+    """One take on one shard (the ``claim`` request's fields, ``ShardController.take``'s arguments).
+
+    Built by the front end, carried as is in this process (``LocalTransport``), in the binary
+    claim ticket over Flight (``dockrl.dock.flight.encode_claim``), or as the JSON body of the
+    ``claim`` action (``to_json``/``from_json``).
+    """
+
+    iteration: int
+    consumer: str
+    columns: tuple[str, ...]
+    limit: int
+    """Rows to take at most (the body's ``count``)."""
+    at_least: int
+    whole_groups: bool
+    timeout_s: float | None
+    """Seconds the take may block; None: no limit."""
+    owner: str
+    lease: str | None
+    """Lease id of the rows taken; None: a fresh one."""
+    lease_s: float | None
+    """Lease term, seconds; None: the shard's default."""
+    wait_held: bool
+
+    @classmethod
+    def from_json(cls, req: dict[str, Any]) -> ClaimRequest:
+        """From a ``claim`` action body.
+
+        Raises:
+            KeyError, TypeError: a required field is missing or not a list of columns.
+        """
+        return cls(req["iteration"], req["consumer"], tuple(req["columns"]), req["count"], req["at_least"], req["whole_groups"],
+                   req["timeout_s"], req.get("owner", DEFAULT_OWNER), req.get("lease"), req.get("lease_s"),
+                   req.get("wait_held", True))
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``claim`` action body."""
+        body = self._asdict() | {"columns": list(self.columns), "count": self.limit}
+        del body["limit"]
+        return body
 
 
 def _timeout(value: float | None) -> float:
@@ -229,7 +271,11 @@ class ShardService:
             DockError: that iteration is not open on this shard while others are (with one or
                 none open, that controller refuses it with its own message).
         """
-        iteration, docks = req.get("iteration"), self._docks
+        return self._at_iteration(req.get("iteration"))
+
+    def _at_iteration(self, iteration: int | None) -> ShardController:
+        """``_at`` of a request naming ``iteration``."""
+        docks = self._docks
         found = docks.get(iteration) if iteration is not None else None
         if found is not None:
             return found
@@ -346,31 +392,36 @@ class ShardService:
         return {name: loc.to_json() for name, loc in located.items()}
 
     def claim(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Take rows for a claim (``ShardController.take``); rows taken for a caller that gave up
-        (``cancelled()`` true once a take that blocked returns) are handed back."""
-        rows, res, _ = self._claim(req, cancelled, read=False)
-        return {"rows": rows.tolist()} | res
+        """The ``claim`` action: take rows for a claim (``take``) → {rows, pending, held}."""
+        rows, pending, held, _ = self.take(ClaimRequest.from_json(req), cancelled, read=False)
+        return {"rows": rows.tolist(), "pending": pending, "held": held}
 
-    def _claim(
-        self, req: dict[str, Any], cancelled: Callable[[], bool], read: bool,
-    ) -> tuple[np.ndarray, dict[str, Any], pa.RecordBatch | None]:
-        """(rows taken, global and ascending; {pending, held}; the cells with ``read``)."""
-        timeout = _timeout(req["timeout_s"])
+    def take(
+        self, req: ClaimRequest, cancelled: Callable[[], bool] = lambda: False, read: bool = False,
+    ) -> tuple[np.ndarray, int, int, pa.RecordBatch | None]:
+        """Take rows for a claim (``ShardController.take``): (rows taken, global int64 ascending;
+        the consumer's rows pending after it; rows other owners hold; with ``read`` the cells).
+
+        Rows taken for a caller that gave up (``cancelled()`` true once a take that blocked
+        returns) are handed back.
+
+        Raises:
+            DockError: as ``ShardController.take``.
+        """
         start = time.monotonic()
-        controller = self._at(req)
+        controller = self._at_iteration(req.iteration)
         rows, pending, held, _, batch = controller.take_rows(
-            req["consumer"], req["columns"], req["count"], whole_groups=req["whole_groups"],
-            at_least=req["at_least"], timeout_s=timeout, iteration=req["iteration"],
-            owner=req.get("owner", DEFAULT_OWNER), lease=req.get("lease"), lease_s=req.get("lease_s"),
-            wait_held=req.get("wait_held", True), read=read,
+            req.consumer, req.columns, req.limit, whole_groups=req.whole_groups, at_least=req.at_least,
+            timeout_s=_timeout(req.timeout_s), iteration=req.iteration, owner=req.owner, lease=req.lease,
+            lease_s=req.lease_s, wait_held=req.wait_held, read=read,
         )
         # only a take that blocked can outlive its caller (whose deadline is the wait plus an RPC's
         # slack); asking the transport costs more than a take that did not block
         if len(rows) and time.monotonic() - start > CANCEL_CHECK_S and cancelled():
-            logger.warning("claim by %r cancelled by the client; releasing %d rows", req["consumer"], len(rows))
-            controller.release(req["consumer"], rows, iteration=req["iteration"])
+            logger.warning("claim by %r cancelled by the client; releasing %d rows", req.consumer, len(rows))
+            controller.release(req.consumer, rows, iteration=req.iteration)
             rows, pending, batch = rows[:0], pending + len(rows), None if batch is None else batch.slice(0, 0)
-        return rows, {"pending": pending, "held": held}, batch
+        return rows, pending, held, batch
 
     @staticmethod
     def _snapshots(uri: str, layout: dict[str, int] | None, more: list[dict[str, int]]) -> list[tuple[dict[str, int] | None, str, dict]]:
@@ -405,15 +456,26 @@ class ShardService:
 
     # --- payload path -------------------------------------------------------------------------
     def put(self, req: dict[str, Any], table: pa.Table | pa.RecordBatch) -> None:
-        """Write the cells of ``table`` (an int64 ``row`` column plus data columns), then ack with ``req["ack"]``.
+        """Write the cells of ``table`` (an int64 ``row`` column plus data columns), then ack with
+        ``req["ack"]`` ({consumer, lease}, if there): ``write`` of ``req["iteration"]``.
+
+        Raises:
+            DockError: as ``write``.
+        """
+        ack = req.get("ack")
+        self.write(req["iteration"], table, None if ack is None else (ack["consumer"], ack["lease"]))
+
+    def write(self, iteration: int, table: pa.Table | pa.RecordBatch, ack: tuple[str, str] | None = None) -> None:
+        """Write the cells of ``table`` (an int64 ``row`` column plus data columns) in ``iteration``,
+        then ack them under ``ack=(consumer, lease)`` (put and ack in one call: ``put(..., ack=claim)``).
 
         Raises:
             DockError: a store-payload shard, no ``row`` column, or as ``ShardController.put``/``ack_rows``.
         """
         self._require("memory", "put")
-        if ROW not in table.schema.names:
-            raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {table.schema.names}")
         names = table.schema.names
+        if ROW not in names:
+            raise DockError(f"put: the batch has no {ROW!r} column (int64 global row indexes); got {names}")
         if isinstance(table, pa.Table):
             batches = table.to_batches()
             if len(batches) == 1:  # one batch (a client's put): its arrays as they are
@@ -421,25 +483,26 @@ class ShardService:
         row = table.column(ROW)
         rows = row.to_numpy() if isinstance(row, pa.Array) else row.combine_chunks().to_numpy()
         columns = {name: table.column(name) for name in names if name != ROW}
-        ack = (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None  # put and ack in one call (put(..., ack=claim))
-        self._at(req).put(rows, columns, iteration=req["iteration"], ack=ack)
+        self._at_iteration(iteration).put(rows, columns, iteration=iteration, ack=ack)
 
     def get(self, req: dict[str, Any]) -> pa.RecordBatch:
         """The cells of ``req["rows"]`` (``ShardController.get``) of a memory-payload shard."""
         self._require("memory", "get")
         return self._at(req).get(req["columns"], req["rows"], iteration=req["iteration"])
 
-    def claim_cells(self, req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False) -> tuple[dict[str, Any], pa.RecordBatch]:
-        """``claim`` and the cells of its rows in one call, under one lock (memory payload).
+    def claim_cells(
+        self, req: ClaimRequest, cancelled: Callable[[], bool] = lambda: False,
+    ) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
+        """``take`` and the cells of its rows in one call, under one lock (memory payload):
+        (rows, pending, held, the cells of ``req.columns`` in the order of the rows).
 
-        The result names the rows as ``runs`` instead of ``rows``: ``[[start, stop], ...]``, the
-        ascending row ranges ``[start, stop)`` taken (``row_runs``; a claim is mostly one run).
+        Raises:
+            DockError: a store-payload shard, or as ``ShardController.take``.
         """
         self._require("memory", "get")
-        rows, res, batch = self._claim(req, cancelled, read=True)
+        rows, pending, held, batch = self.take(req, cancelled, read=True)
         assert batch is not None
-        res["runs"] = row_runs(rows)
-        return res, batch
+        return rows, pending, held, batch
 
 
 class ShardTransport(Protocol):
@@ -460,7 +523,8 @@ class ShardTransport(Protocol):
 
     def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table: ...
 
-    def claim_cells(self, body: dict[str, Any], timeout: float | None) -> tuple[dict[str, Any], pa.Table]: ...
+    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
+        """``ShardService.claim_cells`` on the shard: (rows, global int64 ascending; pending; held; the cells)."""
 
     def close(self) -> None: ...
 
@@ -487,9 +551,8 @@ class LocalTransport:
     def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table:
         return pa.Table.from_batches([self.service.get(body)])
 
-    def claim_cells(self, body: dict[str, Any], timeout: float | None) -> tuple[dict[str, Any], pa.Table]:
-        res, batch = self.service.claim_cells(body)
-        return res, pa.Table.from_batches([batch])
+    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
+        return self.service.claim_cells(req)
 
     def close(self) -> None:
         if self.owned:

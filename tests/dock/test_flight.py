@@ -684,5 +684,6 @@ def test_a_put_table_chunked_unevenly_writes_every_row():
     svc.put({"iteration": 0}, pa.Table.from_arrays([pa.chunked_array([np.arange(8)]), cells], names=["row", "prompt_ids"]))
     assert svc.get({"iteration": 0, "columns": ["prompt_ids"], "rows": list(range(8))}).column(0).to_pylist() == [[1]] * 3 + [[2]] * 5
     rows = np.array([0, 1, 2, 5, 7, 8], dtype=np.int64)
-    assert row_runs(rows) == [[0, 3], [5, 6], [7, 9]] and runs_rows(row_runs(rows)) == rows.tolist()
-    assert row_runs(rows[:0]) == [] and row_runs(rows[:3]) == [[0, 3]]
+    assert row_runs(rows).tolist() == [[0, 3], [5, 6], [7, 9]] and runs_rows(row_runs(rows)).tolist() == rows.tolist()
+    assert row_runs(rows[:0]).tolist() == [] and row_runs(rows[:3]).tolist() == [[0, 3]]
+    assert runs_rows(row_runs(rows[:0])).tolist() == [] and runs_rows(row_runs(rows[:3])).tolist() == [0, 1, 2]
