@@ -11,9 +11,9 @@ mapping onto Flight (action bodies and results UTF-8 JSON; the claim cycle's mes
   an int64 ``row`` column (global row indexes) plus the data columns.
 * ``do_get`` — payload out: ticket {iteration, columns, rows} (JSON) → the cells as a record
   batch stream, in the order of ``rows``; a binary claim ticket (``encode_claim``: a
-  ``ClaimRequest``) claims and reads in one round trip, the claim's result travelling as the
-  schema metadata ``CLAIM_META`` (``encode_claim_result``: pending, held and the rows as
-  ascending runs; ``ShardService.claim_cells``).
+  ``ClaimRequest``) claims and reads in one round trip: one record batch of the cells, the
+  claim's result travelling as its ``app_metadata`` (``encode_claim_result``: pending, held and
+  the rows as ascending runs; ``ShardService.claim_cells``).
 
 The binary messages carry ``WIRE_VERSION``; a shard refuses another version, and a claim
 ticket in the JSON form of earlier releases, naming both versions.
@@ -55,8 +55,6 @@ from dockrl.dock.shard import ClaimRequest, Payload, ShardService, row_runs, run
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CLAIM_META = b"dockrl.claim"
-"""Schema metadata key of a claim-and-read ``do_get`` answer (``encode_claim_result``)."""
 WIRE_VERSION = 2
 """Version of the binary claim ticket, claim result and put descriptor (1: the JSON forms before them)."""
 _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
@@ -131,7 +129,7 @@ def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str
 
 
 def encode_claim_result(rows: np.ndarray, pending: int, held: int) -> bytes:
-    """A claim's answer (``CLAIM_META``): pending, held and ``rows`` (ascending, distinct) as runs."""
+    """A claim's answer (the ``app_metadata`` of its cells): pending, held and ``rows`` (ascending, distinct) as runs."""
     runs = row_runs(rows)
     return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, len(runs)) + runs.astype("<i8", copy=False).tobytes()
 
@@ -330,7 +328,7 @@ class DockShardServer(flight.FlightServerBase):
 
         _guard("put", put)
 
-    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
         """A read (JSON ticket ``{iteration, columns, rows}``), or with a binary claim ticket
         (``encode_claim``) a claim and the read of its rows in one round trip (``ShardService.claim_cells``)."""
         data = ticket.ticket
@@ -346,12 +344,13 @@ class DockShardServer(flight.FlightServerBase):
 
         return flight.RecordBatchStream(_guard("get", get), options=self._ipc)
 
-    def _claim_stream(self, data: bytes, context: flight.ServerCallContext) -> flight.RecordBatchStream:
+    def _claim_stream(self, data: bytes, context: flight.ServerCallContext) -> flight.GeneratorStream:
         rows, pending, held, batch = self.service.claim_cells(decode_claim(data, self._fixed_parts), context.is_cancelled)
         meta = encode_claim_result(rows, pending, held)
         self._count(len(data) + len(meta))
-        table = pa.Table.from_batches([batch], schema=batch.schema.with_metadata({CLAIM_META: meta}))
-        return flight.RecordBatchStream(table, options=self._ipc)
+        # the result as the batch's app_metadata: the batch keeps its (cached) schema, and a stream of a
+        # schema object seen before costs the server less than one with per-claim schema metadata
+        return flight.GeneratorStream(batch.schema, iter([(batch, pa.py_buffer(meta))]), options=self._ipc)
 
 
 class FlightTransport:
@@ -420,20 +419,41 @@ class FlightTransport:
         ticket = flight.Ticket(json.dumps(body).encode())
         return self._call("get", lambda: self._client.do_get(ticket, self._options(timeout)).read_all())
 
-    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.Table]:
+    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
         key = (req.consumer, req.owner, req.columns)
         fixed = self._fixed_parts.get(key)
         if fixed is None:
             fixed = self._fixed_parts[key] = claim_fixed_part(*key)
         data = encode_claim(req, fixed)
-        table = self._call("claim", lambda: self._client.do_get(flight.Ticket(data), self._options(timeout)).read_all())
-        meta = table.schema.metadata[CLAIM_META]
+        chunk = self._call("claim", lambda: _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout))))
+        meta = chunk.app_metadata
+        if meta is None:
+            raise DockError(f"claim: the dock shard at {self.location} answered without the claim's result: "
+                            f"run clients and shards of the same dockrl release (wire version {WIRE_VERSION})")
+        meta = meta.to_pybytes()
         self._count(len(data) + len(meta))
         rows, pending, held = decode_claim_result(meta)
-        return rows, pending, held, table
+        return rows, pending, held, chunk.data
 
     def close(self) -> None:
         self._client.close()
+
+
+def _one_batch(reader: flight.FlightStreamReader) -> flight.FlightStreamChunk:
+    """The one record batch (and its app_metadata) of a claim's stream, read to its end.
+
+    Raises:
+        DockError: the stream holds no batch or more than one.
+    """
+    try:
+        chunk = reader.read_chunk()
+    except StopIteration:
+        raise DockError("claim: the dock shard answered no record batch") from None
+    try:
+        reader.read_chunk()
+    except StopIteration:
+        return chunk
+    raise DockError("claim: the dock shard answered more than one record batch")
 
 
 def start_local_shards(
