@@ -410,7 +410,10 @@ class DockClient:
                 self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
             else:
                 schema = self._put_schema(tuple(arrays))
-                for s, pos in layout.split(rows_arr).items():
+                if layout.num_shards == 1:  # one shard owns every row: the arrays as they are
+                    batch = pa.RecordBatch.from_arrays([pa.array(rows_arr), *arrays.values()], schema=schema)
+                    self.transports[0].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
+                for s, pos in (layout.split(rows_arr) if layout.num_shards > 1 else {}).items():
                     whole = len(pos) == len(rows_arr)  # one shard owns every row: the arrays as they are
                     batch = pa.RecordBatch.from_arrays(
                         [pa.array(rows_arr if whole else rows_arr[pos]), *(a if whole else _part(a, pos) for a in arrays.values())],
@@ -494,6 +497,8 @@ class DockClient:
         Copies nothing when the cells already come in order in one chunk per column (a claim
         from one shard in one call, the usual case)."""
         schema = self._arrow_schema(columns, "get")
+        if len(tables) == 1 and order is None and isinstance(tables[0], pa.RecordBatch):
+            return tables[0]  # one batch of a shard: its schema is this one (same schema version)
         if len(tables) == 1:
             table = tables[0]
         else:
@@ -555,7 +560,7 @@ class DockClient:
         timeout: float, deadline: float,
     ) -> Claim:
         unit = layout.group_size if whole_groups else 1
-        active = [s for s, (start, stop) in enumerate(layout.ranges) if stop > start]
+        active = layout.active
         with self._lock:
             first, self._next = self._next % len(active), self._next + 1
         order = active[first:] + active[:first]

@@ -101,6 +101,11 @@ class ShardLayout:
     def ranges(self) -> list[tuple[int, int]]:
         return shard_ranges(self.num_rows, self.group_size, self.num_shards)
 
+    @functools.cached_property
+    def active(self) -> list[int]:
+        """The shards that own rows of the iteration (with fewer groups than shards some own none)."""
+        return [s for s, (start, stop) in enumerate(self.ranges) if stop > start]
+
     def shard_meta(self, s: int) -> dict[str, int]:
         """What shard ``s`` stores (and ``describe``s) for this iteration."""
         first, stop = self.ranges[s]
