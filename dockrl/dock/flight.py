@@ -68,6 +68,7 @@ _CLAIM_HEAD = struct.Struct("<3sBqqqddBHH")
 _WHOLE_GROUPS, _WAIT_HELD = 1, 2
 _RESULT_HEAD = struct.Struct("<BqqI")
 """version, pending, held, number of runs; then the runs as int64 ``[start, stop)`` pairs."""
+_RUN = struct.Struct("<qq")
 _PUT_HEAD = struct.Struct("<3sBqHH")
 """magic, version, iteration, len(ack consumer), len(ack lease) (0, 0: no ack); then the two strings."""
 _MAX_PREPARED = 1024
@@ -130,6 +131,9 @@ def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str
 
 def encode_claim_result(rows: np.ndarray, pending: int, held: int) -> bytes:
     """A claim's answer (the ``app_metadata`` of its cells): pending, held and ``rows`` (ascending, distinct) as runs."""
+    n = len(rows)
+    if n and int(rows[-1]) - int(rows[0]) + 1 == n:  # one run (the usual claim)
+        return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, 1) + _RUN.pack(int(rows[0]), int(rows[-1]) + 1)
     runs = row_runs(rows)
     return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, len(runs)) + runs.astype("<i8", copy=False).tobytes()
 
@@ -146,6 +150,9 @@ def decode_claim_result(meta: bytes) -> tuple[np.ndarray, int, int]:
                         "run clients and shards of the same dockrl release")
     if len(meta) != _RESULT_HEAD.size + 16 * n:
         raise DockError(f"claim: malformed answer of the dock shard ({len(meta)} bytes for {n} runs)")
+    if n == 1:  # one run (the usual claim)
+        start, stop = _RUN.unpack_from(meta, _RESULT_HEAD.size)
+        return np.arange(start, stop, dtype=np.int64), pending, held
     runs = np.frombuffer(meta, dtype="<i8", count=2 * n, offset=_RESULT_HEAD.size).reshape(n, 2)
     return runs_rows(runs), pending, held
 

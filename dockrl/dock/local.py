@@ -587,7 +587,8 @@ class ShardController:
         """``_check_rows``, and whether the rows are ascending."""
         stop = it.first_row + it.num_rows
         if len(rows) and rows[0] >= it.first_row and rows[-1] < stop and (len(rows) == 1 or (rows[1:] > rows[:-1]).all()):
-            return rows - it.first_row, True  # ascending and in range (the usual request): nothing more to check
+            # ascending and in range (the usual request): nothing more to check
+            return (rows - it.first_row if it.first_row else rows), True
         bad = rows[(rows < 0) | (rows >= it.total_rows)]
         if len(bad):
             raise DockError(f"{what}: rows {bad[:10].tolist()} out of range [0, {it.total_rows}) in iteration {it.iteration}")
