@@ -330,7 +330,7 @@ class DockShardServer(flight.FlightServerBase):
 
         def put() -> None:
             iteration, ack = decode_put(command)
-            self.service.write(iteration, reader.read_all(), ack)
+            self.service.write(iteration, reader.read_all(), ack, from_ipc=True)
             self._count(len(command))  # the descriptor is metadata: it counts as controller bytes
 
         _guard("put", put)

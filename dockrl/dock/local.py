@@ -429,13 +429,15 @@ class ShardController:
     # --- writes ----------------------------------------------------------------------------
     def put(
         self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None,
-        ack: tuple[str, str] | None = None,
+        ack: tuple[str, str] | None = None, own_buffers: bool = False,
     ) -> None:
         """Write cells: ``columns[name][k]`` is the cell of row ``rows[k]``.
 
         Atomic: either every cell is written or none. With ``iteration`` the put is refused
         unless that iteration is the open one. With ``ack=(consumer, lease)`` the rows are then
         acked as by ``ack_rows`` (under the same lock: one call for a stage's put and ack).
+        ``own_buffers``: the arrays hold exactly their own buffers (read from an IPC stream), so
+        ``dock/bytes_put`` counts their buffer sizes instead of summing the ranges they reference.
 
         Raises:
             DockError: unknown column, wrong Arrow type or length, row out of range or repeated,
@@ -457,7 +459,7 @@ class ShardController:
                 chunk_id = len(it.chunks[name])
                 it.chunks[name].append(array)
                 it.spans[name].append(run)
-                nbytes = array.nbytes
+                nbytes = array.get_total_buffer_size() if own_buffers else array.nbytes
                 it.chunk_bytes[name].append(nbytes)
                 where = it.where[name]
                 where[index, 0] = chunk_id

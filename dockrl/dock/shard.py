@@ -470,9 +470,12 @@ class ShardService:
         ack = req.get("ack")
         self.write(req["iteration"], table, None if ack is None else (ack["consumer"], ack["lease"]))
 
-    def write(self, iteration: int, table: pa.Table | pa.RecordBatch, ack: tuple[str, str] | None = None) -> None:
+    def write(
+        self, iteration: int, table: pa.Table | pa.RecordBatch, ack: tuple[str, str] | None = None, *, from_ipc: bool = False,
+    ) -> None:
         """Write the cells of ``table`` (an int64 ``row`` column plus data columns) in ``iteration``,
         then ack them under ``ack=(consumer, lease)`` (put and ack in one call: ``put(..., ack=claim)``).
+        ``from_ipc``: ``table`` was read from an Arrow IPC stream (its arrays own exactly their buffers).
 
         Raises:
             DockError: a store-payload shard, no ``row`` column, or as ``ShardController.put``/``ack_rows``.
@@ -488,7 +491,7 @@ class ShardService:
         row = table.column(ROW)
         rows = row.to_numpy() if isinstance(row, pa.Array) else row.combine_chunks().to_numpy()
         columns = {name: table.column(name) for name in names if name != ROW}
-        self._at_iteration(iteration).put(rows, columns, iteration=iteration, ack=ack)
+        self._at_iteration(iteration).put(rows, columns, iteration=iteration, ack=ack, own_buffers=from_ipc)
 
     def get(self, req: dict[str, Any]) -> pa.RecordBatch:
         """The cells of ``req["rows"]`` (``ShardController.get``) of a memory-payload shard."""
