@@ -13,8 +13,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -26,9 +26,18 @@ from hypothesis import strategies as st
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, open_dock
 from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.shard import shard_ranges
-from dockrl.dock.flight import DockShardServer, dock_error_to_flight, raise_dock_error, serve_shard
+from dockrl.dock.flight import (
+    WIRE_VERSION,
+    DockShardServer,
+    claim_fixed_part,
+    dock_error_to_flight,
+    encode_claim,
+    encode_put,
+    raise_dock_error,
+    serve_shard,
+    start_local_shards,
+)
+from dockrl.dock.shard import ClaimRequest, shard_ranges
 from dockrl.dock.warehouse import DirectoryWarehouse, Warehouse
 
 TOKEN = "test-token"
@@ -417,6 +426,9 @@ def raw_get(ticket: bytes):
 
 
 ROWS = pa.array([2, 3], type=pa.int64())  # shard 1 of 2 owns rows 2..3 of a 4-row iteration
+CLAIM_TICKET = encode_claim(ClaimRequest(0, "reward", ("prompt_ids",), 1, 0, False, 0.0, "raw", "lease", 60.0, False),
+                            claim_fixed_part("reward", "raw", ("prompt_ids",)))
+PUT_DESCRIPTOR = encode_put(0, None)
 RAW_BAD_CALLS = {
     "unknown column": (raw_put(0, {"row": ROWS, "promptids": pa.array([[1], [2]])}), ["unknown column 'promptids'"]),
     "wrong arrow type": (
@@ -443,6 +455,20 @@ RAW_BAD_CALLS = {
     "get unknown column": (raw_get(b'{"iteration": 0, "columns": ["score"], "rows": [2]}'), ["unknown column 'score'"]),
     "get row out of range": (raw_get(b'{"iteration": 0, "columns": ["prompt_ids"], "rows": [0]}'), ["rows [0] belong to another dock shard"]),
     "unknown action": (raw_action("steal", b"{}"), ["unknown action 'steal'"]),
+    "claim ticket in JSON (wire version 1)": (
+        raw_get(b'{"claim": {"iteration": 0, "consumer": "reward", "columns": ["prompt_ids"], "count": 1}}'),
+        ["claim: the client speaks dock wire version 1; this shard speaks 2", "same dockrl release"],
+    ),
+    "claim ticket of another wire version": (
+        raw_get(CLAIM_TICKET[:3] + bytes([WIRE_VERSION + 1]) + CLAIM_TICKET[4:]),
+        [f"claim: the client speaks dock wire version {WIRE_VERSION + 1}; this shard speaks {WIRE_VERSION}"],
+    ),
+    "claim ticket cut short": (raw_get(CLAIM_TICKET[:-3]), ["malformed claim ticket"]),
+    "put descriptor of another wire version": (
+        raw_put(0, {"row": ROWS, "rm_score": pa.array([1.0, 2.0], type=pa.float32())},
+                command=PUT_DESCRIPTOR[:3] + bytes([WIRE_VERSION + 1]) + PUT_DESCRIPTOR[4:]),
+        [f"put: the client speaks dock wire version {WIRE_VERSION + 1}; this shard speaks {WIRE_VERSION}"],
+    ),
     "action missing a field": (raw_action("ack", b'{"iteration": 0, "consumer": "reward", "rows": [2]}'), ["malformed ack request", "lease"]),
     "ack of a lease never granted": (
         raw_action("ack", b'{"iteration": 0, "consumer": "reward", "lease": "nope", "rows": [2]}'),
@@ -687,3 +713,22 @@ def test_a_put_table_chunked_unevenly_writes_every_row():
     assert row_runs(rows).tolist() == [[0, 3], [5, 6], [7, 9]] and runs_rows(row_runs(rows)).tolist() == rows.tolist()
     assert row_runs(rows[:0]).tolist() == [] and row_runs(rows[:3]).tolist() == [[0, 3]]
     assert runs_rows(row_runs(rows[:0])).tolist() == [] and runs_rows(row_runs(rows[:3])).tolist() == [0, 1, 2]
+
+
+def test_the_claim_cycle_messages_round_trip():
+    """The binary claim ticket, claim result and put descriptor decode to what was encoded."""
+    from dockrl.dock.flight import decode_claim, decode_claim_result, decode_put, encode_claim_result
+
+    req = ClaimRequest(3, "actor", ("prompt_ids", "advantages"), 32, 16, True, None, "host:1:ab", "l" * 32, 90.0, True)
+    cache: dict = {}
+    fixed = claim_fixed_part(req.consumer, req.owner, req.columns)
+    assert decode_claim(encode_claim(req, fixed), cache) == req
+    assert decode_claim(encode_claim(req._replace(timeout_s=2.5, lease_s=None, whole_groups=False), fixed), cache) == \
+        req._replace(timeout_s=2.5, lease_s=None, whole_groups=False)
+    assert len(cache) == 1  # the fixed part is parsed once
+    for rows in ([], [4, 5, 6], [0, 1, 2, 5, 7, 8], [9]):
+        got, pending, held = decode_claim_result(encode_claim_result(np.array(rows, dtype=np.int64), 7, 2))
+        assert got.dtype == np.int64 and got.tolist() == rows and (pending, held) == (7, 2)
+    assert decode_put(encode_put(4, None)) == (4, None)
+    assert decode_put(encode_put(4, ("reward", "lease-1"))) == (4, ("reward", "lease-1"))
+    assert decode_put(b'{"iteration": 4, "ack": {"consumer": "reward", "lease": "x"}}') == (4, ("reward", "x"))
