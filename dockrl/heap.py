@@ -6,9 +6,10 @@ mmap threshold from a mapping of its own, returned to the system when freed, and
 from its heaps, which keep freed memory. The threshold starts at 128 KiB but is dynamic: each
 freed mapping raises it to that size (up to 32 MiB), so after the first step tensors of a few MB
 come from the heaps, whose free holes the next step's tensors do not fit, and the resident size
-climbs step after step (``mallopt(3)``, ``M_MMAP_THRESHOLD``). Measured on SmolLM2-135M in fp32
-(8 × 4 samples × ≤128 tokens, micro-batch 8, docs/benchmarks.md): 3.9 GB resident between the
-first two iterations and 7.1 GB peak in the second; with a fixed 1 MiB threshold 2.6 GB and 4.5 GB.
+climbs step after step (``mallopt(3)``, ``M_MMAP_THRESHOLD``). Measured in process on
+SmolLM2-135M in fp32 (8 × 4 samples × ≤128 tokens, micro-batch 8, ``benchmarks/vs_trl.py``'s
+workload): resident between iterations 3.9 GB after the first and 6.2 GB after the second, 7.1 GB
+at the second's peak; with a fixed 1 MiB threshold 2.6 GB, 2.6 GB and 5.6 GB.
 
 ``fix_mmap_threshold`` fixes the threshold (which also turns the dynamic adjustment off): tensors
 of ``MMAP_THRESHOLD_BYTES`` or more are mapped and unmapped whole. The cost is a page fault per
