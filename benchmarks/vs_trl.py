@@ -22,9 +22,11 @@ process it starts (both sides' rule verifier runs in processes of its own, ~0.35
 engine core runs in the run's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, but a default vLLM
 would start one). ``ru_maxrss`` of ``RUSAGE_SELF`` misses those, and ``RUSAGE_CHILDREN`` is no fix: it
 gives the largest single waited-for descendant, not a sum over processes alive together. The
-parent samples the sum of the tree's resident set sizes every ``RSS_SAMPLE_S`` (psutil) and takes
-the larger of its peak and the run process's own ``ru_maxrss``, which catches a peak of that
-process between two samples. Pages that processes share count in each (the verifier's forkserver
+column is the run process's own peak (``ru_maxrss``, exact) plus each descendant's own peak
+(Linux ``VmHWM``, read by the parent every ``RSS_SAMPLE_S``): an upper bound of the tree's peak,
+exact when the descendants' memory is flat while the run process peaks (the verifier's is).
+Sampling the tree's sum instead misses short peaks (its largest sample is the lower bound the
+column never goes under). Pages that processes share count in each (the verifier's forkserver
 and the process it forks: tens of MB).
 
 TRL and psutil are optional dependencies of this benchmark only (``pip install 'dockrl[bench]'``).
@@ -160,40 +162,51 @@ def _child(side: str, spec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def tree_rss(pid: int) -> int:
-    """Bytes resident in process ``pid`` and all its live descendants (0 once it has exited)."""
-    import psutil
-
+def high_water(proc: Any) -> int:
+    """Peak resident bytes of a ``psutil.Process`` so far: Linux's ``VmHWM``, else its current RSS."""
     try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:  # ended between the listing and the reading
-            pass
-    return total
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return proc.memory_info().rss
 
 
-def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS_SAMPLE_S) -> tuple[str, str, int]:
-    """Wait for ``proc`` (stdout and stderr piped, text) while sampling ``tree_rss`` every ``every_s``.
+def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS_SAMPLE_S) -> tuple[str, str, int, int]:
+    """Wait for ``proc`` (stdout and stderr piped, text) while reading its process tree every ``every_s``.
 
     Returns:
-        ``(stdout, stderr, peak bytes)`` — the largest sampled sum over the process tree.
+        ``(stdout, stderr, sampled, descendants)``: ``sampled``, the largest sum of the tree's
+        resident sizes at one sample (a lower bound of its peak: a short peak falls between
+        samples); ``descendants``, the sum over ``proc``'s descendants of each one's own peak
+        (``high_water``, last read before it ended). ``proc``'s own peak is its ``ru_maxrss``.
 
     Raises:
         subprocess.TimeoutExpired: ``proc`` ran longer than ``timeout_s`` (it is killed).
     """
-    peak = 0
+    import psutil
+
+    sampled, peaks = 0, {}
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal sampled
         while not done.is_set():
-            peak = max(peak, tree_rss(proc.pid))
+            total = 0
+            try:
+                root = psutil.Process(proc.pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                tree = []
+            for member in tree:
+                try:
+                    total += member.memory_info().rss
+                    if member.pid != proc.pid:
+                        peaks[member.pid] = max(peaks.get(member.pid, 0), high_water(member))
+                except psutil.NoSuchProcess:  # ended between the listing and the reading
+                    pass
+            sampled = max(sampled, total)
             done.wait(every_s)
 
     sampler = threading.Thread(target=sample, name="tree-rss", daemon=True)
@@ -207,7 +220,7 @@ def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS
     finally:
         done.set()
         sampler.join(timeout=5.0)
-    return out, err, peak
+    return out, err, sampled, sum(peaks.values())
 
 
 def _run_side(side: str, spec: dict[str, Any], timeout_s: float) -> dict[str, float]:
@@ -216,14 +229,14 @@ def _run_side(side: str, spec: dict[str, Any], timeout_s: float) -> dict[str, fl
         cmd = [sys.executable, __file__, "--child", side, "--spec", json.dumps(spec | {"out": out})]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            stdout, stderr, peak = tree_peak_rss(proc, timeout_s)
+            stdout, stderr, sampled, descendants = tree_peak_rss(proc, timeout_s)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vs_trl: the {side} run did not finish within {timeout_s:.0f} s (--timeout-s)") from e
     lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"vs_trl: the {side} run failed (exit {proc.returncode}):\n{stderr[-3000:]}")
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    result["peak_rss_gb"] = max(peak / 2**30, result["self_peak_rss_gb"])  # the tree's, never below the process's own
+    result["peak_rss_gb"] = max(sampled / 2**30, result["self_peak_rss_gb"] + descendants / 2**30)  # module docstring
     return result
 
 

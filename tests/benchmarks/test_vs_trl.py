@@ -51,9 +51,10 @@ def test_the_peak_rss_counts_every_process_of_the_tree():
     hold = "import subprocess, sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
     code = hold + f"p = subprocess.Popen([sys.executable, '-c', {hold + 'time.sleep(1.5)'!r}]); time.sleep(1.5); p.wait()"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err, peak = bench.tree_peak_rss(proc, timeout_s=60, every_s=0.02)
+    _, err, sampled, descendants = bench.tree_peak_rss(proc, timeout_s=60, every_s=0.02)
     assert proc.returncode == 0, err
-    assert peak > 400 * 2**20  # both processes' 200 MB: RUSAGE_SELF of the parent would see one
+    assert sampled > 400 * 2**20  # both processes' 200 MB at once: RUSAGE_SELF of the parent would see one
+    assert 200 * 2**20 < descendants < 400 * 2**20  # the child's own peak
 
 
 def test_a_bad_side_is_named():
