@@ -14,8 +14,9 @@ size × intermediate size). The ratio ``update / floor`` is the number to watch 
 
 Prints one table: tokens (prompt + response); the tokens computed by micro-batches of consecutive
 rows right-padded ("padded") and packed (``dockrl.engines.hf.pack_rows``, "packed"), and by the
-micro-batches the engine forms now ("now": by length, ``dockrl.engines.hf.micro_batches``, with
-``--micro-batch-tokens`` as ``trainer.micro_batch_tokens``); FLOPs, matmul rate, update seconds
+micro-batches the engine forms ("now", ``dockrl.engines.hf.micro_batches`` with
+``--micro-batch-tokens`` as ``trainer.micro_batch_tokens``: by default 0, consecutive rows as
+"packed"; with a budget, rows sorted by length, at most that many tokens each); FLOPs, matmul rate, update seconds
 (median), achieved rate, fraction of the floor.
 """
 
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> str:
     padded = packed = 0
     for s in range(0, args.rows, args.micro_batch):  # what right-padded and packed micro-batches compute
         ps, rs = prompts[s : s + args.micro_batch], responses[s : s + args.micro_batch]
-        padded += max(len(p) + len(r) for p, r in zip(ps, rs)) * len(ps)
-        packed += min(pack_rows(ps, rs, engine.pad_id)[0].numel(), padded) if pack_rows else 0
+        this = max(len(p) + len(r) for p, r in zip(ps, rs)) * len(ps)
+        padded += this
+        packed += min(pack_rows(ps, rs, engine.pad_id)[0].numel(), this) if pack_rows else 0
     now = computed_tokens(prompts, responses, args.micro_batch, args.micro_batch_tokens, engine.pad_id, engine.pack)
     params = sum(p.numel() for p in engine.model.parameters())
     flops = 6.0 * params * tokens

@@ -257,14 +257,20 @@ class TrainerConfig:
     mini_batch: int = 6
     """Prompts per optimizer step."""
     micro_batch: int = 8
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch); the hf engine
-    forms each micro-batch of sequences of similar length (sorted), which changes no gradient."""
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch). With
+    ``micro_batch_tokens`` 0 the hf engine takes them as they come, ``micro_batch`` consecutive
+    rows each packed into as few rows as the longest allows: the peak activation memory is that of
+    ``micro_batch`` consecutive sequences. Which sequences go together changes no gradient (the
+    loss is normalized by mini-batch totals)."""
     micro_batch_tokens: int = 0
     """Token budget per forward/backward of the hf engine's actor, reference and critic (0: off, then
-    ``micro_batch`` sequences): micro-batches of length-sorted sequences, each as many as keep
-    ``sequences × longest (prompt + response) ≤ micro_batch_tokens`` (one longer sequence goes
-    alone), so short sequences go in bigger micro-batches (verl's ``ppo_max_token_len_per_gpu``).
-    The megatron engine ignores it."""
+    ``micro_batch`` consecutive sequences, unsorted). > 0: the sequences are sorted by length
+    (prompt + response tokens, longest first) and cut into micro-batches of as many as keep
+    ``sequences × longest ≤ micro_batch_tokens`` (one longer sequence goes alone; ``micro_batch``
+    does not cap them), so short sequences go in bigger micro-batches with little padding. The
+    budget bounds the tokens of each micro-batch, and so its peak activation memory (the head's
+    ``(tokens, vocabulary)`` logits included); it changes no gradient. verl's
+    ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``. The megatron engine ignores it."""
     ppo_epochs: int = 1
     """Passes over the global batch per iteration."""
     lr: float = 1e-5

@@ -156,8 +156,20 @@ def save_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> Path:
     return path
 
 
+KERNEL_CHOICES = ("fused", "foreach")
+"""AdamW param-group keys that pick an implementation for the device, not a hyperparameter:
+``load_optimizer`` keeps the engine's."""
+
+
 def load_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> None:
     """Load ``CHECKPOINT/optimizer_file(rank)`` into ``engine.optimizer`` (built over the checkpoint's weights).
+
+    The moments, steps and hyperparameters come from the file, but each param group's kernel
+    choice (``fused``, ``foreach``) stays the one the engine made for its device
+    (``dockrl.engines.hf.adamw``): a checkpoint written before fused AdamW (``fused: None``) does
+    not turn it off, and one written on a device with a fused kernel does not carry ``fused: True``
+    to a device without it. The steps are placed as that choice needs (a fused or capturable
+    AdamW keeps them on the parameters' device).
 
     Raises:
         ValueError: the engine has no optimizer, or the file is missing.
@@ -169,7 +181,10 @@ def load_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> None:
     if not path.is_file():
         raise ValueError(f"run.resume: checkpoint {checkpoint} has no {path.name} (written by an older version, "
                          "or by an actor with another parallel layout?)")
-    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for saved, group in zip(state.get("param_groups", ()), getattr(optimizer, "param_groups", ())):
+        saved.update({k: group[k] for k in KERNEL_CHOICES if k in group})  # before loading: it places the steps by them
+    optimizer.load_state_dict(state)
 
 
 @dataclass(frozen=True, kw_only=True)

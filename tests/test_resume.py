@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from dockrl import driver
 from dockrl.config import ConfigError, load_config
+from dockrl.engines.hf import adamw
 from dockrl.metrics import MetricsWriter
 from dockrl.resume import (
     STATE_FILE, checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, iteration_seed, latest_checkpoint,
-    prepare_checkpoint, prompts_fingerprint, write_driver_state, write_final_state,
+    load_optimizer, optimizer_file, prepare_checkpoint, prompts_fingerprint, write_driver_state, write_final_state,
 )
 
 FAKES = Path(__file__).parent  # fake_scorers.py
@@ -36,6 +37,50 @@ def complete(cfg, next_iteration: int, **changes) -> Path:
         doc = json.loads((ckpt / STATE_FILE).read_text()) | changes
         (ckpt / STATE_FILE).write_text(json.dumps(doc))
     return ckpt
+
+
+@pytest.mark.parametrize("saved", [{"fused": None}, {"fused": None, "foreach": True}, {"fused": True}],
+                         ids=["before-fused", "foreach", "fused"])
+def test_a_loaded_optimizer_keeps_the_engines_kernel_choice(tmp_path, saved):
+    """An AdamW state saved with other ``fused``/``foreach`` flags (an older checkpoint: ``fused``
+    None) loads with the moments and step of the file and the flags ``adamw`` chose for the device
+    (CPU: fused), and steps as an AdamW built with those flags from the same state would."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(3, 2)
+
+    def backward(m):
+        m(torch.arange(6.0).view(2, 3)).square().sum().backward()
+
+    old = model()
+    old_opt = torch.optim.AdamW(old.parameters(), lr=0.1, weight_decay=0.01, **saved)
+    for _ in range(2):
+        old_opt.zero_grad()
+        backward(old)
+        old_opt.step()
+    state = old_opt.state_dict()
+    assert {k: state["param_groups"][0][k] for k in saved} == saved
+    torch.save(state, tmp_path / optimizer_file(0))
+
+    new = model()
+    new.load_state_dict(old.state_dict())
+    engine = type("Engine", (), {})()
+    engine.optimizer = adamw(new, lr=0.1, weight_decay=0.01)
+    chosen = {k: engine.optimizer.param_groups[0][k] for k in ("fused", "foreach")}
+    assert chosen["fused"] is True  # the device's choice: CPU has a fused kernel
+    load_optimizer(engine, tmp_path)
+    for group in engine.optimizer.param_groups:
+        assert {k: group[k] for k in chosen} == chosen
+    loaded = engine.optimizer.state_dict()["state"]
+    for i, s in state["state"].items():
+        torch.testing.assert_close(loaded[i]["exp_avg"], s["exp_avg"])
+        assert float(loaded[i]["step"]) == float(s["step"]) == 2.0
+    for m, opt in ((old, old_opt), (new, engine.optimizer)):  # one more step each: the same update
+        opt.zero_grad()
+        backward(m)
+        opt.step()
+    for a, b in zip(old.parameters(), new.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_checkpoints_fall_every_save_every_iterations_but_not_after_the_last():

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 ValueLossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
 """``loss_fn(rows, values, mask) -> (loss, aux)`` for one micro-batch: ``rows`` are the indices of its
-rows in the engine call (``dockrl.engines.hf.micro_batches``: formed by length, not consecutive),
+rows in the engine call (``dockrl.engines.hf.micro_batches``: consecutive, or sorted by length under a token budget),
 ``values (b, T)`` fp32 (differentiable) and ``mask (b, T)`` as returned by ``response_values``;
 ``loss`` is back-propagated unchanged, ``aux`` handed back."""
 
@@ -125,8 +125,8 @@ class HFCriticEngine:
     def values(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
                micro_batch_tokens: int = 0) -> list[list[float]]:
         """Per-token values of each response (``response_values``), in the caller's row order, over
-        micro-batches formed by length (``dockrl.engines.hf.micro_batches``: ``micro_batch`` rows, or
-        at most ``micro_batch_tokens`` tokens when > 0); back to host memory in one copy for the whole call."""
+        micro-batches (``dockrl.engines.hf.micro_batches``: ``micro_batch`` consecutive rows, or
+        rows sorted by length, at most ``micro_batch_tokens`` tokens each, when > 0); back to host memory in one copy for the whole call."""
         def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> torch.Tensor:
             return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)[0]
 
@@ -134,7 +134,7 @@ class HFCriticEngine:
 
     def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
                          loss_fn: ValueLossFn, micro_batch_tokens: int = 0) -> list[Any]:
-        """For each micro-batch formed by length (``dockrl.engines.hf.micro_batches``): ``response_values``,
+        """For each micro-batch (``dockrl.engines.hf.micro_batches``): ``response_values``,
         ``loss_fn(rows, values, mask)``, backward. Returns each ``aux``, in micro-batch order."""
         def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
             return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)

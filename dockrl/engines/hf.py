@@ -181,32 +181,17 @@ ENTROPY_CHUNK_TOKENS = 1024
 """Response tokens whose entropy is computed at once (bounds the fp32 ``(tokens, V)`` temporaries)."""
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(z)[y] = z_y - logsumexp(z)`` of ``(..., V)`` logits at ``(...)`` targets.
-
-    The same value as ``log_softmax(z).gather(y)`` without the ``(..., V)`` log-softmax tensor
-    (one full-vocabulary fp32 tensor less in memory and in the backward pass).
-    """
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
 @torch.no_grad()
-def chunked_entropy(
-    logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS, lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``entropy_from_logits`` of ``(..., V)`` logits over at most ``chunk_tokens`` tokens at a
-    time (no grad): its softmax temporaries stay ``chunk_tokens × V``. With ``lse (...)``, the
-    ``logsumexp(z)`` already computed for the log-probs, ``H = lse - Σ exp(z - lse)·z`` reuses it
-    (one pass over the vocabulary less). Returns ``(...)`` nats."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    if lse is None:
-        parts = [entropy_from_logits(flat[s : s + chunk_tokens]) for s in range(0, flat.shape[0], chunk_tokens)]
-    else:
-        flat_lse = lse.reshape(-1, 1)
-        parts = []
-        for s in range(0, flat.shape[0], chunk_tokens):
-            z, m = flat[s : s + chunk_tokens], flat_lse[s : s + chunk_tokens]
-            parts.append(m.squeeze(1) - ((z - m).exp_() * z).sum(dim=-1))
+def chunked_entropy(logits: torch.Tensor, lse: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS) -> torch.Tensor:
+    """The entropy of ``softmax(z)`` for ``(..., V)`` logits ``z`` (as ``entropy_from_logits``),
+    ``H = lse - Σ_v exp(z_v - lse)·z_v`` with ``lse (...)`` the ``logsumexp(z)`` already computed
+    for the log-probs (one pass over the vocabulary less), over at most ``chunk_tokens`` tokens at
+    a time (no grad): its temporaries stay ``chunk_tokens × V``. Returns ``(...)`` nats."""
+    flat, flat_lse = logits.reshape(-1, logits.shape[-1]), lse.reshape(-1, 1)
+    parts = []
+    for s in range(0, flat.shape[0], chunk_tokens):
+        z, m = flat[s : s + chunk_tokens], flat_lse[s : s + chunk_tokens]
+        parts.append(m.squeeze(1) - ((z - m).exp_() * z).sum(dim=-1))
     out = torch.cat(parts) if parts else flat.new_zeros(0)
     return out.view(logits.shape[:-1])
 
@@ -255,7 +240,8 @@ def response_log_probs(
     The sequences are packed into as few rows as the longest one allows (``pack_rows``) when that
     saves rows and ``pack`` allows it (``packing_works``), else right-padded (``pack_sequences``);
     the output head runs on the response tokens only (not on prompt or padding positions), the
-    log-softmax never materializes (``token_log_probs``) and the entropy is computed in chunks
+    log-softmax never materializes (``log_softmax(z)[y] = z_y - logsumexp(z)``: one full-vocabulary
+    fp32 tensor less in memory and in the backward pass) and the entropy is computed in chunks
     (``chunked_entropy``) from the same ``logsumexp``.
 
     Returns:
@@ -284,10 +270,10 @@ def response_log_probs(
         return x.new_zeros(B * T).index_put((real,), x).view(B, T)
 
     lse = torch.logsumexp(logits, dim=-1)
-    log_prob = spread(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse)  # token_log_probs, lse kept
+    log_prob = spread(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse)  # z_y - logsumexp(z)
     entropy = None
     if with_entropy:  # differentiable for an entropy bonus: then the softmax of every token is kept for backward
-        entropy = spread(entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach(), lse=lse.detach()))
+        entropy = spread(entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach(), lse.detach()))
     return log_prob, mask, entropy
 
 
@@ -324,18 +310,20 @@ def to_host_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def micro_batches(lengths: Sequence[int], micro_batch: int, max_tokens: int = 0) -> list[list[int]]:
-    """The rows of each micro-batch of a call, formed by length so that padding nearly vanishes.
+    """The rows of each micro-batch of a call.
 
-    The rows are sorted by ``lengths`` (prompt + response tokens), longest first, and cut in
-    runs: of ``micro_batch`` rows when ``max_tokens`` is 0, else of as many rows as keep
+    With ``max_tokens`` 0 (``trainer.micro_batch_tokens``' default): the caller's consecutive rows,
+    ``micro_batch`` at a time, so a micro-batch mixes long and short sequences that ``pack_rows``
+    packs into a few rows; its peak memory is what ``micro_batch`` consecutive rows take.
+    With ``max_tokens`` > 0: the rows sorted by ``lengths`` (prompt + response tokens), longest
+    first (ties in the caller's order), cut in runs of as many rows as keep
     ``rows × longest ≤ max_tokens`` (the tokens the micro-batch computes right-padded: a bound on
-    its activations; a row longer than ``max_tokens`` alone), so short sequences go in bigger
-    micro-batches. verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` does the same with a
-    token budget. Ties keep the caller's order.
+    its activations and on its peak memory; a row longer than ``max_tokens`` goes alone), so short
+    sequences go in bigger micro-batches with little padding; ``micro_batch`` does not cap them.
+    verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` does the same.
 
     Returns:
-        The micro-batches' row indices into ``lengths``, longest micro-batch first; every row in
-        exactly one.
+        The micro-batches' row indices into ``lengths``; every row in exactly one.
 
     Raises:
         ValueError: ``micro_batch < 1`` or ``max_tokens < 0``.
@@ -344,10 +332,11 @@ def micro_batches(lengths: Sequence[int], micro_batch: int, max_tokens: int = 0)
         raise ValueError(f"micro_batch: got {micro_batch}; expected >= 1")
     if max_tokens < 0:
         raise ValueError(f"micro_batch_tokens: got {max_tokens}; expected >= 0 (0: micro_batch rows per micro-batch)")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if max_tokens == 0:
+        return [list(range(s, min(s + micro_batch, len(lengths)))) for s in range(0, len(lengths), micro_batch)]
     out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) < micro_batch if max_tokens == 0 else (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens):
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
             out[-1].append(i)
         else:
             out.append([i])
@@ -384,7 +373,7 @@ def backward_per_micro_batch(
     loss_fn: Callable[..., tuple[torch.Tensor, Any]], max_tokens: int = 0,
 ) -> list[Any]:
     """The ``forward_backward`` of an engine on one device: for the rows of each micro-batch
-    (``micro_batches``: by length, ``micro_batch`` rows or ``max_tokens`` tokens at most),
+    (``micro_batches``: ``micro_batch`` consecutive rows, or by length ``max_tokens`` tokens at most),
     ``loss, aux = loss_fn(rows, *forward(their prompts, their responses))``, then ``loss.backward()``.
 
     The gradients accumulate, so they are those of the sum of the micro-batches' losses whichever
@@ -627,8 +616,8 @@ class HFTrainEngine:
         self, prompts, responses, *, temperature: float, micro_batch: int, micro_batch_tokens: int = 0,
     ) -> list[list[float]]:
         """Per-token log-probs (nats) of each response, in the caller's row order, computed over
-        micro-batches formed by length (``micro_batches``: ``micro_batch`` rows, or at most
-        ``micro_batch_tokens`` tokens when > 0); they come back to host memory in one copy for the
+        micro-batches (``micro_batches``: ``micro_batch`` consecutive rows, or rows sorted by length,
+        at most ``micro_batch_tokens`` tokens each, when > 0); they come back to host memory in one copy for the
         whole call."""
         def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> torch.Tensor:
             return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature,
@@ -640,8 +629,8 @@ class HFTrainEngine:
         self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn, entropy_grad: bool = False,
         micro_batch_tokens: int = 0,
     ) -> list[Any]:
-        """For each micro-batch formed by length (``micro_batches``: ``micro_batch`` rows, or at most
-        ``micro_batch_tokens`` tokens when > 0): ``response_log_probs`` (with entropy,
+        """For each micro-batch (``micro_batches``: ``micro_batch`` consecutive rows, or rows sorted by
+        length, at most ``micro_batch_tokens`` tokens each, when > 0): ``response_log_probs`` (with entropy,
         differentiable with ``entropy_grad``), ``loss_fn(rows, ...)``, backward.
 
         Returns:

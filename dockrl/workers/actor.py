@@ -85,7 +85,7 @@ def accumulate_mini_batch(
     data-parallel replicas (response tokens for ``token-mean``, sequences for the ``seq-mean-*``
     modes; ``engine.sum_over_replicas``), and the engine sums the replicas' gradients.
     Every term is a sum over whole sequences, so the gradient depends neither on ``micro_batch``,
-    nor on which rows the engine puts together (it forms micro-batches by length), nor on how
+    nor on which rows the engine puts together (sorted by length under ``micro_batch_tokens``), nor on how
     the mini-batch is split over replicas: with DP = k it is the DP = 1 gradient of the same global mini-batch, also
     when the replicas' responses differ in length (a per-replica token mean would weigh a token
     of a replica with short responses more).

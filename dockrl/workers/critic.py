@@ -48,7 +48,7 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
 
     The loss is the token mean over the whole mini-batch (each micro-batch's token sum divided by
     the mini-batch's response tokens), so the gradient depends neither on ``micro_batch`` nor on
-    which rows the engine puts together (by length; at most ``micro_batch_tokens`` tokens when > 0).
+    which rows the engine puts together (consecutive; sorted by length, at most ``micro_batch_tokens`` tokens each, when > 0).
 
     Returns:
         ``critic/vf_loss`` (the mini-batch loss), ``critic/vf_clipfrac`` (share of tokens where the
@@ -58,7 +58,7 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
     T = max((len(r) for r in batch["response_ids"]), default=1)
     old, returns = right_pad(batch["values"], max(T, 1)), right_pad(batch["returns"], max(T, 1))
 
-    def loss_fn(rows: list[int], vpreds: torch.Tensor, mask: torch.Tensor):  # rows: this micro-batch's, by length
+    def loss_fn(rows: list[int], vpreds: torch.Tensor, mask: torch.Tensor):  # rows: this micro-batch's (``micro_batches``)
         t = vpreds.shape[1]
         idx = torch.tensor(rows)
         per_token, clipped = value_loss(vpreds, old[idx, :t].to(vpreds.device), returns[idx, :t].to(vpreds.device), mask,

@@ -98,9 +98,11 @@ def test_packed_log_probs_and_entropy_equal_each_sequence_alone(tiny_model_dir, 
     assert all(p.grad is not None for p in engine.model.parameters() if p.requires_grad)
 
 
-def test_micro_batches_are_formed_by_length_by_hand():
+def test_micro_batches_by_hand():
+    """Without a token budget, consecutive rows; with one, sorted by length, at most that many tokens each."""
     lengths = [5, 9, 2, 9, 4]  # longest first, ties in the caller's order: rows 1, 3, 0, 4, 2
-    assert micro_batches(lengths, 2) == [[1, 3], [0, 4], [2]]
+    assert micro_batches(lengths, 2) == [[0, 1], [2, 3], [4]]
+    assert micro_batches(lengths, 5) == [[0, 1, 2, 3, 4]]
     assert micro_batches(lengths, 2, max_tokens=18) == [[1, 3], [0, 4, 2]]  # 2 × 9 = 18; 3 × 5 = 15
     assert micro_batches(lengths, 2, max_tokens=8) == [[1], [3], [0], [4, 2]]  # a row over the budget goes alone
     assert micro_batches([], 2) == []

@@ -58,8 +58,14 @@ def test_micro_batch_size_does_not_change_loss_or_gradients(tiny_model_dir, loss
 
 
 def _consecutive(lengths, micro_batch, max_tokens=0):
-    """Micro-batches of consecutive rows: what the engine formed before it sorted by length."""
+    """Micro-batches of consecutive rows, whatever the token budget."""
     return [list(range(s, min(s + micro_batch, len(lengths)))) for s in range(0, len(lengths), micro_batch)]
+
+
+def _by_length(lengths, micro_batch, max_tokens=0):
+    """Micro-batches of ``micro_batch`` rows sorted by length, longest first, whatever the token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[s : s + micro_batch] for s in range(0, len(order), micro_batch)]
 
 
 @pytest.mark.parametrize("on_policy", [False, True], ids=["off-policy", "on-policy"])
@@ -69,9 +75,10 @@ def _consecutive(lengths, micro_batch, max_tokens=0):
     ("seq-mean-token-sum-norm", {}),
 ], ids=["token-mean_kl_overlong", "gspo_dual_clip_tis_entropy", "dr_grpo_norm"])
 def test_micro_batches_by_length_give_the_loss_and_gradient_of_consecutive_ones(tiny_model_dir, monkeypatch, on_policy, loss_agg, extra):
-    """The engine sorts the rows by length into micro-batches (and with a token budget, into more
-    or fewer of them): the loss, the metrics, the gradient and the on-policy old log-probs (in the
-    mini-batch's row order) are those of micro-batches of consecutive rows, up to float rounding."""
+    """Micro-batches of rows sorted by length (``micro_batch`` rows each, or the engine's under a
+    token budget: more or fewer of them) give the loss, the metrics, the gradient and the
+    on-policy old log-probs (in the mini-batch's row order) of micro-batches of consecutive rows
+    (the engine's default), up to float rounding."""
     from dockrl.engines import hf
 
     algo = AlgorithmConfig(loss_agg_mode=loss_agg, **extra)
@@ -90,10 +97,12 @@ def test_micro_batches_by_length_give_the_loss_and_gradient_of_consecutive_ones(
                 batch["prompt_ids"], batch["response_ids"], temperature=1.0, micro_batch=12)]
         batch["rollout_log_prob"] = [[-2.0] * len(r) for r in batch["response_ids"]]
         lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
-        assert hf.micro_batches(lengths, 4) != _consecutive(lengths, 4)
+        assert hf.micro_batches(lengths, 4) == _consecutive(lengths, 4)  # the default
+        assert _by_length(lengths, 4) != _consecutive(lengths, 4)
+        assert hf.micro_batches(lengths, 4, 60) not in (_consecutive(lengths, 4), _by_length(lengths, 4))
         with monkeypatch.context() as patch:
-            if mode == "consecutive":
-                patch.setattr(hf, "micro_batches", _consecutive)
+            if mode == "by length":
+                patch.setattr(hf, "micro_batches", _by_length)
             engine.optimizer.zero_grad()
             m = accumulate_mini_batch(engine, batch, algo=algo, temperature=1.0, micro_batch=4, horizon=32,
                                       micro_batch_tokens=60 if mode == "token budget" else 0)

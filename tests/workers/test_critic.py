@@ -8,6 +8,7 @@ from critic_helpers import engine_of, rows
 
 from dockrl.config import AlgorithmConfig, CriticConfig, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError, open_dock
+from dockrl.engines.hf import micro_batches
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.critic import CriticWorker, accumulate_value_mini_batch
 
@@ -68,11 +69,15 @@ def test_the_value_loss_is_clipped_around_the_old_values(tiny_model_dir):
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in engine.model.parameters())
 
 
-@pytest.mark.parametrize("micro, budget", [(2, 0), (6, 12)], ids=["by-length", "token-budget"])
+@pytest.mark.parametrize("micro, budget", [(2, 0), (6, 30)], ids=["consecutive", "token-budget"])
 def test_micro_batches_do_not_change_the_critic_gradient(tiny_model_dir, micro, budget):
-    """Against one micro-batch of all rows: micro-batches of 2 rows formed by length, or of at most
-    12 tokens, give the same loss, gradient and values (in the caller's row order)."""
+    """Against one micro-batch of all rows: micro-batches of 2 consecutive rows, or sorted by length
+    at most 30 tokens each (two of 3 rows, not consecutive), give the same loss, gradient and
+    values (in the caller's row order)."""
     prompts, responses = rows(6, 300, seed=2)
+    if budget:
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        assert micro_batches(lengths, micro, budget) == [[2, 3, 5], [1, 4, 0]]  # several rows each, out of order
     grads, losses, values_seen = [], [], []
     for m, b in ((6, 0), (micro, budget)):
         engine = engine_of(tiny_model_dir)
