@@ -37,7 +37,8 @@ class Claim:
     """The consumer that claimed the rows."""
     row_array: np.ndarray | None = field(default=None, repr=False, compare=False)
     """``rows`` as an int64 array, when the dock that made the claim kept one (``put(claim.rows, ..., ack=claim)``
-    then converts nothing)."""
+    then converts nothing). A copy made at claim time: ``put`` trusts it whenever it is passed ``claim.rows`` itself
+    and the lengths agree, so do not change ``rows`` in place (pass a new list to write other rows)."""
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -410,15 +410,15 @@ class DockClient:
                 self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
             else:
                 schema = self._put_schema(tuple(arrays))
-                if layout.num_shards == 1:  # one shard owns every row: the arrays as they are
-                    batch = pa.RecordBatch.from_arrays([pa.array(rows_arr), *arrays.values()], schema=schema)
-                    self.transports[0].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
-                for s, pos in (layout.split(rows_arr) if layout.num_shards > 1 else {}).items():
-                    whole = len(pos) == len(rows_arr)  # one shard owns every row: the arrays as they are
-                    batch = pa.RecordBatch.from_arrays(
-                        [pa.array(rows_arr if whole else rows_arr[pos]), *(a if whole else _part(a, pos) for a in arrays.values())],
-                        schema=schema,
-                    )
+                parts: dict[int, np.ndarray | None] = {}  # no rows: no call
+                if len(rows_arr):  # positions each shard owns; None: every row (one shard: no split)
+                    parts = {0: None} if layout.num_shards == 1 else dict(layout.split(rows_arr))
+                for s, pos in parts.items():
+                    if pos is None or len(pos) == len(rows_arr):  # one shard owns every row: the arrays as they are
+                        columns_out = [pa.array(rows_arr), *arrays.values()]
+                    else:
+                        columns_out = [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())]
+                    batch = pa.RecordBatch.from_arrays(columns_out, schema=schema)
                     self.transports[s].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
         finally:
             if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease

@@ -48,15 +48,14 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.local import ShardController
+from dockrl.dock.local import ShardController, one_run
 from dockrl.dock.schema import Schema
+from dockrl.dock.shard import WIRE_VERSION as WIRE_VERSION  # the version of these messages; describe answers it
 from dockrl.dock.shard import ClaimRequest, Payload, ShardService, row_runs, runs_rows
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-WIRE_VERSION = 2
-"""Version of the binary claim ticket, claim result and put descriptor (1: the JSON forms before them)."""
 _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError": DockTimeoutError}
 
 # --- the claim cycle's binary messages ---------------------------------------------------------
@@ -69,8 +68,12 @@ _WHOLE_GROUPS, _WAIT_HELD = 1, 2
 _RESULT_HEAD = struct.Struct("<BqqI")
 """version, pending, held, number of runs; then the runs as int64 ``[start, stop)`` pairs."""
 _RUN = struct.Struct("<qq")
-_PUT_HEAD = struct.Struct("<3sBqHH")
-"""magic, version, iteration, len(ack consumer), len(ack lease) (0, 0: no ack); then the two strings."""
+_PUT_HEAD = struct.Struct("<3sBqBHH")
+"""magic, version, iteration, flags (``_PUT_ACK``: the put acks a claim), len(ack consumer), len(ack lease); then the two strings."""
+_PUT_ACK = 1
+_UNASKED = object()
+_WIRE_CHECK_TIMEOUT_S = 10.0
+"""Seconds a client waits for a shard's ``describe`` when it checks the shard's wire version."""
 _MAX_PREPARED = 1024
 """Fixed parts of claim tickets a shard keeps parsed (cleared when full)."""
 
@@ -91,11 +94,20 @@ def encode_claim(req: ClaimRequest, fixed: bytes) -> bytes:
     return head + lease + fixed
 
 
-def _version_error(what: str, version: object) -> DockError:
-    return DockError(
-        f"{what}: the client speaks dock wire version {version}; this shard speaks {WIRE_VERSION}: "
-        "run clients and shards of the same dockrl release"
-    )
+_SAME_RELEASE = "run clients and shards of the same dockrl release"
+
+
+def _version_error(what: str, version: object, location: str | None = None) -> DockError:
+    """The refusal of a message of another wire version, naming both versions.
+
+    ``location`` None: raised by the shard, ``version`` the client's; else raised by the client,
+    ``version`` that of the shard at ``location``.
+    """
+    if location is None:
+        return DockError(f"{what}: the client speaks dock wire version {version}; this shard speaks {WIRE_VERSION}: "
+                         f"{_SAME_RELEASE}")
+    return DockError(f"{what}: the dock shard at {location} speaks wire version {version}; this client speaks "
+                     f"{WIRE_VERSION}: {_SAME_RELEASE}")
 
 
 def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str, ...]]]) -> ClaimRequest:
@@ -104,11 +116,11 @@ def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str
     Raises:
         DockError: another wire version, or a malformed ticket.
     """
+    if len(data) > 3 and data[3] != WIRE_VERSION:  # the version first: another version may have another header
+        raise _version_error("claim", data[3])
     if len(data) < _CLAIM_HEAD.size:
         raise DockError(f"dock shard: malformed claim ticket ({len(data)} bytes)")
-    _, version, iteration, count, at_least, timeout_s, lease_s, flags, n_lease, n_fixed = _CLAIM_HEAD.unpack_from(data)
-    if version != WIRE_VERSION:
-        raise _version_error("claim", version)
+    _, _, iteration, count, at_least, timeout_s, lease_s, flags, n_lease, n_fixed = _CLAIM_HEAD.unpack_from(data)
     start = _CLAIM_HEAD.size + n_lease
     if len(data) != start + n_fixed:
         raise DockError(f"dock shard: malformed claim ticket ({len(data)} bytes; the header says {start + n_fixed})")
@@ -131,25 +143,28 @@ def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str
 
 def encode_claim_result(rows: np.ndarray, pending: int, held: int) -> bytes:
     """A claim's answer (the ``app_metadata`` of its cells): pending, held and ``rows`` (ascending, distinct) as runs."""
-    n = len(rows)
-    if n and int(rows[-1]) - int(rows[0]) + 1 == n:  # one run (the usual claim)
-        return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, 1) + _RUN.pack(int(rows[0]), int(rows[-1]) + 1)
+    run = one_run(rows)
+    if run is not None:  # the usual claim
+        return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, 1) + _RUN.pack(*run)
     runs = row_runs(rows)
     return _RESULT_HEAD.pack(WIRE_VERSION, pending, held, len(runs)) + runs.astype("<i8", copy=False).tobytes()
 
 
-def decode_claim_result(meta: bytes) -> tuple[np.ndarray, int, int]:
-    """(rows as an int64 array, pending, held) of ``encode_claim_result``.
+def decode_claim_result(meta: bytes, location: str = "(unknown)") -> tuple[np.ndarray, int, int]:
+    """(rows as an int64 array, pending, held) of ``encode_claim_result`` from the shard at ``location``.
 
     Raises:
-        DockError: another wire version, or a malformed answer.
+        DockError: another wire version, or a malformed answer (both naming ``location``).
     """
-    version, pending, held, n = _RESULT_HEAD.unpack_from(meta)
-    if version != WIRE_VERSION:
-        raise DockError(f"claim: the dock shard speaks wire version {version}; this client speaks {WIRE_VERSION}: "
-                        "run clients and shards of the same dockrl release")
+    if not meta or meta[0] != WIRE_VERSION:  # the version first: another version may have another layout
+        if not meta:
+            raise DockError(f"claim: malformed answer of the dock shard at {location} (0 bytes)")
+        raise _version_error("claim", meta[0], location)
+    if len(meta) < _RESULT_HEAD.size:
+        raise DockError(f"claim: malformed answer of the dock shard at {location} ({len(meta)} bytes)")
+    _, pending, held, n = _RESULT_HEAD.unpack_from(meta)
     if len(meta) != _RESULT_HEAD.size + 16 * n:
-        raise DockError(f"claim: malformed answer of the dock shard ({len(meta)} bytes for {n} runs)")
+        raise DockError(f"claim: malformed answer of the dock shard at {location} ({len(meta)} bytes for {n} runs)")
     if n == 1:  # one run (the usual claim)
         start, stop = _RUN.unpack_from(meta, _RESULT_HEAD.size)
         return np.arange(start, stop, dtype=np.int64), pending, held
@@ -158,9 +173,12 @@ def decode_claim_result(meta: bytes) -> tuple[np.ndarray, int, int]:
 
 
 def encode_put(iteration: int, ack: tuple[str, str] | None) -> bytes:
-    """The binary put descriptor: the iteration and, with ``ack=(consumer, lease)``, the claim it acks."""
-    consumer, lease = (ack[0].encode(), ack[1].encode()) if ack is not None else (b"", b"")
-    return _PUT_HEAD.pack(_PUT_MAGIC, WIRE_VERSION, iteration, len(consumer), len(lease)) + consumer + lease
+    """The binary put descriptor: the iteration and, with ``ack=(consumer, lease)``, the claim it acks
+    (flagged ``_PUT_ACK``: an ack is one whatever its strings)."""
+    if ack is None:
+        return _PUT_HEAD.pack(_PUT_MAGIC, WIRE_VERSION, iteration, 0, 0, 0)
+    consumer, lease = ack[0].encode(), ack[1].encode()
+    return _PUT_HEAD.pack(_PUT_MAGIC, WIRE_VERSION, iteration, _PUT_ACK, len(consumer), len(lease)) + consumer + lease
 
 
 def decode_put(command: bytes) -> tuple[int, tuple[str, str] | None]:
@@ -173,14 +191,14 @@ def decode_put(command: bytes) -> tuple[int, tuple[str, str] | None]:
     if command[:3] != _PUT_MAGIC:
         req = json.loads(command)
         return req["iteration"], (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None
+    if len(command) > 3 and command[3] != WIRE_VERSION:  # the version first: another version may have another header
+        raise _version_error("put", command[3])
     if len(command) < _PUT_HEAD.size:
         raise DockError(f"dock shard: malformed put descriptor ({len(command)} bytes)")
-    _, version, iteration, n_consumer, n_lease = _PUT_HEAD.unpack_from(command)
-    if version != WIRE_VERSION:
-        raise _version_error("put", version)
+    _, _, iteration, flags, n_consumer, n_lease = _PUT_HEAD.unpack_from(command)
     if len(command) != _PUT_HEAD.size + n_consumer + n_lease:
         raise DockError(f"dock shard: malformed put descriptor ({len(command)} bytes)")
-    if not n_consumer:
+    if not flags & _PUT_ACK:
         return iteration, None
     start = _PUT_HEAD.size + n_consumer
     return iteration, (command[_PUT_HEAD.size:start].decode(), command[start:].decode())
@@ -369,6 +387,11 @@ class FlightTransport:
 
     Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) are
     annotated with the shard and the call; dock errors come back as their own type.
+
+    The first time a put or claim fails (other than by timing out), the transport asks the shard
+    its wire version (``describe``; a shard of version 1 answers none) and, when it is not
+    ``WIRE_VERSION``, raises a ``DockError`` naming both versions instead: a shard of another
+    release fails such calls with errors that name no version. Calls that succeed cost nothing more.
     """
 
     mode: Literal["inprocess", "distributed"] = "distributed"
@@ -380,6 +403,7 @@ class FlightTransport:
         self._lock = threading.Lock()
         self._call_options: dict[float | None, flight.FlightCallOptions] = {}
         self._fixed_parts: dict[tuple[str, str, tuple[str, ...]], bytes] = {}  # claim_fixed_part by consumer, owner, columns
+        self._shard_wire: object = _UNASKED  # the shard's wire version, once asked (_check_wire)
         self.controller_bytes = 0
         """Bytes of action bodies and results, put descriptors and claim tickets and results sent and received."""
 
@@ -403,6 +427,21 @@ class FlightTransport:
         with self._lock:
             self.controller_bytes += nbytes
 
+    def _check_wire(self, what: str, error: BaseException) -> None:
+        """After ``what`` failed with ``error``: refuse a shard of another wire version, by name (asked once).
+
+        Raises:
+            DockError: the shard's ``describe`` names another wire version, or none (version 1).
+        """
+        if self._shard_wire is _UNASKED:
+            try:
+                desc = self.action("describe", {}, _WIRE_CHECK_TIMEOUT_S)
+            except (DockError, flight.FlightError, pa.ArrowException, ValueError):
+                return  # the shard cannot say: the call's own error tells more
+            self._shard_wire = desc.get("wire_version", 1) if isinstance(desc, dict) else None
+        if self._shard_wire != WIRE_VERSION:
+            raise _version_error(what, self._shard_wire, self.location) from error
+
     def action(self, name: str, body: dict[str, Any], timeout: float | None) -> Any:
         data = json.dumps(body).encode()
         results = self._call(name, lambda: list(self._client.do_action(flight.Action(name, data), self._options(timeout))))
@@ -420,7 +459,13 @@ class FlightTransport:
             writer.write_batch(batch)
             writer.close()
 
-        self._call("put", send)
+        try:
+            self._call("put", send)
+        except DockTimeoutError:
+            raise
+        except (DockError, flight.FlightError, pa.ArrowException) as e:
+            self._check_wire("put", e)
+            raise
 
     def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table:
         ticket = flight.Ticket(json.dumps(body).encode())
@@ -432,22 +477,29 @@ class FlightTransport:
         if fixed is None:
             fixed = self._fixed_parts[key] = claim_fixed_part(*key)
         data = encode_claim(req, fixed)
-        chunk = self._call("claim", lambda: _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout))))
-        meta = chunk.app_metadata
-        if meta is None:
-            raise DockError(f"claim: the dock shard at {self.location} answered without the claim's result: "
-                            f"run clients and shards of the same dockrl release (wire version {WIRE_VERSION})")
-        meta = meta.to_pybytes()
-        self._count(len(data) + len(meta))
-        rows, pending, held = decode_claim_result(meta)
+        try:
+            chunk = self._call("claim", lambda: _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout)),
+                                                           self.location))
+            meta = chunk.app_metadata
+            if meta is None:
+                raise DockError(f"claim: the dock shard at {self.location} answered without the claim's result: "
+                                f"{_SAME_RELEASE} (wire version {WIRE_VERSION})")
+            meta = meta.to_pybytes()
+            self._count(len(data) + len(meta))
+            rows, pending, held = decode_claim_result(meta, self.location)
+        except DockTimeoutError:
+            raise
+        except (DockError, flight.FlightError, pa.ArrowException) as e:
+            self._check_wire("claim", e)
+            raise
         return rows, pending, held, chunk.data
 
     def close(self) -> None:
         self._client.close()
 
 
-def _one_batch(reader: flight.FlightStreamReader) -> flight.FlightStreamChunk:
-    """The one record batch (and its app_metadata) of a claim's stream, read to its end.
+def _one_batch(reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk:
+    """The one record batch (and its app_metadata) of a claim's stream from the shard at ``location``, read to its end.
 
     Raises:
         DockError: the stream holds no batch or more than one.
@@ -455,12 +507,12 @@ def _one_batch(reader: flight.FlightStreamReader) -> flight.FlightStreamChunk:
     try:
         chunk = reader.read_chunk()
     except StopIteration:
-        raise DockError("claim: the dock shard answered no record batch") from None
+        raise DockError(f"claim: the dock shard at {location} answered no record batch") from None
     try:
         reader.read_chunk()
     except StopIteration:
         return chunk
-    raise DockError("claim: the dock shard answered more than one record batch")
+    raise DockError(f"claim: the dock shard at {location} answered more than one record batch")
 
 
 def start_local_shards(

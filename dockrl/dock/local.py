@@ -56,6 +56,18 @@ from dockrl.dock.schema import Schema
 from dockrl.dock.snapshot import read_meta, read_table, write_snapshot
 from dockrl.dock.warehouse import Located
 
+
+def one_run(rows: np.ndarray) -> tuple[int, int] | None:
+    """``(start, stop)`` when the ascending, distinct ``rows`` are the consecutive rows ``[start, stop)``; else None.
+
+    None too for no rows. The caller vouches that ``rows`` ascend and are distinct: only the
+    ends and the length are read (O(1)).
+    """
+    n = len(rows)
+    if n and int(rows[-1]) - int(rows[0]) + 1 == n:
+        return int(rows[0]), int(rows[-1]) + 1
+    return None
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_OWNER = "local"
@@ -451,8 +463,9 @@ class ShardController:
             if ack is not None:
                 self._check_request(it, [], ack[0], f"ack by {ack[0]!r}")
             rows_arr, ascending = self._local_rows(it, rows_arr, "put")
-            n = len(rows_arr)  # distinct rows: ascending and spanning n rows is one run, written through a slice
-            run = (int(rows_arr[0]), int(rows_arr[-1]) + 1) if ascending and n and rows_arr[-1] - rows_arr[0] + 1 == n else None
+            # distinct rows: ascending and spanning as many rows as they are is one run, written through a slice
+            n = len(rows_arr)
+            run = one_run(rows_arr) if ascending else None
             index = rows_arr if run is None else slice(*run)
             self._refuse_written(it, rows_arr, arrays, index)
             for name, array in arrays.items():
@@ -716,11 +729,10 @@ class ShardController:
         """
         lease = lease or uuid.uuid4().hex
         with self._cond:
-            it, rows, pending, held = self._take_locked(
+            it, rows, pending, held, run = self._take_locked(
                 consumer, columns, count, whole_groups, count if at_least is None else at_least, timeout_s, iteration,
                 owner or DEFAULT_OWNER, lease, lease_s, wait_held,
             )
-            run = (int(rows[0]), int(rows[-1]) + 1) if len(rows) and rows[-1] - rows[0] + 1 == len(rows) else None  # ascending
             batch = self._gather(it, columns, rows, run) if read else None
             return rows + it.first_row, pending, held, lease, batch
 
@@ -728,7 +740,7 @@ class ShardController:
         self, consumer: str, columns: Sequence[str], count: int, whole_groups: bool, at_least: int,
         timeout_s: float | None, iteration: int | None, owner: str, lease_id: str, lease_s: float | None,
         wait_held: bool,
-    ) -> tuple[_Iteration, np.ndarray, int, int]:
+    ) -> tuple[_Iteration, np.ndarray, int, int, tuple[int, int] | None]:  # ..., one_run(rows)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         term = self.lease_s if lease_s is None else lease_s
         start = time.monotonic()
@@ -767,15 +779,15 @@ class ShardController:
                 if self._can_take(num_pending, held, view.navail * unit, at_least, wait_held):
                     units = view.first(min(count // unit, view.navail))
                     rows = units if unit == 1 else (units[:, None] * unit + np.arange(unit)).reshape(-1)
-                    if len(rows):  # ascending: one run when they span as many rows as they are
-                        run = (int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else None
+                    run = one_run(rows)  # ascending: one run when they span as many rows as they are
+                    if len(rows):
                         it.set_consumed(ci, rows, True, run)
                         self._grant_locked(it, ci, rows, owner, lease_id, term, whole_groups, run)
                         self._wake_locked(it, ci)  # waiters of this consumer may need fewer rows now
                     self._forget_waiter(waiter)
                     waiter = None  # it took: no wake-up to hand on
                     self.wait_s += time.monotonic() - start
-                    return it, rows, num_pending - len(rows), held
+                    return it, rows, num_pending - len(rows), held, run
                 now = time.monotonic()
                 remaining = deadline - now
                 if remaining <= 0:
@@ -1251,7 +1263,7 @@ class ShardController:
             else:
                 cells = payload.column(c.name).combine_chunks()
                 it.chunks[c.name].append(cells)
-                it.spans[c.name].append((int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else None)
+                it.spans[c.name].append(one_run(rows))
                 it.chunk_bytes[c.name].append(cells.nbytes)
                 it.where[c.name][rows, 0] = 0
                 it.where[c.name][rows, 1] = np.arange(len(rows))

@@ -19,7 +19,7 @@ Requests (``action(name, body)``; every body and result is JSON-compatible):
   first_row, stop_row, shard, num_shards, max_open?} (checked against the row mapping ``ShardLayout``;
   refused while ``max_open``, default 1, iterations are open), ``close_iteration`` {iteration?}
   (null or absent: every open one), ``describe`` {} → {schema_version, columns, layout (the newest
-  open iteration's), layouts (every open one's, oldest first), payload},
+  open iteration's), layouts (every open one's, oldest first), payload, wire_version},
   ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
   lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable;
   rows are leased to ``owner`` under ``lease``), ``release`` {iteration, consumer, rows},
@@ -62,7 +62,7 @@ import pyarrow as pa
 
 from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError
-from dockrl.dock.local import DEFAULT_OWNER, ShardController, check_sizes
+from dockrl.dock.local import DEFAULT_OWNER, ShardController, check_sizes, one_run
 from dockrl.dock.schema import Schema
 from dockrl.dock.snapshot import join_uri
 
@@ -125,13 +125,19 @@ class ShardLayout:
         return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
 
 
+WIRE_VERSION = 2
+"""Version of the binary claim ticket, claim result and put descriptor over Flight (1: the JSON forms before
+them); ``describe`` answers it as ``wire_version`` (a shard of version 1 leaves it out)."""
+
+
 def row_runs(rows: np.ndarray) -> np.ndarray:
     """The ascending, distinct int64 ``rows`` as runs of consecutive rows: an int64 ``(k, 2)`` array of ``[start, stop)``."""
     n = len(rows)
     if not n:
         return np.zeros((0, 2), dtype=np.int64)
-    if int(rows[-1]) - int(rows[0]) + 1 == n:  # ascending and distinct: one run
-        return np.array([[rows[0], rows[-1] + 1]], dtype=np.int64)
+    run = one_run(rows)
+    if run is not None:
+        return np.array([run], dtype=np.int64)
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     starts = np.concatenate(([0], breaks))
     stops = np.concatenate((breaks, [n]))
@@ -154,20 +160,28 @@ class ClaimRequest(NamedTuple):
     """
 
     iteration: int
+    """The iteration the take is for (refused unless it is open on the shard)."""
     consumer: str
+    """The consuming stage (one of the schema's consumers); its rows are marked consumed."""
     columns: tuple[str, ...]
+    """Columns that must be written for a row to be ready, and that a claim with cells reads."""
     limit: int
     """Rows to take at most (the body's ``count``)."""
     at_least: int
+    """Ready rows to wait for: the take blocks until ``min(at_least, rows pending)`` are ready; 0: take what is ready now."""
     whole_groups: bool
+    """Take whole groups of ``group_size`` consecutive rows only (``limit`` then a multiple of it)."""
     timeout_s: float | None
     """Seconds the take may block; None: no limit."""
     owner: str
+    """Who holds the lease (a worker's id): its heartbeat renews it, ``release_owner`` ends it."""
     lease: str | None
     """Lease id of the rows taken; None: a fresh one."""
     lease_s: float | None
     """Lease term, seconds; None: the shard's default."""
     wait_held: bool
+    """With no row pending and ``at_least > 0``, block while other owners hold rows (leased, not acked: they come
+    back if their leases end); False: answer at once."""
 
     @classmethod
     def from_json(cls, req: dict[str, Any]) -> ClaimRequest:
@@ -376,7 +390,8 @@ class ShardService:
         with self._lock:
             layouts = [dict(v) for v in self._layouts.values()]
         return {"schema_version": self.schema.version, "columns": [c.name for c in self.schema.columns],
-                "layout": layouts[-1] if layouts else None, "layouts": layouts, "payload": self.payload}
+                "layout": layouts[-1] if layouts else None, "layouts": layouts, "payload": self.payload,
+                "wire_version": WIRE_VERSION}
 
     def _require(self, payload: str, what: str) -> None:
         if self.payload != payload:

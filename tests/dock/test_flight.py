@@ -732,3 +732,144 @@ def test_the_claim_cycle_messages_round_trip():
     assert decode_put(encode_put(4, None)) == (4, None)
     assert decode_put(encode_put(4, ("reward", "lease-1"))) == (4, ("reward", "lease-1"))
     assert decode_put(b'{"iteration": 4, "ack": {"consumer": "reward", "lease": "x"}}') == (4, ("reward", "x"))
+
+
+def test_the_decoders_read_the_version_before_the_length():
+    """A message of another version is refused by name even when shorter than this version's header; a short or
+    empty claim answer is a DockError naming the shard, not a struct.error."""
+    from dockrl.dock.flight import decode_claim, decode_claim_result, decode_put, encode_claim_result
+
+    other = bytes([WIRE_VERSION + 1])
+    with pytest.raises(DockError, match=f"claim: the client speaks dock wire version {WIRE_VERSION + 1}; this shard"):
+        decode_claim(CLAIM_TICKET[:3] + other, {})
+    with pytest.raises(DockError, match=f"put: the client speaks dock wire version {WIRE_VERSION + 1}; this shard"):
+        decode_put(PUT_DESCRIPTOR[:3] + other)
+    with pytest.raises(DockError, match="malformed claim ticket"):
+        decode_claim(CLAIM_TICKET[:10], {})
+    with pytest.raises(DockError, match="malformed put descriptor"):
+        decode_put(PUT_DESCRIPTOR[:6])
+    answer = encode_claim_result(np.arange(4, 9, dtype=np.int64), 7, 2)
+    where = "grpc://shard-a:1"
+    with pytest.raises(DockError, match=f"dock shard at {where} speaks wire version {WIRE_VERSION + 1}; this client"):
+        decode_claim_result(other + answer[1:3], where)
+    for cut in (b"", answer[:1], answer[:10], answer[:-1]):
+        with pytest.raises(DockError, match=f"claim: malformed answer of the dock shard at {where}"):
+            decode_claim_result(cut, where)
+
+
+def test_an_ack_is_flagged_whatever_its_consumer():
+    """The put descriptor flags an ack: an ack with an empty consumer is kept (and refused by the shard by name)."""
+    from dockrl.dock.flight import decode_put
+
+    assert decode_put(encode_put(1, ("", "lease-1"))) == (1, ("", "lease-1"))
+    assert decode_put(encode_put(1, ("", ""))) == (1, ("", ""))
+
+
+class FakeShard(flight.FlightServerBase):
+    """A FAKE dock shard (not dockrl's): answers ``describe`` with ``wire_version`` (None: without it, as the
+    shards of wire version 1 did) and fails puts and claims as a shard of that release does: it parses the put
+    descriptor and the ticket as JSON. With ``answer`` it answers a claim ticket with that many record batches."""
+
+    def __init__(self, wire_version: int | None, answer: int | None = None) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.wire_version, self.answer, self.describes = wire_version, answer, 0
+        self.location = f"grpc://127.0.0.1:{self.port}"
+
+    def do_action(self, context, action):
+        assert action.type == "describe"
+        self.describes += 1
+        desc = {"schema_version": 1, "columns": [], "layout": None, "layouts": [], "payload": "memory"}
+        if self.wire_version is not None:
+            desc["wire_version"] = self.wire_version
+        return iter([json.dumps(desc).encode()])
+
+    def do_put(self, context, descriptor, reader, writer):
+        try:
+            json.loads(descriptor.command)
+        except json.JSONDecodeError as e:  # what the shard of wire version 1 answered
+            raise dock_error_to_flight(DockError(f"dock shard: malformed put request (JSONDecodeError: {e})")) from None
+
+    def do_get(self, context, ticket):
+        if self.answer is not None:
+            schema = pa.schema([("prompt_ids", TOKENS)])
+            batch = pa.record_batch([pa.array([[1]], type=TOKENS)], schema=schema)
+            return flight.GeneratorStream(schema, iter([batch] * self.answer))
+        json.loads(ticket.ticket)  # the binary ticket: UnicodeDecodeError, as in the shard of wire version 1
+        raise AssertionError("unreachable")
+
+
+def transport_calls(transport):
+    from dockrl.dock.flight import FlightTransport
+
+    assert isinstance(transport, FlightTransport)
+    req = ClaimRequest(0, "reward", ("prompt_ids",), 1, 0, False, 0.0, "raw", None, 60.0, False)
+    batch = pa.record_batch([pa.array([0], type=pa.int64())], names=["row"])
+    return {"put": lambda: transport.put({"iteration": 0}, batch, 5.0), "claim": lambda: transport.claim_cells(req, 5.0)}
+
+
+@pytest.mark.parametrize("version", [None, WIRE_VERSION + 1])
+@pytest.mark.parametrize("call", ["put", "claim"])
+def test_a_shard_of_another_wire_version_is_refused_by_name(version, call):
+    """A client whose put or claim fails on a shard of another release (a fake one here: wire version 1 answers no
+    ``wire_version`` in ``describe``) raises a DockError naming the shard and both versions."""
+    from dockrl.dock.flight import FlightTransport
+
+    shard = FakeShard(version)
+    transport = FlightTransport(shard.location)
+    try:
+        with pytest.raises(DockError) as raised:
+            transport_calls(transport)[call]()
+        message = str(raised.value)
+        assert f"{call}: the dock shard at {shard.location} speaks wire version {version or 1}; this client speaks " \
+            f"{WIRE_VERSION}" in message and "same dockrl release" in message
+        assert raised.value.__cause__ is not None  # the call's own error comes with it
+        for other in ("put", "claim"):  # and every later failing call says so too (asked once)
+            with pytest.raises(DockError, match=f"{other}: the dock shard at .* speaks wire version {version or 1}"):
+                transport_calls(transport)[other]()
+        assert shard.describes == 1
+    finally:
+        transport.close()
+        shard.shutdown()
+
+
+def test_the_wire_version_is_asked_once_and_errors_of_a_shard_of_this_version_pass_unchanged():
+    from dockrl.dock.flight import FlightTransport
+
+    shard = FakeShard(WIRE_VERSION)
+    transport = FlightTransport(shard.location)
+    try:
+        for _ in range(2):
+            with pytest.raises(DockError, match="malformed put request") as raised:
+                transport_calls(transport)["put"]()
+            assert "speaks wire version" not in str(raised.value)
+        assert shard.describes == 1
+    finally:
+        transport.close()
+        shard.shutdown()
+
+
+@pytest.mark.parametrize("batches, what", [(0, "no record batch"), (2, "more than one record batch")])
+def test_a_claim_answer_that_is_not_one_batch_names_the_shard(batches, what):
+    from dockrl.dock.flight import FlightTransport
+
+    shard = FakeShard(WIRE_VERSION, answer=batches)
+    transport = FlightTransport(shard.location)
+    try:
+        with pytest.raises(DockError, match=f"claim: the dock shard at {shard.location} answered {what}"):
+            transport_calls(transport)["claim"]()
+    finally:
+        transport.close()
+        shard.shutdown()
+
+
+def test_a_put_of_no_rows_sends_nothing(shards):
+    for n in (1, 3):
+        dock = connect(shards[n])
+        try:
+            dock.open_iteration(0, 4 * n, group_size=2)
+            before = dock.controller_bytes
+            dock.put([], {"prompt_ids": []})
+            assert dock.controller_bytes == before
+            dock.close_iteration()
+        finally:
+            dock.close()
