@@ -245,7 +245,7 @@ class InProcessStages:
             shares_actor_module,
         )
         from dockrl.engines.hf import load_tokenizer
-        from dockrl.heap import fix_mmap_threshold
+        from dockrl.heap import fix_heap
         from dockrl.resume import load_optimizer, weights_path
         from dockrl.rewards.guard import build_scorer
         from dockrl.workers.actor import ActorWorker
@@ -256,7 +256,7 @@ class InProcessStages:
         from dockrl.workers.reward import RewardWorker
         from dockrl.workers.rollout import RolloutWorker
 
-        fix_mmap_threshold()  # before the models load: freed activations go back to the system (dockrl/heap.py)
+        fix_heap("in-process stages")  # before the models load: freed activations go back to the system (dockrl/heap.py)
         cfg = self.cfg = plan.cfg
         self.plan, self.run, self.close_actor = plan, f"dockrl-{secrets.token_hex(6)}", lambda: None
         self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages

@@ -33,6 +33,24 @@ _M_MMAP_THRESHOLD = -3  # <malloc.h>
 _ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
+_reported = False  # fix_heap logs the first call of a process only
+
+
+def fix_heap(what: str) -> bool:
+    """``fix_mmap_threshold()`` at the start of a process that trains or generates with torch, before
+    its models load; the first call of the process logs (info) whether it took effect, naming ``what``
+    (the process, e.g. ``"rollout worker"``). Returns whether it took effect."""
+    global _reported
+    fixed = fix_mmap_threshold()
+    if not _reported:
+        _reported = True
+        if fixed:
+            logger.info("%s: glibc's mmap threshold fixed at %d bytes (dockrl.heap)", what, MMAP_THRESHOLD_BYTES)
+        else:
+            logger.info("%s: glibc's mmap threshold left as it was (%s set, or not glibc)", what, _ENV)
+    return fixed
+
+
 def fix_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold of this process at ``threshold_bytes``; returns whether it was set.
 

@@ -477,14 +477,15 @@ class HFRolloutEngine:
         """The model in eval mode with this engine's generation config, restored afterwards (a
         shared module goes back to the actor as it was: ``save_pretrained`` writes its own config)."""
         model = self.model
-        training, config = model.training, model.generation_config
+        modes, config = [(m, m.training) for m in model.modules()], model.generation_config  # each module's own
         model.eval()
         model.generation_config = self.generation_config
         try:
             yield model
         finally:
             model.generation_config = config
-            model.train(training)
+            for module, training in modes:  # not model.train(flag): that would give every submodule the root's mode
+                module.training = training
 
     @torch.no_grad()
     def generate(
@@ -548,8 +549,9 @@ class HFRolloutEngine:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy updated weights in place (cast to this engine's dtype); returns bytes copied. A
-        tensor that already is the parameter's storage (``sharing``: the actor's own weights) is
-        not copied and not counted.
+        tensor that already is the parameter (``sharing``: the actor's own weights; same device,
+        start, dtype, shape and strides) is not copied and not counted; any other view of the
+        parameter's storage (a transpose, say) is copied through a clone.
 
         Raises:
             KeyError: a name this model does not have.
@@ -560,8 +562,11 @@ class HFRolloutEngine:
             if name not in params:
                 raise KeyError(f"rollout engine: no parameter named {name!r}")
             param = params[name]
-            if tensor.data_ptr() == param.data_ptr() and tensor.dtype == param.dtype and tensor.shape == param.shape:
-                continue  # the very same weights
+            if tensor.device == param.device and tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+                if (tensor.storage_offset() == param.storage_offset() and tensor.dtype == param.dtype
+                        and tensor.shape == param.shape and tensor.stride() == param.stride()):
+                    continue  # the very same weights
+                tensor = tensor.clone()  # another view of the parameter's memory: copy_ refuses overlapping operands
             param.copy_(tensor)
             copied += param.numel() * param.element_size()
         return copied

@@ -39,12 +39,18 @@ def test_generation_leaves_the_actors_module_as_it_was(tiny_model_dir):
     _, actor, rollout = engines(tiny_model_dir, "rollout.dtype=float32")
     model = actor.model
     model.train()  # whatever mode the actor keeps, generation gives it back
+    ids = torch.tensor([PROMPTS[0]])
+    model(input_ids=ids).logits.sum().backward()  # grads exist: generation must neither clear nor add to them
+    grads = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in grads]
     config, flags = model.generation_config, [p.requires_grad for p in model.parameters()]
     samples = rollout.generate(PROMPTS, max_new_tokens=6, temperature=1.0)
     assert len(samples) == 2 and all(s.response_ids for s in samples)
     assert model.training and model.generation_config is config
     assert [p.requires_grad for p in model.parameters()] == flags and all(flags)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(g is not None for g in grads) and any(bool(g.abs().sum() > 0) for g in grads)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(g, v) for g, v in zip(grads, values))
     model.eval()
     rollout.generate(PROMPTS, max_new_tokens=6, greedy=True)
     assert not model.training
@@ -55,7 +61,7 @@ def test_after_an_update_generation_samples_the_new_weights_without_a_copy(tiny_
     before = rollout.generate(PROMPTS, max_new_tokens=6, greedy=True)
     responses = [s.response_ids for s in before]
 
-    def loss_fn(start, log_prob, mask, entropy):
+    def loss_fn(rows, log_prob, mask, entropy):
         return -(log_prob * mask).sum(), None
 
     def accumulate() -> dict[str, float]:
@@ -80,3 +86,38 @@ def test_sharing_builds_no_second_model(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(hf, "load_model", lambda *a, **k: loads.append(a) or torch.nn.Linear(1, 1))
     engine = HFRolloutEngine.sharing(actor.model, actor.tokenizer, tiny_model_dir)
     assert loads == [] and engine.model is actor.model and engine.device == torch.device("cpu")
+
+
+def test_generation_gives_each_submodule_its_own_mode_back(tiny_model_dir):
+    _, actor, rollout = engines(tiny_model_dir, "rollout.dtype=float32")
+    model = actor.model
+    model.train()
+    subs = [m for m in model.modules() if m is not model]
+    for i, m in enumerate(subs):  # mixed modes under a root in train mode
+        m.training = i % 2 == 0
+    before = [m.training for m in model.modules()]
+    assert True in before[1:] and False in before[1:]
+    rollout.generate(PROMPTS, max_new_tokens=4, greedy=True)
+    assert [m.training for m in model.modules()] == before
+    model.eval()
+    next(iter(subs)).training = True  # and under a root in eval mode
+    before = [m.training for m in model.modules()]
+    rollout.generate(PROMPTS, max_new_tokens=4, greedy=True)
+    assert [m.training for m in model.modules()] == before
+
+
+def test_load_weights_copies_a_view_of_the_parameter_with_other_strides():
+    """Same start, dtype and shape but transposed: not the parameter, so it is copied."""
+    model = torch.nn.Linear(3, 3, bias=False)
+    engine = HFRolloutEngine.__new__(HFRolloutEngine)
+    engine.model = model
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(9.0).reshape(3, 3))
+    w = model.weight
+    expected = w.detach().t().clone()
+    view = w.detach().t()
+    assert view.data_ptr() == w.data_ptr() and view.shape == w.shape and view.stride() != w.stride()
+    assert engine.load_weights([("weight", view)]) == 9 * 4
+    assert torch.equal(model.weight.detach(), expected)
+    assert engine.load_weights([("weight", model.weight.detach())]) == 0  # the very same tensor: nothing copied
+    assert torch.equal(model.weight.detach(), expected)
