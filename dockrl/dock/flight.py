@@ -72,6 +72,9 @@ _PUT_HEAD = struct.Struct("<3sBqBHH")
 """magic, version, iteration, flags (``_PUT_ACK``: the put acks a claim), len(ack consumer), len(ack lease); then the two strings."""
 _PUT_ACK = 1
 _UNASKED = object()
+_NOT_A_VERSION_ERROR = (DockTimeoutError, flight.FlightTimedOutError, flight.FlightUnavailableError,
+                        flight.FlightUnauthenticatedError, flight.FlightCancelledError)
+"""Failures of a put or claim that say nothing of the shard's wire version: no ``describe`` after them."""
 _WIRE_CHECK_TIMEOUT_S = 10.0
 """Seconds a client waits for a shard's ``describe`` when it checks the shard's wire version."""
 _MAX_PREPARED = 1024
@@ -388,10 +391,11 @@ class FlightTransport:
     Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) are
     annotated with the shard and the call; dock errors come back as their own type.
 
-    The first time a put or claim fails (other than by timing out), the transport asks the shard
-    its wire version (``describe``; a shard of version 1 answers none) and, when it is not
-    ``WIRE_VERSION``, raises a ``DockError`` naming both versions instead: a shard of another
-    release fails such calls with errors that name no version. Calls that succeed cost nothing more.
+    The first time a put or claim fails (other than by timing out, an unreachable shard or a wrong
+    token), the transport asks the shard its wire version (``describe``; a shard of version 1
+    answers none) and, when it is not ``WIRE_VERSION``, raises a ``DockError`` naming both versions
+    instead: a shard of another release fails such calls with errors that name no version. Calls
+    that succeed cost nothing more.
     """
 
     mode: Literal["inprocess", "distributed"] = "distributed"
@@ -461,7 +465,7 @@ class FlightTransport:
 
         try:
             self._call("put", send)
-        except DockTimeoutError:
+        except _NOT_A_VERSION_ERROR:
             raise
         except (DockError, flight.FlightError, pa.ArrowException) as e:
             self._check_wire("put", e)
@@ -487,7 +491,7 @@ class FlightTransport:
             meta = meta.to_pybytes()
             self._count(len(data) + len(meta))
             rows, pending, held = decode_claim_result(meta, self.location)
-        except DockTimeoutError:
+        except _NOT_A_VERSION_ERROR:
             raise
         except (DockError, flight.FlightError, pa.ArrowException) as e:
             self._check_wire("claim", e)

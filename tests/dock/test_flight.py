@@ -873,3 +873,19 @@ def test_a_put_of_no_rows_sends_nothing(shards):
             dock.close_iteration()
         finally:
             dock.close()
+
+
+def test_an_unreachable_shard_fails_as_itself_without_a_version_check():
+    from dockrl.dock.flight import FlightTransport
+
+    shard = FakeShard(WIRE_VERSION)
+    location = shard.location
+    shard.shutdown()
+    transport = FlightTransport(location)
+    try:
+        with pytest.raises(flight.FlightUnavailableError) as raised:
+            transport_calls(transport)["put"]()
+        assert any(location in note for note in raised.value.__notes__)
+        assert shard.describes == 0
+    finally:
+        transport.close()
