@@ -229,8 +229,7 @@ class InProcessStages:
     (``reward_model.enable``), reward, reference (``algorithm.kl_loss_coef`` or ``kl_in_reward_coef`` > 0), advantage, the critic's update, actor,
     then the weight sync (the hybrid actor syncs inside its update). An fp32 HF rollout beside an HF
     actor generates with the actor's module itself (``dockrl.engines.factory.shares_actor_module``):
-    one copy of the weights in memory, and a sync that copies nothing (``weight_sync/bytes`` 0). The
-    process's heap returns freed tensors of 1 MiB or more to the system (``dockrl.heap``). With dynamic sampling
+    one copy of the weights in memory, and a sync that copies nothing (``weight_sync/bytes`` 0). With dynamic sampling
     (``algorithm.filter_groups.enable``) the stages up to the advantage run side by side in threads
     (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage stage releases each next round
     of the rollout; the reference follows them."""
@@ -245,7 +244,6 @@ class InProcessStages:
             shares_actor_module,
         )
         from dockrl.engines.hf import load_tokenizer
-        from dockrl.heap import fix_heap
         from dockrl.resume import load_optimizer, weights_path
         from dockrl.rewards.guard import build_scorer
         from dockrl.workers.actor import ActorWorker
@@ -256,7 +254,6 @@ class InProcessStages:
         from dockrl.workers.reward import RewardWorker
         from dockrl.workers.rollout import RolloutWorker
 
-        fix_heap("in-process stages")  # before the models load: freed activations go back to the system (dockrl/heap.py)
         cfg = self.cfg = plan.cfg
         self.plan, self.run, self.close_actor = plan, f"dockrl-{secrets.token_hex(6)}", lambda: None
         self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages

@@ -45,9 +45,6 @@ PROCESSES = {
 TRAINS = ("actor", "hybrid")
 """The stage processes that hold the actor's training engine (a megatron one joins its process groups)."""
 NEEDS_WEIGHT_SYNC = ("rollout", "actor", "hybrid")
-TORCH_STAGES = ("rollout", "reward-model", "reference", "critic", "actor", "hybrid")
-"""The stage processes whose models generate, score or train with torch: their heap gets
-``dockrl.heap.fix_heap`` (the reward stage's scorers and advantages use only small tensors)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,11 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
     if args.stage in NEEDS_WEIGHT_SYNC and not args.weight_sync:
         parser.error(f"--stage {args.stage} needs --weight-sync host:port")
-    if args.stage in TORCH_STAGES:
-        from dockrl.heap import fix_heap
-
-        fix_heap(f"{args.stage} worker")  # before its models load: freed activations go back to the system
-
     from dockrl.dock import GRPO_SCHEMA
     from dockrl.dock.client import DockClient
     from dockrl.dock.warehouse import make_warehouse

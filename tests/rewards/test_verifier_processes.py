@@ -78,17 +78,23 @@ def test_an_inprocess_run_stopped_by_sigterm_leaves_nothing(tiny_model_dir, tmp_
            f"run.cache_dir={tmp_path / 'cache'}", "run.progress=false", "trainer.iterations=50", "trainer.global_batch=2",
            "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=2", "rollout.max_response_length=8",
            "data.generate_train=20", "data.generate_test=4", "data.eval_size=4"]
-    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "driver.log"  # a file, not a pipe: a full pipe nobody reads would block the driver's writes
+    with log.open("w") as err:  # the child holds its own copy of the descriptor
+        driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while len(helpers := descendants(driver.pid)) < 3:  # the evaluation before training started the verifier's pool
-            assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read() if driver.poll() is not None else "slow"
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:] if driver.poll() is not None else "slow"
             time.sleep(0.2)
         time.sleep(1)
         helpers = descendants(driver.pid)
         assert len(helpers) >= 3 and lock_holder(run)["pid"] == driver.pid
         driver.send_signal(signal.SIGTERM)
-        assert driver.wait(timeout=60) == 143
+        try:
+            code = driver.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver did not exit within 120 s of SIGTERM; its log ends:\n{log.read_text()[-3000:]}")
+        assert code == 143, log.read_text()[-3000:]
         start = time.monotonic()
         while any(alive(p) for p in helpers) and time.monotonic() - start < 10:  # the forkserver and tracker read EOF
             time.sleep(0.05)
