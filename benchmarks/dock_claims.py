@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="a label printed in the title (which code was measured)")
     parser.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for flag, value in (("--claim-rows", args.claim_rows), ("--tokens", args.tokens)):
+        if value < 1:
+            parser.error(f"{flag}: got {value}; expected an integer >= 1")
     if args.raw_server:
         raw_server_main(args.claim_rows, args.tokens)
         return 0

@@ -27,6 +27,7 @@ import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,6 +84,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--rows", args.rows, 1), ("--micro-batch", args.micro_batch, 1), ("--micro-batch-tokens", args.micro_batch_tokens, 0),
+                               ("--max-response", args.max_response, 1), ("--repeats", args.repeats, 1), ("--threads", args.threads, 0)):
+        if value < least:
+            parser.error(f"{flag}: got {value}; expected an integer >= {least}")
+    if args.rows % args.micro_batch:
+        parser.error(f"--micro-batch={args.micro_batch} must divide --rows={args.rows} (as trainer.micro_batch divides the mini-batch)")
+    if args.model != "tiny" and not Path(args.model).is_dir():
+        parser.error(f"--model: {args.model!r} is not a directory (an HF model folder, or 'tiny')")
     if args.threads:
         torch.set_num_threads(args.threads)
 
