@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
     if args.stage in NEEDS_WEIGHT_SYNC and not args.weight_sync:
         parser.error(f"--stage {args.stage} needs --weight-sync host:port")
+
     from dockrl.dock import GRPO_SCHEMA
     from dockrl.dock.client import DockClient
     from dockrl.dock.warehouse import make_warehouse
