@@ -3,13 +3,12 @@ distributed run cut and resumed that ends as the uninterrupted in-process run.""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from test_distributed import HYBRID, workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
-from test_distributed_resume import VARYING, read_rows
+from test_distributed_resume import VARYING, metric_close, read_rows
 from test_ppo_runs import ppo_run
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -62,7 +61,7 @@ def test_a_distributed_ppo_run_cut_and_resumed_ends_as_the_in_process_run(tiny_m
         keys = [k for k in y if k.startswith(("reward/", "rollout/", "actor/", "critic/")) and not k.startswith(VARYING)]
         assert len([k for k in keys if k.startswith("critic/")]) >= 7
         for k in keys:
-            assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["iteration"], k, x[k], y[k])
+            assert metric_close(k, x[k], y[k]), (x["iteration"], k, x[k], y[k])
     for cls, folder in ((AutoModelForCausalLM, final_dir), (AutoModelForTokenClassification, lambda r: critic_dir(final_dir(r)))):
         resumed, uncut = cls.from_pretrained(folder(cut)).state_dict(), cls.from_pretrained(folder(tmp_path / "straight")).state_dict()
         for name, p in uncut.items():

@@ -19,6 +19,17 @@ from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers 
 ROWS_PER_ITERATION = 4 * 4  # trainer.global_batch × rollout.n
 VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")
 """Metrics that depend on the clock or count a process's traffic: not compared between runs."""
+TOKEN_SHARES = ("clip_ratio", "clip_frac", "clipfrac")
+"""Shares of tokens past a clip threshold: a step function of log-probs or values, so rounding that
+differs between processes (their thread counts, hence their reduction order) can move a token across
+the threshold. Compared to within 0.05 (3 tokens of a 64-token batch), every other metric to fp32 rounding."""
+
+
+def metric_close(key: str, x: float, y: float) -> bool:
+    """Whether two runs' values of the metric ``key`` agree (see ``TOKEN_SHARES``)."""
+    if key.endswith(TOKEN_SHARES):
+        return abs(x - y) <= 0.05
+    return math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6)
 
 
 def read_rows(run: Path) -> list[dict]:
@@ -32,7 +43,7 @@ def same_rows(a: list[dict], b: list[dict]) -> None:
         keys = sorted(k for k in x if not k.startswith(VARYING))
         assert keys == sorted(k for k in y if not k.startswith(VARYING))
         for k in keys:
-            assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["iteration"], k, x[k], y[k])
+            assert metric_close(k, x[k], y[k]), (x["iteration"], k, x[k], y[k])
 
 
 def run_config(tiny_model_dir, tmp_path, name: str, *extra: str):

@@ -8,7 +8,6 @@ run's, to fp32 rounding, whichever mode ran which iterations.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dockrl import driver
 from dockrl.resume import checkpoint_dir
 from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
-from test_distributed_resume import VARYING, read_rows, run_config
+from test_distributed_resume import VARYING, metric_close, read_rows, run_config
 
 
 class Interrupt(Exception):
@@ -34,7 +33,7 @@ def same_learning(a: list[dict], b: list[dict]) -> None:
         keys = [k for k in x if k.startswith(("reward/", "rollout/", "actor/")) and not k.startswith(VARYING)]
         assert len(keys) > 10 and set(keys) <= set(y)
         for k in keys:
-            assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["iteration"], k, x[k], y[k])
+            assert metric_close(k, x[k], y[k]), (x["iteration"], k, x[k], y[k])
 
 
 def stop_in_iteration_2(it: int, metrics: dict) -> None:
