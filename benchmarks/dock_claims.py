@@ -5,10 +5,12 @@ Three tables (medians; the machine is shared, so the ratios are the result, not 
 * **(a) claim + put cycle** over Arrow Flight on loopback: one dock shard in its own process
   (``python -m dockrl.dock.flight``) and a ``DockClient`` in this one claim ``--claim-rows`` rows
   of ``response_ids`` (``--tokens`` tokens each) for the ``reference`` consumer and put the same
-  rows' ``ref_log_prob`` with the ack (``put(..., ack=claim)``). The floor, measured in the same
-  run: a raw Flight server in its own process answering one ``do_get`` of a table of the same
-  cells and one ``do_put`` of a batch of the same output cells (plus the int64 row column). The
-  cycle is reported in units of those two raw calls.
+  rows' ``ref_log_prob`` with the ack (``put(..., ack=claim)``), twice: with the next claim riding
+  on the put (one round trip per cycle, the default) and with ``prefetch=False`` (two). The
+  floor, measured in the same run: a raw Flight server in its own process answering one
+  ``do_get`` of a table of the same cells and one ``do_put`` of a batch of the same output cells
+  (plus the int64 row column). The cycles are reported in units of those two raw calls; the
+  raw ``do_exchange`` that moves both in one call is shown beside them.
 * **(b) claim cost as the work grows**, on one ``ShardService`` in this process (the controller
   a shard server runs, without the transport): claimers (distinct lease owners) take turns;
   each acks its previous claim of ``--claim-rows`` rows and claims the next, so every claimer
@@ -86,6 +88,11 @@ class RawServer(flight.FlightServerBase):
     def do_put(self, context, descriptor, reader, writer):  # noqa: ANN001 - Flight's signature
         reader.read_all()
 
+    def do_exchange(self, context, descriptor, reader, writer):  # noqa: ANN001 - Flight's signature
+        reader.read_all()
+        writer.begin(self.table.schema)
+        writer.write_table(self.table)
+
 
 def raw_server_main(rows: int, tokens: int) -> None:
     server = RawServer(rows, tokens)
@@ -133,7 +140,8 @@ def timed(fn: Callable[[], object], n: int) -> float:
 
 
 def cycle_table(claim_rows: int, tokens: int, cycles: int, repeats: int) -> list[dict[str, float]]:
-    """Per repeat: raw do_get + do_put ms, dock claim + put ms, and their ratio (alternating, same processes)."""
+    """Per repeat, alternating in the same processes: ms of the raw do_get + do_put, of the raw do_exchange, of the
+    dock's cycle with the claim riding on the put (``one_ms``) and without (``two_ms``); the cycles' ratios to the raw pair."""
     raw = start_child([__file__, "--raw-server", "--claim-rows", str(claim_rows), "--tokens", str(tokens)])
     shard = start_child(["-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0"])
     out = []
@@ -142,29 +150,43 @@ def cycle_table(claim_rows: int, tokens: int, cycles: int, repeats: int) -> list
         ticket = flight.Ticket(b'{"claim": "raw"}')
         logp = token_lists(claim_rows, tokens, column_type("ref_log_prob"), seed=1)
         raw_batch = pa.RecordBatch.from_arrays([pa.array(np.arange(claim_rows, dtype=np.int64)), logp], names=["row", "ref_log_prob"])
+        descriptor = flight.FlightDescriptor.for_command(b'{"iteration": 0}')
 
         def raw_cycle() -> None:
             conn.do_get(ticket).read_all()
-            writer, _ = conn.do_put(flight.FlightDescriptor.for_command(b'{"iteration": 0}'), raw_batch.schema)
+            writer, _ = conn.do_put(descriptor, raw_batch.schema)
             writer.write_batch(raw_batch)
             writer.close()
 
-        with DockClient([shard.location], GRPO_SCHEMA, timeout_s=30.0) as dock:
+        def raw_exchange() -> None:
+            writer, reader = conn.do_exchange(descriptor)
+            with writer:
+                writer.begin(raw_batch.schema)
+                writer.write_batch(raw_batch)
+                writer.done_writing()
+                reader.read_all()
+
+        def dock_cycle_s(dock: DockClient, iteration: int) -> float:
             rows = claim_rows * cycles
-            responses = token_lists(rows, tokens, column_type("response_ids"))
+            dock.open_iteration(iteration, rows, GROUP)
+            dock.put(range(rows), {"response_ids": token_lists(rows, tokens, column_type("response_ids"))})
+            times = []
+            for _ in range(cycles):
+                t0 = time.perf_counter()
+                claim = dock.claim("reference", ["response_ids"], claim_rows)
+                dock.put(claim.rows, {"ref_log_prob": logp}, ack=claim)
+                times.append(time.perf_counter() - t0)
+            dock.close_iteration()
+            return statistics.median(times[1:] or times)  # the first claim is its own call either way
+
+        with DockClient([shard.location], GRPO_SCHEMA, timeout_s=30.0) as one, \
+                DockClient([shard.location], GRPO_SCHEMA, timeout_s=30.0, prefetch=False) as two:
             for rep in range(repeats):
                 raw_s = timed(raw_cycle, cycles)
-                dock.open_iteration(rep, rows, GROUP)
-                dock.put(range(rows), {"response_ids": responses})
-                dock_times = []
-                for _ in range(cycles):
-                    t0 = time.perf_counter()
-                    claim = dock.claim("reference", ["response_ids"], claim_rows)
-                    dock.put(claim.rows, {"ref_log_prob": logp}, ack=claim)
-                    dock_times.append(time.perf_counter() - t0)
-                dock.close_iteration()
-                dock_s = statistics.median(dock_times[1:] or dock_times)
-                out.append({"raw_ms": raw_s * 1e3, "dock_ms": dock_s * 1e3, "ratio": dock_s / raw_s})
+                exchange_s = timed(raw_exchange, cycles)
+                one_s, two_s = dock_cycle_s(one, 2 * rep), dock_cycle_s(two, 2 * rep + 1)
+                out.append({"raw_ms": raw_s * 1e3, "exchange_ms": exchange_s * 1e3, "one_ms": one_s * 1e3,
+                            "two_ms": two_s * 1e3, "one_ratio": one_s / raw_s, "two_ratio": two_s / raw_s})
         conn.close()
     finally:
         stop_child(shard)
@@ -349,12 +371,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cyc = cycle_table(args.claim_rows, args.tokens, cycles, repeats)
     print(f"\n## (a) claim + put cycle, {args.claim_rows} rows x {args.tokens} tokens, one shard over Flight (loopback)\n")
-    print("| repeat | raw do_get + do_put ms | dock claim + put ms | cycle / raw |")
-    print("|---|---|---|---|")
-    for k, c in enumerate(cyc):
-        print(f"| {k} | {c['raw_ms']:.3f} | {c['dock_ms']:.3f} | {c['ratio']:.2f}x |")
-    print(f"| median | {statistics.median(c['raw_ms'] for c in cyc):.3f} | {statistics.median(c['dock_ms'] for c in cyc):.3f} "
-          f"| {statistics.median(c['ratio'] for c in cyc):.2f}x |")
+    keys = ("raw_ms", "exchange_ms", "one_ms", "two_ms", "one_ratio", "two_ratio")
+    print("| repeat | raw do_get + do_put ms | raw do_exchange ms | dock, claim on the put ms | dock, two round trips ms "
+          "| claim on the put / raw pair | two round trips / raw pair |")
+    print("|---|---|---|---|---|---|---|")
+    for k, c in enumerate([*cyc, {key: statistics.median(c[key] for c in cyc) for key in keys}]):
+        print(f"| {k if k < len(cyc) else 'median'} | " + " | ".join(f"{c[key]:.3f}" for key in keys[:4])
+              + f" | {c['one_ratio']:.2f}x | {c['two_ratio']:.2f}x |")
 
     print(f"\n## (b) claim + ack cost, {args.claim_rows // 8} rows per claim, one shard in process\n")
     print("| sweep | rows per iteration | claimers | blocked claims | us per claim |")

@@ -39,6 +39,9 @@ class Claim:
     """``rows`` as an int64 array, when the dock that made the claim kept one (``put(claim.rows, ..., ack=claim)``
     then converts nothing). A copy made at claim time: ``put`` trusts it whenever it is passed ``claim.rows`` itself
     and the lengths agree, so do not change ``rows`` in place (pass a new list to write other rows)."""
+    shape: tuple[tuple[str, ...], int, bool] | None = field(default=None, repr=False, compare=False)
+    """(columns, count, whole_groups) of the ``claim`` call that made it, when the dock carries the next claim
+    of the same shape on the put that acks this one (``DockClient``); None: the next claim is its own call."""
 
     def __len__(self) -> int:
         return len(self.rows)

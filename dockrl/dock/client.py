@@ -19,7 +19,14 @@ mapping without a ``describe`` per shard and ``num_rows``/``group_size`` answer 
 **Claims.** The controller path is metadata only: a claim takes row indexes on a shard and,
 with the payload in the shards' memory, brings their cells in the same ``do_get`` (the indexes
 travel as schema metadata); with a warehouse the ``claim`` action returns the indexes and the
-client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard. A claim
+client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard.
+**Claims ride on puts** (``prefetch``, memory payload): that put also takes the consumer's next
+claim of the same shape (columns, count, whole groups) on one shard it goes to (the local one if
+it is among them), what is ready now, under a fresh lease, and brings its cells back in the same
+round trip (a Flight ``do_exchange``); the stage's next ``claim`` of that shape starts from those
+rows, so a stage's claim cycle (claim, compute, put with the ack) costs one round trip, not two.
+The rows are leased (and renewed) from the put on; a claim of another shape by the same consumer,
+of another iteration, or ``close()`` releases them at once. A claim
 sweeps the shards from a rotating start (a random shard for a client's first claim, unless
 ``first_shard``), taking what is ready without waiting. A client with a locality hint
 (``local_shard``: the shard on its own node or pod, whose cells do not cross a network link)
@@ -93,7 +100,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -150,6 +157,24 @@ def _one_chunk(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
+_RELEASE_TIMEOUT_S = 10.0
+"""Longest wait, seconds, for a shard to take back rows a put took for a claim that will not use them (``close``
+must not hang on a shard that is gone: the rows' lease ends at its term anyway)."""
+
+
+class _Prefetched(NamedTuple):
+    """Rows a put took for the consumer's next claim (``DockClient`` "Claims ride on puts")."""
+
+    iteration: int
+    shard: int
+    lease: str
+    rows: np.ndarray
+    """Global row indexes taken (int64, ascending), leased under ``lease``."""
+    pending: int
+    held: int
+    cells: pa.RecordBatch
+
+
 class DockClient:
     """The transfer dock over S shards (the ``Dock`` protocol), in this process or over Flight.
 
@@ -173,6 +198,8 @@ class DockClient:
             steal from the others (in rotation) only once it is empty; None (default) for no
             preference.
         max_inflight: iterations this client may have open at once (``open_iteration``; ``dock.max_inflight``).
+        prefetch: a put that acks a claim carries the consumer's next claim of the same shape (see
+            "Claims ride on puts" above; memory payload only); False: every claim is its own round trip.
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)
@@ -185,7 +212,7 @@ class DockClient:
     def __init__(
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
-        first_shard: int | None = None, local_shard: int | None = None, max_inflight: int = 1,
+        first_shard: int | None = None, local_shard: int | None = None, max_inflight: int = 1, prefetch: bool = True,
     ) -> None:
         if not shards:
             raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
@@ -211,6 +238,8 @@ class DockClient:
         self._put_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the put batches (row + columns) sent so far
         self._next = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
         self.warehouse = warehouse
+        self.prefetch = prefetch and warehouse is None
+        self._prefetched: dict[tuple[str, tuple[str, ...], int, bool], _Prefetched] = {}  # by consumer and claim shape
         self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
                       "dock/store_objects_written": 0, "dock/store_objects_read": 0}
 
@@ -413,19 +442,76 @@ class DockClient:
                 parts: dict[int, np.ndarray | None] = {}  # no rows: no call
                 if len(rows_arr):  # positions each shard owns; None: every row (one shard: no split)
                     parts = {0: None} if layout.num_shards == 1 else dict(layout.split(rows_arr))
+                carrier = None  # the shard whose put carries the next claim: the local one if it is among them, else the last
+                if fused and self.prefetch and ack is not None and ack.shape is not None and parts:
+                    carrier = self.local_shard if self.local_shard in parts else list(parts)[-1]
+                    parts[carrier] = parts.pop(carrier)  # last: a put refused by another shard carries no claim
                 for s, pos in parts.items():
                     if pos is None or len(pos) == len(rows_arr):  # one shard owns every row: the arrays as they are
                         columns_out = [pa.array(rows_arr), *arrays.values()]
                     else:
                         columns_out = [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())]
                     batch = pa.RecordBatch.from_arrays(columns_out, schema=schema)
-                    self.transports[s].put({"iteration": layout.iteration} | extra, batch, self.rpc_timeout_s)
+                    body = {"iteration": layout.iteration} | extra
+                    if s == carrier and ack is not None and ack.shape is not None:
+                        self._put_claim(s, body, batch, layout.iteration, ack.consumer, ack.shape)
+                    else:
+                        self.transports[s].put(body, batch, self.rpc_timeout_s)
         finally:
             if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
                 with self._beat:
                     self._held.pop(lease, None)
         if ack is not None and not fused:
             self.ack(ack)
+
+    def _put_claim(
+        self, s: int, body: dict[str, Any], batch: pa.RecordBatch, iteration: int, consumer: str,
+        shape: tuple[tuple[str, ...], int, bool],
+    ) -> None:
+        """Put ``batch`` on shard ``s`` carrying the next claim of ``shape`` for ``consumer``; keep what it took."""
+        names, count, whole_groups = shape
+        lease = os.urandom(16).hex()
+        req = ClaimRequest(iteration, consumer, names, count, 0, whole_groups, 0.0, self.owner, lease, self.lease_s, False)
+        result = self.transports[s].put_claim(body, batch, req, self.rpc_timeout_s)  # raises: the put did not land
+        if isinstance(result, DockError):  # the put landed; the next claim goes on its own
+            logger.debug("the claim a put carried failed (the next claim is its own call): %s", result)
+            return
+        rows, pending, held, cells = result
+        if len(rows):
+            self._hold(lease, iteration)
+        taken = _Prefetched(iteration, s, lease, rows, pending, held, cells)
+        with self._lock:
+            stale = self._prefetched.pop((consumer, *shape), None)
+            self._prefetched[(consumer, *shape)] = taken
+        if stale is not None:  # put twice without a claim between: the older rows go back
+            self._drop_prefetched(consumer, stale)
+
+    def _prefetched_for(
+        self, consumer: str, shape: tuple[tuple[str, ...], int, bool], iteration: int,
+    ) -> _Prefetched | None:
+        """The rows a put took for ``consumer``'s claim of ``shape`` in ``iteration``, if any; the consumer's
+        other prefetched rows (another shape or iteration) go back to their shards."""
+        with self._lock:
+            mine = [k for k in self._prefetched if k[0] == consumer]
+            found = {k: self._prefetched.pop(k) for k in mine}
+        taken = found.pop((consumer, *shape), None)
+        if taken is not None and taken.iteration != iteration:
+            found[(consumer, *shape)], taken = taken, None
+        for stale in found.values():
+            self._drop_prefetched(consumer, stale)
+        return taken
+
+    def _drop_prefetched(self, consumer: str, taken: _Prefetched) -> None:
+        """Hand rows a put took for a claim that will not use them back to their shard (best effort: else at lease expiry)."""
+        with self._beat:
+            self._held.pop(taken.lease, None)
+        if len(taken.rows):
+            try:
+                self._action(taken.shard, "release", {"iteration": taken.iteration, "consumer": consumer,
+                                                      "rows": taken.rows.tolist()}, min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
+            except Exception as e:  # noqa: BLE001 - the lease ends at its term anyway
+                logger.warning("could not release %d rows %r took with a put on dock shard %d: %s",
+                               len(taken.rows), consumer, taken.shard, e)
 
     def _put_schema(self, names: tuple[str, ...]) -> pa.Schema:
         """The schema of a put batch of ``names`` (checked columns): the int64 row column, then theirs (one
@@ -543,8 +629,10 @@ class DockClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         layout = self._layout_for(what)
+        shape = (tuple(columns), int(count), bool(whole_groups)) if self.prefetch else None
+        taken = self._prefetched_for(consumer, shape, layout.iteration) if shape is not None and self._prefetched else None
         try:
-            claim = self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline)
+            claim = self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline, taken, shape)
         except DockError as e:
             open_now = [] if isinstance(e, DockTimeoutError) or layout.iteration == self._confirmed else \
                 [m["iteration"] for m in self._describe_all(0)]
@@ -552,12 +640,14 @@ class DockClient:
             if not open_now or layout.iteration in open_now:
                 raise
             # the iteration this client knew was closed and another opened: claim from that one
-            claim = self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline)
+            claim = self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline,
+                                None, shape)
         return claim  # held (renewed) since its first rows were taken
 
     def _claim(
         self, layout: ShardLayout, consumer: str, columns: list[str], count: int, whole_groups: bool,
-        timeout: float, deadline: float,
+        timeout: float, deadline: float, prefetched: _Prefetched | None = None,
+        shape: tuple[tuple[str, ...], int, bool] | None = None,
     ) -> Claim:
         unit = layout.group_size if whole_groups else 1
         active = layout.active
@@ -568,13 +658,17 @@ class DockClient:
         if local is not None:  # the co-located shard first: the others are swept (stolen from) only for what it lacks
             order.remove(local)
             order.insert(0, local)
-        lease = os.urandom(16).hex()  # as uuid4().hex, without building a UUID
+        lease = os.urandom(16).hex() if prefetched is None else prefetched.lease  # as uuid4().hex, without building a UUID
         names = tuple(columns)
         taken: dict[int, list[np.ndarray]] = {}  # rows of each take (global, ascending), by shard
         pending: dict[int, int] = {}
         held: dict[int, int] = {}  # rows of the consumer other owners lease, by shard: they may come back
         cells: dict[int, list[pa.Table | pa.RecordBatch]] = {}  # memory payload: the cells each take brought along, by shard
         got = 0  # rows taken so far
+        if prefetched is not None:  # the first take, done by the put that acked the previous claim
+            p = prefetched.shard
+            taken[p], pending[p], held[p], cells[p] = [prefetched.rows], prefetched.pending, prefetched.held, [prefetched.cells]
+            got = len(prefetched.rows)
 
         def take(s: int, limit: int, at_least: int, wait_s: float = 0.0, wait_held: bool = False) -> None:
             nonlocal got
@@ -595,14 +689,15 @@ class DockClient:
 
         try:
             if local is not None:  # the co-located shard alone while it has rows left for the consumer, ready or not
-                take(local, count, at_least=0)
+                if local not in pending:
+                    take(local, count - got, at_least=0)
                 try:
                     while got < count and pending[local] > 0:
                         take(local, count - got, min(pending[local], count - got), max(deadline - time.monotonic(), 0.0))
                 except DockTimeoutError:
                     pass  # the sweep below looks at every other shard once more, then raises the claim's timeout
             for i, s in enumerate(order):  # sweep: take what is ready now (the first shard checks the request)
-                if (i == 0 and local is None) or (got < count and s != local):
+                if s not in pending and ((i == 0 and local is None and prefetched is None) or (got < count and s != local)):
                     take(s, count - got, at_least=0)
             want = min(count, got + sum(pending.values()))
             # block while short of rows the consumer still has pending, or, with nothing to take at all,
@@ -646,7 +741,8 @@ class DockClient:
             raise
         row_array = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, dtype=np.int64), *parts])
         claimed = row_array.tolist()
-        return Claim(layout.iteration, claimed, batch, lease if claimed else "", consumer, row_array)
+        # with ``shape``, the put that acks the claim carries the next claim of that shape
+        return Claim(layout.iteration, claimed, batch, lease if claimed else "", consumer, row_array, shape if claimed else None)
 
     def _timeout(
         self, layout: ShardLayout, consumer: str, columns: list[str], timeout: float, want: int, ready: int,
@@ -957,6 +1053,10 @@ class DockClient:
     def close(self) -> None:
         """Stop renewing leases and close the transports: connections to Flight shards (which keep
         running), in-process shards this dock owns (``open_dock``)."""
+        with self._lock:
+            prefetched, self._prefetched = self._prefetched, {}
+        for (consumer, *_), taken in prefetched.items():
+            self._drop_prefetched(consumer, taken)
         with self._beat:
             self._closed = True
             self._beat.notify_all()

@@ -14,6 +14,11 @@ mapping onto Flight (action bodies and results UTF-8 JSON; the claim cycle's mes
   ``ClaimRequest``) claims and reads in one round trip: one record batch of the cells, the
   claim's result travelling as its ``app_metadata`` (``encode_claim_result``: pending, held and
   the rows as ascending runs; ``ShardService.claim_cells``).
+* ``do_exchange`` — a put that carries the next claim (``ShardService.put_claim``): descriptor
+  command ``encode_exchange`` of a put descriptor and a claim ticket, then the put's one record
+  batch in; out, as a claim's ``do_get``: one record batch of the claimed cells with the claim's
+  result as its ``app_metadata``, or, when the put landed and the claim failed, only
+  ``app_metadata`` naming the claim's error (``encode_claim_failed``).
 
 The binary messages carry ``WIRE_VERSION``; a shard refuses another version, and a claim
 ticket in the JSON form of earlier releases, naming both versions.
@@ -71,6 +76,11 @@ _RUN = struct.Struct("<qq")
 _PUT_HEAD = struct.Struct("<3sBqBHH")
 """magic, version, iteration, flags (``_PUT_ACK``: the put acks a claim), len(ack consumer), len(ack lease); then the two strings."""
 _PUT_ACK = 1
+_EXCHANGE_MAGIC = b"dkx"
+_EXCHANGE_HEAD = struct.Struct("<3sBI")
+"""magic, version, len(put descriptor); then the put descriptor (``encode_put``), then the claim ticket (``encode_claim``)."""
+_CLAIM_FAILED = 0
+"""First byte of the ``app_metadata`` of an exchange whose put landed and whose claim failed (no wire version is 0)."""
 _UNASKED = object()
 _NOT_A_VERSION_ERROR = (DockTimeoutError, flight.FlightTimedOutError, flight.FlightUnavailableError,
                         flight.FlightUnauthenticatedError, flight.FlightCancelledError)
@@ -205,6 +215,33 @@ def decode_put(command: bytes) -> tuple[int, tuple[str, str] | None]:
         return iteration, None
     start = _PUT_HEAD.size + n_consumer
     return iteration, (command[_PUT_HEAD.size:start].decode(), command[start:].decode())
+
+
+def encode_exchange(put: bytes, claim: bytes) -> bytes:
+    """The descriptor command of a put that carries a claim: ``put`` (``encode_put``) and ``claim`` (``encode_claim``)."""
+    return _EXCHANGE_HEAD.pack(_EXCHANGE_MAGIC, WIRE_VERSION, len(put)) + put + claim
+
+
+def decode_exchange(command: bytes) -> tuple[bytes, bytes]:
+    """(put descriptor, claim ticket) of ``encode_exchange``; each is checked by its own decoder.
+
+    Raises:
+        DockError: another wire version, or a malformed command.
+    """
+    if len(command) > 3 and command[3] != WIRE_VERSION:  # the version first: another version may have another header
+        raise _version_error("put", command[3])
+    if command[:3] != _EXCHANGE_MAGIC or len(command) < _EXCHANGE_HEAD.size:
+        raise DockError(f"dock shard: malformed exchange descriptor ({len(command)} bytes; expected a put that carries a claim)")
+    (n_put,) = _EXCHANGE_HEAD.unpack_from(command)[2:]
+    end = _EXCHANGE_HEAD.size + n_put
+    if len(command) < end:
+        raise DockError(f"dock shard: malformed exchange descriptor ({len(command)} bytes; the header says more than {end})")
+    return command[_EXCHANGE_HEAD.size:end], command[end:]
+
+
+def encode_claim_failed(e: DockError) -> bytes:
+    """The ``app_metadata`` of an exchange whose put landed and whose claim failed with ``e``."""
+    return bytes([_CLAIM_FAILED]) + f"{type(e).__name__}: {e}".encode()
 
 
 def dock_error_to_flight(e: DockError) -> flight.FlightServerError:
@@ -372,6 +409,33 @@ class DockShardServer(flight.FlightServerBase):
 
         return flight.RecordBatchStream(_guard("get", get), options=self._ipc)
 
+    def do_exchange(
+        self,
+        context: flight.ServerCallContext,
+        descriptor: flight.FlightDescriptor,
+        reader: flight.MetadataRecordBatchReader,
+        writer: flight.MetadataRecordBatchWriter,
+    ) -> None:
+        """A put that carries the next claim (``encode_exchange``): the put's batch in, the claim's cells out."""
+        command = descriptor.command
+
+        def exchange() -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
+            put, ticket = decode_exchange(command)
+            iteration, ack = decode_put(put)
+            req = decode_claim(ticket, self._fixed_parts)
+            return self.service.put_claim(iteration, reader.read_all(), ack, req, from_ipc=True)
+
+        result = _guard("put", exchange)
+        if isinstance(result, DockError):  # the put landed; the claim did not
+            meta = encode_claim_failed(result)
+            writer.write_metadata(pa.py_buffer(meta))
+        else:
+            rows, pending, held, batch = result
+            meta = encode_claim_result(rows, pending, held)
+            writer.begin(batch.schema, options=self._ipc)
+            writer.write_with_metadata(batch, pa.py_buffer(meta))
+        self._count(len(command) + len(meta))
+
     def _claim_stream(self, data: bytes, context: flight.ServerCallContext) -> flight.GeneratorStream:
         rows, pending, held, batch = self.service.claim_cells(decode_claim(data, self._fixed_parts), context.is_cancelled)
         meta = encode_claim_result(rows, pending, held)
@@ -407,6 +471,7 @@ class FlightTransport:
         self._lock = threading.Lock()
         self._call_options: dict[float | None, flight.FlightCallOptions] = {}
         self._fixed_parts: dict[tuple[str, str, tuple[str, ...]], bytes] = {}  # claim_fixed_part by consumer, owner, columns
+        self._ipc = pa.ipc.IpcWriteOptions()  # once: the default options read the environment on every stream
         self._shard_wire: object = _UNASKED  # the shard's wire version, once asked (_check_wire)
         self.controller_bytes = 0
         """Bytes of action bodies and results, put descriptors and claim tickets and results sent and received."""
@@ -414,7 +479,7 @@ class FlightTransport:
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
         options = self._call_options.get(timeout)
         if options is None:
-            options = flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+            options = flight.FlightCallOptions(headers=self._headers, timeout=timeout, write_options=self._ipc)
             if len(self._call_options) < 64:  # the timeouts a client uses repeat (rpc_timeout_s, a claim's wait + slack)
                 self._call_options[timeout] = options
         return options
@@ -475,12 +540,15 @@ class FlightTransport:
         ticket = flight.Ticket(json.dumps(body).encode())
         return self._call("get", lambda: self._client.do_get(ticket, self._options(timeout)).read_all())
 
-    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
+    def _fixed_part(self, req: ClaimRequest) -> bytes:
         key = (req.consumer, req.owner, req.columns)
         fixed = self._fixed_parts.get(key)
         if fixed is None:
             fixed = self._fixed_parts[key] = claim_fixed_part(*key)
-        data = encode_claim(req, fixed)
+        return fixed
+
+    def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
+        data = encode_claim(req, self._fixed_part(req))
         try:
             chunk = self._call("claim", lambda: _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout)),
                                                            self.location))
@@ -498,12 +566,43 @@ class FlightTransport:
             raise
         return rows, pending, held, chunk.data
 
+    def put_claim(
+        self, body: dict[str, Any], batch: pa.RecordBatch, req: ClaimRequest, timeout: float | None,
+    ) -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
+        ack = body.get("ack")
+        put = encode_put(body["iteration"], None if ack is None else (ack["consumer"], ack["lease"]))
+        command = encode_exchange(put, encode_claim(req, self._fixed_part(req)))
+
+        def exchange() -> flight.FlightStreamChunk:
+            writer, reader = self._client.do_exchange(flight.FlightDescriptor.for_command(command), self._options(timeout))
+            with writer:
+                writer.begin(batch.schema, options=self._ipc)
+                writer.write_batch(batch)
+                writer.done_writing()
+                return _one_batch(reader, self.location, "put")
+
+        try:
+            chunk = self._call("put", exchange)
+            meta = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
+            self._count(len(command) + len(meta))
+            if meta[:1] == bytes([_CLAIM_FAILED]):
+                return DockError(f"claim carried by a put to the dock shard at {self.location}: {meta[1:].decode(errors='replace')}")
+            rows, pending, held = decode_claim_result(meta, self.location)
+        except _NOT_A_VERSION_ERROR:
+            raise
+        except (DockError, flight.FlightError, pa.ArrowException) as e:
+            self._check_wire("put", e)
+            raise
+        if chunk.data is None:
+            raise DockError(f"put: the dock shard at {self.location} answered the claim's result without its cells")
+        return rows, pending, held, chunk.data
+
     def close(self) -> None:
         self._client.close()
 
 
-def _one_batch(reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk:
-    """The one record batch (and its app_metadata) of a claim's stream from the shard at ``location``, read to its end.
+def _one_batch(reader: flight.FlightStreamReader, location: str, what: str = "claim") -> flight.FlightStreamChunk:
+    """The one record batch (and its app_metadata) of a ``what`` stream from the shard at ``location``, read to its end.
 
     Raises:
         DockError: the stream holds no batch or more than one.
@@ -511,12 +610,12 @@ def _one_batch(reader: flight.FlightStreamReader, location: str) -> flight.Fligh
     try:
         chunk = reader.read_chunk()
     except StopIteration:
-        raise DockError(f"claim: the dock shard at {location} answered no record batch") from None
+        raise DockError(f"{what}: the dock shard at {location} answered no record batch") from None
     try:
         reader.read_chunk()
     except StopIteration:
         return chunk
-    raise DockError(f"claim: the dock shard at {location} answered more than one record batch")
+    raise DockError(f"{what}: the dock shard at {location} answered more than one record batch")
 
 
 def start_local_shards(

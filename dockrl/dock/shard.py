@@ -125,9 +125,10 @@ class ShardLayout:
         return {int(s): np.flatnonzero(shard == s) for s in np.unique(shard)}
 
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Version of the binary claim ticket, claim result and put descriptor over Flight (1: the JSON forms before
-them); ``describe`` answers it as ``wire_version`` (a shard of version 1 leaves it out)."""
+them; 3: a put may carry the next claim, ``do_exchange``); ``describe`` answers it as ``wire_version`` (a shard of
+version 1 leaves it out)."""
 
 
 def row_runs(rows: np.ndarray) -> np.ndarray:
@@ -527,6 +528,28 @@ class ShardService:
         assert batch is not None
         return rows, pending, held, batch
 
+    def put_claim(
+        self, iteration: int, table: pa.Table | pa.RecordBatch, ack: tuple[str, str] | None, req: ClaimRequest, *,
+        from_ipc: bool = False,
+    ) -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
+        """``write`` then ``claim_cells`` in one call: a put (usually with the ack of a claim) that
+        carries the next claim, so that a stage's claim cycle costs one round trip.
+
+        ``req`` must not block (``at_least`` 0). The put either fails (nothing written, nothing
+        taken: its ``DockError`` is raised) or lands; once it landed a claim that fails is answered
+        by its ``DockError`` as the result instead of raised, so that the caller knows the put landed.
+
+        Raises:
+            DockError: as ``write``; ``req`` asks to wait.
+        """
+        if req.at_least:
+            raise DockError(f"put: the claim a put carries takes what is ready now (at_least 0); got at_least={req.at_least}")
+        self.write(iteration, table, ack, from_ipc=from_ipc)
+        try:
+            return self.claim_cells(req)
+        except DockError as e:
+            return e
+
 
 class ShardTransport(Protocol):
     """How a front end reaches one shard's ``ShardService``: in this process or over Flight.
@@ -548,6 +571,11 @@ class ShardTransport(Protocol):
 
     def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
         """``ShardService.claim_cells`` on the shard: (rows, global int64 ascending; pending; held; the cells)."""
+
+    def put_claim(
+        self, body: dict[str, Any], batch: pa.RecordBatch, req: ClaimRequest, timeout: float | None,
+    ) -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
+        """``put`` with the body's ack, then ``claim_cells`` of ``req`` in one call (``ShardService.put_claim``)."""
 
     def close(self) -> None: ...
 
@@ -576,6 +604,12 @@ class LocalTransport:
 
     def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
         return self.service.claim_cells(req)
+
+    def put_claim(
+        self, body: dict[str, Any], batch: pa.RecordBatch, req: ClaimRequest, timeout: float | None,
+    ) -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
+        ack = body.get("ack")
+        return self.service.put_claim(body["iteration"], batch, None if ack is None else (ack["consumer"], ack["lease"]), req)
 
     def close(self) -> None:
         if self.owned:

@@ -26,9 +26,10 @@ def test_quick_claim_benchmark_prints_every_table_with_finite_numbers():
     [cpu] = [rows for title, rows in found.items() if title.startswith("## (c)")]
     assert cycle[-1][0] == "median" and len(cycle) == 3  # two repeats and their median
     for row in cycle[:-1]:  # each repeat's ratio is its own times' (the medians are taken column by column)
-        raw, dock, ratio = (number(c) for c in row[1:])
-        assert all(math.isfinite(v) and v > 0 for v in (raw, dock, ratio))
-        assert ratio == pytest.approx(dock / raw, rel=0.02, abs=0.01)
+        raw, exchange, one, two, one_ratio, two_ratio = (number(c) for c in row[1:])
+        assert all(math.isfinite(v) and v > 0 for v in (raw, exchange, one, two, one_ratio, two_ratio))
+        assert one_ratio == pytest.approx(one / raw, rel=0.02, abs=0.01)
+        assert two_ratio == pytest.approx(two / raw, rel=0.02, abs=0.01)
     assert [r[0] for r in claims] == ["rows", "rows", "claimers", "claimers", "blocked (claim+put+ack)", "blocked (claim+put+ack)"]
     assert all(number(r[-1]) > 0 for r in claims)
     assert [(number(r[0]), number(r[1])) for r in cpu] == [(1024, 64), (2048, 128)]

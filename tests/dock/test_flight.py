@@ -457,7 +457,7 @@ RAW_BAD_CALLS = {
     "unknown action": (raw_action("steal", b"{}"), ["unknown action 'steal'"]),
     "claim ticket in JSON (wire version 1)": (
         raw_get(b'{"claim": {"iteration": 0, "consumer": "reward", "columns": ["prompt_ids"], "count": 1}}'),
-        ["claim: the client speaks dock wire version 1; this shard speaks 2", "same dockrl release"],
+        [f"claim: the client speaks dock wire version 1; this shard speaks {WIRE_VERSION}", "same dockrl release"],
     ),
     "claim ticket of another wire version": (
         raw_get(CLAIM_TICKET[:3] + bytes([WIRE_VERSION + 1]) + CLAIM_TICKET[4:]),
@@ -732,6 +732,10 @@ def test_the_claim_cycle_messages_round_trip():
     assert decode_put(encode_put(4, None)) == (4, None)
     assert decode_put(encode_put(4, ("reward", "lease-1"))) == (4, ("reward", "lease-1"))
     assert decode_put(b'{"iteration": 4, "ack": {"consumer": "reward", "lease": "x"}}') == (4, ("reward", "x"))
+    from dockrl.dock.flight import decode_exchange, encode_exchange
+
+    put, ticket = decode_exchange(encode_exchange(encode_put(4, ("reward", "lease-1")), encode_claim(req, fixed)))
+    assert decode_put(put) == (4, ("reward", "lease-1")) and decode_claim(ticket, cache) == req
 
 
 def test_the_decoders_read_the_version_before_the_length():
@@ -748,6 +752,14 @@ def test_the_decoders_read_the_version_before_the_length():
         decode_claim(CLAIM_TICKET[:10], {})
     with pytest.raises(DockError, match="malformed put descriptor"):
         decode_put(PUT_DESCRIPTOR[:6])
+    from dockrl.dock.flight import decode_exchange, encode_exchange
+
+    exchange = encode_exchange(PUT_DESCRIPTOR, CLAIM_TICKET)
+    with pytest.raises(DockError, match=f"put: the client speaks dock wire version {WIRE_VERSION + 1}; this shard"):
+        decode_exchange(exchange[:3] + other)
+    for cut in (exchange[:6], exchange[:10], PUT_DESCRIPTOR):
+        with pytest.raises(DockError, match="malformed exchange descriptor"):
+            decode_exchange(cut)
     answer = encode_claim_result(np.arange(4, 9, dtype=np.int64), 7, 2)
     where = "grpc://shard-a:1"
     with pytest.raises(DockError, match=f"dock shard at {where} speaks wire version {WIRE_VERSION + 1}; this client"):
@@ -804,11 +816,12 @@ def transport_calls(transport):
     assert isinstance(transport, FlightTransport)
     req = ClaimRequest(0, "reward", ("prompt_ids",), 1, 0, False, 0.0, "raw", None, 60.0, False)
     batch = pa.record_batch([pa.array([0], type=pa.int64())], names=["row"])
-    return {"put": lambda: transport.put({"iteration": 0}, batch, 5.0), "claim": lambda: transport.claim_cells(req, 5.0)}
+    return {"put": lambda: transport.put({"iteration": 0}, batch, 5.0), "claim": lambda: transport.claim_cells(req, 5.0),
+            "put_claim": lambda: transport.put_claim({"iteration": 0}, batch, req, 5.0)}
 
 
 @pytest.mark.parametrize("version", [None, WIRE_VERSION + 1])
-@pytest.mark.parametrize("call", ["put", "claim"])
+@pytest.mark.parametrize("call", ["put", "claim", "put_claim"])
 def test_a_shard_of_another_wire_version_is_refused_by_name(version, call):
     """A client whose put or claim fails on a shard of another release (a fake one here: wire version 1 answers no
     ``wire_version`` in ``describe``) raises a DockError naming the shard and both versions."""
@@ -820,7 +833,7 @@ def test_a_shard_of_another_wire_version_is_refused_by_name(version, call):
         with pytest.raises(DockError) as raised:
             transport_calls(transport)[call]()
         message = str(raised.value)
-        assert f"{call}: the dock shard at {shard.location} speaks wire version {version or 1}; this client speaks " \
+        assert f"{call.split('_')[0]}: the dock shard at {shard.location} speaks wire version {version or 1}; this client speaks " \
             f"{WIRE_VERSION}" in message and "same dockrl release" in message
         assert raised.value.__cause__ is not None  # the call's own error comes with it
         for other in ("put", "claim"):  # and every later failing call says so too (asked once)

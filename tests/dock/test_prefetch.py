@@ -1,0 +1,165 @@
+"""Claims ride on puts: a put that acks a claim takes the consumer's next claim of the same shape
+in the same round trip; rows are still claimed exactly once, and rows a put took that no claim
+uses go back at once (a claim of another shape or iteration, ``close``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
+from dockrl.dock.client import DockClient
+from dockrl.dock.flight import start_local_shards
+from dockrl.dock.shard import LocalTransport, local_shards
+
+ROWS = 16
+
+
+@pytest.fixture(params=["flight", "local"])
+def shards(request) -> Iterator[list]:
+    """Two shards (Flight servers of this process, or in-process services), shared by the clients of a test."""
+    if request.param == "flight":
+        servers, locations = start_local_shards(2, GRPO_SCHEMA, timeout_s=5.0)
+        yield locations
+        for s in servers:
+            s.close()
+    else:
+        services = local_shards(2, GRPO_SCHEMA, timeout_s=5.0)
+        yield [LocalTransport(s) for s in services]
+        for s in services:
+            s.close()
+
+
+def client(shards: list, **kw) -> DockClient:
+    return DockClient(shards, GRPO_SCHEMA, **({"timeout_s": 5.0, "first_shard": 0} | kw))
+
+
+def open_with_prompts(dock: DockClient, iteration: int = 0) -> None:
+    dock.open_iteration(iteration, ROWS, 1)
+    dock.put(range(ROWS), {"prompt_ids": [[iteration, r] for r in range(ROWS)]})
+
+
+def cycle(dock: DockClient, count: int = 2) -> list[int]:
+    """One stage cycle of the reward consumer: claim, check the cells, put the scores with the ack."""
+    claim = dock.claim("reward", ["prompt_ids"], count)
+    assert [c[1] for c in claim.batch.column(0).to_pylist()] == claim.rows  # the cells are the rows'
+    if claim.rows:
+        dock.put(claim.rows, {"rm_score": [float(r) for r in claim.rows]}, ack=claim)
+    return claim.rows
+
+
+class CountingCalls:
+    """Counts the calls a client makes through its transports (wraps them; the calls still go through)."""
+
+    def __init__(self, dock: DockClient, names: tuple[str, ...] = ("claim_cells", "put", "put_claim")) -> None:
+        self.calls = dict.fromkeys(names, 0)
+        for t in dock.transports:
+            for name in names:
+                setattr(t, name, self._counted(name, getattr(t, name)))
+
+    def _counted(self, name, fn):
+        def call(*args, **kw):
+            self.calls[name] += 1
+            return fn(*args, **kw)
+        return call
+
+
+def test_a_stage_cycle_costs_one_round_trip_once_claims_ride_on_puts(shards):
+    driver = client(shards)
+    open_with_prompts(driver)
+    dock = client(shards)
+    counted = CountingCalls(dock)
+    got = []
+    while rows := cycle(dock):
+        got += rows
+    assert sorted(got) == list(range(ROWS))
+    # every put carries the next claim; a claim is its own call only when the shard the put went to had
+    # nothing left: the first claim (shard 0), the first of shard 1, the last (shard 0 again, empty)
+    assert counted.calls["put_claim"] == ROWS // 2 and counted.calls["put"] == 0
+    assert counted.calls["claim_cells"] == 3
+    assert driver.get(["rm_score"], range(ROWS)).column(0).to_pylist() == [float(r) for r in range(ROWS)]
+
+
+def test_without_prefetch_every_claim_is_its_own_call(shards):
+    open_with_prompts(client(shards))
+    dock = client(shards, prefetch=False)
+    counted = CountingCalls(dock)
+    n = 0
+    while cycle(dock):
+        n += 1
+    assert counted.calls["put_claim"] == 0 and counted.calls["put"] == n and counted.calls["claim_cells"] >= n + 1
+
+
+def test_rows_a_put_took_go_back_when_the_client_closes(shards):
+    open_with_prompts(client(shards))
+    first = client(shards, lease_s=300.0)
+    taken = cycle(first, 2)
+    other = client(shards)
+    # the rest, less the rows first's put took for its next claim (leased for 300 s): a short wait, then a timeout
+    rest = other.claim("reward", ["prompt_ids"], ROWS)
+    assert len(rest.rows) == ROWS - 4 and not set(rest.rows) & set(taken)
+    with pytest.raises(DockTimeoutError, match="leased by other owners"):
+        other.claim("reward", ["prompt_ids"], 2, timeout_s=0.5)
+    first.close()
+    back = other.claim("reward", ["prompt_ids"], 2, timeout_s=2.0)  # at once, not after the 300 s lease
+    assert sorted(taken + rest.rows + back.rows) == list(range(ROWS))
+
+
+def test_a_claim_of_another_shape_releases_what_the_put_took(shards):
+    open_with_prompts(client(shards))
+    dock = client(shards)
+    got = cycle(dock, 2)
+    got += cycle(dock, 3)  # another count: the two rows the put took go back, and this claim takes them again
+    got += cycle(dock, ROWS)
+    assert sorted(got) == list(range(ROWS))
+    assert cycle(dock, ROWS) == []
+
+
+def test_rows_a_put_took_in_a_closed_iteration_are_never_claimed_in_the_next(shards):
+    driver = client(shards)
+    open_with_prompts(driver, 0)
+    dock = client(shards)
+    cycle(dock, 2)  # its put took two more rows of iteration 0
+    driver.close_iteration(0)
+    open_with_prompts(driver, 1)
+    dock.wait_iteration(0, timeout_s=5.0)
+    claim = dock.claim("reward", ["prompt_ids"], 2)
+    assert claim.iteration == 1 and [c[0] for c in claim.batch.column(0).to_pylist()] == [1, 1]
+
+
+def test_clients_of_one_consumer_claim_every_row_exactly_once(shards):
+    open_with_prompts(client(shards))
+    docks = [client(shards, first_shard=k) for k in range(3)]
+    got: list[list[int]] = [[] for _ in docks]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            while rows := cycle(docks[k], 1 + k):
+                got[k] += rows
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert sorted(r for rows in got for r in rows) == list(range(ROWS))
+
+
+def test_the_put_lands_when_the_claim_it_carries_fails(shards):
+    driver = client(shards)
+    open_with_prompts(driver)
+    dock = client(shards)
+    claim = dock.claim("reward", ["prompt_ids"], 2)
+    bad = dataclasses.replace(claim, shape=(("no_such_column",), 2, False))
+    dock.put(claim.rows, {"rm_score": [1.0, 2.0]}, ack=bad)  # the put and its ack land; the carried claim is refused
+    assert driver.get(["rm_score"], claim.rows).column(0).to_pylist() == [1.0, 2.0]
+    with pytest.raises(DockError, match="no_such_column"):
+        dock.claim("reward", ["no_such_column"], 2)
+    assert len(cycle(dock, ROWS)) == ROWS - 2  # the acked rows are done; nothing else is held
