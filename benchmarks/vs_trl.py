@@ -50,7 +50,8 @@ from typing import Any
 RSS_SAMPLE_S = 0.05
 """Seconds between two samples of a run's process tree RSS (``tree_peak_rss``)."""
 
-QUICK = dict(prompts=2, n=2, max_new_tokens=8, iterations=2, repeats=1, micro_batch=2)
+QUICK = dict(prompts=2, n=2, max_new_tokens=8, iterations=2, repeats=1, micro_batch=2, sides="trl,dockrl-hf")
+"""The defaults of ``--quick``: a flag given with it wins."""
 
 
 def _tokens_per_s(tokens: list[float], seconds: list[float]) -> float:
@@ -259,7 +260,8 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> str:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``--quick`` changes the defaults only, so a flag given with it wins."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="HF model directory (default with --quick: the tiny random model)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 prompts × 2 samples × 8 tokens, one run per side")
@@ -277,34 +279,52 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.child, json.loads(args.spec))
-        return ""
+        return args
     if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    sides = [s.strip() for s in (args.sides or ("trl,dockrl-hf" if args.quick else "trl,dockrl-hf,dockrl-vllm")).split(",")]
-    unknown = set(sides) - {"trl", "dockrl-hf", "dockrl-vllm"}
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    for flag, value, least in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                               ("--micro-batch", args.micro_batch, 1), ("--iterations", args.iterations, 1), ("--repeats", args.repeats, 1)):
+        if value < least:
+            parser.error(f"{flag}: got {value}; expected an integer >= {least}")
+    if args.n < 2:
+        parser.error(f"--n: got {args.n}; expected an integer >= 2 (GRPO compares the samples of a prompt)")
+    for flag, value in (("--temperature", args.temperature), ("--lr", args.lr), ("--timeout-s", args.timeout_s)):
+        if not value > 0:
+            parser.error(f"{flag}: got {value}; expected a number > 0")
+    args.sides = [s.strip() for s in (args.sides or "trl,dockrl-hf,dockrl-vllm").split(",")]
+    unknown = set(args.sides) - {"trl", "dockrl-hf", "dockrl-vllm"}
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}; expected trl, dockrl-hf, dockrl-vllm")
     if (args.prompts * args.n) % args.micro_batch:
         parser.error(f"--prompts × --n = {args.prompts * args.n} must be a multiple of --micro-batch={args.micro_batch}")
+    if not args.model and not args.quick:
+        parser.error("--model is required (or --quick for the tiny random model)")
+    if args.model and not Path(args.model).is_dir():
+        parser.error(f"--model: {args.model!r} is not a directory (an HF model folder)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    if args.child:
+        _child(args.child, json.loads(args.spec))
+        return ""
 
     from dockrl.data import generate_problems, write_jsonl
 
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as work:
         model = args.model
         if not model:
-            if not args.quick:
-                parser.error("--model is required (or --quick for the tiny random model)")
             from dockrl.models import build_tiny_model
 
             model = str(build_tiny_model(Path(work) / "tiny-model"))
         data = write_jsonl(generate_problems(args.prompts * args.iterations * 4, seed=0), Path(work) / "prompts.jsonl")
         spec = {k: getattr(args, k) for k in ("prompts", "n", "max_new_tokens", "temperature", "micro_batch", "lr", "iterations")}
         spec |= {"model": str(Path(model).resolve()), "data": str(data)}
-        results: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+        results: dict[str, list[dict[str, float]]] = {s: [] for s in args.sides}
         for r in range(args.repeats):
-            for side in sides:
+            for side in args.sides:
                 results[side].append(_run_side(side, spec, args.timeout_s))
                 print(f"run {r + 1}/{args.repeats} {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)
     shape = (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, fp32, β=0, "

@@ -57,6 +57,37 @@ def test_the_peak_rss_counts_every_process_of_the_tree():
     assert 200 * 2**20 < descendants < 400 * 2**20  # the child's own peak
 
 
-def test_a_bad_side_is_named():
+def test_a_bad_side_is_named(capsys):
     with pytest.raises(SystemExit):
         load_benchmark().main(["--quick", "--sides", "trl,verl"])
+    assert "--sides: unknown ['verl']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--micro-batch", "0"], "--micro-batch: got 0"), (["--repeats", "0"], "--repeats: got 0"),
+    (["--prompts", "-1"], "--prompts: got -1"), (["--n", "1"], "--n: got 1"), (["--max-new-tokens", "0"], "--max-new-tokens: got 0"),
+    (["--iterations", "0"], "--iterations: got 0"), (["--temperature", "0"], "--temperature: got 0.0"), (["--lr=-0.1"], "--lr: got -0.1"),
+    (["--timeout-s", "0"], "--timeout-s: got 0.0"), (["--micro-batch", "3"], "must be a multiple of --micro-batch=3"),
+    (["--model", "no-such-model"], "--model: 'no-such-model' is not a directory"),
+])
+def test_a_bad_argument_is_refused_in_one_line_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit:
+        load_benchmark().main(["--quick", *flags])  # refused before any run starts
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert named in error and "Traceback" not in error
+
+
+def test_a_bad_argument_without_quick_is_refused_too(capsys):
+    with pytest.raises(SystemExit):
+        load_benchmark().parse_args(["--model", ".", "--repeats", "0"])
+    assert "--repeats: got 0" in capsys.readouterr().err
+
+
+def test_quick_changes_the_defaults_and_a_given_flag_wins():
+    bench = load_benchmark()
+    quick = bench.parse_args(["--quick"])
+    assert (quick.prompts, quick.n, quick.micro_batch, quick.repeats, quick.sides) == (2, 2, 2, 1, ["trl", "dockrl-hf"])
+    given = bench.parse_args(["--micro-batch", "4", "--quick", "--repeats", "3", "--n", "4", "--sides", "trl"])
+    assert (given.prompts, given.n, given.micro_batch, given.repeats, given.sides) == (2, 4, 4, 3, ["trl"])
+    assert bench.parse_args(["--model", "."]).repeats == 2  # without --quick: the full defaults
