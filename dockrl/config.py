@@ -373,6 +373,10 @@ class DockConfig:
     shards: int = 1
     """Dock shards (in either mode); an iteration's rows are split over them by whole prompt
     groups, so at most ``trainer.global_batch``."""
+    prefetch: bool = True
+    """A stage's put that acks its claim carries its next claim of the same shape (one round trip per claim
+    cycle instead of two; docs/dock.md "Claims ride on puts"); those rows stay leased to the stage until it
+    claims again. False: every claim is its own call. Without effect with a ``warehouse`` other than ``memory``."""
     max_inflight: int = 1
     """Iterations open at once (``distributed`` mode): with m > 1 the rollout generates the next
     m-1 iterations while the actor trains on this one, iteration k with the weights of update

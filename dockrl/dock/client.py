@@ -20,13 +20,15 @@ mapping without a ``describe`` per shard and ``num_rows``/``group_size`` answer 
 with the payload in the shards' memory, brings their cells in the same ``do_get`` (the indexes
 travel as schema metadata); with a warehouse the ``claim`` action returns the indexes and the
 client reads the objects. ``put(..., ack=claim)`` acks with the put, one round trip per shard.
-**Claims ride on puts** (``prefetch``, memory payload): that put also takes the consumer's next
-claim of the same shape (columns, count, whole groups) on one shard it goes to (the local one if
-it is among them), what is ready now, under a fresh lease, and brings its cells back in the same
-round trip (a Flight ``do_exchange``); the stage's next ``claim`` of that shape starts from those
-rows, so a stage's claim cycle (claim, compute, put with the ack) costs one round trip, not two.
-The rows are leased (and renewed) from the put on; a claim of another shape by the same consumer,
-of another iteration, or ``close()`` releases them at once. A claim
+**Claims ride on puts** (``prefetch``, memory payload, in the iteration the client opened or
+waited for): that put also takes the consumer's next claim of the same shape (columns, count,
+whole groups) on one shard it goes to (with a locality hint the local one only), what is ready
+now, under a fresh lease, and brings its cells back in the same round trip (a Flight
+``do_exchange``); the stage's next ``claim`` of that shape starts from those rows, so a stage's
+claim cycle (claim, compute, put with the ack) costs one round trip, not two. The rows are
+leased (and renewed) from the put on until this client claims again; a claim of another shape by
+the same consumer or in another iteration, or ``close()``, hands back those still under that
+lease at once. A claim
 sweeps the shards from a rotating start (a random shard for a client's first claim, unless
 ``first_shard``), taking what is ready without waiting. A client with a locality hint
 (``local_shard``: the shard on its own node or pod, whose cells do not cross a network link)
@@ -165,6 +167,8 @@ must not hang on a shard that is gone: the rows' lease ends at its term anyway).
 class _Prefetched(NamedTuple):
     """Rows a put took for the consumer's next claim (``DockClient`` "Claims ride on puts")."""
 
+    shape: tuple[tuple[str, ...], int, bool]
+    """(columns, count, whole_groups) of the claim."""
     iteration: int
     shard: int
     lease: str
@@ -239,7 +243,7 @@ class DockClient:
         self._next = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
         self.warehouse = warehouse
         self.prefetch = prefetch and warehouse is None
-        self._prefetched: dict[tuple[str, tuple[str, ...], int, bool], _Prefetched] = {}  # by consumer and claim shape
+        self._prefetched: dict[str, _Prefetched] = {}  # by consumer: what its last put took for its next claim
         self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
                       "dock/store_objects_written": 0, "dock/store_objects_read": 0}
 
@@ -404,6 +408,7 @@ class DockClient:
             if iteration is None or (self._layout is not None and self._layout.iteration == iteration):
                 self._layout = self._confirmed = None
             self._known = {} if iteration is None else {k: v for k, v in self._known.items() if k != iteration}
+        self._forget_prefetched(iteration)
         for s in range(len(self.locations)):
             self._action(s, "close_iteration", {} if iteration is None else {"iteration": int(iteration)})
         for it in closing:
@@ -442,9 +447,12 @@ class DockClient:
                 parts: dict[int, np.ndarray | None] = {}  # no rows: no call
                 if len(rows_arr):  # positions each shard owns; None: every row (one shard: no split)
                     parts = {0: None} if layout.num_shards == 1 else dict(layout.split(rows_arr))
-                carrier = None  # the shard whose put carries the next claim: the local one if it is among them, else the last
-                if fused and self.prefetch and ack is not None and ack.shape is not None and parts:
-                    carrier = self.local_shard if self.local_shard in parts else list(parts)[-1]
+                # the shard whose put carries the next claim: with a locality hint the local one only (a claim
+                # steals from the others only for what the local one lacks), else the last one the put goes to
+                carrier = None
+                if fused and self.prefetch and ack is not None and ack.shape is not None and parts and layout.iteration == self._confirmed:
+                    carrier = list(parts)[-1] if self.local_shard is None else self.local_shard if self.local_shard in parts else None
+                if carrier is not None:
                     parts[carrier] = parts.pop(carrier)  # last: a put refused by another shard carries no claim
                 for s, pos in parts.items():
                     if pos is None or len(pos) == len(rows_arr):  # one shard owns every row: the arrays as they are
@@ -477,28 +485,27 @@ class DockClient:
             logger.debug("the claim a put carried failed (the next claim is its own call): %s", result)
             return
         rows, pending, held, cells = result
+        taken = _Prefetched(shape, iteration, s, lease, rows, pending, held, cells)
         if len(rows):
             self._hold(lease, iteration)
-        taken = _Prefetched(iteration, s, lease, rows, pending, held, cells)
         with self._lock:
-            stale = self._prefetched.pop((consumer, *shape), None)
-            self._prefetched[(consumer, *shape)] = taken
-        if stale is not None:  # put twice without a claim between: the older rows go back
-            self._drop_prefetched(consumer, stale)
+            left = [self._prefetched.pop(consumer, None)]  # put twice without a claim between: the older rows go back
+            if self._closed:  # closed meanwhile: these too
+                left.append(taken)
+            else:
+                self._prefetched[consumer] = taken
+        for t in left:
+            if t is not None:
+                self._drop_prefetched(consumer, t)
 
-    def _prefetched_for(
-        self, consumer: str, shape: tuple[tuple[str, ...], int, bool], iteration: int,
-    ) -> _Prefetched | None:
-        """The rows a put took for ``consumer``'s claim of ``shape`` in ``iteration``, if any; the consumer's
-        other prefetched rows (another shape or iteration) go back to their shards."""
+    def _prefetched_for(self, consumer: str, shape: tuple[tuple[str, ...], int, bool], layout: ShardLayout) -> _Prefetched | None:
+        """The rows a put took for ``consumer``'s claim of ``shape`` in ``layout``'s iteration, if any: only in the
+        iteration this client opened or waited for (another may have opened since); other rows go back."""
         with self._lock:
-            mine = [k for k in self._prefetched if k[0] == consumer]
-            found = {k: self._prefetched.pop(k) for k in mine}
-        taken = found.pop((consumer, *shape), None)
-        if taken is not None and taken.iteration != iteration:
-            found[(consumer, *shape)], taken = taken, None
-        for stale in found.values():
-            self._drop_prefetched(consumer, stale)
+            taken = self._prefetched.pop(consumer, None)
+        if taken is not None and (taken.shape != shape or taken.iteration != layout.iteration or layout.iteration != self._confirmed):
+            self._drop_prefetched(consumer, taken)
+            taken = None
         return taken
 
     def _drop_prefetched(self, consumer: str, taken: _Prefetched) -> None:
@@ -506,12 +513,18 @@ class DockClient:
         with self._beat:
             self._held.pop(taken.lease, None)
         if len(taken.rows):
-            try:
-                self._action(taken.shard, "release", {"iteration": taken.iteration, "consumer": consumer,
-                                                      "rows": taken.rows.tolist()}, min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
-            except Exception as e:  # noqa: BLE001 - the lease ends at its term anyway
-                logger.warning("could not release %d rows %r took with a put on dock shard %d: %s",
-                               len(taken.rows), consumer, taken.shard, e)
+            self._release(taken.iteration, consumer, {taken.shard: taken.rows.tolist()}, taken.lease,
+                          min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
+
+    def _forget_prefetched(self, iteration: int | None) -> None:
+        """Forget what puts took in ``iteration`` (None: in every one): it was closed or replaced, its leases are gone."""
+        with self._lock:
+            gone = {c: t for c, t in self._prefetched.items() if iteration is None or t.iteration == iteration}
+            for c in gone:
+                del self._prefetched[c]
+        with self._beat:
+            for t in gone.values():
+                self._held.pop(t.lease, None)
 
     def _put_schema(self, names: tuple[str, ...]) -> pa.Schema:
         """The schema of a put batch of ``names`` (checked columns): the int64 row column, then theirs (one
@@ -630,7 +643,7 @@ class DockClient:
         deadline = time.monotonic() + timeout
         layout = self._layout_for(what)
         shape = (tuple(columns), int(count), bool(whole_groups)) if self.prefetch else None
-        taken = self._prefetched_for(consumer, shape, layout.iteration) if shape is not None and self._prefetched else None
+        taken = self._prefetched_for(consumer, shape, layout) if shape is not None and self._prefetched else None
         try:
             claim = self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline, taken, shape)
         except DockError as e:
@@ -689,15 +702,17 @@ class DockClient:
 
         try:
             if local is not None:  # the co-located shard alone while it has rows left for the consumer, ready or not
-                if local not in pending:
-                    take(local, count - got, at_least=0)
+                if local not in pending:  # (a put to it may have taken the first rows: then it was asked)
+                    take(local, count, at_least=0)
                 try:
                     while got < count and pending[local] > 0:
                         take(local, count - got, min(pending[local], count - got), max(deadline - time.monotonic(), 0.0))
                 except DockTimeoutError:
                     pass  # the sweep below looks at every other shard once more, then raises the claim's timeout
             for i, s in enumerate(order):  # sweep: take what is ready now (the first shard checks the request)
-                if s not in pending and ((i == 0 and local is None and prefetched is None) or (got < count and s != local)):
+                if s in pending:  # asked already: the local shard, or the one a put asked
+                    continue
+                if (i == 0 and not pending) or got < count:
                     take(s, count - got, at_least=0)
             want = min(count, got + sum(pending.values()))
             # block while short of rows the consumer still has pending, or, with nothing to take at all,
@@ -735,7 +750,7 @@ class DockClient:
             else:
                 batch = self._batch(self._gather(layout, columns, {s: r.tolist() for s, r in zip(shards, parts)}), columns)
         except BaseException:
-            self._release(layout, consumer, {s: np.concatenate(r).tolist() for s, r in taken.items()})
+            self._release(layout.iteration, consumer, {s: np.concatenate(r).tolist() for s, r in taken.items()}, lease)
             with self._beat:
                 self._held.pop(lease, None)
             raise
@@ -764,11 +779,14 @@ class DockClient:
             f"{missing}{held_note}"
         )
 
-    def _release(self, layout: ShardLayout, consumer: str, taken: dict[int, list[int]]) -> None:
+    def _release(
+        self, iteration: int, consumer: str, taken: dict[int, list[int]], lease: str, timeout: float | None = None,
+    ) -> None:
+        """Hand the rows of ``taken`` (shard → rows) that are still held under ``lease`` back to their shards (best effort)."""
         for s, rows in taken.items():
             if rows:
                 try:
-                    self._action(s, "release", {"iteration": layout.iteration, "consumer": consumer, "rows": rows})
+                    self._action(s, "release", {"iteration": iteration, "consumer": consumer, "rows": rows, "lease": lease}, timeout)
                 except Exception as e:  # noqa: BLE001 - best effort: the claim's own error is what the caller needs
                     logger.warning("could not release %d rows of %r on dock shard %d: %s", len(rows), consumer, s, e)
 
@@ -945,6 +963,7 @@ class DockClient:
                 ``dock.warehouse``), or an iteration open on a shard (checked before any
                 shard is touched).
         """
+        self._forget_prefetched(None)  # the shards hold no iteration: what puts took is gone with it
         meta = read_meta(uri)
         what = f"restore from {uri!r}"
         if meta.get("kind") != SNAPSHOT_KIND:
@@ -1053,12 +1072,12 @@ class DockClient:
     def close(self) -> None:
         """Stop renewing leases and close the transports: connections to Flight shards (which keep
         running), in-process shards this dock owns (``open_dock``)."""
-        with self._lock:
+        with self._lock:  # closed first: a put in flight in another thread hands its rows back itself (_put_claim)
+            self._closed = True
             prefetched, self._prefetched = self._prefetched, {}
-        for (consumer, *_), taken in prefetched.items():
+        for consumer, taken in prefetched.items():
             self._drop_prefetched(consumer, taken)
         with self._beat:
-            self._closed = True
             self._beat.notify_all()
             thread = self._beat_thread
         if thread is not None:
@@ -1083,7 +1102,7 @@ def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = 
 
     Args:
         cfg: the run's ``dock`` config: ``shards`` shards in this process, the payload in their
-            memory or in ``warehouse``, ``timeout_s`` and ``lease_s`` as in distributed mode.
+            memory or in ``warehouse``, ``timeout_s``, ``lease_s`` and ``prefetch`` as in distributed mode.
         schema: the column schema.
         run: the run's name (the warehouse's per-run prefix).
         owner: lease owner id of the claims made through it; default unique per call.
@@ -1096,4 +1115,4 @@ def open_dock(cfg: DockConfig, schema: Schema, *, run: str, owner: str | None = 
     shards = local_shards(cfg.shards, schema, timeout_s=cfg.timeout_s, lease_s=cfg.lease_s, payload=payload)
     # one front end serves every stage of the process: its sweeps start at shard 0, so a run repeats exactly
     return DockClient([LocalTransport(s, owned=True) for s in shards], schema, timeout_s=cfg.timeout_s,
-                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner, first_shard=0)
+                      warehouse=warehouse, lease_s=cfg.lease_s, owner=owner, first_shard=0, prefetch=cfg.prefetch)

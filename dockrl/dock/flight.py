@@ -56,7 +56,7 @@ from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.local import ShardController, one_run
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard import WIRE_VERSION as WIRE_VERSION  # the version of these messages; describe answers it
-from dockrl.dock.shard import ClaimRequest, Payload, ShardService, row_runs, runs_rows
+from dockrl.dock.shard import ClaimRequest, Payload, ShardService, ack_of, row_runs, runs_rows
 
 logger = logging.getLogger(__name__)
 
@@ -518,9 +518,18 @@ class FlightTransport:
         self._count(len(data) + len(out))
         return json.loads(out)
 
+    def _checked(self, what: str, fn: Callable[[], T]) -> T:
+        """``_call`` of a put or claim: a failure that may come from a shard of another release is checked (``_check_wire``)."""
+        try:
+            return self._call(what, fn)
+        except _NOT_A_VERSION_ERROR:
+            raise
+        except (DockError, flight.FlightError, pa.ArrowException) as e:
+            self._check_wire(what, e)
+            raise
+
     def put(self, body: dict[str, Any], batch: pa.RecordBatch, timeout: float | None) -> None:
-        ack = body.get("ack")
-        command = encode_put(body["iteration"], None if ack is None else (ack["consumer"], ack["lease"]))
+        command = encode_put(body["iteration"], ack_of(body))
         self._count(len(command))
 
         def send() -> None:
@@ -528,13 +537,7 @@ class FlightTransport:
             writer.write_batch(batch)
             writer.close()
 
-        try:
-            self._call("put", send)
-        except _NOT_A_VERSION_ERROR:
-            raise
-        except (DockError, flight.FlightError, pa.ArrowException) as e:
-            self._check_wire("put", e)
-            raise
+        self._checked("put", send)
 
     def get(self, body: dict[str, Any], timeout: float | None) -> pa.Table:
         ticket = flight.Ticket(json.dumps(body).encode())
@@ -549,29 +552,22 @@ class FlightTransport:
 
     def claim_cells(self, req: ClaimRequest, timeout: float | None) -> tuple[np.ndarray, int, int, pa.RecordBatch]:
         data = encode_claim(req, self._fixed_part(req))
-        try:
-            chunk = self._call("claim", lambda: _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout)),
-                                                           self.location))
-            meta = chunk.app_metadata
-            if meta is None:
+
+        def claim() -> tuple[np.ndarray, int, int, pa.RecordBatch]:
+            chunk = _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout)), self.location)
+            if chunk.app_metadata is None:
                 raise DockError(f"claim: the dock shard at {self.location} answered without the claim's result: "
                                 f"{_SAME_RELEASE} (wire version {WIRE_VERSION})")
-            meta = meta.to_pybytes()
+            meta = chunk.app_metadata.to_pybytes()
             self._count(len(data) + len(meta))
-            rows, pending, held = decode_claim_result(meta, self.location)
-        except _NOT_A_VERSION_ERROR:
-            raise
-        except (DockError, flight.FlightError, pa.ArrowException) as e:
-            self._check_wire("claim", e)
-            raise
-        return rows, pending, held, chunk.data
+            return (*decode_claim_result(meta, self.location), chunk.data)
+
+        return self._checked("claim", claim)
 
     def put_claim(
         self, body: dict[str, Any], batch: pa.RecordBatch, req: ClaimRequest, timeout: float | None,
     ) -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
-        ack = body.get("ack")
-        put = encode_put(body["iteration"], None if ack is None else (ack["consumer"], ack["lease"]))
-        command = encode_exchange(put, encode_claim(req, self._fixed_part(req)))
+        command = encode_exchange(encode_put(body["iteration"], ack_of(body)), encode_claim(req, self._fixed_part(req)))
 
         def exchange() -> flight.FlightStreamChunk:
             writer, reader = self._client.do_exchange(flight.FlightDescriptor.for_command(command), self._options(timeout))
@@ -581,20 +577,18 @@ class FlightTransport:
                 writer.done_writing()
                 return _one_batch(reader, self.location, "put")
 
-        try:
-            chunk = self._call("put", exchange)
-            meta = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
-            self._count(len(command) + len(meta))
-            if meta[:1] == bytes([_CLAIM_FAILED]):
-                return DockError(f"claim carried by a put to the dock shard at {self.location}: {meta[1:].decode(errors='replace')}")
+        chunk = self._checked("put", exchange)  # raises: the put did not land (or it is unknown whether it did)
+        meta = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
+        self._count(len(command) + len(meta))
+        what = f"claim carried by a put to the dock shard at {self.location}"
+        if meta[:1] == bytes([_CLAIM_FAILED]):
+            return DockError(f"{what}: {meta[1:].decode(errors='replace')}")
+        try:  # the put landed: what is wrong from here on concerns the claim alone
             rows, pending, held = decode_claim_result(meta, self.location)
-        except _NOT_A_VERSION_ERROR:
-            raise
-        except (DockError, flight.FlightError, pa.ArrowException) as e:
-            self._check_wire("put", e)
-            raise
+        except DockError as e:
+            return e
         if chunk.data is None:
-            raise DockError(f"put: the dock shard at {self.location} answered the claim's result without its cells")
+            return DockError(f"{what}: the shard answered the claim's result without its cells")
         return rows, pending, held, chunk.data
 
     def close(self) -> None:

@@ -866,12 +866,18 @@ class ShardController:
             self._check_request(it, columns, consumer, f"missing for {consumer!r}")
             return self._missing_locked(it, it.consumer_index[consumer], columns)
 
-    def release(self, consumer: str, rows: Sequence[int] | np.ndarray, *, iteration: int | None = None) -> None:
+    def release(
+        self, consumer: str, rows: Sequence[int] | np.ndarray, *, iteration: int | None = None, lease: str | None = None,
+    ) -> None:
         """Hand rows taken by ``consumer`` back, as if never taken (undo of a claim that failed midway).
 
+        With ``lease``, only the rows still held under that lease go back; the others (their lease
+        ended and they went to another claim, or they were acked) are left as they are: a late
+        release never hands back rows another claim holds now.
+
         Raises:
-            DockError: unknown consumer, row out of range or repeated, a row not taken by
-                ``consumer`` or already acked, no open iteration, or another iteration open.
+            DockError: unknown consumer, row out of range or repeated, no open iteration, or
+                another iteration open; without ``lease``, a row not taken by ``consumer`` or already acked.
         """
         what = f"release by {consumer!r}"
         with self._cond:
@@ -879,6 +885,11 @@ class ShardController:
             self._check_request(it, [], consumer, what)
             local = self._check_rows(it, np.asarray(rows, dtype=np.int64), what)
             ci = it.consumer_index[consumer]
+            if lease is not None:
+                self._expire_locked(it)
+                local = local[it.lease_at[local, ci] == it.lease_num.get(lease, -2)]  # -2: an id never seen matches no row
+                if not len(local):
+                    return
             not_taken = ~it.consumed[local, ci]
             if not_taken.any():
                 raise DockError(f"{what}: rows {(local[not_taken] + it.first_row)[:10].tolist()} were not taken by it")

@@ -202,6 +202,12 @@ class ClaimRequest(NamedTuple):
         return body
 
 
+def ack_of(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The (consumer, lease) of a put body's ``ack`` ({consumer, lease}), or None without one."""
+    ack = body.get("ack")
+    return None if ack is None else (ack["consumer"], ack["lease"])
+
+
 def _timeout(value: float | None) -> float:
     """A wait's ``timeout_s`` from a request body: null means no limit."""
     return math.inf if value is None else float(value)
@@ -243,7 +249,7 @@ class ShardService:
             "close_iteration": lambda req: self._close_iteration(req.get("iteration")),
             "describe": lambda req: self._describe(),
             "claim": self.claim,
-            "release": lambda req: d(req).release(req["consumer"], req["rows"], iteration=req["iteration"]),
+            "release": lambda req: d(req).release(req["consumer"], req["rows"], iteration=req["iteration"], lease=req.get("lease")),
             "drop": lambda req: d(req).drop(req["rows"], iteration=req["iteration"]),
             "missing": lambda req: d(req).missing(req["consumer"], req["columns"], iteration=req["iteration"]),
             "stats": lambda req: self.stats(),
@@ -483,8 +489,7 @@ class ShardService:
         Raises:
             DockError: as ``write``.
         """
-        ack = req.get("ack")
-        self.write(req["iteration"], table, None if ack is None else (ack["consumer"], ack["lease"]))
+        self.write(req["iteration"], table, ack_of(req))
 
     def write(
         self, iteration: int, table: pa.Table | pa.RecordBatch, ack: tuple[str, str] | None = None, *, from_ipc: bool = False,
@@ -540,15 +545,16 @@ class ShardService:
         by its ``DockError`` as the result instead of raised, so that the caller knows the put landed.
 
         Raises:
-            DockError: as ``write``; ``req`` asks to wait.
+            DockError: as ``write``; ``req`` asks to wait, or is for another iteration than the put.
         """
-        if req.at_least:
-            raise DockError(f"put: the claim a put carries takes what is ready now (at_least 0); got at_least={req.at_least}")
+        if req.at_least or req.wait_held or req.iteration != iteration:
+            raise DockError(f"put: the claim a put carries takes what is ready now in the put's iteration {iteration}; got "
+                            f"at_least={req.at_least}, wait_held={req.wait_held}, iteration {req.iteration}")
         self.write(iteration, table, ack, from_ipc=from_ipc)
         try:
             return self.claim_cells(req)
-        except DockError as e:
-            return e
+        except Exception as e:  # noqa: BLE001 - the put landed: the caller must hear that, whatever the claim met
+            return e if isinstance(e, DockError) else DockError(f"{type(e).__name__}: {e}")
 
 
 class ShardTransport(Protocol):
@@ -608,8 +614,7 @@ class LocalTransport:
     def put_claim(
         self, body: dict[str, Any], batch: pa.RecordBatch, req: ClaimRequest, timeout: float | None,
     ) -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
-        ack = body.get("ack")
-        return self.service.put_claim(body["iteration"], batch, None if ack is None else (ack["consumer"], ack["lease"]), req)
+        return self.service.put_claim(body["iteration"], batch, ack_of(body), req)
 
     def close(self) -> None:
         if self.owned:

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync)
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
     with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
-                    lease_s=cfg.dock.lease_s, owner=owner,
+                    lease_s=cfg.dock.lease_s, owner=owner, prefetch=cfg.dock.prefetch,
                     local_shard=index % len(locations) if args.local_shard_of_replica else None) as dock:
         PROCESSES[args.stage](cfg, dock, ranks, args.weight_sync, args.first_wait_s)
     return 0

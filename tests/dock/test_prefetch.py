@@ -37,6 +37,13 @@ def client(shards: list, **kw) -> DockClient:
     return DockClient(shards, GRPO_SCHEMA, **({"timeout_s": 5.0, "first_shard": 0} | kw))
 
 
+def stage(shards: list, **kw) -> DockClient:
+    """A stage's client: it learns the open iteration as a stage does (claims ride on puts only in it)."""
+    dock = client(shards, **kw)
+    assert dock.wait_iteration(-1, timeout_s=5.0) is not None
+    return dock
+
+
 def open_with_prompts(dock: DockClient, iteration: int = 0) -> None:
     dock.open_iteration(iteration, ROWS, 1)
     dock.put(range(ROWS), {"prompt_ids": [[iteration, r] for r in range(ROWS)]})
@@ -70,7 +77,7 @@ class CountingCalls:
 def test_a_stage_cycle_costs_one_round_trip_once_claims_ride_on_puts(shards):
     driver = client(shards)
     open_with_prompts(driver)
-    dock = client(shards)
+    dock = stage(shards)
     counted = CountingCalls(dock)
     got = []
     while rows := cycle(dock):
@@ -85,7 +92,7 @@ def test_a_stage_cycle_costs_one_round_trip_once_claims_ride_on_puts(shards):
 
 def test_without_prefetch_every_claim_is_its_own_call(shards):
     open_with_prompts(client(shards))
-    dock = client(shards, prefetch=False)
+    dock = stage(shards, prefetch=False)
     counted = CountingCalls(dock)
     n = 0
     while cycle(dock):
@@ -95,7 +102,7 @@ def test_without_prefetch_every_claim_is_its_own_call(shards):
 
 def test_rows_a_put_took_go_back_when_the_client_closes(shards):
     open_with_prompts(client(shards))
-    first = client(shards, lease_s=300.0)
+    first = stage(shards, lease_s=300.0)
     taken = cycle(first, 2)
     other = client(shards)
     # the rest, less the rows first's put took for its next claim (leased for 300 s): a short wait, then a timeout
@@ -110,7 +117,7 @@ def test_rows_a_put_took_go_back_when_the_client_closes(shards):
 
 def test_a_claim_of_another_shape_releases_what_the_put_took(shards):
     open_with_prompts(client(shards))
-    dock = client(shards)
+    dock = stage(shards)
     got = cycle(dock, 2)
     got += cycle(dock, 3)  # another count: the two rows the put took go back, and this claim takes them again
     got += cycle(dock, ROWS)
@@ -121,7 +128,7 @@ def test_a_claim_of_another_shape_releases_what_the_put_took(shards):
 def test_rows_a_put_took_in_a_closed_iteration_are_never_claimed_in_the_next(shards):
     driver = client(shards)
     open_with_prompts(driver, 0)
-    dock = client(shards)
+    dock = stage(shards)
     cycle(dock, 2)  # its put took two more rows of iteration 0
     driver.close_iteration(0)
     open_with_prompts(driver, 1)
@@ -132,7 +139,7 @@ def test_rows_a_put_took_in_a_closed_iteration_are_never_claimed_in_the_next(sha
 
 def test_clients_of_one_consumer_claim_every_row_exactly_once(shards):
     open_with_prompts(client(shards))
-    docks = [client(shards, first_shard=k) for k in range(3)]
+    docks = [stage(shards, first_shard=k) for k in range(3)]
     got: list[list[int]] = [[] for _ in docks]
     errors: list[BaseException] = []
 
@@ -155,7 +162,7 @@ def test_clients_of_one_consumer_claim_every_row_exactly_once(shards):
 def test_the_put_lands_when_the_claim_it_carries_fails(shards):
     driver = client(shards)
     open_with_prompts(driver)
-    dock = client(shards)
+    dock = stage(shards)
     claim = dock.claim("reward", ["prompt_ids"], 2)
     bad = dataclasses.replace(claim, shape=(("no_such_column",), 2, False))
     dock.put(claim.rows, {"rm_score": [1.0, 2.0]}, ack=bad)  # the put and its ack land; the carried claim is refused
@@ -163,3 +170,99 @@ def test_the_put_lands_when_the_claim_it_carries_fails(shards):
     with pytest.raises(DockError, match="no_such_column"):
         dock.claim("reward", ["no_such_column"], 2)
     assert len(cycle(dock, ROWS)) == ROWS - 2  # the acked rows are done; nothing else is held
+
+
+def test_with_a_locality_hint_only_the_local_shard_carries_claims(shards):
+    driver = client(shards)
+    open_with_prompts(driver)
+    drain = stage(shards, prefetch=False)
+    assert len(drain.claim("reward", ["prompt_ids"], ROWS // 2, timeout_s=1.0).rows) == ROWS // 2  # shard 0's rows
+    dock = stage(shards, local_shard=1)
+    counted = CountingCalls(dock)
+    got = []
+    for _ in range(ROWS // 4):  # shard 1's rows: local, each claim after the first carried by a put
+        got += cycle(dock, 2)
+    assert sorted(got) == list(range(ROWS // 2, ROWS)) and counted.calls["put_claim"] == ROWS // 4
+    driver.release_owner(drain.owner)  # its rows go back (as if it died): the local client steals them from shard 0
+    counted.calls["put_claim"] = 0
+    while rows := cycle(dock, 2):
+        got += rows
+    assert sorted(got) == list(range(ROWS)) and counted.calls["put_claim"] == 0  # a put to another shard carries no claim
+
+
+def test_a_late_release_never_hands_back_rows_another_claim_holds(shards):
+    driver = client(shards)
+    open_with_prompts(driver)
+    first = stage(shards)
+    cycle(first, 2)  # its put took rows 2, 3 for its next claim
+    assert driver.release_owner(first.owner) == 2  # as if its process were gone: the rows go back
+    second = stage(shards)
+    held = second.claim("reward", ["prompt_ids"], 2)
+    assert held.rows == [2, 3]
+    first.close()  # hands back what its put took: nothing of it is still under its lease
+    third = stage(shards)
+    rest = third.claim("reward", ["prompt_ids"], ROWS)
+    assert not set(rest.rows) & {2, 3}
+    second.put(held.rows, {"rm_score": [2.0, 3.0]}, ack=held)  # the ack of the rows' holder is accepted
+
+
+def test_a_client_that_did_not_learn_the_iteration_carries_no_claim(shards):
+    open_with_prompts(client(shards))
+    dock = client(shards)
+    counted = CountingCalls(dock)
+    while cycle(dock, 4):
+        pass
+    assert counted.calls["put_claim"] == 0 and counted.calls["put"] == ROWS // 4
+
+
+def test_a_client_that_closes_its_iteration_claims_from_the_next(shards):
+    dock = client(shards)  # opens the iterations itself, as the in-process dock of a run
+    open_with_prompts(dock, 0)
+    cycle(dock, 2)  # its put took two more rows of iteration 0
+    dock.close_iteration(0)
+    open_with_prompts(dock, 1)
+    claim = dock.claim("reward", ["prompt_ids"], 2)
+    assert claim.iteration == 1 and [c[0] for c in claim.batch.column(0).to_pylist()] == [1, 1]
+
+
+def test_rows_a_put_took_are_claimed_again_after_a_restore(shards, tmp_path):
+    dock = client(shards)
+    open_with_prompts(dock, 0)
+    got = cycle(dock, 2)  # rows 0, 1 acked; its put took 2, 3
+    dock.snapshot(str(tmp_path / "snap"))
+    dock.close_iteration()
+    dock.restore(str(tmp_path / "snap"))  # un-acked leases end: rows 2, 3 are back in the pool
+    dock.announce(0)
+    while rows := cycle(dock, 2):
+        got += rows
+    assert sorted(got) == list(range(ROWS))
+
+
+def test_the_shard_refuses_a_carried_claim_that_waits_or_is_for_another_iteration():
+    import pyarrow as pa
+
+    from dockrl.dock.shard import ClaimRequest, ShardService
+
+    svc = ShardService(GRPO_SCHEMA, name="local://shard-0", timeout_s=5.0)
+    dock = DockClient([LocalTransport(svc)], GRPO_SCHEMA)
+    open_with_prompts(dock)
+    batch = pa.record_batch([pa.array([0], type=pa.int64()), pa.array([1.0], type=pa.float32())], names=["row", "rm_score"])
+    for bad in ({"iteration": 1}, {"at_least": 1}, {"wait_held": True}):
+        req = ClaimRequest(0, "reward", ("prompt_ids",), 2, 0, False, 0.0, "o", "l", 60.0, False)._replace(**bad)
+        with pytest.raises(DockError, match="the claim a put carries takes what is ready now in the put's iteration 0"):
+            svc.put_claim(0, batch, None, req)
+    assert dock.get(["prompt_ids"], [0]).num_rows == 1
+    with pytest.raises(DockError, match="not yet written|not written"):
+        dock.get(["rm_score"], [0])  # nothing of the refused put was written
+    svc.close()
+
+
+def test_dock_prefetch_false_turns_it_off_in_the_in_process_dock():
+    from dockrl.config import load_config
+    from dockrl.dock import open_dock
+
+    for value, expected in (("true", True), ("false", False)):
+        cfg = load_config(None, [f"dock.prefetch={value}"]).dock
+        dock = open_dock(cfg, GRPO_SCHEMA, run="prefetch")
+        assert dock.prefetch is expected
+        dock.close()
