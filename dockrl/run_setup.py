@@ -51,8 +51,6 @@ def plan_run(cfg: Config) -> RunPlan:
     Raises:
         ConfigError: ``model.path``, ``reward_model.model.path``, the data files or ``run.resume`` do not fit (named).
     """
-    from dockrl.engines.hf import load_tokenizer
-
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
@@ -60,6 +58,8 @@ def plan_run(cfg: Config) -> RunPlan:
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)
     train_file, test_file = resolve_data(cfg)
+    from dockrl.engines.hf import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
+
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
     point = find_resume(cfg, fingerprint)
