@@ -69,9 +69,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.client import DockClient
-from dockrl.dock.shard import shard_ranges
 from dockrl.dock.flight import BearerTokenMiddlewareFactory
 from dockrl.dock.schema import GRPO_SCHEMA
+from dockrl.dock.shard import shard_ranges
 
 logger = logging.getLogger("benchmarks.dock")
 
@@ -525,11 +525,11 @@ def main(argv: list[str] | None = None) -> int:
                     # repeats, so that changes of the machine's load hit every configuration alike
                     rounds = [(False, min(lengths))] * args.warmup + [(True, t) for _ in range(args.repeats) for t in lengths]
                     for measured, t in rounds:
-                        runs = [("centralized", w, 0, t, lambda: central.run(prompts[t], shapes[t]))]
+                        runs = [("centralized", w, 0, t, lambda central=central, t=t: central.run(prompts[t], shapes[t]))]
                         for s in args.shards:
                             iteration += 1
                             job = Job(iteration, tuple(shard_locations[:s]), shapes[t], args.claim_rows, args.timeout_s)
-                            runs.append(("dock", w, s, t, lambda s=s, job=job: run_dock(driver_docks[s], pool, prompts[t], job)))
+                            runs.append(("dock", w, s, t, lambda s=s, t=t, job=job, pool=pool: run_dock(driver_docks[s], pool, prompts[t], job)))
                         for *key, measure in runs:
                             run = measure()
                             if measured:

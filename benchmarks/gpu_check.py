@@ -39,7 +39,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
         report["parts"]["grpo"] = {}
         with tempfile.TemporaryDirectory(prefix="dockrl-gpu-check-") as work:
             for shape in args.shapes.split(","):
-                report["parts"]["grpo"][shape] = part(f"grpo {shape}", lambda: run_grpo(SHAPES[shape], args, kind, Path(work), peak),
+                report["parts"]["grpo"][shape] = part(f"grpo {shape}", lambda shape=shape: run_grpo(SHAPES[shape], args, kind, Path(work), peak),
                                                       needs_s=0 if args.cpu else 90)
     if "reshard" not in skip:
         report["parts"]["reshard"] = part("reshard", lambda: run_reshard(

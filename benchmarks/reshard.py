@@ -100,8 +100,8 @@ def sync_once(args, ranks: ProcessRanks, model, swap: bool) -> dict:
     state = ParamTrainState(params, optimizer, device=device)
     resident = sum(state.device_bytes().values())
     actor = AllGatherSwap(
-        ranks=ranks, model=model, state=state, bucket_bytes=int(args.bucket_mb * MiB), train_dtype=torch.float32, infer_dtype=getattr(torch, args.infer_dtype),
-        swap=swap,
+        ranks=ranks, model=model, state=state, bucket_bytes=int(args.bucket_mb * MiB), train_dtype=torch.float32,
+        infer_dtype=getattr(torch, args.infer_dtype), swap=swap,
     )
     dist.barrier()
     report = actor.sync()

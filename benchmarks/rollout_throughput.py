@@ -55,7 +55,7 @@ def main() -> None:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=len(prompts))
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, list[int]] = {name: [] for name in engines}
-    for name, engine in engines.items():
+    for engine in engines.values():
         engine.generate(prompts, **kwargs)  # warm-up
     for _ in range(args.repeats):
         for name, engine in engines.items():
