@@ -62,7 +62,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import IO
+from typing import IO, Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -268,51 +268,52 @@ def worker_main(conn: Connection, stage: str, token: str, pool_values: int, seed
         server.shutdown()
 
 
-class WorkerPool:
-    """``W`` worker processes per stage, each serving on loopback.
+class ProcessPool:
+    """Processes with one pipe each, started from a fresh fork server that has imported pyarrow and
+    the dock client (fast start, and no fork of a process whose gRPC threads already run).
 
-    Forked from a fresh fork server that has imported pyarrow and the dock client (fast start,
-    and no fork of a process whose gRPC threads already run).
-
-    ``pool_values`` sizes the cell pools of the stages that write lists (rollout, reference).
+    ``targets``: per process its function and arguments (the child's end of the pipe goes first);
+    ``names``: per process what the errors call it.
     """
 
-    def __init__(self, per_stage: int, token: str, pool_values: int, timeout_s: float) -> None:
+    def __init__(self, targets: list[tuple[Callable[..., None], tuple]], names: list[str], timeout_s: float) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["numpy", "pyarrow.flight", "dockrl.dock.client"])
         self.timeout_s = timeout_s
-        self.stage_of: list[str] = [s for s in STAGES for _ in range(per_stage)]
+        self.names = names
         self.conns: list[Connection] = []
-        self.procs: list[mp.Process] = []
-        for k, stage in enumerate(self.stage_of):
+        self.procs: list[Any] = []
+        for target, args in targets:
             parent, child = ctx.Pipe()
-            values = pool_values if stage in ("rollout", "reference") else 0
-            proc = ctx.Process(target=worker_main, args=(child, stage, token, values, k), daemon=True)
+            proc = ctx.Process(target=target, args=(child, *args), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        ready = self.collect("start")
-        self.locations = {s: [loc for (_, loc), st in zip(ready, self.stage_of) if st == s] for s in STAGES}
 
-    def collect(self, what: str) -> list[tuple]:
-        """One message from every worker, in worker order; raises on an error report or the timeout."""
+    def collect(self, what: str, k: int | None = None) -> list[tuple]:
+        """One message from each of the first ``k`` processes (default: all), in order; raises on an
+        error report, an exit or the timeout."""
+        k = len(self.conns) if k is None else k
         got: dict[int, tuple] = {}
         deadline = time.monotonic() + self.timeout_s
-        while len(got) < len(self.conns):
-            waiting = [c for i, c in enumerate(self.conns) if i not in got]
+        while len(got) < k:
+            waiting = [c for i, c in enumerate(self.conns[:k]) if i not in got]
             for conn in wait(waiting, timeout=max(deadline - time.monotonic(), 0.0)):
                 i = self.conns.index(conn)
                 try:
-                    got[i] = conn.recv()
+                    got[i] = conn.recv()  # type: ignore[union-attr]
                 except EOFError:
-                    raise RuntimeError(f"{what}: {self.stage_of[i]} worker {i} exited (code {self.procs[i].exitcode})") from None
+                    raise RuntimeError(f"{what}: {self.names[i]} exited (code {self.procs[i].exitcode})") from None
                 if got[i][0] == "error":
-                    raise RuntimeError(f"{what}: {self.stage_of[i]} worker {i} failed:\n{got[i][1]}")
-            if time.monotonic() >= deadline and len(got) < len(self.conns):
-                late = sorted({self.stage_of[i] for i in range(len(self.conns)) if i not in got})
-                raise TimeoutError(f"{what}: no answer within {self.timeout_s:.0f}s from workers of stages {late}")
-        return [got[i] for i in range(len(self.conns))]
+                    raise RuntimeError(f"{what}: {self.names[i]} failed:\n{got[i][1]}")
+            if time.monotonic() >= deadline and len(got) < k:
+                late = [self.names[i] for i in range(k) if i not in got]
+                raise TimeoutError(f"{what}: no answer within {self.timeout_s:.0f}s from {', '.join(late)}")
+        return [got[i] for i in range(k)]
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def close(self) -> None:
         for conn in self.conns:
@@ -320,13 +321,28 @@ class WorkerPool:
                 conn.send(None)
             except OSError:
                 pass
-        deadline = time.monotonic() + 10.0  # idle workers exit at once; one stuck in a claim is terminated
+        deadline = time.monotonic() + 10.0  # idle processes exit at once; one stuck in a claim is terminated
         for proc in self.procs:
             proc.join(max(deadline - time.monotonic(), 0.0))
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)
+
+
+class WorkerPool(ProcessPool):
+    """``W`` worker processes per stage, each serving on loopback (``ProcessPool``).
+
+    ``pool_values`` sizes the cell pools of the stages that write lists (rollout, reference).
+    """
+
+    def __init__(self, per_stage: int, token: str, pool_values: int, timeout_s: float) -> None:
+        self.stage_of: list[str] = [s for s in STAGES for _ in range(per_stage)]
+        targets = [(worker_main, (stage, token, pool_values if stage in ("rollout", "reference") else 0, k))
+                   for k, stage in enumerate(self.stage_of)]
+        super().__init__(targets, [f"{stage} worker {k}" for k, stage in enumerate(self.stage_of)], timeout_s)
+        ready = self.collect("start")
+        self.locations = {s: [loc for (_, loc), st in zip(ready, self.stage_of) if st == s] for s in STAGES}
 
 
 # --- the two topologies ------------------------------------------------------------------------------

@@ -59,9 +59,9 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import numpy as np
 
@@ -234,57 +234,13 @@ def node_main(conn: Connection, netns: str, node: int, token: str, pool_values: 
         server.shutdown()
 
 
-class NodePool:
-    """One worker process per worker node, each in its node's namespace."""
+class NodePool(flow.ProcessPool):
+    """One worker process per worker node, each in its node's namespace (``dock.ProcessPool``)."""
 
     def __init__(self, net: Network, workers: int, token: str, pool_values: int, timeout_s: float) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["numpy", "pyarrow.flight", "dockrl.dock.client"])
-        self.timeout_s = timeout_s
-        self.conns: list[Connection] = []
-        self.procs: list[Any] = []
-        for k in range(workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=node_main, args=(child, net.nodes[k + 1], k, token, pool_values, k), daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        self.locations = [loc for _, loc in self.collect(workers, "start")]
-
-    def collect(self, k: int, what: str) -> list[tuple]:
-        """One message from each of the first ``k`` workers, in order; raises on an error report or the timeout."""
-        got: dict[int, tuple] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(got) < k:
-            waiting = [c for i, c in enumerate(self.conns[:k]) if i not in got]
-            ready = wait(waiting, timeout=max(deadline - time.monotonic(), 0.0))
-            if not ready:
-                raise TimeoutError(f"{what}: no answer within {self.timeout_s:.0f}s from worker nodes "
-                                   f"{sorted(set(range(k)) - set(got))}")
-            for conn in ready:
-                i = self.conns.index(conn)
-                try:
-                    got[i] = conn.recv()  # type: ignore[union-attr]
-                except EOFError:
-                    raise RuntimeError(f"{what}: worker node {i} exited (code {self.procs[i].exitcode})") from None
-                if got[i][0] == "error":
-                    raise RuntimeError(f"{what}: worker node {i} failed:\n{got[i][1]}")
-        return [got[i] for i in range(k)]
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.terminate()
+        targets = [(node_main, (net.nodes[k + 1], k, token, pool_values, k)) for k in range(workers)]
+        super().__init__(targets, [f"worker node {k}" for k in range(workers)], timeout_s)
+        self.locations = [loc for _, loc in self.collect("start")]
 
 
 # --- measuring -----------------------------------------------------------------------------------------
@@ -361,7 +317,7 @@ class Bench:
         for conn in self.pool.conns[:n]:
             conn.send(NodeJob(job, locality))
         driver.put(range(self.shape.rows), {"prompt_ids": self.prompts.column("prompt_ids")})
-        done = self.pool.collect(n, f"dock iteration {job.iteration}")
+        done = self.pool.collect(f"dock iteration {job.iteration}", n)
         driver.close_iteration()
         for stage in flow.STAGES:
             rows = sum(d[1][stage][0] for d in done)
