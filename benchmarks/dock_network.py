@@ -333,7 +333,8 @@ class Bench:
             self.dock(n, locality=side == "dock+locality")
         seconds = time.perf_counter() - start
         cores = len(os.sched_getaffinity(0))
-        return Sample(seconds, (cpu_seconds(self.pids) - cpu) / cores, self.net.counters() - before)
+        used = max(cpu_seconds(self.pids) - cpu, 1 / os.sysconf("SC_CLK_TCK"))  # under one tick reads 0: count one (no 0 to divide by)
+        return Sample(seconds, used / cores, self.net.counters() - before)
 
 
 def choose_rate(control: dict[tuple[str, int], list[Sample]], margin: float) -> float:
