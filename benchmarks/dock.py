@@ -227,7 +227,12 @@ class StageServer(flight.FlightServerBase):
 
 
 def dock_stage(dock: DockClient, stage: str, job: Job, cells: Cells) -> tuple[int, int]:
-    """Claim, build outputs and put until ``stage`` has taken every row; returns (rows, payload bytes moved)."""
+    """Claim, build outputs and put until ``stage`` has taken every row; returns (rows, payload bytes moved).
+
+    First waits for the job's iteration as a stage does (``wait_iteration``): its puts then carry its next claims.
+    """
+    if dock.wait_iteration(job.iteration - 1, timeout_s=job.timeout_s) != job.iteration:
+        raise RuntimeError(f"{stage}: the dock announced another iteration than the job's {job.iteration}")
     rows = moved = 0
     while claim := dock.claim(stage, READS[stage], job.claim_rows, whole_groups=WHOLE_GROUPS[stage]):
         out = cells.run(stage, np.asarray(claim.rows), claim.batch, job.shape)

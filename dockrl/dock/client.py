@@ -395,6 +395,10 @@ class DockClient:
             DockError: another iteration, or none, is open on shard 0.
         """
         self._action(0, "announce_iteration", {"iteration": int(iteration)})  # control channel: now stages may start
+        if self._confirmed != iteration:  # one restored from a snapshot: this client's calls go to it, as after open_iteration
+            layout = self._layout_for("announce", int(iteration))
+            with self._lock:
+                self._layout, self._confirmed = layout, layout.iteration
 
     def close_iteration(self, iteration: int | None = None) -> None:
         """Drop ``iteration`` (default: every open one) on every shard; claims blocked on it fail with ``DockError``.
@@ -462,7 +466,7 @@ class DockClient:
                     batch = pa.RecordBatch.from_arrays(columns_out, schema=schema)
                     body = {"iteration": layout.iteration} | extra
                     if s == carrier and ack is not None and ack.shape is not None:
-                        self._put_claim(s, body, batch, layout.iteration, ack.consumer, ack.shape)
+                        self._put_claim(s, body, batch, layout, ack.consumer, ack.shape)
                     else:
                         self.transports[s].put(body, batch, self.rpc_timeout_s)
         finally:
@@ -473,16 +477,29 @@ class DockClient:
             self.ack(ack)
 
     def _put_claim(
-        self, s: int, body: dict[str, Any], batch: pa.RecordBatch, iteration: int, consumer: str,
+        self, s: int, body: dict[str, Any], batch: pa.RecordBatch, layout: ShardLayout, consumer: str,
         shape: tuple[tuple[str, ...], int, bool],
     ) -> None:
-        """Put ``batch`` on shard ``s`` carrying the next claim of ``shape`` for ``consumer``; keep what it took."""
+        """Put ``batch`` on shard ``s`` carrying the next claim of ``shape`` for ``consumer``; keep what it took.
+
+        Raises:
+            as the put (when it did not land, or its answer was lost: rows the claim may have taken go back).
+        """
         names, count, whole_groups = shape
-        lease = os.urandom(16).hex()
+        iteration, lease = layout.iteration, os.urandom(16).hex()
         req = ClaimRequest(iteration, consumer, names, count, 0, whole_groups, 0.0, self.owner, lease, self.lease_s, False)
-        result = self.transports[s].put_claim(body, batch, req, self.rpc_timeout_s)  # raises: the put did not land
-        if isinstance(result, DockError):  # the put landed; the next claim goes on its own
+
+        def give_back() -> None:  # rows the claim took that this client does not know of: all of the shard's under the lease
+            self._release(iteration, consumer, {s: list(range(*layout.ranges[s]))}, lease, min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
+
+        try:
+            result = self.transports[s].put_claim(body, batch, req, self.rpc_timeout_s)
+        except BaseException:  # the put did not land, or its answer was lost after it did
+            give_back()
+            raise
+        if isinstance(result, DockError):  # the put landed, the claim did not (or its answer was incomplete)
             logger.debug("the claim a put carried failed (the next claim is its own call): %s", result)
+            give_back()
             return
         rows, pending, held, cells = result
         taken = _Prefetched(shape, iteration, s, lease, rows, pending, held, cells)
@@ -703,7 +720,7 @@ class DockClient:
         try:
             if local is not None:  # the co-located shard alone while it has rows left for the consumer, ready or not
                 if local not in pending:  # (a put to it may have taken the first rows: then it was asked)
-                    take(local, count, at_least=0)
+                    take(local, count - got, at_least=0)
                 try:
                     while got < count and pending[local] > 0:
                         take(local, count - got, min(pending[local], count - got), max(deadline - time.monotonic(), 0.0))

@@ -215,27 +215,37 @@ def test_a_client_that_did_not_learn_the_iteration_carries_no_claim(shards):
     assert counted.calls["put_claim"] == 0 and counted.calls["put"] == ROWS // 4
 
 
-def test_a_client_that_closes_its_iteration_claims_from_the_next(shards):
+def held_by_puts(dock: DockClient) -> list[str]:
+    """The leases of rows ``dock``'s puts took and no claim used yet (what it renews and would hand back)."""
+    return [t.lease for t in dock._prefetched.values() if t.lease in dock._held]
+
+
+def test_a_client_that_closes_its_iteration_forgets_what_its_puts_took_and_claims_from_the_next(shards):
     dock = client(shards)  # opens the iterations itself, as the in-process dock of a run
     open_with_prompts(dock, 0)
-    cycle(dock, 2)  # its put took two more rows of iteration 0
+    cycle(dock, 2)
+    assert len(held_by_puts(dock)) == 1  # its put took two more rows of iteration 0
     dock.close_iteration(0)
+    assert dock._prefetched == {} and dock._held == {}  # nothing left to renew or hand back
     open_with_prompts(dock, 1)
     claim = dock.claim("reward", ["prompt_ids"], 2)
     assert claim.iteration == 1 and [c[0] for c in claim.batch.column(0).to_pylist()] == [1, 1]
 
 
-def test_rows_a_put_took_are_claimed_again_after_a_restore(shards, tmp_path):
-    dock = client(shards)
+def test_a_restore_forgets_what_puts_took_and_those_rows_are_claimed_again(shards, tmp_path):
+    driver, dock = client(shards), client(shards)
     open_with_prompts(dock, 0)
     got = cycle(dock, 2)  # rows 0, 1 acked; its put took 2, 3
+    assert len(held_by_puts(dock)) == 1
     dock.snapshot(str(tmp_path / "snap"))
-    dock.close_iteration()
+    driver.close_iteration()  # another client closes it: this one still holds what its put took
     dock.restore(str(tmp_path / "snap"))  # un-acked leases end: rows 2, 3 are back in the pool
-    dock.announce(0)
+    assert dock._prefetched == {} and dock._held == {}
+    dock.announce(0)  # the restored iteration is this client's: its puts carry claims again
+    counted = CountingCalls(dock)
     while rows := cycle(dock, 2):
         got += rows
-    assert sorted(got) == list(range(ROWS))
+    assert sorted(got) == list(range(ROWS)) and counted.calls["put_claim"] == (ROWS - 2) // 2
 
 
 def test_the_shard_refuses_a_carried_claim_that_waits_or_is_for_another_iteration():
@@ -266,3 +276,23 @@ def test_dock_prefetch_false_turns_it_off_in_the_in_process_dock():
         dock = open_dock(cfg, GRPO_SCHEMA, run="prefetch")
         assert dock.prefetch is expected
         dock.close()
+
+
+def test_rows_the_claim_took_go_back_when_the_answer_of_the_put_is_lost(shards):
+    open_with_prompts(client(shards))
+    dock = stage(shards, lease_s=300.0)
+    claim = dock.claim("reward", ["prompt_ids"], 2)
+    transport = dock.transports[0]
+    real = transport.put_claim
+
+    def lost_answer(*args, **kw):  # a FAKE network failure: the shard did the put and the claim, the answer never came
+        real(*args, **kw)
+        raise ConnectionError("the answer was lost")
+
+    transport.put_claim = lost_answer
+    with pytest.raises(ConnectionError):
+        dock.put(claim.rows, {"rm_score": [1.0, 2.0]}, ack=claim)
+    assert dock._prefetched == {} and dock._held == {}
+    other = stage(shards)
+    rest = other.claim("reward", ["prompt_ids"], ROWS, timeout_s=2.0)  # at once: nothing is left leased to the first client
+    assert sorted(rest.rows) == list(range(2, ROWS))
