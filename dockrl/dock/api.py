@@ -65,7 +65,8 @@ class StageDock(Protocol):
 
     def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
         """Write ``columns[name][k]`` as the cell of row ``rows[k]``; refused unless ``iteration``
-        (when given) is the open one; with ``ack`` the claim is acked once the put succeeded."""
+        (when given) is the open one; with ``ack`` the claim is acked once the put succeeded (and a
+        dock may take the consumer's next claim of the same shape with it: ``Claim.shape``)."""
 
     def claim(
         self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, timeout_s: float | None = None,

@@ -1087,8 +1087,8 @@ class DockClient:
         self._action(0, "finish", {})
 
     def close(self) -> None:
-        """Stop renewing leases and close the transports: connections to Flight shards (which keep
-        running), in-process shards this dock owns (``open_dock``)."""
+        """Hand back rows puts took for claims not made yet, stop renewing leases and close the transports:
+        connections to Flight shards (which keep running), in-process shards this dock owns (``open_dock``)."""
         with self._lock:  # closed first: a put in flight in another thread hands its rows back itself (_put_claim)
             self._closed = True
             prefetched, self._prefetched = self._prefetched, {}
