@@ -19,6 +19,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from dockrl.config import ConfigError, load_config
 
@@ -83,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print("dockrl: interrupted (Ctrl-C); a run goes on from its last checkpoint with run.resume=latest", file=sys.stderr)
+        print(f"dockrl: interrupted (Ctrl-C); {resume_hint(run_dir)}", file=sys.stderr)
         return 130
     except SystemExit as e:
         if e.code == 128 + signal.SIGTERM:  # sigterm_as_exit: the run's clean-up ran
-            print("dockrl: stopped (SIGTERM); a run goes on from its last checkpoint with run.resume=latest", file=sys.stderr)
+            print(f"dockrl: stopped (SIGTERM); {resume_hint(run_dir)}", file=sys.stderr)
         raise
     except Exception as e:  # noqa: BLE001 - every error becomes one message; --debug shows the traceback
         if debug:
@@ -96,6 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dockrl: {message}", file=sys.stderr)
         return code
     return 0
+
+
+def resume_hint(run_dir: str | None) -> str:
+    """How a stopped run goes on: from its newest complete checkpoint, or (with none) started again."""
+    if run_dir is None:
+        return "nothing was started"
+    from dockrl.resume import latest_checkpoint
+
+    found = latest_checkpoint(run_dir) if Path(run_dir).is_dir() else None
+    if found is not None:
+        return f"the run goes on from its last complete checkpoint ({found}) with run.resume=latest"
+    return (f"no checkpoint of the run in {run_dir} is complete: start it again in another run.output_dir "
+            "(or delete that folder)")
 
 
 def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, str]:

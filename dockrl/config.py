@@ -478,13 +478,14 @@ def _check_rules(c: Config) -> None:
         "trainer.iterations": t.iterations, "trainer.global_batch": t.global_batch, "trainer.mini_batch": t.mini_batch,
         "trainer.micro_batch": t.micro_batch, "trainer.ppo_epochs": t.ppo_epochs, "trainer.eval_batch_size": t.eval_batch_size,
         "data.max_prompt_length": d.max_prompt_length, "data.min_steps": d.min_steps, "data.max_number": d.max_number,
+        "data.generate_train": d.generate_train, "data.generate_test": d.generate_test,
     }
     for where, v in positive.items():
         if v < 1:
             raise _fail(where, v, "expected a positive integer")
-    for where, v in {"data.eval_size": d.eval_size, "run.num_threads": c.run.num_threads}.items():
+    for where, v, zero in (("data.eval_size", d.eval_size, "all test prompts"), ("run.num_threads", c.run.num_threads, "torch's default")):
         if v < 0:
-            raise _fail(where, v, "expected an integer >= 0 (0: all test prompts / torch's default threads)")
+            raise _fail(where, v, f"expected an integer >= 0 (0: {zero})")
     if t.micro_batch_tokens < 0:
         raise _fail("trainer.micro_batch_tokens", t.micro_batch_tokens, "expected an integer >= 0 (0: off, micro_batch sequences)")
     if r.n < 1:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -77,10 +79,22 @@ def prepare_smollm2(out_dir: str | Path) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"SmolLM2 export: missing {missing}, unexpected {unexpected}")
     model.generation_config = src.generation_config
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    # a folder of this process's own, renamed into place once complete: a process exporting at the same time
+    # never writes into it, and the first rename wins (the other process's export is then used)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "model.safetensors").is_file():
+                raise
+            logger.info("%s was exported by another process meanwhile: using it", out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

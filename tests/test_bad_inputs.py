@@ -87,8 +87,10 @@ def full_disk(tmp: Path, model: Path) -> list[str]:
     return run_args(tmp, model)
 
 
-CTRL_C = "interrupted (Ctrl-C); a run goes on from its last checkpoint with run.resume=latest"
-SIGTERM = "stopped (SIGTERM); a run goes on from its last checkpoint with run.resume=latest"
+NO_CHECKPOINT = "no checkpoint of the run in <run.output_dir> is complete: start it again in another run.output_dir (or delete that folder)"
+CTRL_C = f"interrupted (Ctrl-C); {NO_CHECKPOINT}"
+SIGTERM = f"stopped (SIGTERM); {NO_CHECKPOINT}"
+"""A run stopped before its first checkpoint (the tests below); after one, the message names it and run.resume=latest."""
 BAD_LINES = "{oops\n" + json.dumps({"question": "q", "answer": "#### abc"}) + "\n"
 
 CASES = [
@@ -101,6 +103,10 @@ CASES = [
          "config file <path>/my.yaml does not exist"),
     Case("config", "`parallel.tp=2` with the hf training engine", lambda t, m: ["train", "parallel.tp=2"],
          "parallel.tp: got 2; trainer.engine='hf' trains one unsharded copy of the model in one process and ignores the parallel layout"),
+    Case("config", "`data.generate_train=-5`", lambda t, m: ["prepare-data", "data.generate_train=-5"],
+         "data.generate_train: got -5; expected a positive integer"),
+    Case("config", "`data.eval_size=-1`", lambda t, m: ["train", "data.eval_size=-1"],
+         "data.eval_size: got -1; expected an integer >= 0 (0: all test prompts)"),
     Case("config", "`algorithm.max_bad_reward_frac=2`", lambda t, m: ["train", "algorithm.max_bad_reward_frac=2"],
          "algorithm.max_bad_reward_frac: got 2.0; expected a fraction from 0 to 1"),
     Case("config", "`algorithm.scorer=no_such_module:Scorer`", lambda t, m: run_args(t, m, "algorithm.scorer=no_such_module:Scorer"),
@@ -204,7 +210,24 @@ def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model
     proc.send_signal(sig)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == code, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {line}"
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {line.replace('<run.output_dir>', str(tmp_path / 'run'))}"
+
+
+def test_a_stopped_run_says_whether_a_checkpoint_resumes_it(tmp_path):
+    from dockrl.cli import resume_hint
+    from dockrl.resume import FORMAT, STATE_FILE
+
+    run = tmp_path / "run"
+    assert resume_hint(str(run)) == NO_CHECKPOINT.replace("<run.output_dir>", str(run))  # not even a folder
+    partial = run / "checkpoints" / "iter_000002"
+    partial.mkdir(parents=True)
+    (partial / "optimizer.pt.tmp").write_bytes(b"cut short")  # stopped while writing it: no state file
+    assert resume_hint(str(run)).startswith("no checkpoint of the run in")
+    done = run / "checkpoints" / "iter_000001"
+    done.mkdir()
+    (done / STATE_FILE).write_text(json.dumps({"format": FORMAT, "next_iteration": 1}))
+    assert resume_hint(str(run)) == f"the run goes on from its last complete checkpoint ({done}) with run.resume=latest"
+    assert resume_hint(None) == "nothing was started"
 
 
 OTHER_ROWS = [  # checked by the tests named, which need more than a command line
