@@ -19,6 +19,18 @@ from dockrl.config import AUTO_ENGINE_ENV
 os.environ.setdefault(AUTO_ENGINE_ENV, "hf")
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A run with ``run.num_threads`` sets this process's torch thread count: give it back after
+    every test, so that no test's arithmetic depends on which tests ran before it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from dockrl.models import build_tiny_model

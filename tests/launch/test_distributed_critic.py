@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed import HYBRID, workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
-from test_distributed_resume import VARYING, metric_close, read_rows
+from test_distributed_resume import SAME_THREADS, VARYING, metric_close, read_rows
 from test_ppo_runs import ppo_run
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -41,13 +41,13 @@ def test_the_critic_is_a_stage_group_on_an_accelerator(tiny_model_dir, tmp_path)
 def test_a_distributed_ppo_run_cut_and_resumed_ends_as_the_in_process_run(tiny_model_dir, tmp_path, workers_path, monkeypatch):  # noqa: F811
     monkeypatch.syspath_prepend(str(FAKES))  # the in-process run's scorer; workers_path gives the processes theirs
     scorer = "algorithm.scorer=fake_scorers:FakeHashScorer"
-    driver.train(ppo_run(tiny_model_dir, tmp_path, "straight", scorer))
+    driver.train(ppo_run(tiny_model_dir, tmp_path, "straight", scorer, SAME_THREADS))
 
     def stop_in_iteration_2(it: int, metrics: dict) -> None:
         if it == 2:  # its metrics line is written, the checkpoint after iteration 1 (actor's and critic's) is complete
             raise Interrupt
 
-    distributed = ("dock.mode=distributed", "dock.shards=2", "dock.timeout_s=120")
+    distributed = ("dock.mode=distributed", "dock.shards=2", "dock.timeout_s=120", SAME_THREADS)
     with pytest.raises(Interrupt):
         driver.train(ppo_run(tiny_model_dir, tmp_path, "cut", scorer, *distributed), on_iteration=stop_in_iteration_2)
     cut = tmp_path / "cut"

@@ -19,6 +19,10 @@ from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers 
 ROWS_PER_ITERATION = 4 * 4  # trainer.global_batch × rollout.n
 VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")
 """Metrics that depend on the clock or count a process's traffic: not compared between runs."""
+SAME_THREADS = "run.num_threads=1"
+"""For runs compared across processes: one torch thread in the driver and in every stage process,
+so that their reductions add in the same order and the runs agree to the bit where they compute the
+same (a stage process takes torch's default, the test process whatever an earlier test left)."""
 TOKEN_SHARES = ("clip_ratio", "clip_frac", "clipfrac")
 """Shares of tokens past a clip threshold: a step function of log-probs or values, so rounding that
 differs between processes (their thread counts, hence their reduction order) can move a token across
@@ -53,7 +57,7 @@ def run_config(tiny_model_dir, tmp_path, name: str, *extra: str):
         "trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-2",
         "trainer.save_every=1", "trainer.eval_before=false", "algorithm.kl_loss_coef=0",
-        "data.generate_train=40", "data.generate_test=8", "data.eval_size=8", *extra,
+        "data.generate_train=40", "data.generate_test=8", "data.eval_size=8", SAME_THREADS, *extra,
     ])
 
 
