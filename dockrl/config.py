@@ -7,6 +7,7 @@ cross-field rules, and returns a ``Config``. The defaults are the demo run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -965,7 +966,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"config file {p} does not exist")
+            raise FileNotFoundError(f"config file {p} " + ("is not a regular file" if p.exists() else "does not exist"))
         text, source = p.read_text(), str(p)
     return load_config_text(text, source, overrides)
 
@@ -983,14 +984,43 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from None
+        raise ConfigError(f"{source}: not valid YAML: {str(err).replace('<unicode string>', source)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a YAML mapping of sections")
-    for section, fields in parse_overrides(overrides).items():
+    in_text, overridden = copy.deepcopy(data), parse_overrides(overrides)
+    for section, fields in overridden.items():
         if not isinstance(data.setdefault(section, {}), dict):
             raise ConfigError(f"{section}: expected a mapping of fields")
         _merge(data[section], fields, section)
-    return _build(Config, data, "")
+    try:
+        return _build(Config, data, "")
+    except ConfigError as err:  # a value of the text, which no override touched: name where it came from
+        where = str(err).split(":", 1)[0].split(" ", 1)[0]
+        if _holds(in_text, where) and not _touches(overridden, where):
+            raise ConfigError(f"{source}: {err}") from None
+        raise
+
+
+def _holds(tree: dict[str, Any], where: str) -> bool:
+    """Whether the nested mapping ``tree`` has the dotted path ``where`` (a section or a field)."""
+    node: Any = tree
+    for part in where.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _touches(tree: dict[str, Any], where: str) -> bool:
+    """Whether ``tree`` sets ``where``, a field under it, or replaces a section above it."""
+    node: Any = tree
+    for part in where.split("."):
+        if not isinstance(node, dict):
+            return True
+        if part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def dump_config(config: Config, *, portable: bool = False) -> str:

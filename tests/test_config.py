@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -46,6 +47,20 @@ def test_defaults_load():
 
 def test_empty_yaml_file_gives_defaults(tmp_path):
     assert load_config(write_yaml(tmp_path, "")) == Config()
+
+
+def test_a_bad_value_of_a_config_file_names_the_file_and_one_of_an_override_does_not(tmp_path):
+    path = write_yaml(tmp_path, "trainer:\n  lr: abc\n  nosuch: 1\nrollout:\n  n: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer: unknown field\(s\) \['nosuch'\]"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer.lr: got 'abc'; expected a number"):
+        load_config(write_yaml(tmp_path, "trainer:\n  lr: abc\n"))
+    with pytest.raises(ConfigError, match=r"^rollout.n: got 0"):  # the override's value, not the file's
+        load_config(write_yaml(tmp_path, "rollout:\n  n: 4\n"), ["rollout.n=0"])
+    with pytest.raises(ConfigError, match=rf"(?s)^{re.escape(str(path))}: not valid YAML: .*{re.escape(str(path))}\", line 1"):
+        load_config(write_yaml(tmp_path, "trainer: [1\n"))
+    with pytest.raises(FileNotFoundError, match="is not a regular file"):
+        load_config(tmp_path)
 
 
 def test_yaml_file_and_overrides_merge(tmp_path):
