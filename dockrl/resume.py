@@ -267,12 +267,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return best[1] if best else None
 
 
-def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
+def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
     """The checkpoint ``run.resume`` names, checked against this run; None for a fresh run.
 
     ``run.resume`` is ``''`` (fresh), ``'latest'`` (the newest complete checkpoint under
     ``run.output_dir/checkpoints``) or a checkpoint folder. ``prompts`` is this run's
-    ``prompts_fingerprint``.
+    ``prompts_fingerprint``; None checks all but the prompts (a run does so first, before it
+    prepares its model and loads its data, and then again with them).
 
     Raises:
         ConfigError: a fresh run in a ``run.output_dir`` that holds another run's metrics or
@@ -312,7 +313,7 @@ def find_resume(cfg: Config, prompts: str) -> ResumePoint | None:
     ours = {"seed": cfg.trainer.seed, "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts}
     fields = {"seed": "trainer.seed", "global_batch": "trainer.global_batch", "group_size": "rollout.n", "prompts": "the training prompts"}
     for key, mine in ours.items():
-        if doc.get(key) != mine:
+        if doc.get(key) != mine and mine is not None:
             raise ConfigError(
                 f"run.resume: {path} was written with {fields[key]}={doc.get(key)!r}, this run has {mine!r}; "
                 "the data order depends on it: resume with the checkpoint's settings"

@@ -60,7 +60,8 @@ def _read_holder(path: Path) -> dict:
 
 
 class RunLock:
-    """Exclusive lock of a run folder (see the module docstring); creates the folder.
+    """Exclusive lock of a run folder (see the module docstring); creates the folder, and removes
+    it again on release when it holds nothing but the lock file (a refused run leaves no trace).
 
     Raises (on enter):
         RunLockedError: another live process holds the folder.
@@ -72,9 +73,11 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
+        self._created = False
 
     def acquire(self) -> RunLock:
         try:
+            self._created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -99,10 +102,20 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Release the lock (the file stays; nobody holds it). Safe to call twice."""
+        """Release the lock (the file stays, held by nobody; in a folder this lock created that holds
+        nothing else, file and folder go). Safe to call twice."""
         fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # closing the only descriptor releases the flock
+        if fd is None:
+            return
+        empty = self._created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]
+        if empty:  # unlinked while held: a run that opens the file now fails to lock it, one that opens it later makes its own
+            self.path.unlink(missing_ok=True)
+        os.close(fd)  # closing the only descriptor releases the flock
+        if empty:
+            try:
+                self.run_dir.rmdir()
+            except OSError:  # another run made its lock file in the meantime: the folder is its now
+                pass
 
     def __enter__(self) -> RunLock:
         return self.acquire()

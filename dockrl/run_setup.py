@@ -54,6 +54,7 @@ def plan_run(cfg: Config) -> RunPlan:
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
+    find_resume(cfg, None)  # what run.resume and the folder allow, in a second, before model and data take their time
     model_path = resolve_model(cfg)  # prepared here once, before any stage looks for it
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)

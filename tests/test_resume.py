@@ -110,6 +110,12 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
         find_resume(config(tmp_path), "p")
     explicit = config(tmp_path, f"run.resume={checkpoint_dir(cfg.run.output_dir, 2)}")
     assert find_resume(explicit, "p").next_iteration == 2
+    # before the prompts are loaded: all but them checked
+    assert find_resume(cfg, None).next_iteration == 2
+    with pytest.raises(ConfigError, match="the training prompts='p', this run has 'q'"):
+        find_resume(cfg, "q")
+    with pytest.raises(ConfigError, match="trainer.seed=0, this run has 7"):
+        find_resume(config(tmp_path, "run.resume=latest", "trainer.seed=7"), None)
 
 
 def test_a_finished_run_continues_from_final_and_refuses_nothing_left(tmp_path):

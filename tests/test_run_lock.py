@@ -86,6 +86,17 @@ def test_a_refused_run_leaves_the_run_folder_as_it_was(tiny_model_dir, tmp_path)
     assert load_config(run / "config.yaml", ["run.resume=latest"]).rollout.n == 4  # the documented resume command still fits
 
 
+def test_a_refused_run_into_a_new_folder_leaves_no_folder_and_says_so_before_it_loads_anything(tiny_model_dir, tmp_path):
+    cfg = tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", "model.path=no-such-model")
+    with pytest.raises(ConfigError, match="run.resume: got 'latest'; no complete checkpoint"):  # before model.path is looked at
+        driver.train(cfg)
+    assert not Path(cfg.run.output_dir).exists()
+    lock = RunLock(tmp_path / "kept").acquire()  # a folder that held something else stays, as it was
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    lock.release()
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [LOCK_FILE, "notes.txt"]
+
+
 def test_a_run_into_a_folder_in_use_is_refused_before_it_writes(tiny_model_dir, tmp_path):
     cfg = tiny_run(tiny_model_dir, tmp_path)
     holder = hold_lock(Path(cfg.run.output_dir))
