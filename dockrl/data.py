@@ -112,6 +112,24 @@ class LoadReport:
         return head + "".join(f"\n  line {n}: {why}" for n, why in self.bad[:20]) + more
 
 
+def check_data_file(path: str | Path) -> Path:
+    """``path`` as a ``Path`` when it is a file ``load_prompts`` reads (``.jsonl``, ``.json`` or ``.parquet``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a directory, or another extension.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"data file {path}: a {path.suffix or 'extension-less'} file; expected a .jsonl or .parquet file with "
+                         "'question' and 'answer' (a CSV converts with pandas: read_csv(...).to_json(lines=True, orient='records'))")
+    return path
+
+
 def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
     if path.suffix == ".parquet":
         import pyarrow as pa
@@ -131,9 +149,6 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"data file {path}: a {path.suffix or 'extension-less'} file; expected a .jsonl or .parquet file with "
-                         "'question' and 'answer' (a CSV converts with pandas: read_csv(...).to_json(lines=True, orient='records'))")
     with path.open("rb") as f:
         head = f.read(4096).lstrip()
         if head.startswith(b"["):
@@ -209,11 +224,7 @@ def load_prompts(
     from dockrl.rewards.math_verifier import extract_final_answer
 
     check_chat_template(tokenizer, chat_template, model)
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
+    path = check_data_file(path)
     report, prompts, seen = LoadReport(str(path)), list[Prompt](), set[str]()
     for line_no, row in _read_rows(path):
         if isinstance(row, Exception):

@@ -12,12 +12,12 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
 from dockrl.config import Config, ConfigError, TrainerConfig, save_config
-from dockrl.data import Prompt, check_chat_template, export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.models import prepare_smollm2
 from dockrl.resume import ResumePoint, find_resume, prompts_fingerprint
 
@@ -55,6 +55,9 @@ def plan_run(cfg: Config) -> RunPlan:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
     find_resume(cfg, None)  # what run.resume and the folder allow, in a second, before model and data take their time
+    for field, path in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
+        if path and path != "champ":
+            as_config_error(field, check_data_file, path)
     model_path = resolve_model(cfg)  # prepared here once, before any stage looks for it
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)
@@ -175,6 +178,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def as_config_error(field: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a user's data file, its errors as ``ConfigError`` naming the setting ``field``."""
+    try:
+        return fn(*args, **kwargs)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{field}: {e}") from None
+
+
 def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
     """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
     check_chat_template(tokenizer, cfg.data.chat_template, cfg.model.path)  # names model.path, not a data file
@@ -182,10 +193,7 @@ def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) 
                                 chat_template=cfg.data.chat_template, model=cfg.model.path)
     out = []
     for field, path in (("data.train_path", train_file), ("data.test_path", test_file)):
-        try:
-            prompts, report = load_prompts(path, tokenizer, **load)
-        except (FileNotFoundError, ValueError) as e:  # a user's file: name the setting it came from
-            raise ConfigError(f"{field}: {e}") from None
+        prompts, report = as_config_error(field, load_prompts, path, tokenizer, **load)
         logger.info("data %s: %d prompts (%d lines dropped, %d repeat a question)", field, report.kept, len(report.bad),
                     report.duplicates)
         out.append(prompts)
