@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dockrl import driver, run_setup
 from dockrl.rewards import guard
-from dockrl.config import load_config
+from dockrl.config import load_config, load_config_text
 from fake_scorers import FakeRandomScorer  # noqa: E402
 
 
@@ -63,3 +63,17 @@ def test_prompt_batches_use_every_prompt_once_per_epoch():
     assert epochs[0] != epochs[1]  # a fresh shuffle each epoch
     again = [p for batch in run_setup.prompt_batches(list(range(7)), cfg.trainer) for p in batch]
     assert again == picks  # seeded: a resumed run sees the same batches
+
+
+def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path, capsys):
+    from dockrl.cli import config_fields_help, main
+
+    run = tmp_path / "never"
+    assert main(["train", "--print-config", "rollout.n=16", f"run.output_dir={run}"]) == 0
+    printed = load_config_text(capsys.readouterr().out, "printed")
+    assert printed.rollout.n == 16 and printed.trainer == load_config(None, []).trainer and not run.exists()
+    assert main(["train", "--print-config", "trainer.lr=x"]) == 2
+    assert "trainer.lr: got 'x'" in capsys.readouterr().err
+    for section in ("model", "trainer", "dock", "run"):  # --help lists every section's fields
+        assert f"\n  {section}: " in config_fields_help()
+    assert "micro_batch_tokens" in config_fields_help()
