@@ -151,7 +151,11 @@ def save_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> Path:
         raise ValueError(f"save_optimizer: {type(engine).__name__} has no optimizer to checkpoint (trainable=False?)")
     path = Path(checkpoint) / optimizer_file(rank)
     tmp = path.with_suffix(".pt.tmp")
-    torch.save(optimizer.state_dict(), tmp)
+    try:
+        torch.save(optimizer.state_dict(), tmp)
+    except BaseException:  # SIGTERM or Ctrl-C mid-write, a full disk: no half-written file of the optimizer's size left behind
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
     return path
 

@@ -16,7 +16,7 @@ from dockrl.engines.hf import adamw
 from dockrl.metrics import MetricsWriter
 from dockrl.resume import (
     STATE_FILE, checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, iteration_seed, latest_checkpoint,
-    load_optimizer, optimizer_file, prepare_checkpoint, prompts_fingerprint, write_driver_state, write_final_state,
+    load_optimizer, optimizer_file, prepare_checkpoint, prompts_fingerprint, save_optimizer, write_driver_state, write_final_state,
 )
 
 FAKES = Path(__file__).parent  # fake_scorers.py
@@ -94,6 +94,22 @@ def test_iteration_seeds_are_fixed_distinct_and_63_bit():
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
     assert iteration_seed(0, 7) == iteration_seed(0, 7)
     assert prompts_fingerprint([[1, 2], [3]]) != prompts_fingerprint([[1], [2, 3]])
+
+
+def test_an_optimizer_write_cut_short_leaves_no_half_written_file(tmp_path, monkeypatch):
+    engine = type("Engine", (), {})()
+    engine.optimizer = adamw(torch.nn.Linear(4, 4), lr=0.1, weight_decay=0.0)
+
+    def cut_short(obj, path):  # as a SIGTERM (SystemExit from sigterm_as_exit) arriving mid-write
+        Path(path).write_bytes(b"half")
+        raise SystemExit(143)
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(SystemExit):
+        save_optimizer(engine, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert save_optimizer(engine, tmp_path) == tmp_path / optimizer_file(0) and len(list(tmp_path.iterdir())) == 1
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path):
