@@ -2,7 +2,7 @@
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
-    dockrl train --print-config rollout.n=16       # the resolved config as YAML, nothing run
+    dockrl train --print-config rollout.n=16       # the config as YAML (auto fields stay auto), nothing run
     dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
     dockrl worker -h                               # one stage of a distributed run (dockrl/workers/main.py)
     dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
@@ -52,15 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [
-        ("train", "run RL post-training: GRPO by default; RLOO, REINFORCE++, Dr. GRPO and PPO by algorithm.adv_estimator"),
+        ("train", "run RL post-training: GRPO by default; RLOO, REINFORCE++, Dr. GRPO by algorithm.adv_estimator; "
+                  "PPO with algorithm.adv_estimator=gae critic.enable=true"),
         ("prepare-model", "export the packaged SmolLM2-135M-Instruct (or check model.path)"),
         ("prepare-data", "write the seeded train/test files"),
     ]:
         p = sub.add_parser(name, help=help_, description=help_, epilog=config_fields_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="YAML config file (default: the demo config)")
-        p.add_argument("--print-config", action="store_true",
-                       help="print the resolved config (every field, defaults included) as YAML and exit")
+        if name == "train":
+            p.add_argument("--print-config", action="store_true",
+                           help="print the config (every field, defaults included; fields set to auto stay auto) as YAML and exit")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error")
         p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=5 (before or after --config)")
     sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
@@ -78,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = None
     try:
         cfg = load_config(args.config, args.overrides)  # before torch is imported: a bad value fails in a second
-        if args.print_config:
-            print(dump_config(cfg), end="")
+        if getattr(args, "print_config", False):
+            print(dump_config(cfg, portable=True), end="")  # auto stays auto: the file fits the machine it runs on
             return 0
         run_dir = cfg.run.output_dir
         from dockrl import driver, run_setup  # heavy imports after the config is known to be valid
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def config_fields_help() -> str:
-    """The config's sections and their fields, for ``--help`` (the meaning of each: ``dockrl/config.py``)."""
+    """The config's sections and their fields, for ``--help`` (the meaning of each: ``dockrl/config.py``;
+    a nested section's fields, e.g. ``reward_model.model.path``, are named by ``--print-config``)."""
     lines = ["config fields (section.field=value; all with their values: --print-config; meanings: dockrl/config.py):"]
     for section, cls in typing.get_type_hints(Config).items():
         lines.append(textwrap.fill(", ".join(f.name for f in dataclasses.fields(cls)), width=100, initial_indent=f"  {section}: ",

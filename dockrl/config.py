@@ -994,11 +994,24 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
         _merge(data[section], fields, section)
     try:
         return _build(Config, data, "")
-    except ConfigError as err:  # a value of the text, which no override touched: name where it came from
-        where = str(err).split(":", 1)[0].split(" ", 1)[0]
-        if _holds(in_text, where) and not _touches(overridden, where):
+    except ConfigError as err:  # a value of the text that no override touched or is named with: say where it came from
+        where, text = str(err).split(":", 1)[0].split(" ", 1)[0], str(err)
+        if where == "config":  # an unknown section
+            from_text = bool(set(in_text) - {f.name for f in dataclasses.fields(Config)})
+        else:
+            from_text = _holds(in_text, where) and not _touches(overridden, where)
+        if from_text and not any(path in text for path in _paths(overridden)):
             raise ConfigError(f"{source}: {err}") from None
         raise
+
+
+def _paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of the fields ``tree`` sets (``parse_overrides``' output)."""
+    out = []
+    for name, value in tree.items():
+        path = f"{prefix}{name}"
+        out += _paths(value, f"{path}.") if isinstance(value, dict) else [path]
+    return out
 
 
 def _holds(tree: dict[str, Any], where: str) -> bool:

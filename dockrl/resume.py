@@ -28,6 +28,7 @@ The vLLM rollout engine seeds each request from the reseeded global generator
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -154,7 +155,8 @@ def save_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> Path:
     try:
         torch.save(optimizer.state_dict(), tmp)
     except BaseException:  # SIGTERM or Ctrl-C mid-write, a full disk: no half-written file of the optimizer's size left behind
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
     return path

@@ -27,6 +27,8 @@ from types import TracebackType
 from dockrl.config import ConfigError
 
 LOCK_FILE = ".dockrl.lock"
+ACQUIRE_TRIES = 20
+"""Attempts to lock the file at the path when a releasing run removed it in between (``RunLock.acquire``)."""
 
 
 class RunLockedError(ConfigError):
@@ -76,10 +78,28 @@ class RunLock:
         self._created = False
 
     def acquire(self) -> RunLock:
+        for _ in range(ACQUIRE_TRIES):
+            fd = self._lock_once()
+            if fd is not None:
+                break
+        else:
+            raise ConfigError(f"run.output_dir: the lock file {self.path} was removed {ACQUIRE_TRIES} times while this run "
+                              "took it; another process keeps deleting that folder: choose another run.output_dir")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def _lock_once(self) -> int | None:
+        """The locked descriptor of the lock file now at ``self.path``; None when that file or its
+        folder went away meanwhile (a refused run's ``release`` removes both): try again."""
         try:
             self._created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the folder was removed between mkdir and open
+            return None
         except OSError as e:
             raise ConfigError(f"run.output_dir: cannot create the run folder's lock file {self.path} "
                               f"({e.strerror or e}); choose a writable run.output_dir") from None
@@ -95,11 +115,15 @@ class RunLock:
                 "would mix their metrics and checkpoints: wait for it to end (or stop it: dockrl teardown "
                 f"{self.run_dir}), or choose another run.output_dir"
             ) from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        self._fd = fd
-        return self
+        try:  # the file locked must still be the one at the path: not one a releasing run unlinked after we opened it
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is None or (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
+            os.close(fd)
+            return None
+        return fd
 
     def release(self) -> None:
         """Release the lock (the file stays, held by nobody; in a folder this lock created that holds
@@ -107,8 +131,11 @@ class RunLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        empty = self._created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]
-        if empty:  # unlinked while held: a run that opens the file now fails to lock it, one that opens it later makes its own
+        try:
+            empty = self._created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]
+        except OSError:  # the folder itself is gone or unreadable: nothing to tidy
+            empty = False
+        if empty:  # unlinked while held: a run that has the old file open finds it gone after its flock and retries
             self.path.unlink(missing_ok=True)
         os.close(fd)  # closing the only descriptor releases the flock
         if empty:

@@ -45,8 +45,10 @@ class RunPlan:
 
 
 def plan_run(cfg: Config) -> RunPlan:
-    """Seed, resolve the model and data, load the prompts, find the checkpoint to resume, and only
-    then write ``RUN/config.yaml`` (a refused run leaves the folder as it was).
+    """Seed; check what ``run.resume`` and the run folder allow and that the given data files are
+    of a kind ``load_prompts`` reads (seconds: before anything slow); resolve the model and data,
+    load the prompts, find the checkpoint to resume (now with the prompts), and only then write
+    ``RUN/config.yaml`` (a refused run leaves the folder as it was).
 
     Raises:
         ConfigError: ``model.path``, ``reward_model.model.path``, the data files or ``run.resume`` do not fit (named).

@@ -57,6 +57,10 @@ def test_a_bad_value_of_a_config_file_names_the_file_and_one_of_an_override_does
         load_config(write_yaml(tmp_path, "trainer:\n  lr: abc\n"))
     with pytest.raises(ConfigError, match=r"^rollout.n: got 0"):  # the override's value, not the file's
         load_config(write_yaml(tmp_path, "rollout:\n  n: 4\n"), ["rollout.n=0"])
+    with pytest.raises(ConfigError, match=r"^trainer.mini_batch: got 4; .*trainer.global_batch"):  # a rule the override broke
+        load_config(write_yaml(tmp_path, "trainer:\n  mini_batch: 4\n"), ["trainer.global_batch=6"])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: config: unknown field\(s\) \['trainr'\]"):
+        load_config(write_yaml(tmp_path, "trainr:\n  lr: 1\n"), ["trainer.lr=1e-5"])
     with pytest.raises(ConfigError, match=rf"(?s)^{re.escape(str(path))}: not valid YAML: .*{re.escape(str(path))}\", line 1"):
         load_config(write_yaml(tmp_path, "trainer: [1\n"))
     with pytest.raises(FileNotFoundError, match="is not a regular file"):

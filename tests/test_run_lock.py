@@ -87,14 +87,39 @@ def test_a_refused_run_leaves_the_run_folder_as_it_was(tiny_model_dir, tmp_path)
 
 
 def test_a_refused_run_into_a_new_folder_leaves_no_folder_and_says_so_before_it_loads_anything(tiny_model_dir, tmp_path):
-    cfg = tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", "model.path=no-such-model")
-    with pytest.raises(ConfigError, match="run.resume: got 'latest'; no complete checkpoint"):  # before model.path is looked at
+    cfg = tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", "model.path=no-such-model", "data.train_path=train.csv")
+    with pytest.raises(ConfigError, match="run.resume: got 'latest'; no complete checkpoint"):  # before model and data are looked at
         driver.train(cfg)
+    assert not Path(cfg.run.output_dir).exists()
+    (tmp_path / "train.csv").write_text("question,answer\n")
+    with pytest.raises(ConfigError, match=r"data.train_path: data file .*train.csv: a .csv file"):  # before model.path
+        driver.train(tiny_run(tiny_model_dir, tmp_path, "model.path=no-such-model", f"data.train_path={tmp_path / 'train.csv'}"))
     assert not Path(cfg.run.output_dir).exists()
     lock = RunLock(tmp_path / "kept").acquire()  # a folder that held something else stays, as it was
     (tmp_path / "kept" / "notes.txt").write_text("mine")
     lock.release()
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [LOCK_FILE, "notes.txt"]
+
+
+def test_a_lock_file_a_refused_run_removes_under_a_starting_run_is_taken_again(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    refused = RunLock(run).acquire()  # created the folder: its release removes the folder and its lock file
+    real_open, opened = os.open, []
+
+    def open_then_the_refused_run_lets_go(path, *args):  # between the starting run's open and its flock
+        fd = real_open(path, *args)
+        if not opened:
+            opened.append(path)
+            refused.release()
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_the_refused_run_lets_go)
+    starting = RunLock(run).acquire()
+    monkeypatch.undo()
+    assert opened and run.is_dir() and lock_holder(run)["pid"] == os.getpid()
+    with pytest.raises(RunLockedError):  # a third run finds the folder held: one holder, of the file at the path
+        RunLock(run).acquire()
+    starting.release()
 
 
 def test_a_run_into_a_folder_in_use_is_refused_before_it_writes(tiny_model_dir, tmp_path):
