@@ -258,6 +258,9 @@ def _read_state(checkpoint: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
 
 
+_SAID_INCOMPLETE: set[Path] = set()
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint of ``run_dir`` that resumes furthest (``iter_*`` or ``final``); None when there is none."""
     folder = Path(run_dir) / "checkpoints"
@@ -267,7 +270,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     for path in found:
         doc = _read_state(path)
         if doc is None:
-            logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
+            if path not in _SAID_INCOMPLETE:  # a run looks twice (before and after loading its data): said once
+                _SAID_INCOMPLETE.add(path)
+                logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
         elif best is None or int(doc.get("next_iteration", -1)) > best[0]:
             best = (int(doc.get("next_iteration", -1)), path)
     return best[1] if best else None
