@@ -998,8 +998,8 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
         where, text = str(err).split(":", 1)[0].split(" ", 1)[0], str(err)
         if where == "config":  # an unknown section
             from_text = bool(set(in_text) - {f.name for f in dataclasses.fields(Config)})
-        else:
-            from_text = _holds(in_text, where) and not _touches(overridden, where)
+        else:  # no override sets that field, one under that section, or is named in the message
+            from_text = _holds(in_text, where) and not any(p == where or p.startswith(f"{where}.") for p in _paths(overridden))
         if from_text and not any(path in text for path in _paths(overridden)):
             raise ConfigError(f"{source}: {err}") from None
         raise
@@ -1019,18 +1019,6 @@ def _holds(tree: dict[str, Any], where: str) -> bool:
     node: Any = tree
     for part in where.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _touches(tree: dict[str, Any], where: str) -> bool:
-    """Whether ``tree`` sets ``where``, a field under it, or replaces a section above it."""
-    node: Any = tree
-    for part in where.split("."):
-        if not isinstance(node, dict):
-            return True
-        if part not in node:
             return False
         node = node[part]
     return True

@@ -210,6 +210,8 @@ class ResumePoint:
     """Every iteration open in the snapshot, oldest first (``open_iteration`` is the first)."""
     reports: dict[int, dict[str, dict[str, float]]] | None = None
     """Reports of open iterations handed in before the snapshot (the rollout's of those it generated)."""
+    prompts: str | None = None
+    """The ``prompts_fingerprint`` the checkpoint was written with (``check_resume_prompts``)."""
 
 
 def actor_layout(cfg: Config) -> str:
@@ -258,9 +260,6 @@ def _read_state(checkpoint: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
 
 
-_SAID_INCOMPLETE: set[Path] = set()
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint of ``run_dir`` that resumes furthest (``iter_*`` or ``final``); None when there is none."""
     folder = Path(run_dir) / "checkpoints"
@@ -270,9 +269,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     for path in found:
         doc = _read_state(path)
         if doc is None:
-            if path not in _SAID_INCOMPLETE:  # a run looks twice (before and after loading its data): said once
-                _SAID_INCOMPLETE.add(path)
-                logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
+            logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
         elif best is None or int(doc.get("next_iteration", -1)) > best[0]:
             best = (int(doc.get("next_iteration", -1)), path)
     return best[1] if best else None
@@ -283,8 +280,8 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
 
     ``run.resume`` is ``''`` (fresh), ``'latest'`` (the newest complete checkpoint under
     ``run.output_dir/checkpoints``) or a checkpoint folder. ``prompts`` is this run's
-    ``prompts_fingerprint``; None checks all but the prompts (a run does so first, before it
-    prepares its model and loads its data, and then again with them).
+    ``prompts_fingerprint``; None checks all but the prompts (a run does so before it prepares
+    its model and loads its data, then ``check_resume_prompts`` checks them).
 
     Raises:
         ConfigError: a fresh run in a ``run.output_dir`` that holds another run's metrics or
@@ -325,10 +322,7 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
     fields = {"seed": "trainer.seed", "global_batch": "trainer.global_batch", "group_size": "rollout.n", "prompts": "the training prompts"}
     for key, mine in ours.items():
         if doc.get(key) != mine and mine is not None:
-            raise ConfigError(
-                f"run.resume: {path} was written with {fields[key]}={doc.get(key)!r}, this run has {mine!r}; "
-                "the data order depends on it: resume with the checkpoint's settings"
-            )
+            raise _data_order_differs(path, fields[key], doc.get(key), mine)
     layout = actor_layout(cfg)
     if doc.get("actor_layout", layout) != layout:  # checkpoints of older versions name none
         raise ConfigError(
@@ -369,7 +363,23 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
     reports = {int(k): v for k, v in (doc.get("reports") or {}).items()}
     return ResumePoint(checkpoint=path.resolve(), next_iteration=nxt, dock_uri=doc["dock_snapshot"],
                        open_iteration=doc["open_iteration"], summary=dict(doc.get("summary") or {}),
-                       open_iterations=tuple(opened), reports=reports)
+                       open_iterations=tuple(opened), reports=reports, prompts=doc.get("prompts"))
+
+
+def check_resume_prompts(point: ResumePoint | None, prompts: str) -> None:
+    """What ``find_resume(cfg, None)`` left out: the checkpoint ``point`` was written with these
+    training prompts (``prompts_fingerprint``). Nothing to check for a fresh run (None).
+
+    Raises:
+        ConfigError: other prompts (the data order depends on them).
+    """
+    if point is not None and point.prompts != prompts:
+        raise _data_order_differs(point.checkpoint, "the training prompts", point.prompts, prompts)
+
+
+def _data_order_differs(path: Path, field: str, theirs: Any, mine: Any) -> ConfigError:
+    return ConfigError(f"run.resume: {path} was written with {field}={theirs!r}, this run has {mine!r}; "
+                       "the data order depends on it: resume with the checkpoint's settings")
 
 
 def resumed_at(cfg: Config) -> int:

@@ -19,7 +19,7 @@ import torch
 from dockrl.config import Config, ConfigError, TrainerConfig, save_config
 from dockrl.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.models import prepare_smollm2
-from dockrl.resume import ResumePoint, find_resume, prompts_fingerprint
+from dockrl.resume import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RunPlan:
 def plan_run(cfg: Config) -> RunPlan:
     """Seed; check what ``run.resume`` and the run folder allow and that the given data files are
     of a kind ``load_prompts`` reads (seconds: before anything slow); resolve the model and data,
-    load the prompts, find the checkpoint to resume (now with the prompts), and only then write
+    load the prompts, check them against the checkpoint's, and only then write
     ``RUN/config.yaml`` (a refused run leaves the folder as it was).
 
     Raises:
@@ -56,7 +56,7 @@ def plan_run(cfg: Config) -> RunPlan:
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
-    find_resume(cfg, None)  # what run.resume and the folder allow, in a second, before model and data take their time
+    point = find_resume(cfg, None)  # what run.resume and the folder allow, in a second, before model and data take their time
     for field, path in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
         if path and path != "champ":
             as_config_error(field, check_data_file, path)
@@ -68,7 +68,7 @@ def plan_run(cfg: Config) -> RunPlan:
 
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
-    point = find_resume(cfg, fingerprint)
+    check_resume_prompts(point, fingerprint)
     if point:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
     save_config(cfg, Path(cfg.run.output_dir) / "config.yaml")

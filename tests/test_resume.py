@@ -15,7 +15,7 @@ from dockrl.config import ConfigError, load_config
 from dockrl.engines.hf import adamw
 from dockrl.metrics import MetricsWriter
 from dockrl.resume import (
-    STATE_FILE, checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, iteration_seed, latest_checkpoint,
+    STATE_FILE, check_resume_prompts, checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, iteration_seed, latest_checkpoint,
     load_optimizer, optimizer_file, prepare_checkpoint, prompts_fingerprint, save_optimizer, write_driver_state, write_final_state,
 )
 
@@ -130,6 +130,10 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
     assert find_resume(cfg, None).next_iteration == 2
     with pytest.raises(ConfigError, match="the training prompts='p', this run has 'q'"):
         find_resume(cfg, "q")
+    check_resume_prompts(find_resume(cfg, None), "p")  # what a run checks once its prompts are loaded
+    check_resume_prompts(None, "q")  # a fresh run: nothing to match
+    with pytest.raises(ConfigError, match="the training prompts='p', this run has 'q'"):
+        check_resume_prompts(find_resume(cfg, None), "q")
     with pytest.raises(ConfigError, match="trainer.seed=0, this run has 7"):
         find_resume(config(tmp_path, "run.resume=latest", "trainer.seed=7"), None)
 
