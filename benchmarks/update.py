@@ -5,12 +5,15 @@ One update is what the actor does per mini-batch: forward and backward of every 
 with lengths drawn from ``--lengths``), then the AdamW step. Its floor is the time the machine
 needs for ``6 · params · tokens`` FLOPs (forward 2, backward 4 per parameter and token, prompt
 tokens included; Kaplan et al., 2020, arXiv 2001.08361 §2.1) at the rate measured in the same
-run: the best of several fp32 matmuls of the model's own shapes (micro-batch tokens × hidden
-size × intermediate size). The ratio ``update / floor`` is the number to watch (target ≤ 1.5).
+run: the best of several matmuls of the model's own shapes (micro-batch tokens × hidden
+size × intermediate size), in fp32, or in bf16 with ``--bf16`` (the update then runs under bf16
+autocast, ``trainer.autocast_bf16``, over fp32 weights). The ratio ``update / floor`` is the number
+to watch (target ≤ 1.5).
 
     python benchmarks/update.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
     python benchmarks/update.py --model tiny --rows 8   # the tiny random model, seconds
     python benchmarks/update.py --model ... --micro-batch-tokens 1024   # token-budget micro-batches
+    python benchmarks/update.py --model ... --bf16   # bf16 autocast against the bf16 matmul rate
 
 Prints one table: tokens (prompt + response); the tokens computed by micro-batches of consecutive
 rows right-padded ("padded") and packed (``dockrl.engines.hf.pack_rows``, "packed"), and by the
@@ -41,9 +44,9 @@ pack_rows = getattr(hf, "pack_rows", None)  # absent in versions that right-pad 
 micro_batches = getattr(hf, "micro_batches", None)  # absent in versions that cut micro-batches of consecutive rows
 
 
-def matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of ``(m, k) @ (k, n)`` on this machine's CPU threads over ``repeats`` tries."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def matmul_rate(m: int, k: int, n: int, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best FLOP/s of ``(m, k) @ (k, n)`` in ``dtype`` on this machine's CPU threads over ``repeats`` tries."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--lengths", choices=["uniform", "heavy"], default="heavy")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (trainer.autocast_bf16), against the bf16 matmul rate")
     args = parser.parse_args(argv)
     for flag, value, least in (("--rows", args.rows, 1), ("--micro-batch", args.micro_batch, 1), ("--micro-batch-tokens", args.micro_batch_tokens, 0),
                                ("--max-response", args.max_response, 1), ("--repeats", args.repeats, 1), ("--threads", args.threads, 0)):
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
 
     model = build_tiny_model(tempfile.mkdtemp(prefix="tiny-model-")) if args.model == "tiny" else args.model
-    engine = HFTrainEngine(model, trainable=True, lr=1e-7)
+    engine = HFTrainEngine(model, trainable=True, lr=1e-7, autocast_bf16=args.bf16)
     tok, cfg = engine.tokenizer, engine.model.config
     rng = random.Random(0)
     prompts = [prompt_token_ids(tok, p["question"], system_prompt=DEFAULT_SYSTEM_PROMPT) for p in generate_problems(args.rows, seed=0)]
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> str:
     update()  # warm-up
     seconds = [update() for _ in range(args.repeats)]
     micro_tokens = max(tokens // max(args.rows // args.micro_batch, 1), 1)
-    rate = matmul_rate(micro_tokens, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    rate = matmul_rate(micro_tokens, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+                       dtype=torch.bfloat16 if args.bf16 else torch.float32)
     took = statistics.median(seconds)
     floor = flops / rate
     head = ["tokens", "padded tokens", "packed tokens", "now tokens", "params", "TFLOP", "matmul GFLOP/s", "update s",
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> str:
              f"{rate / 1e9:.1f}", f"{took:.2f}",
              f"{flops / took / 1e9:.1f}", f"{took / floor:.2f}x"]
     budget_note = f" or ≤{args.micro_batch_tokens} tokens" if args.micro_batch_tokens else ""
-    out = (f"{args.rows} rows × micro-batch {args.micro_batch}{budget_note}, responses ≤{args.max_response} ({args.lengths}), fp32, "
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    out = (f"{args.rows} rows × micro-batch {args.micro_batch}{budget_note}, responses ≤{args.max_response} ({args.lengths}), {precision}, "
            f"{torch.get_num_threads()} threads\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n| " + " | ".join(cells) + " |")
     print(out)
     return out

@@ -2,14 +2,22 @@
 
 Both sides train GRPO on one prompts file (generated GSM8K-format arithmetic, written once),
 ``--prompts`` prompts × ``--n`` samples per iteration, ≤ ``--max-new-tokens`` response tokens,
-temperature ``--temperature``, top-p 1, no KL term (β = 0), fp32 weights, the same learning
-rate, micro-batches of ``--micro-batch`` sequences and one optimizer step per iteration; both
+temperature ``--temperature``, top-p 1, no KL term (β = 0), the same precision
+(``--precision``), the same learning rate, micro-batches of ``--micro-batch`` sequences and one optimizer step per iteration; both
 score with dockrl's rule verifier. Each run is a process of its own; runs alternate (TRL, dockrl,
 TRL, dockrl, ...) so that machine noise hits both sides alike. The first iteration of every run is
 a warm-up and is not counted.
 
     python benchmarks/vs_trl.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
+    python benchmarks/vs_trl.py --model ... --precision bf16   # where the CPU has native bf16
     python benchmarks/vs_trl.py --quick          # the tiny random model, both sides, seconds
+
+``--precision fp32`` (the default) runs both sides in fp32. ``--precision bf16`` runs each side's
+bf16 mode: TRL's ``bf16=True`` (its default: the Trainer's bf16 autocast over fp32 weights) and
+dockrl's ``trainer.autocast_bf16=true`` (the same autocast in the update) with ``rollout.dtype=bfloat16``
+(the rollout engine's weights in bf16) — what ``auto`` resolves to where the CPU computes bf16
+natively; refused where it does not (emulated bf16 is several times slower than fp32). TRL's other
+defaults are kept, gradient checkpointing included.
 
 Prints one table, one row per side: seconds per iteration (median), response tokens per
 iteration (the two sides sample their own responses: similar, not equal), response tokens/s end to
@@ -120,7 +128,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
 
     per_iteration = spec["prompts"] * spec["n"]
     args = GRPOConfig(
-        output_dir=spec["out"], use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+        output_dir=spec["out"], use_cpu=True, bf16=spec["precision"] == "bf16", report_to="none", save_strategy="no", logging_steps=1,
         learning_rate=spec["lr"], beta=0.0, num_generations=spec["n"], temperature=spec["temperature"], top_p=1.0,
         max_completion_length=spec["max_new_tokens"], per_device_train_batch_size=spec["micro_batch"],
         gradient_accumulation_steps=per_iteration // spec["micro_batch"], max_steps=spec["iterations"], seed=0,
@@ -139,13 +147,15 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
     from dockrl.config import load_config
 
     per_iteration = spec["prompts"] * spec["n"]
+    bf16 = spec["precision"] == "bf16"
     cfg = load_config(None, [
         f"model.path={spec['model']}", f"data.train_path={spec['data']}", f"data.test_path={spec['data']}",
         f"run.output_dir={spec['out']}", f"run.cache_dir={spec['out']}/cache", "run.progress=false",
         f"rollout.engine={engine}", f"rollout.n={spec['n']}", f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0",
-        f"rollout.max_response_length={spec['max_new_tokens']}", "rollout.dtype=float32", f"rollout.batch_size={per_iteration}",
+        f"rollout.max_response_length={spec['max_new_tokens']}", f"rollout.dtype={'bfloat16' if bf16 else 'float32'}",
+        f"rollout.batch_size={per_iteration}",
         f"trainer.iterations={spec['iterations']}", f"trainer.global_batch={spec['prompts']}", f"trainer.mini_batch={spec['prompts']}",
-        f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", "trainer.autocast_bf16=false",
+        f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", f"trainer.autocast_bf16={str(bf16).lower()}",
         "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0",
     ])
     steps: list[dict[str, float]] = []
@@ -272,6 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="both sides in fp32, or both in their bf16 mode (native bf16 CPUs only)")
     parser.add_argument("--iterations", type=int, default=4, help="per run, the first a warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
@@ -302,6 +314,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--model is required (or --quick for the tiny random model)")
     if args.model and not Path(args.model).is_dir():
         parser.error(f"--model: {args.model!r} is not a directory (an HF model folder)")
+    if args.precision == "bf16":
+        from dockrl.resharding.device import native_bf16
+
+        if not native_bf16("cpu"):
+            parser.error("--precision bf16: this CPU has no native bf16 (AVX512-BF16 or AMX), so both sides would "
+                         "emulate it; use --precision fp32")
     return args
 
 
@@ -320,14 +338,15 @@ def main(argv: list[str] | None = None) -> str:
 
             model = str(build_tiny_model(Path(work) / "tiny-model"))
         data = write_jsonl(generate_problems(args.prompts * args.iterations * 4, seed=0), Path(work) / "prompts.jsonl")
-        spec = {k: getattr(args, k) for k in ("prompts", "n", "max_new_tokens", "temperature", "micro_batch", "lr", "iterations")}
+        spec = {k: getattr(args, k) for k in ("prompts", "n", "max_new_tokens", "temperature", "micro_batch", "lr", "iterations",
+                                              "precision")}
         spec |= {"model": str(Path(model).resolve()), "data": str(data)}
         results: dict[str, list[dict[str, float]]] = {s: [] for s in args.sides}
         for r in range(args.repeats):
             for side in args.sides:
                 results[side].append(_run_side(side, spec, args.timeout_s))
                 print(f"run {r + 1}/{args.repeats} {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)
-    shape = (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, fp32, β=0, "
+    shape = (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, {args.precision}, β=0, "
              f"{args.iterations - 1} counted iterations per run, {os.cpu_count()} CPUs")
     out = f"{shape}\n\n{table(results)}"
     print(out)

@@ -30,3 +30,6 @@ def test_the_update_is_reported_against_its_floor():
     tokens_b, padded_b, packed_b, now_b = run("--micro-batch-tokens", "40")[:4]
     assert (tokens_b, padded_b, packed_b) == (tokens, padded, packed)
     assert now_b >= tokens  # by length, at most 40 tokens each (a longer row alone): at least the real tokens
+    bf16 = module.main(["--model", "tiny", "--rows", "4", "--micro-batch", "2", "--max-response", "8", "--repeats", "1", "--bf16"])
+    assert "bf16 autocast" in bf16.splitlines()[0]  # the same update under autocast, against the bf16 matmul rate
+    assert all(math.isfinite(number(c.strip().removesuffix("M"))) for c in bf16.splitlines()[-1].strip("|").split("|"))

@@ -91,3 +91,13 @@ def test_quick_changes_the_defaults_and_a_given_flag_wins():
     given = bench.parse_args(["--micro-batch", "4", "--quick", "--repeats", "3", "--n", "4", "--sides", "trl"])
     assert (given.prompts, given.n, given.micro_batch, given.repeats, given.sides) == (2, 4, 4, 3, ["trl"])
     assert bench.parse_args(["--model", "."]).repeats == 2  # without --quick: the full defaults
+
+
+def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, capsys):
+    import dockrl.resharding.device as device
+
+    monkeypatch.setattr(device, "native_bf16", lambda kind: False)  # a fake: this CPU without AVX512-BF16 or AMX
+    with pytest.raises(SystemExit) as exit:
+        load_benchmark().main(["--quick", "--precision", "bf16"])
+    assert exit.value.code == 2
+    assert "--precision bf16: this CPU has no native bf16" in capsys.readouterr().err
