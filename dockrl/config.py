@@ -16,7 +16,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import yaml
 
@@ -937,14 +937,21 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     return tree
 
 
-def _merge(data: dict[str, Any], fields: dict[str, Any], where: str) -> None:
-    """Override ``data``'s fields by ``fields`` in place; nested mappings (a nested section) are merged, not replaced."""
+def _merge(data: dict[str, Any], fields: dict[str, Any], cls: Any, where: str = "") -> None:
+    """Override ``data``'s fields by ``fields`` in place: a section of the dataclass ``cls`` is merged,
+    anything else (a field, an unknown name) replaced.
+
+    Raises:
+        ConfigError: ``data`` holds something else than a mapping where ``cls`` has a section.
+    """
+    hints = typing.get_type_hints(cls)
     for name, value in fields.items():
-        key = f"{where}.{name}"
-        if isinstance(value, dict):
+        key = f"{where}.{name}" if where else name
+        tp = hints.get(name)
+        if isinstance(value, dict) and dataclasses.is_dataclass(tp):
             if not isinstance(data.setdefault(name, {}), dict):
-                raise ConfigError(f"{key}: expected a mapping of fields")
-            _merge(data[name], value, key)
+                raise _fail(key, data[name], "expected a mapping of fields")
+            _merge(data[name], value, tp, key)
         else:
             data[name] = value
 
@@ -953,13 +960,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """Load and validate a config.
 
     Args:
-        path: YAML file with any of the sections ``model, data, rollout, algorithm, reward_model,
+        path: YAML file (UTF-8) with any of the sections ``model, data, rollout, algorithm, reward_model,
             trainer, critic, dock, parallel, run``; ``None`` for the defaults (the demo run).
         overrides: ``section.field=value`` strings applied on top.
 
     Raises:
         ConfigError: unknown section or field, wrong type, value outside the allowed ones,
-            or a broken cross-field rule; the message names the field and the value.
+            or a broken cross-field rule; the message names the field and the value. Also a file
+            that is not UTF-8 text (the message names the byte and where it is).
         FileNotFoundError: ``path`` does not exist.
     """
     text, source = "", "defaults"
@@ -967,8 +975,44 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} " + ("is not a regular file" if p.exists() else "does not exist"))
-        text, source = p.read_text(), str(p)
+        raw, source = p.read_bytes(), str(p)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw.count(b"\n", 0, err.start) + 1
+            raise ConfigError(f"{p}: not UTF-8 text (byte 0x{raw[err.start]:02x} at position {err.start}, line {line})") from None
     return load_config_text(text, source, overrides)
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key repeated in a mapping (plain PyYAML keeps the last)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.prefixes: dict[yaml.Node, str] = {}
+        """The dotted path, with its final dot, of each nested mapping's keys (the top mapping's: "")."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """As ``SafeLoader``'s.
+
+        Raises:
+            ConfigError: a key is repeated; the message names its dotted path and both lines.
+        """
+        prefix = self.prefixes.get(node, "")
+        lines: dict[Any, int] = {}  # the line of each key's first occurrence
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be given again
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = lines.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise ConfigError(f"{prefix}{key}: repeated key (lines {first} and {key_node.start_mark.line + 1}); "
+                                  "a mapping holds each key once")
+            self.prefixes[value_node] = f"{prefix}{key}."
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> Config:
@@ -979,30 +1023,77 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
         source: where the text came from, for error messages (a file, ``env DOCKRL_CONFIG_YAML``).
 
     Raises:
-        ConfigError: as ``load_config``; also text that is not a YAML mapping of sections.
+        ConfigError: as ``load_config``; also text that is not a YAML mapping of sections, or that
+            repeats a key of a mapping. A message about a value or key of the text starts with
+            ``source`` (one naming an overridden field does not); one naming a field the text and the
+            overrides leave at its default ends with ``(<field> is the default <value>)``.
     """
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_ConfigLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: not valid YAML: {str(err).replace('<unicode string>', source)}") from None
+    except ConfigError as err:  # a repeated key
+        raise ConfigError(f"{source}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a YAML mapping of sections")
     in_text, overridden = copy.deepcopy(data), parse_overrides(overrides)
-    for section, fields in overridden.items():
-        if not isinstance(data.setdefault(section, {}), dict):
-            raise ConfigError(f"{section}: expected a mapping of fields")
-        _merge(data[section], fields, section)
+    try:
+        _merge(data, overridden, Config)
+    except ConfigError as err:  # a section of the text that is no mapping
+        raise ConfigError(f"{source}: {err}") from None
     try:
         return _build(Config, data, "")
-    except ConfigError as err:  # a value of the text that no override touched or is named with: say where it came from
-        where, text = str(err).split(":", 1)[0].split(" ", 1)[0], str(err)
-        if where == "config":  # an unknown section
-            from_text = bool(set(in_text) - {f.name for f in dataclasses.fields(Config)})
-        else:  # no override sets that field, one under that section, or is named in the message
-            from_text = _holds(in_text, where) and not any(p == where or p.startswith(f"{where}.") for p in _paths(overridden))
-        if from_text and not any(path in text for path in _paths(overridden)):
-            raise ConfigError(f"{source}: {err}") from None
-        raise
+    except ConfigError as err:
+        message = _explain(str(err), source, in_text, overridden)
+        if message == str(err):
+            raise
+        raise ConfigError(message) from None
+
+
+def _explain(message: str, source: str, in_text: dict[str, Any], overridden: dict[str, Any]) -> str:
+    """``message`` of a config error, with where the values it is about came from.
+
+    It starts with ``source`` when a value or key at fault came from the text (not replaced by an
+    override) and no override is named in it; it ends with ``(<field> is the default <value>)`` for
+    each field it names that neither the text nor an override sets: a cross-field rule that failed
+    on a value the user never set.
+    """
+    defaults = _defaults(Config)
+    set_by = _paths(overridden)
+    where = message.split(":", 1)[0].split(" ", 1)[0]
+    where = "" if where == "config" else where  # an unknown section
+    named = _named(message, defaults)
+    node = _get(in_text, where)
+    if isinstance(node, dict):  # a section of the text (or all of it): its keys that are no field are at fault, not it
+        faulty = [p for p in (f"{where}.{k}" if where else str(k) for k in node) if p not in defaults]
+    else:
+        faulty = [where]
+    # a value at fault came from the text when no override replaced it (set it, or a field under it)
+    from_text = any(_get(in_text, p) is not _ABSENT and not any(s == p or s.startswith(f"{p}.") for s in set_by)
+                    for p in faulty + named)
+    if from_text and not _named(message, set_by):
+        message = f"{source}: {message}"
+    unset = [p for p in named if not dataclasses.is_dataclass(defaults[p]) and _get(in_text, p) is _ABSENT and p not in set_by]
+    if unset:
+        message += " (" + ", ".join(f"{p} is the default {defaults[p]!r}" for p in unset) + ")"
+    return message
+
+
+def _named(message: str, paths: Iterable[str]) -> list[str]:
+    """The dotted ``paths`` that ``message`` names (not as part of a longer path), in the order it names them."""
+    found = {p: m.start() for p in paths if (m := re.search(rf"(?<![\w.]){re.escape(p)}(?!\w|\.\w)", message))}
+    return sorted(found, key=found.__getitem__)
+
+
+def _defaults(cls: Any, prefix: str = "") -> dict[str, Any]:
+    """The dotted path of every field of the dataclass ``cls`` (sections and their fields) to its default."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        out[prefix + f.name] = value
+        if dataclasses.is_dataclass(value):
+            out |= _defaults(value, f"{prefix}{f.name}.")
+    return out
 
 
 def _paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
@@ -1014,14 +1105,17 @@ def _paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def _holds(tree: dict[str, Any], where: str) -> bool:
-    """Whether the nested mapping ``tree`` has the dotted path ``where`` (a section or a field)."""
+_ABSENT = object()
+
+
+def _get(tree: dict[str, Any], where: str) -> Any:
+    """The value at the dotted path ``where`` of the nested mapping ``tree`` ("": ``tree``), or ``_ABSENT``."""
     node: Any = tree
-    for part in where.split("."):
+    for part in where.split(".") if where else ():
         if not isinstance(node, dict) or part not in node:
-            return False
+            return _ABSENT
         node = node[part]
-    return True
+    return node
 
 
 def dump_config(config: Config, *, portable: bool = False) -> str:

@@ -173,6 +173,14 @@ def test_overrides_stand_on_both_sides_of_config(tmp_path, capsys):
     assert "overrides are section.field=value (e.g. trainer.lr=1e-5), before or after --config FILE" in capsys.readouterr().err
 
 
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path, capsys):
+    cfg = tmp_path / "f.yaml"
+    cfg.write_bytes(b"trainer:\n  lr: \xff\xfe\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"dockrl: config error: {cfg}: not UTF-8 text (byte 0xff at position 15, line 2)" in err and "Traceback" not in err
+
+
 def test_a_value_error_comes_before_torch_is_imported():
     code = "import sys; from dockrl.cli import main; rc = main(['train', 'trainer.mini_batch=5']); print(rc, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()

@@ -17,6 +17,7 @@ from dockrl.config import (
     TrainerConfig,
     dump_config,
     load_config,
+    load_config_text,
     parse_overrides,
     save_config,
 )
@@ -65,6 +66,59 @@ def test_a_bad_value_of_a_config_file_names_the_file_and_one_of_an_override_does
         load_config(write_yaml(tmp_path, "trainer: [1\n"))
     with pytest.raises(FileNotFoundError, match="is not a regular file"):
         load_config(tmp_path)
+
+
+def test_an_error_names_the_file_when_the_value_or_key_at_fault_came_from_it(tmp_path):
+    """Not merely when an override touches the same section: the file's key or value is still at fault."""
+    path = write_yaml(tmp_path, "trainer:\n  foo: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer: unknown field\(s\) \['foo'\]"):
+        load_config(path, ["trainer.lr=1e-5"])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer: got 5; expected a mapping of fields$"):
+        load_config(write_yaml(tmp_path, "trainer: 5\n"), ["trainer.lr=1e-5"])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: reward_model.model: got 'x'; expected a mapping of fields$"):
+        load_config(write_yaml(tmp_path, "reward_model:\n  model: x\n"), ["reward_model.model.path=rm"])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer.mini_batch: got 6; must divide trainer.global_batch=2"):
+        load_config(write_yaml(tmp_path, "trainer:\n  global_batch: 2\n"))  # the rule broke on the file's global_batch
+    # what an override gave is not the file's
+    with pytest.raises(ConfigError, match=r"^trainer: unknown field\(s\) \['foo'\]"):
+        load_config(write_yaml(tmp_path, "trainer:\n  lr: 1e-5\n"), ["trainer.foo=1"])
+    with pytest.raises(ConfigError, match=r"^trainer.lr: got \{'x': 1\}; expected a number$"):  # the override replaced the file's lr
+        load_config(write_yaml(tmp_path, "trainer:\n  lr: 1e-5\n"), ["trainer.lr.x=1"])
+
+
+def test_a_config_file_that_is_not_utf8_names_the_byte(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_bytes(b"trainer:\n  lr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: not UTF-8 text \(byte 0xff at position 15, line 2\)$"):
+        load_config(path)
+    assert load_config(write_yaml(tmp_path, "data:\n  system_prompt: 'Réponds: ½'\n")).data.system_prompt == "Réponds: ½"
+
+
+def test_a_key_repeated_in_a_mapping_is_refused(tmp_path):
+    path = write_yaml(tmp_path, "trainer:\n  lr: 1e-5\n  lr: 2e-5\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer.lr: repeated key \(lines 2 and 3\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: trainer: repeated key \(lines 1 and 5\)"):
+        load_config(write_yaml(tmp_path, "trainer:\n  lr: 1e-5\nrollout:\n  n: 4\ntrainer:\n  iterations: 3\n"))
+    with pytest.raises(ConfigError, match=r"^env X: reward_model.model.path: repeated key \(lines 3 and 4\)"):
+        load_config_text("reward_model:\n  model:\n    path: a\n    path: b\n", "env X")
+    # one name in two mappings, and a key given again over a YAML merge key (`<<`), are no repetition
+    config = load_config(write_yaml(tmp_path, "trainer:\n  <<: {lr: 1e-5, iterations: 3}\n  lr: 2e-5\ncritic:\n  lr: 1e-5\n"))
+    assert (config.trainer.lr, config.trainer.iterations, config.critic.lr) == (2e-5, 3, 1e-5)
+
+
+def test_a_cross_field_error_says_which_field_is_at_its_default(tmp_path):
+    with pytest.raises(ConfigError, match=r"^trainer.mini_batch: got 6; must divide trainer.global_batch=2 "
+                                          r"\(trainer.mini_batch is the default 6\)$"):
+        load_config(None, ["trainer.global_batch=2"])
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch: got 5; must divide trainer.mini_batch × rollout.n = 48 sequences "
+                                          r"\(trainer.mini_batch is the default 6, rollout.n is the default 8\)$"):
+        load_config(None, ["trainer.micro_batch=5"])
+    # a field the file or an override sets, even to its default value, is not the default
+    with pytest.raises(ConfigError, match=r"^trainer.mini_batch: got 6; must divide trainer.global_batch=2$"):
+        load_config(write_yaml(tmp_path, "trainer:\n  mini_batch: 6\n"), ["trainer.global_batch=2"])
+    with pytest.raises(ConfigError, match=r"^trainer.lr: got 'abc'; expected a number$"):
+        load_config(None, ["trainer.lr=abc"])
 
 
 def test_yaml_file_and_overrides_merge(tmp_path):
