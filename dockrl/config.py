@@ -1055,8 +1055,8 @@ def _explain(message: str, source: str, in_text: dict[str, Any], overridden: dic
 
     It starts with ``source`` when a value or key at fault came from the text (not replaced by an
     override) and no override is named in it; it ends with ``(<field> is the default <value>)`` for
-    each field it names that neither the text nor an override sets: a cross-field rule that failed
-    on a value the user never set.
+    each field it names (not one it only suggests another value for, ``<field>=<value>``) that
+    neither the text nor an override sets: a cross-field rule that failed on a value the user never set.
     """
     defaults = _defaults(Config)
     set_by = _paths(overridden)
@@ -1073,7 +1073,9 @@ def _explain(message: str, source: str, in_text: dict[str, Any], overridden: dic
                     for p in faulty + named)
     if from_text and not _named(message, set_by):
         message = f"{source}: {message}"
-    unset = [p for p in named if not dataclasses.is_dataclass(defaults[p]) and _get(in_text, p) is _ABSENT and p not in set_by]
+    # a field named as `field=<another value>` only is a suggestion, not a value the rule failed on
+    stated = [p for p in named if f"{p}=" not in message or any(f"{p}={v}" in message for v in (defaults[p], repr(defaults[p])))]
+    unset = [p for p in stated if not dataclasses.is_dataclass(defaults[p]) and _get(in_text, p) is _ABSENT and p not in set_by]
     if unset:
         message += " (" + ", ".join(f"{p} is the default {defaults[p]!r}" for p in unset) + ")"
     return message

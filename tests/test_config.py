@@ -119,6 +119,9 @@ def test_a_cross_field_error_says_which_field_is_at_its_default(tmp_path):
         load_config(write_yaml(tmp_path, "trainer:\n  mini_batch: 6\n"), ["trainer.global_batch=2"])
     with pytest.raises(ConfigError, match=r"^trainer.lr: got 'abc'; expected a number$"):
         load_config(None, ["trainer.lr=abc"])
+    # the value the rule failed on is noted, not the fields the message suggests other values for
+    with pytest.raises(ConfigError, match=r"dock.mode='distributed' for several ranks\) \(trainer.engine is the default 'hf'\)$"):
+        load_config(None, ["parallel.tp=2"])
 
 
 def test_yaml_file_and_overrides_merge(tmp_path):
