@@ -173,7 +173,9 @@ def runs_main(argv: list[str]) -> int:
         parser.add_argument("--namespace", default="", help="namespace of the workers (kubernetes; default: the current one)")
         parser.add_argument("--grace-s", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (local)")
     else:
-        parser.description = "List the local runs: run id, folder, driver, live processes."
+        parser.description = ("List the local runs: run id, folder, driver, live processes. Distributed runs (their "
+                              "launcher's record) and in-process runs (`dockrl train` with dock.mode=inprocess) alike, "
+                              "while their driver runs; a run whose driver was killed stays listed until `dockrl teardown`.")
     args = parser.parse_args(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dockrl.launch.local import local_runs, teardown_local

@@ -16,6 +16,7 @@ this one trains (``dockrl.workers.rollout.sync_target`` bounds their staleness).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -29,6 +30,7 @@ from dockrl.lifeline import sigterm_as_exit
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
 from dockrl.protocol import Report
 from dockrl.resume import (
+    CheckpointInProgress,
     checkpoint_dir,
     checkpoint_due,
     dock_snapshot_uri,
@@ -98,31 +100,43 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
     ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format) and, distributed, ``logs/``.
     Nothing of the run folder is written before the run is accepted, and the folder is locked
-    for the run's lifetime (``dockrl.run_lock``).
+    for the run's lifetime (``dockrl.run_lock``). A checkpoint whose write an error, Ctrl-C or
+    SIGTERM cut short is removed once the stages stopped (``CheckpointInProgress``). While it
+    runs, ``dockrl runs`` lists the run: distributed, from the launcher's record; in-process,
+    from a record of its own (``dockrl.launch.local.recorded_run``).
 
     Raises:
         RunLockedError: another live run holds ``run.output_dir``.
         ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
         WorkerFailed: a stage process died (distributed; its log tail in the message).
     """
-    with RunLock(cfg.run.output_dir), sigterm_as_exit():  # `kill` runs the clean-up below (verifier pool, workers, lock)
+    # `kill` runs the clean-up below (verifier pool, workers, the run's record, lock)
+    with RunLock(cfg.run.output_dir) as lock, sigterm_as_exit(), contextlib.ExitStack() as stack:
         plan = plan_run(cfg)
+        lock.accept()  # from here the lock file keeps this run's pid (a refused run puts back what it found)
         if cfg.dock.mode == "distributed":
             from dockrl.launch.distributed import start_processes
 
-            runner: StageRunner = start_processes(plan, backend)
+            runner: StageRunner = start_processes(plan, backend)  # its backend records the run
         else:
-            runner = InProcessStages(plan)
+            from dockrl.launch.local import recorded_run
+
+            run = f"dockrl-{secrets.token_hex(6)}"
+            stack.enter_context(recorded_run(run, cfg.run.output_dir))
+            runner = InProcessStages(plan, run=run)
+        checkpoint = CheckpointInProgress()
         try:
-            summary = drive(plan, runner, on_iteration=on_iteration)
+            summary = drive(plan, runner, on_iteration=on_iteration, checkpoint=checkpoint)
         finally:
-            runner.close()
+            runner.close()  # first: no stage writes into a checkpoint any more
+            checkpoint.remove()  # one cut short (an error, Ctrl-C, SIGTERM): incomplete, never resumed from
     run_dir = Path(cfg.run.output_dir)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
     return summary
 
 
-def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | None = None) -> dict[str, float]:
+def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | None = None,
+          checkpoint: CheckpointInProgress | None = None) -> dict[str, float]:
     """The iteration loop of a planned run over started stages; returns the run summary.
 
     A checkpoint after iteration ``k`` (when ``checkpoint_due``): the stages write the actor's
@@ -135,11 +149,16 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     then holds ``k+1`` … ``k+m-2`` generated (the rollout took update ``k`` only after them),
     ``k+m-1`` opened unannounced with its prompts, and the rollout's reports of the generated
     ones; the other stages wait for the driver's ``SNAPSHOT`` report before they touch them.
+
+    ``checkpoint.folder`` names the checkpoint the stages may be writing, from the start of the
+    iteration after which it is due until the driver's state completes it: the caller removes it
+    (``CheckpointInProgress.remove``) once the stages stopped when the loop is cut short.
     """
     t0 = time.perf_counter()
     cfg, point, dock = plan.cfg, plan.resume, runner.dock
     t, n = cfg.trainer, cfg.rollout.n
     run_dir = Path(cfg.run.output_dir)
+    checkpoint = checkpoint or CheckpointInProgress()
     summary: dict[str, float] = {"eval/test_prompts": len(plan.test_prompts), "data/train_prompts": len(plan.train_prompts)}
     summary |= point.summary if point else {}
     rounds = cfg.algorithm.filter_groups.rounds  # dynamic sampling: prompts for every rollout round it may sample
@@ -165,6 +184,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             for ready in unannounced:  # opened and filled before a checkpoint's snapshot: the stages may start now
                 dock.announce(ready)
             unannounced = []
+            # the stages write a due checkpoint once they are done with `it`, maybe before the driver hears of it
+            checkpoint.folder = checkpoint_dir(run_dir, it + 1) if checkpoint_due(t, it) else None
             while opened < min(it + inflight, t.iterations):  # up to dock.max_inflight iterations open
                 open_with_prompts(dock, opened, batches[opened], n, gate=gate)
                 opened += 1
@@ -191,9 +212,12 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                                    prompts=plan.fingerprint, open_iterations=range(it + 1, opened), reports=generated,
                                    generated_through=max(generated, default=it))
                 dock.report(it, Report.SNAPSHOT, {})  # the stages that wait for it may take rows of the open iterations now
+                checkpoint.folder = None
                 logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
+        checkpoint.folder = final_dir(run_dir)
         runner.finish()
         write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here
+        checkpoint.folder = None
         if t.eval_after:
             summary |= runner.evaluate("after")
         summary["run/seconds"] = time.perf_counter() - t0
@@ -234,7 +258,7 @@ class InProcessStages:
     (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage stage releases each next round
     of the rollout; the reference follows them."""
 
-    def __init__(self, plan: RunPlan) -> None:
+    def __init__(self, plan: RunPlan, *, run: str = "") -> None:
         from dockrl.dock import GRPO_SCHEMA, open_dock
         from dockrl.engines.factory import (
             build_reference_engine,
@@ -255,7 +279,7 @@ class InProcessStages:
         from dockrl.workers.rollout import RolloutWorker
 
         cfg = self.cfg = plan.cfg
-        self.plan, self.run, self.close_actor = plan, f"dockrl-{secrets.token_hex(6)}", lambda: None
+        self.plan, self.run, self.close_actor = plan, run or f"dockrl-{secrets.token_hex(6)}", lambda: None
         self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)

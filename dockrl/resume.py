@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,6 +76,29 @@ def prepare_checkpoint(checkpoint: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / STATE_FILE).unlink(missing_ok=True)
     return path
+
+
+class CheckpointInProgress:
+    """The checkpoint folder a run's stages may be writing now (``folder``; None when none is due).
+
+    ``remove()`` deletes that folder unless it is complete: call it when a failure, Ctrl-C or
+    SIGTERM cut the run short, once the stages stopped (no process writes into it any more). An
+    incomplete checkpoint is never resumed from (``latest_checkpoint`` skips it); left, it would
+    only fill the disk (the actor's weights and optimizer: hundreds of MB).
+    """
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+
+    def remove(self) -> None:
+        folder, self.folder = self.folder, None
+        if folder is None or not folder.is_dir() or (folder / STATE_FILE).is_file():
+            return  # not started, or complete
+        shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            logger.warning("the incomplete checkpoint %s could not be removed: delete it", folder)
+        else:
+            logger.info("the incomplete checkpoint %s was removed", folder)
 
 
 def critic_dir(checkpoint: str | Path) -> Path:

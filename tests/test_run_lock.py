@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dockrl import driver
 from dockrl.config import ConfigError, load_config, save_config
-from dockrl.resume import checkpoint_dir, write_driver_state
+from dockrl.resume import CheckpointInProgress, checkpoint_dir, latest_checkpoint, write_driver_state
 from dockrl.run_lock import LOCK_FILE, RunLock, RunLockedError, lock_holder
 
 HOLD = "import sys, time; from dockrl.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
@@ -95,7 +98,8 @@ def test_a_refused_run_into_a_new_folder_leaves_no_folder_and_says_so_before_it_
     with pytest.raises(ConfigError, match=r"data.train_path: data file .*train.csv: a .csv file"):  # before model.path
         driver.train(tiny_run(tiny_model_dir, tmp_path, "model.path=no-such-model", f"data.train_path={tmp_path / 'train.csv'}"))
     assert not Path(cfg.run.output_dir).exists()
-    lock = RunLock(tmp_path / "kept").acquire()  # a folder that held something else stays, as it was
+    lock = RunLock(tmp_path / "kept").acquire()  # the folder of a run that was accepted and wrote into it stays, as it was
+    lock.accept()
     (tmp_path / "kept" / "notes.txt").write_text("mine")
     lock.release()
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [LOCK_FILE, "notes.txt"]
@@ -132,3 +136,144 @@ def test_a_run_into_a_folder_in_use_is_refused_before_it_writes(tiny_model_dir, 
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_refused_run_into_a_new_nested_folder_removes_every_folder_it_made(tiny_model_dir, tmp_path):
+    run = tmp_path / "x" / "sub" / "run"
+    with pytest.raises(ConfigError, match="run.resume: got 'latest'; no complete checkpoint"):
+        driver.train(tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", f"run.output_dir={run}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # x/ and x/sub/ went with run/
+    (tmp_path / "x").mkdir()  # a folder that was there before stays, empty as it was
+    RunLock(run).acquire().release()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["x"]
+    lock = RunLock(run).acquire()  # one this lock made that holds something else by then stays, with that
+    (tmp_path / "x" / "sub" / "notes.txt").write_text("mine")
+    lock.release()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["x", "x/sub", "x/sub/notes.txt"]
+
+
+def test_a_start_that_fails_to_make_the_lock_file_removes_the_folders_it_made(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def disk_full_on_the_lock_file(path, *args):  # a fake: the lock file's creation fails as on a full disk
+        if str(path).endswith(LOCK_FILE):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(os, "open", disk_full_on_the_lock_file)
+    with pytest.raises(ConfigError, match=r"cannot create the run folder's lock file .* \(No space left on device\)"):
+        RunLock(tmp_path / "x" / "sub" / "run").acquire()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_run_leaves_the_lock_file_of_a_stopped_run_and_an_empty_folder_as_they_were(tiny_model_dir, tmp_path):
+    cfg = tiny_run(tiny_model_dir, tmp_path)
+    run = Path(cfg.run.output_dir)
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')  # a run stopped since: its lock file names its pid
+    (run / LOCK_FILE).write_text('{"pid": 999999, "host": "h", "since": "2024-01-01T00:00:00+0000"}\n')
+    before = (run / LOCK_FILE).read_bytes()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        driver.train(cfg)
+    assert (run / LOCK_FILE).read_bytes() == before  # not the pid of the refused run, which never ran there
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="run.resume: got 'latest'"):
+        driver.train(tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", f"run.output_dir={empty}"))
+    assert list(empty.iterdir()) == []  # no lock file of a run that never ran there
+
+
+def test_a_run_accepted_in_an_existing_folder_leaves_its_pid_in_the_lock_file(tmp_path):
+    (tmp_path / LOCK_FILE).write_text('{"pid": 999999}\n')  # a run gone since
+    with RunLock(tmp_path) as lock:
+        assert lock_holder(tmp_path)["pid"] == os.getpid()  # the holder is named while it runs, accepted or not
+        lock.accept()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid() and lock_holder(tmp_path) is None
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_checkpoint_write_cut_short_removes_its_folder_and_keeps_the_complete_ones(tiny_model_dir, tmp_path, monkeypatch, stop):
+    real_save_optimizer, calls = driver.save_optimizer, []
+
+    def cut_short_while_writing_the_second_optimizer(engine, checkpoint, rank=0):  # a fake: the weights are written by then
+        calls.append(checkpoint)
+        if len(calls) == 2:
+            assert any(checkpoint.glob("*.safetensors"))
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # the run turns it into SystemExit(143)
+            time.sleep(5)  # the handler raises before this ends
+        return real_save_optimizer(engine, checkpoint, rank)
+
+    monkeypatch.setattr(driver, "save_optimizer", cut_short_while_writing_the_second_optimizer)
+    cfg = tiny_run(tiny_model_dir, tmp_path)  # checkpoints after iterations 1 and 3 (iter_000002, iter_000004), then final
+    with pytest.raises(KeyboardInterrupt if stop == "ctrl-c" else SystemExit):
+        driver.train(cfg)
+    run = Path(cfg.run.output_dir)
+    assert [c.name for c in calls] == ["iter_000002", "iter_000004"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000002"]  # iter_000004 went, the complete one stays
+    assert latest_checkpoint(run) == checkpoint_dir(run, 2)
+
+
+def test_a_live_single_process_run_is_listed_by_dockrl_runs_and_stopped_by_its_run_id(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from dockrl.cli import main
+    from dockrl.launch import local
+
+    temp = tmp_path / "tmp"  # the local runs' records live in the temporary folder: this test's own
+    temp.mkdir()
+    monkeypatch.setattr(local, "default_state_dir", lambda: temp / "dockrl-local-workers")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dockrl", "train", f"model.path={tiny_model_dir}", f"run.output_dir={run}",
+           f"run.cache_dir={tmp_path / 'cache'}", "run.progress=false", "trainer.iterations=500", "trainer.global_batch=2",
+           "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=2", "rollout.max_response_length=8",
+           "data.generate_train=20", "data.generate_test=4", "data.eval_size=4", "trainer.save_every=0"]
+    log = tmp_path / "driver.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "TMPDIR": str(temp)},
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (runs := local.local_runs()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        [listed] = runs
+        assert listed["run_dir"] == str(run.resolve()) and listed["driver_pid"] == proc.pid and listed["driver_alive"]
+        assert main(["runs"]) == 0
+        assert f"{listed['run_id']}  {run.resolve()}  driver {proc.pid} running" in capsys.readouterr().out
+        assert main(["teardown", listed["run_id"], "--grace-s", "2"]) == 0
+        assert json.loads(capsys.readouterr().out)["driver"] == proc.pid
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+        assert main(["runs"]) == 0
+        assert capsys.readouterr().out == "no local runs\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "processes"])
+def test_the_checkpoint_the_stages_were_writing_is_removed_once_they_stopped(kind, tmp_path):
+    from test_driver import RUNNERS, fake_config, fake_plan
+
+    plan = fake_plan(fake_config(tmp_path / "run"))  # checkpoints after iterations 1 and 3
+    runner = RUNNERS[kind](plan)  # the fake stages write a file into the checkpoint, as the actor its weights
+    real_snapshot, snapshots = runner.dock.snapshot, []
+
+    def ctrl_c_at_the_second_snapshot(uri):  # a fake: the driver is interrupted after the stages wrote their part
+        snapshots.append(uri)
+        if len(snapshots) == 2:
+            assert (checkpoint_dir(plan.cfg.run.output_dir, 4) / "fake_weights.txt").is_file()
+            raise KeyboardInterrupt
+        return real_snapshot(uri)
+
+    runner.dock.snapshot = ctrl_c_at_the_second_snapshot
+    checkpoint = CheckpointInProgress()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            driver.drive(plan, runner, checkpoint=checkpoint)
+        assert checkpoint.folder == checkpoint_dir(plan.cfg.run.output_dir, 4)
+    finally:
+        runner.close()  # as `train` does: the stages stop first, then the folder goes
+        checkpoint.remove()
+    left = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert "iter_000004" not in left and "iter_000002" in left  # (the fake stage threads end by writing final when stopped)

@@ -13,6 +13,7 @@ free loopback ports and reach the launcher on loopback; every path is shared.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.lifeline import DRIVER_PID_ENV
@@ -134,6 +135,26 @@ def local_runs(state_dir: str | Path | None = None) -> list[dict]:
     for run in runs.values():
         run["processes"] = sorted(pid for pid, rid in live.items() if rid == run["run_id"])
     return [runs[k] for k in sorted(runs)]
+
+
+@contextlib.contextmanager
+def recorded_run(run_id: str, run_dir: str | Path, *, state_dir: str | Path | None = None) -> Iterator[None]:
+    """Record a run whose stages all run in this process (``dock.mode=inprocess``: no workers) where
+    the backend records its runs, for as long as the block runs: ``local_runs`` (``dockrl runs``)
+    lists it with this process as its driver, and ``teardown_local`` finds it by its folder or id.
+    A record that cannot be written (a state folder of another user) is only a warning: the run goes on.
+    """
+    backend = LocalBackend(run_id, state_dir=state_dir, run_dir=run_dir)
+    try:
+        backend.state_dir.mkdir(parents=True, exist_ok=True)
+        backend._write_state()
+    except OSError as e:
+        logger.warning("run %s is not recorded in %s (%s): `dockrl runs` will not list it", run_id, backend.state_dir, e)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            backend.state_file.unlink(missing_ok=True)
 
 
 def keep_earlier_logs(log_dir: str | Path) -> Path | None:
@@ -305,7 +326,8 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
 
     For a run folder: the driver that still holds its lock (``dockrl.run_lock``; SIGTERM, which
     tears its workers down, then SIGKILL after ``grace_s``) and the workers of every run recorded
-    for that folder; for a run id: that run's workers. Workers are found by the backend's record
+    for that folder; for a run id: that run's driver while it runs (as recorded: an in-process
+    run has no workers, ``recorded_run``) and its workers. Workers are found by the backend's record
     and by ``DOCKRL_RUN_ID`` in their environment, so those of a SIGKILLed driver are found too.
 
     Returns:
@@ -325,8 +347,10 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
         holder = lock_holder(folder)
         if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             out["driver"] = _stop_driver(holder["pid"], grace_s)
-    elif any(r["run_id"] == target for r in runs):
+    elif (recorded := next((r for r in runs if r["run_id"] == target), None)) is not None:
         ids = [target]
+        if recorded["driver_alive"]:  # its pid still has the start time recorded: never a reused pid
+            out["driver"] = _stop_driver(recorded["driver_pid"], grace_s)
     else:
         known = ", ".join(r["run_id"] for r in runs) or "none"
         raise ValueError(f"teardown: {target!r} is neither a run folder nor a run id this machine knows (known run ids: {known}); "
