@@ -89,8 +89,9 @@ class RolloutConfig:
     """Most generated tokens per response; a response cut here is flagged truncated."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights of the rollout engine (a copy of the actor, synced after each update). ``auto``:
-    ``bfloat16`` where the device computes it natively (GPU, NPU, a CPU with AVX512-BF16 or
-    AMX), else ``float32`` — emulated bf16 on an AVX2 CPU is several times slower than fp32."""
+    ``bfloat16`` where the device computes it faster than fp32 (GPU, NPU, a CPU with AMX-BF16),
+    else ``float32``: emulated bf16 on an AVX2 CPU is several times slower than fp32, and with
+    AVX512-BF16 alone measured slower too (``dockrl.resharding.device.bf16_by_default``)."""
     batch_size: int = 64
     """Sequences generated together."""
     partial_tokens: int = 0
@@ -283,7 +284,7 @@ class TrainerConfig:
     """Max global gradient norm (0: no clipping)."""
     autocast_bf16: Literal["auto", True, False] = "auto"
     """bf16 autocast for actor and reference forward/backward (weights stay fp32). ``auto``:
-    on where the device computes bf16 natively (as ``rollout.dtype``)."""
+    on where the device computes bf16 faster than fp32 (as ``rollout.dtype``)."""
     seed: int = 0
     """Seed of data order, sampling and initialization."""
     save_every: int = 10
@@ -794,19 +795,20 @@ def _resolve_auto_device(c: Config) -> None:
 
 
 def _resolve_auto_dtypes(c: Config) -> None:
-    """Replace ``auto`` in ``rollout.dtype`` and ``trainer.autocast_bf16`` by what the device
-    computes natively (``dockrl.resharding.device.native_bf16``), and warn when bf16 is asked
-    for explicitly on a CPU that only emulates it. Runs once, when the config is built."""
+    """Replace ``auto`` in ``rollout.dtype`` and ``trainer.autocast_bf16`` by bf16 where the device
+    computes it faster than fp32 (``dockrl.resharding.device.bf16_by_default``), and warn when bf16
+    is asked for explicitly on a CPU that only emulates it. Runs once, when the config is built."""
     r, t = c.rollout, c.trainer
     if "auto" not in (r.dtype, t.autocast_bf16) and not (c.parallel.device == "cpu" and (r.dtype == "bfloat16" or t.autocast_bf16)):
         return
-    from dockrl.resharding.device import native_bf16
+    from dockrl.resharding.device import bf16_by_default, native_bf16
 
-    native = native_bf16(c.parallel.device)
+    faster = bf16_by_default(c.parallel.device)
     if r.dtype == "auto":
-        _set_resolved(c, "rollout", dtype="bfloat16" if native else "float32")
+        _set_resolved(c, "rollout", dtype="bfloat16" if faster else "float32")
     if t.autocast_bf16 == "auto":
-        _set_resolved(c, "trainer", autocast_bf16=native)
+        _set_resolved(c, "trainer", autocast_bf16=faster)
+    native = native_bf16(c.parallel.device)
     if not native and (r.dtype == "bfloat16" or t.autocast_bf16 is True):
         _logger.warning("rollout.dtype=%s, trainer.autocast_bf16=%s: this %s has no native bf16, so bf16 is emulated "
                         "and runs several times slower than float32 ('auto' picks float32 here)",

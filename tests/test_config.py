@@ -501,13 +501,14 @@ def test_distributed_mode_settings():
     assert (partial.rollout.partial_tokens, partial.rollout.partial_max_age) == (16, 3)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_bf16_follows_what_the_device_computes_natively(monkeypatch, native):
-    """``auto`` resolves when the config is built: bf16 only where it is not emulated."""
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": native})
+@pytest.mark.parametrize("caps, bf16", [({"avx512_bf16": False}, False), ({"avx512_bf16": True}, False),
+                                        ({"avx512_bf16": True, "amx_bf16": True}, True)])
+def test_auto_bf16_is_picked_where_the_cpu_computes_it_faster_than_fp32(monkeypatch, caps, bf16):
+    """``auto`` resolves when the config is built: bf16 with AMX only (emulated on AVX2, slower with AVX512-BF16 alone)."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True} | caps)  # a fake CPU
     config = load_config(None, [])
-    assert config.rollout.dtype == ("bfloat16" if native else "float32")
-    assert config.trainer.autocast_bf16 is native
+    assert config.rollout.dtype == ("bfloat16" if bf16 else "float32")
+    assert config.trainer.autocast_bf16 is bf16
     explicit = load_config(None, ["rollout.dtype=float32", "trainer.autocast_bf16=false"])
     assert (explicit.rollout.dtype, explicit.trainer.autocast_bf16) == ("float32", False)
 
