@@ -899,7 +899,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
         raise _fail(where, values, "expected a mapping of fields")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(set(values) - names, key=str)  # a YAML key may be a number
     if unknown:
         raise ConfigError(f"{where or 'config'}: unknown field(s) {unknown}; expected some of {sorted(names)}")
     kwargs = {}
@@ -933,8 +933,11 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and not quoted):
             value = raw
         node = tree.setdefault(section, {})
-        for part in path:
+        for depth, part in enumerate(path):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):  # an earlier override gave this section a value
+                raise ConfigError(f"override {item!r}: {'.'.join([section, *path[:depth + 1]])} was set to {node!r} by an "
+                                  "earlier override; a section takes fields, not a value")
         node[name] = value
     return tree
 

@@ -590,3 +590,10 @@ def test_algorithm_defaults_are_grpo_and_verl_combinations_load():
     for estimator in ("reinforce_plus_plus", "gae"):  # no group: one sample per prompt, as verl's PPO
         one = load_config(None, ["rollout.n=1", "trainer.micro_batch=6", f"algorithm.adv_estimator={estimator}", f"critic.enable={estimator == 'gae'}"])
         assert one.rollout.n == 1
+
+
+def test_an_override_into_a_section_an_earlier_override_gave_a_value_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override 'reward_model.model.path=x': reward_model.model was set to 5 by an earlier"):
+        load_config(None, ["reward_model.model=5", "reward_model.model.path=x"])
+    with pytest.raises(ConfigError, match=r"trainer: unknown field\(s\) \[1, 'foo'\]"):  # a number among the keys
+        load_config(write_yaml(tmp_path, "trainer: {1: 2, foo: 3}\n"), [])
