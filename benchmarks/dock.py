@@ -479,6 +479,12 @@ def full_table(cells: Cells, shape: Shape) -> pa.Table:
     return table
 
 
+def percent(share: float) -> str:
+    """``share`` as a percentage: one decimal, or two significant digits under 0.1% (never a 0.0% of something)."""
+    value = 100 * share
+    return f"{value:.1f}%" if value >= 0.1 else f"{value:.2g}%"
+
+
 def render(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -601,7 +607,7 @@ def report(
                 sec, ctrl = med(runs, "seconds"), med(runs, "controller_bytes")
                 gbps = payload[t] / sec / 1e9
                 rows.append([str(w), "centralized" if s == 0 else "dock", str(s) if s else "-", f"{sec:.3f}",
-                             f"{shape.rows / sec:,.0f}", f"{gbps:.3g}", f"{100 * gbps / ceiling:.1f}%",
+                             f"{shape.rows / sec:,.0f}", f"{gbps:.3g}", percent(gbps / ceiling),
                              f"{central / sec:.2f}x", f"{ctrl:,.0f}", f"{ctrl / shape.rows:,.1f}"])
         out.append(render(["workers/stage", "topology", "shards", "flow s", "rows/s", "GB/s", "of ceiling",
                            "speed vs central", "controller bytes", "per row"], rows))
