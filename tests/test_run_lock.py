@@ -233,7 +233,11 @@ def test_a_live_single_process_run_is_listed_by_dockrl_runs_and_stopped_by_its_r
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (runs := local.local_runs()):
+
+        def ours() -> list[dict]:  # other runs' processes on this machine are listed too (a run id, no record)
+            return [r for r in local.local_runs() if r["driver_pid"] == proc.pid]
+
+        while not (runs := ours()):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         [listed] = runs
@@ -243,8 +247,9 @@ def test_a_live_single_process_run_is_listed_by_dockrl_runs_and_stopped_by_its_r
         assert main(["teardown", listed["run_id"], "--grace-s", "2"]) == 0
         assert json.loads(capsys.readouterr().out)["driver"] == proc.pid
         assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+        assert not ours()
         assert main(["runs"]) == 0
-        assert capsys.readouterr().out == "no local runs\n"
+        assert listed["run_id"] not in capsys.readouterr().out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -21,7 +21,7 @@ from dockrl.config import ConfigError, load_config
 from dockrl.launch.backend import WorkerFailed
 from dockrl.config import load_config_text
 from dockrl.launch.distributed import worker_groups
-from dockrl.launch.local import LocalBackend, free_ports
+from dockrl.launch.local import LocalBackend, free_ports, local_runs, teardown_local
 from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, iteration_reports
 from dockrl.rewards.guard import build_scorer
 
@@ -305,3 +305,5 @@ def test_a_sigkilled_driver_leaves_no_process_behind(tiny_model_dir, tmp_path, w
         time.sleep(0.1)
     assert not run_processes(mark), f"left {time.monotonic() - start:.0f} s after the driver died: {run_processes(mark)}"
     assert time.monotonic() - start < 10  # ~0.3 s on a quiet machine
+    teardown_local(str(tmp_path / "run"))  # what a user does next: the killed driver's record goes, `dockrl runs` no longer lists it
+    assert not [r for r in local_runs() if r["run_dir"] == str((tmp_path / "run").resolve())]
