@@ -519,6 +519,11 @@ def test_explicit_bf16_on_an_emulating_cpu_warns(monkeypatch, caplog):
         config = load_config(None, ["rollout.dtype=bfloat16"])
     assert config.rollout.dtype == "bfloat16" and config.trainer.autocast_bf16 is False
     assert any("no native bf16" in r.getMessage() and "emulated" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": True, "amx_bf16": False})
+    with caplog.at_level("WARNING", logger="dockrl.config"):
+        load_config(None, ["trainer.autocast_bf16=true"])
+    assert any("AVX512-BF16 but no AMX-BF16" in r.getMessage() for r in caplog.records)
 
 
 def test_autocast_literal_is_checked_by_type():
