@@ -2,24 +2,29 @@
 
 Both sides train GRPO on one prompts file (generated GSM8K-format arithmetic, written once),
 ``--prompts`` prompts × ``--n`` samples per iteration, ≤ ``--max-new-tokens`` response tokens,
-temperature ``--temperature``, top-p 1, no KL term (β = 0), the same precision
-(``--precision``), the same learning rate, micro-batches of ``--micro-batch`` sequences and one optimizer step per iteration; both
-score with dockrl's rule verifier. Each run is a process of its own; runs alternate (TRL, dockrl,
+temperature ``--temperature``, top-p 1, no KL term (β = 0), the same precision (``--precision``;
+or each side's default), the same learning rate, micro-batches of ``--micro-batch`` sequences and
+one optimizer step per iteration; both score with dockrl's rule verifier. Each run is a process of its own; runs alternate (TRL, dockrl,
 TRL, dockrl, ...) so that machine noise hits both sides alike. The first iteration of every run is
 a warm-up and is not counted.
 
     python benchmarks/vs_trl.py --model .cache/dockrl/models/SmolLM2-135M-Instruct
     python benchmarks/vs_trl.py --model ... --precision bf16   # where the CPU has native bf16
+    python benchmarks/vs_trl.py --model ... --precision defaults   # each side as it comes
     python benchmarks/vs_trl.py --quick          # the tiny random model, both sides, seconds
 
 ``--precision fp32`` (the default) runs both sides in fp32. ``--precision bf16`` runs each side's
 bf16 mode: TRL's ``bf16=True`` (its default: the Trainer's bf16 autocast over fp32 weights) and
 dockrl's ``trainer.autocast_bf16=true`` (the same autocast in the update) with ``rollout.dtype=bfloat16``
-(the rollout engine's weights in bf16) — what ``auto`` resolves to where the CPU computes bf16
-natively; refused where it does not (emulated bf16 is several times slower than fp32). TRL's other
-defaults are kept, gradient checkpointing included.
+(the rollout engine's weights in bf16); refused where the CPU has no native bf16 (emulated bf16 is
+several times slower than fp32). ``--precision defaults`` runs each side at its own defaults, as a
+user gets it without choosing: TRL's ``GRPOConfig`` precision (``bf16=True`` on any CPU, emulated
+where it is not native) and dockrl's ``auto`` (``rollout.dtype``, ``trainer.autocast_bf16``: bf16 only
+where it is faster than fp32, ``dockrl.resharding.device.bf16_by_default``); the table's
+"precision" column says what each resolved to. TRL's other defaults are kept in every mode,
+gradient checkpointing included.
 
-Prints one table, one row per side: seconds per iteration (median), response tokens per
+Prints one table, one row per side: the precision it ran in, seconds per iteration (median), response tokens per
 iteration (the two sides sample their own responses: similar, not equal), response tokens/s end to
 end, rollout tokens/s (response tokens / generation seconds: TRL's
 ``_generate_and_score_completions``, dockrl's ``timing_s/rollout``), update tokens/s (response
@@ -127,8 +132,9 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
             return out
 
     per_iteration = spec["prompts"] * spec["n"]
+    precision = {} if spec["precision"] == "defaults" else {"bf16": spec["precision"] == "bf16"}  # defaults: GRPOConfig's own
     args = GRPOConfig(
-        output_dir=spec["out"], use_cpu=True, bf16=spec["precision"] == "bf16", report_to="none", save_strategy="no", logging_steps=1,
+        output_dir=spec["out"], use_cpu=True, **precision, report_to="none", save_strategy="no", logging_steps=1,
         learning_rate=spec["lr"], beta=0.0, num_generations=spec["n"], temperature=spec["temperature"], top_p=1.0,
         max_completion_length=spec["max_new_tokens"], per_device_train_batch_size=spec["micro_batch"],
         gradient_accumulation_steps=per_iteration // spec["micro_batch"], max_steps=spec["iterations"], seed=0,
@@ -138,7 +144,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
                                callbacks=[Timing()])
     trainer.train()
     scorer.close()
-    return _result(steps)
+    return _result(steps) | {"precision": "bf16 autocast" if args.bf16 else "fp32"}
 
 
 def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
@@ -148,14 +154,15 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
 
     per_iteration = spec["prompts"] * spec["n"]
     bf16 = spec["precision"] == "bf16"
+    dtype, autocast = ("auto", "auto") if spec["precision"] == "defaults" else ("bfloat16" if bf16 else "float32", str(bf16).lower())
     cfg = load_config(None, [
         f"model.path={spec['model']}", f"data.train_path={spec['data']}", f"data.test_path={spec['data']}",
         f"run.output_dir={spec['out']}", f"run.cache_dir={spec['out']}/cache", "run.progress=false",
         f"rollout.engine={engine}", f"rollout.n={spec['n']}", f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0",
-        f"rollout.max_response_length={spec['max_new_tokens']}", f"rollout.dtype={'bfloat16' if bf16 else 'float32'}",
+        f"rollout.max_response_length={spec['max_new_tokens']}", f"rollout.dtype={dtype}",
         f"rollout.batch_size={per_iteration}",
         f"trainer.iterations={spec['iterations']}", f"trainer.global_batch={spec['prompts']}", f"trainer.mini_batch={spec['prompts']}",
-        f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", f"trainer.autocast_bf16={str(bf16).lower()}",
+        f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", f"trainer.autocast_bf16={autocast}",
         "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0",
     ])
     steps: list[dict[str, float]] = []
@@ -165,7 +172,8 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
                       "rollout_s": m["timing_s/rollout"], "update_s": m["timing_s/actor"]})
 
     driver.train(cfg, on_iteration=on_iteration)
-    return _result(steps)
+    precision = ("bf16 autocast" if cfg.trainer.autocast_bf16 else "fp32") + f", rollout {cfg.rollout.dtype}"
+    return _result(steps) | {"precision": precision}
 
 
 def _child(side: str, spec: dict[str, Any]) -> None:
@@ -260,12 +268,13 @@ COLUMNS = [("seconds_per_iteration", "s/iteration", "{:.2f}"), ("tokens_per_iter
 def table(results: dict[str, list[dict[str, float]]]) -> str:
     """A markdown table: per side the median of its runs per column, and dockrl/TRL ratios."""
     med = {side: {k: statistics.median(r[k] for r in runs) for k, _, _ in COLUMNS} for side, runs in results.items()}
-    head = ["side", "runs"] + [name for _, name, _ in COLUMNS] + ["tokens/s vs TRL", "RSS vs TRL"]
+    head = ["side", "runs", "precision"] + [name for _, name, _ in COLUMNS] + ["tokens/s vs TRL", "RSS vs TRL"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = med.get("trl")
     for side, m in med.items():
         ratios = [f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['peak_rss_gb'] / base['peak_rss_gb']:.2f}x"] if base else ["", ""]
-        cells = [side, str(len(results[side]))] + [fmt.format(m[k]) for k, _, fmt in COLUMNS] + ratios
+        precision = " / ".join(sorted({str(r.get("precision", "")) for r in results[side]}))
+        cells = [side, str(len(results[side])), precision] + [fmt.format(m[k]) for k, _, fmt in COLUMNS] + ratios
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -282,8 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="both sides in fp32, or both in their bf16 mode (native bf16 CPUs only)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "defaults"], default="fp32",
+                        help="both sides in fp32, both in their bf16 mode (native bf16 CPUs only), or each at its own defaults")
     parser.add_argument("--iterations", type=int, default=4, help="per run, the first a warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")

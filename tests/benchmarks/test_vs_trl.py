@@ -20,26 +20,31 @@ def load_benchmark():
 
 
 @pytest.mark.slow  # two training processes on the tiny model: ~50 s on 2 busy cores
-def test_quick_mode_prints_both_sides_with_finite_numbers():
-    out = load_benchmark().main(["--quick", "--timeout-s", "600"])
+def test_quick_mode_prints_both_sides_at_their_defaults_with_finite_numbers():
+    from dockrl.resharding.device import bf16_by_default
+
+    out = load_benchmark().main(["--quick", "--precision", "defaults", "--timeout-s", "600"])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
             for line in out.splitlines() if line.startswith("| ") and not line.startswith("| side")}
     assert set(rows) == {"trl", "dockrl-hf"}
     for cells in rows.values():
-        values = [number(c) for c in cells[2:]]
+        values = [number(c) for c in cells[3:]]
         assert all(math.isfinite(v) and v > 0 for v in values), cells
     assert rows["trl"][-2:] == ["1.00x", "1.00x"]
+    assert rows["trl"][2] == "bf16 autocast"  # GRPOConfig's default on any CPU
+    dockrl = "bf16 autocast, rollout bfloat16" if bf16_by_default("cpu") else "fp32, rollout float32"
+    assert rows["dockrl-hf"][2] == dockrl  # auto: bf16 only where it is faster
 
 
 def test_the_table_puts_each_side_against_trl():
     table = load_benchmark().table({
         "trl": [dict(seconds_per_iteration=2.0, tokens_per_iteration=100, tokens_per_s=50.0, rollout_tokens_per_s=80.0,
-                     update_tokens_per_s=120.0, peak_rss_gb=6.0, self_peak_rss_gb=5.5)],
+                     update_tokens_per_s=120.0, peak_rss_gb=6.0, self_peak_rss_gb=5.5, precision="bf16 autocast")],
         "dockrl-hf": [dict(seconds_per_iteration=1.0, tokens_per_iteration=100, tokens_per_s=100.0, rollout_tokens_per_s=150.0,
-                           update_tokens_per_s=300.0, peak_rss_gb=2.0, self_peak_rss_gb=1.5)] * 2,
+                           update_tokens_per_s=300.0, peak_rss_gb=2.0, self_peak_rss_gb=1.5, precision="fp32, rollout float32")] * 2,
     })
     last = table.splitlines()[-1]
-    assert last.startswith("| dockrl-hf | 2 | 1.00 | 100 |") and last.endswith("| 2.00x | 0.33x |")
+    assert last.startswith("| dockrl-hf | 2 | fp32, rollout float32 | 1.00 | 100 |") and last.endswith("| 2.00x | 0.33x |")
 
 
 def test_the_peak_rss_counts_every_process_of_the_tree():
