@@ -48,7 +48,8 @@ def plan_run(cfg: Config) -> RunPlan:
     """Seed; check what ``run.resume`` and the run folder allow and that the given data files are
     of a kind ``load_prompts`` reads (seconds: before anything slow); resolve the model and data,
     load the prompts, check them against the checkpoint's, and only then write
-    ``RUN/config.yaml`` (a refused run leaves the folder as it was).
+    ``RUN/config.yaml`` (a refused run leaves the folder as it was) with ``run.resume`` as given;
+    the plan's config names the checkpoint found (``latest`` resolved), which every stage resumes.
 
     Raises:
         ConfigError: ``model.path``, ``reward_model.model.path``, the data files or ``run.resume`` do not fit (named).
@@ -69,9 +70,11 @@ def plan_run(cfg: Config) -> RunPlan:
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
     check_resume_prompts(point, fingerprint)
-    if point:
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
+    # run.resume as given (`latest` stays `latest`): config.yaml run again continues the run, where the
+    # checkpoint `latest` found now would rewind it to that iteration and cut the metrics after it
     save_config(cfg, Path(cfg.run.output_dir) / "config.yaml")
+    if point:  # the stages all continue from the one checkpoint found here
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
     return RunPlan(cfg=cfg, model_path=model_path, train_prompts=train_prompts, test_prompts=test_prompts,
                    fingerprint=fingerprint, resume=point)
 

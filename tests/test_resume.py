@@ -301,3 +301,10 @@ def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_mod
     continued = AutoModelForCausalLM.from_pretrained(final_dir(two)).state_dict()
     for name, p in AutoModelForCausalLM.from_pretrained(final_dir(tmp_path / "straight")).state_dict().items():
         torch.testing.assert_close(continued[name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+    # the run's config.yaml keeps run.resume as given: run again for one more iteration, it goes on
+    # from final (found by `latest` now) instead of rewinding to the checkpoint the resume above found
+    again = load_config(two / "config.yaml", ["trainer.iterations=4"])
+    assert again.run.resume == "latest"
+    driver.train(again)
+    assert [x["iteration"] for x in read_rows(two)] == [0, 1, 2, 3]
