@@ -127,7 +127,9 @@ def resume_hint(run_dir: str | None) -> str:
         return "nothing was started"
     from dockrl.resume import latest_checkpoint
 
-    found = latest_checkpoint(run_dir) if Path(run_dir).is_dir() else None
+    if not Path(run_dir).is_dir():  # stopped before it was accepted: the folders it made are gone again
+        return f"nothing of the run was written ({run_dir} does not exist): the same command starts it again"
+    found = latest_checkpoint(run_dir)
     if found is not None:
         return f"the run goes on from its last complete checkpoint ({found}) with run.resume=latest"
     return (f"no checkpoint of the run in {run_dir} is complete: start it again in another run.output_dir "

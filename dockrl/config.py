@@ -1035,8 +1035,10 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
     """
     try:
         data = yaml.load(text, Loader=_ConfigLoader) or {}
+    except yaml.MarkedYAMLError as err:  # one line: where, what, and while doing what
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(err)}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {str(err).replace('<unicode string>', source)}") from None
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(err).split())}") from None
     except ConfigError as err:  # a repeated key
         raise ConfigError(f"{source}: {err}") from None
     if not isinstance(data, dict):
@@ -1053,6 +1055,18 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
         if message == str(err):
             raise
         raise ConfigError(message) from None
+
+
+def _yaml_problem(err: yaml.MarkedYAMLError) -> str:
+    """PyYAML's error in one line: ``line L, column C: <problem> (<context> at line L', column C')``."""
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    text = ": ".join(x for x in (at(err.problem_mark), err.problem or "") if x)
+    if err.context:
+        context_at = at(err.context_mark) if err.context_mark is not None and at(err.context_mark) != at(err.problem_mark) else ""
+        text += f" ({err.context}{' at ' + context_at if context_at else ''})"
+    return text
 
 
 def _explain(message: str, source: str, in_text: dict[str, Any], overridden: dict[str, Any]) -> str:
@@ -1073,14 +1087,16 @@ def _explain(message: str, source: str, in_text: dict[str, Any], overridden: dic
         faulty = [p for p in (f"{where}.{k}" if where else str(k) for k in node) if p not in defaults]
     else:
         faulty = [where]
-    # a value at fault came from the text when no override replaced it (set it, or a field under it)
-    from_text = any(_get(in_text, p) is not _ABSENT and not any(s == p or s.startswith(f"{p}.") for s in set_by)
-                    for p in faulty + named)
+    def overridden_at(p: str) -> bool:  # an override set it, or a key under it
+        return any(s == p or s.startswith(f"{p}.") for s in set_by)
+
+    # a value at fault came from the text when no override replaced it
+    from_text = any(_get(in_text, p) is not _ABSENT and not overridden_at(p) for p in faulty + named)
     if from_text and not _named(message, set_by):
         message = f"{source}: {message}"
     # a field named as `field=<another value>` only is a suggestion, not a value the rule failed on
     stated = [p for p in named if f"{p}=" not in message or any(f"{p}={v}" in message for v in (defaults[p], repr(defaults[p])))]
-    unset = [p for p in stated if not dataclasses.is_dataclass(defaults[p]) and _get(in_text, p) is _ABSENT and p not in set_by]
+    unset = [p for p in stated if not dataclasses.is_dataclass(defaults[p]) and _get(in_text, p) is _ABSENT and not overridden_at(p)]
     if unset:
         message += " (" + ", ".join(f"{p} is the default {defaults[p]!r}" for p in unset) + ")"
     return message

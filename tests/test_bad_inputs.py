@@ -226,7 +226,10 @@ def test_a_stopped_run_says_whether_a_checkpoint_resumes_it(tmp_path):
     from dockrl.resume import FORMAT, STATE_FILE
 
     run = tmp_path / "run"
-    assert resume_hint(str(run)) == NO_CHECKPOINT.replace("<run.output_dir>", str(run))  # not even a folder
+    # stopped before it was accepted: the folders it made are gone again, and nothing stands in the way
+    assert resume_hint(str(run)) == f"nothing of the run was written ({run} does not exist): the same command starts it again"
+    run.mkdir()
+    assert resume_hint(str(run)) == NO_CHECKPOINT.replace("<run.output_dir>", str(run))
     partial = run / "checkpoints" / "iter_000002"
     partial.mkdir(parents=True)
     (partial / "optimizer.pt.tmp").write_bytes(b"cut short")  # stopped while writing it: no state file

@@ -353,8 +353,8 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
             out["driver"] = _stop_driver(recorded["driver_pid"], grace_s)
     else:
         known = ", ".join(r["run_id"] for r in runs) or "none"
-        raise ValueError(f"teardown: {target!r} is neither a run folder nor a run id this machine knows (known run ids: {known}); "
-                         "`dockrl runs` lists them")
+        raise ValueError(f"{target!r} is neither a run folder nor a run id this machine knows (known run ids: {known}; "
+                         "a run's record goes when it ends); `dockrl runs` lists them")
     for rid in ids:
         out["runs"][rid] = LocalBackend(rid, state_dir=state_dir, grace_s=grace_s).teardown()
     return out
