@@ -808,6 +808,9 @@ def _resolve_auto_dtypes(c: Config) -> None:
         _set_resolved(c, "rollout", dtype="bfloat16" if faster else "float32")
     if t.autocast_bf16 == "auto":
         _set_resolved(c, "trainer", autocast_bf16=faster)
+    if "auto" in (r.dtype, t.autocast_bf16):
+        _logger.info("precision auto: rollout.dtype=%s, trainer.autocast_bf16=%s (bf16 is %s than float32 on this %s)",
+                     c.rollout.dtype, str(c.trainer.autocast_bf16).lower(), "faster" if faster else "not faster", c.parallel.device)
     if not faster and (r.dtype == "bfloat16" or t.autocast_bf16 is True):
         why = ("has AVX512-BF16 but no AMX-BF16: bf16 measured 1.4-1.7x slower than float32 on such a CPU"
                if native_bf16(c.parallel.device) else "has no native bf16, so bf16 is emulated and runs several times slower than float32")

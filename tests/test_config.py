@@ -509,12 +509,15 @@ def test_distributed_mode_settings():
 
 @pytest.mark.parametrize("caps, bf16", [({"avx512_bf16": False}, False), ({"avx512_bf16": True}, False),
                                         ({"avx512_bf16": True, "amx_bf16": True}, True)])
-def test_auto_bf16_is_picked_where_the_cpu_computes_it_faster_than_fp32(monkeypatch, caps, bf16):
+def test_auto_bf16_is_picked_where_the_cpu_computes_it_faster_than_fp32(monkeypatch, caplog, caps, bf16):
     """``auto`` resolves when the config is built: bf16 with AMX only (emulated on AVX2, slower with AVX512-BF16 alone)."""
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True} | caps)  # a fake CPU
-    config = load_config(None, [])
+    with caplog.at_level("INFO", logger="dockrl.config"):
+        config = load_config(None, [])
     assert config.rollout.dtype == ("bfloat16" if bf16 else "float32")
     assert config.trainer.autocast_bf16 is bf16
+    said = f"precision auto: rollout.dtype={config.rollout.dtype}, trainer.autocast_bf16={str(bf16).lower()} (bf16 is "
+    assert any(r.getMessage().startswith(said + ("faster" if bf16 else "not faster")) for r in caplog.records)  # the choice is logged
     explicit = load_config(None, ["rollout.dtype=float32", "trainer.autocast_bf16=false"])
     assert (explicit.rollout.dtype, explicit.trainer.autocast_bf16) == ("float32", False)
 
