@@ -273,7 +273,7 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
     base = med.get("trl")
     for side, m in med.items():
         ratios = [f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['peak_rss_gb'] / base['peak_rss_gb']:.2f}x"] if base else ["", ""]
-        precision = " / ".join(sorted({str(r.get("precision", "")) for r in results[side]}))
+        precision = " / ".join(sorted({r["precision"] for r in results[side]}))
         cells = [side, str(len(results[side])), precision] + [fmt.format(m[k]) for k, _, fmt in COLUMNS] + ratios
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> str:
                 results[side].append(_run_side(side, spec, args.timeout_s))
                 print(f"run {r + 1}/{args.repeats} {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)
     shape = (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, {args.precision}, β=0, "
-             f"{args.iterations - 1} counted iterations per run, {os.cpu_count()} CPUs")
+             f"{max(args.iterations - 1, 1)} counted iteration(s) per run, {os.cpu_count()} CPUs")  # one alone is counted (_result)
     out = f"{shape}\n\n{table(results)}"
     print(out)
     return out

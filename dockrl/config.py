@@ -1065,10 +1065,10 @@ def _yaml_problem(err: yaml.MarkedYAMLError) -> str:
     def at(mark: Any) -> str:
         return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
 
-    text = ": ".join(x for x in (at(err.problem_mark), err.problem or "") if x)
+    problem_at, context_at = at(err.problem_mark), at(err.context_mark)
+    text = ": ".join(x for x in (problem_at, err.problem or "") if x)
     if err.context:
-        context_at = at(err.context_mark) if err.context_mark is not None and at(err.context_mark) != at(err.problem_mark) else ""
-        text += f" ({err.context}{' at ' + context_at if context_at else ''})"
+        text += f" ({err.context}{' at ' + context_at if context_at not in ('', problem_at) else ''})"
     return text
 
 
