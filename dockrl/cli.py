@@ -1,4 +1,4 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | teardown | worker | dock-shard``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | teardown | worker | dock-shard | node``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
@@ -6,11 +6,14 @@
     dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
     dockrl worker -h                               # one stage of a distributed run (dockrl/workers/main.py)
     dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
+    dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
+    dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl runs                                    # local runs and their live processes
     dockrl teardown runs/demo                      # stop what a run left (its driver, its workers)
 
 ``worker`` and ``dock-shard`` are what the launcher starts, as local processes and as the
-command of the stage pods (the images' entry point is ``dockrl``).
+arguments of the stage pods (the images' entry point is ``dockrl``); ``node`` starts the rank
+processes of a pod that holds several devices.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.dock.flight import serve_shard
 
         return serve_shard(argv[1:])
+    if argv[:1] == ["node"]:
+        from dockrl.launch.node import main as node_main
+
+        return node_main(argv[1:])
+    if argv[:1] == ["ranks"]:
+        from dockrl.launch.node import ranks_main
+
+        return ranks_main(argv[1:])
     if argv[:1] in (["runs"], ["teardown"]):
         return runs_main(argv)
     debug = "--debug" in argv
@@ -68,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
     sub.add_parser("worker", help="one stage of a distributed run, against its dock (dockrl worker -h)")
     sub.add_parser("dock-shard", help="one transfer dock shard (dockrl dock-shard -h)")
+    sub.add_parser("node", help="several rank processes of a worker group in one pod shaped like a node (dockrl node -h)")
+    sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout (dockrl ranks -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")
     args, rest = parser.parse_known_args(argv)

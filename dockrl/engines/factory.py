@@ -21,7 +21,8 @@ from dockrl.resharding.ranks import ProcessRanks, join_groups
 logger = logging.getLogger(__name__)
 
 
-def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int = 1, store_address: str = "") -> ProcessRanks:
+def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int = 1, store_address: str = "",
+                  local_rank: int | None = None) -> ProcessRanks:
     """This process's ranks, made once by its entry point and passed to every engine and worker.
 
     Args:
@@ -29,6 +30,8 @@ def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int 
         replica, replicas: this process's index among the members of its launcher group, and their
             number (a megatron actor's members are the layout's ranks, one process each).
         store_address: ``host:port`` of the launcher's ``TCPStore`` where several actor ranks meet.
+        local_rank: this rank's device index on its node, where a launcher says (``dockrl node``);
+            None derives it from the rank (``devices.local_rank_of``).
 
     A process that trains with ``trainer.engine=megatron`` joins its process groups as rank
     ``replica`` (``join_groups``); any other process is alone on its device.
@@ -42,7 +45,8 @@ def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int 
         world = cfg.parallel.world_size
         if replicas != world:
             raise ValueError(f"megatron actor: {replicas} members started, the layout parallel.tp × pp × dp has {world} ranks")
-        return join_groups(cfg.parallel, rank=replica, store_address=store_address, timeout_s=cfg.dock.timeout_s, megatron=True)
+        return join_groups(cfg.parallel, rank=replica, store_address=store_address, timeout_s=cfg.dock.timeout_s, megatron=True,
+                           local_rank=local_rank)
     return ProcessRanks.alone(cfg.parallel, replica=replica, replicas=replicas)
 
 

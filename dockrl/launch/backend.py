@@ -57,10 +57,18 @@ class WorkerGroup:
     replicas: int = 1
     """Members of the group; each gets its index in ``DOCKRL_REPLICA``."""
     devices: int = 0
-    """Accelerators of each member: one per rank process the layout places in it (0 for a
-    member that computes on CPU). Members with devices take the platform's image, extended
-    resource, node selector, tolerations and stage pod size (``Platform.stage_cpu`` /
-    ``stage_memory`` / ``stage_ephemeral_storage``) instead of ``cpu``/``memory``/``ephemeral_storage``."""
+    """Accelerators of each member: a member is one rank process with one device (0 for a member
+    that computes on CPU). Members with devices take the platform's image, extended resource,
+    node selector, tolerations and pod size per device (``Platform.pod_requests``) instead of
+    ``cpu``/``memory``/``ephemeral_storage``; on Kubernetes they are packed into pods shaped like
+    nodes (``colocate``, ``Platform.devices_per_node``)."""
+    colocate: int = 1
+    """Consecutive members that must share a node (and so a pod): the actor's tensor-parallel
+    groups, training and inference (``lcm(parallel.tp, parallel.infer_tp)``), whose collectives
+    run on every layer. Members ``[k·c, (k+1)·c)`` are one such block."""
+    object_store: bool = False
+    """Members read and write the S3 warehouse (``dock.warehouse=s3``): they get the platform's
+    object-store credentials; otherwise no pod refers to that Secret, which need not exist."""
     cpu: str = "1"
     """CPU request of a member without devices (Kubernetes quantity)."""
     memory: str = "4Gi"
@@ -90,6 +98,9 @@ class WorkerGroup:
             raise ValueError(f"worker group {self.name!r}: replicas={self.replicas}; expected >= 1")
         if self.devices < 0:
             raise ValueError(f"worker group {self.name!r}: devices={self.devices}; expected >= 0")
+        if self.colocate < 1 or self.replicas % self.colocate:
+            raise ValueError(f"worker group {self.name!r}: colocate={self.colocate} with replicas={self.replicas}; "
+                             "expected a block size >= 1 that divides the members")
         if not 0 <= self.port < 65536:
             raise ValueError(f"worker group {self.name!r}: port={self.port}; expected 0 (none) or 1-65535")
 

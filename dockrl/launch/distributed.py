@@ -102,8 +102,9 @@ def worker_groups(
     """
     program = backend.program()
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
+    s3 = cfg.dock.warehouse == "s3"  # only then do the members need the object store's credentials
     shards = [
-        WorkerGroup(name=f"dock-shard-{s}", secret_env={TOKEN_ENV: token}, port=port, command=(
+        WorkerGroup(name=f"dock-shard-{s}", secret_env={TOKEN_ENV: token}, port=port, object_store=s3, command=(
             *program, "dock-shard", "--host", backend.bind_host, "--port", str(port),
             "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
             "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
@@ -114,12 +115,15 @@ def worker_groups(
     stages = stage_processes(cfg)
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
     replicas = {stage: cfg.parallel.world_size if stage == "hybrid" else 1 for stage in stages}
+    # the hybrid actor's tensor-parallel groups (training TP, inference TP') share a node: their
+    # collectives run every layer, so a Kubernetes backend keeps each block of ranks in one pod
+    colocate = {stage: math.lcm(cfg.parallel.tp, cfg.parallel.infer_tp) if stage == "hybrid" else 1 for stage in stages}
     # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
     local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
     return shards + [
         # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
         WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
-                    replicas=replicas[stage], command=(
+                    replicas=replicas[stage], colocate=colocate[stage], object_store=s3, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
         ))

@@ -11,8 +11,9 @@ the shards and the stages exit) bound what a lost launcher leaves behind.
 
 How a run's stages find what they need, in pods that cannot see the launcher's files:
 
-* program: the images' entry point ``dockrl`` (``images/*/Dockerfile``), so a member's command
-  is ``dockrl worker ...`` / ``dockrl dock-shard ...`` (``program``);
+* program: the images' entry point ``dockrl`` (``images/*/Dockerfile``), so a pod's arguments
+  are ``worker ...`` / ``dock-shard ...`` (``program`` is empty), or ``node ...`` for a pod that
+  holds several rank processes (``jobset.pod_shape``);
 * addresses: member ``i`` of group ``g`` is ``<jobset>-<g>-0-<i>.<jobset>.<namespace>.svc``
   through the JobSet's headless Service; a dock shard binds ``0.0.0.0`` on ``SHARD_PORT``;
 * the launcher: members reach servers of the launcher's process (the weight channel's
@@ -66,6 +67,7 @@ from dockrl.launch.jobset import (
     check_run_id,
     jobset_name,
     member_host,
+    pod_shape,
     render_jobset,
     secret_name,
 )
@@ -73,8 +75,9 @@ from dockrl.launch.platform import Platform, get_platform
 
 logger = logging.getLogger(__name__)
 
-ENTRY_POINT = ("dockrl",)
-"""The images' entry point: the program of every member's command."""
+ENTRY_POINT: tuple[str, ...] = ()
+"""What a member's command starts with: nothing, since the images' ENTRYPOINT is ``dockrl`` (on
+the NPU image a script that sources CANN's environment first), and a pod gives only its arguments."""
 SHARD_PORT = 8815
 """Port of a dock shard in its pod (Arrow Flight's customary port; each shard has its own pod IP)."""
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -101,6 +104,13 @@ class OwnerPod:
     def reference(self) -> dict[str, Any]:
         # no blockOwnerDeletion: it would need update rights on pods/finalizers for the launcher
         return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid}
+
+
+def _describe(group: WorkerGroup, platform: Platform) -> str:
+    shape = pod_shape(group, platform)
+    if not group.devices:
+        return f"{group.name}×{shape.pods}"
+    return f"{group.name}×{shape.pods} ({shape.members} rank process(es), {group.devices * shape.members} device(s) per pod)"
 
 
 def _api_exception():
@@ -154,7 +164,7 @@ class KubernetesBackend:
         # admitted together (the JobSet, or the PodGroup, is queued whole); then each pod is
         # scheduled and pulls its image on its own clock
         self.start_spread_s = float(platform.schedule_timeout_s + platform.image_pull_timeout_s)
-        self._expected: dict[str, int] = {}  # group -> members
+        self._expected: dict[str, int] = {}  # group -> pods
         self._members: dict[tuple[str, str], tuple[str, str]] = {}  # (group, index) -> (pod name, uid) first seen
         self._since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
         self._warned: set[tuple[str, str]] = set()
@@ -243,7 +253,7 @@ class KubernetesBackend:
         created: dict[str, dict[str, Any]] = {}
         for obj in objects:
             created[obj["kind"]] = self._create(obj)
-        self._expected = {g.name: g.replicas for g in groups}
+        self._expected = {g.name: pod_shape(g, self.platform).pods for g in groups}
         # what only the run uses goes with its JobSet (TTL, teardown, garbage collection)
         jobset = created["JobSet"]
         owned = [{"apiVersion": jobset["apiVersion"], "kind": "JobSet", "name": self.name, "uid": _get(jobset, "metadata", "uid")}]
@@ -254,7 +264,7 @@ class KubernetesBackend:
                 self.custom.patch_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL,
                                                            self.name, patch)
         logger.info("created JobSet %s/%s: %s", self.namespace, self.name,
-                    ", ".join(f"{g.name}×{g.replicas}" + (f" ({g.devices} device(s) each)" if g.devices else "") for g in groups))
+                    ", ".join(_describe(g, self.platform) for g in groups))
 
     def _create(self, obj: dict[str, Any]) -> dict[str, Any]:
         ApiException = _api_exception()

@@ -48,6 +48,29 @@ SHARED_MOUNT_PATH = "/mnt/dockrl"
 ASCEND_RESOURCE = "huawei.com/Ascend910"
 NVIDIA_RESOURCE = "nvidia.com/gpu"
 
+ARCH_LABEL = "kubernetes.io/arch"
+"""Node label with the node's CPU architecture (``amd64``, ``arm64``), set by the kubelet."""
+IMAGE_ARCHITECTURES: dict[str, tuple[str, ...]] = {"cpu": ("amd64", "arm64"), "npu": ("amd64", "arm64"), "gpu": ("amd64",)}
+"""Node architectures each image is built for (``scripts/build_images.sh``): most Ascend servers
+are Kunpeng (arm64), some x86-64; the CUDA image follows PyPI's vLLM wheels (x86-64)."""
+
+_QUANTITY = re.compile(r"^([0-9]+)(m|Ki|Mi|Gi|Ti)?$")
+
+
+def scale_quantity(quantity: str, factor: int) -> str:
+    """``quantity`` (a Kubernetes quantity: an integer with an optional ``m``, ``Ki``, ``Mi``,
+    ``Gi`` or ``Ti`` suffix) times ``factor``, in the same unit (``scale_quantity("96Gi", 8)``
+    is ``"768Gi"``).
+
+    Raises:
+        ValueError: ``quantity`` is not of that form, or ``factor`` < 1.
+    """
+    match = _QUANTITY.match(quantity)
+    if not match or factor < 1:
+        raise ValueError(f"quantity {quantity!r} × {factor}: expected an integer with an optional unit m, Ki, Mi, Gi or Ti "
+                         "(e.g. '16', '500m', '96Gi') and a factor >= 1")
+    return f"{int(match.group(1)) * factor}{match.group(2) or ''}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Toleration:
@@ -73,8 +96,11 @@ class Platform:
     """Preset name; also the image suffix and the manifests overlay."""
     accelerator: str = ""
     """Extended resource of one accelerator (``huawei.com/Ascend910``, ``nvidia.com/gpu``); "" for none."""
-    accelerators_per_pod: int = 0
-    """Accelerators requested by one accelerator pod (0 with no accelerator)."""
+    devices_per_node: int = 0
+    """Accelerators of one node (0 with no accelerator; 8 on Ascend 910 and H100/H200 nodes). A
+    worker group whose members hold devices is placed as one pod per node holding up to this many
+    rank processes (local ranks, ``dockrl node``), so a tensor-parallel group lives inside one pod
+    whenever TP <= devices_per_node; ranks in different pods differ only in DP or PP."""
     node_selector: dict[str, str] = field(default_factory=dict)
     """Node labels an accelerator pod must match."""
     tolerations: tuple[Toleration, ...] = ()
@@ -96,10 +122,16 @@ class Platform:
     none: then the Kubernetes worker backend cannot run the stages)."""
     shared_mount_path: str = SHARED_MOUNT_PATH
     """Absolute path of its mount, the same in every pod."""
-    stage_cpu: str = "4"
-    """CPU request of a pod holding a model (rollout, reference, actor; Kubernetes quantity)."""
-    stage_memory: str = "16Gi"
-    """Memory request of a pod holding a model (Kubernetes quantity)."""
+    cpu_per_device: str = "4"
+    """CPU request per device of a pod holding devices (Kubernetes quantity; an integer or
+    millicores): a pod of k devices requests k times this. On CPU platforms, of a pod holding a model."""
+    memory_per_device: str = "16Gi"
+    """Memory request per device of a pod holding devices (Kubernetes quantity): it holds the
+    training state the weight sync swaps to host, and the pod's ``/dev/shm``."""
+    shm_per_device: str = "8Gi"
+    """``/dev/shm`` (a memory-backed emptyDir) per device of a pod holding devices: NCCL, HCCL and
+    vLLM's workers exchange through it, and the 64 MiB default is too small. It counts against
+    the pod's memory, so it must stay well below ``memory_per_device``."""
     stage_ephemeral_storage: str = "20Gi"
     """Ephemeral-storage request of a pod holding a model (logs, caches; checkpoints go to the
     shared volume or the object store, never the node's disk)."""
@@ -130,13 +162,41 @@ class Platform:
     image_pull_retries: int = 3
     """Failed image pulls of one pod tolerated before the run fails (the kubelet retries with
     back-off: a registry hiccup passes, a wrong name or missing credentials does not)."""
+    architectures: tuple[str, ...] = ("amd64", "arm64")
+    """Node architectures (``kubernetes.io/arch``) the run's pods may land on; each pod is
+    limited further to those its image is built for (``IMAGE_ARCHITECTURES``)."""
+    network_interface: str = "eth0"
+    """Network interface of the pods that the collectives bootstrap over (``HCCL_SOCKET_IFNAME``,
+    ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``): the pod network's, ``eth0`` with most CNIs;
+    a secondary (RDMA) network's name with Multus."""
+    collective_timeout_s: int = 1800
+    """How long HCCL may take to connect a communicator and to run one collective, seconds
+    (``HCCL_CONNECT_TIMEOUT``, ``HCCL_EXEC_TIMEOUT``): ranks of pods that start minutes apart."""
+    extra_resources: dict[str, str] = field(default_factory=dict)
+    """Extended resources every pod holding devices requests and is limited to, besides the
+    devices (RDMA: ``{"rdma/hca_shared_devices_a": "1"}``; values are Kubernetes quantities)."""
+    pod_labels: dict[str, str] = field(default_factory=dict)
+    """Labels of every pod holding devices (Ascend's device plugin with a rank-table controller:
+    ``{"ring-controller.atlas": "ascend-910b"}``)."""
+    pod_annotations: dict[str, str] = field(default_factory=dict)
+    """Annotations of every pod holding devices (a secondary network: ``{"k8s.v1.cni.cncf.io/networks": "roce"}``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every process holding devices (``NCCL_IB_HCA``, ``HCCL_BUFFSIZE``, ...);
+    it wins over the collectives' environment dockrl sets."""
 
     def __post_init__(self) -> None:
-        if bool(self.accelerator) != (self.accelerators_per_pod > 0):
+        if bool(self.accelerator) != (self.devices_per_node > 0):
             raise ValueError(
-                f"platform {self.name!r}: accelerator={self.accelerator!r} with accelerators_per_pod="
-                f"{self.accelerators_per_pod}; set both (a resource name and a count >= 1) or neither"
+                f"platform {self.name!r}: accelerator={self.accelerator!r} with devices_per_node="
+                f"{self.devices_per_node}; set both (a resource name and a count >= 1) or neither"
             )
+        for name in ("cpu_per_device", "memory_per_device", "shm_per_device"):
+            scale_quantity(getattr(self, name), 1)  # raises naming the value
+        unknown = sorted(set(self.architectures) - {a for archs in IMAGE_ARCHITECTURES.values() for a in archs})
+        if not self.architectures or unknown:
+            raise ValueError(f"platform {self.name!r}: architectures={self.architectures!r}; expected some of amd64, arm64")
+        if self.collective_timeout_s < 1:
+            raise ValueError(f"platform {self.name!r}: collective_timeout_s={self.collective_timeout_s}; expected seconds >= 1")
         if self.image_tag in ("", "latest") or not _TAG.match(self.image_tag):
             raise ValueError(f"platform {self.name!r}: image_tag={self.image_tag!r}; pin a release tag "
                              "(letters, digits, '_', '.', '-'; at most 128), never 'latest'")
@@ -181,6 +241,8 @@ class Platform:
         if not isinstance(data, dict):
             raise ValueError(f"platform: expected a JSON object, got {type(data).__name__}")
         data["tolerations"] = tuple(Toleration(**t) for t in data.get("tolerations", ()))
+        if "architectures" in data:
+            data["architectures"] = tuple(data["architectures"])
         try:
             return cls(**data)
         except TypeError as err:  # unknown or missing field
@@ -191,6 +253,30 @@ class Platform:
         ``<repository>-<name>@sha256:...`` when ``image_digests`` pins it."""
         digest = self.image_digests.get(name)
         return f"{self.image_repository}-{name}@{digest}" if digest else f"{self.image_repository}-{name}:{self.image_tag}"
+
+    def architectures_of(self, image: str) -> tuple[str, ...]:
+        """Node architectures a pod running image ``image`` (``cpu``, ``npu``, ``gpu``) may land on:
+        those the image is built for, among the platform's ``architectures``.
+
+        Raises:
+            ValueError: none is left (the message names both lists).
+        """
+        archs = tuple(a for a in IMAGE_ARCHITECTURES[image] if a in self.architectures)
+        if not archs:
+            raise ValueError(f"platform {self.name!r}: architectures={self.architectures!r}, but image dockrl-{image} is built "
+                             f"for {IMAGE_ARCHITECTURES[image]!r} only; allow one of those")
+        return archs
+
+    def pod_requests(self, devices: int) -> dict[str, str]:
+        """CPU, memory and ephemeral storage a pod holding ``devices`` devices requests (Kubernetes
+        quantities): ``cpu_per_device`` and ``memory_per_device`` times ``devices`` (at least one)."""
+        n = max(devices, 1)
+        return {"cpu": scale_quantity(self.cpu_per_device, n), "memory": scale_quantity(self.memory_per_device, n),
+                "ephemeral-storage": self.stage_ephemeral_storage}
+
+    def shm_size(self, devices: int) -> str:
+        """Size of the ``/dev/shm`` of a pod holding ``devices`` devices (``shm_per_device`` each, at least one)."""
+        return scale_quantity(self.shm_per_device, max(devices, 1))
 
     @property
     def image(self) -> str:
@@ -205,17 +291,21 @@ class Platform:
 
 PLATFORMS: dict[str, Platform] = {
     # Ascend device plugin: nodes carry accelerator=huawei-Ascend910 and the resource huawei.com/Ascend910
+    # An Atlas 800T A2 node: 8 NPUs, 4 × 48 Kunpeng 920 cores, 1-2 TB: a pod of 8 devices requests
+    # 128 CPU and 768Gi, what such a node has allocatable beside the system's share.
     "npu": Platform(
-        name="npu", accelerator=ASCEND_RESOURCE, accelerators_per_pod=8,
+        name="npu", accelerator=ASCEND_RESOURCE, devices_per_node=8,
         node_selector={"accelerator": "huawei-Ascend910"},
-        tolerations=(Toleration(key=ASCEND_RESOURCE),), stage_cpu="32", stage_memory="256Gi",
+        tolerations=(Toleration(key=ASCEND_RESOURCE),), cpu_per_device="16", memory_per_device="96Gi",
         accelerator_device_gid=1000,  # HwHiAiUser, owner of /dev/davinci* on a typical Ascend node
     ),
     # NVIDIA GPU operator: nodes carry nvidia.com/gpu.present=true; GPU pools are usually tainted
+    # An 8 × H100/H200 node (DGX/HGX): 2 × 56 cores (224 threads), 2 TB: 8 devices request 128 CPU and 1Ti.
     "gpu": Platform(
-        name="gpu", accelerator=NVIDIA_RESOURCE, accelerators_per_pod=8,
+        name="gpu", accelerator=NVIDIA_RESOURCE, devices_per_node=8,
         node_selector={"nvidia.com/gpu.present": "true"},
-        tolerations=(Toleration(key=NVIDIA_RESOURCE),), stage_cpu="32", stage_memory="256Gi",
+        tolerations=(Toleration(key=NVIDIA_RESOURCE),), cpu_per_device="16", memory_per_device="128Gi",
+        architectures=("amd64",),
     ),
     "cpu": Platform(name="cpu"),
 }

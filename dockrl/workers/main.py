@@ -23,7 +23,7 @@ import sys
 import torch
 
 from dockrl.config import load_config, load_config_text
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, replica
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, local_rank, replica
 from dockrl.workers.actor import run_actor
 from dockrl.workers.critic import run_critic
 from dockrl.workers.hybrid import run_hybrid
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], token),
                  timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
     index, size = replica()  # read here once: every stage gets its ranks from this process's ranks object
-    ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync)
+    ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync,
+                          local_rank=local_rank())
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
     with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
                     lease_s=cfg.dock.lease_s, owner=owner, prefetch=cfg.dock.prefetch,

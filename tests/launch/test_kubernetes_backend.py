@@ -14,7 +14,7 @@ import pytest
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.tasks import teardown_run
-from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
+from dockrl.launch.jobset import jobset_name, member_host, pod_shape, render_jobset, secret_name
 from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 
@@ -112,14 +112,15 @@ def test_one_jobset_per_run_with_a_replicated_job_per_group():
     for g in GROUPS:
         rjob = rjobs[g.name]
         job = rjob["template"]["spec"]
-        assert rjob["replicas"] == 1 and job["parallelism"] == job["completions"] == g.replicas
+        pods = pod_shape(g, plat).pods  # the hybrid's 4 ranks share one pod of an 8-device node
+        assert rjob["replicas"] == 1 and job["parallelism"] == job["completions"] == pods == (1 if g.name == "hybrid" else g.replicas)
         assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
         assert job["activeDeadlineSeconds"] == plat.worker_deadline_s == 7 * 24 * 3600
         assert job["template"]["spec"]["restartPolicy"] == "Never"
         assert job["template"]["metadata"]["labels"]["dockrl.io/group"] == g.name
         env = {e["name"]: e for e in job["template"]["spec"]["containers"][0]["env"]}
         assert env["DOCKRL_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-        assert env["DOCKRL_REPLICAS"]["value"] == str(g.replicas)
+        assert env["DOCKRL_REPLICAS"]["value"] == str(pods)
     # pod host names within a DNS label: <jobset>-<group>-<job>-<index>
     assert max(len(f"{name}-{g.name}-0-{g.replicas - 1}") for g in GROUPS) <= 63
     assert member_host(RUN, "hybrid", 3, NS) == f"{name}-hybrid-0-3.{name}.{NS}.svc"
@@ -128,13 +129,14 @@ def test_one_jobset_per_run_with_a_replicated_job_per_group():
 def test_devices_and_requests_per_pod_follow_the_groups():
     npu = objects(PLATFORMS["npu"])["JobSet"]
     hybrid = pod_spec(npu, "hybrid")["containers"][0]
-    assert hybrid["resources"] == {
-        "requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "20Gi", "huawei.com/Ascend910": 1},
-        "limits": {"huawei.com/Ascend910": 1},  # the extended resource only: no cpu or memory limit
+    assert hybrid["resources"] == {  # 4 ranks in one pod: 4 devices, and 4 times a device's cpu and memory
+        "requests": {"cpu": "64", "memory": "384Gi", "ephemeral-storage": "20Gi", "huawei.com/Ascend910": 4},
+        "limits": {"huawei.com/Ascend910": 4},  # the extended resource only: no cpu or memory limit
     }
     assert hybrid["image"] == PLATFORMS["npu"].image
     reference = pod_spec(npu, "reference")["containers"][0]["resources"]
     assert reference["requests"]["huawei.com/Ascend910"] == reference["limits"]["huawei.com/Ascend910"] == 2
+    assert (reference["requests"]["cpu"], reference["requests"]["memory"]) == ("32", "192Gi")
     for group in ("hybrid", "reference"):
         assert pod_spec(npu, group)["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
         assert pod_spec(npu, group)["tolerations"] == [{"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"}]
@@ -147,7 +149,7 @@ def test_devices_and_requests_per_pod_follow_the_groups():
     assert shard["ports"] == [{"name": "rpc", "containerPort": 8815, "protocol": "TCP"}]
     assert set(shard["resources"]["requests"]) == {"cpu", "memory", "ephemeral-storage"}
     gpu = objects(PLATFORMS["gpu"])["JobSet"]
-    assert pod_spec(gpu, "hybrid")["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert pod_spec(gpu, "hybrid")["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
     cpu = objects(PLATFORMS["cpu"])["JobSet"]
     assert "limits" not in pod_spec(cpu, "hybrid")["containers"][0]["resources"]
 
@@ -187,7 +189,7 @@ def test_kueue_queues_the_whole_jobset_and_volcano_gangs_every_pod():
     assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-rl"
     assert "schedulerName" not in pod_spec(kueue, "hybrid")
     volcano = objects(platform("npu", scheduler="volcano", queue="ascend"))
-    assert volcano["PodGroup"]["spec"] == {"minMember": 1 + 4 + 1 + 2, "queue": "ascend"}  # every pod of the run, or none
+    assert volcano["PodGroup"]["spec"] == {"minMember": 1 + 1 + 1 + 2, "queue": "ascend"}  # every pod of the run, or none
     assert volcano["PodGroup"]["metadata"]["name"] == jobset_name(RUN)
     for rjob in volcano["JobSet"]["spec"]["replicatedJobs"]:
         template = rjob["template"]["spec"]["template"]
@@ -230,7 +232,7 @@ def test_start_creates_the_secret_then_one_jobset_owning_it_and_waits_for_every_
     secret = cluster.objects[("Secret", NS, secret_name(RUN))]
     assert secret["metadata"]["ownerReferences"] == [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
                                                       "name": jobset_name(RUN), "uid": jobset["metadata"]["uid"]}]
-    with pytest.raises(TimeoutError, match=r"not running after 0 s: running/expected per group \{'dock-shard-0': '0/1', 'hybrid': '0/4'"):
+    with pytest.raises(TimeoutError, match=r"not running after 0 s: running/expected per group \{'dock-shard-0': '0/1', 'hybrid': '0/1'"):
         b.wait_ready(timeout_s=0.1)
     _running(cluster)
     b.wait_ready(timeout_s=5)

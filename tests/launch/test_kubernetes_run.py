@@ -71,8 +71,10 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     secret_ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": TOKEN_ENV}}
     for s in (0, 1):
         [c] = pod(f"dock-shard-{s}")["containers"]
-        assert c["command"][:8] == ["dockrl", "dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
-        assert c["command"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
+        # arguments only: the image's entry point is dockrl (on the NPU image after CANN's set_env.sh)
+        assert "command" not in c
+        assert c["args"][:7] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
+        assert c["args"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
         assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
         assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
     assert "secret-token" not in json.dumps(jobset)
@@ -80,8 +82,8 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     for stage in ("rollout", "reward", "reference", "actor"):
         spec = pod(stage)
         [c] = spec["containers"]
-        cmd = c["command"]
-        assert tuple(cmd[:1]) == ENTRY_POINT and cmd[1:6] == ["worker", "--stage", stage, "--config-env", CONFIG_ENV]
+        cmd = c["args"]
+        assert ENTRY_POINT == () and cmd[:5] == ["worker", "--stage", stage, "--config-env", CONFIG_ENV]
         assert cmd[cmd.index("--dock") + 1] == ",".join(locations)
         assert cmd[cmd.index("--weight-sync") + 1] == f"{LAUNCHER_IP}:29500"  # the launcher pod's IP
         assert cmd[cmd.index("--run") + 1] == RUN
@@ -97,9 +99,9 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
         if stage == "reward":
             assert set(requests) == {"cpu", "memory", "ephemeral-storage"} and "nodeSelector" not in spec and "tolerations" not in spec
             assert c["image"] == "ghcr.io/dockrl/dockrl-cpu:0.1.0"
-        else:  # one process, one rank of the layout, one device
+        else:  # one process, one rank of the layout, one device: a device's share of a node
             assert c["image"] == "ghcr.io/dockrl/dockrl-npu:0.1.0"
-            assert c["resources"] == {"requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "20Gi", "huawei.com/Ascend910": 1},
+            assert c["resources"] == {"requests": {"cpu": "16", "memory": "96Gi", "ephemeral-storage": "20Gi", "huawei.com/Ascend910": 1},
                                       "limits": {"huawei.com/Ascend910": 1}}
             assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
             assert spec["securityContext"]["supplementalGroups"] == [1000]
@@ -119,7 +121,10 @@ def test_the_hybrid_actor_asks_for_one_device_per_rank_of_the_layout(cluster, ti
     assert (groups["reference"].devices, groups["reward"].devices, groups["dock-shard-0"].devices) == (1, 0, 0)
     [_, jobset] = backend.render(list(groups.values()))
     hybrid = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}["hybrid"]["template"]["spec"]
-    assert hybrid["parallelism"] == 4 and hybrid["template"]["spec"]["containers"][0]["resources"]["limits"] == {"huawei.com/Ascend910": 1}
+    # one pod shaped like a node holds the 4 ranks as local ranks (dockrl node), both TP groups inside it
+    [c] = hybrid["template"]["spec"]["containers"]
+    assert hybrid["parallelism"] == 1 and c["resources"]["limits"] == {"huawei.com/Ascend910": 4}
+    assert c["args"][:6] == ["node", "--nproc-per-node", "4", "--rdzv-timeout-s", "2400", "--"] and c["args"][6:8] == ["worker", "--stage"]
 
 
 def use_fake_cluster(cluster, monkeypatch, *, pod_ip: str | None = LAUNCHER_IP) -> None:
@@ -156,7 +161,7 @@ def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_eve
     assert "exited with code 2 (Error)" in e.reason and "environment variable is unset" in e.log_tail
     assert [o["kind"] for o in cluster.created] == ["Secret", "JobSet"]  # every group in one JobSet, at once
     rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[1]["spec"]["replicatedJobs"]}
-    reward = rjobs["reward"]["containers"][0]["command"]
+    reward = rjobs["reward"]["containers"][0]["args"]
     # its wait for the first iteration: the rollout's loading and evaluation (dock.timeout_s 600 s each, one evaluation
     # batch of 4 test prompts), plus how far apart pods may start (the scheduling and image pull timeouts)
     assert float(reward[reward.index("--first-wait-s") + 1]) == 600 * 3 + platform.schedule_timeout_s + platform.image_pull_timeout_s
