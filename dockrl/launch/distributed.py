@@ -36,6 +36,7 @@ from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease, wait_for_shards
 from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, checkpoint_reports, final_report, iteration_reports, stage_processes
+from dockrl.resharding.layout import ParallelLayout
 from dockrl.run_setup import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,17 @@ def member_devices(cfg: Config, stage: str) -> int:
     for the rollout, actor, reference and critic processes of a non-hybrid run, and one for the reward model.
     """
     return 1 if stage in ACCELERATOR_STAGES else 0
+
+
+def stage_members(layout: ParallelLayout, stage: str) -> tuple[int, int]:
+    """Members of ``stage``'s group and how many consecutive ones must share a node: the hybrid
+    actor is one member per rank of the layout (``tp × pp × dp``), and its tensor-parallel groups
+    (training TP, inference TP': ``lcm(tp, infer_tp)`` consecutive ranks, as ranks are numbered
+    TP fastest) share a node, since their collectives run on every layer; every other stage is one
+    member."""
+    if stage == "hybrid":
+        return layout.world_size, math.lcm(layout.tp, layout.infer_tp)
+    return 1, 1
 
 
 def first_wait_s(cfg: Config, test_prompts: int) -> float:
@@ -114,16 +126,13 @@ def worker_groups(
     dock = ",".join(shard_locations(backend, ports))
     stages = stage_processes(cfg)
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
-    replicas = {stage: cfg.parallel.world_size if stage == "hybrid" else 1 for stage in stages}
-    # the hybrid actor's tensor-parallel groups (training TP, inference TP') share a node: their
-    # collectives run every layer, so a Kubernetes backend keeps each block of ranks in one pod
-    colocate = {stage: math.lcm(cfg.parallel.tp, cfg.parallel.infer_tp) if stage == "hybrid" else 1 for stage in stages}
+    replicas = {stage: stage_members(cfg.parallel, stage)[0] for stage in stages}
     # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
     local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
     return shards + [
         # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
         WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
-                    replicas=replicas[stage], colocate=colocate[stage], object_store=s3, command=(
+                    replicas=replicas[stage], colocate=stage_members(cfg.parallel, stage)[1], object_store=s3, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
         ))
