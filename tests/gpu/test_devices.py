@@ -164,3 +164,27 @@ def test_an_allgather_swap_of_one_rank_frees_its_buckets(kind):
         assert all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
     finally:
         leave_groups()
+
+
+@pytest.mark.parametrize("kind", KINDS[1:])  # on the CPU: tests/launch/test_pod_shape.py
+def test_a_pod_of_rank_processes_puts_each_on_its_local_device(kind, tmp_path):
+    """``dockrl node`` (a pod shaped like a node; torchrun inside) starts the rank processes and
+    each lands on the device of its local rank: what a platform engineer runs first on a node."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    count = torch.cuda.device_count()
+    root = str(Path(__file__).resolve().parents[2])  # the source tree, where dockrl is not installed (make gpu-check)
+    env = {**os.environ, "DOCKRL_REPLICA": "0", "DOCKRL_REPLICAS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run([sys.executable, "-m", "dockrl", "node", "--nproc-per-node", str(count), "--rdzv-timeout-s", "60", "--",
+                          "ranks", f"parallel.dp={count}", f"parallel.device={kind}"],
+                         env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [r["local_rank"] for r in reports] == list(range(count))
+    assert [r["device"] for r in reports] == [f"cuda:{i}" for i in range(count)]
