@@ -289,6 +289,10 @@ class TrainerConfig:
     """Seed of data order, sampling and initialization."""
     save_every: int = 10
     """Write an HF checkpoint every K iterations (0: only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep the newest K complete intermediate checkpoints (``checkpoints/iter_*``) and remove older
+    ones as each newer one completes (0: keep all); ``checkpoints/final`` is always kept (verl's
+    ``max_actor_ckpt_to_keep``; docs/resume.md)."""
     eval_batch_size: int = 100
     """Prompts per greedy evaluation batch."""
     eval_before: bool = True
@@ -485,7 +489,8 @@ def _check_rules(c: Config) -> None:
     for where, v in positive.items():
         if v < 1:
             raise _fail(where, v, "expected a positive integer")
-    for where, v, zero in (("data.eval_size", d.eval_size, "all test prompts"), ("run.num_threads", c.run.num_threads, "torch's default")):
+    for where, v, zero in (("data.eval_size", d.eval_size, "all test prompts"), ("run.num_threads", c.run.num_threads, "torch's default"),
+                           ("trainer.keep_checkpoints", t.keep_checkpoints, "keep all")):
         if v < 0:
             raise _fail(where, v, f"expected an integer >= 0 (0: {zero})")
     if t.micro_batch_tokens < 0:

@@ -8,10 +8,11 @@ is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcess
 every stage in this process) or ``ProcessStages`` (``dockrl/launch/distributed.py``, every stage
 a process reporting through the dock). A run (``train`` → ``drive``): plan it
 (``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
-collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``); then the
-final checkpoint, the evaluation after training and the summary. With ``dock.max_inflight`` = m
-(distributed) up to m iterations are open at once: the rollout generates the next ones while
-this one trains (``dockrl.workers.rollout.sync_target`` bounds their staleness).
+collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``; older
+ones pruned with ``trainer.keep_checkpoints``); then the final checkpoint, the evaluation after
+training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
+open at once: the rollout generates the next ones while this one trains
+(``dockrl.workers.rollout.sync_target`` bounds their staleness).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dockrl.resume import (
     dock_snapshot_uri,
     final_dir,
     prepare_checkpoint,
+    prune_checkpoints,
     save_optimizer,
     seed_iteration,
     write_driver_state,
@@ -214,10 +216,12 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                 dock.report(it, Report.SNAPSHOT, {})  # the stages that wait for it may take rows of the open iterations now
                 checkpoint.folder = None
                 logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
+                prune_checkpoints(run_dir, t.keep_checkpoints, folder)  # after a newer one is complete, as verl's max_actor_ckpt_to_keep
         checkpoint.folder = final_dir(run_dir)
         runner.finish()
         write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here
         checkpoint.folder = None
+        prune_checkpoints(run_dir, t.keep_checkpoints, final_dir(run_dir))  # final is kept besides the newest K
         if t.eval_after:
             summary |= runner.evaluate("after")
         summary["run/seconds"] = time.perf_counter() - t0

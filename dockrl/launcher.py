@@ -6,18 +6,29 @@ the worker backend the pipeline names; the pipeline's exit handler tears down wh
 registered with it.
 
 * ``local``: processes in the launcher's pod (``dock.mode=distributed`` unless the overrides
-  say otherwise), the run folder is ``run_dir`` itself.
+  say otherwise). The run folder is ``run_dir`` itself, or, where the platform's shared volume
+  is mounted in the pod (``Platform.shared_volume_claim`` and ``shared_mount_path`` exists),
+  ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end a copy of the
+  final checkpoint goes to ``checkpoint_dir`` and the rest of the folder to ``run_dir``.
 * ``kubernetes``: one JobSet per run, a replicated job per dock shard and per stage
   (``KubernetesBackend.from_cluster``; rollout, reference and actor on the platform's
   accelerators, one device per rank process). The pods cannot see the
   launcher's files, so the run folder lives on the platform's shared volume,
   ``<shared_dir>/runs/<run_id>/``: the dataset is copied to its ``data/``, the actor writes
-  its checkpoints there, and at the end the final checkpoint moves to ``checkpoint_dir`` and
-  the rest of the folder to ``run_dir``. ``model.path`` must be visible in the pods: the
+  its checkpoints there, and at the end ``checkpoint_dir`` names the final checkpoint and the
+  rest of the folder is copied to ``run_dir``. ``model.path`` must be visible in the pods: the
   packaged model (every image holds it), a path on the shared volume, or one baked into the
   image. A ``directory`` warehouse must be on the shared volume. The checkpoints stay there
   (the ``model`` artifact is a pointer to the final one, ``write_checkpoint_pointer``), and so
   does the rest of the folder after the run, failed or not (TensorBoard reads its events there).
+
+A retried train task (KFP's retry policy, or a retry of the run) finds its run folder on the
+shared volume again, keyed by the same run id (``prepare_retry``): with a complete checkpoint it
+continues with ``run.resume=latest`` (a ``run.resume`` among the overrides wins), without one
+the failed attempt's folder is set aside as ``<run_id>.attempt-<n>`` and the run starts fresh.
+With ``kubernetes`` the failed attempt's JobSet is torn down first, and gone, before anything
+else (``clear_failed_attempt``): its launcher died before its own teardown, and Argo does not
+reliably run the exit handler before a retry.
 
 Unless the overrides say otherwise, the train step skips the evaluation after training
 (``trainer.eval_after=false``): the pipeline's ``evaluate`` step measures the exported model.
@@ -29,17 +40,24 @@ Per-iteration metrics stream to ``log_metric`` as each iteration ends, as
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
+import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from dockrl import driver
 from dockrl.config import Config, load_config
 from dockrl.launch.backend import worker_backend_name
-from dockrl.launch.platform import Platform
-from dockrl.launch.tasks import dataset_files, write_checkpoint_pointer
+from dockrl.launch.platform import Platform, get_platform
+from dockrl.launch.tasks import TEARDOWN_WAIT_S, dataset_files, write_checkpoint_pointer
+from dockrl.resume import FINAL_DIR, checkpoint_resumes_at, latest_checkpoint
+from dockrl.run_lock import lock_holder
+
+if TYPE_CHECKING:
+    from dockrl.launch.kubernetes import KubernetesBackend
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +90,8 @@ def run_training(
         checkpoint_dir: receives the final HF checkpoint (weights, config, tokenizer); must
             not exist or be empty.
         run_dir: receives the rest of the run folder (config.yaml, metrics.jsonl,
-            tensorboard/, metrics.png, summary.json, intermediate checkpoints).
+            tensorboard/, metrics.png, summary.json; the intermediate checkpoints unless the
+            run folder is on the shared volume, where they stay).
         log_metric: called once per (name, value); non-finite values are skipped with a warning.
         worker_backend: ``local`` or ``kubernetes``: where the stage workers start.
         run_id: the pipeline run's id (labels the pods; names the shared run folder); needed
@@ -89,6 +108,8 @@ def run_training(
             volume, ``dock.mode`` not distributed, a ``directory`` warehouse off the shared volume.
         ConfigError: an invalid override (the message names the field).
         WorkerFailed: a worker died or cannot start (its log tail in the message).
+        RuntimeError: for ``kubernetes``, a failed attempt's objects of the same run id are not
+            gone in time (``clear_failed_attempt``, names them).
     """
     if worker_backend_name(worker_backend) == "kubernetes" and not run_id:
         raise ValueError("run_training: worker_backend='kubernetes' needs run_id (the pipeline run's id)")
@@ -99,12 +120,18 @@ def run_training(
         from dockrl.launch.kubernetes import KubernetesBackend
 
         backend = KubernetesBackend.from_cluster(run_id, namespace=namespace, platform=platform)
+        clear_failed_attempt(backend)  # before the run folder is looked at: its pods may still write there
         out = backend.shared_dir / "runs" / run_id
+    elif run_id and (shared := shared_mount(platform)) is not None:
+        out = shared / "runs" / run_id
+    resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
+    found = prepare_retry(out, run_id, resume_given=resume_given) if out != run else None
+    if backend is not None:
         train_file, test_file = _copy_into([train_file, test_file], out / "data")
     cfg = load_config(None, [
         # the pipeline's evaluate step measures the exported model: no second evaluation here
-        "dock.mode=distributed", "trainer.eval_after=false", *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
-        f"run.output_dir={out}", "run.progress=false",
+        "dock.mode=distributed", "trainer.eval_after=false", *(["run.resume=latest"] if found else []), *overrides,
+        f"data.train_path={train_file}", f"data.test_path={test_file}", f"run.output_dir={out}", "run.progress=false",
     ])
     skipped: list[str] = []
 
@@ -114,7 +141,15 @@ def run_training(
 
     if backend is not None:
         check_shared_config(cfg, backend.shared_dir)
-    summary = driver.train(cfg, on_iteration=stream, backend=backend)
+    start = checkpoint_resumes_at(found) if found and not resume_given else None
+    if start is not None:  # this attempt's metrics artifact gets the iterations the failed one ran too
+        _replay_metrics(out / "metrics.jsonl", start, stream)
+    if found is not None and found.name == FINAL_DIR and start is not None and start >= cfg.trainer.iterations:
+        # the failed attempt trained to the end and failed handing over: nothing is left to run
+        logger.info("retry of run %s: all %d iterations were done (%s): handing over its final checkpoint", run_id, start, found)
+        summary = _read_summary(out / "summary.json")
+    else:
+        summary = driver.train(cfg, on_iteration=stream, backend=backend)
 
     final = out / "checkpoints" / "final"
     if not (final / "config.json").is_file():
@@ -125,11 +160,14 @@ def run_training(
             dst.rmdir()
         shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
     else:
-        # The checkpoints stay on the shared volume (never in this pod's emptyDir): the model
-        # artifact names the final one, the run_dir artifact gets the small files (metrics,
-        # TensorBoard events, plot, config); the shared folder stays, for TensorBoard and reuse.
-        write_checkpoint_pointer(dst, final)
-        shutil.rmtree(out / "data", ignore_errors=True)
+        # The checkpoints stay on the shared volume (never in this pod's emptyDir), where a retry or
+        # run.resume finds them; the run_dir artifact gets the small files (metrics, TensorBoard
+        # events, plot, config); the shared folder stays, for TensorBoard and reuse.
+        if backend is not None:  # the model artifact names the final checkpoint (export-model mounts the volume)
+            write_checkpoint_pointer(dst, final)
+            shutil.rmtree(out / "data", ignore_errors=True)
+        else:  # local: export-model may not mount the volume, so the model artifact holds a copy
+            shutil.copytree(final, dst, dirs_exist_ok=True)
         shutil.copytree(out, run, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
 
     for key, value in summary.items():
@@ -137,6 +175,96 @@ def run_training(
     if skipped:
         logger.warning("%d metric values were null or non-finite and not logged, e.g. %s", len(skipped), skipped[:5])
     return summary
+
+
+def shared_mount(platform: str | Platform) -> Path | None:
+    """The platform's shared volume where this pod has it mounted (``shared_mount_path`` exists), else None."""
+    p = get_platform(platform) if isinstance(platform, str) else platform
+    if p.shared_volume_claim and Path(p.shared_mount_path).is_dir():
+        return Path(p.shared_mount_path)
+    return None
+
+
+def prepare_retry(out: Path, run_id: str, *, resume_given: bool = False) -> Path | None:
+    """Where a train task starts in its run folder ``out`` (``<shared>/runs/<run_id>``, which only
+    an earlier, failed attempt of the same pipeline run can have written): the complete checkpoint
+    it continues from, or None to start fresh.
+
+    * No folder, an empty one, or one a live run holds (the driver's lock then refuses, naming
+      it): nothing to do, None.
+    * A complete checkpoint (``latest_checkpoint``): it is returned and logged, ``retry of run
+      <id>: resuming at iteration k from …``; the caller resumes with ``run.resume=latest``
+      unless ``resume_given`` (a ``run.resume`` override, which wins).
+    * No complete checkpoint: the folder is renamed ``<run_id>.attempt-<n>`` beside it (n = 1, 2,
+      … over the failed attempts), its incomplete checkpoints removed (never resumed from, and
+      the weights take the disk) and the rest kept (logs, metrics, config); None.
+    """
+    if not out.is_dir() or not any(out.iterdir()) or lock_holder(out) is not None:
+        return None
+    found = latest_checkpoint(out)
+    if found is not None:
+        if not resume_given:
+            logger.info("retry of run %s: resuming at iteration %s from %s", run_id, checkpoint_resumes_at(found), found)
+        return found
+    n = 1 + sum(1 for p in out.parent.glob(f"{out.name}.attempt-*") if p.is_dir())
+    aside = out.with_name(f"{out.name}.attempt-{n}")
+    out.rename(aside)
+    shutil.rmtree(aside / "checkpoints", ignore_errors=True)
+    logger.info("retry of run %s: the failed attempt left no complete checkpoint; its folder (logs, metrics) is kept in %s, "
+                "the run starts fresh", run_id, aside)
+    return None
+
+
+def clear_failed_attempt(backend: KubernetesBackend, wait_s: float = TEARDOWN_WAIT_S) -> list[str]:
+    """Tear down what a failed attempt of this run left in the cluster and wait until it is gone.
+
+    A retried train task's launcher finds the JobSet (and its Secret and pods) of the attempt
+    before when that launcher died before its own teardown. The new objects have the same names
+    (they would be refused as existing), and the old pods may still write into the run folder.
+
+    Returns:
+        What was there (``Kind/name``; empty for a first attempt).
+
+    Raises:
+        RuntimeError: something of it is still there after ``wait_s`` seconds (names it).
+    """
+    left = backend.remains()
+    if not left:
+        return []
+    logger.info("retry of run %s: the failed attempt's workers are still there (%s); tearing them down", backend.run_id,
+                ", ".join(left))
+    backend.teardown()
+    deadline = backend.clock() + wait_s
+    still = backend.remains()
+    while still and backend.clock() < deadline:
+        time.sleep(min(backend.poll_s, 1.0))
+        still = backend.remains()
+    if still:
+        raise RuntimeError(f"retry of run {backend.run_id}: the failed attempt's {', '.join(still)} still exist {wait_s:.0f} s "
+                           f"after their deletion; a new attempt would meet them (same names, the same run folder): delete them "
+                           f"(kubectl delete jobset,pod,secret -n {backend.namespace} -l {backend.selector}) and retry")
+    return left
+
+
+def _replay_metrics(path: Path, below: int, stream: Callable[[int, dict[str, float]], None]) -> None:
+    """Hand the lines of ``metrics.jsonl`` before iteration ``below`` to ``stream`` (a line cut short by a kill is skipped)."""
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < below:
+            stream(row["iteration"], {k: v for k, v in row.items() if k != "iteration"})
+
+
+def _read_summary(path: Path) -> dict[str, float]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _copy_into(files: Sequence[Path], folder: Path) -> list[Path]:

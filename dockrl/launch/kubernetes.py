@@ -208,9 +208,13 @@ class KubernetesBackend:
     def from_cluster(cls, run_id: str, *, namespace: str = "", platform: str | Platform = "cpu", **kwargs) -> KubernetesBackend:
         """A backend with the pod's in-cluster credentials (or ``~/.kube/config`` outside a cluster).
 
-        The namespace defaults to ``POD_NAMESPACE`` or the service account's namespace; the owner
-        is the pod named by ``POD_NAME`` / ``POD_UID``, the launcher's IP ``POD_IP`` (the
-        pipeline's train task sets all three).
+        The namespace defaults to this pod's own: ``POD_NAMESPACE`` or the service account's
+        namespace; the owner is the pod named by ``POD_NAME`` / ``POD_UID``, the launcher's IP
+        ``POD_IP`` (the pipeline's train task sets all four).
+
+        Raises:
+            ValueError: no namespace given or found; or, in an owner pod, a ``namespace`` other
+                than the pod's own (the workers of a run live in its launcher's namespace).
         """
         from kubernetes import client, config
 
@@ -218,15 +222,22 @@ class KubernetesBackend:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        if not namespace:
-            namespace = os.environ.get("POD_NAMESPACE", "")
-        if not namespace and Path(SA_NAMESPACE_FILE).is_file():
-            namespace = Path(SA_NAMESPACE_FILE).read_text().strip()
+        own = os.environ.get("POD_NAMESPACE", "")
+        if not own and Path(SA_NAMESPACE_FILE).is_file():
+            own = Path(SA_NAMESPACE_FILE).read_text().strip()
+        namespace = namespace or own
         if not namespace:
             raise ValueError("kubernetes backend: no namespace given and none found (POD_NAMESPACE, service account)")
         owner = None
         if os.environ.get("POD_NAME") and os.environ.get("POD_UID"):
             owner = OwnerPod(name=os.environ["POD_NAME"], uid=os.environ["POD_UID"])
+        if owner is not None and own and namespace != own:
+            # Kubernetes treats an owner reference to another namespace's pod as absent: the
+            # garbage collector would delete the workers as soon as they exist
+            raise ValueError(f"kubernetes backend: namespace={namespace!r}, but the launcher pod {owner.name} runs in {own!r}; "
+                             "a run's workers live in its launcher's namespace (the JobSet is owned by the launcher pod, "
+                             "and an owner reference cannot cross namespaces; the launcher's Role, the NetworkPolicy, the shared "
+                             "volume and the Secrets are namespaced too): leave namespace empty, or run the pipeline in that namespace")
         platform = get_platform(platform) if isinstance(platform, str) else platform
         kwargs.setdefault("launcher_ip", os.environ.get("POD_IP", ""))
         return cls(run_id, namespace=namespace, platform=platform, core_api=client.CoreV1Api(),
@@ -476,6 +487,19 @@ class KubernetesBackend:
             time.sleep(self.poll_s)
 
     # ---- teardown ----
+
+    def remains(self) -> list[str]:
+        """What of this run exists in the cluster, as ``Kind/name``: its Secret, PodGroup, JobSet and
+        worker pods (a retried launcher finds the failed attempt's, which it tears down and waits for
+        before it creates its own under the same names)."""
+        left = [f"Secret/{s.metadata.name}" for s in
+                self.core.list_namespaced_secret(namespace=self.namespace, label_selector=self.selector).items]
+        kinds = [("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL)] if self.platform.scheduler == "volcano" else []
+        for kind, group, version, plural in [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]:
+            items = self.custom.list_namespaced_custom_object(group, version, self.namespace, plural, label_selector=self.selector)
+            left += [f"{kind}/{obj['metadata']['name']}" for obj in items.get("items", [])]
+        pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
+        return left + [f"Pod/{p.metadata.name}" for p in pods]
 
     def teardown(self) -> int:
         """Delete the run's JobSet (its Jobs and pods go with it), PodGroup and Secret; returns
