@@ -1,6 +1,8 @@
 """KFP component: greedy accuracy of a Model on the test split of a Dataset, as Metrics.
 
-The work is ``dockrl.launch.tasks.evaluate_model``.
+The work is ``dockrl.launch.tasks.evaluate_model``. ``device`` is compiled in: ``auto`` where the
+pipeline gives the step the platform's image and one accelerator (the rollout engine the config
+resolves for it: vLLM where it runs there), ``cpu`` on a platform without accelerators.
 """
 
 from typing import List
@@ -12,12 +14,12 @@ from dockrl.launch.platform import CPU_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: List[str], metrics: Output[Metrics]):
-    """``eval/accuracy``, ``eval/format_rate`` and ``eval/count`` of greedy decoding."""
+def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: List[str], device: str, metrics: Output[Metrics]):
+    """``eval/accuracy``, ``eval/format_rate`` and ``eval/count`` of greedy decoding on ``device``."""
     import logging
 
     from dockrl.launch.tasks import evaluate_model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for name, value in evaluate_model(model.path, dataset.path, config_overrides).items():
+    for name, value in evaluate_model(model.path, dataset.path, config_overrides, device=device).items():
         metrics.log_metric(name, value)

@@ -1,10 +1,17 @@
-"""KFP component: the run's config overrides from the UI's run parameters, checked before anything starts.
+"""KFP component: the run's config overrides from the UI's run parameters, checked before anything starts,
+and the size of the train task's pod for that config.
 
 The work is ``dockrl.launch.tasks.resolve_overrides``: the parameters that differ from their
-defaults become ``section.field=value`` overrides, then ``config_overrides`` (which win).
+defaults become ``section.field=value`` overrides, then ``config_overrides`` (which win); and
+``dockrl.launch.tasks.local_run_resources``: the accelerators, CPU and memory of a train pod that
+runs the whole job (``worker_backend=local``) on ``platform`` (the JSON of ``Platform.to_json``).
+The sizes are strings because KFP's driver reads a task's resources from string values only.
+The outputs are declared in KFP's functional ``NamedTuple(...)`` form, which mypy does not read
+as a type: only the function's own source runs in the container, so a NamedTuple class defined
+beside it would not exist there.
 """
 
-from typing import List
+from typing import List, NamedTuple
 
 from kfp import dsl
 
@@ -25,14 +32,19 @@ def resolve_config(
     train_data: str,
     test_data: str,
     config_overrides: List[str],
-) -> List[str]:
-    """The overrides every later step of the run reads (a config error fails this step)."""
+    platform: str,
+) -> NamedTuple("Outputs", [("overrides", List[str]), ("devices", str), ("cpu", str), ("memory", str)]):  # type: ignore[valid-type]
+    """The overrides every later step of the run reads (a config error fails this step), and the
+    devices, CPU and memory requests of a train pod that runs every stage of that config."""
     import logging
 
-    from dockrl.launch.tasks import resolve_overrides
+    from dockrl.launch.platform import Platform
+    from dockrl.launch.tasks import local_run_resources, resolve_overrides
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = {"iterations": iterations, "global_batch": global_batch, "mini_batch": mini_batch, "group_size": group_size,
               "learning_rate": learning_rate, "kl_loss_coef": kl_loss_coef, "max_response_length": max_response_length,
               "adv_estimator": adv_estimator, "model_path": model_path, "train_data": train_data, "test_data": test_data}
-    return resolve_overrides(params, config_overrides)
+    overrides = resolve_overrides(params, config_overrides)
+    size = local_run_resources(overrides, Platform.from_json(platform))
+    return overrides, size["devices"], size["cpu"], size["memory"]  # in the order of the outputs

@@ -1,7 +1,8 @@
 """KFP component: the exit handler's task. Tears down a run's workers, whatever happened.
 
 The work is ``dockrl.launch.tasks.teardown_run``; with the local backend and nothing
-registered it removes nothing and still succeeds.
+registered it removes nothing and still succeeds. The workers live in the run's own namespace
+(the pod's, ``POD_NAMESPACE``).
 """
 
 from kfp import dsl
@@ -10,12 +11,12 @@ from dockrl.launch.platform import CPU_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def teardown_workers(run_id: str, worker_backend: str, workers_namespace: str, status: dsl.PipelineTaskFinalStatus):
-    """Remove every worker labelled with ``run_id`` (``workers_namespace`` "" is the pod's own)."""
+def teardown_workers(run_id: str, worker_backend: str, status: dsl.PipelineTaskFinalStatus):
+    """Remove every worker labelled with ``run_id`` in this pod's namespace."""
     import logging
 
     from dockrl.launch.tasks import teardown_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("teardown").info("run %s ended %s %s", run_id, status.state, status.error_message or "")
-    teardown_run(worker_backend, run_id, namespace=workers_namespace)
+    teardown_run(worker_backend, run_id)

@@ -5,8 +5,9 @@ artifact as ``<key>/iter_<NNNN>``; ``curves`` is an HTML page of the run's curve
 of every metric (``dockrl.metrics.metrics_report_html``), shown in the run's Visualizations;
 the run folder (metrics.jsonl, TensorBoard, plot, resolved config) is the ``run_dir``
 artifact. ``worker_backend`` and ``platform`` (the JSON of ``Platform.to_json``) are compiled
-in; ``run_id`` labels the workers (the pipeline passes its run's id); ``workers_namespace`` ""
-is the launcher's own.
+in; ``run_id`` labels the workers (the pipeline passes its run's id). The workers run in the
+launcher pod's own namespace: its owner reference, Role, NetworkPolicy, shared volume and
+Secrets are all namespaced.
 """
 
 from typing import List
@@ -23,7 +24,6 @@ def train(
     dataset: Input[Dataset],
     worker_backend: str,
     run_id: str,
-    workers_namespace: str,
     platform: str,
     model: Output[Model],
     metrics: Output[Metrics],
@@ -40,7 +40,7 @@ def train(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_training(config_overrides, dataset.path, model.path, run_dir.path, log_metric=metrics.log_metric,
-                 worker_backend=worker_backend, run_id=run_id, namespace=workers_namespace,
+                 worker_backend=worker_backend, run_id=run_id,
                  platform=Platform.from_json(platform))
     model.metadata.update({"framework": "transformers", "format": "safetensors", "stage": "final-checkpoint"})
     Path(curves.path).write_text(metrics_report_html(run_dir.path))

@@ -8,11 +8,13 @@
     dockrl pipeline submit --host https://kubeflow.example.com/pipeline --namespace team-a --package grpo.yaml
     dockrl pipeline schedule --host http://localhost:8080 --cron "0 0 3 * * *"
 
-Compile options (platform, worker backend, images, workers' namespace, task requests) are
-fixed in the package; ``submit``/``schedule`` take them only when they compile the package
-themselves (no ``--package``). Trailing ``section.field=value`` arguments become the run's
-``config_overrides`` and are checked before anything is compiled or sent. The pipeline
-definitions are the packages ``pipelines`` and ``components`` (they need the ``kfp`` extra).
+Compile options (platform, worker backend, images, task requests) are fixed in the package;
+``submit``/``schedule`` take them only when they compile the package themselves (no
+``--package``). A KFP backend older than 2.17.0 is refused (``pipelines.submit.MIN_KFP_VERSION``;
+``--metadata-keepalive`` accepts 2.15 and 2.16 where the cluster works around it). Trailing
+``section.field=value`` arguments become the run's ``config_overrides`` and are checked before
+anything is compiled or sent. The pipeline definitions are the packages ``pipelines`` and
+``components`` (they need the ``kfp`` extra).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from pipelines.grpo import PipelineSettings, Requests, compile_pipeline, compile
 PLATFORM_CHOICES = ("npu", "gpu", "cpu")
 
 
-COMPILE_OPTIONS = ("platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "workers_namespace", "request")
+COMPILE_OPTIONS = ("platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "request", "platform_config",
+                   "train_retries")
 """Options of ``compile`` (and of ``submit``/``schedule`` without ``--package``): compile-time settings."""
 
 
@@ -46,14 +49,17 @@ def _params(args: argparse.Namespace) -> dict:
 
 def _settings(args: argparse.Namespace) -> PipelineSettings:
     """The ``PipelineSettings`` the compile options ask for."""
-    from dockrl.launch.platform import get_platform, images_from_kustomization, with_images
+    from dockrl.launch.platform import get_platform, images_from_kustomization, platform_from_file, with_images
 
     images = images_from_kustomization(args.overlay) if args.overlay else {}
     if args.registry:
         images["registry"] = args.registry
     if args.tag:
         images["tag"] = args.tag
-    platform = with_images(get_platform(args.platform or "npu"), pull_secret=args.pull_secret, **images)
+    platform = get_platform(args.platform or "npu")
+    if args.platform_config:
+        platform = platform_from_file(platform, args.platform_config)
+    platform = with_images(platform, pull_secret=args.pull_secret, **images)
     requests = {}
     for item in args.request:
         task, _, sizes = item.partition("=")
@@ -61,8 +67,8 @@ def _settings(args: argparse.Namespace) -> PipelineSettings:
         if not (task and cpu and memory):
             raise ValueError(f"--request {item!r}: expected TASK=CPU,MEMORY, e.g. train=4,16Gi")
         requests[task] = Requests(cpu=cpu, memory=memory)
-    return PipelineSettings(platform=platform, worker_backend=args.worker_backend or "local",
-                            workers_namespace=args.workers_namespace, requests=requests)
+    return PipelineSettings(platform=platform, worker_backend=args.worker_backend or "local", requests=requests,
+                            train_retries=args.train_retries or 0)
 
 
 def _package(args: argparse.Namespace, tmp: str) -> Path:
@@ -95,10 +101,13 @@ def _add_compile_options(p: argparse.ArgumentParser, *, when: str = "") -> None:
     p.add_argument("--pull-secret", default="", help="image pull Secret of every pod of the run (default: none)")
     p.add_argument("--overlay", default="", help="take registry, tag and digests from this kustomize overlay's images:, "
                    "e.g. manifests/overlays/npu (--registry/--tag win)")
-    p.add_argument("--workers-namespace", default="",
-                   help="namespace of the worker pods (default: the launcher's own, the run's namespace)")
     p.add_argument("--request", action="append", default=[], metavar="TASK=CPU,MEMORY",
                    help="CPU and memory request of a task, e.g. train=4,16Gi (repeatable; defaults: pipelines/grpo.py)")
+    p.add_argument("--platform-config", default="", metavar="FILE",
+                   help="YAML of this site's platform fields over the preset: devices_per_node, cpu_per_device, "
+                   "memory_per_device, network_interface, extra_resources, pod_labels, pod_annotations, env, architectures, ...")
+    p.add_argument("--train-retries", type=int, default=None, metavar="N",
+                   help="times KFP retries a failed train task by itself; each retry resumes from the latest checkpoint (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_compile_options(p, when=", when compiling now")
         p.add_argument("--namespace", default="",
                        help="multi-user KFP: the profile namespace the experiment and run belong to (default: none, "
-                            "single-user KFP); the workers' namespace is --workers-namespace")
+                            "single-user KFP); the run's workers live in the run's namespace")
         p.add_argument("--token", default=os.environ.get("DOCKRL_KFP_TOKEN", ""),
                        help="multi-user KFP: bearer token (default: $DOCKRL_KFP_TOKEN; prefer the variable, a "
                             "command line is visible to other users of the machine)")
@@ -136,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--service-account", default="",
                        help="account of the run's pods (default: KFP's, pipeline-runner; see manifests/README.md)")
         p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the host to answer (default: 10)")
+        p.add_argument("--metadata-keepalive", action="store_true",
+                       help="the cluster keeps KFP's metadata gRPC connections alive (the EnvoyFilter in docs/kubernetes.md, "
+                            "KFP version): accept a KFP backend from 2.15.0 instead of 2.17.0 (amd64 nodes only)")
         if name == "submit":
             p.add_argument("--run-name", default="dockrl-grpo")
         else:
@@ -267,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="dockrl-pipeline-") as tmp:
             package = _package(args, tmp)
             auth = {"namespace": args.namespace, "token": args.token, "cookies": args.cookies,
-                    "service_account": args.service_account, "timeout_s": args.timeout}
+                    "service_account": args.service_account, "timeout_s": args.timeout,
+                    "metadata_keepalive": args.metadata_keepalive}
             if args.action == "submit":
                 out = submit.submit(args.host, package, params=_params(args), experiment=args.experiment,
                                     run_name=args.run_name, **auth)

@@ -6,22 +6,34 @@
     dockrl pipeline run --local trainer.iterations=2     # the whole pipeline on this machine
 
 Compile-time (settings of the package, ``PipelineSettings``): the worker backend, the platform
-(image registry, tag or digests, pull secret, accelerators, node selector, tolerations), the
-workers' namespace and every task's CPU and memory requests. Run-time (the pipeline's
-parameters, what a user changes per run in the UI): ``dockrl.launch.tasks.RUN_PARAMETERS``
-(iterations, batch sizes, group size, learning rate, KL coefficient, response length,
-algorithm, model and data paths) with the config's defaults, ``config_overrides``
-(``section.field=value`` strings, for any other config field; they win over a parameter) and
-``export_dtype``.
+(image registry, tag or digests, pull secret, accelerators, node selector, tolerations,
+architectures) and the tasks' CPU and memory requests. Run-time (the pipeline's parameters,
+what a user changes per run in the UI): ``dockrl.launch.tasks.RUN_PARAMETERS`` (iterations,
+batch sizes, group size, learning rate, KL coefficient, response length, algorithm, model and
+data paths) with the config's defaults, ``config_overrides`` (``section.field=value`` strings,
+for any other config field; they win over a parameter) and ``export_dtype``.
 
 The steps run inside a ``dsl.ExitHandler`` whose exit task tears down the run's worker groups
-whatever happened. With the ``local`` backend the train task (the launcher) runs the whole job
-in its pod: it carries the platform's image, accelerators, node selector and tolerations. With
-``kubernetes`` it only drives: the stages run in pods of their own (``dockrl/launch/kubernetes.py``),
-the train task runs on the CPU image without accelerators and mounts the shared volume (the run
-folder: data, checkpoints, TensorBoard events) and the object-store Secret; export-model mounts
-the shared volume too (it reads the final checkpoint there). Local runs ignore every platform
-setting (kfp.local).
+whatever happened. Every task is limited to the node architectures its image is built for
+(``Platform.architectures_of``, a ``kubernetes.io/arch`` node affinity). With the ``local``
+backend the train task (the launcher) runs the whole job in its pod: it carries the platform's
+image, node selector and tolerations, and requests the accelerators its processes use and the
+CPU and memory of a pod holding them, which resolve-config computes from the run's config
+(``dockrl.launch.tasks.local_run_resources``; KFP's driver reads them from that task's outputs).
+With ``kubernetes`` it only drives: the stages run in pods of their own in the run's namespace
+(``dockrl/launch/kubernetes.py``), the train task runs on the CPU image without accelerators and
+mounts the shared volume (the run folder: data, checkpoints, TensorBoard events); export-model
+mounts it too (it reads the final checkpoint there). With either backend the train task reads
+the object-store Secret as optional: only a run with the S3 warehouse needs it. On a platform
+with accelerators evaluate runs on the platform's image with one accelerator and the config's
+rollout engine. Local runs ignore every platform setting (kfp.local).
+
+Not used: kfp 2.17's task-config passthrough (``@dsl.component(task_config_passthroughs=...)``
+with a ``dsl.TaskConfig`` input, kubeflow/pipelines #12185), which forwards one task's
+resources, environment, scheduling and volumes to a workload it launches. A run's JobSet is
+not one pod shape (CPU dock shards beside accelerator stages, each group sized by its devices),
+the launcher's own pod needs other placement than its workers, and a passthrough field is either
+forwarded or applied or both; the workers' placement travels in the compiled ``Platform`` instead.
 
 Nothing is compiled at import: ``build_pipeline`` and ``compile_pipeline`` do it when asked.
 """
@@ -40,13 +52,15 @@ from components.resolve_config import resolve_config
 from components.teardown_workers import teardown_workers
 from components.train import train
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
-from dockrl.launch.platform import OBJECT_STORE_KEYS, Platform, get_platform
+from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
 from dockrl.launch.tasks import run_parameter_defaults
 
 PIPELINE_NAME = "dockrl-grpo"
 POD_FIELDS_AS_ENV = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid",
                      "POD_IP": "status.podIP"}
 STEPS = ("resolve-config", "prepare-dataset", "train", "export-model", "evaluate", "teardown-workers")
+SHM_VOLUME = "dshm"
+"""The memory-backed emptyDir mounted at ``/dev/shm`` in the tasks that hold accelerators."""
 
 _CPU = re.compile(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$")
 _MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -71,51 +85,88 @@ class Requests:
 DEFAULT_REQUESTS: dict[str, Requests] = {
     "resolve-config": Requests(cpu="500m", memory="1Gi"),
     "prepare-dataset": Requests(cpu="1", memory="4Gi"),
-    "train": Requests(cpu="2", memory="8Gi"),  # with the kubernetes backend (drives only); local: the platform's stage size
+    "train": Requests(cpu="2", memory="8Gi"),  # with the kubernetes backend (drives only); local: sized by its devices
     "export-model": Requests(cpu="2", memory="16Gi"),
-    "evaluate": Requests(cpu="4", memory="16Gi"),
+    "evaluate": Requests(cpu="4", memory="16Gi"),  # on the CPU image; with an accelerator: a one-device pod's size
     "teardown-workers": Requests(cpu="250m", memory="512Mi"),
 }
 
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSettings:
-    """What a compiled package fixes (compile-time); a run cannot change it."""
+    """What a compiled package fixes (compile-time); a run cannot change it. The workers of a
+    ``kubernetes`` run live in the run's own namespace: the JobSet's owner reference (the
+    launcher pod), the launcher's Role, the NetworkPolicy, the shared volume and the Secrets are
+    all namespaced, so no other namespace is offered."""
 
     platform: Platform = field(default_factory=lambda: get_platform("npu"))
-    """Accelerators, scheduling, images and pull secret of the accelerator-bound pods."""
+    """Accelerators, scheduling, architectures, images and pull secret of the run's pods."""
     worker_backend: WorkerBackendName = "local"
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
-    workers_namespace: str = ""
-    """Namespace of the worker pods ("" for the launcher's own: the run's profile namespace)."""
+    train_retries: int = 0
+    """Times KFP retries a failed train task by itself (a node lost, a worker evicted); each retry
+    resumes from the run's latest checkpoint on the shared volume (``dockrl.launcher.prepare_retry``),
+    as a retry of the run from the Kubeflow UI does. 0: none."""
     requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
-    defaults to the platform's stage size: it runs every stage)."""
+    defaults to the size of a pod holding the devices its run uses: ``Platform.pod_requests``;
+    evaluate with an accelerator to that of a pod holding one)."""
 
     def __post_init__(self) -> None:
         worker_backend_name(self.worker_backend)
+        if self.train_retries < 0:
+            raise ValueError(f"train_retries={self.train_retries}: expected a count >= 0")
         unknown = sorted(set(self.requests) - set(STEPS))
         if unknown:
             raise ValueError(f"requests for {unknown}: no such task; expected some of {', '.join(STEPS)}")
-        if self.workers_namespace and not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", self.workers_namespace):
-            raise ValueError(f"workers_namespace {self.workers_namespace!r}: expected a Kubernetes namespace name")
 
-    def requests_of(self, task: str) -> Requests:
+    def requests_of(self, task: str) -> Requests | None:
+        """The CPU and memory requests of ``task``; None for the train task of a ``local`` run
+        without explicit ones: they follow its run's config (resolve-config's outputs)."""
         if task in self.requests:
             return self.requests[task]
         if task == "train" and self.worker_backend == "local":
-            return Requests(cpu=self.platform.stage_cpu, memory=self.platform.stage_memory)
+            return None
+        if task == "evaluate" and self.platform.accelerator:
+            one = self.platform.pod_requests(1)
+            return Requests(cpu=one["cpu"], memory=one["memory"])
         return DEFAULT_REQUESTS[task]
+
+    def image_of(self, task: str) -> str:
+        """Which image (``cpu``, ``npu``, ``gpu``) ``task`` runs: the platform's for the tasks that
+        hold its accelerators (train with the local backend; evaluate), else ``cpu``."""
+        if task == "train" and self.worker_backend == "local":
+            return self.platform.name
+        if task == "evaluate" and self.platform.accelerator:
+            return self.platform.name
+        return "cpu"
 
 
 def _common(task: dsl.PipelineTask, name: str, settings: PipelineSettings) -> None:
-    """Image, requests, pull secret and label of every task."""
+    """Image, node architectures, requests, pull secret and label of every task."""
+    platform, image = settings.platform, settings.image_of(name)
+    task.set_container_image(platform.image_of(image))
+    # images are built per architecture: a pod on a node of another one fails with "exec format error"
+    kubernetes.add_node_affinity(task, match_expressions=[
+        {"key": ARCH_LABEL, "operator": "In", "values": list(platform.architectures_of(image))}])
     req = settings.requests_of(name)
-    task.set_cpu_request(req.cpu).set_memory_request(req.memory)
-    task.set_container_image(settings.platform.cpu_image)
-    if settings.platform.image_pull_secret:
-        kubernetes.set_image_pull_secrets(task, [settings.platform.image_pull_secret])
+    if req is not None:
+        task.set_cpu_request(req.cpu).set_memory_request(req.memory)
+    if platform.image_pull_secret:
+        kubernetes.set_image_pull_secrets(task, [platform.image_pull_secret])
     kubernetes.add_pod_label(task, label_key="app.kubernetes.io/part-of", label_value="dockrl")
+
+
+def _accelerator_nodes(task: dsl.PipelineTask, platform: Platform, shm_devices: int) -> None:
+    """The platform's node selector and tolerations, and a ``/dev/shm`` for ``shm_devices``
+    devices: vLLM's workers, NCCL and HCCL exchange through it, and a container's default is
+    64 MiB. A memory-backed emptyDir counts against the pod's memory; its size is a cap."""
+    for key, value in platform.node_selector.items():
+        kubernetes.add_node_selector(task, label_key=key, label_value=value)
+    for t in platform.tolerations:
+        kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value or None, effect=t.effect)
+    kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
+                               size_limit=platform.shm_size(shm_devices))
 
 
 def _shared_volume(task: dsl.PipelineTask, platform: Platform) -> None:
@@ -123,26 +174,38 @@ def _shared_volume(task: dsl.PipelineTask, platform: Platform) -> None:
         kubernetes.mount_pvc(task, pvc_name=platform.shared_volume_claim, mount_path=platform.shared_mount_path)
 
 
-def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings) -> None:
-    """The train task: with the local backend the platform's image, accelerators and scheduling
-    (it runs every stage); with kubernetes the shared volume and the object-store Secret."""
+def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
+    """The train task: the object-store Secret where one exists; with the local backend the
+    platform's accelerators and scheduling, sized by ``size`` (resolve-config: the devices its
+    run uses, and the CPU and memory of a pod holding them); with kubernetes the shared volume."""
     platform = settings.platform
     task.set_caching_options(False)  # a training run is never served from the cache
+    if platform.object_store_secret:
+        # optional: a run with the in-memory warehouse needs no Secret (manifests/components/object-store)
+        kubernetes.use_secret_as_env(task, secret_name=platform.object_store_secret,
+                                     secret_key_to_env={k: k for k in OBJECT_STORE_KEYS}, optional=True)
     if settings.worker_backend == "local":
-        task.set_container_image(platform.image)
+        if settings.requests_of("train") is None:
+            task.set_cpu_request(size.outputs["cpu"]).set_memory_request(size.outputs["memory"])
         if platform.accelerator:
-            task.set_accelerator_type(platform.accelerator).set_accelerator_limit(platform.accelerators_per_pod)
-        for key, value in platform.node_selector.items():
-            kubernetes.add_node_selector(task, label_key=key, label_value=value)
-        for t in platform.tolerations:
-            kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value or None, effect=t.effect)
-    else:
-        if platform.object_store_secret:
-            kubernetes.use_secret_as_env(task, secret_name=platform.object_store_secret,
-                                         secret_key_to_env={k: k for k in OBJECT_STORE_KEYS})
-        _shared_volume(task, platform)
+            task.set_accelerator_type(platform.accelerator).set_accelerator_limit(size.outputs["devices"])
+            # the size is known only at run time: room for as many devices as a node has
+            _accelerator_nodes(task, platform, platform.devices_per_node)
+    # the run folder lives on the shared volume with either backend (dockrl.launcher): a retry of
+    # the task finds its checkpoints there and resumes instead of starting over
+    _shared_volume(task, platform)
+    if settings.train_retries:
+        task.set_retry(num_retries=settings.train_retries, backoff_duration="60s")
     for env, path in POD_FIELDS_AS_ENV.items():
         kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
+
+
+def _configure_evaluate(task: dsl.PipelineTask, settings: PipelineSettings) -> None:
+    """Evaluate: on a platform with accelerators, one of them and its nodes."""
+    platform = settings.platform
+    if platform.accelerator:
+        task.set_accelerator_type(platform.accelerator).set_accelerator_limit(1)
+        _accelerator_nodes(task, platform, 1)
 
 
 def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBackendName = "local", *,
@@ -151,7 +214,8 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
     or for ``settings`` (which then fix both).
 
     Raises:
-        ValueError: unknown platform, worker backend or task, or a bad request quantity.
+        ValueError: unknown platform, worker backend or task, a bad request quantity, or an
+            image built for none of the platform's architectures.
     """
     if settings is None:
         settings = PipelineSettings(platform=get_platform(platform) if isinstance(platform, str) else platform,
@@ -176,8 +240,7 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         config_overrides: list[str] = [],  # noqa: B006 - KFP writes the default into the pipeline spec; never mutated
         export_dtype: str = "bfloat16",
     ):
-        teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend,
-                                    workers_namespace=s.workers_namespace)
+        teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
         teardown.set_caching_options(False)
         _common(teardown, "teardown-workers", s)
         kubernetes.use_field_path_as_env(teardown, env_name="POD_NAMESPACE", field_path="metadata.namespace")
@@ -185,22 +248,24 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
             resolved = resolve_config(
                 iterations=iterations, global_batch=global_batch, mini_batch=mini_batch, group_size=group_size,
                 learning_rate=learning_rate, kl_loss_coef=kl_loss_coef, max_response_length=max_response_length, adv_estimator=adv_estimator,
-                model_path=model_path, train_data=train_data, test_data=test_data, config_overrides=config_overrides)
+                model_path=model_path, train_data=train_data, test_data=test_data, config_overrides=config_overrides,
+                platform=s.platform.to_json())
             _common(resolved, "resolve-config", s)
-            overrides = resolved.output
+            overrides = resolved.outputs["overrides"]
             data = prepare_dataset(config_overrides=overrides)
             _common(data, "prepare-dataset", s)
             trained = train(config_overrides=overrides, dataset=data.outputs["dataset"], worker_backend=s.worker_backend,
-                            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, workers_namespace=s.workers_namespace,
-                            platform=s.platform.to_json())
+                            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
             _common(trained, "train", s)
-            _configure_launcher(trained, s)
+            _configure_launcher(trained, s, resolved)
             exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype)
             _common(exported, "export-model", s)
             if s.worker_backend == "kubernetes":  # the final checkpoint stays on the shared volume
                 _shared_volume(exported, s.platform)
-            evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides)
+            evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,
+                                 device="auto" if s.platform.accelerator else "cpu")
             _common(evaluated, "evaluate", s)
+            _configure_evaluate(evaluated, s)
 
     return grpo
 

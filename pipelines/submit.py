@@ -101,9 +101,17 @@ def validate_cron(expr: str) -> str:
 
 # ---- host and client ----
 
-MIN_KFP_VERSION = (2, 5, 0)
-"""Oldest KFP backend that runs the compiled IR: it resolves ``{{$.pipeline_job_uuid}}`` and
-reads the kfp-kubernetes fields ``pvcNameParameter``/``secretNameParameter``."""
+MIN_KFP_VERSION = (2, 17, 0)
+"""Oldest KFP backend a run is submitted to: from 2.17.0 the launcher retries publishing a task's
+outputs to the metadata store when the connection was dropped (kubeflow/pipelines #13179).
+Before, a long task that talks to nobody for an hour (train) can fail at its very end with
+"connection reset by peer" (#11660, #13484); and KFP's launcher and driver images are multi-arch
+only from 2.17.0 (#12705, #12804), which arm64 (Kunpeng) nodes need."""
+MIN_KFP_VERSION_WITH_KEEPALIVE = (2, 15, 0)
+"""Oldest KFP backend that runs the compiled package at all (an optional Secret as environment,
+kubeflow/pipelines #12216; resources from a task's output, #11501; node affinity): accepted with
+``metadata_keepalive`` where the cluster keeps the metadata gRPC connections alive itself (the
+EnvoyFilter in docs/kubernetes.md) and its nodes are amd64."""
 TOKEN_ENV = "DOCKRL_KFP_TOKEN"
 """Environment variable with the bearer token for a multi-user KFP (instead of ``--token``)."""
 COOKIES_ENV = "DOCKRL_KFP_COOKIES"
@@ -125,25 +133,44 @@ def _version(tag: str) -> tuple | None:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
 
-def check_version(host: str, healthz: dict[str, Any]) -> tuple | None:
-    """Check the server's KFP version (``tag_name`` of its healthz answer) against ``MIN_KFP_VERSION``.
+def check_version(host: str, healthz: dict[str, Any], *, metadata_keepalive: bool = False) -> tuple | None:
+    """Check the server's KFP version against ``MIN_KFP_VERSION``.
+
+    The version is the ``tag_name`` of the health answer: the API server reports its image's
+    ``TAG_NAME`` build argument there, which KFP's release builds set to the release
+    (``2.17.0``); a development build says ``unknown`` and ``commit_sha`` is a git hash, not a
+    version (``backend/src/apiserver/main.go``, ``newHealthzResponse``). ``metadata_keepalive``:
+    the cluster keeps KFP's metadata gRPC connections alive (docs/kubernetes.md), so a backend
+    from ``MIN_KFP_VERSION_WITH_KEEPALIVE`` is accepted.
 
     Returns the version, or None where the server does not tell it (then a warning: the run may
-    fail in KFP's driver if the backend is older than the minimum).
+    fail if the backend is older than the minimum).
 
     Raises:
-        PipelineError: the server is older than the minimum (the message says what breaks).
+        PipelineError: the server is older than the minimum (the message says what breaks and
+            what to do).
     """
     found = _version(str(healthz.get("tag_name", "")))
-    wanted = ".".join(map(str, MIN_KFP_VERSION))
+    floor = MIN_KFP_VERSION_WITH_KEEPALIVE if metadata_keepalive else MIN_KFP_VERSION
+    wanted = ".".join(map(str, floor))
     if found is None:
         logger.warning("KFP at %s does not tell its version (healthz tag_name=%r); dockrl needs KFP >= %s",
                        host, healthz.get("tag_name"), wanted)
         return None
-    if found < MIN_KFP_VERSION:
-        raise PipelineError(f"KFP at {host} is version {healthz['tag_name']}; dockrl needs KFP >= {wanted} (older backends "
-                            "do not resolve {{$.pipeline_job_uuid}} and reject the kfp-kubernetes fields of the package); "
+    if found < MIN_KFP_VERSION_WITH_KEEPALIVE:
+        raise PipelineError(f"KFP at {host} is version {healthz['tag_name']}; dockrl needs KFP >= "
+                            f"{'.'.join(map(str, MIN_KFP_VERSION))} (at the very least "
+                            f"{'.'.join(map(str, MIN_KFP_VERSION_WITH_KEEPALIVE))}: older backends do not read the "
+                            "package's optional Secret, node affinity and resources from a task's output); "
                             "upgrade Kubeflow Pipelines")
+    if found < floor:
+        raise PipelineError(
+            f"KFP at {host} is version {healthz['tag_name']}; dockrl needs KFP >= {wanted}: before 2.17.0 the launcher does "
+            "not retry publishing a task's outputs to the metadata store, so a long, quiet task (train) can fail at its end "
+            "with 'connection reset by peer' (kubeflow/pipelines #11660, #13484; fixed by #13179), and KFP's launcher "
+            "images are amd64 only (arm64 nodes cannot run any task). Upgrade Kubeflow Pipelines to 2.17.0 or later; or, "
+            "on amd64 nodes, keep the metadata gRPC connection alive with the EnvoyFilter in docs/kubernetes.md (KFP "
+            "version) and pass --metadata-keepalive")
     return found
 
 
@@ -179,23 +206,25 @@ def server_info(host: str, timeout_s: float = 10.0, *, token: str = "", cookies:
     return info
 
 
-def check_host(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: str = "") -> str:
-    """Probe the KFP API's health endpoint and check its version; returns the host without a
-    trailing slash.
+def check_host(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: str = "",
+               metadata_keepalive: bool = False) -> str:
+    """Probe the KFP API's health endpoint and check its version (``check_version``); returns the
+    host without a trailing slash.
 
     Raises:
         PipelineError: as ``server_info`` and ``check_version``.
     """
     info = server_info(host, timeout_s, token=token, cookies=cookies)
     host = host.rstrip("/")
-    check_version(host, info)
+    check_version(host, info, metadata_keepalive=metadata_keepalive)
     return host
 
 
-def _client(host: str, timeout_s: float, *, token: str = "", cookies: str = "", namespace: str = ""):
+def _client(host: str, timeout_s: float, *, token: str = "", cookies: str = "", namespace: str = "",
+            metadata_keepalive: bool = False):
     import kfp
 
-    host = check_host(host, timeout_s, token=token, cookies=cookies)
+    host = check_host(host, timeout_s, token=token, cookies=cookies, metadata_keepalive=metadata_keepalive)
     with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": v2beta1 is what we use
         warnings.filterwarnings("ignore", category=FutureWarning, module="kfp")
         return kfp.Client(host=host, existing_token=token or None, cookies=cookies or None,
@@ -249,7 +278,8 @@ def _api_call(host: str, what: str, fn, *args, **kwargs):
 
 def submit(host: str, package: str | Path, *, params: dict[str, Any] | None = None,
            experiment: str = "dockrl", run_name: str = "dockrl-grpo", service_account: str = "",
-           namespace: str = "", token: str = "", cookies: str = "", timeout_s: float = 10.0) -> dict[str, str]:
+           namespace: str = "", token: str = "", cookies: str = "", timeout_s: float = 10.0,
+           metadata_keepalive: bool = False) -> dict[str, str]:
     """Start one run of ``package`` in ``experiment`` (created if missing).
 
     ``params``: run-time parameters of the package (``package_parameters``); compile-time
@@ -258,6 +288,7 @@ def submit(host: str, package: str | Path, *, params: dict[str, Any] | None = No
     ``namespace``: the profile namespace of a multi-user KFP (the experiment and the run live
     there; "" for single-user KFP). ``token``/``cookies``: authentication for a multi-user KFP
     (a bearer token, e.g. ``kubectl create token``, or the session cookie of the central dashboard).
+    ``metadata_keepalive``: accept a backend older than ``MIN_KFP_VERSION`` (``check_version``).
 
     Returns:
         ``{"experiment_id": ..., "run_id": ...}``.
@@ -268,7 +299,8 @@ def submit(host: str, package: str | Path, *, params: dict[str, Any] | None = No
     """
     package = _package(package)
     check_params(package, params or {})
-    client = _client(host, timeout_s, token=token, cookies=cookies, namespace=namespace)
+    client = _client(host, timeout_s, token=token, cookies=cookies, namespace=namespace,
+                     metadata_keepalive=metadata_keepalive)
     exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment,
                     namespace=namespace or None)
     run = _api_call(host, "create the run", client.run_pipeline, experiment_id=exp.experiment_id, job_name=run_name,
@@ -279,12 +311,12 @@ def submit(host: str, package: str | Path, *, params: dict[str, Any] | None = No
 def schedule(host: str, package: str | Path, *, cron: str, params: dict[str, Any] | None = None,
              experiment: str = "dockrl", name: str = "dockrl-grpo-recurring", max_concurrency: int = 1,
              service_account: str = "", namespace: str = "", token: str = "", cookies: str = "",
-             timeout_s: float = 10.0) -> dict[str, str]:
+             timeout_s: float = 10.0, metadata_keepalive: bool = False) -> dict[str, str]:
     """Create a recurring run of ``package`` on a 6-field ``cron`` schedule, without catch-up.
 
     ``no_catchup``: runs missed while the schedule was paused are not started afterwards.
     ``max_concurrency``: runs of this schedule allowed at once (a GRPO run holds accelerators).
-    ``params``, ``service_account``, ``namespace``, ``token``, ``cookies``: as for ``submit``.
+    ``params``, ``service_account``, ``namespace``, ``token``, ``cookies``, ``metadata_keepalive``: as for ``submit``.
 
     Returns:
         ``{"experiment_id": ..., "recurring_run_id": ...}``.
@@ -298,7 +330,8 @@ def schedule(host: str, package: str | Path, *, cron: str, params: dict[str, Any
         raise PipelineError(f"--max-concurrency {max_concurrency}: expected 1-10 (KFP's limit)")
     package = _package(package)
     check_params(package, params or {})
-    client = _client(host, timeout_s, token=token, cookies=cookies, namespace=namespace)
+    client = _client(host, timeout_s, token=token, cookies=cookies, namespace=namespace,
+                     metadata_keepalive=metadata_keepalive)
     exp = _api_call(host, f"create experiment {experiment!r}", client.create_experiment, name=experiment,
                     namespace=namespace or None)
     rec = _api_call(host, "create the recurring run", client.create_recurring_run, experiment_id=exp.experiment_id,

@@ -36,7 +36,7 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 OBJECT_STORE_SECRET = "dockrl-object-store"
-"""Secret with the object-store credentials (``manifests/base/object-store-secret.yaml``)."""
+"""Secret with the object-store credentials (``manifests/components/object-store/``), needed only with ``dock.warehouse=s3``."""
 OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")
 """Keys of that Secret; each becomes the environment variable of the same name."""
 
@@ -333,6 +333,34 @@ def with_images(platform: Platform, *, registry: str = "", tag: str = "", digest
     if pull_secret:
         changes["image_pull_secret"] = pull_secret
     return dataclasses.replace(platform, **changes)
+
+
+def platform_from_file(platform: Platform, path: str | Path) -> Platform:
+    """``platform`` with the fields a site's YAML (or JSON) file sets: a mapping of ``Platform``
+    fields, e.g. ``devices_per_node: 16``, ``network_interface: net1``, ``extra_resources:
+    {rdma/hca_shared_devices_a: "1"}``, ``tolerations: [{key: ..., effect: NoSchedule}]``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a mapping, an unknown field (named, with the known ones), or a value that
+            breaks a rule of ``Platform`` (the message names it); each prefixed with the file.
+    """
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: expected a YAML mapping of platform fields (docs/kubernetes.md)")
+    data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a mapping of platform fields, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(Platform)} - {"name"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{file}: unknown platform field(s) {unknown}; expected some of {', '.join(sorted(known))}")
+    try:
+        return Platform.from_json(json.dumps({**asdict(platform), **data}))
+    except ValueError as err:
+        raise ValueError(f"{file}: {err}") from None
 
 
 def images_from_kustomization(path: str | Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The work of the short pipeline steps: prepare the data, export the model, evaluate it, tear the workers down.
+"""The work of the short pipeline steps: size the train pod, prepare the data, export the model, evaluate it, tear the workers down.
 
 Each function takes plain paths and the run's ``section.field=value`` overrides, so the KFP
 components in ``components/`` stay thin and every step is testable without KFP. Training, the
@@ -21,7 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import yaml
+
 from dockrl.config import Config, load_config
+from dockrl.launch.platform import Platform
 
 if TYPE_CHECKING:
     from dockrl.engines.protocols import RolloutEngine
@@ -163,43 +166,57 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
 
 
 def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
-    """The evaluate step's engine, on this process's CPU (the step runs in the CPU image, whatever
-    ``parallel.device`` the training used): ``VLLMRolloutEngine`` where the resolved
-    ``rollout.engine`` is ``vllm`` and vLLM runs on this CPU (``vllm_support``), else
-    ``HFRolloutEngine`` (with a warning when the config asked for vLLM), ``rollout.dtype`` weights."""
+    """The evaluate step's engine on this process's device (``parallel.device``, which
+    ``evaluate_model`` sets to where the pipeline placed the step): ``VLLMRolloutEngine`` where
+    the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm_support``),
+    else ``HFRolloutEngine`` (with a warning when the config asked for vLLM); ``rollout.dtype`` weights.
+
+    Raises:
+        RuntimeError: no device of ``parallel.device`` is visible (``torch_device``).
+    """
     from dockrl.engines.vllm_support import vllm_support
+    from dockrl.resharding.device import torch_device
 
-    r = cfg.rollout
+    r, kind = cfg.rollout, cfg.parallel.device
+    device = torch_device(kind)  # one device: the step's pod holds one accelerator, or none
     if r.engine == "vllm":
-        support = vllm_support("cpu")
+        support = vllm_support(kind)
         if support.ok:
-            import torch
-
             from dockrl.engines.vllm import VLLMRolloutEngine
 
             return VLLMRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                     seed=cfg.trainer.seed, device=torch.device("cpu"))
-        logger.warning("evaluate: rollout.engine=vllm cannot run here (%s); evaluating with HF on the CPU", support.reason)
+                                     seed=cfg.trainer.seed, device=device)
+        logger.warning("evaluate: rollout.engine=vllm cannot run here (%s); evaluating with HF on %s", support.reason, device)
     from dockrl.engines.hf import HFRolloutEngine
 
-    return HFRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    return HFRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
 
 
-def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str]) -> dict[str, float]:
+def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str], *,
+                   device: str = "cpu") -> dict[str, float]:
     """Greedy accuracy of ``model_dir`` on the test split of ``dataset_dir``.
 
     Prompt formatting, ``data.eval_size``, the response length, the rollout engine and dtype
-    (``rollout.engine=auto``: vLLM where it runs here, else HF) and the reward settings come from the
-    run's config (``overrides``), as in ``dockrl train``.
+    (``rollout.engine=auto``: vLLM where it runs on ``device``, else HF) and the reward settings
+    come from the run's config (``overrides``), as in ``dockrl train``.
+
+    Args:
+        device: the device kind to evaluate on, whatever ``parallel.device`` the training used:
+            ``cpu``, or ``auto`` (the accelerator this process sees) where the pipeline gave the
+            step one; the config's ``auto`` dtype and engine resolve for it.
 
     Returns:
         ``eval/accuracy``, ``eval/format_rate`` (fractions in [0, 1]) and ``eval/count``.
+
+    Raises:
+        ConfigError: an invalid override or ``device``.
+        RuntimeError: ``device`` is an accelerator kind that this process does not see.
     """
     from dockrl.data import load_prompts
     from dockrl.evaluate import greedy_accuracy
     from dockrl.rewards import RewardScorer
 
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, [*overrides, f"parallel.device={device}"])
     _, test_file = dataset_files(dataset_dir)
     engine = evaluation_engine(cfg, Path(model_dir))
     prompts, report = load_prompts(
@@ -276,6 +293,37 @@ def resolve_overrides(params: Mapping[str, object], overrides: Sequence[str]) ->
     out += list(overrides)
     load_config(None, out)  # fail here, naming the field, before the dataset or training starts
     return out
+
+
+def local_run_devices(cfg: Config, platform: Platform) -> int:
+    """Accelerators the processes of a ``worker_backend=local`` run use, all in the train task's pod.
+
+    0 where they compute on the CPU: a platform without accelerators, or ``parallel.device=cpu``;
+    with ``trainer.hybrid``, ``parallel.world_size`` (tp × pp × dp ranks, one device each); else
+    1: every other stage process (actor, rollout, reference, reward model) uses device 0 of the pod.
+    ``parallel.device=auto`` counts as the platform's accelerator, also where ``cfg`` was loaded on
+    a CPU (the pipeline's resolve-config step), which resolved it to ``cpu``.
+    """
+    from dockrl.config import dump_config
+
+    requested = yaml.safe_load(dump_config(cfg, portable=True))["parallel"]["device"]  # "auto" as written
+    if not platform.accelerator or requested == "cpu":
+        return 0
+    return cfg.parallel.world_size if cfg.trainer.hybrid else 1
+
+
+def local_run_resources(overrides: Sequence[str], platform: Platform) -> dict[str, str]:
+    """Requests of a train pod that runs every stage of the run (``worker_backend=local``) on
+    ``platform``: ``devices`` (``local_run_devices``), ``cpu`` and ``memory`` of a pod holding
+    that many (``Platform.pod_requests``, at least one device's worth), as Kubernetes quantities.
+
+    Raises:
+        ConfigError: an invalid override (the message names the field).
+    """
+    devices = local_run_devices(load_config(None, overrides), platform)
+    size = platform.pod_requests(devices)
+    logger.info("train pod of a local run on %s: %d device(s), cpu %s, memory %s", platform.name, devices, size["cpu"], size["memory"])
+    return {"devices": str(devices), "cpu": size["cpu"], "memory": size["memory"]}
 
 
 def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: str = "") -> int:

@@ -1,4 +1,9 @@
-"""Every kustomize overlay builds (`kubectl kustomize`) and validates with kubernetes-validate --strict."""
+"""Every kustomize overlay builds (`kubectl kustomize`) and validates with kubernetes-validate --strict.
+
+The npu and gpu overlays build only once the site has written their ``site.env``: the tests build
+copies of the manifests with one written (``SITE_CLASS``) and check that the overlays as shipped
+refuse to build.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ import yaml
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 OVERLAYS = sorted(p.name for p in (MANIFESTS / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+SITE_OVERLAYS = ("gpu", "npu")
+"""Overlays whose shared volume's storage class comes from the site's ``site.env``."""
+SITE_CLASS = "cephfs-rwx"
 
 
 def kubectl() -> str:
@@ -22,16 +30,31 @@ def kubectl() -> str:
     return found
 
 
-def build(overlay: str) -> list[dict]:
-    proc = subprocess.run([kubectl(), "kustomize", str(MANIFESTS / "overlays" / overlay)],
-                          capture_output=True, text=True, timeout=60)
+def kustomize(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def build(manifests: Path, overlay: str) -> list[dict]:
+    proc = kustomize(manifests / "overlays" / overlay)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
+def site_copy(root: Path, env: str | None = f"SHARED_STORAGE_CLASS={SITE_CLASS}\n") -> Path:
+    """A copy of the manifests with ``env`` as every site overlay's ``site.env`` (None: none)."""
+    copy = root / "manifests"
+    shutil.copytree(MANIFESTS, copy)
+    for overlay in SITE_OVERLAYS:
+        (copy / "overlays" / overlay / "site.env").unlink(missing_ok=True)  # a developer's own, if any
+        if env is not None:
+            (copy / "overlays" / overlay / "site.env").write_text(env)
+    return copy
+
+
 @pytest.fixture(scope="module")
-def built() -> dict[str, list[dict]]:
-    return {overlay: build(overlay) for overlay in OVERLAYS}
+def built(tmp_path_factory) -> dict[str, list[dict]]:
+    manifests = site_copy(tmp_path_factory.mktemp("site"))
+    return {overlay: build(manifests, overlay) for overlay in OVERLAYS}
 
 
 def test_the_three_overlays_exist():
@@ -48,8 +71,8 @@ def test_overlay_builds_and_validates_strictly(overlay, built, validate_strict):
         assert obj["metadata"]["labels"]["dockrl.io/platform"] == overlay
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert {("Role", "dockrl-launcher"), ("RoleBinding", "dockrl-launcher"), ("NetworkPolicy", "dockrl-run-ports"),
-            ("Secret", "dockrl-object-store"), ("PersistentVolumeClaim", "dockrl-shared")} <= kinds
-    assert not any(o["kind"] == "ServiceAccount" for o in objects)  # runs keep KFP's own account
+            ("PersistentVolumeClaim", "dockrl-shared")} <= kinds
+    assert not any(o["kind"] in ("ServiceAccount", "ConfigMap") for o in objects)  # KFP's own account; site.env is local
 
 
 def test_shared_volume_is_the_claim_the_launcher_and_workers_mount(built):
@@ -104,13 +127,24 @@ def test_run_ports_take_connections_from_dockrl_pods_only(built):
         assert selector.items() <= run_labels("run", "actor").items()  # every worker pod is selected and admitted
 
 
-def test_object_store_secret_has_the_keys_the_workers_read(built):
+def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_path, validate_strict):
     from dockrl.launch.platform import OBJECT_STORE_KEYS, OBJECT_STORE_SECRET
 
-    for overlay, objects in built.items():
-        [secret] = [o for o in objects if o["kind"] == "Secret"]
-        assert secret["metadata"]["name"] == OBJECT_STORE_SECRET
-        assert set(secret["stringData"]) == set(OBJECT_STORE_KEYS), overlay
+    base = yaml.safe_load((MANIFESTS / "base" / "kustomization.yaml").read_text())
+    assert not any("object-store" in r for r in base["resources"]) and "components" not in base
+    for overlay in SITE_OVERLAYS:  # the default in-memory warehouse needs none
+        assert not any(o["kind"] == "Secret" for o in built[overlay]), overlay
+    [secret] = [o for o in built["cpu"] if o["kind"] == "Secret"]  # the standalone MinIO's credentials
+    assert secret["metadata"]["name"] == OBJECT_STORE_SECRET and set(secret["stringData"]) == set(OBJECT_STORE_KEYS)
+    # a site with S3 adds the component to its overlay
+    manifests = site_copy(tmp_path)
+    kustomization = manifests / "overlays" / "npu" / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/object-store\n")
+    objects = build(manifests, "npu")
+    [secret] = [o for o in objects if o["kind"] == "Secret"]
+    validate_strict(secret)
+    assert secret["metadata"]["name"] == OBJECT_STORE_SECRET and set(secret["stringData"]) == set(OBJECT_STORE_KEYS)
+    assert secret["metadata"]["labels"] == {"app.kubernetes.io/part-of": "dockrl", "dockrl.io/platform": "npu"}
 
 
 def test_cpu_overlay_runs_a_standalone_minio_wired_to_the_secret(built):
@@ -137,7 +171,24 @@ def test_image_tags_only_in_overlays_and_never_latest():
 def test_every_overlay_gives_the_shared_volume_a_storage_class(built):
     for overlay, objects in built.items():
         [claim] = [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "dockrl-shared"]
-        assert claim["spec"]["storageClassName"], overlay  # never the default class, which may be RWO only
+        # never the default class, which may be RWO only; the site's own in the npu and gpu overlays
+        assert claim["spec"]["storageClassName"] == (SITE_CLASS if overlay in SITE_OVERLAYS else "nfs-client"), overlay
+
+
+@pytest.mark.parametrize("overlay", SITE_OVERLAYS)
+def test_a_site_overlay_refuses_to_build_until_the_site_names_its_storage_class(overlay, tmp_path):
+    assert (MANIFESTS / "overlays" / overlay / "site.env.example").is_file()
+    missing = kustomize(site_copy(tmp_path / "none", env=None) / "overlays" / overlay)
+    assert missing.returncode != 0 and "site.env" in missing.stderr and "no such file" in missing.stderr, missing.stderr
+    # the example as shipped names the setting but leaves it to the site
+    example = (MANIFESTS / "overlays" / overlay / "site.env.example").read_text()
+    unset = kustomize(site_copy(tmp_path / "example", env=example) / "overlays" / overlay)
+    assert unset.returncode != 0 and "data.SHARED_STORAGE_CLASS` is missing" in unset.stderr, unset.stderr
+    written = example.replace("# SHARED_STORAGE_CLASS=cephfs", "SHARED_STORAGE_CLASS=nfs-rwx")
+    assert written != example
+    objects = build(site_copy(tmp_path / "written", env=written), overlay)
+    [claim] = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["storageClassName"] == "nfs-rwx"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from dockrl import launcher
 from dockrl.config import ConfigError
 from dockrl.data import generate_problems, write_jsonl
-from dockrl import launcher
 from dockrl.launch.tasks import (
     RUN_PARAMETERS,
     dataset_files,
     evaluate_model,
     export_model,
+    local_run_devices,
+    local_run_resources,
     prepare_dataset,
     resolve_overrides,
     run_parameter_defaults,
@@ -24,6 +26,7 @@ from dockrl.launch.tasks import (
 )
 
 SMALL = ["data.generate_train=30", "data.generate_test=6"]
+HYBRID = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed"]
 
 
 def test_prepare_dataset_writes_generated_splits_and_a_manifest(tmp_path):
@@ -102,6 +105,73 @@ def test_evaluate_model_reports_fractions(tiny_model_dir, tmp_path):
     res = evaluate_model(tiny_model_dir, tmp_path / "ds", ["rollout.max_response_length=8", "data.eval_size=4", "rollout.dtype=float32"])
     assert set(res) == {"eval/accuracy", "eval/format_rate", "eval/count"}
     assert res["eval/count"] == 4.0 and 0 <= res["eval/accuracy"] <= 1 and 0 <= res["eval/format_rate"] <= 1
+
+
+def test_evaluate_model_runs_on_the_device_the_pipeline_gave_the_step(tiny_model_dir, tmp_path, caplog):
+    """The step's device wins over the one the training used; an accelerator it does not see is a clear error."""
+    import logging
+
+    prepare_dataset(SMALL, tmp_path / "ds")
+    common = ["rollout.max_response_length=8", "data.eval_size=2", "rollout.dtype=float32", "rollout.engine=hf"]
+    with caplog.at_level(logging.INFO, logger="dockrl.launch.tasks"):
+        # trained on NPUs, evaluated where the step runs: here the CPU ("auto" resolves to what this process sees)
+        for device in ("cpu", "auto"):
+            assert evaluate_model(tiny_model_dir, tmp_path / "ds", [*common, "parallel.device=npu"], device=device)["eval/count"] == 2.0
+    with pytest.raises(RuntimeError, match="parallel.device='cuda': no cuda device is available"):
+        evaluate_model(tiny_model_dir, tmp_path / "ds", common, device="cuda")
+    with pytest.raises(ConfigError, match="parallel.device: got 'tpu'"):
+        evaluate_model(tiny_model_dir, tmp_path / "ds", common, device="tpu")
+
+
+@pytest.mark.parametrize("platform, overrides, devices", [
+    ("npu", [], 1),                               # auto: the platform's accelerator, though loaded on this CPU
+    ("gpu", ["trainer.engine=megatron"], 1),       # one actor rank: every stage process on device 0
+    ("npu", ["parallel.device=cpu"], 0),           # asked for the CPU on an accelerator platform
+    ("cpu", [], 0),
+    ("npu", [*HYBRID, "parallel.tp=2", "parallel.dp=2"], 4),  # the hybrid actor: tp × pp × dp ranks, one device each
+    ("gpu", [*HYBRID, "parallel.pp=2"], 2),
+    ("cpu", [*HYBRID, "parallel.tp=2"], 0),
+])
+def test_a_local_run_requests_the_devices_its_processes_use(platform, overrides, devices, monkeypatch):
+    from dockrl.config import load_config
+    from dockrl.launch.platform import PLATFORMS
+    from dockrl.resharding import device
+
+    monkeypatch.setattr(device, "detect_kind", lambda: "cpu")  # as in the resolve-config pod, a CPU
+    preset = PLATFORMS[platform]
+    assert load_config(None, overrides).parallel.device == "cpu"  # auto resolved here: not what the train pod sees
+    assert local_run_devices(load_config(None, overrides), preset) == devices
+    size = local_run_resources(overrides, preset)
+    one = preset.pod_requests(1)
+    # strings: KFP's driver reads a task's resources from string outputs only
+    assert size == {"devices": str(devices), "cpu": preset.pod_requests(devices)["cpu"], "memory": preset.pod_requests(devices)["memory"]}
+    if devices > 1:  # CPU and memory scale with the devices
+        assert size["cpu"] == f"{int(one['cpu']) * devices}" and size["memory"] != one["memory"]
+    with pytest.raises(ConfigError, match="parallel.tp: got 2"):
+        local_run_resources(["parallel.tp=2"], preset)
+
+
+def test_workers_in_another_namespace_than_their_launcher_are_refused(monkeypatch):
+    """An owner reference cannot cross namespaces: Kubernetes would delete the workers at once."""
+    import kubernetes
+
+    from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod
+
+    monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: "fake core api")
+    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", lambda: "fake custom api")
+    monkeypatch.setenv("POD_NAMESPACE", "team-a")
+    monkeypatch.delenv("POD_NAME", raising=False)
+    monkeypatch.delenv("POD_UID", raising=False)
+    # the exit handler (no owner): it may tear down any namespace it is allowed to
+    assert KubernetesBackend.from_cluster("run-1", namespace="team-b").namespace == "team-b"
+    monkeypatch.setenv("POD_NAME", "launcher")
+    monkeypatch.setenv("POD_UID", "uid-1")
+    for given in ("", "team-a"):
+        backend = KubernetesBackend.from_cluster("run-1", namespace=given)
+        assert (backend.namespace, backend.owner) == ("team-a", OwnerPod(name="launcher", uid="uid-1"))
+    with pytest.raises(ValueError, match=r"namespace='team-b', but the launcher pod launcher runs in 'team-a'.*cannot cross namespaces"):
+        KubernetesBackend.from_cluster("run-1", namespace="team-b")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ class FakeKfpServer:
     install's authentication.
     """
 
-    def __init__(self, version: str | None = "2.14.3", token: str = "") -> None:
+    def __init__(self, version: str | None = "2.17.0", token: str = "") -> None:
         self.requests: list[tuple[str, str, dict, dict | None]] = []
         self.headers: list[dict[str, str]] = []
         self.experiments: dict[str, str] = {}

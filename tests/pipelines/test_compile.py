@@ -54,21 +54,40 @@ def test_importing_the_pipeline_module_compiles_nothing():
     assert not hasattr(module, "grpo")  # compiled when asked (build_pipeline / compile_pipeline), not at import
 
 
-def test_local_backend_the_train_task_carries_the_accelerators_and_no_volume_or_secret(compiled_npu):
+def resolved(output: str) -> str:
+    """The placeholder KFP's driver replaces with resolve-config's output ``output`` (a string)."""
+    return f"{{{{$.inputs.parameters['pipelinechannel--resolve-config-{output}']}}}}"
+
+
+def test_local_backend_the_train_task_carries_the_accelerators_and_the_run_folders_volume(compiled_npu):
     spec, deployment, k8s = parse_ir(compiled_npu)
     npu = PLATFORMS["npu"]
     train = deployment.executors["exec-train"].container
     assert train.image == npu.image
+    # the whole run happens in this pod: it holds the devices its run's processes use and the CPU and
+    # memory of a pod holding them, which resolve-config computes from the run's config
     assert train.resources.accelerator.resource_type == "huawei.com/Ascend910"
-    assert train.resources.accelerator.resource_count == "8"
-    # the whole run happens in this pod: it requests the platform's stage size
-    assert (train.resources.resource_cpu_request, train.resources.resource_memory_request) == (npu.stage_cpu, npu.stage_memory)
+    assert train.resources.accelerator.resource_count == resolved("devices")
+    assert (train.resources.resource_cpu_request, train.resources.resource_memory_request) == (resolved("cpu"), resolved("memory"))
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
+    for output in ("devices", "cpu", "memory"):
+        source = inputs[f"pipelinechannel--resolve-config-{output}"].task_output_parameter
+        assert (source.producer_task, source.output_parameter_key) == ("resolve-config", output)
+        assert spec.components["comp-resolve-config"].output_definitions.parameters[output].parameter_type == pb.ParameterType.STRING
     cfg = k8s["exec-train"]
     assert dict(cfg.node_selector.labels) == {"accelerator": "huawei-Ascend910"}
     assert [(t.key, t.operator, t.effect) for t in cfg.tolerations] == [("huawei.com/Ascend910", "Exists", "NoSchedule")]
-    # the local backend needs neither the shared volume nor the object-store Secret
-    assert not cfg.pvc_mount and not cfg.secret_as_env
-    assert not any(c.pvc_mount or c.secret_as_env for c in k8s.values())
+    [shm] = cfg.empty_dir_mounts  # NCCL, HCCL and vLLM exchange through /dev/shm; a container's default is 64 MiB
+    assert (shm.mount_path, shm.medium, shm.size_limit) == ("/dev/shm", "Memory", npu.shm_size(npu.devices_per_node))
+    # the run folder on the shared volume, where a retried train task finds its checkpoints; no other task mounts it
+    assert {name for name, c in k8s.items() if c.pvc_mount} == {"exec-train"}
+    [pvc] = cfg.pvc_mount
+    assert (pvc.constant, pvc.mount_path) == (npu.shared_volume_claim, npu.shared_mount_path)
+    assert not spec.components["comp-exit-handler-1"].dag.tasks["train"].HasField("retry_policy")  # retries: train_retries
+    # the object-store Secret only with the S3 warehouse: optional
+    [secret] = cfg.secret_as_env
+    assert secret.secret_name == "dockrl-object-store" and secret.HasField("optional") and secret.optional
+    assert {name for name, c in k8s.items() if c.secret_as_env} == {"exec-train"}
     assert {(f.name, f.field_path) for f in cfg.field_path_as_env} == {
         ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_UID", "metadata.uid"),
         ("POD_IP", "status.podIP")}
@@ -77,9 +96,57 @@ def test_local_backend_the_train_task_carries_the_accelerators_and_no_volume_or_
     assert inputs["worker_backend"].runtime_value.constant.string_value == "local"  # compiled in, not a parameter
     assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == npu
     for name, executor in deployment.executors.items():
-        if name != "exec-train":
+        if name not in ("exec-train", "exec-evaluate"):
             assert executor.container.image == CPU_IMAGE
             assert not executor.container.resources.HasField("accelerator")
+            assert not k8s[name].node_selector.labels and not k8s[name].tolerations and not k8s[name].empty_dir_mounts
+
+
+@pytest.mark.parametrize("fixture", ["compiled_npu", "compiled_npu_kubernetes"])
+def test_evaluate_runs_on_the_accelerator_image_with_one_device_and_the_rollout_engine(fixture, request):
+    spec, deployment, k8s = parse_ir(request.getfixturevalue(fixture))
+    npu = PLATFORMS["npu"]
+    evaluate = deployment.executors["exec-evaluate"].container
+    assert evaluate.image == npu.image
+    assert (evaluate.resources.accelerator.resource_type, evaluate.resources.accelerator.resource_count) == (npu.accelerator, "1")
+    one = npu.pod_requests(1)
+    assert (evaluate.resources.resource_cpu_request, evaluate.resources.resource_memory_request) == (one["cpu"], one["memory"])
+    cfg = k8s["exec-evaluate"]
+    assert dict(cfg.node_selector.labels) == npu.node_selector
+    assert [(t.key, t.operator, t.effect) for t in cfg.tolerations] == [("huawei.com/Ascend910", "Exists", "NoSchedule")]
+    assert [(m.mount_path, m.size_limit) for m in cfg.empty_dir_mounts] == [("/dev/shm", npu.shm_size(1))]
+    # the step's device is the pod's accelerator (parallel.device=auto there), whatever the training used
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["evaluate"].inputs.parameters
+    assert inputs["device"].runtime_value.constant.string_value == "auto"
+    # export-model stays on the CPU image
+    assert deployment.executors["exec-export-model"].container.image == CPU_IMAGE
+
+
+@pytest.mark.parametrize("platform, worker_backend", [(p, b) for p in ("npu", "gpu", "cpu") for b in ("local", "kubernetes")])
+def test_every_task_lands_only_on_nodes_of_an_architecture_its_image_is_built_for(platform, worker_backend, tmp_path):
+    from pipelines.grpo import compile_pipeline
+
+    preset = PLATFORMS[platform]
+    _, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform=platform, worker_backend=worker_backend))
+    images = {preset.image: platform, preset.cpu_image: "cpu"}
+    for name, executor in deployment.executors.items():
+        [term] = k8s[name].node_affinity
+        [expr] = term.match_expressions
+        assert not term.HasField("weight"), name  # required, not preferred
+        assert (expr.key, expr.operator) == ("kubernetes.io/arch", "In"), name
+        assert tuple(expr.values) == preset.architectures_of(images[executor.container.image]), name
+    if platform == "gpu":  # the CUDA image is built for amd64 only, and the platform keeps every pod there
+        assert {v for c in k8s.values() for v in c.node_affinity[0].match_expressions[0].values} == {"amd64"}
+
+
+def test_an_image_built_for_none_of_the_platforms_architectures_is_refused(tmp_path):
+    import dataclasses
+
+    from pipelines.grpo import compile_pipeline
+
+    arm_gpu = dataclasses.replace(PLATFORMS["gpu"], architectures=("arm64",))
+    with pytest.raises(ValueError, match=r"architectures=\('arm64',\), but image dockrl-gpu is built for \('amd64',\) only"):
+        compile_pipeline(tmp_path / "p.yaml", platform=arm_gpu)
 
 
 def test_kubernetes_backend_the_launcher_drives_with_the_volume_and_secret_but_no_accelerators(compiled_npu_kubernetes):
@@ -88,9 +155,10 @@ def test_kubernetes_backend_the_launcher_drives_with_the_volume_and_secret_but_n
     assert train.image == CPU_IMAGE and not train.resources.HasField("accelerator")
     assert (train.resources.resource_cpu_request, train.resources.resource_memory_request) == ("2", "8Gi")
     cfg = k8s["exec-train"]
-    assert not cfg.node_selector.labels and not cfg.tolerations
+    assert not cfg.node_selector.labels and not cfg.tolerations and not cfg.empty_dir_mounts
     [secret] = cfg.secret_as_env
-    assert secret.secret_name == "dockrl-object-store" and not secret.optional
+    # optional: a run with the default in-memory warehouse starts without the Secret (manifests/components/object-store)
+    assert secret.secret_name == "dockrl-object-store" and secret.HasField("optional") and secret.optional
     assert {(k.secret_key, k.env_var) for k in secret.key_to_env} == {
         ("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY"),
         ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL")}
@@ -104,6 +172,9 @@ def test_kubernetes_backend_the_launcher_drives_with_the_volume_and_secret_but_n
     assert inputs["worker_backend"].runtime_value.constant.string_value == "kubernetes"
     assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == PLATFORMS["npu"]  # the pods'
     assert "worker_backend" not in spec.root.input_definitions.parameters
+    # the workers live in the launcher's namespace: no setting names another one
+    assert not any("namespace" in name for name in inputs)
+    assert "namespace" not in str(spec.components["comp-teardown-workers"].input_definitions)
 
 
 def test_every_task_requests_cpu_and_memory_and_carries_the_label(compiled_npu, compiled_npu_kubernetes):
@@ -163,15 +234,21 @@ def test_steps_run_in_order_inside_an_exit_handler_that_tears_workers_down(compi
 def test_other_platforms(platform, resource, tmp_path):
     from pipelines.grpo import compile_pipeline
 
-    _, deployment, k8s = parse_ir(compile_pipeline(tmp_path / f"{platform}.yaml", platform=platform))
+    spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / f"{platform}.yaml", platform=platform))
     train = deployment.executors["exec-train"].container
+    evaluate = deployment.executors["exec-evaluate"].container
     assert train.image == PLATFORMS[platform].image
+    device = spec.components["comp-exit-handler-1"].dag.tasks["evaluate"].inputs.parameters["device"]
     if resource:
-        assert train.resources.accelerator.resource_type == resource
+        assert train.resources.accelerator.resource_type == resource == evaluate.resources.accelerator.resource_type
         assert dict(k8s["exec-train"].node_selector.labels) == {"nvidia.com/gpu.present": "true"}
-    else:
-        assert not train.resources.HasField("accelerator")
+        assert evaluate.image == PLATFORMS[platform].image and device.runtime_value.constant.string_value == "auto"
+    else:  # on CPU: no accelerators anywhere, evaluate on the CPU image and the CPU, as before
+        assert not train.resources.HasField("accelerator") and not evaluate.resources.HasField("accelerator")
         assert not k8s["exec-train"].node_selector.labels and not k8s["exec-train"].tolerations
+        assert evaluate.image == CPU_IMAGE and device.runtime_value.constant.string_value == "cpu"
+        assert (evaluate.resources.resource_cpu_request, evaluate.resources.resource_memory_request) == ("4", "16Gi")
+        assert not any(c.empty_dir_mounts for c in k8s.values())
 
 
 def test_images_registry_tag_digest_and_pull_secret_are_compile_settings(tmp_path):
@@ -180,15 +257,19 @@ def test_images_registry_tag_digest_and_pull_secret_are_compile_settings(tmp_pat
     digest = "sha256:" + "ab" * 32
     platform = with_images(PLATFORMS["npu"], registry="registry.example.com/ml", tag="0.2.0", digests={"npu": digest},
                            pull_secret="regcred")
-    settings = PipelineSettings(platform=platform, worker_backend="local", requests={"evaluate": Requests(cpu="8", memory="32Gi")})
+    settings = PipelineSettings(platform=platform, worker_backend="local", requests={
+        "evaluate": Requests(cpu="8", memory="32Gi"), "train": Requests(cpu="24", memory="200Gi")})
     spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "site.yaml", settings=settings))
-    assert deployment.executors["exec-train"].container.image == f"registry.example.com/ml/dockrl-npu@{digest}"
     for name, executor in deployment.executors.items():
-        if name != "exec-train":
+        if name in ("exec-train", "exec-evaluate"):
+            assert executor.container.image == f"registry.example.com/ml/dockrl-npu@{digest}"
+        else:
             assert executor.container.image == "registry.example.com/ml/dockrl-cpu:0.2.0", name
         assert [s.secret_name for s in k8s[name].image_pull_secret] == ["regcred"], name
     res = deployment.executors["exec-evaluate"].container.resources
     assert (res.resource_cpu_request, res.resource_memory_request) == ("8", "32Gi")
+    res = deployment.executors["exec-train"].container.resources  # given: fixed; the devices still follow the config
+    assert (res.resource_cpu_request, res.resource_memory_request, res.accelerator.resource_count) == ("24", "200Gi", resolved("devices"))
     inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
     pods = Platform.from_json(inputs["platform"].runtime_value.constant.string_value)
     assert pods.image_pull_secret == "regcred" and pods.image == f"registry.example.com/ml/dockrl-npu@{digest}"
@@ -268,15 +349,18 @@ def test_cli_compile_takes_the_images_from_an_overlay_and_the_options(tmp_path, 
         {"name": "ghcr.io/dockrl/dockrl-gpu", "newName": "registry.example.com/ml/dockrl-gpu", "newTag": "0.3.0"}]}))
     out = tmp_path / "site.yaml"
     rc = pipeline_cli.main(["compile", str(out), "--platform", "gpu", "--overlay", str(overlay), "--pull-secret", "regcred",
-                            "--request", "evaluate=1,2Gi", "--workers-namespace", "dockrl-workers"])
+                            "--request", "evaluate=1,2Gi"])
     assert rc == 0, capsys.readouterr().err
     spec, deployment, k8s = parse_ir(out)
     assert deployment.executors["exec-train"].container.image == "registry.example.com/ml/dockrl-gpu:0.3.0"
-    assert deployment.executors["exec-evaluate"].container.image == "registry.example.com/ml/dockrl-cpu:0.3.0"
+    assert deployment.executors["exec-evaluate"].container.image == "registry.example.com/ml/dockrl-gpu:0.3.0"
+    assert deployment.executors["exec-export-model"].container.image == "registry.example.com/ml/dockrl-cpu:0.3.0"
     assert deployment.executors["exec-evaluate"].container.resources.resource_memory_request == "2Gi"
     assert [s.secret_name for s in k8s["exec-train"].image_pull_secret] == ["regcred"]
-    inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
-    assert inputs["workers_namespace"].runtime_value.constant.string_value == "dockrl-workers"
+    # the workers live in the run's namespace: the option is gone
+    with pytest.raises(SystemExit):
+        pipeline_cli.main(["compile", str(out), "--workers-namespace", "dockrl-workers"])
+    assert "unrecognized arguments: --workers-namespace" in capsys.readouterr().err
     rc = pipeline_cli.main(["compile", str(out), "--tag", "latest"])
     assert rc == 2 and "never 'latest'" in capsys.readouterr().err
     rc = pipeline_cli.main(["compile", str(out), "--request", "train=4"])
@@ -295,3 +379,31 @@ def test_the_wheel_ships_the_pipeline_and_its_components():
     packages = set(find_packages(str(root), include=include))
     assert {"dockrl", "dockrl.launch", "dockrl.dock", "pipelines", "components"} <= packages
     assert not {p for p in packages if p.split(".")[0] not in ("dockrl", "pipelines", "components")}, packages
+
+
+def test_train_retries_and_a_sites_platform_file_are_compiled_in(tmp_path):
+    from dockrl.launch.platform import platform_from_file
+    from pipelines.grpo import PipelineSettings, compile_pipeline
+
+    site = tmp_path / "site-platform.yaml"
+    site.write_text("devices_per_node: 16\nnetwork_interface: net1\nextra_resources: {rdma/hca_shared_devices_a: '1'}\n"
+                    "architectures: [arm64]\n")
+    platform = platform_from_file(PLATFORMS["npu"], site)
+    assert (platform.devices_per_node, platform.network_interface, platform.architectures) == (16, "net1", ("arm64",))
+    assert platform.extra_resources == {"rdma/hca_shared_devices_a": "1"} and platform.accelerator == "huawei.com/Ascend910"
+    out = compile_pipeline(tmp_path / "p.yaml", settings=PipelineSettings(platform=platform, train_retries=2))
+    spec, _, k8s = parse_ir(out)
+    retry = spec.components["comp-exit-handler-1"].dag.tasks["train"].retry_policy
+    assert retry.max_retry_count == 2 and retry.backoff_duration.seconds == 60
+    train_input = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters["platform"]
+    assert Platform.from_json(train_input.runtime_value.constant.string_value) == platform  # the workers get the site's fields
+    [term] = k8s["exec-train"].node_affinity
+    assert [list(e.values) for e in term.match_expressions] == [["arm64"]]
+    site.write_text("devices_per_nod: 16\n")
+    with pytest.raises(ValueError, match=r"site-platform.yaml: unknown platform field\(s\) \['devices_per_nod'\]"):
+        platform_from_file(PLATFORMS["npu"], site)
+    site.write_text("cpu_per_device: lots\n")
+    with pytest.raises(ValueError, match=r"site-platform.yaml: quantity 'lots'"):
+        platform_from_file(PLATFORMS["npu"], site)
+    with pytest.raises(ValueError, match="train_retries=-1"):
+        PipelineSettings(train_retries=-1)

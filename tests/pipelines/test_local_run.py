@@ -54,8 +54,13 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path):
     assert exported["dtype"] == "float32" and exported["parameters"] > 0
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # the exit task ran
     # the run's overrides, checked once before the data step, are what every step read
-    resolved = json.loads((run / "resolve-config" / "executor_output.json").read_text())["parameterValues"]["Output"]
-    assert resolved == overrides
+    resolved = json.loads((run / "resolve-config" / "executor_output.json").read_text())["parameterValues"]
+    assert resolved["overrides"] == overrides
+    # and the size of the train pod that runs them: the cpu platform has no devices
+    from dockrl.launch.platform import PLATFORMS
+
+    cpu = PLATFORMS["cpu"].pod_requests(0)
+    assert (resolved["devices"], resolved["cpu"], resolved["memory"]) == ("0", cpu["cpu"], cpu["memory"])
     curves = (run / "train" / "curves").read_text()  # the HTML of the run's curves, for the UI
     assert "data:image/png;base64," in curves and "<td>reward/mean</td>" in curves and out["curves"] == str(run / "train" / "curves")
 

@@ -99,20 +99,42 @@ def test_compile_options_with_a_compiled_package_are_refused(kfp_server, compile
     assert kfp_server.requests == []
 
 
-def test_a_server_older_than_the_minimum_is_refused_before_anything_is_created(compiled_npu, make_kfp_server):
-    old = make_kfp_server(version="2.4.1")
-    with pytest.raises(PipelineError, match=r"KFP at .* is version 2.4.1; dockrl needs KFP >= 2.5.0"):
+def test_a_server_older_than_the_minimum_is_refused_before_anything_is_created(compiled_npu, make_kfp_server, capsys):
+    old = make_kfp_server(version="2.16.1")
+    with pytest.raises(PipelineError, match=r"KFP at .* is version 2.16.1; dockrl needs KFP >= 2.17.0: ") as err:
         submit(old.url, compiled_npu)
+    # why 2.17 (the launcher's metadata publish retry), and the documented way around it
+    for said in ("retry publishing a task's outputs to the metadata store", "#13179", "#11660", "EnvoyFilter in docs/kubernetes.md",
+                 "--metadata-keepalive", "amd64"):
+        assert said in str(err.value), said
     assert [path for _, path, _, _ in old.requests] == ["/apis/v2beta1/healthz"]
-    for tag in ("2.5.0", "v2.15.0-rc.1"):
-        assert submit(make_kfp_server(version=tag).url, compiled_npu)["run_id"] == "run-1"
+    with pytest.raises(PipelineError, match="dockrl needs KFP >= 2.17.0"):
+        schedule(make_kfp_server(version="v2.16.0").url, compiled_npu, cron="0 0 3 * * *")
+    rc, _, err_text = _cli(capsys, "submit", "--host", make_kfp_server(version="2.14.3").url, "--package", str(compiled_npu),
+                           "--metadata-keepalive")
+    assert rc == 1 and "is version 2.14.3; dockrl needs KFP >= 2.17.0 (at the very least 2.15.0" in err_text  # no way around
 
 
-def test_a_server_that_does_not_tell_its_version_gets_a_warning(compiled_npu, make_kfp_server, caplog):
-    server = make_kfp_server(version=None)
+@pytest.mark.parametrize("tag", ["2.17.0", "v2.17.1", "2.18.0-rc.1", "3.0.0"])
+def test_a_server_at_or_above_the_minimum_gets_the_run(compiled_npu, make_kfp_server, tag):
+    assert submit(make_kfp_server(version=tag).url, compiled_npu)["run_id"] == "run-1"
+
+
+def test_with_the_metadata_keepalive_a_2_15_server_gets_the_run(compiled_npu, make_kfp_server, capsys):
+    server = make_kfp_server(version="2.15.0")
+    rc, out, err = _cli(capsys, "submit", "--host", server.url, "--package", str(compiled_npu), "--metadata-keepalive")
+    assert rc == 0, err
+    assert json.loads(out[out.index("{"):])["run_id"] == "run-1"
+    assert schedule(server.url, compiled_npu, cron="0 0 3 * * *", metadata_keepalive=True)["recurring_run_id"] == "rr-1"
+
+
+@pytest.mark.parametrize("tag", [None, "unknown"])
+def test_a_server_that_does_not_tell_its_version_gets_a_warning(compiled_npu, make_kfp_server, caplog, tag):
+    """KFP's API server reports its build's TAG_NAME ("unknown" in a development build), or nothing (older ones)."""
+    server = make_kfp_server(version=tag)
     with caplog.at_level("WARNING"):
         assert submit(server.url, compiled_npu)["run_id"] == "run-1"
-    assert "does not tell its version" in caplog.text and ">= 2.5.0" in caplog.text
+    assert "does not tell its version" in caplog.text and ">= 2.17.0" in caplog.text
 
 
 def test_multi_user_token_and_profile_namespace(compiled_npu, capsys, monkeypatch, make_kfp_server):
