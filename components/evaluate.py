@@ -18,8 +18,10 @@ def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: Lis
     """``eval/accuracy``, ``eval/format_rate`` and ``eval/count`` of greedy decoding on ``device``."""
     import logging
 
+    from dockrl.launch.image_env import enter_image_environment
     from dockrl.launch.tasks import evaluate_model
 
+    enter_image_environment()  # on the NPU image: CANN's environment, which KFP's command bypasses
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name, value in evaluate_model(model.path, dataset.path, config_overrides, device=device).items():
         metrics.log_metric(name, value)

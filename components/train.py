@@ -34,10 +34,12 @@ def train(
     import logging
     from pathlib import Path
 
+    from dockrl.launch.image_env import enter_image_environment
     from dockrl.launch.platform import Platform
     from dockrl.launcher import run_training
     from dockrl.metrics import metrics_report_html
 
+    enter_image_environment()  # on the NPU image: CANN's environment for the stage processes, which KFP's command bypasses
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_training(config_overrides, dataset.path, model.path, run_dir.path, log_metric=metrics.log_metric,
                  worker_backend=worker_backend, run_id=run_id,

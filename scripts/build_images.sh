@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# Build the three dockrl images (images/cpu, images/cuda -> dockrl-gpu, images/npu) and, with
-# PUSH=1, push them and write their digests.
+# Build the three dockrl images (images/cpu, images/cuda -> dockrl-gpu, images/npu), each for every
+# architecture it supports (cpu, npu: linux/amd64 and linux/arm64; gpu: linux/amd64; the same as
+# IMAGE_ARCHITECTURES in dockrl/launch/platform.py) and, with PUSH=1, push them and write their digests.
 #
-#   make images                                          # build for the default registry and tag
-#   REGISTRY=registry.example.com/ml TAG=0.1.0 PUSH=1 make images
+#   make images                                          # this machine's architecture, loaded locally
+#   REGISTRY=registry.example.com/ml TAG=0.1.0 PUSH=1 make images   # every architecture, pushed
+#   OCI=1 make images                                    # every architecture, as OCI archives in build/
 #   IMAGES="cpu" make images                             # only some of them
+#
+# Where the images go (docker buildx):
+#   PUSH=1   every platform of each image, pushed as one multi-platform image (a manifest list);
+#            its digest goes to DIGESTS_FILE
+#   OCI=1    every platform of each image, written to build/dockrl-<name>-<TAG>.oci.tar (an OCI
+#            image layout, multi-platform; `docker buildx imagetools`, skopeo or crane read it)
+#   neither  only this machine's platform (of those the image supports; else its first), loaded
+#            into the local engine: `--load` into the classic docker image store takes one platform
+# Building a platform other than the machine's needs QEMU (docker/setup-qemu-action, tonistiigi/binfmt).
 #
 # Settings (environment):
 #   REGISTRY      where the images go: <REGISTRY>/dockrl-{cpu,gpu,npu} (default: ghcr.io/dockrl)
 #   TAG           their tag, never "latest" (default: the version in pyproject.toml)
 #   IMAGES        which ones, out of "cpu gpu npu" (default: all three)
-#   PUSH          1: push, then write DIGESTS_FILE (default: 0, load into the local engine)
+#   PUSH, OCI     see above (default: 0, 0)
 #   DIGESTS_FILE  where the pushed digests go, as the images: of a kustomization (default:
 #                 build/images-digests.yaml); `dockrl pipeline compile --overlay <it>` reads them
-#   CPU_PLATFORM, GPU_PLATFORM, NPU_PLATFORM   target platform of each (default: linux/amd64,
-#                 linux/amd64, linux/arm64: Ascend servers are mostly Kunpeng, aarch64)
+#   CPU_PLATFORMS, GPU_PLATFORMS, NPU_PLATFORMS   comma-separated platforms of each (defaults above);
+#                 more than one needs PUSH=1 or OCI=1
 #   DOCKER        the docker CLI (default: docker); it needs buildx
 set -euo pipefail
 
@@ -24,6 +35,7 @@ REGISTRY=${REGISTRY:-ghcr.io/dockrl}
 TAG=${TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -n 1)}
 IMAGES=${IMAGES:-"cpu gpu npu"}
 PUSH=${PUSH:-0}
+OCI=${OCI:-0}
 DIGESTS_FILE=${DIGESTS_FILE:-build/images-digests.yaml}
 
 REGISTRY=${REGISTRY%/}
@@ -38,12 +50,28 @@ if [[ ! "$REGISTRY" =~ ^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-
 fi
 
 folder_of() { case "$1" in cpu) echo images/cpu ;; gpu) echo images/cuda ;; npu) echo images/npu ;; *) return 1 ;; esac; }
-platform_of() {
+# Every platform each image is built for; keep the defaults equal to IMAGE_ARCHITECTURES
+# (dockrl/launch/platform.py; tests/launch/test_images.py checks it).
+platforms_of() {
     case "$1" in
-        cpu) echo "${CPU_PLATFORM:-linux/amd64}" ;;
-        gpu) echo "${GPU_PLATFORM:-linux/amd64}" ;;
-        npu) echo "${NPU_PLATFORM:-linux/arm64}" ;;
+        cpu) echo "${CPU_PLATFORMS:-linux/amd64,linux/arm64}" ;;
+        gpu) echo "${GPU_PLATFORMS:-linux/amd64}" ;;
+        npu) echo "${NPU_PLATFORMS:-linux/amd64,linux/arm64}" ;;
     esac
+}
+# The platform to build when loading into the local engine: this machine's, if the image has it.
+host_platform() {
+    case "$(uname -m)" in
+        x86_64 | amd64) echo linux/amd64 ;;
+        aarch64 | arm64) echo linux/arm64 ;;
+        *) uname -m ;;
+    esac
+}
+local_platform_of() {
+    local platforms host
+    platforms=$(platforms_of "$1")
+    host=$(host_platform)
+    if [[ ",$platforms," == *",$host,"* ]]; then echo "$host"; else echo "${platforms%%,*}"; fi
 }
 
 for name in $IMAGES; do
@@ -52,6 +80,19 @@ for name in $IMAGES; do
         exit 2
     fi
 done
+if [[ "$PUSH" == 1 && "$OCI" == 1 ]]; then
+    echo "build_images: PUSH=1 and OCI=1: choose one (push to REGISTRY, or write OCI archives to build/)" >&2
+    exit 2
+fi
+if [[ "$PUSH" != 1 && "$OCI" != 1 ]]; then
+    for var in CPU_PLATFORMS GPU_PLATFORMS NPU_PLATFORMS; do
+        if [[ "${!var:-}" == *,* ]]; then
+            echo "build_images: $var='${!var}' names several platforms, which --load cannot put into the classic" \
+                 "docker image store; set PUSH=1 or OCI=1, or one platform" >&2
+            exit 2
+        fi
+    done
+fi
 
 mkdir -p build
 if [[ "$PUSH" == 1 ]]; then
@@ -63,10 +104,18 @@ for name in $IMAGES; do
     ref="$REGISTRY/dockrl-$name:$TAG"
     metadata="build/metadata-$name.json"
     rm -f "$metadata"
-    output=(--load)
-    [[ "$PUSH" == 1 ]] && output=(--push)
-    echo "build_images: $ref from $folder/Dockerfile ($(platform_of "$name"))"
-    "$DOCKER" buildx build --platform "$(platform_of "$name")" -f "$folder/Dockerfile" -t "$ref" \
+    if [[ "$PUSH" == 1 ]]; then
+        platforms=$(platforms_of "$name")
+        output=(--push)
+    elif [[ "$OCI" == 1 ]]; then
+        platforms=$(platforms_of "$name")
+        output=(--output "type=oci,dest=build/dockrl-$name-$TAG.oci.tar")
+    else
+        platforms=$(local_platform_of "$name")
+        output=(--load)
+    fi
+    echo "build_images: $ref from $folder/Dockerfile ($platforms)"
+    "$DOCKER" buildx build --platform "$platforms" -f "$folder/Dockerfile" -t "$ref" \
         --label "org.opencontainers.image.version=$TAG" --metadata-file "$metadata" "${output[@]}" .
     if [[ "$PUSH" == 1 ]]; then
         digest=$(sed -n 's/.*"containerimage.digest": *"\(sha256:[0-9a-f]\{64\}\)".*/\1/p' "$metadata" | head -n 1)
