@@ -84,11 +84,11 @@ def availability(algorithm: str, overrides: list[str]) -> str:
 def run_algorithm(overrides: list[str]) -> dict[str, Any]:
     """One training run (in this process); returns its summary and per-iteration metrics."""
     from dockrl import driver
-    from dockrl.config import load_config
+    from dockrl.config import load_config, resolve_auto
 
     # the table of record generates with transformers: rollout.engine=auto would pick vLLM where it
     # is installed; `--set rollout.engine=vllm` (later in the overrides) still chooses vLLM
-    cfg = load_config(None, ["rollout.engine=hf", *overrides])
+    cfg = resolve_auto(load_config(None, ["rollout.engine=hf", *overrides]))  # resolved here: the table names the device
     metrics: list[dict[str, float]] = []
     summary = driver.train(cfg, on_iteration=lambda _, m: metrics.append(dict(m)))
     return {"summary": summary, "metrics": metrics, "device": cfg.parallel.device}

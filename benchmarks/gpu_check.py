@@ -159,7 +159,7 @@ class SyntheticRewardWorker:
 
 def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: float) -> dict:
     """GRPO iterations of ``shape`` through the HF engines on the device; the last iteration's figures."""
-    from dockrl.config import load_config
+    from dockrl.config import load_config, resolve_auto
     from dockrl.data import generate_problems
     from dockrl.dock import GRPO_SCHEMA, open_dock
     from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks
@@ -171,12 +171,12 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
     build_start = time.perf_counter()
     dev = devices.process_device(device_kind, 0)
     model_dir = build_model(shape, work / shape.name, dev)
-    cfg = load_config(None, [
+    cfg = resolve_auto(load_config(None, [  # the engines are built here, not by a run: rollout.dtype's auto resolves here
         f"model.path={model_dir}", f"parallel.device={device_kind}", f"rollout.n={args.samples}",
         f"trainer.global_batch={args.prompts}", f"trainer.mini_batch={args.prompts}", f"trainer.micro_batch={args.micro_batch}",
         f"rollout.max_response_length={args.tokens}", f"rollout.batch_size={args.rollout_batch}", "rollout.temperature=1.0",
         "algorithm.kl_loss_coef=0.0", "trainer.lr=1e-6", "rollout.engine=hf",  # the HF engines, wherever vLLM is installed
-    ])
+    ]))
     ranks = process_ranks(cfg, trains=True)
     rollout_engine, actor = build_rollout_engine(cfg, model_dir, ranks), build_train_engine(cfg, model_dir, ranks)
     tokenizer = rollout_engine.tokenizer

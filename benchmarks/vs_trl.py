@@ -150,12 +150,12 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
 def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
     """One dockrl run (``dockrl train``'s driver, in-process dock) with ``rollout.engine=engine``."""
     from dockrl import driver
-    from dockrl.config import load_config
+    from dockrl.config import load_config, resolve_auto
 
     per_iteration = spec["prompts"] * spec["n"]
     bf16 = spec["precision"] == "bf16"
     dtype, autocast = ("auto", "auto") if spec["precision"] == "defaults" else ("bfloat16" if bf16 else "float32", str(bf16).lower())
-    cfg = load_config(None, [
+    cfg = resolve_auto(load_config(None, [  # resolved here: the report states the precision 'defaults' chose
         f"model.path={spec['model']}", f"data.train_path={spec['data']}", f"data.test_path={spec['data']}",
         f"run.output_dir={spec['out']}", f"run.cache_dir={spec['out']}/cache", "run.progress=false",
         f"rollout.engine={engine}", f"rollout.n={spec['n']}", f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0",
@@ -164,7 +164,7 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
         f"trainer.iterations={spec['iterations']}", f"trainer.global_batch={spec['prompts']}", f"trainer.mini_batch={spec['prompts']}",
         f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", f"trainer.autocast_bf16={autocast}",
         "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0",
-    ])
+    ]))
     steps: list[dict[str, float]] = []
 
     def on_iteration(_: int, m: dict[str, float]) -> None:

@@ -19,9 +19,10 @@ def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: Lis
     import logging
 
     from dockrl.launch.image_env import enter_image_environment
+
+    enter_image_environment()  # first, before torch loads: on the NPU image CANN's environment, which KFP's command bypasses
     from dockrl.launch.tasks import evaluate_model
 
-    enter_image_environment()  # on the NPU image: CANN's environment, which KFP's command bypasses
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name, value in evaluate_model(model.path, dataset.path, config_overrides, device=device).items():
         metrics.log_metric(name, value)

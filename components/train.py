@@ -1,6 +1,6 @@
 """KFP component: the launcher. Trains with GRPO and outputs the checkpoint, metrics, curves and run folder.
 
-The work is ``dockrl.launcher.run_training``. Per-iteration metrics land in the Metrics
+The work is ``dockrl.train_task.run_training``. Per-iteration metrics land in the Metrics
 artifact as ``<key>/iter_<NNNN>``; ``curves`` is an HTML page of the run's curves and a table
 of every metric (``dockrl.metrics.metrics_report_html``), shown in the run's Visualizations;
 the run folder (metrics.jsonl, TensorBoard, plot, resolved config) is the ``run_dir``
@@ -35,11 +35,14 @@ def train(
     from pathlib import Path
 
     from dockrl.launch.image_env import enter_image_environment
-    from dockrl.launch.platform import Platform
-    from dockrl.launcher import run_training
-    from dockrl.metrics import metrics_report_html
 
-    enter_image_environment()  # on the NPU image: CANN's environment for the stage processes, which KFP's command bypasses
+    # first, before torch (and with it torch_npu) loads: on the NPU image, CANN's environment,
+    # which KFP's own command bypasses (the process starts again through the image's entry point)
+    enter_image_environment()
+    from dockrl.launch.platform import Platform
+    from dockrl.metrics import metrics_report_html
+    from dockrl.train_task import run_training
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_training(config_overrides, dataset.path, model.path, run_dir.path, log_metric=metrics.log_metric,
                  worker_backend=worker_backend, run_id=run_id,

@@ -4,9 +4,9 @@
 
 The driver never moves payload between stages: it opens an iteration, puts its prompt rows into
 the dock, and each stage claims what it needs and puts its columns back. Where the stages run
-is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcessStages`` (below,
-every stage in this process) or ``ProcessStages`` (``dockrl/launch/distributed.py``, every stage
-a process reporting through the dock). A run (``train`` → ``drive``): plan it
+is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcessStages``
+(``dockrl/workers/inprocess.py``, every stage in this process) or ``ProcessStages``
+(``dockrl/launch/distributed.py``, every stage a process reporting through the dock). A run (``train`` → ``drive``): plan it
 (``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
 collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``; older
 ones pruned with ``trainer.keep_checkpoints``); then the final checkpoint, the evaluation after
@@ -36,10 +36,7 @@ from dockrl.resume import (
     checkpoint_due,
     dock_snapshot_uri,
     final_dir,
-    prepare_checkpoint,
     prune_checkpoints,
-    save_optimizer,
-    seed_iteration,
     write_driver_state,
     write_final_state,
 )
@@ -47,11 +44,7 @@ from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches
 
 if TYPE_CHECKING:
-    from dockrl.engines.hybrid import HybridActor
-    from dockrl.engines.protocols import RolloutEngine
-    from dockrl.engines.train_protocol import TrainEngine
     from dockrl.launch.backend import WorkerBackend
-    from dockrl.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +115,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
             runner: StageRunner = start_processes(plan, backend)  # its backend records the run
         else:
             from dockrl.launch.local import recorded_run
+            from dockrl.workers.inprocess import InProcessStages
 
             run = f"dockrl-{secrets.token_hex(6)}"
             stack.enter_context(recorded_run(run, cfg.run.output_dir))
@@ -244,127 +238,3 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
     }, iteration=iteration)
     if gate:
         dock.put(range(gate * n), {"released": [True] * (gate * n)}, iteration=iteration)
-
-
-class StageWorker(Protocol):
-    def run_iteration(self, dock: Dock) -> dict[str, float]:
-        """Claim, compute and put until the stage's rows of the open iteration are done; its metrics."""
-
-
-class InProcessStages:
-    """Every stage in this process over the in-process dock (``open_dock``), run one after the
-    other each iteration: rollout, the critic's values (``critic.enable``), reward model
-    (``reward_model.enable``), reward, reference (``algorithm.kl_loss_coef`` or ``kl_in_reward_coef`` > 0), advantage, the critic's update, actor,
-    then the weight sync (the hybrid actor syncs inside its update). An fp32 HF rollout beside an HF
-    actor generates with the actor's module itself (``dockrl.engines.factory.shares_actor_module``):
-    one copy of the weights in memory, and a sync that copies nothing (``weight_sync/bytes`` 0). With dynamic sampling
-    (``algorithm.filter_groups.enable``) the stages up to the advantage run side by side in threads
-    (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage stage releases each next round
-    of the rollout; the reference follows them."""
-
-    def __init__(self, plan: RunPlan, *, run: str = "") -> None:
-        from dockrl.dock import GRPO_SCHEMA, open_dock
-        from dockrl.engines.factory import (
-            build_reference_engine,
-            build_rollout_engine,
-            build_train_engine,
-            process_ranks,
-            shares_actor_module,
-        )
-        from dockrl.engines.hf import load_tokenizer
-        from dockrl.resume import load_optimizer, weights_path
-        from dockrl.rewards.guard import build_scorer
-        from dockrl.workers.actor import ActorWorker
-        from dockrl.workers.advantage import AdvantageWorker
-        from dockrl.workers.critic import CriticWorker, build_critic_engine
-        from dockrl.workers.dynamic_sampling import SideBySide, groups_per_round
-        from dockrl.workers.reference import ReferenceWorker
-        from dockrl.workers.reward import RewardWorker
-        from dockrl.workers.rollout import RolloutWorker
-
-        cfg = self.cfg = plan.cfg
-        self.plan, self.run, self.close_actor = plan, run or f"dockrl-{secrets.token_hex(6)}", lambda: None
-        self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages
-        t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
-        optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
-        ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
-        self.sync: Callable[[], int] | None = None
-        self.rollout_engine: RolloutEngine
-        self.actor: TrainEngine | HybridActor
-        if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
-            from dockrl.workers.hybrid import build_hybrid_worker
-
-            hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
-            self.rollout_engine, self.actor, self.close_actor = hybrid.actor.rollout_engine, hybrid.actor, hybrid.actor.close
-            stages: tuple[StageWorker, StageWorker] = hybrid.generation, hybrid.update
-        else:
-            actor = build_train_engine(cfg, weights, ranks)
-            rollout = build_rollout_engine(cfg, weights, ranks, actor=actor)
-            if optimizer:
-                load_optimizer(actor, optimizer)
-            self.rollout_engine, self.actor = rollout, actor
-            if shares_actor_module(cfg, actor):  # the rollout generates with the actor's module: nothing to copy
-                self.sync = lambda: 0
-            else:
-                self.sync = lambda: rollout.load_weights(actor.named_weights())
-            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg)),
-                      ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations))
-        self.scorer = build_scorer(a)
-        tokenizer = load_tokenizer(plan.model_path, cfg.model.trust_remote_code)
-        self.critic: CriticWorker | None = None
-        if cfg.critic.enable:  # its values before the advantages, its update on their returns
-            self.critic = CriticWorker.from_config(build_critic_engine(cfg, plan.model_path, ranks.device, resume=optimizer), cfg)
-        critic_values, critic_update = ([self.critic.values_step()], [self.critic.update_step()]) if self.critic else ([], [])
-        reward_model: list[StageWorker] = []
-        if cfg.reward_model.enable:  # before the reward stage that waits for it
-            from dockrl.engines.reward_model import build_reward_model
-            from dockrl.run_setup import resolve_reward_model
-            from dockrl.workers.reward_model import RewardModelWorker
-
-            reward_model = [RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)]
-        reference = [ReferenceWorker.from_config(build_reference_engine(cfg, plan.model_path, ranks), cfg)] if a.uses_reference else []
-        sampling = [stages[0], *critic_values, *reward_model, RewardWorker.from_config(self.scorer, tokenizer, a, cfg.reward_model, cfg)]
-        self.workers: list[StageWorker]
-        if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
-            side_by_side = SideBySide([*sampling, AdvantageWorker(a)], timeout_s=cfg.dock.timeout_s)
-            self.workers, self.stop_threads = [side_by_side, *reference, stages[1]], side_by_side.close
-        else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
-            self.workers = [*sampling, *reference, AdvantageWorker(a), *critic_update, stages[1]]
-        self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
-
-    def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
-        from dockrl.evaluate import evaluate
-
-        return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag)
-
-    def run_iteration(self, iteration: int) -> dict[str, float]:
-        seed_iteration(self.cfg.trainer.seed, iteration)
-        metrics: dict[str, float] = {}
-        for worker in self.workers:
-            metrics |= worker.run_iteration(self.dock)
-        if self.sync is not None:
-            start = time.perf_counter()
-            metrics["weight_sync/bytes"] = self.sync()
-            metrics["timing_s/weight_sync"] = time.perf_counter() - start
-        return metrics
-
-    def generated(self, iterations: range) -> dict[int, dict[str, dict[str, float]]]:
-        if len(iterations):  # the config refuses dock.max_inflight > 1 in this mode
-            raise AssertionError(f"in-process stages run one iteration at a time; iterations {list(iterations)} are open")
-        return {}
-
-    def save_checkpoint(self, iteration: int, folder: Path) -> None:
-        save_optimizer(self.actor, self.actor.save(prepare_checkpoint(folder)))
-        if self.critic is not None:
-            from dockrl.workers.critic import save_critic
-
-            save_critic(self.critic.engine, folder)
-
-    def finish(self) -> None:
-        self.save_checkpoint(self.cfg.trainer.iterations - 1, final_dir(self.cfg.run.output_dir))
-
-    def close(self) -> None:
-        self.dock.close()
-        self.stop_threads()
-        self.scorer.close()
-        self.close_actor()

@@ -1,6 +1,7 @@
-"""The run protocol: which stages a run has, what each reports to the driver, the loop a stage
-process serves the driver's iterations with, and the variables a worker backend sets for every
-process it starts.
+"""The run protocol: what a stage reports to the driver, the loop a stage process serves the
+driver's iterations with, and the variables a worker backend sets for every process it starts.
+Which stages a run has, and which reports the driver waits for, is the stage table's
+(``dockrl/stages.py``).
 
 A stage reports through the dock (``dock.report(iteration, report, metrics)``; the value of a
 ``Report`` is its name on the wire) and the driver waits for the reports it expects
@@ -47,33 +48,6 @@ def final_report(process: str) -> str:
     return f"{Report.FINAL}/{process}"
 
 
-def stage_processes(cfg: Config) -> list[str]:
-    """The stage processes of a run (``dockrl worker --stage``), the one that evaluates first:
-    ``hybrid`` (rollout and actor in one, ``trainer.hybrid``) or ``rollout`` … ``actor``;
-    ``reward-model`` only with ``reward_model.enable``, ``reference`` only when a KL term needs it (``algorithm.uses_reference``),
-    ``critic`` only with ``critic.enable``."""
-    reference = ["reference"] if cfg.algorithm.uses_reference else []
-    reward = ["reward-model", "reward"] if cfg.reward_model.enable else ["reward"]
-    critic = ["critic"] if cfg.critic.enable else []
-    if cfg.trainer.hybrid:
-        return ["hybrid", *reward, *reference, *critic]
-    return ["rollout", *reward, *reference, *critic, "actor"]
-
-
-def iteration_reports(cfg: Config) -> list[Report]:
-    """The reports of each iteration, in the order their metrics are merged."""
-    sync = [] if cfg.trainer.hybrid else [Report.WEIGHT_SYNC]  # the hybrid actor syncs inside its ACTOR report
-    reference = [Report.REFERENCE] if cfg.algorithm.uses_reference else []
-    reward = [Report.REWARD_MODEL, Report.REWARD] if cfg.reward_model.enable else [Report.REWARD]
-    critic = [Report.CRITIC] if cfg.critic.enable else []
-    return [Report.ROLLOUT, *reward, *reference, *critic, Report.ACTOR, *sync]
-
-
-def checkpoint_reports(cfg: Config) -> list[Report]:
-    """The reports that say a due checkpoint's trained state is written: the actor's, and the critic's."""
-    return [Report.CHECKPOINT, *([Report.CRITIC_CHECKPOINT] if cfg.critic.enable else [])]
-
-
 def snapshot_after(cfg: Config) -> Callable[[int], bool] | None:
     """With iterations in flight (``dock.max_inflight`` > 1), the iterations after which a stage
     other than the rollout waits for the driver's ``SNAPSHOT`` before it takes rows of the next
@@ -89,13 +63,13 @@ def snapshot_after(cfg: Config) -> Callable[[int], bool] | None:
 
 
 def serve_iterations(
-    dock: Dock, stage: Report, step: Callable[[int], dict[str, float]], *, timeout_s: float,
+    dock: Dock, stage: str, step: Callable[[int], dict[str, float]], *, timeout_s: float,
     after_report: Callable[[int], None] | None = None, seed: int | None = None, report: bool = True,
     first_timeout_s: float | None = None, after: int = -1, hold: Callable[[int], bool] | None = None,
 ) -> int:
     """The loop of a stage process: ``step(iteration)`` for every iteration the driver opens
     after ``after`` (oldest first: several may be open, ``dock.max_inflight``), its
-    metrics reported as ``stage`` (unless ``report`` is false: ranks but the first of a stage),
+    metrics reported as ``stage`` (a ``Report``, or the report a stage table row names; unless ``report`` is false: ranks but the first of a stage),
     then ``after_report(iteration)`` (weight sync, checkpoints), then, where ``hold(iteration)``,
     a wait for the driver's ``SNAPSHOT`` of it (``snapshot_after``); with ``seed`` the generators are
     reseeded per iteration. ``first_timeout_s`` (default ``timeout_s``) bounds the wait for the

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from dockrl.config import Config, ConfigError, TrainerConfig, save_config
+from dockrl.config import Config, ConfigError, TrainerConfig, resolve_auto, save_config
 from dockrl.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.models import prepare_smollm2
 from dockrl.resume import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
@@ -45,15 +45,17 @@ class RunPlan:
 
 
 def plan_run(cfg: Config) -> RunPlan:
-    """Seed; check what ``run.resume`` and the run folder allow and that the given data files are
-    of a kind ``load_prompts`` reads (seconds: before anything slow); resolve the model and data,
-    load the prompts, check them against the checkpoint's, and only then write
+    """Resolve the config's ``auto`` fields for this machine (``resolve_auto``); seed; check what
+    ``run.resume`` and the run folder allow and that the given data files are of a kind
+    ``load_prompts`` reads (seconds: before anything slow); resolve the model and data, load the
+    prompts, check them against the checkpoint's, and only then write
     ``RUN/config.yaml`` (a refused run leaves the folder as it was) with ``run.resume`` as given;
     the plan's config names the checkpoint found (``latest`` resolved), which every stage resumes.
 
     Raises:
         ConfigError: ``model.path``, ``reward_model.model.path``, the data files or ``run.resume`` do not fit (named).
     """
+    cfg = resolve_auto(cfg)  # the run's one resolution: config.yaml and every in-process stage get its answer
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)

@@ -105,7 +105,7 @@ class PipelineSettings:
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     train_retries: int = 0
     """Times KFP retries a failed train task by itself (a node lost, a worker evicted); each retry
-    resumes from the run's latest checkpoint on the shared volume (``dockrl.launcher.prepare_retry``),
+    resumes from the run's latest checkpoint on the shared volume (``dockrl.train_task.prepare_retry``),
     as a retry of the run from the Kubeflow UI does. 0: none."""
     requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
@@ -191,7 +191,7 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
             task.set_accelerator_type(platform.accelerator).set_accelerator_limit(size.outputs["devices"])
             # the size is known only at run time: room for as many devices as a node has
             _accelerator_nodes(task, platform, platform.devices_per_node)
-    # the run folder lives on the shared volume with either backend (dockrl.launcher): a retry of
+    # the run folder lives on the shared volume with either backend (dockrl.train_task): a retry of
     # the task finds its checkpoints there and resumes instead of starting over
     _shared_volume(task, platform)
     if settings.train_retries:

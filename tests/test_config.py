@@ -19,6 +19,7 @@ from dockrl.config import (
     load_config,
     load_config_text,
     parse_overrides,
+    resolve_auto,
     save_config,
 )
 
@@ -427,22 +428,27 @@ class FakeCudaAccelerator:
         return torch.device("cuda")
 
 
-def test_auto_device_is_resolved_at_load_and_travels_as_auto(monkeypatch):
-    config = load_config()
+def test_auto_stays_auto_at_load_resolves_in_one_step_and_travels_as_auto(monkeypatch):
+    loaded = load_config()
+    assert (loaded.parallel.device, loaded.rollout.dtype, loaded.trainer.autocast_bf16, loaded.rollout.engine) == ("auto",) * 4
+    assert "device: auto" in dump_config(loaded)
+    config = resolve_auto(loaded)
     assert config.parallel.device == "cpu"  # no accelerator here
+    assert loaded.parallel.device == "auto"  # a new config: the loaded one is left as it was
     assert "device: cpu" in dump_config(config)
+    assert resolve_auto(config) is config  # nothing left to resolve
     portable = yaml.safe_load(dump_config(config, portable=True))
     assert portable["parallel"]["device"] == "auto" and portable["rollout"]["dtype"] == "auto"
     assert portable["trainer"]["autocast_bf16"] == "auto"
     # the note survives replacing another section (the launcher sets run.resume), and explicit values stay
     resumed = dataclasses.replace(config, run=dataclasses.replace(config.run, resume="x"))
     assert yaml.safe_load(dump_config(resumed, portable=True))["parallel"]["device"] == "auto"
-    explicit = load_config(None, ["parallel.device=cpu", "rollout.dtype=float32"])
+    explicit = resolve_auto(load_config(None, ["parallel.device=cpu", "rollout.dtype=float32"]))
     kept = yaml.safe_load(dump_config(explicit, portable=True))
     assert kept["parallel"]["device"] == "cpu" and kept["rollout"]["dtype"] == "float32"
 
     monkeypatch.setattr(torch.accelerator, "current_accelerator", FakeCudaAccelerator())
-    on_gpu = load_config()
+    on_gpu = resolve_auto(load_config())
     assert on_gpu.parallel.device == "cuda"
     # auto dtypes follow the chosen device: a GPU computes bf16 natively
     assert on_gpu.rollout.dtype == "bfloat16" and on_gpu.trainer.autocast_bf16 is True
@@ -452,7 +458,7 @@ def test_parallel_layout_defaults_and_a_valid_layout(tiny_model_dir):
     from dockrl.resharding.layout import ModelShape, ParallelLayout
 
     p = load_config().parallel
-    assert isinstance(p, ParallelLayout) and p.world_size == 1 and p.device == "cpu"
+    assert isinstance(p, ParallelLayout) and p.world_size == 1 and p.device == "auto"
     valid = ParallelLayout(tp=2, pp=2, dp=2, infer_tp=2, device="cuda")  # a valid layout of the tiny model
     valid.check_model(ModelShape.from_model_dir(tiny_model_dir))
     assert valid.world_size == 8
@@ -510,28 +516,28 @@ def test_distributed_mode_settings():
 @pytest.mark.parametrize("caps, bf16", [({"avx512_bf16": False}, False), ({"avx512_bf16": True}, False),
                                         ({"avx512_bf16": True, "amx_bf16": True}, True)])
 def test_auto_bf16_is_picked_where_the_cpu_computes_it_faster_than_fp32(monkeypatch, caplog, caps, bf16):
-    """``auto`` resolves when the config is built: bf16 with AMX only (emulated on AVX2, slower with AVX512-BF16 alone)."""
+    """``auto`` resolves in ``resolve_auto``: bf16 with AMX only (emulated on AVX2, slower with AVX512-BF16 alone)."""
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True} | caps)  # a fake CPU
     with caplog.at_level("INFO", logger="dockrl.config"):
-        config = load_config(None, [])
+        config = resolve_auto(load_config(None, []))
     assert config.rollout.dtype == ("bfloat16" if bf16 else "float32")
     assert config.trainer.autocast_bf16 is bf16
     said = f"precision auto: rollout.dtype={config.rollout.dtype}, trainer.autocast_bf16={str(bf16).lower()} (bf16 is "
     assert any(r.getMessage().startswith(said + ("faster" if bf16 else "not faster")) for r in caplog.records)  # the choice is logged
-    explicit = load_config(None, ["rollout.dtype=float32", "trainer.autocast_bf16=false"])
+    explicit = resolve_auto(load_config(None, ["rollout.dtype=float32", "trainer.autocast_bf16=false"]))
     assert (explicit.rollout.dtype, explicit.trainer.autocast_bf16) == ("float32", False)
 
 
 def test_explicit_bf16_on_an_emulating_cpu_warns(monkeypatch, caplog):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": False, "amx_bf16": False})
     with caplog.at_level("WARNING", logger="dockrl.config"):
-        config = load_config(None, ["rollout.dtype=bfloat16"])
+        config = resolve_auto(load_config(None, ["rollout.dtype=bfloat16"]))
     assert config.rollout.dtype == "bfloat16" and config.trainer.autocast_bf16 is False
     assert any("no native bf16" in r.getMessage() and "emulated" in r.getMessage() for r in caplog.records)
     caplog.clear()
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": True, "amx_bf16": False})
     with caplog.at_level("WARNING", logger="dockrl.config"):
-        load_config(None, ["trainer.autocast_bf16=true"])
+        resolve_auto(load_config(None, ["trainer.autocast_bf16=true"]))
     assert any("AVX512-BF16 but no AMX-BF16" in r.getMessage() for r in caplog.records)
 
 
@@ -611,3 +617,40 @@ def test_an_override_into_a_section_an_earlier_override_gave_a_value_is_named(tm
         load_config(None, ["reward_model.model=5", "reward_model.model.path=x"])
     with pytest.raises(ConfigError, match=r"trainer: unknown field\(s\) \[1, 'foo'\]"):  # a number among the keys
         load_config(write_yaml(tmp_path, "trainer: {1: 2, foo: 3}\n"), [])
+
+
+PURE_LOAD = """
+import sys
+
+
+class Refuse:
+    '''Makes torch and vllm unimportable: loading a config must not need them.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "vllm"):
+            raise ImportError(f"{name} may not be imported while a config loads")
+        return None
+
+
+sys.meta_path.insert(0, Refuse())
+from dockrl.config import Config, dump_config, load_config
+
+assert load_config() == Config()
+cfg = load_config(sys.argv[1], ["trainer.lr=1e-4", "rollout.dtype=bfloat16"])
+assert (cfg.trainer.lr, cfg.rollout.n, cfg.rollout.dtype) == (1e-4, 4, "bfloat16")
+assert (cfg.parallel.device, cfg.rollout.engine, cfg.trainer.autocast_bf16) == ("cpu", "auto", "auto")
+dump_config(cfg)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")))
+"""
+
+
+def test_loading_imports_neither_torch_nor_vllm_and_keeps_auto(tmp_path):
+    """``load_config`` is pure: with torch and vllm unimportable it loads the defaults and a file with
+    overrides, leaves ``auto`` as ``auto`` (no probe of the device, bf16 or vLLM) and imports neither."""
+    import subprocess
+    import sys
+
+    path = write_yaml(tmp_path, "rollout:\n  n: 4\nparallel:\n  device: cpu\n")
+    done = subprocess.run([sys.executable, "-c", PURE_LOAD, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

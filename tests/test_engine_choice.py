@@ -1,5 +1,6 @@
 """``rollout.engine=auto``: vLLM where a build for the device is installed and can run, HF
 otherwise; explicit values kept; the choice stated in the resolved config and in one log line.
+Loading keeps ``auto``; ``resolve_auto`` decides.
 
 The rest of the suite pins ``auto`` to ``hf`` through the environment (tests/conftest.py); these
 tests clear that pin. The probe reads package metadata only, so none of them starts vLLM.
@@ -14,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from dockrl import config
-from dockrl.config import AUTO_ENGINE_ENV, ConfigError, dump_config, load_config, save_config
+from dockrl.config import AUTO_ENGINE_ENV, ConfigError, dump_config, load_config, resolve_auto, save_config
+from dockrl.config import resolve as resolving
 from dockrl.engines import vllm_support as support
 
 
@@ -23,7 +24,7 @@ from dockrl.engines import vllm_support as support
 def unpinned(monkeypatch):
     """No ``DOCKRL_AUTO_ROLLOUT_ENGINE``, and a fresh probe before and after the test."""
     monkeypatch.delenv(AUTO_ENGINE_ENV, raising=False)
-    monkeypatch.setattr(config, "_STATED", set())  # each test sees its resolution's log line
+    monkeypatch.setattr(resolving, "_STATED", set())  # each test sees its resolution's log line
     support.vllm_support.cache_clear()
     yield monkeypatch
     support.vllm_support.cache_clear()
@@ -39,7 +40,9 @@ def fake_distributions(monkeypatch, versions: dict[str, str]) -> None:
 
 
 def engine_of(*overrides: str) -> str:
-    return load_config(None, ["parallel.device=cpu", *overrides]).rollout.engine
+    loaded = load_config(None, ["parallel.device=cpu", *overrides])
+    assert loaded.rollout.engine in ("auto", *(o.split("=")[1] for o in overrides if o.startswith("rollout.engine=")))  # loading probes nothing
+    return resolve_auto(loaded).rollout.engine
 
 
 def test_installed_vllm_cpu_is_chosen_and_stated(unpinned, caplog, tmp_path):
@@ -50,7 +53,7 @@ def test_installed_vllm_cpu_is_chosen_and_stated(unpinned, caplog, tmp_path):
             pytest.fail(f"vllm-cpu is required here (DOCKRL_REQUIRE_VLLM) but the probe says: {support.vllm_support('cpu').reason}")
         pytest.skip(f"no runnable vllm-cpu here: {support.vllm_support('cpu').reason}")
     with caplog.at_level(logging.INFO, logger="dockrl.config"):
-        cfg = load_config(None, ["parallel.device=cpu"])
+        cfg = resolve_auto(load_config(None, ["parallel.device=cpu"]))
     assert cfg.rollout.engine == "vllm"
     assert any(r.getMessage().startswith("rollout.engine=auto: vllm (vllm-cpu ") for r in caplog.records)
     save_config(cfg, tmp_path / "config.yaml")  # the run's config.yaml names the engine, not auto
@@ -84,7 +87,7 @@ def test_a_build_for_another_device_resolves_to_hf(unpinned):
     fake_distributions(unpinned, {"vllm": "0.33.0"})  # PyPI's CUDA build on a CPU-only run
     assert engine_of() == "hf"
     assert "runs on cuda, this process's device is cpu" in support.vllm_support("cpu").reason
-    assert load_config(None, ["parallel.device=cuda"]).rollout.engine == "vllm"
+    assert resolve_auto(load_config(None, ["parallel.device=cuda"])).rollout.engine == "vllm"
 
 
 def test_vllm_cpu_needs_avx2(unpinned):
@@ -112,11 +115,11 @@ def test_explicit_engines_are_kept(unpinned):
     fake_distributions(unpinned, {"vllm-cpu": "0.32.0"})
     unpinned.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
     unpinned.setattr(support.platform, "machine", lambda: "x86_64")
-    cfg = load_config(None, ["parallel.device=cpu", "rollout.engine=hf"])
+    cfg = resolve_auto(load_config(None, ["parallel.device=cpu", "rollout.engine=hf"]))
     assert cfg.rollout.engine == "hf" and yaml.safe_load(dump_config(cfg, portable=True))["rollout"]["engine"] == "hf"
     fake_distributions(unpinned, {})
     support.vllm_support.cache_clear()
-    cfg = load_config(None, ["parallel.device=cpu", "rollout.engine=vllm"])  # not installed: the engine build says how to install it
+    cfg = resolve_auto(load_config(None, ["parallel.device=cpu", "rollout.engine=vllm"]))  # not installed: the engine build says how to install it
     assert cfg.rollout.engine == "vllm" and yaml.safe_load(dump_config(cfg, portable=True))["rollout"]["engine"] == "vllm"
 
 

@@ -1,4 +1,4 @@
-"""The package's import graph has no circle and imports only go down (cli and launcher -> driver ->
+"""The package's import graph has no circle and imports only go down (cli and train_task -> driver ->
 runners -> stages -> engines -> dock, resharding, algorithms). Every import counts, including those
 inside functions."""
 

@@ -72,6 +72,7 @@ def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path, caps
     assert main(["train", "--print-config", "rollout.n=16", f"run.output_dir={run}"]) == 0
     printed = load_config_text(capsys.readouterr().out, "printed")
     assert printed.rollout.n == 16 and printed.trainer == load_config(None, []).trainer and not run.exists()
+    assert (printed.parallel.device, printed.rollout.engine, printed.rollout.dtype) == ("auto", "auto", "auto")  # not resolved
     assert main(["train", "--print-config", "trainer.lr=x"]) == 2
     assert "trainer.lr: got 'x'" in capsys.readouterr().err
     for section in ("model", "trainer", "dock", "run"):  # --help lists every section's fields

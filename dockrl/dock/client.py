@@ -44,12 +44,7 @@ are seen when that shard answers or at the deadline (a last sweep runs before ti
 
 **Leases.** Every client has a unique ``owner`` id (``host:pid:random`` unless given) and
 claims under a fresh lease id per claim, on every shard it takes rows from, with its own
-``lease_s`` term. While it holds un-acked claims, or rows a claim in progress took on one shard
-while it waits on another, a daemon thread renews all leases of its owner on every shard each
-``lease_s/3`` seconds (all shards at once, at a fixed rate: a shard slow to answer delays no
-other), so a live but slow worker never loses rows;
-when its process dies the renewals stop and the rows return to the pool ``lease_s`` later,
-or at once when the launcher calls ``release_owner``. ``ack`` goes to the shards owning the
+``lease_s`` term, renewed while it holds them (``dockrl.dock.heartbeat``). ``ack`` goes to the shards owning the
 claim's rows. A claim with nothing to take while other owners hold rows of the consumer
 blocks on the shard holding most of them (``wait_held``), for the same reason as
 a take (``ShardController.take``); rows coming back on another shard are seen when that one answers.
@@ -101,7 +96,6 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -111,10 +105,22 @@ from dockrl.dock.api import Claim, Columns, Dock
 from dockrl.dock.control import check_metrics
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight import FlightTransport
-from dockrl.dock.local import arrow_columns
+from dockrl.dock.heartbeat import LeaseHeartbeat
+from dockrl.dock.iteration import arrow_columns
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard import ROW, ClaimRequest, LocalTransport, Payload, ShardLayout, ShardTransport, local_shards
-from dockrl.dock.snapshot import join_uri, new_id, read_blob, read_meta, read_table, write_blob, write_snapshot
+from dockrl.dock.snapshot import (
+    CLIENT_SNAPSHOT_KIND,
+    OBJECTS_DIR,
+    check_client_snapshot,
+    join_uri,
+    new_id,
+    object_keys,
+    read_blob,
+    read_meta,
+    write_blob,
+    write_snapshot,
+)
 from dockrl.dock.warehouse import (
     Located,
     Warehouse,
@@ -131,10 +137,6 @@ if TYPE_CHECKING:
     from dockrl.config import DockConfig
 
 logger = logging.getLogger(__name__)
-OBJECTS_DIR = "objects"
-"""Folder of a snapshot (under its id) with copies of the warehouse objects its rows live in."""
-SNAPSHOT_KIND = "dock"
-"""``kind`` of a dock snapshot's ``meta.json``."""
 
 
 def _part(array: pa.Array, pos: np.ndarray) -> pa.Array:
@@ -229,9 +231,7 @@ class DockClient:
         self.locations, self.schema = [t.location for t in self.transports], schema
         self.timeout_s, self.rpc_timeout_s, self.lease_s = timeout_s, rpc_timeout_s, lease_s
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._beat = threading.Condition()
-        self._held: dict[str, int] = {}  # un-acked lease id → its iteration
-        self._beat_thread: threading.Thread | None = None
+        self.heartbeat = LeaseHeartbeat(self.owner, lease_s, len(self.transports), lambda s: self._action(s, "renew", {"owner": self.owner}))
         self._closed = False
         self._lock = threading.Lock()
         self._layout: ShardLayout | None = None  # this client's current iteration (opened or waited for last), else the shards' newest
@@ -471,8 +471,7 @@ class DockClient:
                         self.transports[s].put(body, batch, self.rpc_timeout_s)
         finally:
             if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
-                with self._beat:
-                    self._held.pop(lease, None)
+                self.heartbeat.drop(lease)
         if ack is not None and not fused:
             self.ack(ack)
 
@@ -527,8 +526,7 @@ class DockClient:
 
     def _drop_prefetched(self, consumer: str, taken: _Prefetched) -> None:
         """Hand rows a put took for a claim that will not use them back to their shard (best effort: else at lease expiry)."""
-        with self._beat:
-            self._held.pop(taken.lease, None)
+        self.heartbeat.drop(taken.lease)
         if len(taken.rows):
             self._release(taken.iteration, consumer, {taken.shard: taken.rows.tolist()}, taken.lease,
                           min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
@@ -539,9 +537,7 @@ class DockClient:
             gone = {c: t for c, t in self._prefetched.items() if iteration is None or t.iteration == iteration}
             for c in gone:
                 del self._prefetched[c]
-        with self._beat:
-            for t in gone.values():
-                self._held.pop(t.lease, None)
+        self.heartbeat.drop(*(t.lease for t in gone.values()))
 
     def _put_schema(self, names: tuple[str, ...]) -> pa.Schema:
         """The schema of a put batch of ``names`` (checked columns): the int64 row column, then theirs (one
@@ -768,8 +764,7 @@ class DockClient:
                 batch = self._batch(self._gather(layout, columns, {s: r.tolist() for s, r in zip(shards, parts)}), columns)
         except BaseException:
             self._release(layout.iteration, consumer, {s: np.concatenate(r).tolist() for s, r in taken.items()}, lease)
-            with self._beat:
-                self._held.pop(lease, None)
+            self.heartbeat.drop(lease)
             raise
         row_array = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, dtype=np.int64), *parts])
         claimed = row_array.tolist()
@@ -847,8 +842,7 @@ class DockClient:
             if errors:
                 raise DockError("; ".join(errors))
         finally:
-            with self._beat:
-                self._held.pop(claim.lease, None)
+            self.heartbeat.drop(claim.lease)
 
     def renew(self, owner: str | None = None) -> int:
         """Push every lease of ``owner`` (default this client's) a full term ahead on every shard.
@@ -870,66 +864,9 @@ class DockClient:
         return sum(self._action(s, "release_owner", {"owner": owner})["rows"] for s in range(len(self.locations)))
 
     def _hold(self, lease: str, iteration: int) -> None:
-        """Track an un-acked lease; start the heartbeat thread on the first."""
-        with self._beat:
-            if self._closed:
-                return
-            self._held[lease] = iteration
-            if self._beat_thread is None:  # it beats at a fixed rate: a hold never wakes it (a thread switch per claim)
-                self._beat_thread = threading.Thread(target=self._heartbeat, name=f"dock-lease-{self.owner}", daemon=True)
-                self._beat_thread.start()
-
-    def _heartbeat(self) -> None:
-        """Renew this owner's leases every ``lease_s/3`` while it holds any (a beat with none held sends nothing).
-
-        Each beat sends ``renew`` to every shard at once, on a fixed rate, without waiting for the
-        answers: a shard slow to answer (a loaded machine) delays neither the other shards'
-        renewals nor the next beat (that shard gets its next renewal once it answered).
-        """
-        period = self.lease_s / 3
-        in_flight: dict[int, Future] = {}
-        next_beat = time.monotonic() + period  # a lease taken now is renewed within a period, well inside its term
-        while True:
-            with self._beat:
-                while not self._closed and (left := next_beat - time.monotonic()) > 0:
-                    self._beat.wait(left)  # close() wakes it early
-                if self._closed:
-                    return
-                next_beat = max(next_beat + period, time.monotonic())  # before the skip: an idle beat waits a period too
-                if not self._held:
-                    continue
-            for s in [s for s, f in in_flight.items() if f.done()]:
-                self._renewed(s, in_flight.pop(s))
-            for s in range(len(self.locations)):
-                if s not in in_flight:
-                    in_flight[s] = self._send_renew(s)
-
-    def _send_renew(self, s: int) -> Future:
-        """``renew`` on shard ``s`` from a daemon thread (a call in flight never holds up the process's exit)."""
-        beat: Future = Future()
-
-        def send() -> None:
-            try:
-                beat.set_result(self._action(s, "renew", {"owner": self.owner}))
-            except BaseException as e:  # noqa: BLE001 - handed to the heartbeat
-                beat.set_exception(e)
-
-        threading.Thread(target=send, name=f"dock-lease-renew-{s}", daemon=True).start()
-        return beat
-
-    def _renewed(self, s: int, beat: Future) -> None:
-        """The answer of one shard to a heartbeat ``renew``."""
-        try:
-            iteration = beat.result()["iteration"]
-        except Exception as e:  # noqa: BLE001 - a missed beat is retried; expiry is what protects the rows
-            logger.warning("dock lease heartbeat of %s to shard %d failed: %s", self.owner, s, e)
-            return
-        if s == 0 and iteration is not None:
-            # claims of an iteration older than the open one will never be acked: stop renewing for them.
-            # Older only: this answer may have waited a beat, and claims of a newer iteration must stay.
-            with self._beat:
-                for lease in [k for k, it in self._held.items() if it < iteration]:
-                    del self._held[lease]
+        """Renew an un-acked lease from the heartbeat (``dockrl.dock.heartbeat``) until it is acked or handed back."""
+        if not self._closed:
+            self.heartbeat.hold(lease, iteration)
 
     # --- snapshots ----------------------------------------------------------------------------
     def snapshot(self, uri: str) -> None:
@@ -944,28 +881,15 @@ class DockClient:
         shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.locations))]
         for s, name in enumerate(shards):
             self._action(s, "snapshot", {"uri": join_uri(uri, name)})
-        keys = self._object_keys(uri, shards, "snapshot")
+        keys = object_keys(uri, shards, "snapshot")
         if keys:  # payload in a warehouse: copy the objects, which die with their iteration, into the snapshot
             assert self.warehouse is not None  # shards refer to objects only with payload "store"
             for key in keys:
                 write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
-        meta = {"kind": SNAPSHOT_KIND, "schema_version": self.schema.version, "num_shards": len(self.locations),
+        meta = {"kind": CLIENT_SNAPSHOT_KIND, "schema_version": self.schema.version, "num_shards": len(self.locations),
                 "mode": self.mode, "payload": self._payload, "layout": None if layout is None else layout.shard_meta(0),
                 "shards": shards, "objects": keys} | ({"more": [m.shard_meta(0) for m in more]} if more else {})
         write_snapshot(uri, meta, {}, snapshot_id=sid)
-
-    @staticmethod
-    def _object_keys(uri: str, shards: Sequence[str], what: str) -> list[str]:
-        """Warehouse keys the shard snapshots ``<uri>/<shard>`` refer to, sorted."""
-        keys: set[str] = set()
-        for name in shards:
-            shard_uri = join_uri(uri, name)
-            more = (read_meta(shard_uri, what).get("extra") or {}).get("more") or []  # open beside the oldest (ShardService)
-            for where in [shard_uri, *(join_uri(shard_uri, f"open-{m['iteration']}") for m in more)]:
-                meta = read_meta(where, what)
-                for column in meta.get("objects", []):
-                    keys.update(read_table(where, meta, f"objects.{column}", what).column("key").to_pylist())
-        return sorted(keys)
 
     def restore(self, uri: str) -> None:
         """Load the snapshot at ``uri`` into the shards, shard ``s``'s into shard ``s``.
@@ -983,22 +907,8 @@ class DockClient:
         self._forget_prefetched(None)  # the shards hold no iteration: what puts took is gone with it
         meta = read_meta(uri)
         what = f"restore from {uri!r}"
-        if meta.get("kind") != SNAPSHOT_KIND:
-            raise DockError(f"{what}: the snapshot there is a {meta.get('kind')!r}, not a dock snapshot")
-        if meta["schema_version"] != self.schema.version:
-            raise DockError(f"{what}: snapshot has schema v{meta['schema_version']}; this dock has v{self.schema.version}")
-        taken = f"dock.mode={meta['mode']}, dock.shards={meta['num_shards']}"
-        if meta["num_shards"] != len(self.locations):
-            raise DockError(
-                f"{what}: the snapshot was taken with {taken}; this dock has dock.mode={self.mode}, "
-                f"dock.shards={len(self.locations)}: resume with dock.shards={meta['num_shards']} (either dock.mode restores it)"
-            )
-        if meta["payload"] != self._payload:
-            place = {"memory": "dock.warehouse=memory", "store": "dock.warehouse=directory or s3"}
-            raise DockError(
-                f"{what}: the snapshot was taken with {place[meta['payload']]} ({taken}); this dock has "
-                f"{place[self._payload]}: resume with {place[meta['payload']]}"
-            )
+        check_client_snapshot(meta, what, schema_version=self.schema.version, num_shards=len(self.locations), mode=self.mode,
+                              payload=self._payload)
         first = meta["layout"]
         layout = None
         if first is not None:
@@ -1094,11 +1004,7 @@ class DockClient:
             prefetched, self._prefetched = self._prefetched, {}
         for consumer, taken in prefetched.items():
             self._drop_prefetched(consumer, taken)
-        with self._beat:
-            self._beat.notify_all()
-            thread = self._beat_thread
-        if thread is not None:
-            thread.join(self.rpc_timeout_s)
+        self.heartbeat.close(self.rpc_timeout_s)
         for t in self.transports:
             t.close()
 

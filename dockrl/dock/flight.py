@@ -53,10 +53,11 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError, DockTimeoutError
-from dockrl.dock.local import ShardController, one_run
+from dockrl.dock.iteration import one_run
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard import WIRE_VERSION as WIRE_VERSION  # the version of these messages; describe answers it
 from dockrl.dock.shard import ClaimRequest, Payload, ShardService, ack_of, row_runs, runs_rows
+from dockrl.dock.shard_controller import ShardController
 
 logger = logging.getLogger(__name__)
 

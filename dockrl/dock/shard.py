@@ -25,7 +25,7 @@ Requests (``action(name, body)``; every body and result is JSON-compatible):
   rows are leased to ``owner`` under ``lease``), ``release`` {iteration, consumer, rows},
   ``drop`` {iteration, rows} (``ShardController.drop``),
   ``missing`` {iteration, consumer, columns} → {column: rows lacking}, ``stats`` {} → counters.
-* leases (``dockrl.dock.local``): ``ack`` {iteration, consumer, lease, rows},
+* leases (``dockrl.dock.leases``): ``ack`` {iteration, consumer, lease, rows},
   ``renew`` {owner} → {leases, iteration (the oldest open)}, ``release_owner`` {owner} → {rows}.
 * snapshots: ``snapshot`` {uri} writes this shard's state and layout to ``uri`` (the oldest open
   iteration; each further one to ``<uri>/open-<k>``, named in the stored ``more``);
@@ -62,8 +62,9 @@ import pyarrow as pa
 
 from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError
-from dockrl.dock.local import DEFAULT_OWNER, ShardController, check_sizes, one_run
+from dockrl.dock.iteration import check_sizes, one_run
 from dockrl.dock.schema import Schema
+from dockrl.dock.shard_controller import DEFAULT_OWNER, ShardController
 from dockrl.dock.snapshot import join_uri
 
 logger = logging.getLogger(__name__)

@@ -51,8 +51,8 @@ def process_ranks(cfg: Config, *, trains: bool, replica: int = 0, replicas: int 
 
 
 def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, actor: TrainEngine | None = None) -> RolloutEngine:
-    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``, which the config resolved from
-    ``auto`` when it was loaded) with ``rollout.dtype`` weights, on this process's device (``ranks.device``).
+    """``HFRolloutEngine`` or ``VLLMRolloutEngine`` (``rollout.engine``, which ``resolve_auto`` resolved
+    from ``auto`` where the run set up) with ``rollout.dtype`` weights, on this process's device (``ranks.device``).
 
     ``actor``: the actor's engine when it lives in this process (the in-process stages). Where the
     rollout can generate with the actor's module itself (``shares_actor_module``) the engine is
@@ -67,7 +67,7 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
     """
     r = cfg.rollout
     device = ranks.device
-    assert r.engine != "auto", "rollout.engine is resolved when the config is built (dockrl.config.auto_rollout_engine)"
+    assert r.engine != "auto", "rollout.engine is resolved by the run before any engine is built (dockrl.config.resolve_auto)"
     if r.engine == "vllm":
         from dockrl.engines.vllm import VLLMRolloutEngine
 

@@ -1,7 +1,9 @@
 """Launching runs: the pipeline steps' library functions and the worker backends.
 
+The train step's job (``dockrl/train_task.py``) sits above the driver, so outside this package:
+nothing here imports the driver.
+
 * ``tasks.py``     prepare the dataset, export the model, evaluate it, tear a run's workers down (short pipeline steps)
-* ``launcher.py``  run a training job for the pipeline's train step and report its metrics
 * ``distributed.py`` the stage runner of ``dock.mode=distributed``: dock shards and stages as worker groups
 * ``backend.py``   worker groups, the backend protocol and its names (imports nothing of dockrl)
 * ``local.py``     worker groups as local processes

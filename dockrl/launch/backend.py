@@ -13,7 +13,7 @@ weight channel's ``TCPStore``), and the folder both see (``shared_dir``).
 
 The backend's name (``WorkerBackendName``) is the one choice the pipeline compiles in and the
 launcher and the exit handler dispatch on; ``worker_backend_name`` checks it. Choosing and
-building a backend by name happens above this module (``launcher.run_training``,
+building a backend by name happens above this module (``train_task.run_training``,
 ``tasks.teardown_run``), so the backends import this interface and nothing imports back.
 """
 

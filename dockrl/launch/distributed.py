@@ -4,7 +4,7 @@
 ``RUN/logs/``; or ``KubernetesBackend``, one JobSet per run), every group at once:
 ``dock.shards`` dock shards (``dockrl dock-shard``, a bearer token generated for the run and
 passed as a secret) and one group per stage process (``dockrl worker``,
-``dockrl.protocol.stage_processes``). Rollout and actor meet on the weight channel, whose
+``dockrl.stages.stage_processes``). Rollout and actor meet on the weight channel, whose
 ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
 × dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
 (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
@@ -35,16 +35,16 @@ from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease, wait_for_shards
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, checkpoint_reports, final_report, iteration_reports, stage_processes
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, final_report
 from dockrl.resharding.layout import ParallelLayout
 from dockrl.run_setup import RunPlan
+from dockrl.stages import checkpoint_reports, iteration_reports, stage_processes
+from dockrl.stages import stage as stage_row
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
-ACCELERATOR_STAGES = ("rollout", "reward-model", "reference", "critic", "actor", "hybrid")
-"""Stages that hold a model and take the platform's accelerators (reward and dock shards do not)."""
 
 
 def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
@@ -58,9 +58,10 @@ def member_devices(cfg: Config, stage: str) -> int:
 
     The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
     dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each
-    for the rollout, actor, reference and critic processes of a non-hybrid run, and one for the reward model.
+    for the rollout, actor, reference and critic processes of a non-hybrid run, and one for the reward model
+    (the rows of ``dockrl.stages.STAGES`` with ``devices``).
     """
-    return 1 if stage in ACCELERATOR_STAGES else 0
+    return 1 if stage_row(stage).devices else 0
 
 
 def stage_members(layout: ParallelLayout, stage: str) -> tuple[int, int]:
@@ -68,8 +69,8 @@ def stage_members(layout: ParallelLayout, stage: str) -> tuple[int, int]:
     actor is one member per rank of the layout (``tp × pp × dp``), and its tensor-parallel groups
     (training TP, inference TP': ``lcm(tp, infer_tp)`` consecutive ranks, as ranks are numbered
     TP fastest) share a node, since their collectives run on every layer; every other stage is one
-    member."""
-    if stage == "hybrid":
+    member (the rows of ``dockrl.stages.STAGES`` with ``layout``)."""
+    if stage_row(stage).layout:
         return layout.world_size, math.lcm(layout.tp, layout.infer_tp)
     return 1, 1
 

@@ -170,7 +170,8 @@ def _resources(group: WorkerGroup, platform: Platform, shape: PodShape) -> dict[
 def _collective_env(run_id: str, group: WorkerGroup, platform: Platform, namespace: str) -> list[dict[str, Any]]:
     """Environment of the collectives of a pod holding devices: the rendezvous of the group's pods
     (``MASTER_ADDR``: pod 0 in the JobSet's DNS), the interface the communicators bootstrap over,
-    on Ascend the pod's IP for HCCL (``HCCL_IF_IP``, from the downward API) and HCCL's timeouts;
+    on Ascend the pod's IP for HCCL (``HCCL_IF_IP``, from the downward API, when the interface is
+    the pod network's ``eth0``; on another one ``HCCL_SOCKET_IFNAME`` alone chooses) and HCCL's timeouts;
     then the platform's own ``env``, which wins."""
     iface = platform.network_interface
     env: list[dict[str, Any]] = [
@@ -180,8 +181,9 @@ def _collective_env(run_id: str, group: WorkerGroup, platform: Platform, namespa
     ]
     if platform.name == "npu":
         timeout = str(platform.collective_timeout_s)
-        env += [{"name": "HCCL_IF_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "HCCL_SOCKET_IFNAME", "value": iface},
+        if iface == "eth0":  # the pod network's interface, whose address is the pod's IP; HCCL prefers HCCL_IF_IP
+            env.append({"name": "HCCL_IF_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        env += [{"name": "HCCL_SOCKET_IFNAME", "value": iface},
                 {"name": "HCCL_CONNECT_TIMEOUT", "value": timeout}, {"name": "HCCL_EXEC_TIMEOUT", "value": timeout}]
     elif platform.name == "gpu":
         env += [{"name": "NCCL_SOCKET_IFNAME", "value": iface}]
@@ -233,9 +235,13 @@ def _pod_spec(run_id: str, group: WorkerGroup, platform: Platform, namespace: st
     shape = pod_shape(group, platform)
     image_name = platform.name if group.devices else "cpu"
     shm = platform.shm_size(group.devices * shape.members) if group.devices else SHM_SIZE
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     # NCCL, HCCL, vLLM and torch's dataloaders need more shared memory than the default 64 MiB
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    if group.devices:  # the platform's hook: a node's driver files where no container runtime hook brings them
+        for i, (node_path, pod_path) in enumerate(sorted(platform.host_paths.items())):
+            mounts.append({"name": f"host-{i}", "mountPath": pod_path, "readOnly": True})
+            volumes.append({"name": f"host-{i}", "hostPath": {"path": node_path}})
     if platform.shared_volume_claim:
         mounts.append({"name": SHARED_VOLUME, "mountPath": platform.shared_mount_path})
         volumes.append({"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": platform.shared_volume_claim}})

@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command: give the dockrl command line of the rank processes after --, e.g. -- worker --stage hybrid ...")
     if args.nproc_per_node < 1 or args.rdzv_timeout_s < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}, --rdzv-timeout-s {args.rdzv_timeout_s}: expected >= 1")
-    node, nodes = replica()  # this pod's index among the group's pods
+    try:
+        node, nodes = replica()  # this pod's index among the group's pods
+    except ValueError as err:
+        parser.error(str(err))
     master = os.environ.get("MASTER_ADDR", "127.0.0.1" if nodes == 1 else "")
     if not master:
         parser.error(f"MASTER_ADDR is unset: the {nodes} pods of a group meet at pod 0 (the Kubernetes backend sets it)")
@@ -100,8 +103,11 @@ def ranks_main(argv: list[str] | None = None) -> int:
         if not sep or name not in ("tp", "pp", "dp", "infer_tp", "device"):
             parser.error(f"{item!r}: expected parallel.FIELD=VALUE with FIELD one of tp, pp, dp, infer_tp, device")
         fields[name] = value if name == "device" else int(value) if value.isdigit() else value
-    layout = ParallelLayout(**fields)  # type: ignore[arg-type]  # LayoutError names a bad field
-    rank, world = replica()
+    try:
+        layout = ParallelLayout(**fields)  # type: ignore[arg-type]
+        rank, world = replica()
+    except ValueError as err:  # LayoutError names the field; replica() the variables
+        parser.error(str(err))
     if world != layout.world_size:
         parser.error(f"{world} processes run, the layout has tp × pp × dp = {layout.world_size} ranks")
     from dockrl.resharding import device as devices

@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 IMAGE_REGISTRY = "ghcr.io/dockrl"
 """Default registry (and path) of the images; a site sets its own (``dockrl pipeline compile
@@ -57,6 +58,14 @@ are Kunpeng (arm64), some x86-64; the CUDA image follows PyPI's vLLM wheels (x86
 _QUANTITY = re.compile(r"^([0-9]+)(m|Ki|Mi|Gi|Ti)?$")
 
 
+def _bytes(quantity: str) -> int:
+    """Bytes of a memory quantity ``_QUANTITY`` accepts (``m``: thousandths)."""
+    match = _QUANTITY.match(quantity)
+    assert match, quantity  # checked by the caller
+    unit = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}.get(match.group(2) or "", 0)
+    return int(match.group(1)) * unit if unit else int(match.group(1)) // 1000
+
+
 def scale_quantity(quantity: str, factor: int) -> str:
     """``quantity`` (a Kubernetes quantity: an integer with an optional ``m``, ``Ki``, ``Mi``,
     ``Gi`` or ``Ti`` suffix) times ``factor``, in the same unit (``scale_quantity("96Gi", 8)``
@@ -72,6 +81,33 @@ def scale_quantity(quantity: str, factor: int) -> str:
     return f"{int(match.group(1)) * factor}{match.group(2) or ''}"
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """``value`` is of the field type ``hint`` (str, int, a Literal, dict[str, str], tuple[X, ...], a dataclass)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        return value in get_args(hint)
+    if origin is dict:
+        key, item = get_args(hint)
+        return isinstance(value, dict) and all(_fits(k, key) and _fits(v, item) for k, v in value.items())
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _check_field_types(obj: Any, where: str) -> None:
+    """Raises ``ValueError`` naming the first field of the dataclass ``obj`` whose value is not of
+    its declared type (a platform file's ``devices_per_node: "8"``, ``env: {X: 200}``, ``scheduler: slurm``)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, hint = getattr(obj, f.name), hints[f.name]
+        if not _fits(value, hint):
+            expected = " or ".join(map(repr, get_args(hint))) if get_origin(hint) is Literal else \
+                getattr(hint, "__name__", None) if get_origin(hint) is None else str(hint).replace("dockrl.launch.platform.", "")
+            raise ValueError(f"{where}: {f.name}={value!r}; expected {expected}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Toleration:
     """A Kubernetes toleration (``operator="Exists"`` ignores ``value``)."""
@@ -80,6 +116,9 @@ class Toleration:
     operator: Literal["Equal", "Exists"] = "Exists"
     value: str = ""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
+
+    def __post_init__(self) -> None:
+        _check_field_types(self, f"toleration {self.key!r}")
 
     def to_k8s(self) -> dict[str, str]:
         out = {"key": self.key, "operator": self.operator, "effect": self.effect}
@@ -180,18 +219,30 @@ class Platform:
     ``{"ring-controller.atlas": "ascend-910b"}``)."""
     pod_annotations: dict[str, str] = field(default_factory=dict)
     """Annotations of every pod holding devices (a secondary network: ``{"k8s.v1.cni.cncf.io/networks": "roce"}``)."""
+    host_paths: dict[str, str] = field(default_factory=dict)
+    """Node paths mounted read-only into every pod holding devices, node path -> path in the pod.
+    Ascend: with Ascend Docker Runtime on the nodes (what the Ascend device plugin is installed
+    with) the driver comes into the container by itself; without it mount
+    ``/usr/local/Ascend/driver`` (and ``/usr/local/dcmi``, ``/usr/local/bin/npu-smi``) here. A
+    hostPath volume needs the namespace's Pod Security level ``privileged``."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of every process holding devices (``NCCL_IB_HCA``, ``HCCL_BUFFSIZE``, ...);
     it wins over the collectives' environment dockrl sets."""
 
     def __post_init__(self) -> None:
+        _check_field_types(self, f"platform {self.name!r}")
         if bool(self.accelerator) != (self.devices_per_node > 0):
             raise ValueError(
                 f"platform {self.name!r}: accelerator={self.accelerator!r} with devices_per_node="
                 f"{self.devices_per_node}; set both (a resource name and a count >= 1) or neither"
             )
-        for name in ("cpu_per_device", "memory_per_device", "shm_per_device"):
-            scale_quantity(getattr(self, name), 1)  # raises naming the value
+        for name in ("cpu_per_device", "memory_per_device", "shm_per_device", "stage_ephemeral_storage"):
+            if not _QUANTITY.match(getattr(self, name)):
+                raise ValueError(f"platform {self.name!r}: {name}={getattr(self, name)!r}; expected an integer with an optional "
+                                 "unit m, Ki, Mi, Gi or Ti (e.g. '16', '96Gi'; for 96G write 89Gi)")
+        if _bytes(self.shm_per_device) >= _bytes(self.memory_per_device):
+            raise ValueError(f"platform {self.name!r}: shm_per_device={self.shm_per_device!r} is not below memory_per_device="
+                             f"{self.memory_per_device!r}; /dev/shm is memory of the pod: keep it well below")
         unknown = sorted(set(self.architectures) - {a for archs in IMAGE_ARCHITECTURES.values() for a in archs})
         if not self.architectures or unknown:
             raise ValueError(f"platform {self.name!r}: architectures={self.architectures!r}; expected some of amd64, arm64")
@@ -219,6 +270,8 @@ class Platform:
         if self.image_pull_retries < 0 or self.accelerator_device_gid < 0:
             raise ValueError(f"platform {self.name!r}: image_pull_retries={self.image_pull_retries}, accelerator_device_gid="
                              f"{self.accelerator_device_gid}; expected >= 0")
+        if not all(k.startswith("/") and v.startswith("/") for k, v in self.host_paths.items()):
+            raise ValueError(f"platform {self.name!r}: host_paths={self.host_paths!r}; expected absolute node paths mapped to absolute paths")
         if not self.shared_mount_path.startswith("/"):
             raise ValueError(f"platform {self.name!r}: shared_mount_path={self.shared_mount_path!r}; expected an absolute path")
 
@@ -240,13 +293,16 @@ class Platform:
             raise ValueError(f"platform: not JSON ({err}): {text[:80]!r}") from None
         if not isinstance(data, dict):
             raise ValueError(f"platform: expected a JSON object, got {type(data).__name__}")
-        data["tolerations"] = tuple(Toleration(**t) for t in data.get("tolerations", ()))
-        if "architectures" in data:
-            data["architectures"] = tuple(data["architectures"])
         try:
+            tolerations = data.get("tolerations", ())
+            if not isinstance(tolerations, list | tuple) or not all(isinstance(t, dict) for t in tolerations):
+                raise ValueError(f"platform: tolerations={tolerations!r}; expected a list of mappings (key, operator, value, effect)")
+            data["tolerations"] = tuple(Toleration(**t) for t in tolerations)
+            if isinstance(data.get("architectures"), list):  # JSON has no tuples
+                data["architectures"] = tuple(data["architectures"])
             return cls(**data)
-        except TypeError as err:  # unknown or missing field
-            raise ValueError(f"platform: {err}") from None
+        except TypeError as err:  # an unknown or missing field of the platform or a toleration
+            raise ValueError(f"platform: {str(err).replace('.__init__()', '')}") from None
 
     def image_of(self, name: str) -> str:
         """Reference of image ``name`` (``cpu``, ``npu``, ``gpu``): ``<repository>-<name>:<tag>``, or
@@ -300,11 +356,12 @@ PLATFORMS: dict[str, Platform] = {
         accelerator_device_gid=1000,  # HwHiAiUser, owner of /dev/davinci* on a typical Ascend node
     ),
     # NVIDIA GPU operator: nodes carry nvidia.com/gpu.present=true; GPU pools are usually tainted
-    # An 8 × H100/H200 node (DGX/HGX): 2 × 56 cores (224 threads), 2 TB: 8 devices request 128 CPU and 1Ti.
+    # An 8 × H100/H200 node: 96 vCPU and 1.9 TB (Azure ND H100 v5) to 224 threads and 2 TB (DGX H100):
+    # 8 devices request 80 CPU and 800Gi, which every one of them has allocatable.
     "gpu": Platform(
         name="gpu", accelerator=NVIDIA_RESOURCE, devices_per_node=8,
         node_selector={"nvidia.com/gpu.present": "true"},
-        tolerations=(Toleration(key=NVIDIA_RESOURCE),), cpu_per_device="16", memory_per_device="128Gi",
+        tolerations=(Toleration(key=NVIDIA_RESOURCE),), cpu_per_device="10", memory_per_device="100Gi",
         architectures=("amd64",),
     ),
     "cpu": Platform(name="cpu"),
@@ -350,7 +407,10 @@ def platform_from_file(platform: Platform, path: str | Path) -> Platform:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist: expected a YAML mapping of platform fields (docs/kubernetes.md)")
-    data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{file}: not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a mapping of platform fields, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(Platform)} - {"name"}

@@ -2,7 +2,7 @@
 
 Each function takes plain paths and the run's ``section.field=value`` overrides, so the KFP
 components in ``components/`` stay thin and every step is testable without KFP. Training, the
-long step, lives in ``dockrl/launcher.py``.
+long step, lives in ``dockrl/train_task.py``.
 
 ``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
 run id alone, so it works from a different process than the one that started them.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
 
-from dockrl.config import Config, load_config
+from dockrl.config import Config, load_config, resolve_auto
 from dockrl.launch.platform import Platform
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
 
 def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     """The evaluate step's engine on this process's device (``parallel.device``, which
-    ``evaluate_model`` sets to where the pipeline placed the step): ``VLLMRolloutEngine`` where
+    ``evaluate_model`` sets to where the pipeline placed the step; ``cfg`` as ``resolve_auto`` returns it): ``VLLMRolloutEngine`` where
     the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm_support``),
     else ``HFRolloutEngine`` (with a warning when the config asked for vLLM); ``rollout.dtype`` weights.
 
@@ -216,7 +216,7 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
     from dockrl.evaluate import greedy_accuracy
     from dockrl.rewards import RewardScorer
 
-    cfg = load_config(None, [*overrides, f"parallel.device={device}"])
+    cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
     _, test_file = dataset_files(dataset_dir)
     engine = evaluation_engine(cfg, Path(model_dir))
     prompts, report = load_prompts(

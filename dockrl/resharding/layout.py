@@ -157,8 +157,8 @@ class ParallelLayout:
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Device kind of every process that computes (one device each: ``cuda:i``/``npu:i`` from its
     local rank); collectives use gloo, nccl or hccl. ``auto``: the accelerator present, else the
-    CPU, resolved when the config is loaded (the run's ``config.yaml`` shows the choice; stage
-    processes resolve it again where they run). ``cuda``/``npu`` where none is visible fail when
+    CPU, resolved by ``dockrl.config.resolve_auto`` as the run sets up, not at load (the run's
+    ``config.yaml`` shows the choice; stage processes resolve it again where they run). ``cuda``/``npu`` where none is visible fail when
     the engines are placed, naming this field."""
     bucket_mb: int = 256
     """Bound of one gathered bucket of the weight sync, in MiB."""

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from dockrl.algorithms import aggregate_loss, kl_penalty, policy_loss, right_pad, tis_weight
+from dockrl.algorithms import actor_loss, right_pad
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.train_protocol import TrainEngine
@@ -28,10 +28,6 @@ from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimi
 logger = logging.getLogger(__name__)
 ACTOR_RANK = 0
 """The actor's rank on the weight channel (the rollout's is 1)."""
-
-
-_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_ratio", "ratio_mean")
-_DUAL_CLIP, _TIS = ("dual_clip_frac",), ("tis_weight_mean", "tis_clip_frac")
 
 
 class DeviceColumns:
@@ -107,50 +103,30 @@ def accumulate_mini_batch(
     names = ((["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_loss_coef > 0 else [])
              + (["rollout_log_prob"] if algo.tis_cap > 0 else []))
     columns = DeviceColumns(batch, names)
-    metric_names = _METRICS + (_DUAL_CLIP if algo.clip_ratio_c > 1 else ()) + (_TIS if algo.tis_cap > 0 else ())
 
     def loss_fn(rows: list[int], log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
         T = log_prob.shape[1]
         idx = torch.tensor(rows)  # this micro-batch's rows of the mini-batch, in the engine's order
         if keep is not None:
             mask = mask * keep[idx].to(mask)[:, None]
-            entropy = entropy * keep[idx].to(entropy)[:, None]
         on_device = columns.get(log_prob.device)
         at = idx.to(log_prob.device)
         old = log_prob.detach() if on_policy else on_device["old_log_prob"][at, :T]
         adv = on_device["advantages"][at]
         if adv.ndim == 2:
             adv = adv[:, :T]
-        weight = tis_weight(old, on_device["rollout_log_prob"][at, :T], algo.tis_cap) if algo.tis_cap > 0 else None
-        pg, clip_hit, dual_hit = policy_loss(
-            log_prob, old, adv, mask, clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
-            ratio_level=algo.ratio_level, weight=weight,
+        out = actor_loss(
+            log_prob, old, adv, mask, entropy, algo=algo, total_tokens=total_tokens, total_sequences=total_seqs, horizon=float(horizon),
+            ref_log_prob=on_device["ref_log_prob"][at, :T] if algo.kl_loss_coef > 0 else None,
+            rollout_log_prob=on_device["rollout_log_prob"][at, :T] if algo.tis_cap > 0 else None,
         )
-        token_loss, kl = pg, torch.zeros((), device=log_prob.device)
-        if algo.kl_loss_coef > 0:
-            kl = kl_penalty(log_prob, on_device["ref_log_prob"][at, :T], algo.kl_loss_type) * mask
-            token_loss = pg + algo.kl_loss_coef * kl
-        if algo.entropy_coeff > 0:  # the bonus: higher entropy, lower loss
-            token_loss = token_loss - algo.entropy_coeff * entropy
-        totals = dict(total_tokens=total_tokens, total_sequences=total_seqs, horizon=float(horizon))
-        loss = aggregate_loss(token_loss, mask, algo.loss_agg_mode, **totals)
-        with torch.no_grad():
-            ratio = torch.exp(log_prob - old) * mask
-            # one device → host copy per micro-batch for all the statistics
-            values = [
-                loss.detach(), aggregate_loss(pg.detach(), mask, algo.loss_agg_mode, **totals), kl.detach().sum(), entropy.detach().sum(),
-                clip_hit.sum(), ratio.sum(),
-            ]
-            if algo.clip_ratio_c > 1:
-                values.append(dual_hit.sum())
-            if weight is not None:
-                values += [(weight * mask).sum(), ((weight >= algo.tis_cap).float() * mask).sum()]
-            *sums, ratio_max = torch.stack([v.float() for v in [*values, ratio.max()]]).tolist()
+        # one device → host copy per micro-batch for all the statistics
+        *sums, ratio_max = torch.stack([v.float() for v in [*out.sums.values(), out.ratio_max]]).tolist()
         old_rows = None
         if on_policy:
             host_old = old.cpu()
             old_rows = [host_old[k, : len(batch["response_ids"][i])].tolist() for k, i in enumerate(rows)]
-        return loss, (sums, ratio_max, rows, old_rows)
+        return out.loss, (dict(zip(out.sums, sums)), ratio_max, rows, old_rows)
 
     parts = engine.forward_backward(
         batch["prompt_ids"], batch["response_ids"], temperature=temperature, micro_batch=micro_batch, loss_fn=loss_fn,
@@ -160,7 +136,8 @@ def accumulate_mini_batch(
         old_by_row = {i: lp for _, _, rows, olds in parts for i, lp in zip(rows, olds)}
         batch["old_log_prob"] = [old_by_row[i] for i in range(len(batch["response_ids"]))]
     # loss and pg_loss are already shares of the global aggregate; the rest are token sums
-    sums = engine.sum_over_replicas([sum(p[0][k] for p in parts) for k in range(len(metric_names))])
+    metric_names = list(parts[0][0])  # the same on every replica: they depend on ``algo`` only
+    sums = engine.sum_over_replicas([sum(p[0][k] for p in parts) for k in metric_names])
     metrics = {f"actor/{k}": v if k in ("loss", "pg_loss") else v / max(total_tokens, 1.0) for k, v in zip(metric_names, sums)}
     metrics["actor/ratio_max"] = max(p[1] for p in parts)
     return metrics

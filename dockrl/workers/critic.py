@@ -9,8 +9,8 @@ One iteration has two steps, each a dock consumer of its own:
    passes over the global batch in mini-batches, each one optimizer step accumulated over
    micro-batches — the actor's update, with the clipped value loss in place of the policy loss.
 
-In-process the driver runs the two steps as two stage workers, around the advantage stage
-(``values_step``, ``update_step``); as a process of its own (``run_critic``) one loop runs both
+In-process the two steps are two stage workers, around the advantage stage (``inprocess_parts``:
+``values_step``, ``update_step``); as a process of its own (``run_critic``) one loop runs both
 and writes the critic's checkpoints (``CHECKPOINT/critic``: weights and optimizer).
 """
 
@@ -32,6 +32,7 @@ from dockrl.engines.critic import HFCriticEngine
 from dockrl.protocol import Report, final_report, serve_iterations
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, critic_dir, final_dir, load_optimizer, prepare_checkpoint, save_optimizer
+from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class CriticWorker:
         return metrics | {"timing_s/critic": time.perf_counter() - start}
 
     def values_step(self) -> Stage:
-        """The first step as an in-process stage worker (``driver.StageWorker``)."""
+        """The first step as an in-process stage worker (``dockrl.workers.dynamic_sampling.StageWorker``)."""
         return Stage(self.compute_values)
 
     def update_step(self) -> Stage:
@@ -198,3 +199,9 @@ def run_critic(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
                      after_report=after_update, seed=t.seed, first_timeout_s=first_wait_s)
     save_critic(worker.engine, final_dir(run_dir))
     dock.report(t.iterations, final_report("critic"), {})
+
+
+def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
+    """The stage in-process: its values with the rollout's stages, its update after the advantages; it saves ``critic/``."""
+    worker = CriticWorker.from_config(build_critic_engine(ctx.cfg, ctx.plan.model_path, ctx.ranks.device, resume=ctx.resume), ctx.cfg)
+    return InProcessParts(sample=[worker.values_step()], learn=[worker.update_step()], save=partial(save_critic, worker.engine))

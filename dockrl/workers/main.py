@@ -5,9 +5,9 @@
 
 (``python -m dockrl.workers.main`` is the same.) The driver's process runner
 (``dockrl/launch/distributed.py``) starts one per stage process of the run
-(``dockrl.protocol.stage_processes``), with the run's config as YAML in the environment
+(``dockrl.stages.stage_processes``), with the run's config as YAML in the environment
 variable ``CONFIG_ENV``: a stage pod cannot read the launcher's files. Each process body lives
-next to its stage loop (``PROCESSES``): it builds its engine, serves the driver's iterations until
+next to its stage loop (its row's ``process`` in ``dockrl.stages.STAGES``): it builds its engine, serves the driver's iterations until
 ``finish()`` and reports through the dock (``dockrl.protocol.Report``). The stages share nothing
 but the dock, and the actor → rollout weight channel. With ``run.resume`` (a checkpoint folder)
 the rollout and actor load their weights from it, the actor its optimizer, the critic both from its ``critic/``.
@@ -22,34 +22,14 @@ import sys
 
 import torch
 
-from dockrl.config import load_config, load_config_text
+from dockrl.config import load_config, load_config_text, resolve_auto
 from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, local_rank, replica
-from dockrl.workers.actor import run_actor
-from dockrl.workers.critic import run_critic
-from dockrl.workers.hybrid import run_hybrid
-from dockrl.workers.reference import run_reference
-from dockrl.workers.reward import run_reward
-from dockrl.workers.reward_model import run_reward_model
-from dockrl.workers.rollout import run_rollout
-
-PROCESSES = {
-    "rollout": run_rollout,  # evaluates before and after training; receives the weights
-    "reward-model": run_reward_model,  # only with reward_model.enable
-    "reward": run_reward,  # with the advantages
-    "reference": run_reference,  # only when algorithm.uses_reference
-    "critic": run_critic,  # only with critic.enable: values, then its update on the returns; writes its checkpoints
-    "actor": run_actor,  # sends the weights; writes the checkpoints
-    "hybrid": run_hybrid,  # trainer.hybrid: rollout and actor in one process per actor rank
-}
-"""Each stage process's body: ``(cfg, dock, ranks, weight_sync address, first_wait_s)``."""
-TRAINS = ("actor", "hybrid")
-"""The stage processes that hold the actor's training engine (a megatron one joins its process groups)."""
-NEEDS_WEIGHT_SYNC = ("rollout", "actor", "hybrid")
+from dockrl.stages import STAGES, load, stage
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dockrl worker", description="Run one GRPO stage against a dock.")
-    parser.add_argument("--stage", required=True, choices=tuple(PROCESSES))
+    parser.add_argument("--stage", required=True, choices=[row.name for row in STAGES if row.process])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="the run's config.yaml")
     source.add_argument("--config-env", metavar="NAME", help=f"environment variable holding the run's config as YAML (e.g. {CONFIG_ENV})")
@@ -66,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the other stages wait through, and how far apart the run's pods may start")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
-    if args.stage in NEEDS_WEIGHT_SYNC and not args.weight_sync:
+    row = stage(args.stage)
+    if row.weight_sync and not args.weight_sync:
         parser.error(f"--stage {args.stage} needs --weight-sync host:port")
 
     from dockrl.dock import GRPO_SCHEMA
@@ -83,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config_text(text, f"environment variable {args.config_env}")
     else:
         cfg = load_config(args.config)
+    cfg = resolve_auto(cfg)  # here, where the stage runs: the launcher's config travels with auto unresolved
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
@@ -94,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], token),
                  timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
     index, size = replica()  # read here once: every stage gets its ranks from this process's ranks object
-    ranks = process_ranks(cfg, trains=args.stage in TRAINS, replica=index, replicas=size, store_address=args.weight_sync,
+    ranks = process_ranks(cfg, trains=row.trains, replica=index, replicas=size, store_address=args.weight_sync,
                           local_rank=local_rank())
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
     with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
                     lease_s=cfg.dock.lease_s, owner=owner, prefetch=cfg.dock.prefetch,
                     local_shard=index % len(locations) if args.local_shard_of_replica else None) as dock:
-        PROCESSES[args.stage](cfg, dock, ranks, args.weight_sync, args.first_wait_s)
+        load(row.process)(cfg, dock, ranks, args.weight_sync, args.first_wait_s)
     return 0
 
 

@@ -9,9 +9,11 @@ import time
 
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
+from dockrl.engines.factory import build_reference_engine
 from dockrl.engines.train_protocol import TrainEngine
 from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
 from dockrl.resharding.ranks import ProcessRanks
+from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
 
 class ReferenceWorker:
@@ -45,10 +47,14 @@ class ReferenceWorker:
 
 def run_reference(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reference`` stage process: log-probs under the initial weights every iteration (``REFERENCE``)."""
-    from dockrl.engines.factory import build_reference_engine
     from dockrl.run_setup import resolve_model
 
     worker = ReferenceWorker.from_config(build_reference_engine(cfg, resolve_model(cfg), ranks), cfg)
     serve_iterations(dock, Report.REFERENCE, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
                      seed=cfg.trainer.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))
     dock.report(cfg.trainer.iterations, final_report("reference"), {})
+
+
+def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
+    """The stage in-process: it scores after the rollout's stages, before the advantages."""
+    return InProcessParts(score=[ReferenceWorker.from_config(build_reference_engine(ctx.cfg, ctx.plan.model_path, ctx.ranks), ctx.cfg)])

@@ -20,6 +20,7 @@ from dockrl.resharding.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.dynamic_sampling import SideBySide, divisor_at_most, groups_per_round
+from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
 BUILT_IN = "the built-in GSM8K verifier"
 
@@ -142,3 +143,9 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
         if side_by_side is not None:
             side_by_side.close()
         scorer.close()
+
+
+def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
+    """The stage in-process: it scores with the rollout, with the run's scorer (the one the evaluation uses)."""
+    cfg = ctx.cfg
+    return InProcessParts(sample=[RewardWorker.from_config(ctx.scorer, ctx.tokenizer, cfg.algorithm, cfg.reward_model, cfg)])

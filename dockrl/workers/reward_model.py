@@ -15,6 +15,7 @@ from dockrl.dock import Dock, StageDock
 from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
 from dockrl.resharding.ranks import ProcessRanks
 from dockrl.workers.dynamic_sampling import divisor_at_most, groups_per_round
+from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
 if TYPE_CHECKING:  # transformers loads only in the process that runs this stage
     from dockrl.engines.reward_model import HFRewardModel
@@ -68,3 +69,13 @@ def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: 
     serve_iterations(dock, Report.REWARD_MODEL, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
                      seed=cfg.trainer.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))
     dock.report(cfg.trainer.iterations, final_report("reward-model"), {})
+
+
+def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
+    """The stage in-process: it scores with the rollout, before the reward stage that waits for it."""
+    # imported here, as in run_reward_model: transformers loads only where this stage runs; run_setup sits above the stages
+    from dockrl.engines.reward_model import build_reward_model
+    from dockrl.run_setup import resolve_reward_model
+
+    return InProcessParts(sample=[RewardModelWorker.from_config(build_reward_model(ctx.cfg, resolve_reward_model(ctx.cfg), ctx.tokenizer,
+                                                                                   ctx.ranks), ctx.cfg)])

@@ -6,7 +6,7 @@ under an existing lease id), acks (of whole claims, parts of them, rows never le
 leases), releases, ``release_owner``, ``renew``, clock steps past lease expiries, and a
 snapshot restored into a fresh dock. After every step the dock's consumed and acked bits, its
 leases (id, owner, rows) and its counters must equal those of ``Model``, which is written from
-the documented rules (``dockrl.dock.local``), not from the implementation:
+the documented rules (``dockrl.dock.leases``), not from the implementation:
 
 * a claim takes the first ``count`` ready rows not consumed by the consumer (whole groups when
   asked), or fails when fewer than ``min(count, rows not taken)`` are ready; with nothing left
@@ -37,9 +37,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 import lease_helpers as lh
 
-import dockrl.dock.local as local
+import dockrl.dock.leases as leases
+import dockrl.dock.shard_controller as controller
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.local import ShardController
+from dockrl.dock.shard_controller import ShardController
 
 OWNERS = ("a", "b", "c")
 INPUTS = {"reward": ["prompt_ids"], "advantage": ["rm_score"]}
@@ -56,7 +57,8 @@ TERMS = (1.0, 2.5)
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside ``dockrl.dock.local``: ``monotonic()`` moves only when told."""
+    """Stands in for the ``time`` module inside ``dockrl.dock.shard_controller`` (it hands the time to ``dockrl.dock.leases``):
+    ``monotonic()`` moves only when told."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -198,18 +200,18 @@ class LeaseMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self._real_time = local.time
-        local.time = self.clock
+        self._real_time = controller.time
+        controller.time = self.clock
         self.dock: ShardController | None = None
         self.model: Model | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix="lease-machine-")
-        self._log = logging.getLogger(local.__name__)
+        self._log = logging.getLogger(leases.__name__)
         self._log_level = self._log.level
         self._log.setLevel(logging.ERROR)  # a warning per ended lease: thousands per run
         self.snapshots = 0
 
     def teardown(self) -> None:
-        local.time = self._real_time
+        controller.time = self._real_time
         self._log.setLevel(self._log_level)
         self.tmp.cleanup()
 

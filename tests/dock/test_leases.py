@@ -12,7 +12,7 @@ import pytest
 import lease_helpers as lh
 
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.local import ShardController
+from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight import DockShardServer
@@ -254,7 +254,7 @@ def test_client_put_with_ack_ends_the_lease_on_every_shard(opened, shards, rows)
     put_rows = claim.rows if rows is None else rows
     before = a.controller_bytes
     a.put(put_rows, {"rm_score": [float(r) for r in put_rows], "correct": [True] * len(put_rows)}, ack=claim)
-    assert (a.controller_bytes - before > 0) and not a._held  # the ack's metadata counted; nothing left to renew
+    assert (a.controller_bytes - before > 0) and not a.heartbeat.held  # the ack's metadata counted; nothing left to renew
     assert a.release_owner(a.owner) == 0  # every row acked
     assert opened.get(["rm_score"], put_rows).column(0).to_pylist() == [float(r) for r in put_rows]
     assert connect(shards).claim("reward", ["prompt_ids"], 4, timeout_s=0.2).rows == []
@@ -416,7 +416,7 @@ def test_client_refuses_a_bad_lease_term(shards):
 def test_heartbeat_thread_stops_on_close(opened, shards):
     worker = connect(shards, lease_s=0.3)
     worker.claim("reward", ["prompt_ids"], 2)
-    beat = worker._beat_thread
+    beat = worker.heartbeat.thread
     assert beat is not None and beat.is_alive()
     worker.close()
     assert not beat.is_alive()

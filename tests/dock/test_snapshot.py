@@ -14,7 +14,7 @@ from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, DockError, Schema, open_dock
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
-from dockrl.dock.local import ShardController
+from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.snapshot import join_uri
 
 TOKEN = "snap-token"

@@ -21,7 +21,7 @@ import pytest
 
 from dockrl.config import ConfigError, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockError
-from dockrl.dock.local import ShardController
+from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight import DockShardServer

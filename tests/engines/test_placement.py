@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from dockrl.config import AlgorithmConfig, load_config
+from dockrl.config import AlgorithmConfig, load_config, resolve_auto
 from dockrl.engines import factory
 from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, response_log_probs
 from dockrl.resharding import ranks as ranks_module
@@ -69,7 +69,7 @@ class FakeProcessDevice:
 def test_the_factory_builds_every_engine_on_the_process_device(tiny_model_dir, monkeypatch):
     fake = FakeProcessDevice()
     monkeypatch.setattr(ranks_module.devices, "process_device", fake)
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "parallel.device=cuda", "rollout.dtype=float32"])
+    cfg = resolve_auto(load_config(None, [f"model.path={tiny_model_dir}", "parallel.device=cuda", "rollout.dtype=float32"]))
     ranks = factory.process_ranks(cfg, trains=True)  # the hf actor: alone on its device, chosen once
     assert fake.calls == [("cuda", 0)] and ranks.device == META and ranks.model_group is None
     engines = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dockrl.config import load_config
+from dockrl.config import load_config, resolve_auto
 from dockrl.engines import factory
 from dockrl.engines.hf import HFRolloutEngine
 
@@ -13,8 +13,8 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 
 
 def engines(tiny_model_dir, *overrides: str):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.engine=hf", "trainer.autocast_bf16=false",
-                             "trainer.lr=1e-2", *overrides])
+    cfg = resolve_auto(load_config(None, [f"model.path={tiny_model_dir}", "rollout.engine=hf", "trainer.autocast_bf16=false",
+                                          "trainer.lr=1e-2", *overrides]))  # the engines are built here, not by a run
     ranks = factory.process_ranks(cfg, trains=True)
     actor = factory.build_train_engine(cfg, tiny_model_dir, ranks)
     return cfg, actor, factory.build_rollout_engine(cfg, tiny_model_dir, ranks, actor=actor)

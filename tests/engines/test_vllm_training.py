@@ -22,7 +22,7 @@ if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vl
 
 from dockrl import driver  # noqa: E402
 from dockrl.rewards import guard  # noqa: E402
-from dockrl.config import load_config  # noqa: E402
+from dockrl.config import load_config, resolve_auto  # noqa: E402
 from dockrl.engines.hf import HFTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from fake_scorers import FakeRandomScorer  # noqa: E402
@@ -80,7 +80,7 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
     assert any("vLLM" in r.getMessage() and "rollout engine" in r.getMessage() for r in caplog.records)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1]
-    itemsize = getattr(torch, cfg.rollout.dtype).itemsize  # auto: bf16 where native, else fp32
+    itemsize = getattr(torch, resolve_auto(cfg).rollout.dtype).itemsize  # auto: bf16 where native, else fp32
     synced = synced_numel(HFTrainEngine(tiny_model_dir, trainable=False)) * itemsize
     for x in lines:
         assert x["rollout/response_length_mean"] > 0 and math.isfinite(x["actor/loss"])

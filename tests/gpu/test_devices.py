@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dockrl.config import AlgorithmConfig, load_config
+from dockrl.config import AlgorithmConfig, load_config, resolve_auto
 from dockrl.engines.hf import HFTrainEngine
 from dockrl.resharding import device as devices
 from dockrl.resharding.allgather_swap import AllGatherSwap
@@ -31,7 +31,7 @@ KINDS = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_and_explicit_placement(kind):
     assert devices.detect_kind() == kind
-    cfg = load_config()
+    cfg = resolve_auto(load_config())
     assert cfg.parallel.device == kind
     if kind == "cuda":  # an H100/H200 computes bf16: the auto dtypes follow the device
         assert cfg.rollout.dtype == "bfloat16" and cfg.trainer.autocast_bf16 is True

@@ -22,8 +22,9 @@ from dockrl.launch.backend import WorkerFailed
 from dockrl.config import load_config_text
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend, free_ports, local_runs, teardown_local
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, iteration_reports
+from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report
 from dockrl.rewards.guard import build_scorer
+from dockrl.stages import iteration_reports
 
 FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py, importable by the worker processes
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dockrl.config import load_config, load_config_text
-from dockrl import launcher
+from dockrl import train_task
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
 from dockrl.launch.jobset import jobset_name
@@ -153,7 +153,7 @@ def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_eve
     prepare_dataset(DATA, tmp_path / "ds")
     platform = npu_platform(tmp_path)
     with pytest.raises(WorkerFailed) as err:
-        launcher.run_training([f"model.path={tiny_model_dir}", "dock.shards=2"], tmp_path / "ds", tmp_path / "model",
+        train_task.run_training([f"model.path={tiny_model_dir}", "dock.shards=2"], tmp_path / "ds", tmp_path / "model",
                               tmp_path / "run", log_metric=lambda k, v: None, worker_backend="kubernetes",
                               run_id=RUN, platform=platform)
     e = err.value
@@ -185,7 +185,7 @@ def test_the_launcher_needs_its_pod_ip_before_anything_starts(cluster, tiny_mode
     use_fake_cluster(cluster, monkeypatch, pod_ip=None)
     prepare_dataset(DATA, tmp_path / "ds")
     with pytest.raises(ValueError, match=r"launcher pod's IP is unknown; set POD_IP .*status\.podIP"):
-        launcher.run_training([f"model.path={tiny_model_dir}"], tmp_path / "ds", tmp_path / "model", tmp_path / "run",
+        train_task.run_training([f"model.path={tiny_model_dir}"], tmp_path / "ds", tmp_path / "model", tmp_path / "run",
                               log_metric=lambda k, v: None, worker_backend="kubernetes", run_id=RUN, platform=npu_platform(tmp_path))
     assert cluster.calls == []
 
@@ -210,7 +210,7 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
     monkeypatch.setattr(driver, "train", fake_train)
     prepare_dataset(DATA, tmp_path / "ds")
     logged: dict[str, float] = {}
-    summary = launcher.run_training([], tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=logged.__setitem__,
+    summary = train_task.run_training([], tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=logged.__setitem__,
                                     worker_backend="kubernetes", run_id=RUN, platform=npu_platform(tmp_path))
     backend, cfg = seen["backend"], seen["cfg"]
     assert isinstance(backend, KubernetesBackend)
@@ -230,14 +230,14 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
 def test_the_launcher_refuses_what_stage_pods_cannot_run(tiny_model_dir, tmp_path):
     shared = tmp_path / "shared"
     with pytest.raises(ValueError, match="dock.mode='inprocess': the kubernetes worker backend runs the stages as pods"):
-        launcher.check_shared_config(small_config(tiny_model_dir, shared / "r", "dock.mode=inprocess"), shared)
+        train_task.check_shared_config(small_config(tiny_model_dir, shared / "r", "dock.mode=inprocess"), shared)
     with pytest.raises(ValueError, match=r"dock.directory=.*must be on the shared volume .*or use dock.warehouse=s3"):
-        launcher.check_shared_config(small_config(tiny_model_dir, shared / "r", "dock.warehouse=directory",
+        train_task.check_shared_config(small_config(tiny_model_dir, shared / "r", "dock.warehouse=directory",
                                                   f"dock.directory={tmp_path / 'store'}"), shared)
     with pytest.raises(ValueError, match="run.output_dir=.*must be on the shared volume"):
-        launcher.check_shared_config(small_config(tiny_model_dir, tmp_path / "r"), shared)
+        train_task.check_shared_config(small_config(tiny_model_dir, tmp_path / "r"), shared)
     with pytest.raises(ValueError, match="worker_backend='kubernetes' needs run_id"):
-        launcher.run_training([], tmp_path / "ds", tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="kubernetes")
+        train_task.run_training([], tmp_path / "ds", tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="kubernetes")
     no_volume = Platform(name="cpu", shared_volume_claim="")
     backend = KubernetesBackend(RUN, namespace=NS, platform=no_volume, core_api=None, custom_api=None)
     with pytest.raises(ValueError, match="has no shared_volume_claim"):

@@ -23,7 +23,7 @@ from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.distributed import stage_members
 from dockrl.launch.jobset import member_host, pod_shape, render_jobset
 from dockrl.launch.node import RDZV_PORT
-from dockrl.launch.platform import PLATFORMS, Platform
+from dockrl.launch.platform import PLATFORMS, Platform, Toleration
 from dockrl.resharding.layout import ParallelLayout
 
 RUN = "5d0c9a1e-2b3f-4c5d-8e9f-0a1b2c3d4e5f"
@@ -133,7 +133,7 @@ def test_the_platform_hooks_add_resources_labels_annotations_and_env(validate_jo
     platform = dataclasses.replace(
         PLATFORMS["npu"], extra_resources={"rdma/hca_shared_devices_a": "1"}, pod_labels={"ring-controller.atlas": "ascend-910b"},
         pod_annotations={"k8s.v1.cni.cncf.io/networks": "roce"}, env={"HCCL_SOCKET_IFNAME": "net1", "HCCL_BUFFSIZE": "200"},
-        network_interface="net1")
+        network_interface="net1", host_paths={"/usr/local/Ascend/driver": "/usr/local/Ascend/driver"})
     jobset = rendered(ParallelLayout(tp=2, dp=4), platform)
     validate_jobset(jobset)
     template = hybrid_job(jobset)["template"]
@@ -145,6 +145,10 @@ def test_the_platform_hooks_add_resources_labels_annotations_and_env(validate_jo
     assert len(names) == len(set(names))  # the platform's env replaces dockrl's, never doubles it
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert (env["HCCL_SOCKET_IFNAME"], env["HCCL_BUFFSIZE"], env["GLOO_SOCKET_IFNAME"]) == ("net1", "200", "net1")
+    assert "HCCL_IF_IP" not in env  # the pod's IP is eth0's: on a secondary network the interface alone chooses
+    # the node's driver where no container runtime hook brings it: read-only
+    assert {"name": "host-0", "mountPath": "/usr/local/Ascend/driver", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "host-0", "hostPath": {"path": "/usr/local/Ascend/driver"}} in template["spec"]["volumes"]
     shard = [r for r in jobset["spec"]["replicatedJobs"] if r["name"] == "dock-shard-0"][0]["template"]["spec"]["template"]
     assert "ring-controller.atlas" not in shard["metadata"]["labels"]  # CPU pods get none of it
 
@@ -194,3 +198,29 @@ def test_dockrl_node_gives_the_processes_the_ranks_the_pod_spec_promises(tmp_pat
         assert (r["pod"], r["local_rank"]) == promised[r["rank"]]
         assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == layout.train_coords(r["rank"])
         assert r["world_size"] == layout.world_size
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"devices_per_node": "8"}, "devices_per_node='8'; expected int"),
+    ({"architectures": "arm64"}, "architectures='arm64'; expected tuple"),
+    ({"scheduler": "slurm"}, "scheduler='slurm'; expected 'default' or 'kueue' or 'volcano'"),
+    ({"env": {"HCCL_BUFFSIZE": 200}}, "env=.*expected dict\\[str, str\\]"),
+    ({"memory_per_device": "96G"}, "memory_per_device='96G'; expected an integer with an optional unit"),
+    ({"shm_per_device": "200Gi"}, "shm_per_device='200Gi' is not below memory_per_device='96Gi'"),
+    ({"host_paths": {"driver": "/usr/local/Ascend/driver"}}, "host_paths=.*expected absolute node paths"),
+])
+def test_a_platform_field_of_the_wrong_kind_is_refused_naming_it(change, message):
+    with pytest.raises(ValueError, match=f"platform 'npu': {message}"):
+        dataclasses.replace(PLATFORMS["npu"], **change)
+    with pytest.raises(ValueError, match="toleration 'x': effect='NoSchedul'"):
+        dataclasses.replace(PLATFORMS["npu"], tolerations=(Toleration(key="x", effect="NoSchedul"),))  # type: ignore[arg-type]
+
+
+def test_a_config_for_another_device_than_the_platforms_is_refused():
+    from dockrl.config import load_config
+    from dockrl.train_task import check_platform_device
+
+    check_platform_device(load_config(None, []), PLATFORMS["npu"])  # auto: the pods' own
+    check_platform_device(load_config(None, ["parallel.device=cpu"]), PLATFORMS["cpu"])
+    with pytest.raises(ValueError, match="parallel.device='cpu': the pipeline was compiled for platform 'npu'"):
+        check_platform_device(load_config(None, ["parallel.device=cpu"]), PLATFORMS["npu"])

@@ -1,4 +1,4 @@
-"""A retried train task (KFP's retry of the launcher, same run id) continues its run (dockrl/launcher.py).
+"""A retried train task (KFP's retry of the launcher, same run id) continues its run (dockrl/train_task.py).
 
 The run folder of a pipeline run lies on the shared volume, keyed by the run id: a retry that
 finds a complete checkpoint there resumes from the newest, one that finds none sets the failed
@@ -19,7 +19,7 @@ from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers 
 from test_distributed_resume import ROWS_PER_ITERATION, read_rows
 from test_kubernetes_run import LAUNCHER_IP, NS, OWNER, RUN, npu_platform, small_config, use_fake_cluster
 
-from dockrl import driver, launcher
+from dockrl import driver, train_task
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.kubernetes import KubernetesBackend
@@ -45,7 +45,7 @@ def attempt(overrides, tmp_path: Path, n: int, platform: Platform, **kw) -> tupl
     """One attempt of the train task: a fresh pod's own artifact folders, the same run id. Returns
     (summary, the metrics it logged)."""
     logged: dict[str, float] = {}
-    summary = launcher.run_training(overrides, tmp_path / "ds", tmp_path / f"attempt-{n}" / "model", tmp_path / f"attempt-{n}" / "run",
+    summary = train_task.run_training(overrides, tmp_path / "ds", tmp_path / f"attempt-{n}" / "model", tmp_path / f"attempt-{n}" / "run",
                                     log_metric=logged.__setitem__, run_id=RUN, platform=platform, **kw)
     return summary, logged
 
@@ -106,7 +106,7 @@ def test_a_retried_train_task_without_a_checkpoint_sets_the_attempt_aside_and_st
         raise RuntimeError("the pod was evicted")
 
     with pytest.raises(RuntimeError, match="evicted"):
-        launcher.run_training(overrides, tmp_path / "ds", tmp_path / "attempt-1" / "model", tmp_path / "attempt-1" / "run",
+        train_task.run_training(overrides, tmp_path / "ds", tmp_path / "attempt-1" / "model", tmp_path / "attempt-1" / "run",
                               log_metric=dies, run_id=RUN, platform=platform)
     assert [x["iteration"] for x in read_rows(shared_run)] == [0] and not list(shared_run.glob("checkpoints/*"))
     (shared_run / "checkpoints" / "iter_000001").mkdir(parents=True)  # as a SIGKILL mid-write leaves one: incomplete
@@ -178,12 +178,12 @@ def test_a_retry_on_kubernetes_tears_down_the_failed_attempts_jobset_then_resume
 
 def test_a_failed_attempts_pod_that_does_not_go_stops_the_retry_naming_it(cluster, tmp_path):
     backend = KubernetesBackend(RUN, namespace=NS, platform=npu_platform(tmp_path), core_api=cluster.core(), custom_api=cluster.custom())
-    assert launcher.clear_failed_attempt(backend) == []  # a first attempt: nothing to do
+    assert train_task.clear_failed_attempt(backend) == []  # a first attempt: nothing to do
     cluster.objects[("Pod", NS, "stuck")] = {"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Running"},
                                              "metadata": {"name": "stuck", "namespace": NS, "labels": {"dockrl.io/run": RUN}}}
     with pytest.raises(RuntimeError, match=rf"retry of run {RUN}: the failed attempt's Pod/stuck still exist 0 s after their "
                                            rf"deletion.*kubectl delete jobset,pod,secret -n {NS} -l dockrl.io/run={RUN}"):
-        launcher.clear_failed_attempt(backend, wait_s=0.0)
+        train_task.clear_failed_attempt(backend, wait_s=0.0)
 
 
 def test_a_retry_of_a_finished_run_hands_it_over_without_training_again(tiny_model_dir, tmp_path, monkeypatch, caplog):

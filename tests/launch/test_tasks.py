@@ -1,4 +1,4 @@
-"""The pipeline steps' library functions, without KFP: dataset, export, evaluation, launcher reporting."""
+"""The pipeline steps' library functions, without KFP: dataset, export, evaluation, train task reporting."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dockrl import launcher
+from dockrl import train_task
 from dockrl.config import ConfigError
 from dockrl.data import generate_problems, write_jsonl
 from dockrl.launch.tasks import (
@@ -133,14 +133,16 @@ def test_evaluate_model_runs_on_the_device_the_pipeline_gave_the_step(tiny_model
     ("cpu", [*HYBRID, "parallel.tp=2"], 0),
 ])
 def test_a_local_run_requests_the_devices_its_processes_use(platform, overrides, devices, monkeypatch):
-    from dockrl.config import load_config
+    from dockrl.config import load_config, resolve_auto
     from dockrl.launch.platform import PLATFORMS
     from dockrl.resharding import device
 
     monkeypatch.setattr(device, "detect_kind", lambda: "cpu")  # as in the resolve-config pod, a CPU
     preset = PLATFORMS[platform]
-    assert load_config(None, overrides).parallel.device == "cpu"  # auto resolved here: not what the train pod sees
-    assert local_run_devices(load_config(None, overrides), preset) == devices
+    loaded = load_config(None, overrides)
+    resolved = resolve_auto(loaded)
+    assert resolved.parallel.device == "cpu"  # auto resolved here: not what the train pod sees
+    assert local_run_devices(loaded, preset) == local_run_devices(resolved, preset) == devices
     size = local_run_resources(overrides, preset)
     one = preset.pod_requests(1)
     # strings: KFP's driver reads a task's resources from string outputs only
@@ -212,7 +214,7 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
     prepare_dataset(SMALL, tmp_path / "ds")
     logged: dict[str, float] = {}
     (tmp_path / "model").mkdir()  # KFP may create the output folder beforehand
-    launcher.run_training(["data.train_path=elsewhere.jsonl", "trainer.lr=1e-4"], tmp_path / "ds", tmp_path / "model",
+    train_task.run_training(["data.train_path=elsewhere.jsonl", "trainer.lr=1e-4"], tmp_path / "ds", tmp_path / "model",
                           tmp_path / "run", log_metric=logged.__setitem__)
     cfg = seen["cfg"]
     assert cfg.data.train_path == str(tmp_path / "ds" / "train.jsonl")  # the dataset wins over a given path
@@ -227,4 +229,4 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
 
 def test_run_training_rejects_an_unknown_backend(tmp_path):
     with pytest.raises(ValueError, match="worker_backend: got 'slurm'"):
-        launcher.run_training([], tmp_path, tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="slurm")
+        train_task.run_training([], tmp_path, tmp_path / "m", tmp_path / "r", log_metric=print, worker_backend="slurm")

@@ -403,7 +403,7 @@ def test_train_retries_and_a_sites_platform_file_are_compiled_in(tmp_path):
     with pytest.raises(ValueError, match=r"site-platform.yaml: unknown platform field\(s\) \['devices_per_nod'\]"):
         platform_from_file(PLATFORMS["npu"], site)
     site.write_text("cpu_per_device: lots\n")
-    with pytest.raises(ValueError, match=r"site-platform.yaml: quantity 'lots'"):
+    with pytest.raises(ValueError, match=r"site-platform.yaml: platform 'npu': cpu_per_device='lots'; expected an integer"):
         platform_from_file(PLATFORMS["npu"], site)
     with pytest.raises(ValueError, match="train_retries=-1"):
         PipelineSettings(train_retries=-1)

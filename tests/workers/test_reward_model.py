@@ -14,9 +14,10 @@ from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.hf import load_tokenizer
 from dockrl.engines.reward_model import HFRewardModel
 from dockrl.models import build_tiny_model, build_tiny_reward_model
-from dockrl.protocol import Report, iteration_reports, stage_processes
+from dockrl.protocol import Report
 from dockrl.rewards import guard
 from dockrl.run_setup import plan_run
+from dockrl.stages import iteration_reports, stage_processes
 from dockrl.workers.reward import RewardWorker
 from dockrl.workers.reward_model import RewardModelWorker
 from e2e_checks import check_reward_model_run

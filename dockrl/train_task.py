@@ -1,4 +1,4 @@
-"""The launcher: runs one GRPO training job for a pipeline's train step and reports it.
+"""The pipeline's train task: runs one GRPO training job for the train step and reports it.
 
 ``run_training`` is what the KFP ``train`` component calls. It runs the distributed mode
 (``distributed.py``): the dock shards and every stage as separate workers, started through
@@ -141,6 +141,7 @@ def run_training(
 
     if backend is not None:
         check_shared_config(cfg, backend.shared_dir)
+        check_platform_device(cfg, backend.platform)
     start = checkpoint_resumes_at(found) if found and not resume_given else None
     if start is not None:  # this attempt's metrics artifact gets the iterations the failed one ran too
         _replay_metrics(out / "metrics.jsonl", start, stream)
@@ -275,6 +276,24 @@ def _copy_into(files: Sequence[Path], folder: Path) -> list[Path]:
 
 def _under(path: str | Path, root: Path) -> bool:
     return Path(path).resolve().is_relative_to(root.resolve())
+
+
+PLATFORM_DEVICE = {"npu": "npu", "gpu": "cuda", "cpu": "cpu"}
+"""The ``parallel.device`` of the pods of each platform."""
+
+
+def check_platform_device(cfg: Config, platform: Platform) -> None:
+    """Check that ``parallel.device`` is the kind of device the platform's pods hold (or ``auto``).
+
+    Raises:
+        ValueError: another kind: the worker pods would request the platform's devices and compute
+            elsewhere (``parallel.device=cpu`` on the npu platform), or fail to find theirs.
+    """
+    wanted = PLATFORM_DEVICE[platform.name]
+    if cfg.parallel.device not in ("auto", wanted):
+        raise ValueError(f"parallel.device={cfg.parallel.device!r}: the pipeline was compiled for platform {platform.name!r}, "
+                         f"whose worker pods hold {wanted!r} devices; use parallel.device=auto or {wanted!r}, or compile for "
+                         "the platform of that device (dockrl pipeline compile --platform)")
 
 
 def check_shared_config(cfg: Config, shared: Path) -> None:

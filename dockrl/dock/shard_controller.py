@@ -1,0 +1,496 @@
+"""The dock controller of one shard: readiness and consumption bits, leases, and the cells (Arrow chunks).
+
+A ``ShardController`` is the state of one dock shard; ``dockrl.dock.shard.ShardService`` wraps
+one and is its only caller (stages reach it through the sharded front end
+``dockrl.dock.client.DockClient``, in either ``dock.mode``): ``open_iteration`` → ``put`` /
+``take`` / ``get`` → ``close_iteration``, over its slice of rows (``open_iteration(...,
+first_row=k, total_rows=N)``, so errors name global rows). ``take``, ``release``, ``missing``
+and ``ack_rows`` are the metadata-only building blocks of a claim across shards; ``commit``
+and ``locate`` those of a put and a read whose payload lives in a warehouse
+(``dockrl.dock.warehouse``): the controller then holds object keys and offsets, never cells.
+
+The controller holds the lock, the clock, the counters and the log; the state lives in its
+parts: the open iteration's table (``dockrl.dock.iteration``), the leases of a take and how
+they end (``dockrl.dock.leases``: a lease that ends un-acked returns its unfinished rows to the
+pool; blocked claims wake at the next expiry, never by polling), the blocked takes
+(``dockrl.dock.waiters``: event-driven, each woken only when it can proceed), and snapshots
+(``dockrl.dock.snapshot``: ``restore`` ends the old run's un-acked leases).
+
+**Cost.** A take costs what it takes: per consumer and set of input columns the controller keeps
+the ready, untaken rows (``ReadyView``, updated by every put, take, return and ack), leases are
+integer arrays (``lease_at``: the lease number of each row), expiries a heap, and the rows other
+owners hold are counted as leases change (``Lease.undone``), never recounted per take.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from dockrl.dock import leases
+from dockrl.dock.errors import DockError
+from dockrl.dock.iteration import IterationTable, Lease, Taken, arrow_columns, check_layout, one_run
+from dockrl.dock.schema import Schema
+from dockrl.dock.snapshot import check_dock_snapshot, dock_snapshot, load_iteration, read_meta, write_snapshot
+from dockrl.dock.waiters import Waiter, Waiters, can_take, timeout_error
+from dockrl.dock.warehouse import Located
+
+DEFAULT_OWNER = "local"
+"""Lease owner of claims made without one (the stages of one process share it)."""
+
+
+class ShardController:
+    """The rows of one shard of the experience table, one iteration at a time.
+
+    Args:
+        schema: the column schema; every put is checked against it.
+        timeout_s: default timeout of a blocking ``take``, seconds.
+        lease_s: default lease term of a take, seconds (``math.inf``: leases never expire).
+
+    Thread-safe: callers may block in ``take`` from many threads.
+
+    Raises:
+        ValueError: ``lease_s`` is not > 0.
+    """
+
+    def __init__(self, schema: Schema, *, timeout_s: float = 600.0, lease_s: float = 300.0) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"ShardController: lease_s={lease_s!r}; expected a number of seconds > 0")
+        self.schema = schema
+        self.timeout_s = timeout_s
+        self.lease_s = lease_s
+        self.leases_expired = 0
+        self.rows_returned = 0
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # guards everything; blocked takes wait on conditions of their own
+        self._waiters = Waiters(self._lock)  # blocked takes by consumer, oldest first
+        self._arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
+        self._it: IterationTable | None = None
+        self.bytes_put = 0
+        self.bytes_read = 0
+        self.wait_s = 0.0
+
+    # --- iteration lifecycle -------------------------------------------------------------
+    def open_iteration(
+        self, iteration: int, num_rows: int, group_size: int, *, first_row: int = 0, total_rows: int | None = None,
+    ) -> None:
+        """Start an empty table of ``num_rows`` rows in groups of ``group_size``.
+
+        Rows are numbered ``first_row .. first_row+num_rows-1`` (a shard's slice of the
+        ``total_rows`` rows of the iteration, default all of them); ``first_row`` must be a
+        multiple of ``group_size`` so groups stay whole.
+
+        Raises:
+            DockError: an iteration is still open, or the sizes are invalid.
+        """
+        total = check_layout(iteration, num_rows, group_size, first_row, total_rows)
+        with self._cond:
+            if self._it is not None:
+                raise DockError(f"open_iteration({iteration}): iteration {self._it.iteration} is still open")
+            self._it = IterationTable(self.schema, iteration, num_rows, group_size, first_row, total)
+            self._waiters.wake_all()
+
+    def close_iteration(self) -> None:
+        """Drop the current iteration's table; later puts and claims raise ``DockError``."""
+        with self._cond:
+            self._it = None
+            self._waiters.wake_all()
+
+    def _current(self, what: str, iteration: int | None = None) -> IterationTable:
+        if self._it is None:
+            raise DockError(f"{what}: no iteration is open (call open_iteration first, or it was closed)")
+        if iteration is not None and iteration != self._it.iteration:
+            raise DockError(f"{what}: iteration {iteration} is not open; the open iteration is {self._it.iteration}")
+        return self._it
+
+    # --- writes ----------------------------------------------------------------------------
+    def put(
+        self, rows: Sequence[int], columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, *, iteration: int | None = None,
+        ack: tuple[str, str] | None = None, own_buffers: bool = False,
+    ) -> None:
+        """Write cells: ``columns[name][k]`` is the cell of row ``rows[k]``.
+
+        Atomic: either every cell is written or none. With ``iteration`` the put is refused
+        unless that iteration is the open one. With ``ack=(consumer, lease)`` the rows are then
+        acked as by ``ack_rows`` (under the same lock: one call for a stage's put and ack).
+        ``own_buffers``: the arrays hold exactly their own buffers (read from an IPC stream), so
+        ``dock/bytes_put`` counts their buffer sizes instead of summing the ranges they reference.
+
+        Raises:
+            DockError: unknown column, wrong Arrow type or length, row out of range or repeated,
+                a cell already written, no open iteration, or another iteration open; with
+                ``ack``, as ``ack_rows`` (the cells stay written).
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        arrays = arrow_columns(self.schema, columns, len(rows_arr))
+        with self._cond:
+            it = self._current("put", iteration)
+            if ack is not None:
+                it.check_request([], ack[0], f"ack by {ack[0]!r}")
+            rows_arr, ascending = it.local_rows(rows_arr, "put")
+            # distinct rows: ascending and spanning as many rows as they are is one run, written through a slice
+            n = len(rows_arr)
+            run = one_run(rows_arr) if ascending else None
+            index = rows_arr if run is None else slice(*run)
+            it.refuse_written(rows_arr, arrays, index)
+            for name, array in arrays.items():
+                nbytes = array.get_total_buffer_size() if own_buffers else array.nbytes
+                it.add_chunk(name, array, index, np.arange(n), run, nbytes)
+                self.bytes_put += nbytes
+            acking = None if ack is None else (it.consumer_index[ack[0]], it.lease_num.get(ack[1], -2))
+            held_all = self._written_locked(it, rows_arr, arrays, acking, run)
+            if ack is not None:
+                self._ack_locked(it, ack[0], ack[1], rows_arr, held_all=held_all, run=run)
+
+    def commit(
+        self, rows: Sequence[int], objects: Mapping[str, tuple[str, Sequence[int]]], *, iteration: int | None = None
+    ) -> None:
+        """Record cells written to a warehouse: the controller half of a put (metadata only).
+
+        ``objects[name] = (key, offsets)``: the cell of column ``name`` for row ``rows[k]`` is
+        row ``offsets[k]`` of the object ``key`` (``dockrl.dock.warehouse``). Atomic as ``put``,
+        with the same errors and messages.
+
+        Raises:
+            DockError: unknown column, bad key or offsets, row out of range or repeated, a cell
+                already written, no open iteration, or another iteration open.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        refs: dict[str, tuple[str, np.ndarray]] = {}
+        for name, (key, offsets) in objects.items():
+            try:
+                offsets_arr = np.asarray(offsets, dtype=np.int64)
+            except (ValueError, TypeError, OverflowError):
+                raise DockError(f"put: column {name!r} has offsets {str(offsets)[:80]}; expected integers") from None
+            if not isinstance(key, str) or not key:
+                raise DockError(f"put: column {name!r} has object key {key!r}; expected a non-empty string")
+            if offsets_arr.shape != rows_arr.shape or (offsets_arr < 0).any():
+                raise DockError(f"put: column {name!r} has {len(offsets_arr)} offsets for {len(rows_arr)} rows (or a negative one)")
+            refs[name] = (key, offsets_arr)
+        with self._cond:
+            it = self._current("put", iteration)
+            it.check_request(list(refs), None, "put")
+            rows_arr = it.check_rows(rows_arr, "put")
+            it.refuse_written(rows_arr, refs)
+            for name, (key, offsets_arr) in refs.items():
+                it.add_chunk(name, key, rows_arr, offsets_arr, None, 0)
+            self._written_locked(it, rows_arr, refs)
+
+    def _written_locked(
+        self, it: IterationTable, rows: np.ndarray, names: Sequence[str] | Mapping[str, object], acking: tuple[int, int] | None = None,
+        run: tuple[int, int] | None = None,
+    ) -> bool:
+        """``leases.mark_written``, then wake the takes it may unblock; returns its ``held_all``."""
+        woken, held_all = leases.mark_written(it, rows, names, acking, run)
+        for ci in woken:
+            self._waiters.wake(it, ci)
+        return held_all
+
+    def locate(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> dict[str, Located]:
+        """Where the cells of ``rows`` live in the warehouse, per column, in the order of ``rows``.
+
+        Raises:
+            DockError: as ``get``; also a cell that was ``put`` (held in memory), not committed.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        with self._cond:
+            it = self._current("get", iteration)
+            it.check_request(columns, None, "get")
+            return it.locate(columns, it.check_rows(rows_arr, "get"))
+
+    # --- reads -----------------------------------------------------------------------------
+    def _gather(self, it: IterationTable, columns: Sequence[str], rows: np.ndarray, run: tuple[int, int] | None = None) -> pa.RecordBatch:
+        """The cells of ``columns`` at local ``rows`` (``run``: they are the range ``[start, stop)``, ascending)."""
+        arrays, nbytes = it.gather(columns, rows, run)
+        self.bytes_read += nbytes
+        key = tuple(columns)
+        schema = self._arrow_schemas.get(key)
+        if schema is None:
+            schema = self._arrow_schemas[key] = self.schema.arrow_schema(list(columns))
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:
+        """Read cells without consuming them (driver, metrics, checkpoints).
+
+        Raises:
+            DockError: unknown column, row out of range, a cell not yet written, or (with
+                ``iteration``) another iteration open.
+        """
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        with self._cond:
+            it = self._current("get", iteration)
+            it.check_request(columns, None, "get")
+            rows_arr = it.check_rows(rows_arr, "get")
+            it.refuse_unwritten(columns, rows_arr)
+            return self._gather(it, columns, rows_arr)
+
+    def take(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, at_least: int | None = None,
+        timeout_s: float | None = None, iteration: int | None = None, owner: str | None = None, lease: str | None = None,
+        lease_s: float | None = None, wait_held: bool = True, read: bool = False,
+    ) -> Taken:
+        """Claim rows, and with ``read`` their cells of ``columns``: the building block of a claim across shards.
+
+        Takes up to ``count`` ready rows (in ``columns``, not yet taken by ``consumer``) once
+        ``min(at_least, rows pending)`` are ready (``at_least=None`` means ``count``; ``0`` never
+        blocks), under lease ``lease`` of ``owner`` for ``lease_s`` seconds (defaults: a fresh
+        lease id, ``DEFAULT_OWNER``, the controller's term; taking again under an existing id
+        adds rows to it and renews it). With ``whole_groups`` only complete prompt groups are
+        taken. With no row pending, ``at_least > 0`` and ``wait_held``, it blocks while other
+        owners hold un-finished rows of the consumer (they come back if their lease ends).
+
+        Raises:
+            DockError: unknown column or consumer, a count not positive (or not a multiple of
+                the group size with ``whole_groups``), a bad lease term, a negative
+                ``at_least``, no open iteration or another one open, or a ``lease`` id of
+                another owner or consumer.
+            DockTimeoutError: not enough rows became ready within the timeout; names the
+                columns still missing and how many rows lack each, and the rows other owners hold.
+        """
+        rows, pending, held, lease, batch = self.take_rows(
+            consumer, columns, count, whole_groups=whole_groups, at_least=at_least, timeout_s=timeout_s, iteration=iteration,
+            owner=owner, lease=lease, lease_s=lease_s, wait_held=wait_held, read=read,
+        )
+        return Taken(rows.tolist(), pending, held, lease, batch)
+
+    def take_rows(
+        self, consumer: str, columns: Sequence[str], count: int, *, whole_groups: bool = False, at_least: int | None = None,
+        timeout_s: float | None = None, iteration: int | None = None, owner: str | None = None, lease: str | None = None,
+        lease_s: float | None = None, wait_held: bool = True, read: bool = False,
+    ) -> tuple[np.ndarray, int, int, str, pa.RecordBatch | None]:
+        """``take`` with the rows as an int64 array of global indexes (ascending): (rows, pending, held, lease, batch).
+
+        Raises: as ``take``.
+        """
+        lease = lease or uuid.uuid4().hex
+        with self._cond:
+            it, rows, pending, held, run = self._take_locked(
+                consumer, columns, count, whole_groups, count if at_least is None else at_least, timeout_s, iteration,
+                owner or DEFAULT_OWNER, lease, lease_s, wait_held,
+            )
+            batch = self._gather(it, columns, rows, run) if read else None
+            return rows + it.first_row, pending, held, lease, batch
+
+    def _take_locked(  # caller holds self._cond; returns local row indexes
+        self, consumer: str, columns: Sequence[str], count: int, whole_groups: bool, at_least: int,
+        timeout_s: float | None, iteration: int | None, owner: str, lease_id: str, lease_s: float | None,
+        wait_held: bool,
+    ) -> tuple[IterationTable, np.ndarray, int, int, tuple[int, int] | None]:  # ..., one_run(rows)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        term = self.lease_s if lease_s is None else lease_s
+        start = time.monotonic()
+        deadline = start + timeout
+        what = f"claim by {consumer!r}"
+        if not term > 0:
+            raise DockError(f"{what}: lease_s={term!r} must be > 0 seconds")
+        waiter: Waiter | None = None
+        try:
+            while True:
+                it = self._current(what, iteration)
+                ci, cols = it.claim_request(consumer, columns, count, whole_groups, at_least, owner, lease_id, what)
+                next_expiry = self._expire_locked(it)
+                unit = it.group_size if whole_groups else 1
+                view = it.view(ci, cols, unit)
+                num_pending = it.npending[ci]
+                held = it.held(ci, owner)
+                if can_take(num_pending, held, view.navail * unit, at_least, wait_held):
+                    units = view.first(min(count // unit, view.navail))
+                    rows = units if unit == 1 else (units[:, None] * unit + np.arange(unit)).reshape(-1)
+                    run = one_run(rows)  # ascending: one run when they span as many rows as they are
+                    if len(rows):
+                        it.set_consumed(ci, rows, True, run)
+                        leases.grant(it, ci, rows, owner, lease_id, term, whole_groups, time.monotonic(), run)
+                        self._waiters.wake(it, ci)  # waiters of this consumer may need fewer rows now
+                    self._waiters.forget(waiter)
+                    waiter = None  # it took: no wake-up to hand on
+                    self.wait_s += time.monotonic() - start
+                    return it, rows, num_pending - len(rows), held, run
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0:
+                    raise timeout_error(what, timeout, it, ci, columns, min(at_least, num_pending), view.navail * unit, held)
+                if waiter is None or waiter.ci != ci:
+                    self._waiters.forget(waiter)
+                    waiter = self._waiters.add(ci, view, count, at_least, wait_held, owner)
+                waiter.view, waiter.notified = view, False
+                wait = max(min(remaining, next_expiry - now), 0.0)  # wake at the next lease expiry: rows may come back
+                waiter.cond.wait(wait if math.isfinite(wait) else None)
+        finally:
+            if waiter is not None:
+                self._waiters.forget(waiter)
+                if waiter.notified and self._it is not None:  # woken for rows it did not take: hand the wake-up on
+                    self._waiters.wake(self._it, waiter.ci)
+
+    def missing(self, consumer: str, columns: Sequence[str], *, iteration: int | None = None) -> dict[str, int]:
+        """For each of ``columns``, how many rows not yet taken by ``consumer`` lack it (zeros left out).
+
+        Raises:
+            DockError: unknown column or consumer, no open iteration, or another iteration open.
+        """
+        with self._cond:
+            it = self._current(f"missing for {consumer!r}", iteration)
+            it.check_request(columns, consumer, f"missing for {consumer!r}")
+            return it.missing(it.consumer_index[consumer], columns)
+
+    def release(
+        self, consumer: str, rows: Sequence[int] | np.ndarray, *, iteration: int | None = None, lease: str | None = None,
+    ) -> None:
+        """Hand rows taken by ``consumer`` back, as if never taken (undo of a claim that failed midway).
+
+        With ``lease``, only the rows still held under that lease go back; the others (their lease
+        ended and they went to another claim, or they were acked) are left as they are: a late
+        release never hands back rows another claim holds now.
+
+        Raises:
+            DockError: unknown consumer, row out of range or repeated, no open iteration, or
+                another iteration open; without ``lease``, a row not taken by ``consumer`` or already acked.
+        """
+        what = f"release by {consumer!r}"
+        with self._cond:
+            it = self._current(what, iteration)
+            it.check_request([], consumer, what)
+            local = it.check_rows(np.asarray(rows, dtype=np.int64), what)
+            if lease is not None:
+                self._expire_locked(it)
+            if leases.release(it, it.consumer_index[consumer], local, lease, what):
+                self._waiters.wake(it, it.consumer_index[consumer])
+
+    def drop(self, rows: Sequence[int], *, iteration: int | None = None) -> None:
+        """Take ``rows`` (global indexes) out of the iteration for every consumer that has not taken
+        them: they count as acked for those consumers, whose claims never return them and end (empty)
+        once nothing else is left. Rows a consumer took or acked stay as they are for it. Idempotent.
+        (Dynamic sampling: the advantage stage drops the groups it filters out and the rounds it
+        does not need, docs/algorithms.md.)
+
+        Raises:
+            DockError: row out of range or repeated, no open iteration, or another iteration open.
+        """
+        with self._cond:
+            it = self._current("drop", iteration)
+            for ci in it.drop(it.check_rows(np.asarray(rows, dtype=np.int64), "drop")):
+                self._waiters.wake(it, ci)  # fewer rows to wait for: a claim may be done
+
+    # --- leases ------------------------------------------------------------------------------
+    def _end_leases_locked(self, it: IterationTable, ended: list[Lease], why: str) -> int:
+        """End un-acked leases (``leases.end_lease``), wake the takes; returns the rows returned to the pool."""
+        returned = sum(leases.end_lease(it, lease, why) for lease in ended)
+        self.rows_returned += returned
+        for ci in {lease.consumer for lease in ended}:
+            self._waiters.wake(it, ci)
+        return returned
+
+    def _expire_locked(self, it: IterationTable) -> float:
+        """End the leases past their expiry; return the next expiry (``time.monotonic``), inf if none."""
+        while expired := leases.pop_expired(it, time.monotonic()):
+            self.leases_expired += len(expired)
+            self._end_leases_locked(it, expired, f"expired (not renewed within its {expired[0].term_s:g}s term)")
+        return it.expiries[0][0] if it.expiries else math.inf
+
+    def ack_rows(self, consumer: str, lease: str, rows: Sequence[int], *, iteration: int | None = None) -> None:
+        """``consumer`` is done with ``rows`` (global indexes) it took under ``lease`` (after its put): end the lease for good.
+
+        Idempotent. A lease that already ended (expired, or ``release_owner``) is still
+        accepted for rows it finished or that nobody re-claimed since.
+
+        Raises:
+            DockError: ``iteration`` not open, unknown consumer, a row out of range or repeated,
+                or rows of the lease ended before the ack and were re-delivered to another
+                claim (the message names them; the other rows are acked).
+        """
+        what = f"ack by {consumer!r}"
+        with self._cond:
+            it = self._current(what, iteration)
+            it.check_request([], consumer, what)
+            self._ack_locked(it, consumer, lease, it.check_rows(np.asarray(rows, dtype=np.int64), what))
+
+    def _ack_locked(
+        self, it: IterationTable, consumer: str, lease: str, local: np.ndarray, held_all: bool = False, run: tuple[int, int] | None = None,
+    ) -> None:
+        """``ack_rows`` of checked local rows (``held_all``: the caller saw every row held under ``lease``;
+        ``run``: the rows are the range ``[start, stop)``, ascending)."""
+        expired = self.leases_expired
+        self._expire_locked(it)
+        refused = leases.ack(it, consumer, lease, local, held_all=held_all and expired == self.leases_expired, run=run)
+        self._waiters.wake(it, it.consumer_index[consumer])
+        if refused:
+            raise DockError(f"ack by {consumer!r}: {refused}")
+
+    def renew(self, owner: str) -> int:
+        """Push the expiry of every lease of ``owner`` a full term ahead (a heartbeat).
+
+        Returns the number of leases renewed (0 when no iteration is open).
+        """
+        with self._cond:
+            if self._it is None:
+                return 0
+            it = self._it
+            self._expire_locked(it)
+            return leases.renew(it, owner, time.monotonic())
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` now, as if expired (the owner's process died).
+
+        Returns the number of rows returned to the ready pool (finished rows count as acked).
+        """
+        with self._cond:
+            if self._it is None:
+                return 0
+            it = self._it
+            ended = sorted((it.leases[i] for i in it.by_owner.get(owner, ())), key=lambda lease: lease.num)
+            return self._end_leases_locked(self._it, ended, f"released (owner {owner!r} is gone)")
+
+    # --- snapshots ---------------------------------------------------------------------------
+    def snapshot(self, uri: str, *, extra: dict[str, Any] | None = None) -> None:
+        """Write the dock's state to ``uri`` (a directory: local path, ``file://`` or ``s3://``).
+
+        Stores the open iteration (or none), its readiness, consumed and acked bits, and every
+        written cell as Arrow IPC; ``extra`` is stored beside it (a shard stores its layout).
+        Atomic: a snapshot cut short is never read as complete (``dockrl.dock.snapshot``).
+
+        Raises:
+            DockError: the filesystem refused a write.
+        """
+        with self._cond:
+            if self._it is not None:
+                self._expire_locked(self._it)
+            meta, tables = dock_snapshot(self.schema, self._it, extra)
+        write_snapshot(uri, meta, tables)
+
+    def restore(self, uri: str, *, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Load the snapshot at ``uri`` into this dock, which must have no open iteration.
+
+        Un-acked leases of the snapshot end here (their holders belong to the old run): their
+        rows return to the ready pool, or count as acked where the consumer's outputs are
+        written. With ``extra`` the snapshot's stored ``extra`` must equal it (a shard checks
+        its layout). Returns the stored ``extra``.
+
+        Raises:
+            DockError: no complete snapshot at ``uri``, another snapshot version, schema or
+                ``extra``, an inconsistent snapshot, or an iteration is open here.
+        """
+        meta = read_meta(uri)
+        what = f"restore from {uri!r}"
+        check_dock_snapshot(self.schema, meta, what, extra)
+        it, returned = (None, 0) if meta["iteration"] is None else load_iteration(self.schema, uri, meta, what)
+        with self._cond:
+            if self._it is not None:
+                raise DockError(f"{what}: iteration {self._it.iteration} is open here; close it first")
+            self._it = it
+            self.rows_returned += returned
+            self._waiters.wake_all()
+        return meta["extra"]
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: ``dock/bytes_put``, ``dock/bytes_read`` (a read served as a zero-copy
+        slice of one put's cells counts that put's bytes pro rata), ``dock/wait_s``,
+        ``dock/leases_expired`` and ``dock/rows_returned`` (rows back to the pool after a lease
+        ended un-acked)."""
+        with self._cond:
+            return {"dock/bytes_put": self.bytes_put, "dock/bytes_read": self.bytes_read, "dock/wait_s": self.wait_s,
+                    "dock/leases_expired": self.leases_expired, "dock/rows_returned": self.rows_returned}

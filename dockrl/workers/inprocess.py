@@ -1,0 +1,162 @@
+"""Every stage of a run in one process, over the in-process dock (``dock.mode=inprocess``).
+
+``InProcessStages`` is the driver's stage runner (``dockrl/driver.py``) of this mode: it builds
+the rollout and the actor (or the hybrid actor) itself, and every other stage of the run from its
+row of the stage table (``dockrl.stages.STAGES``, its ``inprocess`` builder): a builder gets the
+``InProcessContext`` and returns its stage workers by phase (``InProcessParts``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Literal
+
+from dockrl.config import Config
+from dockrl.dock import GRPO_SCHEMA, open_dock
+from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks, shares_actor_module
+from dockrl.engines.hf import load_tokenizer
+from dockrl.resharding.ranks import ProcessRanks
+from dockrl.resume import final_dir, load_optimizer, prepare_checkpoint, save_optimizer, seed_iteration, weights_path
+from dockrl.rewards.guard import Scorer, build_scorer
+from dockrl.stages import load, run_stages
+from dockrl.workers.actor import ActorWorker
+from dockrl.workers.advantage import AdvantageWorker
+from dockrl.workers.dynamic_sampling import SideBySide, StageWorker, groups_per_round
+from dockrl.workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from dockrl.engines.hybrid import HybridActor
+    from dockrl.engines.protocols import RolloutEngine
+    from dockrl.engines.train_protocol import TrainEngine
+    from dockrl.run_setup import RunPlan
+
+
+@dataclass(frozen=True)
+class InProcessContext:
+    """What an in-process stage builder gets: the run's plan, this process's ranks (one device),
+    the policy's tokenizer, the run's reward scorer, and the checkpoint to resume from (or None)."""
+
+    plan: RunPlan
+    ranks: ProcessRanks
+    tokenizer: object
+    scorer: Scorer
+    resume: Path | None
+
+    @property
+    def cfg(self) -> Config:
+        """The run's config."""
+        return self.plan.cfg
+
+
+@dataclass
+class InProcessParts:
+    """A stage's in-process workers, by when they run in an iteration:
+
+    * ``sample``: with the rollout, before the advantages (under dynamic sampling side by side
+      with the rollout and the advantage stage, which releases each next round);
+    * ``score``: after those, before the advantages (a KL penalty in the reward reads the reference's log-probs);
+    * ``learn``: after the advantages, before the actor's update.
+
+    ``save(folder)`` writes the stage's part of a checkpoint (its ``checkpoint_report`` in a distributed run).
+    """
+
+    sample: list[StageWorker] = field(default_factory=list)
+    score: list[StageWorker] = field(default_factory=list)
+    learn: list[StageWorker] = field(default_factory=list)
+    save: Callable[[Path], object] | None = None
+
+
+class InProcessStages:
+    """Every stage in this process over the in-process dock (``open_dock``), run one after the
+    other each iteration: rollout, the table's ``sample`` workers (reward model, reward, the
+    critic's values), its ``score`` workers (reference), advantage, its ``learn`` workers (the
+    critic's update), actor, then the weight sync (the hybrid actor syncs inside its update). An
+    fp32 HF rollout beside an HF actor generates with the actor's module itself
+    (``dockrl.engines.factory.shares_actor_module``): one copy of the weights in memory, and a sync
+    that copies nothing (``weight_sync/bytes`` 0). With dynamic sampling
+    (``algorithm.filter_groups.enable``) the rollout, the ``sample`` workers and the advantage stage
+    run side by side in threads (``dockrl.workers.dynamic_sampling.SideBySide``): the advantage
+    stage releases each next round of the rollout; the ``score`` workers follow them."""
+
+    def __init__(self, plan: RunPlan, *, run: str = "") -> None:
+        cfg = self.cfg = plan.cfg
+        self.plan, self.run, self.close_actor = plan, run or f"dockrl-{secrets.token_hex(6)}", lambda: None
+        self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages
+        t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+        optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
+        ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
+        self.sync: Callable[[], int] | None = None
+        self.rollout_engine: RolloutEngine
+        self.actor: TrainEngine | HybridActor
+        if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
+            # imported here: megatron and vLLM load only for a hybrid run
+            from dockrl.workers.hybrid import build_hybrid_worker
+
+            hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
+            self.rollout_engine, self.actor, self.close_actor = hybrid.actor.rollout_engine, hybrid.actor, hybrid.actor.close
+            stages: tuple[StageWorker, StageWorker] = hybrid.generation, hybrid.update
+        else:
+            actor = build_train_engine(cfg, weights, ranks)
+            rollout = build_rollout_engine(cfg, weights, ranks, actor=actor)
+            if optimizer:
+                load_optimizer(actor, optimizer)
+            self.rollout_engine, self.actor = rollout, actor
+            if shares_actor_module(cfg, actor):  # the rollout generates with the actor's module: nothing to copy
+                self.sync = lambda: 0
+            else:
+                self.sync = lambda: rollout.load_weights(actor.named_weights())
+            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg)),
+                      ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations))
+        self.scorer = build_scorer(a)
+        context = InProcessContext(plan=plan, ranks=ranks, tokenizer=load_tokenizer(plan.model_path, cfg.model.trust_remote_code),
+                                   scorer=self.scorer, resume=optimizer)
+        parts = [load(row.inprocess)(context) for row in run_stages(cfg) if row.inprocess]
+        self.saves = [p.save for p in parts if p.save is not None]
+        sampling = [stages[0], *(w for p in parts for w in p.sample)]
+        scoring = [w for p in parts for w in p.score]
+        self.workers: list[StageWorker]
+        if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
+            side_by_side = SideBySide([*sampling, AdvantageWorker(a)], timeout_s=cfg.dock.timeout_s)
+            self.workers, self.stop_threads = [side_by_side, *scoring, stages[1]], side_by_side.close
+        else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
+            self.workers = [*sampling, *scoring, AdvantageWorker(a), *(w for p in parts for w in p.learn), stages[1]]
+        self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
+
+    def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
+        # imported here: the evaluation's module imports the run setup, which sits above the stages
+        from dockrl.evaluate import evaluate
+
+        return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag)
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        seed_iteration(self.cfg.trainer.seed, iteration)
+        metrics: dict[str, float] = {}
+        for worker in self.workers:
+            metrics |= worker.run_iteration(self.dock)
+        if self.sync is not None:
+            start = time.perf_counter()
+            metrics["weight_sync/bytes"] = self.sync()
+            metrics["timing_s/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    def generated(self, iterations: range) -> dict[int, dict[str, dict[str, float]]]:
+        if len(iterations):  # the config refuses dock.max_inflight > 1 in this mode
+            raise AssertionError(f"in-process stages run one iteration at a time; iterations {list(iterations)} are open")
+        return {}
+
+    def save_checkpoint(self, iteration: int, folder: Path) -> None:
+        save_optimizer(self.actor, self.actor.save(prepare_checkpoint(folder)))
+        for save in self.saves:
+            save(folder)
+
+    def finish(self) -> None:
+        self.save_checkpoint(self.cfg.trainer.iterations - 1, final_dir(self.cfg.run.output_dir))
+
+    def close(self) -> None:
+        self.dock.close()
+        self.stop_threads()
+        self.scorer.close()
+        self.close_actor()
