@@ -69,7 +69,7 @@ def budget_overrides(args: argparse.Namespace, model: str) -> list[str]:
 def availability(algorithm: str, overrides: list[str]) -> str:
     """'' when this build can run ``algorithm`` with ``overrides``, else why not (the config error, a missing stage)."""
     from dockrl.config import ConfigError, load_config
-    from dockrl.protocol import stage_processes
+    from dockrl.stages import stage_processes
 
     try:
         cfg = load_config(None, overrides)

@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def config_fields_help() -> str:
-    """The config's sections and their fields, for ``--help`` (the meaning of each: ``dockrl/config.py``;
+    """The config's sections and their fields, for ``--help`` (the meaning of each: ``dockrl/config/sections.py``;
     a nested section's fields, e.g. ``reward_model.model.path``, are named by ``--print-config``)."""
-    lines = ["config fields (section.field=value; all with their values: --print-config; meanings: dockrl/config.py):"]
+    lines = ["config fields (section.field=value; all with their values: --print-config; meanings: dockrl/config/sections.py):"]
     for section, cls in typing.get_type_hints(Config).items():
         lines.append(textwrap.fill(", ".join(f.name for f in dataclasses.fields(cls)), width=100, initial_indent=f"  {section}: ",
                                    subsequent_indent=" " * (len(section) + 4)))

@@ -193,7 +193,9 @@ def test_a_run_accepted_in_an_existing_folder_leaves_its_pid_in_the_lock_file(tm
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_a_checkpoint_write_cut_short_removes_its_folder_and_keeps_the_complete_ones(tiny_model_dir, tmp_path, monkeypatch, stop):
-    real_save_optimizer, calls = driver.save_optimizer, []
+    from dockrl.workers import inprocess  # the in-process runner writes the actor's optimizer state
+
+    real_save_optimizer, calls = inprocess.save_optimizer, []
 
     def cut_short_while_writing_the_second_optimizer(engine, checkpoint, rank=0):  # a fake: the weights are written by then
         calls.append(checkpoint)
@@ -205,7 +207,7 @@ def test_a_checkpoint_write_cut_short_removes_its_folder_and_keeps_the_complete_
             time.sleep(5)  # the handler raises before this ends
         return real_save_optimizer(engine, checkpoint, rank)
 
-    monkeypatch.setattr(driver, "save_optimizer", cut_short_while_writing_the_second_optimizer)
+    monkeypatch.setattr(inprocess, "save_optimizer", cut_short_while_writing_the_second_optimizer)
     cfg = tiny_run(tiny_model_dir, tmp_path)  # checkpoints after iterations 1 and 3 (iter_000002, iter_000004), then final
     with pytest.raises(KeyboardInterrupt if stop == "ctrl-c" else SystemExit):
         driver.train(cfg)

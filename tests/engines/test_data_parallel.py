@@ -35,10 +35,17 @@ N = 6  # samples per prompt; one group per replica
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> tuple[int, ...]:
+    """``n`` distinct free ports: the sockets stay bound until all are chosen (one after the other,
+    the system may hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return tuple(s.getsockname()[1] for s in socks)
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _batch(model_dir: Path) -> dict[str, list]:
@@ -139,7 +146,7 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
 def runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
     batch = _batch(tiny_model_dir)
-    mp.spawn(_rank_main, args=((_free_port(), _free_port()), str(tiny_model_dir), batch, str(out)), nprocs=3, join=True)
+    mp.spawn(_rank_main, args=(_free_ports(2), str(tiny_model_dir), batch, str(out)), nprocs=3, join=True)
     return {(w, r): torch.load(out / f"world{w}-rank{r}.pt") for w, r in ((1, 0), (2, 0), (2, 1))}, batch
 
 

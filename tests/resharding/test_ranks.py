@@ -81,6 +81,7 @@ ALLOWED = {
     "dockrl/resharding/ranks.py": {"megatron's globals", "the default group's rank or size"},  # builds the ranks object
     "dockrl/protocol.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
     "dockrl/workers/main.py": {"the launcher's member index"},  # the stage processes' entry point: reads it once
+    "dockrl/launch/node.py": {"the launcher's member index"},  # `dockrl node` / `dockrl ranks`: entry points, read it once
 }
 
 
