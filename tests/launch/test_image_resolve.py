@@ -10,28 +10,15 @@ the file it came from. Skips, saying so, only when PyPI itself is unreachable.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
 from dockrl.launch.platform import IMAGE_ARCHITECTURES
+from test_images import load_resolver  # images/resolve.py, loaded once for both files
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_resolver():
-    """images/resolve.py as a module (a script beside the Dockerfiles, not part of the package)."""
-    if "image_resolve" in sys.modules:
-        return sys.modules["image_resolve"]
-    spec = importlib.util.spec_from_file_location("image_resolve", ROOT / "images" / "resolve.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 resolver = load_resolver()
