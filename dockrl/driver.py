@@ -29,7 +29,6 @@ from dockrl.data import Prompt
 from dockrl.dock import Dock
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.metrics import MetricsWriter, Progress, plot_metrics
-from dockrl.protocol import Report
 from dockrl.resume import (
     CheckpointInProgress,
     checkpoint_dir,
@@ -42,6 +41,7 @@ from dockrl.resume import (
 )
 from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches
+from dockrl.stage_loop import Report
 
 if TYPE_CHECKING:
     from dockrl.launch.backend import WorkerBackend

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from dockrl.config import Config
 from dockrl.data import Prompt
-from dockrl.engines.protocols import RolloutEngine
+from dockrl.engines.rollout_engine import RolloutEngine
 from dockrl.rewards import extract_final_answer
 from dockrl.rewards.guard import Scorer, check_rewards
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dockrl.config import Config
-from dockrl.protocol import Report
+from dockrl.stage_loop import Report
 
 Kind = Literal["process", "hybrid-part", "in-process"]
 """How a stage runs in a distributed run: ``process``, its own group of processes;

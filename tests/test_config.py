@@ -455,7 +455,7 @@ def test_auto_stays_auto_at_load_resolves_in_one_step_and_travels_as_auto(monkey
 
 
 def test_parallel_layout_defaults_and_a_valid_layout(tiny_model_dir):
-    from dockrl.resharding.layout import ModelShape, ParallelLayout
+    from dockrl.parallel.layout import ModelShape, ParallelLayout
 
     p = load_config().parallel
     assert isinstance(p, ParallelLayout) and p.world_size == 1 and p.device == "auto"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dockrl.config import ConfigError, critic_batches, load_config
-from dockrl.protocol import Report
+from dockrl.stage_loop import Report
 from dockrl.stages import checkpoint_reports, iteration_reports, stage_processes
 
 PPO = ["critic.enable=true", "algorithm.adv_estimator=gae"]

@@ -15,7 +15,7 @@ from dockrl import driver, stages
 from dockrl.config import load_config
 from dockrl.dock import GRPO_SCHEMA, Dock
 from dockrl.dock.schema import Column
-from dockrl.protocol import Report
+from dockrl.stage_loop import Report
 from dockrl.stages import STAGES, Stage, checkpoint_reports, iteration_reports, load, stage, stage_processes
 from dockrl.workers import inprocess
 from dockrl.workers.inprocess import InProcessContext, InProcessParts

@@ -19,7 +19,7 @@ import yaml
 
 from dockrl.config.resolve import FROM_AUTO
 from dockrl.config.rules import Config, ConfigError, _fail
-from dockrl.resharding.layout import LayoutError
+from dockrl.parallel.layout import LayoutError
 
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:

@@ -31,7 +31,7 @@ def resolve_auto(cfg: Config) -> Config:
     """``cfg`` with its ``auto`` fields replaced by what they mean here, as a new ``Config`` (``cfg`` is never changed).
 
     ``parallel.device=auto`` → the accelerator kind present, else ``cpu``
-    (``dockrl.resharding.device.resolve_kind``); ``rollout.dtype`` and ``trainer.autocast_bf16`` →
+    (``dockrl.parallel.device.resolve_kind``); ``rollout.dtype`` and ``trainer.autocast_bf16`` →
     bf16 where that device computes it faster than fp32 (``bf16_by_default``), stated in one log
     line, with a warning when bf16 is asked for explicitly where it is slower; ``rollout.engine`` →
     ``auto_rollout_engine``, stated in one log line per process. A config without ``auto`` fields
@@ -44,7 +44,7 @@ def resolve_auto(cfg: Config) -> Config:
     r, t = cfg.rollout, cfg.trainer
     device: str = cfg.parallel.device
     if device == "auto":
-        from dockrl.resharding.device import resolve_kind  # torch: only where the device is asked for
+        from dockrl.parallel.device import resolve_kind  # torch: only where the device is asked for
 
         device = resolve_kind("auto")
     dtype: str = r.dtype
@@ -69,7 +69,7 @@ def resolve_auto(cfg: Config) -> Config:
 def _precision(device: str, dtype: str, autocast: Any) -> tuple[str, Any]:
     """``rollout.dtype`` and ``trainer.autocast_bf16`` on ``device`` (a resolved kind), ``auto`` replaced by
     bf16 where the device computes it faster than fp32; warns when bf16 is asked for explicitly where it is slower."""
-    from dockrl.resharding.device import bf16_by_default, native_bf16  # torch: only where precision is decided here
+    from dockrl.parallel.device import bf16_by_default, native_bf16  # torch: only where precision is decided here
 
     faster = bf16_by_default(device)
     new_dtype = ("bfloat16" if faster else "float32") if dtype == "auto" else dtype

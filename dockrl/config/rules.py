@@ -26,7 +26,7 @@ from dockrl.config.sections import (
     RunConfig,
     TrainerConfig,
 )
-from dockrl.resharding.layout import LayoutError, ModelShape, ParallelLayout
+from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 
 
 class ConfigError(ValueError):

@@ -74,7 +74,7 @@ class RolloutConfig:
     """Weights of the rollout engine (a copy of the actor, synced after each update). ``auto``:
     ``bfloat16`` where the device computes it faster than fp32 (GPU, NPU, a CPU with AMX-BF16),
     else ``float32``: emulated bf16 on an AVX2 CPU is several times slower than fp32, and with
-    AVX512-BF16 alone measured slower too (``dockrl.resharding.device.bf16_by_default``)."""
+    AVX512-BF16 alone measured slower too (``dockrl.parallel.device.bf16_by_default``)."""
     batch_size: int = 64
     """Sequences generated together."""
     partial_tokens: int = 0

@@ -1,1 +1,1 @@
-"""Training and rollout engines behind small protocols (HF/torch reference engines first)."""
+"""Training and rollout engines behind two small interfaces (`rollout_engine.RolloutEngine`, `train_engine.TrainEngine`)."""

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from dockrl.config import Config
-from dockrl.engines.protocols import RolloutEngine
-from dockrl.engines.train_protocol import TrainEngine
-from dockrl.resharding.ranks import ProcessRanks, join_groups
+from dockrl.engines.rollout_engine import RolloutEngine
+from dockrl.engines.train_engine import TrainEngine
+from dockrl.parallel.ranks import ProcessRanks, join_groups
 
 logger = logging.getLogger(__name__)
 

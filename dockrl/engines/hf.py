@@ -5,7 +5,7 @@ per-token log-probs of given responses and runs GRPO updates on them. Both accep
 HF causal-LM directory (Llama, Qwen2, ...).
 
 Both live on one device (``device``: the process's device from the layout,
-``dockrl.resharding.device.process_device``): the model is moved there once, each call packs
+``dockrl.parallel.device.process_device``): the model is moved there once, each call packs
 its rows into padded host tensors and moves them there in one copy per tensor, and the
 results come back in one copy per call (never a transfer per row).
 """
@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from dockrl.algorithms import entropy_from_logits
-from dockrl.engines.train_protocol import LossFn
+from dockrl.engines.train_engine import LossFn
 
 logger = logging.getLogger(__name__)
 
@@ -575,7 +575,7 @@ class HFRolloutEngine:
 class HFTrainEngine:
     """The actor (or frozen reference) on torch: fp32 weights, optional bf16 autocast, AdamW.
 
-    Implements ``dockrl.engines.train_protocol.TrainEngine``.
+    Implements ``dockrl.engines.train_engine.TrainEngine``.
 
     Args:
         model_path: local HF model directory.

@@ -37,10 +37,10 @@ import torch
 
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.megatron_state import MegatronTrainState
-from dockrl.resharding import device as devices
+from dockrl.parallel import device as devices
+from dockrl.parallel.layout import ModelShape
+from dockrl.parallel.ranks import ProcessRanks, leave_groups
 from dockrl.resharding.allgather_swap import AllGatherSwap, Phase, PhaseError, SyncReport
-from dockrl.resharding.layout import ModelShape
-from dockrl.resharding.ranks import ProcessRanks, leave_groups
 
 logger = logging.getLogger(__name__)
 

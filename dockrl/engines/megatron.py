@@ -1,12 +1,12 @@
 """Training engine on megatron-core: a GPTModel (Llama/Qwen2) sharded by the process's ranks (TP/PP/DP).
 
-``MegatronTrainEngine`` implements ``dockrl.engines.train_protocol.TrainEngine`` like
+``MegatronTrainEngine`` implements ``dockrl.engines.train_engine.TrainEngine`` like
 ``HFTrainEngine``: it loads a local HF checkpoint into its TP/PP shard
 (``megatron_convert.hf_to_megatron``), scores responses with megatron's pipeline schedules,
 steps a torch AdamW on its shard, and hands weights back under HF names.
 
 Every method is a collective over all ranks. The engine takes its layout, ranks and process
-groups from a ``ProcessRanks`` made by ``dockrl.resharding.ranks.join_groups(megatron=True)``
+groups from a ``ProcessRanks`` made by ``dockrl.parallel.ranks.join_groups(megatron=True)``
 (which also builds the megatron state its layers read); collectives time out after the process
 group's ``timeout``. Ranks of one data-parallel replica pass the same rows; the results are the
 same on all of them.
@@ -14,7 +14,7 @@ same on all of them.
 The model is built on the host (``use_cpu_initialization=True``, every fusion off) and moved
 to ``device`` once; each micro-batch goes there in one copy per tensor. On CUDA/NPU megatron
 runs as it is (NCCL/HCCL groups over the default process group). On CPU it runs in fp32 over
-gloo inside ``dockrl.resharding.cpu_device.cpu_device()``, the only place that redirects
+gloo inside ``dockrl.parallel.cpu_device.cpu_device()``, the only place that redirects
 megatron-core's CUDA calls. ``get_megatron_optimizer`` hard-codes
 CUDA, so the optimizer is ``torch.optim.AdamW`` over the local shard and the gradient norm is
 computed here from megatron's shared/duplicate parameter predicates.
@@ -37,9 +37,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from dockrl.engines.hf import load_tokenizer, pack_sequences
 from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_param_to_hf
-from dockrl.engines.train_protocol import LossFn
-from dockrl.resharding.cpu_device import cpu_device
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.engines.train_engine import LossFn
+from dockrl.parallel.cpu_device import cpu_device
+from dockrl.parallel.ranks import ProcessRanks
 
 with warnings.catch_warnings():  # "Apex/Transformer Engine not installed": the local fallbacks are what CPU needs
     warnings.simplefilter("ignore", UserWarning)

@@ -25,8 +25,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from dockrl.parallel.layout import ModelShape, ParallelLayout
 from dockrl.resharding.host_swap import ParamTrainState
-from dockrl.resharding.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import model_spec
 
 Extract = Callable[[torch.Tensor], torch.Tensor]

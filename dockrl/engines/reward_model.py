@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from dockrl.config import Config, ConfigError
 from dockrl.engines.hf import autocast, load_tokenizer, to_host_rows
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.parallel.ranks import ProcessRanks
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Rollout on vLLM: sampled responses with per-token log-probs, in-place weight updates.
 
-``VLLMRolloutEngine`` implements ``dockrl.engines.protocols.RolloutEngine`` like
+``VLLMRolloutEngine`` implements ``dockrl.engines.rollout_engine.RolloutEngine`` like
 ``HFRolloutEngine`` and returns the same log-probs (``log_softmax(z / τ)`` of the raw logits,
 checked against the actor's teacher-forced pass in tests/engines/test_vllm.py).
 

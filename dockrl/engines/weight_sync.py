@@ -11,7 +11,7 @@ every bucket straight into its engine's parameters, so peak extra memory is one 
 Both sides derive the same bucket plan from the parameter names, shapes and the dtype; a
 fingerprint of those is broadcast first, so two different models fail with a clear error
 instead of silently mixing weights. The channel's backend follows the device
-(``dockrl.resharding.device.channel_backend``): NCCL between GPUs, the buckets on the device;
+(``dockrl.parallel.device.channel_backend``): NCCL between GPUs, the buckets on the device;
 gloo on CPU; on an NPU gloo over host buffers (each bucket is copied to host once on the
 sender and to the device once on the receiver).
 
@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from dockrl.resharding import device as devices
+from dockrl.parallel import device as devices
 
 CPU = torch.device("cpu")
 

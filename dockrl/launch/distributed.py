@@ -10,7 +10,7 @@ passed as a secret) and one group per stage process (``dockrl worker``,
 (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
 be ones the members see. ``ProcessStages`` is then the driver's stage runner
-(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.protocol.Report``),
+(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stage_loop.Report``),
 waited for in short slices that check the workers in between (``wait_reports``).
 """
 
@@ -35,9 +35,10 @@ from dockrl.dock.warehouse import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.lifeline import DriverLease, wait_for_shards
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report, final_report
-from dockrl.resharding.layout import ParallelLayout
+from dockrl.parallel.layout import ParallelLayout
+from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 from dockrl.run_setup import RunPlan
+from dockrl.stage_loop import Report, final_report
 from dockrl.stages import checkpoint_reports, iteration_reports, stage_processes
 from dockrl.stages import stage as stage_row
 
@@ -238,7 +239,7 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
 class ProcessStages:
     """The ``StageRunner`` of ``dock.mode=distributed`` (``dockrl/driver.py``): the stages run as
     processes (``start_processes``) and their metrics arrive as reports through ``dock``
-    (``dockrl.protocol.Report``). Every wait watches the processes (``wait_reports``), so a dead
+    (``dockrl.stage_loop.Report``). Every wait watches the processes (``wait_reports``), so a dead
     one fails the run within a second with ``WorkerFailed``.
 
     Args:

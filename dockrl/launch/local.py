@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.lifeline import DRIVER_PID_ENV
-from dockrl.protocol import REPLICA_ENV, REPLICAS_ENV
+from dockrl.process_env import REPLICA_ENV, REPLICAS_ENV
 
 logger = logging.getLogger(__name__)
 

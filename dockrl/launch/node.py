@@ -14,7 +14,7 @@ Indexed Job's completion index), the node count ``DOCKRL_REPLICAS`` (the group's
 launchers of the group's pods meet at pod 0 (``MASTER_ADDR``, ``MASTER_PORT``: its name in the
 JobSet's DNS) and start their processes together.
 
-The rank processes read their place from torchrun's variables (``dockrl.protocol.replica``,
+The rank processes read their place from torchrun's variables (``dockrl.process_env.replica``,
 ``local_rank``) because this command marks them (``NODE_PROCS_ENV``); they still build their
 process groups at the run launcher's ``TCPStore`` (``--weight-sync``), as a member in a pod of
 its own does.
@@ -33,8 +33,8 @@ import logging
 import os
 import sys
 
-from dockrl.protocol import NODE_PROCS_ENV, local_rank, replica
-from dockrl.resharding.layout import ParallelLayout
+from dockrl.parallel.layout import ParallelLayout
+from dockrl.process_env import NODE_PROCS_ENV, local_rank, replica
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def ranks_main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if world != layout.world_size:
         parser.error(f"{world} processes run, the layout has tp × pp × dp = {layout.world_size} ranks")
-    from dockrl.resharding import device as devices
+    from dockrl.parallel import device as devices
 
     kind = devices.resolve_kind(layout.device)
     local = local_rank()

@@ -27,7 +27,7 @@ from dockrl.config import Config, load_config, resolve_auto
 from dockrl.launch.platform import Platform
 
 if TYPE_CHECKING:
-    from dockrl.engines.protocols import RolloutEngine
+    from dockrl.engines.rollout_engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
         RuntimeError: no device of ``parallel.device`` is visible (``torch_device``).
     """
     from dockrl.engines.vllm_support import vllm_support
-    from dockrl.resharding.device import torch_device
+    from dockrl.parallel.device import torch_device
 
     r, kind = cfg.rollout, cfg.parallel.device
     device = torch_device(kind)  # one device: the step's pod holds one accelerator, or none

@@ -37,11 +37,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from dockrl.resharding import device as devices
+from dockrl.parallel import device as devices
+from dockrl.parallel.layout import ModelShape, ParallelLayout
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resharding.buckets import Bucket, bucket_checksum, checksum_temp_bytes, copy_to_inference, plan_buckets
 from dockrl.resharding.host_swap import MemoryTracker, TrainState, nbytes
-from dockrl.resharding.layout import ModelShape, ParallelLayout
-from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resharding.spec import shard_range
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class AllGatherSwap:
 
     Args:
         ranks: this process's ranks: the layout, its rank, TP and PP groups and device
-            (``dockrl.resharding.ranks.join_groups``).
+            (``dockrl.parallel.ranks.join_groups``).
         model: the sizes of the model it shards (``layout.check_model`` passed).
         state: the training state of this rank (``host_swap.TrainState``).
         bucket_bytes: bound of one gathered buffer, in bytes.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.parallel.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import ParamSpec, model_spec, shard_range
 
 # Inference buckets are padded to a multiple of 8 elements so their bytes view as 64-bit words.

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Protocol
 
 import torch
 
-from dockrl.resharding.device import host_pinned, synchronize
+from dockrl.parallel.device import host_pinned, synchronize
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Mapping
 
 import torch
 
-from dockrl.resharding.layout import ModelShape, ParallelLayout
+from dockrl.parallel.layout import ModelShape, ParallelLayout
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ import torch
 from dockrl.algorithms import actor_loss, right_pad
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock, StageDock
-from dockrl.engines.train_protocol import TrainEngine
-from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.engines.train_engine import TrainEngine
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
+from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 
 logger = logging.getLogger(__name__)
 ACTOR_RANK = 0

@@ -29,9 +29,9 @@ from dockrl.algorithms import right_pad, value_loss
 from dockrl.config import Config, CriticConfig, critic_batches
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.critic import HFCriticEngine
-from dockrl.protocol import Report, final_report, serve_iterations
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, critic_dir, final_dir, load_optimizer, prepare_checkpoint, save_optimizer
+from dockrl.stage_loop import Report, final_report, serve_iterations
 from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
 logger = logging.getLogger(__name__)

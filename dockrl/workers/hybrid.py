@@ -38,9 +38,9 @@ import torch.distributed as dist
 from dockrl.config import Config
 from dockrl.dock import Claim, Dock, StageDock
 from dockrl.engines.hybrid import HybridActor
-from dockrl.protocol import Report, final_report, serve_iterations
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
+from dockrl.stage_loop import Report, final_report, serve_iterations
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.dynamic_sampling import groups_per_round
 from dockrl.workers.rollout import RolloutWorker, rollout_metrics

@@ -18,7 +18,7 @@ from dockrl.config import Config
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks, shares_actor_module
 from dockrl.engines.hf import load_tokenizer
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import final_dir, load_optimizer, prepare_checkpoint, save_optimizer, seed_iteration, weights_path
 from dockrl.rewards.guard import Scorer, build_scorer
 from dockrl.stages import load, run_stages
@@ -29,8 +29,8 @@ from dockrl.workers.rollout import RolloutWorker
 
 if TYPE_CHECKING:
     from dockrl.engines.hybrid import HybridActor
-    from dockrl.engines.protocols import RolloutEngine
-    from dockrl.engines.train_protocol import TrainEngine
+    from dockrl.engines.rollout_engine import RolloutEngine
+    from dockrl.engines.train_engine import TrainEngine
     from dockrl.run_setup import RunPlan
 
 

@@ -8,7 +8,7 @@
 (``dockrl.stages.stage_processes``), with the run's config as YAML in the environment
 variable ``CONFIG_ENV``: a stage pod cannot read the launcher's files. Each process body lives
 next to its stage loop (its row's ``process`` in ``dockrl.stages.STAGES``): it builds its engine, serves the driver's iterations until
-``finish()`` and reports through the dock (``dockrl.protocol.Report``). The stages share nothing
+``finish()`` and reports through the dock (``dockrl.stage_loop.Report``). The stages share nothing
 but the dock, and the actor → rollout weight channel. With ``run.resume`` (a checkpoint folder)
 the rollout and actor load their weights from it, the actor its optimizer, the critic both from its ``critic/``.
 """
@@ -23,7 +23,7 @@ import sys
 import torch
 
 from dockrl.config import load_config, load_config_text, resolve_auto
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, local_rank, replica
+from dockrl.process_env import CONFIG_ENV, TOKEN_ENV, local_rank, replica
 from dockrl.stages import STAGES, load, stage
 
 

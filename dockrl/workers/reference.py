@@ -10,9 +10,9 @@ import time
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.factory import build_reference_engine
-from dockrl.engines.train_protocol import TrainEngine
-from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.engines.train_engine import TrainEngine
+from dockrl.parallel.ranks import ProcessRanks
+from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
 

@@ -15,9 +15,9 @@ import torch
 from dockrl.algorithms.dapo import overlong_penalty
 from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig
 from dockrl.dock import Dock, StageDock
-from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
+from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.dynamic_sampling import SideBySide, divisor_at_most, groups_per_round
 from dockrl.workers.inprocess import InProcessContext, InProcessParts

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
-from dockrl.protocol import Report, final_report, serve_iterations, snapshot_after
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.parallel.ranks import ProcessRanks
+from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 from dockrl.workers.dynamic_sampling import divisor_at_most, groups_per_round
 from dockrl.workers.inprocess import InProcessContext, InProcessParts
 

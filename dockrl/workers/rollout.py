@@ -22,9 +22,9 @@ from typing import Sequence
 from dockrl.config import Config, RolloutConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.hf import Sample
-from dockrl.engines.protocols import RolloutEngine
-from dockrl.protocol import Report, final_report, serve_iterations
-from dockrl.resharding.ranks import ProcessRanks
+from dockrl.engines.rollout_engine import RolloutEngine
+from dockrl.parallel.ranks import ProcessRanks
+from dockrl.stage_loop import Report, final_report, serve_iterations
 from dockrl.workers.dynamic_sampling import GATE, divisor_at_most, groups_per_round
 
 ROLLOUT_RANK = 1

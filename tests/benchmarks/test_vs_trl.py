@@ -21,7 +21,7 @@ def load_benchmark():
 
 @pytest.mark.slow  # two training processes on the tiny model: ~50 s on 2 busy cores
 def test_quick_mode_prints_both_sides_at_their_defaults_with_finite_numbers():
-    from dockrl.resharding.device import bf16_by_default
+    from dockrl.parallel.device import bf16_by_default
 
     out = load_benchmark().main(["--quick", "--precision", "defaults", "--timeout-s", "600"])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
@@ -99,7 +99,7 @@ def test_quick_changes_the_defaults_and_a_given_flag_wins():
 
 
 def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, capsys):
-    import dockrl.resharding.device as device
+    import dockrl.parallel.device as device
 
     monkeypatch.setattr(device, "native_bf16", lambda kind: False)  # a fake: this CPU without AVX512-BF16 or AMX
     with pytest.raises(SystemExit) as exit:

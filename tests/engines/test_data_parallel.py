@@ -123,8 +123,8 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
         from dockrl.engines.hf import HFRolloutEngine
         from dockrl.engines.hybrid import HybridActor
         from dockrl.engines.megatron import MegatronTrainEngine
-        from dockrl.resharding.layout import ParallelLayout
-        from dockrl.resharding.ranks import join_groups
+        from dockrl.parallel.layout import ParallelLayout
+        from dockrl.parallel.ranks import join_groups
 
         ranks = join_groups(ParallelLayout(dp=world, device="cpu"), rank=rank, timeout_s=120, megatron=True)
         train = MegatronTrainEngine(model_dir, trainable=True, ranks=ranks, lr=0.0, grad_clip=0.0)
@@ -137,7 +137,7 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
             result[("hybrid", mode)] = _hybrid_step(actor, batch, rank, world, mode)
         torch.save(result, Path(out) / f"world{world}-rank{rank}.pt")
     finally:
-        from dockrl.resharding.ranks import leave_groups
+        from dockrl.parallel.ranks import leave_groups
 
         leave_groups()
 

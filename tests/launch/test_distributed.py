@@ -17,13 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver
-from dockrl.config import ConfigError, load_config
+from dockrl.config import ConfigError, load_config, load_config_text
 from dockrl.launch.backend import WorkerFailed
-from dockrl.config import load_config_text
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend, free_ports, local_runs, teardown_local
-from dockrl.protocol import CONFIG_ENV, TOKEN_ENV, Report
+from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 from dockrl.rewards.guard import build_scorer
+from dockrl.stage_loop import Report
 from dockrl.stages import iteration_reports
 
 FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py, importable by the worker processes

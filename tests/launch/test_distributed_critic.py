@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from dockrl import driver
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend
-from dockrl.protocol import Report
 from dockrl.resume import checkpoint_dir, critic_dir, final_dir
+from dockrl.stage_loop import Report
 from dockrl.stages import iteration_reports
 
 FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py

@@ -135,7 +135,7 @@ def test_evaluate_model_runs_on_the_device_the_pipeline_gave_the_step(tiny_model
 def test_a_local_run_requests_the_devices_its_processes_use(platform, overrides, devices, monkeypatch):
     from dockrl.config import load_config, resolve_auto
     from dockrl.launch.platform import PLATFORMS
-    from dockrl.resharding import device
+    from dockrl.parallel import device
 
     monkeypatch.setattr(device, "detect_kind", lambda: "cpu")  # as in the resolve-config pod, a CPU
     preset = PLATFORMS[platform]

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dockrl.parallel.layout import ModelShape, ParallelLayout
+from dockrl.parallel.ranks import join_groups, leave_groups
 from dockrl.resharding.allgather_swap import AllGatherSwap
 from dockrl.resharding.buckets import bucket_checksum
 from dockrl.resharding.host_swap import ParamTrainState
-from dockrl.resharding.layout import ModelShape, ParallelLayout
-from dockrl.resharding.ranks import join_groups, leave_groups
 from dockrl.resharding.spec import model_spec, shard_state_dict
 
 LR, MOMENTUM = 2.0**-4, 0.5

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from dockrl.parallel.layout import ModelShape, ParallelLayout
+from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resharding.allgather_swap import AllGatherSwap, Phase, PhaseError
 from dockrl.resharding.host_swap import ParamTrainState
-from dockrl.resharding.layout import ModelShape, ParallelLayout
-from dockrl.resharding.ranks import ProcessRanks
 from dockrl.resharding.spec import shard_state_dict
 
 CPU = torch.device("cpu")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from dockrl.parallel.layout import ModelShape, ParallelLayout
 from dockrl.resharding.buckets import bucket_checksum, copy_to_inference, plan_buckets
-from dockrl.resharding.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import infer_state_dict, model_spec, shard_state_dict
 
 

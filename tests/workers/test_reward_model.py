@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from e2e_checks import check_reward_model_run
+from fake_scorers import FakeRandomScorer
 
 from dockrl import driver
 from dockrl.config import AlgorithmConfig, ConfigError, DockConfig, RewardModelConfig, load_config
@@ -14,14 +16,12 @@ from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.hf import load_tokenizer
 from dockrl.engines.reward_model import HFRewardModel
 from dockrl.models import build_tiny_model, build_tiny_reward_model
-from dockrl.protocol import Report
 from dockrl.rewards import guard
 from dockrl.run_setup import plan_run
+from dockrl.stage_loop import Report
 from dockrl.stages import iteration_reports, stage_processes
 from dockrl.workers.reward import RewardWorker
 from dockrl.workers.reward_model import RewardModelWorker
-from e2e_checks import check_reward_model_run
-from fake_scorers import FakeRandomScorer
 
 PROMPTS = [[1, 5, 6, 7, 9], [8, 9], [3, 4, 5]]
 RESPONSES = [[10, 11, 12], [12], [20, 21, 22, 23, 24, 25]]  # no EOS: the HF forward pools at the same token

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dockrl.resharding.layout import ParallelLayout
-from dockrl.resharding.ranks import ProcessRanks, join_groups, leave_groups
+from dockrl.parallel.layout import ParallelLayout
+from dockrl.parallel.ranks import ProcessRanks, join_groups, leave_groups
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +78,8 @@ RANK_READS = {
     "the launcher's member index": re.compile(r"\breplica\(\)"),
 }
 ALLOWED = {
-    "dockrl/resharding/ranks.py": {"megatron's globals", "the default group's rank or size"},  # builds the ranks object
-    "dockrl/protocol.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
+    "dockrl/parallel/ranks.py": {"megatron's globals", "the default group's rank or size"},  # builds the ranks object
+    "dockrl/process_env.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
     "dockrl/workers/main.py": {"the launcher's member index"},  # the stage processes' entry point: reads it once
     "dockrl/launch/node.py": {"the launcher's member index"},  # `dockrl node` / `dockrl ranks`: entry points, read it once
 }

@@ -8,7 +8,7 @@
 
 Every process that computes holds one device, chosen once: ``process_device(kind, local_rank)``
 (``cuda:i``/``npu:i`` from the local rank; ``set_device`` on it). A process's own groups are made
-by ``dockrl.resharding.ranks.join_groups``; the one group outside any layout, the actor → rollout
+by ``dockrl.parallel.ranks.join_groups``; the one group outside any layout, the actor → rollout
 weight channel, by ``channel_group`` here (a group of its own beside the default one). Device-specific
 calls go through torch's device-generic API (``torch.accelerator``, ``torch.get_device_module``),
 not ``if cuda … elif npu`` chains.
@@ -34,7 +34,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from dockrl.resharding.layout import DEVICE_KINDS
+from dockrl.parallel.layout import DEVICE_KINDS
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dockrl.resharding.layout import LayoutError, ModelShape, ParallelLayout
+from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 
 # heads 4, KV heads 2, 3 layers, MLP width 64: TP ∈ {1, 2}
 SHAPE = ModelShape.from_hf_config(

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from dockrl.resharding import device as devices
-from dockrl.resharding.layout import ParallelLayout
+from dockrl.parallel import device as devices
+from dockrl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _own_groups(ranks: ProcessRanks) -> ProcessRanks:
 
 
 def _megatron_groups(ranks: ProcessRanks) -> ProcessRanks:
-    from dockrl.resharding.cpu_device import cpu_device
+    from dockrl.parallel.cpu_device import cpu_device
 
     with warnings.catch_warnings():  # "Apex/Transformer Engine not installed": the local fallbacks are what CPU needs
         warnings.simplefilter("ignore", UserWarning)

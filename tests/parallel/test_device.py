@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dockrl.resharding import device
+from dockrl.parallel import device
 
 
 def test_backends_of_the_device_kinds():
@@ -21,7 +21,7 @@ def test_backends_of_the_device_kinds():
 
 
 def test_torch_npu_is_imported_only_when_an_npu_is_asked_for():
-    code = "import dockrl.resharding.allgather_swap, dockrl.resharding.device, sys; print('torch_npu' in sys.modules)"
+    code = "import dockrl.resharding.allgather_swap, dockrl.parallel.device, sys; print('torch_npu' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

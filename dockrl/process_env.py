@@ -1,0 +1,52 @@
+"""The variables a worker backend sets for every process it starts, and the readers of a
+process's place in its worker group (a member of a group, or a rank process of ``dockrl node``).
+Reads only the environment: no torch, no pyarrow here."""
+
+from __future__ import annotations
+
+import os
+
+TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
+"""Environment variable with the dock shards' bearer token."""
+CONFIG_ENV = "DOCKRL_CONFIG_YAML"
+"""Environment variable with the run's fully resolved config (YAML) for ``dockrl worker --config-env``."""
+REPLICA_ENV = "DOCKRL_REPLICA"
+"""Environment variable with a process's index in its worker group (every worker backend sets it)."""
+REPLICAS_ENV = "DOCKRL_REPLICAS"
+"""Environment variable with the number of members of a process's worker group."""
+NODE_PROCS_ENV = "DOCKRL_NODE_PROCS"
+"""Set by ``dockrl node`` (``dockrl/launch/node.py``) for the rank processes it starts: their
+index and count are torchrun's ``RANK`` and ``WORLD_SIZE``, their device index ``LOCAL_RANK``."""
+
+
+def replica() -> tuple[int, int]:
+    """This member's index in its group and the group's size: ``REPLICA_ENV`` and ``REPLICAS_ENV``
+    (0 and 1 when unset), or for a rank process of ``dockrl node`` torchrun's ``RANK`` and ``WORLD_SIZE``.
+
+    Raises:
+        ValueError: the variables are not integers with 0 <= index < size.
+    """
+    names = ("RANK", "WORLD_SIZE") if os.environ.get(NODE_PROCS_ENV) else (REPLICA_ENV, REPLICAS_ENV)
+    raw = os.environ.get(names[0], "0"), os.environ.get(names[1], "1")
+    try:
+        index, size = int(raw[0]), int(raw[1])
+    except ValueError:
+        index = size = -1
+    if not 0 <= index < size:
+        raise ValueError(f"{names[0]}={raw[0]!r}, {names[1]}={raw[1]!r}: expected integers with 0 <= index < size")
+    return index, size
+
+
+def local_rank() -> int | None:
+    """The device index on its node of a rank process of ``dockrl node`` (torchrun's ``LOCAL_RANK``);
+    None for a process that is its pod's only member (its device follows from its rank).
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` is not an integer >= 0 under ``dockrl node``.
+    """
+    if not os.environ.get(NODE_PROCS_ENV):
+        return None
+    raw = os.environ.get("LOCAL_RANK", "")
+    if not raw.isdigit():
+        raise ValueError(f"LOCAL_RANK={raw!r}: expected an integer >= 0 (torchrun sets it for every process of `dockrl node`)")
+    return int(raw)
