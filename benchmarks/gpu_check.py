@@ -107,7 +107,7 @@ def update_flops(shape: Shape, prompt_lens: list[int], response_lens: list[int])
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192, repeats: int = 20) -> float:
     """Measured matmul throughput of ``n × n`` products in ``dtype`` (TFLOP/s): the device's practical peak."""
-    from dockrl.resharding.device import synchronize
+    from dockrl.parallel.device import synchronize
 
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
@@ -163,7 +163,7 @@ def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: floa
     from dockrl.data import generate_problems
     from dockrl.dock import GRPO_SCHEMA, open_dock
     from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks
-    from dockrl.resharding import device as devices
+    from dockrl.parallel import device as devices
     from dockrl.workers.actor import ActorWorker
     from dockrl.workers.advantage import AdvantageWorker
     from dockrl.workers.rollout import RolloutWorker, rollout_metrics
@@ -323,7 +323,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    from dockrl.resharding import device as devices
+    from dockrl.parallel import device as devices
 
     start = time.perf_counter()
     kind = "cpu" if args.cpu else "cuda"

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dockrl.parallel.device import empty_cache
+from dockrl.parallel.layout import ModelShape, ParallelLayout
+from dockrl.parallel.ranks import ProcessRanks, join_groups, leave_groups
 from dockrl.resharding.allgather_swap import AllGatherSwap
-from dockrl.resharding.device import empty_cache
 from dockrl.resharding.host_swap import ParamTrainState
-from dockrl.resharding.layout import ModelShape, ParallelLayout
-from dockrl.resharding.ranks import ProcessRanks, join_groups, leave_groups
 from dockrl.resharding.spec import cut, model_spec
 
 MiB = 2**20

@@ -20,7 +20,7 @@ dockrl's ``trainer.autocast_bf16=true`` (the same autocast in the update) with `
 several times slower than fp32). ``--precision defaults`` runs each side at its own defaults, as a
 user gets it without choosing: TRL's ``GRPOConfig`` precision (``bf16=True`` on any CPU, emulated
 where it is not native) and dockrl's ``auto`` (``rollout.dtype``, ``trainer.autocast_bf16``: bf16 only
-where it is faster than fp32, ``dockrl.resharding.device.bf16_by_default``); the table's
+where it is faster than fp32, ``dockrl.parallel.device.bf16_by_default``); the table's
 "precision" column says what each resolved to. TRL's other defaults are kept in every mode,
 gradient checkpointing included.
 
@@ -324,7 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model and not Path(args.model).is_dir():
         parser.error(f"--model: {args.model!r} is not a directory (an HF model folder)")
     if args.precision == "bf16":
-        from dockrl.resharding.device import native_bf16
+        from dockrl.parallel.device import native_bf16
 
         if not native_bf16("cpu"):
             parser.error("--precision bf16: this CPU has no native bf16 (AVX512-BF16 or AMX), so both sides would "
