@@ -69,9 +69,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dockrl.dock.client import DockClient
-from dockrl.dock.flight import BearerTokenMiddlewareFactory
+from dockrl.dock.flight_server import BearerTokenMiddlewareFactory
 from dockrl.dock.schema import GRPO_SCHEMA
-from dockrl.dock.shard import shard_ranges
+from dockrl.dock.shard_layout import shard_ranges
 
 logger = logging.getLogger("benchmarks.dock")
 

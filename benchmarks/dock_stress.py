@@ -73,7 +73,7 @@ import pyarrow.flight as flight
 from dockrl.dock.client import DockClient
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import GRPO_SCHEMA
-from dockrl.dock.shard import ShardLayout
+from dockrl.dock.shard_layout import ShardLayout
 
 logger = logging.getLogger("benchmarks.dock_stress")
 

@@ -21,7 +21,7 @@ import torch
 
 from dockrl.config import DEFAULT_SYSTEM_PROMPT
 from dockrl.data import generate_problems
-from dockrl.engines.hf import HFRolloutEngine
+from dockrl.engines.hf_rollout import HFRolloutEngine
 from dockrl.engines.vllm import VLLMRolloutEngine
 from dockrl.models import build_tiny_model
 

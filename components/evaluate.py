@@ -16,6 +16,7 @@ from dockrl.launch.platform import CPU_IMAGE
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: List[str], device: str, metrics: Output[Metrics]):
     """``eval/accuracy``, ``eval/format_rate`` and ``eval/count`` of greedy decoding on ``device``."""
+    # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
     from dockrl.launch.image_env import enter_image_environment

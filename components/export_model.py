@@ -12,6 +12,7 @@ from dockrl.launch.platform import CPU_IMAGE
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def export_model(checkpoint: Input[Model], dtype: str, model: Output[Model]):
     """Re-save ``checkpoint`` in ``dtype`` (float32, bfloat16, float16) with its tokenizer."""
+    # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
     from dockrl.launch.tasks import export_model as export

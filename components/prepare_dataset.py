@@ -15,6 +15,7 @@ from dockrl.launch.platform import CPU_IMAGE
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def prepare_dataset(config_overrides: List[str], dataset: Output[Dataset]):
     """Train/test prompts in GSM8K format for the config given by ``section.field=value`` overrides."""
+    # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
     from dockrl.launch.tasks import prepare_dataset as prepare

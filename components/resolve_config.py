@@ -36,6 +36,7 @@ def resolve_config(
 ) -> NamedTuple("Outputs", [("overrides", List[str]), ("devices", str), ("cpu", str), ("memory", str)]):  # type: ignore[valid-type]
     """The overrides every later step of the run reads (a config error fails this step), and the
     devices, CPU and memory requests of a train pod that runs every stage of that config."""
+    # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
     from dockrl.launch.platform import Platform

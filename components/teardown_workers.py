@@ -13,6 +13,7 @@ from dockrl.launch.platform import CPU_IMAGE
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def teardown_workers(run_id: str, worker_backend: str, status: dsl.PipelineTaskFinalStatus):
     """Remove every worker labelled with ``run_id`` in this pod's namespace."""
+    # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
     from dockrl.launch.tasks import teardown_run

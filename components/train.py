@@ -31,6 +31,7 @@ def train(
     curves: Output[HTML],
 ):
     """GRPO on ``dataset`` with the config given by ``section.field=value`` overrides."""
+    # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
     from pathlib import Path
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import signal
@@ -29,6 +30,7 @@ import typing
 from pathlib import Path
 
 from dockrl.config import Config, ConfigError, dump_config, load_config
+from dockrl.launch.backend import WORKER_BACKENDS, WorkerFailed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,23 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     where, without a traceback unless ``--debug`` is given (anywhere on the line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pipeline"]:
-        from dockrl.pipeline_cli import main as pipeline_main
+        from dockrl.pipeline_cli import main as pipeline_main  # lazy: kfp (an optional extra) takes a second to import
 
         return pipeline_main(argv[1:])
     if argv[:1] == ["worker"]:
-        from dockrl.workers.main import main as worker_main
+        from dockrl.workers.main import main as worker_main  # lazy: a stage worker imports torch and its engine
 
         return worker_main(argv[1:])
     if argv[:1] == ["dock-shard"]:
-        from dockrl.dock.flight import serve_shard
+        from dockrl.dock.flight import serve_shard  # lazy: pyarrow.flight, needed in a shard process only
 
         return serve_shard(argv[1:])
     if argv[:1] == ["node"]:
-        from dockrl.launch.node import main as node_main
+        from dockrl.launch.node import main as node_main  # lazy: each subcommand imports what it runs only
 
         return node_main(argv[1:])
     if argv[:1] == ["ranks"]:
-        from dockrl.launch.node import ranks_main
+        from dockrl.launch.node import ranks_main  # lazy: as node
 
         return ranks_main(argv[1:])
     if argv[:1] in (["runs"], ["teardown"]):
@@ -125,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def config_fields_help() -> str:
-    """The config's sections and their fields, for ``--help`` (the meaning of each: ``dockrl/config/sections.py``;
+    """The config's sections and their fields, for ``--help`` (the meaning of each: ``dockrl/config/*sections.py``;
     a nested section's fields, e.g. ``reward_model.model.path``, are named by ``--print-config``)."""
-    lines = ["config fields (section.field=value; all with their values: --print-config; meanings: dockrl/config/sections.py):"]
+    lines = ["config fields (section.field=value; all with their values: --print-config; meanings: dockrl/config/*sections.py):"]
     for section, cls in typing.get_type_hints(Config).items():
         lines.append(textwrap.fill(", ".join(f.name for f in dataclasses.fields(cls)), width=100, initial_indent=f"  {section}: ",
                                    subsequent_indent=" " * (len(section) + 4)))
@@ -138,7 +140,7 @@ def resume_hint(run_dir: str | None) -> str:
     """How a stopped run goes on: from its newest complete checkpoint, or (with none) started again."""
     if run_dir is None:
         return "nothing was started"
-    from dockrl.resume import latest_checkpoint
+    from dockrl.resume import latest_checkpoint  # lazy: dockrl.resume imports torch
 
     if not Path(run_dir).is_dir():  # stopped before it was accepted: the folders it made are gone again
         return f"nothing of the run was written ({run_dir} does not exist): the same command starts it again"
@@ -151,10 +153,6 @@ def resume_hint(run_dir: str | None) -> str:
 
 def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, str]:
     """Exit code and one message for an error that ends a command (see ``main``)."""
-    import errno
-
-    from dockrl.launch.backend import WorkerFailed
-
     if isinstance(e, (ConfigError, FileNotFoundError)):  # config, model, data, run folder: what the user gave
         return 2, f"config error: {e}"
     if isinstance(e, WorkerFailed):  # a stage process died: its name and log tail say why
@@ -177,8 +175,6 @@ def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, s
 
 def runs_main(argv: list[str]) -> int:
     """``dockrl runs`` (the local runs and their live processes) and ``dockrl teardown RUN``."""
-    from dockrl.launch.backend import WORKER_BACKENDS
-
     parser = argparse.ArgumentParser(prog=f"dockrl {argv[0]}")
     if argv[0] == "teardown":
         parser.description = "Stop what a run left running: its driver (if it still holds the run folder) and its workers."
@@ -193,7 +189,7 @@ def runs_main(argv: list[str]) -> int:
                               "while their driver runs; a run whose driver was killed stays listed until `dockrl teardown`.")
     args = parser.parse_args(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from dockrl.launch.local import local_runs, teardown_local
+    from dockrl.launch.local import local_runs, teardown_local  # lazy: only `dockrl runs` and `dockrl teardown` need them
 
     if argv[0] == "runs":
         runs = local_runs()
@@ -205,7 +201,7 @@ def runs_main(argv: list[str]) -> int:
         return 0
     try:
         if args.backend == "kubernetes":
-            from dockrl.launch.tasks import teardown_run
+            from dockrl.launch.tasks import teardown_run  # lazy: only `dockrl teardown --backend kubernetes` needs it
 
             print(json.dumps({"removed": teardown_run("kubernetes", args.run, namespace=args.namespace)}))
         else:

@@ -9,7 +9,7 @@ is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcess
 (``dockrl/launch/distributed.py``, every stage a process reporting through the dock). A run (``train`` → ``drive``): plan it
 (``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
 collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``; older
-ones pruned with ``trainer.keep_checkpoints``); then the final checkpoint, the evaluation after
+ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint_pruning.py``); then the final checkpoint, the evaluation after
 training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
 (``dockrl.workers.rollout.sync_target`` bounds their staleness).
@@ -24,18 +24,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
+from dockrl.checkpoint_pruning import prune_checkpoints
 from dockrl.config import Config
 from dockrl.data import Prompt
 from dockrl.dock import Dock
+from dockrl.launch.distributed import start_processes
+from dockrl.launch.local import recorded_run
 from dockrl.lifeline import sigterm_as_exit
-from dockrl.metrics import MetricsWriter, Progress, plot_metrics
+from dockrl.metrics import MetricsWriter, plot_metrics
+from dockrl.progress import Progress
 from dockrl.resume import (
     CheckpointInProgress,
     checkpoint_dir,
     checkpoint_due,
     dock_snapshot_uri,
     final_dir,
-    prune_checkpoints,
     write_driver_state,
     write_final_state,
 )
@@ -110,12 +113,9 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         plan = plan_run(cfg)
         lock.accept()  # from here the lock file keeps this run's pid (a refused run puts back what it found)
         if cfg.dock.mode == "distributed":
-            from dockrl.launch.distributed import start_processes
-
             runner: StageRunner = start_processes(plan, backend)  # its backend records the run
         else:
-            from dockrl.launch.local import recorded_run
-            from dockrl.workers.inprocess import InProcessStages
+            from dockrl.workers.inprocess import InProcessStages  # lazy: the engines (transformers, ~2 s); distributed mode needs none here
 
             run = f"dockrl-{secrets.token_hex(6)}"
             stack.enter_context(recorded_run(run, cfg.run.output_dir))

@@ -202,7 +202,7 @@ class sigterm_as_exit:
 
 
 def _flight_options(token: str | None, timeout: float):
-    import pyarrow.flight as flight
+    import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
 
     return flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())] if token else [], timeout=timeout)
 
@@ -219,9 +219,9 @@ def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: floa
         DockTimeoutError: shards that did not answer within ``timeout_s`` (named).
         pyarrow.flight.FlightError: a shard answered with an error (a wrong token).
     """
-    import pyarrow.flight as flight
+    import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
 
-    from dockrl.dock.errors import DockTimeoutError
+    from dockrl.dock.errors import DockTimeoutError  # lazy: dockrl.dock imports pyarrow
 
     options, deadline = _flight_options(token, 2.0), time.monotonic() + timeout_s
     for location in locations:
@@ -245,7 +245,7 @@ def shard_lease_quiet(location: str, token: str | None, rpc_timeout_s: float = 5
     """``lease_quiet`` for ``watch_driver``: asks the shard at ``location`` (``driver_quiet``)
     how many seconds ago the driver last renewed its lease. The returned function raises a
     Flight error when the shard does not answer."""
-    import pyarrow.flight as flight
+    import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
 
     client = flight.connect(location)
     options = _flight_options(token, rpc_timeout_s)
@@ -270,7 +270,7 @@ class DriverLease:
     """
 
     def __init__(self, locations: Sequence[str], token: str | None, timeout_s: float) -> None:
-        import pyarrow.flight as flight
+        import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
 
         self._flight = flight
         self.period = min(timeout_s / 4, 5.0)

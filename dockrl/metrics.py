@@ -1,15 +1,18 @@
-"""Run metrics: a JSONL + TensorBoard writer, a summary file, a reader, a plot and a progress bar.
+"""Run metrics: a JSONL + TensorBoard writer, a summary file, a reader, a plot and an HTML report.
 
 Each training iteration produces a flat dict of namespaced scalars (``reward/mean``,
 ``actor/kl``, ``timing_s/rollout``, ``perf/tokens_per_s``, ...). ``MetricsWriter`` appends it
 as one JSON line to ``<run_dir>/metrics.jsonl`` and mirrors it to TensorBoard under
 ``<run_dir>/tensorboard``; run-level numbers (eval accuracy before/after, wall time) go to
 ``<run_dir>/summary.json``. ``read_metrics`` and ``plot_metrics`` read the JSONL back, and
-``Progress`` shows an ETA bar with a few of the metrics.
+``metrics_report_html`` makes a page of them for the Kubeflow UI; ``dockrl.progress.Progress``
+shows an ETA bar with a few of the metrics.
 """
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import logging
 import math
@@ -19,12 +22,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence
 
-from tqdm import tqdm
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_PLOT_KEYS = ("reward/mean", "reward/accuracy", "rollout/response_length_mean", "actor/kl")
-DEFAULT_PROGRESS_KEYS = ("reward/mean", "reward/accuracy", "actor/kl")
 
 
 def _to_number(key: str, value: Any) -> float | int:
@@ -89,7 +89,7 @@ class MetricsWriter:
     def __init__(
         self, run_dir: str | Path, on_log: Callable[[int, dict[str, float]], None] | None = None, *, resume_from: int | None = None,
     ):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: it imports torch; reading and plotting metrics do not need it
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -188,10 +188,10 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Sequence[s
     Missing or null values are skipped; a key absent from every line gets an empty subplot
     titled ``'<key> (no data)'``. Returns the path of the PNG.
     """
-    import matplotlib
+    import matplotlib  # lazy: half a second to import with pyplot, and only a plot needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg") (no display in a pod)
 
     rows = read_metrics(metrics_path)
     out = Path(out_png)
@@ -221,54 +221,6 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Sequence[s
     return out
 
 
-class Progress:
-    """Progress bar with ETA over iterations (tqdm), with a few metrics as postfix.
-
-    ``update(metrics)`` advances one iteration and shows ``keys`` present in ``metrics``
-    (floats to 3 decimals). With ``enable=False`` nothing is printed.
-    """
-
-    def __init__(
-        self,
-        total: int,
-        desc: str,
-        enable: bool = True,
-        initial: int = 0,
-        keys: Sequence[str] = DEFAULT_PROGRESS_KEYS,
-    ):
-        self.keys = tuple(keys)
-        self._n = int(initial)
-        self._bar = tqdm(total=total, desc=desc, initial=initial, disable=not enable, dynamic_ncols=True)
-
-    @property
-    def n(self) -> int:
-        """Iterations counted so far (including ``initial``), also when disabled."""
-        return self._n
-
-    def update(self, metrics: Mapping[str, Any] | None = None) -> None:
-        """Advance by one iteration and refresh the postfix from ``metrics``."""
-        if metrics:
-            postfix = {}
-            for key in self.keys:
-                if key in metrics and metrics[key] is not None:
-                    value = metrics[key]
-                    is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
-                    postfix[key] = f"{value:.3f}" if is_float else str(value)
-            if postfix:
-                self._bar.set_postfix(postfix, refresh=False)
-        self._n += 1
-        self._bar.update(1)
-
-    def close(self) -> None:
-        self._bar.close()
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-
 def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> str:
     """A self-contained HTML page of a run's curves, for the Kubeflow UI (an ``HTML`` artifact).
 
@@ -277,9 +229,6 @@ def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_
     ``summary.json``'s run-level numbers. Nothing is fetched when the page is viewed. A run
     without ``metrics.jsonl`` (no iteration ran) gets a page that says so.
     """
-    import base64
-    import html
-
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():

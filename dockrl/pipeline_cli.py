@@ -10,11 +10,11 @@
 
 Compile options (platform, worker backend, images, task requests) are fixed in the package;
 ``submit``/``schedule`` take them only when they compile the package themselves (no
-``--package``). A KFP backend older than 2.17.0 is refused (``pipelines.submit.MIN_KFP_VERSION``;
+``--package``). A KFP backend older than 2.17.0 is refused (``dockrl.pipelines.submit.MIN_KFP_VERSION``;
 ``--metadata-keepalive`` accepts 2.15 and 2.16 where the cluster works around it). Trailing
 ``section.field=value`` arguments become the run's ``config_overrides`` and are checked before
-anything is compiled or sent. The pipeline definitions are the packages ``pipelines`` and
-``components`` (they need the ``kfp`` extra).
+anything is compiled or sent. The pipeline definitions are the packages ``dockrl.pipelines`` and
+``dockrl.components`` (they need the ``kfp`` extra).
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from pathlib import Path
 
 from dockrl.config import ConfigError, load_config
 from dockrl.launch.backend import WORKER_BACKENDS
-from pipelines import submit
-from pipelines.grpo import PipelineSettings, Requests, compile_pipeline, compiled_worker_backend, local_summary, run_local
+from dockrl.launch.platform import get_platform
+from dockrl.launch.platform_files import images_from_kustomization, platform_from_file, with_images
+from dockrl.launch.procfs import live_processes
+from dockrl.pipelines import submit
+from dockrl.pipelines.grpo import PipelineSettings, Requests, compile_pipeline, compiled_worker_backend, local_summary, run_local
 
 PLATFORM_CHOICES = ("npu", "gpu", "cpu")
 
@@ -49,8 +52,6 @@ def _params(args: argparse.Namespace) -> dict:
 
 def _settings(args: argparse.Namespace) -> PipelineSettings:
     """The ``PipelineSettings`` the compile options ask for."""
-    from dockrl.launch.platform import get_platform, images_from_kustomization, platform_from_file, with_images
-
     images = images_from_kustomization(args.overlay) if args.overlay else {}
     if args.registry:
         images["registry"] = args.registry
@@ -160,8 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _descendants(pid: int) -> list[int]:
     """Live processes below ``pid`` in the process tree, parents first."""
-    from dockrl.launch.local import live_processes
-
     children: dict[int, list[int]] = {}
     for child, (parent, _) in live_processes().items():
         children.setdefault(parent, []).append(child)

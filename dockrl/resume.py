@@ -2,19 +2,19 @@
 
 ``RUN/checkpoints/iter_<k:06d>/`` is written after iteration ``k-1`` (every
 ``trainer.save_every`` iterations), ``RUN/checkpoints/final/`` after the last one; each holds
-the actor's HF weights, ``optimizer.pt`` (``save_optimizer``), with ``critic.enable`` the
+the actor's HF weights, ``optimizer.pt`` (``dockrl.optimizer_state.save_optimizer``), with ``critic.enable`` the
 critic's weights and optimizer in ``critic/`` (``critic_dir``), the dock snapshot taken with
 iteration ``k`` open and its prompts put but not yet announced (``dock/``, or the run's S3 store:
 ``dock_snapshot_uri``; none in ``final``), and ``driver_state.json``, written last and
 atomically: a folder without it is incomplete and never resumed from (``prepare_checkpoint``
 removes it before a folder is written again). ``run.resume=latest`` takes the complete
-checkpoint that resumes furthest (``find_resume``). With ``trainer.keep_checkpoints`` = K the
+checkpoint that resumes furthest (``dockrl.resume_point.find_resume``). With ``trainer.keep_checkpoints`` = K the
 driver keeps the newest K complete ``iter_*`` checkpoints and ``final``, removing older ones as
-each newer one completes (``prune_checkpoints``).
+each newer one completes (``dockrl.checkpoint_pruning.prune_checkpoints``).
 
 A resumed run goes on where the interrupted one was: the sampler is a pure function of
 ``(trainer.seed, iteration)`` (``dockrl.run_setup.prompt_batches``), every process reseeds per
-iteration (``seed_iteration``), ``metrics.jsonl`` keeps the iterations before ``k``
+iteration (``dockrl.seeding.seed_iteration``), ``metrics.jsonl`` keeps the iterations before ``k``
 (``MetricsWriter(resume_from=k)``), and the rows of iteration ``k`` come from the snapshot.
 
 With iterations in flight (``dock.max_inflight`` = m > 1) the snapshot holds iterations ``k`` …
@@ -26,25 +26,24 @@ state names them (``open_iterations``), the iteration the rollout resumes after
 resumed driver hands in again.
 The vLLM rollout engine seeds each request from the reseeded global generator
 (``VLLMRolloutEngine.generate``), so its samples resume too, however the prompts are batched.
+
+This module holds the checkpoint folders' names, the driver state (written last, read back), and
+what a stage process reads of the checkpoint it resumes from; the resume point a run starts from
+is ``dockrl.resume_point``, the optimizer's files ``dockrl.optimizer_state``, the seeds
+``dockrl.seeding``, and the removal of old checkpoints ``dockrl.checkpoint_pruning``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
-from dockrl.config import Config, ConfigError, RolloutConfig, TrainerConfig
+from dockrl.config import Config, TrainerConfig, s3_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +51,11 @@ FORMAT = "dockrl.checkpoint"
 VERSION = 1
 STATE_FILE = "driver_state.json"
 """Written last into a checkpoint folder: its presence marks the checkpoint complete."""
-OPTIMIZER_FILE = "optimizer.pt"
 DOCK_DIR = "dock"
 CRITIC_DIR = "critic"
 FINAL_DIR = "final"
 """``RUN/checkpoints/final``: the checkpoint after the last iteration."""
-_ITER_DIR = re.compile(r"iter_(\d{6,})")
+ITER_DIR = re.compile(r"iter_(\d{6,})")
 
 
 def checkpoint_dir(run_dir: str | Path, next_iteration: int) -> Path:
@@ -103,89 +101,6 @@ class CheckpointInProgress:
             logger.info("the incomplete checkpoint %s was removed", folder)
 
 
-PRUNING = ".pruning-"
-"""Prefix a pruned checkpoint folder is renamed to before its files go (``prune_checkpoints``)."""
-
-
-def prune_checkpoints(run_dir: str | Path, keep: int, newest: Path) -> list[Path]:
-    """Remove the complete intermediate checkpoints of ``run_dir`` older than the newest ``keep``
-    (``trainer.keep_checkpoints``; 0 removes nothing); call it once ``newest`` is complete.
-
-    ``newest`` is the checkpoint just completed: an ``iter_*`` folder counts as one of the
-    ``keep``, ``final`` does not (it is always kept). Only complete ``iter_*`` checkpoints that
-    resume before ``newest`` are candidates: never ``final``, never an incomplete folder (a
-    stage may be writing it), never one that resumes after ``newest`` (left by an earlier run
-    that went further; a run resumed from an older checkpoint overwrites it when it gets there).
-    The checkpoint a run resumed from is such a candidate only once ``newest``, written by this
-    run, is complete: every stage loaded it before it reported the iteration ``newest`` follows.
-
-    A pruned folder is first renamed to ``.pruning-iter_<k>`` (``latest_checkpoint`` no longer
-    sees it), then its dock snapshot is deleted where it lies outside the folder (the S3 store of
-    ``dock.warehouse=s3``, ``dock_snapshot_uri``), then the folder; what an earlier call left half
-    done (the process stopped in between) is finished here. One log line per pruned checkpoint.
-
-    Returns:
-        The checkpoint folders removed (their ``iter_*`` paths), oldest first.
-
-    Errors deleting files are logged as warnings, never raised: a checkpoint left over only takes
-    disk space, and a training run must not fail for it.
-    """
-    folder = Path(run_dir) / "checkpoints"
-    for left in sorted(folder.glob(f"{PRUNING}*")):  # a removal an earlier call did not finish
-        _remove_pruned(left)
-    if keep <= 0:
-        return []
-    newest_doc = _read_state(newest)
-    if newest_doc is None:
-        raise AssertionError(f"prune_checkpoints: {newest} is not complete; prune only after a newer checkpoint is complete")
-    bound = int(newest_doc["next_iteration"])
-    complete: list[tuple[int, Path]] = []
-    for path in folder.glob("iter_*"):
-        doc = _read_state(path) if _ITER_DIR.fullmatch(path.name) and path.is_dir() else None
-        if doc is not None and int(doc.get("next_iteration", -1)) < bound:
-            complete.append((int(doc["next_iteration"]), path))
-    room = keep - 1 if newest.name != FINAL_DIR else keep  # `newest` itself takes one of the places
-    complete.sort()
-    pruned = [path for _, path in complete[: max(0, len(complete) - room)]]
-    for path in pruned:
-        trash = path.with_name(f"{PRUNING}{path.name}")
-        try:
-            path.rename(trash)
-        except OSError as e:
-            logger.warning("checkpoint %s could not be removed (trainer.keep_checkpoints=%d): %s", path, keep, e)
-            continue
-        _remove_pruned(trash)
-        logger.info("checkpoint %s removed: trainer.keep_checkpoints=%d keeps the newest", path, keep)
-    return pruned
-
-
-def _remove_pruned(trash: Path) -> None:
-    """Delete a folder ``prune_checkpoints`` renamed, and its dock snapshot where that lies outside it."""
-    doc = _read_state(trash)
-    uri = str((doc or {}).get("dock_snapshot") or "")
-    # a local snapshot is the folder's dock/ and goes with it; a path recorded elsewhere (a run folder
-    # copied from another place names the original's) is never followed
-    if "://" in uri and not uri.startswith("file://"):
-        _delete_snapshot(uri)
-    shutil.rmtree(trash, ignore_errors=True)
-    if trash.exists():
-        logger.warning("the pruned checkpoint %s could not be deleted entirely: delete it", trash)
-
-
-def _delete_snapshot(uri: str) -> None:
-    """Delete the dock snapshot at ``uri`` (a ``pyarrow.fs`` URI, e.g. ``s3://…``); a missing one is fine."""
-    import pyarrow as pa
-    import pyarrow.fs as pafs
-
-    try:
-        fs, root = pafs.FileSystem.from_uri(uri)
-        if fs.get_file_info(root).type != pafs.FileType.NotFound:
-            fs.delete_dir(root)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        where = uri.partition("?")[0]  # the query names the endpoint only, never a credential, but is long
-        logger.warning("the dock snapshot %s of a pruned checkpoint could not be deleted (%s): delete it", where, e)
-
-
 def critic_dir(checkpoint: str | Path) -> Path:
     """``CHECKPOINT/critic``: the critic's HF weights and ``optimizer.pt`` (with ``critic.enable``)."""
     return Path(checkpoint) / CRITIC_DIR
@@ -194,28 +109,6 @@ def critic_dir(checkpoint: str | Path) -> Path:
 def checkpoint_due(t: TrainerConfig, iteration: int) -> bool:
     """Whether a checkpoint is written after ``iteration`` (not after the last: that one is ``final``)."""
     return bool(t.save_every) and (iteration + 1) % t.save_every == 0 and iteration + 1 < t.iterations
-
-
-def iteration_seed(seed: int, iteration: int) -> int:
-    """The seed of ``iteration``: a 63-bit integer from SHA-256 of ``(seed, iteration)``."""
-    digest = hashlib.sha256(f"dockrl:{seed}:{iteration}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def seed_iteration(seed: int, iteration: int) -> None:
-    """Reseed Python's and torch's global generators for ``iteration`` (every stage, every process)."""
-    s = iteration_seed(seed, iteration)
-    random.seed(s)
-    torch.manual_seed(s)
-
-
-def prompts_fingerprint(prompt_ids: Sequence[Sequence[int]]) -> str:
-    """SHA-256 (hex, 16 chars) of the training prompts' token ids in order: the sampler's input."""
-    h = hashlib.sha256()
-    for ids in prompt_ids:
-        h.update(json.dumps(list(ids)).encode())
-        h.update(b"\n")
-    return h.hexdigest()[:16]
 
 
 def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
@@ -227,8 +120,6 @@ def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
     reads the credentials from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``; with other
     ``dock.access_key_env``/``dock.secret_key_env`` names the snapshot stays in the run folder).
     """
-    from dockrl.config import s3_endpoint
-
     k = cfg.dock
     local = str((checkpoint / DOCK_DIR).resolve())
     if k.warehouse != "s3" or k.mode != "distributed":
@@ -241,87 +132,6 @@ def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
     key = "/".join(p for p in (k.prefix.strip("/"), run, "checkpoints", checkpoint.name, DOCK_DIR) if p)
     query = f"endpoint_override={endpoint}&scheme={'https' if secure else 'http'}" + (f"&region={k.region}" if k.region else "")
     return f"s3://{k.bucket}/{key}?{query}"
-
-
-def optimizer_file(rank: int = 0) -> str:
-    """Name of the optimizer state of actor rank ``rank`` in a checkpoint: ``optimizer.pt`` for
-    rank 0 (the only one of a single-process actor), ``optimizer.rank<r>.pt`` for the other
-    ranks of a multi-rank hybrid actor, each holding its own TP/PP shard's AdamW state."""
-    return OPTIMIZER_FILE if rank == 0 else f"optimizer.rank{rank}.pt"
-
-
-def save_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> Path:
-    """Write ``engine.optimizer.state_dict()`` to ``CHECKPOINT/optimizer_file(rank)``.
-
-    Raises:
-        ValueError: the engine has no optimizer (a frozen engine).
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None:
-        raise ValueError(f"save_optimizer: {type(engine).__name__} has no optimizer to checkpoint (trainable=False?)")
-    path = Path(checkpoint) / optimizer_file(rank)
-    tmp = path.with_suffix(".pt.tmp")
-    try:
-        torch.save(optimizer.state_dict(), tmp)
-    except BaseException:  # SIGTERM or Ctrl-C mid-write, a full disk: no half-written file of the optimizer's size left behind
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(path)
-    return path
-
-
-KERNEL_CHOICES = ("fused", "foreach")
-"""AdamW param-group keys that pick an implementation for the device, not a hyperparameter:
-``load_optimizer`` keeps the engine's."""
-
-
-def load_optimizer(engine: Any, checkpoint: Path, rank: int = 0) -> None:
-    """Load ``CHECKPOINT/optimizer_file(rank)`` into ``engine.optimizer`` (built over the checkpoint's weights).
-
-    The moments, steps and hyperparameters come from the file, but each param group's kernel
-    choice (``fused``, ``foreach``) stays the one the engine made for its device
-    (``dockrl.engines.hf.adamw``): a checkpoint written before fused AdamW (``fused: None``) does
-    not turn it off, and one written on a device with a fused kernel does not carry ``fused: True``
-    to a device without it. The steps are placed as that choice needs (a fused or capturable
-    AdamW keeps them on the parameters' device).
-
-    Raises:
-        ValueError: the engine has no optimizer, or the file is missing.
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    path = Path(checkpoint) / optimizer_file(rank)
-    if optimizer is None:
-        raise ValueError(f"load_optimizer: {type(engine).__name__} has no optimizer to restore into")
-    if not path.is_file():
-        raise ValueError(f"run.resume: checkpoint {checkpoint} has no {path.name} (written by an older version, "
-                         "or by an actor with another parallel layout?)")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    for saved, group in zip(state.get("param_groups", ()), getattr(optimizer, "param_groups", ())):
-        saved.update({k: group[k] for k in KERNEL_CHOICES if k in group})  # before loading: it places the steps by them
-    optimizer.load_state_dict(state)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResumePoint:
-    """A complete checkpoint to resume from (``find_resume``)."""
-
-    checkpoint: Path
-    """The checkpoint folder (HF weights, ``optimizer.pt``, ``driver_state.json``)."""
-    next_iteration: int
-    """The first iteration the resumed run runs."""
-    dock_uri: str
-    """The dock snapshot; iteration ``open_iteration`` is open in it (or none); '' for ``final``, which has none."""
-    open_iteration: int | None
-    summary: dict[str, float]
-    """Run summary at checkpoint time (evaluation before training)."""
-    open_iterations: tuple[int, ...] = ()
-    """Every iteration open in the snapshot, oldest first (``open_iteration`` is the first)."""
-    reports: dict[int, dict[str, dict[str, float]]] | None = None
-    """Reports of open iterations handed in before the snapshot (the rollout's of those it generated)."""
-    prompts: str | None = None
-    """The ``prompts_fingerprint`` the checkpoint was written with (``check_resume_prompts``)."""
-
 
 def actor_layout(cfg: Config) -> str:
     """What the actor's optimizer files depend on: its engine and, for megatron, its TP/PP/DP shards."""
@@ -361,7 +171,7 @@ def write_final_state(checkpoint: Path, cfg: Config, *, summary: dict[str, float
                        summary=summary, prompts=prompts)
 
 
-def _read_state(checkpoint: Path) -> dict[str, Any] | None:
+def read_state(checkpoint: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads((checkpoint / STATE_FILE).read_text())
     except (OSError, ValueError):
@@ -371,18 +181,18 @@ def _read_state(checkpoint: Path) -> dict[str, Any] | None:
 
 def checkpoint_resumes_at(checkpoint: str | Path) -> int | None:
     """The first iteration a run resumed from ``checkpoint`` runs (its ``next_iteration``); None when it is not complete."""
-    doc = _read_state(Path(checkpoint))
+    doc = read_state(Path(checkpoint))
     return None if doc is None else int(doc["next_iteration"])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint of ``run_dir`` that resumes furthest (``iter_*`` or ``final``); None when there is none."""
     folder = Path(run_dir) / "checkpoints"
-    found = [p for p in folder.glob("iter_*") if _ITER_DIR.fullmatch(p.name) and p.is_dir()]
+    found = [p for p in folder.glob("iter_*") if ITER_DIR.fullmatch(p.name) and p.is_dir()]
     found += [p for p in (folder / FINAL_DIR,) if p.is_dir()]
     best: tuple[int, Path] | None = None
     for path in found:
-        doc = _read_state(path)
+        doc = read_state(path)
         if doc is None:
             logger.warning("checkpoint %s is incomplete (no %s): skipped", path, STATE_FILE)
         elif best is None or int(doc.get("next_iteration", -1)) > best[0]:
@@ -390,117 +200,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return best[1] if best else None
 
 
-def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
-    """The checkpoint ``run.resume`` names, checked against this run; None for a fresh run.
-
-    ``run.resume`` is ``''`` (fresh), ``'latest'`` (the newest complete checkpoint under
-    ``run.output_dir/checkpoints``) or a checkpoint folder. ``prompts`` is this run's
-    ``prompts_fingerprint``; None checks all but the prompts (a run does so before it prepares
-    its model and loads its data, then ``check_resume_prompts`` checks them).
-
-    Raises:
-        ConfigError: a fresh run in a ``run.output_dir`` that holds another run's metrics or
-            checkpoints (they would mix, and ``latest`` would find the other run's); no such
-            folder, no complete checkpoint, another format or version, or a setting the
-            sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
-            ``rollout.n``, the training prompts), or nothing is left to run.
-    """
-    value = cfg.run.resume
-    if not value:
-        run_dir = Path(cfg.run.output_dir)
-        held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
-        if held:
-            how = ("continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)"
-                   if latest_checkpoint(run_dir) is not None else
-                   "it has no complete checkpoint to continue with run.resume=latest (one is written every trainer.save_every "
-                   "iterations and at the end): choose another run.output_dir (or delete that folder)")
-            raise ConfigError(f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix with it: {how}")
-        return None
-    if value == "latest":
-        path = latest_checkpoint(cfg.run.output_dir)
-        if path is None:
-            raise ConfigError(
-                f"run.resume: got 'latest'; no complete checkpoint under {Path(cfg.run.output_dir) / 'checkpoints'} "
-                f"(folders iter_NNNNNN with {STATE_FILE}); start fresh without run.resume, in another run.output_dir "
-                "(or delete that folder)"
-            )
-    else:
-        path = Path(value)
-        if not path.is_dir():
-            raise ConfigError(f"run.resume: got {value!r}; expected 'latest' or an existing checkpoint folder")
-    doc = _read_state(path)
-    if doc is None:
-        raise ConfigError(f"run.resume: {path} is not a complete checkpoint: no readable {STATE_FILE} of format {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise ConfigError(f"run.resume: {path} has checkpoint version {doc.get('version')!r}; this dockrl reads {VERSION}")
-    ours = {"seed": cfg.trainer.seed, "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts}
-    fields = {"seed": "trainer.seed", "global_batch": "trainer.global_batch", "group_size": "rollout.n", "prompts": "the training prompts"}
-    for key, mine in ours.items():
-        if doc.get(key) != mine and mine is not None:
-            raise _data_order_differs(path, fields[key], doc.get(key), mine)
-    layout = actor_layout(cfg)
-    if doc.get("actor_layout", layout) != layout:  # checkpoints of older versions name none
-        raise ConfigError(
-            f"run.resume: {path} holds the optimizer state of a {doc['actor_layout']!r} actor, this run's is {layout!r}: "
-            "resume with the checkpoint's trainer.engine and parallel.tp/pp/dp"
-        )
-    inflight = doc.get("max_inflight", 1)
-    if doc.get("open_iterations", [doc["open_iteration"]] if doc.get("open_iteration") is not None else []) \
-            and inflight != cfg.dock.max_inflight:
-        raise ConfigError(
-            f"dock.max_inflight: got {cfg.dock.max_inflight}; the checkpoint {path} was written with dock.max_inflight={inflight} "
-            "and holds the iterations then in flight: resume with its dock.max_inflight (a final checkpoint takes any)"
-        )
-    for key in ("partial_tokens", "partial_max_age"):
-        theirs, ours_ = doc.get(key, getattr(RolloutConfig(), key)), getattr(cfg.rollout, key)  # older checkpoints: the defaults
-        if doc.get("open_iterations") and theirs != ours_:
-            raise ConfigError(
-                f"rollout.{key}: got {ours_}; the checkpoint {path} was written with rollout.{key}={theirs} and holds "
-                f"iterations in flight whose responses its rollout may have cut: resume with its rollout.{key} "
-                "(a final checkpoint takes any)"
-            )
-    if cfg.critic.enable and not critic_dir(path).is_dir():
-        raise ConfigError(f"run.resume: {path} has no critic/ (written by a run without critic.enable): resume with the "
-                          "checkpoint's critic.enable, or start a fresh run")
-    nxt = doc["next_iteration"]
-    if not nxt < cfg.trainer.iterations:
-        if path.name == FINAL_DIR:
-            raise ConfigError(
-                f"run.resume: the run in {path.parents[1]} finished all its {nxt} iterations ({path}); nothing is left to run "
-                f"with trainer.iterations={cfg.trainer.iterations}: pass trainer.iterations=N with N > {nxt} to continue it "
-                "from its final weights, optimizer and data position"
-            )
-        raise ConfigError(
-            f"trainer.iterations: got {cfg.trainer.iterations}; the checkpoint {path} resumes at iteration {nxt}: "
-            "expected more iterations than that"
-        )
-    opened = doc.get("open_iterations", [doc["open_iteration"]] if doc["open_iteration"] is not None else [])
-    reports = {int(k): v for k, v in (doc.get("reports") or {}).items()}
-    return ResumePoint(checkpoint=path.resolve(), next_iteration=nxt, dock_uri=doc["dock_snapshot"],
-                       open_iteration=doc["open_iteration"], summary=dict(doc.get("summary") or {}),
-                       open_iterations=tuple(opened), reports=reports, prompts=doc.get("prompts"))
-
-
-def check_resume_prompts(point: ResumePoint | None, prompts: str) -> None:
-    """What ``find_resume(cfg, None)`` left out: the checkpoint ``point`` was written with these
-    training prompts (``prompts_fingerprint``). Nothing to check for a fresh run (None).
-
-    Raises:
-        ConfigError: other prompts (the data order depends on them).
-    """
-    if point is not None and point.prompts != prompts:
-        raise _data_order_differs(point.checkpoint, "the training prompts", point.prompts, prompts)
-
-
-def _data_order_differs(path: Path, field: str, theirs: Any, mine: Any) -> ConfigError:
-    return ConfigError(f"run.resume: {path} was written with {field}={theirs!r}, this run has {mine!r}; "
-                       "the data order depends on it: resume with the checkpoint's settings")
-
-
 def resumed_at(cfg: Config) -> int:
     """The first iteration of this run: the checkpoint's ``next_iteration`` (``run.resume``, a
     folder as the launcher passes it to the stage processes), else 0."""
-    doc = _read_state(Path(cfg.run.resume)) if cfg.run.resume else None
+    doc = read_state(Path(cfg.run.resume)) if cfg.run.resume else None
     return int(doc["next_iteration"]) if doc else 0
 
 
@@ -508,7 +211,7 @@ def generated_through(cfg: Config) -> int:
     """The last iteration the resumed checkpoint holds generated by the rollout (``dock.max_inflight``
     > 1: the iterations in flight but the newest), else the one before ``resumed_at``: the rollout
     process resumes after it."""
-    doc = _read_state(Path(cfg.run.resume)) if cfg.run.resume else None
+    doc = read_state(Path(cfg.run.resume)) if cfg.run.resume else None
     if not doc:
         return -1
     return int(doc.get("generated_through", int(doc["next_iteration"]) - 1))
@@ -516,7 +219,7 @@ def generated_through(cfg: Config) -> int:
 
 def held_open(cfg: Config) -> tuple[int, ...]:
     """The iterations the resumed checkpoint holds open in its dock snapshot (none for a fresh run or ``final``)."""
-    doc = _read_state(Path(cfg.run.resume)) if cfg.run.resume else None
+    doc = read_state(Path(cfg.run.resume)) if cfg.run.resume else None
     if not doc:
         return ()
     return tuple(doc.get("open_iterations", [doc["open_iteration"]] if doc.get("open_iteration") is not None else []))

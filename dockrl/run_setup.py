@@ -8,6 +8,7 @@ Everything here sits below the driver (``dockrl/driver.py``) and the stage worke
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -15,11 +16,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
+from safetensors import safe_open
 
 from dockrl.config import Config, ConfigError, TrainerConfig, resolve_auto, save_config
 from dockrl.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.models import prepare_smollm2
-from dockrl.resume import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
+from dockrl.resume_point import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def plan_run(cfg: Config) -> RunPlan:
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    from dockrl.engines.hf import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
+    from dockrl.engines.hf_load import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
 
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
@@ -106,7 +108,7 @@ def resolve_reward_model(cfg: Config) -> Path:
         ConfigError: naming ``reward_model.model.path``: not a local HF folder, unreadable
             weights, or not a sequence-classification model with one label.
     """
-    from dockrl.engines.reward_model import check_reward_model_dir
+    from dockrl.engines.reward_model import check_reward_model_dir  # lazy: transformers' models, only with reward_model.enable
 
     m = cfg.reward_model.model
     path = Path(m.path)
@@ -126,15 +128,13 @@ def check_model_dir(path: Path, trust_remote_code: bool = False, *, field: str =
     Raises:
         ConfigError: naming ``model.path``, the file and what is wrong with it.
     """
-    import json
-
     try:
         doc = json.loads((path / "config.json").read_text())
         model_type = doc.get("model_type") if isinstance(doc, dict) else None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{field}: {path / 'config.json'} is not readable JSON ({e})") from None
     if not trust_remote_code:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # lazy: transformers takes seconds; a bad config fails first
 
         if model_type not in CONFIG_MAPPING:
             raise ConfigError(f"{field}: {path / 'config.json'} has model_type={model_type!r}, an architecture this "
@@ -144,8 +144,6 @@ def check_model_dir(path: Path, trust_remote_code: bool = False, *, field: str =
     if not shards and not any(path.glob("*.bin")) and not any(path.glob("*.pt")):
         raise ConfigError(f"{field}: {path} has config.json but no weights (*.safetensors or *.bin); "
                           "copy the whole model folder (save_pretrained writes both)")
-    from safetensors import safe_open
-
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:

@@ -17,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from dockrl.config import Config
+from dockrl.resume import checkpoint_due
 
 if TYPE_CHECKING:  # the driver's reports only: no torch, no pyarrow here
     from dockrl.dock import Dock
@@ -56,8 +57,6 @@ def snapshot_after(cfg: Config) -> Callable[[int], bool] | None:
     next only after its snapshot."""
     if cfg.dock.max_inflight == 1:
         return None
-    from dockrl.resume import checkpoint_due
-
     return lambda it: checkpoint_due(cfg.trainer, it)
 
 
@@ -79,7 +78,7 @@ def serve_iterations(
         DockTimeoutError: no iteration opened within ``timeout_s`` of the previous one, or no
             ``SNAPSHOT`` report within ``timeout_s`` (the message names the report).
     """
-    from dockrl.resume import seed_iteration
+    from dockrl.seeding import seed_iteration  # lazy: it imports torch; the stage table (dockrl.stages) imports this module and stays light
 
     last, served = after, 0  # -1: before the first iteration
     while (it := dock.wait_iteration(last, first_timeout_s if served == 0 and first_timeout_s else timeout_s)) is not None:

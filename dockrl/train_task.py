@@ -46,18 +46,18 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from dockrl import driver
 from dockrl.config import Config, load_config
+from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
 from dockrl.launch.backend import worker_backend_name
+from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
-from dockrl.launch.tasks import TEARDOWN_WAIT_S, dataset_files, write_checkpoint_pointer
+from dockrl.launch.tasks import TEARDOWN_WAIT_S
 from dockrl.resume import FINAL_DIR, checkpoint_resumes_at, latest_checkpoint
 from dockrl.run_lock import lock_holder
-
-if TYPE_CHECKING:
-    from dockrl.launch.kubernetes import KubernetesBackend
+from dockrl.run_setup import PACKAGED_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,6 @@ def run_training(
     run = Path(run_dir)
     out, backend = run, None
     if worker_backend == "kubernetes":
-        from dockrl.launch.kubernetes import KubernetesBackend
-
         backend = KubernetesBackend.from_cluster(run_id, namespace=namespace, platform=platform)
         clear_failed_attempt(backend)  # before the run folder is looked at: its pods may still write there
         out = backend.shared_dir / "runs" / run_id
@@ -312,8 +310,6 @@ def check_shared_config(cfg: Config, shared: Path) -> None:
     if cfg.dock.warehouse == "directory" and not _under(cfg.dock.directory, shared):
         raise ValueError(f"dock.directory={cfg.dock.directory!r}: with the kubernetes worker backend a directory "
                          f"warehouse must be on the shared volume (under {shared}); or use dock.warehouse=s3")
-    from dockrl.run_setup import PACKAGED_MODEL
-
     if cfg.model.path != PACKAGED_MODEL and not _under(cfg.model.path, shared):
         logger.warning("model.path=%r is not on the shared volume (%s): the stage pods must find it in their image",
                        cfg.model.path, shared)

@@ -39,18 +39,21 @@ Nothing is compiled at import: ``build_pipeline`` and ``compile_pipeline`` do it
 """
 
 # no `from __future__ import annotations`: kfp reads the pipeline's parameter types at runtime
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp import compiler, dsl, kubernetes
+import yaml
+from kfp import compiler, dsl, kubernetes, local
 
-from components.evaluate import evaluate
-from components.export_model import export_model
-from components.prepare_dataset import prepare_dataset
-from components.resolve_config import resolve_config
-from components.teardown_workers import teardown_workers
-from components.train import train
+from dockrl.components.evaluate import evaluate
+from dockrl.components.export_model import export_model
+from dockrl.components.prepare_dataset import prepare_dataset
+from dockrl.components.resolve_config import resolve_config
+from dockrl.components.teardown_workers import teardown_workers
+from dockrl.components.train import train
+from dockrl.config import load_config
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
 from dockrl.launch.tasks import run_parameter_defaults
@@ -288,8 +291,6 @@ def compiled_worker_backend(package: str | Path) -> str:
     Raises:
         ValueError: ``package`` is not a dockrl pipeline package (no train task).
     """
-    import yaml
-
     docs = list(yaml.safe_load_all(Path(package).read_text()))
     spec = docs[0] if docs else None
     if not isinstance(spec, dict):
@@ -320,10 +321,6 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
         ConfigError: an invalid override, before any task starts.
         RuntimeError: a task failed (kfp.local names the task and shows its log).
     """
-    from kfp import local
-
-    from dockrl.config import load_config
-
     load_config(None, overrides)  # fail here, naming the field, before any task starts
     root = Path(pipeline_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -355,8 +352,6 @@ def local_summary(run_dir: str | Path) -> dict:
 
 def task_metadata(run_dir: str | Path, task: str, artifact: str) -> dict:
     """Metadata of output ``artifact`` of ``task`` in a local run folder (metrics for Metrics)."""
-    import json
-
     path = Path(run_dir) / task / "executor_output.json"
     outputs = json.loads(path.read_text()).get("artifacts", {})
     if artifact not in outputs:

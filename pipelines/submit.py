@@ -22,6 +22,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import kfp
+import yaml
+from kfp_server_api import ApiException
+
 HEALTHZ = "/apis/v2beta1/healthz"
 
 logger = logging.getLogger(__name__)
@@ -222,8 +226,6 @@ def check_host(host: str, timeout_s: float = 10.0, *, token: str = "", cookies: 
 
 def _client(host: str, timeout_s: float, *, token: str = "", cookies: str = "", namespace: str = "",
             metadata_keepalive: bool = False):
-    import kfp
-
     host = check_host(host, timeout_s, token=token, cookies=cookies, metadata_keepalive=metadata_keepalive)
     with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": v2beta1 is what we use
         warnings.filterwarnings("ignore", category=FutureWarning, module="kfp")
@@ -233,8 +235,6 @@ def _client(host: str, timeout_s: float, *, token: str = "", cookies: str = "", 
 
 def package_parameters(package: str | Path) -> dict[str, Any]:
     """The run-time parameters of a compiled package: name -> default (None where it has none)."""
-    import yaml
-
     spec = next(yaml.safe_load_all(Path(package).read_text()), None) or {}
     params = ((spec.get("root") or {}).get("inputDefinitions") or {}).get("parameters") or {}
     return {name: p.get("defaultValue") for name, p in params.items()}
@@ -267,8 +267,6 @@ def _package(package: str | Path) -> str:
 
 
 def _api_call(host: str, what: str, fn, *args, **kwargs):
-    from kfp_server_api import ApiException
-
     try:
         return fn(*args, **kwargs)
     except ApiException as err:

@@ -235,7 +235,7 @@ def plain_model_dir(tiny_model_dir, tmp_path_factory):
 
 def test_a_tokenizer_without_chat_template_is_refused_naming_model_path(tmp_path, plain_model_dir):
     from dockrl.config import ConfigError, load_config
-    from dockrl.engines.hf import load_tokenizer
+    from dockrl.engines.hf_load import load_tokenizer
     from dockrl.run_setup import load_run_prompts
 
     path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")
@@ -250,7 +250,7 @@ def test_a_tokenizer_without_chat_template_is_refused_naming_model_path(tmp_path
 def test_plain_prompts_without_chat_template(tmp_path, plain_model_dir):
     from dockrl.config import load_config
     from dockrl.data import PLAIN_PROMPT
-    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.hf_rollout import HFRolloutEngine
     from dockrl.run_setup import load_run_prompts
 
     path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")

@@ -20,7 +20,8 @@ from dockrl.data import Prompt
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.driver import drive
 from dockrl.launch.distributed import ProcessStages
-from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, find_resume, prepare_checkpoint, prompts_fingerprint
+from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint
+from dockrl.resume_point import find_resume, prompts_fingerprint
 from dockrl.run_setup import RunPlan, prompt_batches
 from dockrl.stage_loop import Report, final_report, serve_iterations
 

@@ -1,4 +1,4 @@
-"""Checkpoint retention, ``trainer.keep_checkpoints`` (dockrl.resume.prune_checkpoints, called by the driver)."""
+"""Checkpoint retention, ``trainer.keep_checkpoints`` (dockrl.checkpoint_pruning.prune_checkpoints, called by the driver)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ from dock.conftest import s3_server  # noqa: F401 - fixture: moto's S3 server in
 from test_resume import FAKES, Interrupt, read_rows, same_rows, tiny_run
 
 from dockrl import driver
+from dockrl.checkpoint_pruning import prune_checkpoints
 from dockrl.config import ConfigError, load_config
 from dockrl.resume import (
     STATE_FILE,
     checkpoint_dir,
     dock_snapshot_uri,
     final_dir,
-    find_resume,
     latest_checkpoint,
     prepare_checkpoint,
-    prune_checkpoints,
     write_driver_state,
     write_final_state,
 )
+from dockrl.resume_point import find_resume
 
 
 def config(tmp_path: Path, *extra: str):
@@ -61,7 +61,7 @@ def test_pruning_keeps_the_newest_complete_ones_final_and_what_a_stage_still_wri
     assert prune_checkpoints(run, 0, checkpoint_dir(run, 5)) == []  # 0: keep all
     assert iter_names(run) == ["final", *(f"iter_{k:06d}" for k in range(1, 7))]
 
-    with caplog.at_level(logging.INFO, logger="dockrl.resume"):
+    with caplog.at_level(logging.INFO, logger="dockrl.checkpoint_pruning"):
         pruned = prune_checkpoints(run, 2, checkpoint_dir(run, 5))
     assert pruned == [checkpoint_dir(run, k) for k in (1, 2, 3)]
     assert iter_names(run) == ["final", "iter_000004", "iter_000005", "iter_000006"]

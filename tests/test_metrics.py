@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from dockrl.metrics import MetricsWriter, Progress, plot_metrics, read_metrics
+from dockrl.metrics import MetricsWriter, plot_metrics, read_metrics
+from dockrl.progress import Progress
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

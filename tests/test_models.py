@@ -1,11 +1,11 @@
-"""dockrl/models.py: the heavy-tailed tiny model samples the lengths its docstring states."""
+"""dockrl/heavy_tail_model.py: the heavy-tailed tiny model samples the lengths its docstring states."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dockrl.models import HEAVY_TAIL_RATES, HEAVY_TAIL_WEIGHTS, build_heavy_tail_model, heavy_tail_length_pmf
+from dockrl.heavy_tail_model import HEAVY_TAIL_RATES, HEAVY_TAIL_WEIGHTS, build_heavy_tail_model, heavy_tail_length_pmf
 
 
 def quantile(lengths: list[int], q: float) -> int:
@@ -68,7 +68,7 @@ def test_each_class_ends_at_its_rate(heavy_model):
 def test_sampled_lengths_are_heavy_tailed(heavy_model):
     """The rollout engine's samples, fixed seed: a short median, the tail at the limit."""
     from dockrl.data import generate_problems, prompt_token_ids
-    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.hf_rollout import HFRolloutEngine
 
     engine = HFRolloutEngine(heavy_model, dtype="float32")
     prompts = [prompt_token_ids(engine.tokenizer, p["question"], system_prompt="Solve.") for p in generate_problems(64, seed=0)]

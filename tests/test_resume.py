@@ -12,12 +12,22 @@ from transformers import AutoModelForCausalLM
 
 from dockrl import driver
 from dockrl.config import ConfigError, load_config
-from dockrl.engines.hf import adamw
+from dockrl.engines.micro_batching import adamw
 from dockrl.metrics import MetricsWriter
+from dockrl.optimizer_state import load_optimizer, optimizer_file, save_optimizer
 from dockrl.resume import (
-    STATE_FILE, check_resume_prompts, checkpoint_dir, checkpoint_due, dock_snapshot_uri, final_dir, find_resume, iteration_seed, latest_checkpoint,
-    load_optimizer, optimizer_file, prepare_checkpoint, prompts_fingerprint, save_optimizer, write_driver_state, write_final_state,
+    STATE_FILE,
+    checkpoint_dir,
+    checkpoint_due,
+    dock_snapshot_uri,
+    final_dir,
+    latest_checkpoint,
+    prepare_checkpoint,
+    write_driver_state,
+    write_final_state,
 )
+from dockrl.resume_point import check_resume_prompts, find_resume, prompts_fingerprint
+from dockrl.seeding import iteration_seed
 
 FAKES = Path(__file__).parent  # fake_scorers.py
 VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")

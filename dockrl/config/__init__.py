@@ -3,29 +3,27 @@
 ``load_config(path, overrides)`` (``loading``) parses and validates a config and probes nothing:
 fields that may be ``auto`` stay ``auto``. ``resolve_auto(cfg)`` (``resolve``) is the one step that
 asks the machine (device, bf16 speed, whether vLLM runs); each process that needs the answer calls
-it where it runs. The sections' dataclasses are in ``sections``; ``Config`` and the cross-field rules
-it checks when built in ``rules``.
+it where it runs. The sections' dataclasses are in ``sections`` (model, data, rollout, trainer, critic),
+``algorithm_sections`` (algorithm, reward_model) and ``run_sections`` (dock, run); ``Config`` and the
+cross-field rules it checks when built in ``rules``, the rules of one section group beside it
+(``algorithm_rules``, ``dock_rules``); ``ConfigError`` in ``errors``.
 The defaults are the demo run.
 """
 
-from dockrl.config.loading import dump_config, load_config, load_config_text, parse_overrides, save_config
-from dockrl.config.resolve import AUTO_ENGINE_ENV, auto_rollout_engine, resolve_auto
-from dockrl.config.rules import Config, ConfigError, check_rules, critic_batches, s3_endpoint
-from dockrl.config.sections import (
-    DEFAULT_SYSTEM_PROMPT,
+from dockrl.config.algorithm_sections import (
     AlgorithmConfig,
-    CriticConfig,
-    DataConfig,
-    DockConfig,
     FilterGroupsConfig,
-    ModelConfig,
     OverlongBufferConfig,
     RewardModelConfig,
     RewardModelPathConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
 )
+from dockrl.config.dock_rules import s3_endpoint
+from dockrl.config.errors import ConfigError
+from dockrl.config.loading import dump_config, load_config, load_config_text, parse_overrides, save_config
+from dockrl.config.resolve import AUTO_ENGINE_ENV, auto_rollout_engine, resolve_auto
+from dockrl.config.rules import Config, check_rules, critic_batches
+from dockrl.config.run_sections import DockConfig, RunConfig
+from dockrl.config.sections import DEFAULT_SYSTEM_PROMPT, CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 
 __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",

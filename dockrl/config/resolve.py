@@ -14,7 +14,8 @@ import logging
 import os
 from typing import Any, Literal
 
-from dockrl.config.rules import Config, _fail
+from dockrl.config.errors import _fail
+from dockrl.config.rules import Config
 
 _logger = logging.getLogger(__name__)
 

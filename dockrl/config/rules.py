@@ -1,7 +1,10 @@
 """``Config``, the whole run configuration, and the cross-field rules and ranges it checks whenever it is built.
 
-``Config`` lives beside its rules, above the sections (``dockrl.config.sections``): building one runs
+``Config`` lives beside its rules, above the sections (``dockrl.config.sections``,
+``dockrl.config.algorithm_sections``, ``dockrl.config.run_sections``): building one runs
 ``check_rules``, also by ``dataclasses.replace``; ``auto`` fields stay ``auto`` (``dockrl.config.resolve``).
+The rules of one section group are beside it: the algorithm's in ``dockrl.config.algorithm_rules``,
+the dock's in ``dockrl.config.dock_rules``; those across sections are here.
 Each error names the field, the value, the rule and the fix (docs/bad-inputs.md). The rules read
 nothing of the machine but a local model directory's ``config.json`` (``_check_parallel``).
 """
@@ -15,22 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dockrl.config.sections import (
-    AlgorithmConfig,
-    CriticConfig,
-    DataConfig,
-    DockConfig,
-    ModelConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from dockrl.config.algorithm_rules import _check_algorithm, _check_dapo, _check_reward_model
+from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
+from dockrl.config.dock_rules import _check_dock
+from dockrl.config.errors import ConfigError, _fail
+from dockrl.config.run_sections import DockConfig, RunConfig
+from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type, or breaks a rule."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,49 +50,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _fail(where: str, value: Any, rule: str) -> ConfigError:
-    """The error of ``where`` holding ``value``, which breaks ``rule``."""
-    return ConfigError(f"{where}: got {value!r}; {rule}")
-
-
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_PREFIX = re.compile(r"([A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*)?")
-
-
-def s3_endpoint(value: str, secure: bool, where: str) -> tuple[str, bool]:
-    """``(host:port, secure)`` of an S3 endpoint given as ``host:port`` or ``http(s)://host:port``.
-
-    Raises:
-        ConfigError: empty, another scheme, a path, or not a host with an optional port.
-    """
-    endpoint = value
-    scheme, sep, rest = value.partition("://")
-    if sep:
-        if scheme not in ("http", "https"):
-            raise _fail(where, value, "expected host:port or an http:// or https:// URL")
-        endpoint, secure = rest.rstrip("/"), scheme == "https"
-    if not _HOST_PORT.fullmatch(endpoint):
-        raise _fail(where, value, "expected host:port of the S3 endpoint, e.g. minio.kubeflow:9000 (no path)")
-    return endpoint, secure
-
-
-def _check_dock(k: DockConfig) -> None:
-    if k.warehouse == "directory" and not k.directory.strip():
-        raise _fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
-    if k.warehouse != "s3":
-        return
-    if k.endpoint:
-        s3_endpoint(k.endpoint, k.secure, "dock.endpoint")
-    if not _BUCKET.fullmatch(k.bucket) or ".." in k.bucket:
-        raise _fail("dock.bucket", k.bucket, "expected an S3 bucket name: 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
-    if not _PREFIX.fullmatch(k.prefix.strip("/")) or any(p in (".", "..") for p in k.prefix.split("/")):
-        raise _fail("dock.prefix", k.prefix, "expected '/'-separated names of A-Za-z0-9 . _ - (no empty, '.' or '..' parts)")
-    for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
-        if not _ENV_NAME.fullmatch(name):
-            raise _fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
 
 
 def check_rules(c: Config) -> None:
@@ -165,7 +117,7 @@ def check_rules(c: Config) -> None:
         raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
     if not (0 <= a.max_bad_reward_frac <= 1):
         raise _fail("algorithm.max_bad_reward_frac", a.max_bad_reward_frac, "expected a fraction from 0 to 1")
-    _check_algorithm(c)
+    _check_algorithm(c.algorithm, c.critic)
     if not 0 <= c.dock.store_retries <= 10:
         raise _fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
     if a.scorer and not _IMPORT_PATH.match(a.scorer):
@@ -179,7 +131,7 @@ def check_rules(c: Config) -> None:
     _check_partial(c)
     _check_dock(c.dock)
     _check_reward_model(c.reward_model)
-    _check_dapo(c)
+    _check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
     _check_parallel(c)
     _check_engines(c)
     _check_critic(c)
@@ -266,100 +218,6 @@ def critic_batches(c: Config) -> tuple[int, int]:
     return c.critic.mini_batch or c.trainer.mini_batch, c.critic.micro_batch or c.trainer.micro_batch
 
 
-def _refuse_settings_when_off(where: str, section: Any, unset: Any, switch: str = "") -> None:
-    """A section whose ``enable`` (``switch``, default ``where.enable``) is false ignores its other
-    fields: any of them set (not its default, nested sections included) is refused naming it, as
-    the critic's settings are."""
-    switch = switch or f"{where}.enable"
-    for f in dataclasses.fields(section):
-        value, default = getattr(section, f.name), getattr(unset, f.name)
-        if dataclasses.is_dataclass(value):
-            _refuse_settings_when_off(f"{where}.{f.name}", value, default, switch)
-        elif f.name != "enable" and value != default:
-            raise _fail(f"{where}.{f.name}", value, f"is set but {switch} is false: enable it or leave the field unset")
-
-
-def _check_reward_model(m: RewardModelConfig) -> None:
-    if not m.enable:
-        _refuse_settings_when_off("reward_model", m, type(m)())
-        return
-    if not m.model.path.strip():
-        raise _fail("reward_model.model.path", m.model.path, "reward_model.enable=true needs the folder of a "
-                    "sequence-classification reward model (or reward_model.enable=false)")
-    if m.micro_batch_size < 1:
-        raise _fail("reward_model.micro_batch_size", m.micro_batch_size, "expected a positive integer")
-    for where, x in (("reward_model.model_weight", m.model_weight), ("reward_model.rule_weight", m.rule_weight)):
-        if not math.isfinite(x):
-            raise _fail(where, x, "expected a finite number")
-    if m.model_weight == 0:
-        raise _fail("reward_model.model_weight", m.model_weight, "the reward model would run for nothing: "
-                    "give it a weight, or set reward_model.enable=false")
-
-
-def _check_algorithm(c: Config) -> None:
-    """The algorithm's ranges and the combinations it can run; each error names the fields and the fix."""
-    a = c.algorithm
-    if not (0 <= a.clip_ratio_low < 1):
-        raise _fail("algorithm.clip_ratio_low", a.clip_ratio_low, "expected 0 <= clip_ratio_low < 1")
-    if not (a.clip_ratio_c == 0 or 1 < a.clip_ratio_c < math.inf):
-        raise _fail("algorithm.clip_ratio_c", a.clip_ratio_c, "expected 0 (no dual-clip) or a finite bound > 1 (verl: 3.0)")
-    if not (a.tis_cap == 0 or 1 <= a.tis_cap < math.inf):  # a cap below 1 would scale every token's loss down
-        raise _fail("algorithm.tis_cap", a.tis_cap, "expected 0 (no truncated importance sampling) or a finite cap >= 1 (verl: 2.0)")
-    if a.ratio_level == "sequence" and a.loss_agg_mode != "seq-mean-token-mean":
-        raise _fail("algorithm.loss_agg_mode", a.loss_agg_mode, "algorithm.ratio_level='sequence' (GSPO) averages each "
-                    "sequence's token losses, then the sequences (arXiv 2507.18071, eq. 5): set "
-                    "algorithm.loss_agg_mode='seq-mean-token-mean', or algorithm.ratio_level='token'")
-    for where, x in {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items():
-        if not (0 <= x <= 1):
-            raise _fail(where, x, "expected a number from 0 to 1")
-    if a.adv_estimator == "gae" and not c.critic.enable:  # PPO's values come from the critic stage
-        raise _fail("algorithm.adv_estimator", a.adv_estimator, "GAE needs the critic's values: set critic.enable=true, "
-                    "or use 'grpo', 'rloo', 'reinforce_plus_plus' or 'dr_grpo'")
-    if a.adv_estimator == "dr_grpo" and a.loss_agg_mode != "seq-mean-token-sum-norm":
-        raise _fail("algorithm.loss_agg_mode", a.loss_agg_mode, "algorithm.adv_estimator='dr_grpo' pairs its unnormalized "
-                    "advantages with the constant normalizer: set algorithm.loss_agg_mode='seq-mean-token-sum-norm' (or use "
-                    "adv_estimator='grpo' with norm_adv_by_std_in_grpo=false for the advantages alone)")
-    if not a.norm_adv_by_std_in_grpo and a.adv_estimator != "grpo":
-        raise _fail("algorithm.norm_adv_by_std_in_grpo", a.norm_adv_by_std_in_grpo,
-                    f"applies to adv_estimator='grpo' only (got algorithm.adv_estimator={a.adv_estimator!r}): remove it")
-    if a.kl_in_reward_coef > 0 and a.adv_estimator not in ("gae", "reinforce_plus_plus"):
-        raise _fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, f"algorithm.adv_estimator={a.adv_estimator!r} scores "
-                    "whole responses and has no per-token rewards to subtract a KL penalty from: use algorithm.kl_loss_coef "
-                    "(KL in the loss, as GRPO), or adv_estimator 'reinforce_plus_plus' or 'gae'")
-
-
-def _check_dapo(c: Config) -> None:
-    """DAPO's dynamic sampling and overlong shaping: their ranges and what they combine with."""
-    a, r = c.algorithm, c.rollout
-    f, o = a.filter_groups, a.overlong_buffer
-    if f.max_num_gen_batches < 1:
-        raise _fail("algorithm.filter_groups.max_num_gen_batches", f.max_num_gen_batches,
-                    "expected a positive integer: the rollout rounds of an iteration need a bound (verl's 0, no limit, "
-                    "could sample forever on data the model always or never solves)")
-    if o.enable and not 1 <= o.len <= r.max_response_length:
-        raise _fail("algorithm.overlong_buffer.len", o.len, f"expected 1 to rollout.max_response_length={r.max_response_length}: "
-                    "the buffer lies before the maximum length")
-    if not (0 <= o.penalty_factor < math.inf):
-        raise _fail("algorithm.overlong_buffer.penalty_factor", o.penalty_factor, "expected a finite number >= 0")
-    if not o.enable:
-        _refuse_settings_when_off("algorithm.overlong_buffer", o, type(o)())
-    if not f.enable:
-        _refuse_settings_when_off("algorithm.filter_groups", f, type(f)())
-        return
-    if c.dock.shards != 1:
-        raise _fail("dock.shards", c.dock.shards, "algorithm.filter_groups.enable needs dock.shards=1: a claim across "
-                    "shards waits on one shard at a time, and the rows of a round released later may all lie on another, "
-                    "which it would see only at its timeout (docs/algorithms.md)")
-    if c.critic.enable:
-        raise _fail("critic.enable", c.critic.enable, "algorithm.filter_groups.enable: the critic's values feed the "
-                    "advantages, so it would score every sampled group before dynamic sampling chose the trained ones; "
-                    "DAPO trains without a critic: turn one of them off")
-    if a.kl_in_reward_coef > 0:
-        raise _fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, "algorithm.filter_groups.enable: the reference scores only "
-                    "the groups dynamic sampling keeps, after the advantage stage chose them, so the advantages cannot "
-                    "wait for its log-probs; use algorithm.kl_loss_coef (KL in the loss) or turn one of them off")
-
-
 def _check_engines(c: Config) -> None:
     """What the megatron engine and the hybrid actor can run today; each rule says why.
 
@@ -402,4 +260,3 @@ def _check_parallel(c: Config) -> None:
             p.check_model(ModelShape.from_model_dir(c.model.path))
         except LayoutError as e:
             raise ConfigError(str(e)) from e
-

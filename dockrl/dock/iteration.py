@@ -1,205 +1,26 @@
 """The table of one iteration in one dock shard: its readiness, consumption and ack bits, the
-leases' records, the per-consumer views of ready rows, and where each written cell lives.
+leases' records, the per-consumer views of ready rows (``Lease``, ``ReadyView``: ``dockrl.dock.records``),
+and where each written cell lives.
 
 ``IterationTable`` is plain state; ``dockrl.dock.shard_controller.ShardController`` holds the
 open one under its lock and is the only writer (``dockrl.dock.leases`` changes its leases,
-``dockrl.dock.snapshot`` stores and loads it). Rows here are local (``0 .. num_rows-1``);
+``dockrl.dock.controller_snapshot`` stores and loads it). Rows here are local (``0 .. num_rows-1``);
 ``first_row`` maps them to the iteration's global rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
+from dockrl.dock.cells import slice_cells
 from dockrl.dock.errors import DockError
+from dockrl.dock.records import Lease, ReadyView
+from dockrl.dock.rows import distinct
 from dockrl.dock.schema import Schema
 from dockrl.dock.warehouse import Located
-
-
-def one_run(rows: np.ndarray) -> tuple[int, int] | None:
-    """``(start, stop)`` when the ascending, distinct ``rows`` are the consecutive rows ``[start, stop)``; else None.
-
-    None too for no rows. The caller vouches that ``rows`` ascend and are distinct: only the
-    ends and the length are read (O(1)).
-    """
-    n = len(rows)
-    if n and int(rows[-1]) - int(rows[0]) + 1 == n:
-        return int(rows[0]), int(rows[-1]) + 1
-    return None
-
-
-def arrow_columns(
-    schema: Schema, columns: Mapping[str, Sequence | pa.Array] | pa.RecordBatch, num_rows: int, what: str = "put"
-) -> dict[str, pa.Array]:
-    """Check and convert the columns of a put to Arrow arrays of the schema's types.
-
-    Raises:
-        DockError: unknown column, wrong Arrow type, values that do not convert, or a column
-            whose length is not ``num_rows``.
-    """
-    if isinstance(columns, pa.RecordBatch):
-        columns = {name: columns.column(name) for name in columns.schema.names}
-    arrays: dict[str, pa.Array] = {}
-    for name, values in columns.items():
-        try:
-            col = schema.column(name)
-        except KeyError as e:
-            raise DockError(f"{what}: {e.args[0]}") from None
-        if isinstance(values, pa.ChunkedArray):
-            values = values.chunk(0) if values.num_chunks == 1 else values.combine_chunks()
-        if isinstance(values, pa.Array):
-            if values.type != col.type:
-                raise DockError(f"{what}: column {name!r} has Arrow type {values.type}; schema says {col.type}")
-            array = values
-        else:
-            try:
-                array = pa.array(list(values), type=col.type)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
-                raise DockError(f"{what}: column {name!r} values do not convert to {col.type}: {e}") from None
-        if len(array) != num_rows:
-            raise DockError(f"{what}: column {name!r} has {len(array)} values for {num_rows} rows")
-        arrays[name] = array
-    return arrays
-
-
-def slice_cells(chunks: list[pa.Array], loc: np.ndarray, type_: pa.DataType) -> pa.Array:
-    """The cells at ``loc`` (``(k, 2)`` rows of chunk id, offset), in order, as one array.
-
-    Runs of consecutive cells of one chunk are sliced (zero-copy) and the pieces concatenated
-    once, so a read costs what it returns, not the size of every chunk put so far.
-    """
-    if not len(loc):
-        return pa.array([], type=type_)
-    chunk, offset = loc[:, 0], loc[:, 1]
-    breaks = np.flatnonzero((chunk[1:] != chunk[:-1]) | (offset[1:] != offset[:-1] + 1)) + 1
-    if not len(breaks):  # one run (a contiguous claim): a zero-copy slice
-        return chunks[chunk[0]].slice(offset[0], len(loc))
-    starts, stops = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(loc)]])
-    return pa.concat_arrays([chunks[chunk[a]].slice(offset[a], b - a) for a, b in zip(starts, stops)])
-
-
-def distinct(a: np.ndarray) -> np.ndarray:
-    """The distinct values of ``a`` ascending (cheap when ``a`` is ascending already, as rows mostly are)."""
-    if len(a) < 2:
-        return a
-    if (a[1:] >= a[:-1]).all():
-        return a[np.concatenate(([True], a[1:] != a[:-1]))]
-    return np.unique(a)
-
-
-def check_sizes(iteration: int, num_rows: int, group_size: int) -> None:
-    """The sizes rule of an iteration: ``num_rows`` a positive multiple of ``group_size``.
-
-    Raises:
-        DockError: naming both sizes.
-    """
-    if group_size < 1 or num_rows < 1 or num_rows % group_size:
-        raise DockError(
-            f"open_iteration({iteration}): num_rows={num_rows} must be a positive multiple of group_size={group_size}"
-        )
-
-
-def check_layout(iteration: int, num_rows: int, group_size: int, first_row: int, total_rows: int | None) -> int:
-    """``check_sizes``, and a shard's slice ``[first_row, first_row + num_rows)`` of ``total_rows``
-    (default: up to its end) starting at a group; returns ``total_rows``.
-
-    Raises:
-        DockError: naming the sizes.
-    """
-    check_sizes(iteration, num_rows, group_size)
-    total = first_row + num_rows if total_rows is None else total_rows
-    if first_row < 0 or first_row % group_size or total < first_row + num_rows:
-        raise DockError(
-            f"open_iteration({iteration}): first_row={first_row} must be a non-negative multiple of "
-            f"group_size={group_size}, and with num_rows={num_rows} within total_rows={total}"
-        )
-    return total
-
-
-class Taken(NamedTuple):
-    """What ``take`` did: rows taken (global indexes) and the consumer's rows left."""
-
-    rows: list[int]
-    pending: int
-    """Rows the consumer has not taken yet (after this take)."""
-    held: int
-    """Rows of the consumer leased by other owners, not acked nor finished: they may come back."""
-    lease: str
-    """Lease id the rows were taken under."""
-    batch: pa.RecordBatch | None = None
-    """With ``take(..., read=True)``: the cells of ``columns`` of the rows taken, in their order."""
-
-
-@dataclass(eq=False)
-class Lease:
-    """A lease: rows of one consumer taken by one owner until acked, released or expired (``dockrl.dock.leases``)."""
-
-    id: str
-    num: int  # the lease id's number in this iteration (``lease_at`` and ``acked_by`` hold it)
-    owner: str
-    consumer: int
-    term_s: float
-    expiry: float  # time.monotonic()
-    rows: np.ndarray  # local row indexes, ascending
-    whole_groups: bool
-    undone: int = 0  # rows that would go back to the pool if it ended now (``leases.lease_done``): counted as held
-
-
-class ReadyView:
-    """The rows of consumer ``ci`` ready in ``cols`` and not taken yet, in units of ``unit`` rows (1, or whole groups).
-
-    Kept up to date by every write, take and return (``IterationTable.set_ready``/``set_consumed``),
-    so a take costs what it takes, not the size of the iteration: ``avail`` marks the available
-    units, ``navail`` counts them, and no unit below ``lo`` is available, so a take hands out
-    the first ready rows by scanning forward from ``lo`` (vectorized, in growing windows).
-    """
-
-    def __init__(self, it: IterationTable, ci: int, cols: tuple[int, ...], unit: int) -> None:
-        self.ci, self.cols, self.unit = ci, cols, unit
-        self.nready = it.ready[:, list(cols)].sum(axis=1, dtype=np.int16)  # columns of the view ready, per row
-        full = self.nready == len(cols)
-        if unit == 1:
-            self.avail = full & ~it.consumed[:, ci]
-        else:
-            self.unit_ready = full.reshape(-1, unit).sum(axis=1, dtype=np.int32)  # rows of each group fully ready
-            self.avail = (self.unit_ready == unit) & (it.gcons[:, ci] == 0)
-        self.navail = int(np.count_nonzero(self.avail))
-        self.lo = 0
-
-    def add(self, units: np.ndarray) -> None:
-        """Units that just became available (each unavailable before)."""
-        if len(units):
-            self.avail[units] = True
-            self.navail += len(units)
-            self.lo = min(self.lo, int(units.min()))
-
-    def remove(self, units: np.ndarray | slice) -> None:
-        """Units that are not available any more (whether they were or not)."""
-        was = self.avail[units]
-        self.navail -= int(np.count_nonzero(was))
-        self.avail[units] = False
-
-    def first(self, k: int) -> np.ndarray:
-        """The ``k`` smallest available units (``k <= navail``), ascending (the caller consumes them)."""
-        out: list[np.ndarray] = []
-        got, start, n = 0, self.lo, len(self.avail)
-        width = max(256, 4 * k)
-        while got < k and start < n:
-            found = np.flatnonzero(self.avail[start:start + width])
-            if not out:
-                self.lo = start + int(found[0]) if len(found) else start + width  # nothing available below
-            if len(found):
-                found = found[: k - got] + start
-                out.append(found)
-                got += len(found)
-            start, width = start + width, width * 2
-        units = out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-        assert len(units) == k, f"dock view lost track of its available rows ({len(units)} of {k})"
-        return units
 
 
 class IterationTable:

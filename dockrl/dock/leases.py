@@ -26,7 +26,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from dockrl.dock.errors import DockError
-from dockrl.dock.iteration import IterationTable, Lease
+from dockrl.dock.iteration import IterationTable
+from dockrl.dock.records import Lease
 
 logger = logging.getLogger(__name__)
 

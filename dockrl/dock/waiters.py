@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dockrl.dock.errors import DockTimeoutError
-from dockrl.dock.iteration import IterationTable, ReadyView
+from dockrl.dock.iteration import IterationTable
+from dockrl.dock.records import ReadyView
 
 
 @dataclass(eq=False)

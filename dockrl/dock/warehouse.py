@@ -1,13 +1,18 @@
 """Warehouse backends of the transfer dock: where the payload of the columns lives (docs/design.md §2).
 
-Chosen per run by ``dock.warehouse`` (``make_warehouse``):
+Chosen per run by ``dock.warehouse`` (``make_warehouse``, in ``dockrl.dock.warehouse_stores``).
+This module holds what every backend shares: the ``Warehouse`` protocol, object keys, the Arrow
+IPC encoding of an object, where cells live (``Located``), and reading and writing cells through
+any backend.
 
 * ``memory`` — the payload stays in the dock shards' memory (``DockShardServer(payload="memory")``,
   Arrow Flight ``do_put``/``do_get``); there is no warehouse object (``make_warehouse`` → None).
-* ``s3`` — ``S3Warehouse``: a bucket and a per-run prefix of an S3 store (MinIO in a cluster, any
-  S3), through the ``minio`` client, with short timeouts and bounded retries.
-* ``directory`` — ``DirectoryWarehouse``: the same objects as files under a local directory
-  (the embedded object store of a laptop run), each written atomically (temp file + rename).
+* ``s3`` — ``S3Warehouse`` (``dockrl.dock.warehouse_s3``): a bucket and a per-run prefix of an
+  S3 store (MinIO in a cluster, any S3), through the ``minio`` client, with short timeouts and
+  bounded retries.
+* ``directory`` — ``DirectoryWarehouse`` (``dockrl.dock.warehouse_stores``): the same objects as
+  files under a local directory (the embedded object store of a laptop run), each written
+  atomically (temp file + rename).
 
 **Object layout.** One Arrow IPC file per (iteration, column, chunk), under the run's root:
 ``iter-<iteration:08d>/<column>/<first row:08d>-<uuid>.arrow``, holding one record batch with
@@ -25,16 +30,12 @@ bytes grow with the number of rows, not with the size of the cells.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
-import os
 import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -42,15 +43,11 @@ import pyarrow as pa
 from dockrl.dock.errors import DockError
 from dockrl.dock.schema import Schema
 
-if TYPE_CHECKING:
-    from dockrl.config import DockConfig
-
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_PARALLEL = 8
 """Objects read or written concurrently by one call."""
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/?")
 
 
@@ -96,7 +93,12 @@ def new_key(iteration: int, column: str, first_row: int) -> str:
     return f"{iteration_prefix(iteration)}{column}/{first_row:08d}-{uuid.uuid4().hex}.arrow"
 
 
-def _check_key(key: str, url: str) -> str:
+def check_key(key: str, url: str) -> str:
+    """``key``, checked: relative ``/``-separated names of ``[A-Za-z0-9._-]``, none ``.`` or ``..``.
+
+    Raises:
+        WarehouseError: naming the store ``url`` and the key.
+    """
     if not _KEY.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
         raise WarehouseError(f"object store {url}: invalid key {key!r}; expected relative '/'-separated names of [A-Za-z0-9._-]")
     return key
@@ -246,269 +248,3 @@ def delete_iteration(warehouse: Warehouse, iteration: int) -> int:
     keys = warehouse.list(iteration_prefix(iteration))
     warehouse.delete(keys)
     return len(keys)
-
-
-# --- a local directory ---------------------------------------------------------------------------
-
-
-class DirectoryWarehouse:
-    """Objects as files under ``root`` (created if missing): the embedded store of a laptop run.
-
-    A write goes to a hidden temp file in the target's directory, then ``os.replace`` renames it:
-    readers see the whole object or none, also when the writer dies midway (not synced to disk,
-    so a power loss may lose recent objects).
-    """
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root).absolute()
-        self.url = self.root.as_uri()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise WarehouseError(f"object store {self.url}: cannot create the directory ({e})") from None
-
-    def _path(self, key: str) -> Path:
-        return self.root / _check_key(key, self.url)
-
-    def write(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        for _attempt in range(3):  # a concurrent delete may prune the directory between mkdir and rename
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-                return
-            except FileNotFoundError as e:
-                error: OSError = e
-            except OSError as e:
-                error = e
-                break
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise WarehouseError(f"object store {self.url}: write {key!r} failed ({error})") from None
-
-    def read(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
-            raise WarehouseError(f"object store {self.url}: object {key!r} does not exist") from None
-        except OSError as e:
-            raise WarehouseError(f"object store {self.url}: read {key!r} failed ({e})") from None
-
-    def delete(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            try:
-                self._path(key).unlink(missing_ok=True)
-            except OSError as e:
-                raise WarehouseError(f"object store {self.url}: delete {key!r} failed ({e})") from None
-        for parent in sorted({self._path(k).parent for k in keys}, key=lambda p: -len(p.parts)):
-            while parent != self.root and parent.is_dir() and not any(parent.iterdir()):
-                parent.rmdir()  # drop emptied iteration/column directories
-                parent = parent.parent
-
-    def list(self, prefix: str = "") -> list[str]:
-        if prefix:
-            _check_key(prefix, self.url)
-        base = self.root / prefix.rstrip("/") if prefix.endswith("/") else self.root
-        if not base.is_dir():
-            return []
-        keys = (p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
-        return sorted(k for k in keys if k.startswith(prefix))
-
-    def __repr__(self) -> str:
-        return f"DirectoryWarehouse({self.url})"
-
-
-# --- S3 (MinIO or any S3-compatible store) --------------------------------------------------------
-
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
-_PART_SIZE = 64 * 1024 * 1024  # objects up to this size go in one PUT: atomic, one request
-
-
-class S3Warehouse:
-    """Objects in ``bucket`` under ``prefix`` of an S3-compatible store, through the ``minio`` client.
-
-    Args:
-        endpoint: ``host:port`` of the store (no scheme).
-        bucket: bucket name (S3 naming rules).
-        prefix: key prefix of the run's objects (``""``: the bucket root).
-        access_key, secret_key: credentials (from the environment: see ``make_warehouse``).
-        secure: HTTPS instead of HTTP.
-        region: the bucket's region; None asks the store once.
-        timeout_s: connect and read timeout of each request attempt, seconds.
-        retries: retries of a request after a connection error, timeout or 5xx answer
-            (backoff 0.1 s doubling, at most 1 s). A request gives up after about
-            ``(retries + 1) × timeout_s`` plus backoff.
-        credentials_from: where the keys came from, named in errors about refused credentials.
-
-    ``ensure_bucket`` checks the store once (call it before the run starts: a wrong endpoint or
-    key fails there, not in a stage). Thread-safe.
-    """
-
-    def __init__(
-        self, endpoint: str, bucket: str, prefix: str = "", *, access_key: str, secret_key: str, secure: bool = True,
-        region: str | None = None, timeout_s: float = 10.0, retries: int = 2,
-        credentials_from: str = "the access and secret key given",
-    ) -> None:
-        import certifi
-        import urllib3
-        from minio import Minio
-        from minio.helpers import check_bucket_name
-
-        self.endpoint, self.bucket, self.prefix = endpoint, bucket, prefix.strip("/")
-        self.timeout_s, self.retries, self.credentials_from = timeout_s, retries, credentials_from
-        scheme = "https" if secure else "http"
-        self.url = f"s3://{endpoint}/{bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        self._where = f"object store {scheme}://{endpoint} bucket {bucket!r}" + (f" prefix {self.prefix!r}" if self.prefix else "")
-        http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s),
-            maxsize=2 * MAX_PARALLEL,
-            cert_reqs="CERT_REQUIRED",
-            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
-            retries=urllib3.Retry(
-                total=retries, connect=retries, read=retries, status=retries, backoff_factor=0.1, backoff_max=1.0,
-                status_forcelist=(500, 502, 503, 504), respect_retry_after_header=False,
-            ),
-        )
-        try:
-            check_bucket_name(bucket, strict=True)
-            self._client = Minio(
-                endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region or None, http_client=http
-            )
-        except ValueError as e:  # the client refuses a malformed endpoint or bucket name
-            raise WarehouseError(f"{self._where}: {e}") from None
-
-    def _key(self, key: str) -> str:
-        _check_key(key, self.url)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run one store operation; every failure becomes a ``WarehouseError`` naming the store."""
-        import urllib3
-        from minio.error import InvalidResponseError, S3Error, ServerError
-
-        try:
-            return fn()
-        except S3Error as e:
-            if e.code in _DENIED:
-                reason = f"access denied ({e.code}: {e.message}); check the credentials in {self.credentials_from}"
-            elif e.code == "NoSuchBucket":
-                reason = f"the bucket does not exist ({e.code})"
-            elif e.code in ("NoSuchKey", "NoSuchObject"):
-                reason = "the object does not exist"
-            else:
-                reason = f"{e.code}: {e.message}"
-            raise WarehouseError(f"{self._where}: {what} failed: {reason}") from None
-        except urllib3.exceptions.HTTPError as e:
-            cause = getattr(e, "reason", None) or e
-            raise WarehouseError(
-                f"{self._where}: {what} failed: store unreachable after {self.retries + 1} attempt(s) "
-                f"with a {self.timeout_s:g} s timeout each ({type(cause).__name__}: {cause})"
-            ) from None
-        except (InvalidResponseError, ServerError) as e:
-            raise WarehouseError(f"{self._where}: {what} failed: unexpected answer ({e})") from None
-
-    def ensure_bucket(self, create: bool = True) -> S3Warehouse:
-        """Check that the store answers and the bucket exists (creating it if ``create``); returns self.
-
-        Raises:
-            WarehouseError: unreachable store, refused credentials, or a missing bucket with
-                ``create=False``.
-        """
-        if self._call("check bucket", lambda: self._client.bucket_exists(self.bucket)):
-            return self
-        if not create:
-            raise WarehouseError(f"{self._where}: the bucket does not exist; create it or pick an existing one")
-        self._call("create bucket", lambda: self._client.make_bucket(self.bucket))
-        logger.info("created bucket %r at %s", self.bucket, self.endpoint)
-        return self
-
-    def write(self, key: str, data: bytes) -> None:
-        name = self._key(key)
-        self._call(
-            f"write {name!r}",
-            lambda: self._client.put_object(
-                self.bucket, name, io.BytesIO(data), len(data), content_type="application/vnd.apache.arrow.file",
-                part_size=_PART_SIZE,
-            ),
-        )
-
-    def read(self, key: str) -> bytes:
-        name = self._key(key)
-
-        def get() -> bytes:
-            response = self._client.get_object(self.bucket, name)
-            try:
-                return response.read()
-            finally:
-                response.close()
-                response.release_conn()
-
-        return self._call(f"read {name!r}", get)
-
-    def delete(self, keys: Sequence[str]) -> None:
-        from minio.deleteobjects import DeleteObject
-
-        names = [self._key(k) for k in keys]
-        for start in range(0, len(names), 1000):  # S3 deletes at most 1000 keys per request
-            batch = [DeleteObject(n) for n in names[start : start + 1000]]
-            # called at once, so the lambda sees this batch
-            errors = self._call("delete objects", lambda: list(self._client.remove_objects(self.bucket, batch)))  # noqa: B023
-            if errors:
-                raise WarehouseError(f"{self._where}: delete failed for {len(errors)} object(s), first: {errors[0]}")
-
-    def list(self, prefix: str = "") -> list[str]:
-        if prefix:
-            _check_key(prefix, self.url)
-        base = f"{self.prefix}/" if self.prefix else ""
-        objects = self._call(
-            f"list {base + prefix!r}", lambda: list(self._client.list_objects(self.bucket, prefix=base + prefix, recursive=True))
-        )
-        return sorted(o.object_name[len(base) :] for o in objects)
-
-    def __repr__(self) -> str:
-        return f"S3Warehouse({self.url})"
-
-
-# --- from the run's config --------------------------------------------------------------------------
-
-
-def make_warehouse(dock: DockConfig, run: str, environ: Mapping[str, str] | None = None) -> Warehouse | None:
-    """The warehouse ``dock.warehouse`` names, for the run called ``run``; None for ``memory``.
-
-    Each run gets its own root: ``<dock.directory>/<run>`` or ``s3://<endpoint>/<dock.bucket>/<dock.prefix>/<run>``.
-    S3 credentials come from the environment variables ``dock.access_key_env`` and
-    ``dock.secret_key_env`` (never from the config file); an empty ``dock.endpoint`` is taken
-    from ``AWS_ENDPOINT_URL`` (set by the object-store Secret of the manifests). An S3 store is
-    checked at once (``S3Warehouse.ensure_bucket``).
-
-    Raises:
-        ConfigError: ``run`` is not a plain name, a credential variable is unset, or no endpoint.
-        WarehouseError: the store is unreachable, refuses the credentials, or the directory
-            cannot be created.
-    """
-    from dockrl.config import ConfigError, s3_endpoint
-
-    env = os.environ if environ is None else environ
-    if not _RUN_NAME.fullmatch(run) or run in (".", ".."):
-        raise ConfigError(f"run name {run!r}: expected one path component of [A-Za-z0-9._-] (it names the run's objects)")
-    if dock.warehouse == "memory":
-        return None
-    if dock.warehouse == "directory":
-        return DirectoryWarehouse(Path(dock.directory) / run)
-    if dock.warehouse != "s3":
-        raise ConfigError(f"dock.warehouse: got {dock.warehouse!r}; expected one of 'memory', 's3', 'directory'")
-    keys = {}
-    for field, var in (("dock.access_key_env", dock.access_key_env), ("dock.secret_key_env", dock.secret_key_env)):
-        keys[field] = env.get(var, "")
-        if not keys[field]:
-            raise ConfigError(f"{field}: environment variable {var!r} is unset or empty; export the S3 credentials there")
-    endpoint, secure = s3_endpoint(dock.endpoint or env.get("AWS_ENDPOINT_URL", ""), dock.secure, "dock.endpoint")
-    warehouse = S3Warehouse(
-        endpoint, dock.bucket, "/".join(p for p in (dock.prefix.strip("/"), run) if p),
-        access_key=keys["dock.access_key_env"], secret_key=keys["dock.secret_key_env"], secure=secure,
-        region=dock.region or None, timeout_s=dock.store_timeout_s, retries=dock.store_retries,
-        credentials_from=f"${dock.access_key_env} and ${dock.secret_key_env}",
-    )
-    return warehouse.ensure_bucket()

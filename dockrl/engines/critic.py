@@ -8,7 +8,7 @@ started from one of its own checkpoints (``CHECKPOINT/critic``) it takes both.
 
 The steps are the actor engine's: ``forward_backward`` calls a loss function per micro-batch and
 back-propagates it, ``optimizer_step`` zeroes, accumulates, clips and steps
-(``dockrl.engines.hf.clipped_step``); only the forward pass differs (values instead of log-probs), and
+(``dockrl.engines.micro_batching.clipped_step``); only the forward pass differs (values instead of log-probs), and
 packs a micro-batch's sequences into as few rows as the actor's engine does.
 """
 
@@ -21,22 +21,15 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf import (
-    adamw,
-    autocast,
-    backward_per_micro_batch,
-    clipped_step,
-    forward_per_micro_batch,
-    model_device,
-    model_inputs,
-    packing_works,
-)
+from dockrl.engines.hf_load import autocast, model_device
+from dockrl.engines.hf_logprobs import model_inputs, packing_works
+from dockrl.engines.micro_batching import adamw, backward_per_micro_batch, clipped_step, forward_per_micro_batch
 
 logger = logging.getLogger(__name__)
 
 ValueLossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
 """``loss_fn(rows, values, mask) -> (loss, aux)`` for one micro-batch: ``rows`` are the indices of its
-rows in the engine call (``dockrl.engines.hf.micro_batches``: consecutive, or sorted by length under a token budget),
+rows in the engine call (``dockrl.engines.micro_batching.micro_batches``: consecutive, or sorted by length under a token budget),
 ``values (b, T)`` fp32 (differentiable) and ``mask (b, T)`` as returned by ``response_values``;
 ``loss`` is back-propagated unchanged, ``aux`` handed back."""
 
@@ -87,8 +80,8 @@ def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], re
     ``V_t = head(h_{P+t-1})``: the value of response token ``t`` is read at the position that
     predicts it, the state ``(q, o_<t)`` before the token is chosen (verl's
     ``values[:, -R-1:-1]``; the same positions as the actor's log-probs). The sequences are packed
-    into as few rows as the longest allows (``dockrl.engines.hf.pack_rows``) when that saves rows
-    and ``pack`` allows it (``dockrl.engines.hf.packing_works``), else right-padded (``pack_sequences``).
+    into as few rows as the longest allows (``dockrl.engines.hf_logprobs.pack_rows``) when that saves rows
+    and ``pack`` allows it (``dockrl.engines.hf_logprobs.packing_works``), else right-padded (``pack_sequences``).
 
     Returns:
         ``values (B, T)`` fp32 (differentiable if grad is enabled; 0 on padding) and ``mask (B, T)``,
@@ -125,7 +118,7 @@ class HFCriticEngine:
     def values(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
                micro_batch_tokens: int = 0) -> list[list[float]]:
         """Per-token values of each response (``response_values``), in the caller's row order, over
-        micro-batches (``dockrl.engines.hf.micro_batches``: ``micro_batch`` consecutive rows, or
+        micro-batches (``dockrl.engines.micro_batching.micro_batches``: ``micro_batch`` consecutive rows, or
         rows sorted by length, at most ``micro_batch_tokens`` tokens each, when > 0); back to host memory in one copy for the whole call."""
         def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> torch.Tensor:
             return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)[0]
@@ -134,7 +127,7 @@ class HFCriticEngine:
 
     def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, micro_batch: int,
                          loss_fn: ValueLossFn, micro_batch_tokens: int = 0) -> list[Any]:
-        """For each micro-batch (``dockrl.engines.hf.micro_batches``): ``response_values``,
+        """For each micro-batch (``dockrl.engines.micro_batching.micro_batches``): ``response_values``,
         ``loss_fn(rows, values, mask)``, backward. Returns each ``aux``, in micro-batch order."""
         def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
             return response_values(self.model, p, r, pad_id=self.pad_id, autocast_bf16=self.autocast_bf16, pack=self.pack)

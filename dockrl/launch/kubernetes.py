@@ -13,7 +13,7 @@ How a run's stages find what they need, in pods that cannot see the launcher's f
 
 * program: the images' entry point ``dockrl`` (``images/*/Dockerfile``), so a pod's arguments
   are ``worker ...`` / ``dock-shard ...`` (``program`` is empty), or ``node ...`` for a pod that
-  holds several rank processes (``jobset.pod_shape``);
+  holds several rank processes (``pod_spec.pod_shape``);
 * addresses: member ``i`` of group ``g`` is ``<jobset>-<g>-0-<i>.<jobset>.<namespace>.svc``
   through the JobSet's headless Service; a dock shard binds ``0.0.0.0`` on ``SHARD_PORT``;
 * the launcher: members reach servers of the launcher's process (the weight channel's
@@ -25,21 +25,8 @@ How a run's stages find what they need, in pods that cannot see the launcher's f
 
 ``check`` (called every half second by the driver; it asks the API at most every ``poll_s``)
 fails the run with ``WorkerFailed`` naming the pod, the reason and its log tail when a
-worker pod
-
-* failed or exited non-zero (``OOMKilled`` and the exit code named), was evicted;
-* is being deleted (drain, preemption: its ``DisruptionTarget`` condition named), vanished,
-  or was replaced by a new pod of the same index;
-* failed to pull its image more than ``Platform.image_pull_retries`` times (the kubelet
-  retries with back-off, so one registry hiccup passes), has an invalid image name or a
-  container that cannot be created;
-* stayed unschedulable past ``Platform.schedule_timeout_s`` (at once if the cluster
-  autoscaler says no node group can fit it), or was scheduled but not started within
-  ``Platform.image_pull_timeout_s`` (pulls of a large image take long: they get their own
-  clock); time queued for admission (Kueue suspends the JobSet; a Volcano PodGroup waits
-  ``Pending``) counts against ``Platform.queue_timeout_s`` instead;
-
-and when the JobSet itself failed (its deadline, its failure policy) or was deleted.
+worker pod failed or cannot start in time (``kubernetes_watch.py`` lists the reasons and their
+timeouts), and when the JobSet itself failed (its deadline, its failure policy) or was deleted.
 """
 
 from __future__ import annotations
@@ -48,15 +35,11 @@ import logging
 import math
 import os
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dockrl.launch.backend import WorkerFailed, WorkerGroup
+from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.jobset import (
-    COMPLETION_INDEX,
-    CONTAINER,
-    GROUP_LABEL,
     JOBSET_GROUP,
     JOBSET_PLURAL,
     JOBSET_VERSION,
@@ -67,11 +50,13 @@ from dockrl.launch.jobset import (
     check_run_id,
     jobset_name,
     member_host,
-    pod_shape,
     render_jobset,
     secret_name,
 )
+from dockrl.launch.kubernetes_watch import RunWatch, api_exception, get_field, running_members
+from dockrl.launch.launcher_pod import OwnerPod, launcher_namespace
 from dockrl.launch.platform import Platform, get_platform
+from dockrl.launch.pod_spec import pod_shape
 
 logger = logging.getLogger(__name__)
 
@@ -80,52 +65,12 @@ ENTRY_POINT: tuple[str, ...] = ()
 the NPU image a script that sources CANN's environment first), and a pod gives only its arguments."""
 SHARD_PORT = 8815
 """Port of a dock shard in its pod (Arrow Flight's customary port; each shard has its own pod IP)."""
-SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-PULL_FAILED = ("ErrImagePull", "ImagePullBackOff")
-"""Waiting reasons of a failed image pull: the kubelet retries, so they count against a budget."""
-FATAL_WAITING = {"InvalidImageName", "CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
-"""Waiting reasons that will not resolve by waiting."""
-NO_SCALE_UP = "NotTriggerScaleUp"
-"""Cluster autoscaler event: no node group can ever fit the pod."""
-
-
-class OwnerPod:
-    """The launcher pod that owns a run's JobSet (its name and uid, from the downward API)."""
-
-    def __init__(self, *, name: str, uid: str):
-        self.name, self.uid = name, uid
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, OwnerPod) and (self.name, self.uid) == (other.name, other.uid)
-
-    def __repr__(self) -> str:
-        return f"OwnerPod(name={self.name!r}, uid={self.uid!r})"
-
-    def reference(self) -> dict[str, Any]:
-        # no blockOwnerDeletion: it would need update rights on pods/finalizers for the launcher
-        return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid}
-
 
 def _describe(group: WorkerGroup, platform: Platform) -> str:
     shape = pod_shape(group, platform)
     if not group.devices:
         return f"{group.name}×{shape.pods}"
     return f"{group.name}×{shape.pods} ({shape.members} rank process(es), {group.devices * shape.members} device(s) per pod)"
-
-
-def _api_exception():
-    from kubernetes.client.exceptions import ApiException
-
-    return ApiException
-
-
-def _get(obj: Any, *path: str) -> Any:
-    """``obj.a.b`` of a client model (or ``obj["a"]["b"]`` of a dict), None where a part is unset."""
-    for key in path:
-        if obj is None:
-            return None
-        obj = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
-    return obj
 
 
 class KubernetesBackend:
@@ -165,9 +110,8 @@ class KubernetesBackend:
         # scheduled and pulls its image on its own clock
         self.start_spread_s = float(platform.schedule_timeout_s + platform.image_pull_timeout_s)
         self._expected: dict[str, int] = {}  # group -> pods
-        self._members: dict[tuple[str, str], tuple[str, str]] = {}  # (group, index) -> (pod name, uid) first seen
-        self._since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
-        self._warned: set[tuple[str, str]] = set()
+        self._watch = RunWatch(core_api, custom_api, namespace=namespace, name=self.name, selector=self.selector,
+                               platform=platform, log_lines=log_lines)
         self._last_look = -math.inf
 
     # ---- addressing (see the module docstring) ----
@@ -216,28 +160,13 @@ class KubernetesBackend:
             ValueError: no namespace given or found; or, in an owner pod, a ``namespace`` other
                 than the pod's own (the workers of a run live in its launcher's namespace).
         """
-        from kubernetes import client, config
+        from kubernetes import client, config  # lazy: the kubernetes client is the kfp extra
 
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        own = os.environ.get("POD_NAMESPACE", "")
-        if not own and Path(SA_NAMESPACE_FILE).is_file():
-            own = Path(SA_NAMESPACE_FILE).read_text().strip()
-        namespace = namespace or own
-        if not namespace:
-            raise ValueError("kubernetes backend: no namespace given and none found (POD_NAMESPACE, service account)")
-        owner = None
-        if os.environ.get("POD_NAME") and os.environ.get("POD_UID"):
-            owner = OwnerPod(name=os.environ["POD_NAME"], uid=os.environ["POD_UID"])
-        if owner is not None and own and namespace != own:
-            # Kubernetes treats an owner reference to another namespace's pod as absent: the
-            # garbage collector would delete the workers as soon as they exist
-            raise ValueError(f"kubernetes backend: namespace={namespace!r}, but the launcher pod {owner.name} runs in {own!r}; "
-                             "a run's workers live in its launcher's namespace (the JobSet is owned by the launcher pod, "
-                             "and an owner reference cannot cross namespaces; the launcher's Role, the NetworkPolicy, the shared "
-                             "volume and the Secrets are namespaced too): leave namespace empty, or run the pipeline in that namespace")
+        namespace, owner = launcher_namespace(namespace)
         platform = get_platform(platform) if isinstance(platform, str) else platform
         kwargs.setdefault("launcher_ip", os.environ.get("POD_IP", ""))
         return cls(run_id, namespace=namespace, platform=platform, core_api=client.CoreV1Api(),
@@ -267,7 +196,7 @@ class KubernetesBackend:
         self._expected = {g.name: pod_shape(g, self.platform).pods for g in groups}
         # what only the run uses goes with its JobSet (TTL, teardown, garbage collection)
         jobset = created["JobSet"]
-        owned = [{"apiVersion": jobset["apiVersion"], "kind": "JobSet", "name": self.name, "uid": _get(jobset, "metadata", "uid")}]
+        owned = [{"apiVersion": jobset["apiVersion"], "kind": "JobSet", "name": self.name, "uid": get_field(jobset, "metadata", "uid")}]
         if owned[0]["uid"]:
             patch = {"metadata": {"ownerReferences": owned}}
             self.core.patch_namespaced_secret(name=secret_name(self.run_id), namespace=self.namespace, body=patch)
@@ -278,7 +207,7 @@ class KubernetesBackend:
                     ", ".join(_describe(g, self.platform) for g in groups))
 
     def _create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        ApiException = _api_exception()
+        ApiException = api_exception()
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
             if kind == "Secret":
@@ -302,105 +231,6 @@ class KubernetesBackend:
 
     # ---- watching ----
 
-    def _log_tail(self, pod: str) -> str:
-        ApiException = _api_exception()
-        try:
-            return self.core.read_namespaced_pod_log(name=pod, namespace=self.namespace, container=CONTAINER,
-                                                     tail_lines=self.log_lines)
-        except ApiException as err:
-            return f"(no log: HTTP {err.status} {err.reason})"
-
-    def _events(self, pod: str) -> list[Any]:
-        return self.core.list_namespaced_event(namespace=self.namespace, field_selector=f"involvedObject.name={pod}").items
-
-    def _jobset(self) -> dict[str, Any] | None:
-        ApiException = _api_exception()
-        try:
-            return self.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
-
-    def _podgroup_pending(self) -> bool:
-        """Volcano has not admitted the run's PodGroup yet (its phase is ``Pending``)."""
-        if self.platform.scheduler != "volcano":
-            return False
-        ApiException = _api_exception()
-        try:
-            group = self.custom.get_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL, self.name)
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
-        return _get(group, "status", "phase") in (None, "Pending")
-
-    def _first_seen(self, uid: str, phase: str, now: float) -> float:
-        return self._since.setdefault((uid, phase), now)
-
-    def _pod_failure(self, pod: Any, now: float, queued: bool) -> tuple[int, WorkerFailed] | None:
-        """The most telling failure of one pod with its rank (lower wins), or None."""
-        meta, status = pod.metadata, pod.status
-        name, uid = meta.name, meta.uid
-        group = (meta.labels or {}).get(GROUP_LABEL, "?")
-        if status.phase == "Failed":
-            why = f"pod failed: {status.reason or ''} {status.message or ''}".strip()
-            for cs in status.container_statuses or []:
-                term = _get(cs, "state", "terminated")
-                if term is not None:
-                    why += f"; container exited with code {term.exit_code} ({term.reason})"
-            return 0, WorkerFailed(group, name, why, self._log_tail(name))
-        conditions = {c.type: c for c in status.conditions or []}
-        for cs in status.container_statuses or []:
-            term, waiting = _get(cs, "state", "terminated"), _get(cs, "state", "waiting")
-            if term is not None and term.exit_code != 0:
-                return 0, WorkerFailed(group, name, f"exited with code {term.exit_code} ({term.reason})", self._log_tail(name))
-            if cs.restart_count:
-                return 0, WorkerFailed(group, name, f"restarted {cs.restart_count}x: a restarted worker has lost its state",
-                                       self._log_tail(name))
-            if waiting is not None and waiting.reason in FATAL_WAITING:
-                return 1, WorkerFailed(group, name, f"{waiting.reason}: {waiting.message or ''}".strip(), "")
-            if waiting is not None and waiting.reason in PULL_FAILED:
-                failed = [e for e in self._events(name) if (e.message or "").startswith("Failed to pull image")]
-                attempts = sum(e.count or 1 for e in failed)
-                if attempts > self.platform.image_pull_retries:
-                    last = failed[-1].message if failed else waiting.message
-                    return 1, WorkerFailed(group, name, f"{waiting.reason}: image pull failed {attempts} times (more than "
-                                           f"Platform.image_pull_retries={self.platform.image_pull_retries}): {last}", "")
-                if (uid, "pull") not in self._warned:
-                    self._warned.add((uid, "pull"))
-                    logger.warning("worker pod %s: %s (%s); the kubelet retries", name, waiting.reason, waiting.message)
-        if meta.deletion_timestamp is not None:
-            disruption = conditions.get("DisruptionTarget")
-            why = f"{disruption.reason}: {disruption.message}" if disruption is not None else "deleted"
-            return 2, WorkerFailed(group, name, f"pod is being deleted ({why}); a worker that goes away ends the run",
-                                   self._log_tail(name))
-        if status.phase != "Pending":
-            return None
-        scheduled = conditions.get("PodScheduled")
-        if scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable":
-            if queued:  # waiting for Volcano's admission, not for a node
-                return None
-            since = self._first_seen(uid, "unschedulable", now)
-            no_fit = [e for e in self._events(name) if e.reason == NO_SCALE_UP]
-            if no_fit:
-                return 3, WorkerFailed(group, name, f"Unschedulable, and the cluster autoscaler adds no node for it: "
-                                       f"{no_fit[-1].message}", "")
-            if now - since > self.platform.schedule_timeout_s:
-                return 3, WorkerFailed(group, name, f"Unschedulable for {now - since:.0f} s (more than Platform.schedule_timeout_s="
-                                       f"{self.platform.schedule_timeout_s}): {scheduled.message}", "")
-            if (uid, "unschedulable") not in self._warned:
-                self._warned.add((uid, "unschedulable"))
-                logger.warning("worker pod %s unschedulable: %s; failing in %d s unless a node frees up", name,
-                               scheduled.message, self.platform.schedule_timeout_s)
-        elif scheduled is not None and scheduled.status == "True":
-            since = self._first_seen(uid, "starting", now)
-            if now - since > self.platform.image_pull_timeout_s:
-                waiting = [f"{_get(cs, 'state', 'waiting', 'reason')}" for cs in status.container_statuses or []]
-                return 3, WorkerFailed(group, name, f"scheduled but not started after {now - since:.0f} s (more than "
-                                       f"Platform.image_pull_timeout_s={self.platform.image_pull_timeout_s}): {waiting}", "")
-        return None
-
     def check(self) -> None:
         """Raise ``WorkerFailed`` (pod, reason, log tail) when a worker failed or cannot start
         (see the module docstring); asks the API at most every ``poll_s``."""
@@ -408,63 +238,7 @@ class KubernetesBackend:
         if not self._expected or now - self._last_look < self.poll_s:
             return
         self._last_look = now
-        self._look(now)
-
-    def _look(self, now: float) -> list[Any]:
-        """One look at the JobSet and its pods; raises on a failure, returns the pods."""
-        jobset = self._jobset()
-        if jobset is None:
-            raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
-        suspended = bool(_get(jobset, "spec", "suspend"))
-        queued = suspended or self._podgroup_pending()
-        if queued:
-            since = self._first_seen(self.name, "queued", now)
-            if now - since > self.platform.queue_timeout_s:
-                where = f"queue {self.platform.queue!r}" if self.platform.queue else "the scheduler's queue"
-                raise WorkerFailed("jobset", self.name, f"not admitted by {self.platform.scheduler} ({where}) within "
-                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s")
-        else:
-            self._since.pop((self.name, "queued"), None)  # admitted: scheduling clocks run from here
-        pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
-        failures = [f for f in (self._pod_failure(p, now, queued) for p in pods) if f is not None]
-        failures += self._replaced(pods)
-        first = min(failures, key=lambda f: f[0]) if failures else None
-        if first is not None and first[0] <= 1:  # a worker that failed by itself says the most
-            raise first[1]
-        state = _get(jobset, "status", "terminalState")
-        failed = [c for c in _get(jobset, "status", "conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"]
-        if state == "Failed" or failed:  # before pods that vanished with it (its deadline, its failure policy)
-            why = "; ".join(f"{c.get('reason')}: {c.get('message')}" for c in failed) or "terminal state Failed"
-            raise WorkerFailed("jobset", self.name, f"JobSet failed ({why})")
-        if first is not None:
-            raise first[1]
-        return pods
-
-    def _replaced(self, pods: Sequence[Any]) -> list[tuple[int, WorkerFailed]]:
-        """Pods of a member (group, index) other than the first seen, and members whose pod vanished."""
-        out: list[tuple[int, WorkerFailed]] = []
-        now_members: dict[tuple[str, str], tuple[str, str]] = {}
-        for pod in pods:
-            meta = pod.metadata
-            key = ((meta.labels or {}).get(GROUP_LABEL, "?"), (meta.annotations or {}).get(COMPLETION_INDEX, "?"))
-            first = self._members.setdefault(key, (meta.name, meta.uid))
-            if first[1] != meta.uid:
-                out.append((2, WorkerFailed(key[0], first[0], f"replaced by pod {meta.name} (the first was deleted or failed: "
-                                            "a drain, a preemption?); a replaced worker has lost its state", "")))
-            now_members[key] = (meta.name, meta.uid)
-        for key, (name, _) in self._members.items():
-            if key not in now_members:
-                out.append((2, WorkerFailed(key[0], name, "pod vanished (deleted); a worker that goes away ends the run", "")))
-        return out
-
-    def _running_members(self, pods: Sequence[Any]) -> Counter:
-        running: Counter = Counter()
-        for pod in pods:
-            started = all(_get(cs, "state", "running") is not None or _get(cs, "state", "terminated") is not None
-                          for cs in pod.status.container_statuses or [None])
-            if pod.status.phase in ("Running", "Succeeded") and started:
-                running[(pod.metadata.labels or {}).get(GROUP_LABEL)] += 1
-        return running
+        self._watch.look(now)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every member's container runs (queued, scheduled, pulled, started).
@@ -477,7 +251,7 @@ class KubernetesBackend:
         while True:
             now = self.clock()
             self._last_look = now
-            running = self._running_members(self._look(now))
+            running = running_members(self._watch.look(now))
             short = {g: f"{running[g]}/{n}" for g, n in self._expected.items() if running[g] < n}
             if not short:
                 return
@@ -505,7 +279,7 @@ class KubernetesBackend:
         """Delete the run's JobSet (its Jobs and pods go with it), PodGroup and Secret; returns
         how many objects were deleted. With ``teardown_wait_s`` waits that long for the pods to
         be gone (each has ``terminationGracePeriodSeconds`` 30). Safe to call twice."""
-        ApiException = _api_exception()
+        ApiException = api_exception()
         removed = 0
         for secret in self.core.list_namespaced_secret(namespace=self.namespace, label_selector=self.selector).items:
             try:

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
+from dockrl.launch.procfs import group_members, pgid, run_processes, start_time
 from dockrl.lifeline import DRIVER_PID_ENV
 from dockrl.process_env import REPLICA_ENV, REPLICAS_ENV
+from dockrl.run_lock import lock_holder
 
 logger = logging.getLogger(__name__)
 
@@ -54,67 +56,6 @@ def default_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / "dockrl-local-workers"
 
 
-def live_processes() -> dict[int, tuple[int, int]]:
-    """pid → (parent pid, process group) of every live (non-zombie) process (Linux ``/proc``; empty elsewhere)."""
-    out = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            out[int(entry.name)] = (int(fields[1]), int(fields[2]))
-    return out
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    return [pid for pid, (_, group) in live_processes().items() if group == pgid]
-
-
-def _start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); None if gone, a zombie or unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces: split after its closing parenthesis
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":  # exited, not yet reaped: nothing left to stop
-        return None
-    return int(fields[19])
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def process_run_id(pid: int) -> str | None:
-    """``DOCKRL_RUN_ID`` in the environment of live process ``pid`` (None: none, gone, a zombie, or not ours to read)."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    for var in raw.split(b"\0"):
-        if var.startswith(b"DOCKRL_RUN_ID="):
-            return var.split(b"=", 1)[1].decode(errors="replace")
-    return None
-
-
-def run_processes(run_id: str | None = None) -> dict[int, str]:
-    """pid → run id of every live process of this user started for a dockrl run (``DOCKRL_RUN_ID``
-    in its environment: workers, shards and what they started), of ``run_id`` only when given."""
-    found = {}
-    for pid in live_processes():
-        rid = process_run_id(pid)
-        if rid is not None and (run_id is None or rid == run_id):
-            found[pid] = rid
-    return found
-
-
 def local_runs(state_dir: str | Path | None = None) -> list[dict]:
     """The local runs this machine knows: each recorded run (its state file) and each run id that
     live processes carry without one. Each: ``run_id``, ``run_dir`` (or None), ``driver_pid``,
@@ -129,7 +70,7 @@ def local_runs(state_dir: str | Path | None = None) -> list[dict]:
             continue
         pid, start = doc.get("driver_pid"), doc.get("driver_start_time")
         runs[doc["run_id"]] = {"run_id": doc["run_id"], "run_dir": doc.get("run_dir"), "driver_pid": pid,
-                               "driver_alive": pid is not None and start is not None and _start_time(pid) == start}
+                               "driver_alive": pid is not None and start is not None and start_time(pid) == start}
     for rid in live.values():
         runs.setdefault(rid, {"run_id": rid, "run_dir": None, "driver_pid": None, "driver_alive": False})
     for run in runs.values():
@@ -239,11 +180,11 @@ class LocalBackend:
             self._write_state()
 
     def _write_state(self) -> None:
-        rows = [{"group": g, "member": m, "pid": p.pid, "start_time": _start_time(p.pid), "log": str(log)}
+        rows = [{"group": g, "member": m, "pid": p.pid, "start_time": start_time(p.pid), "log": str(log)}
                 for g, m, p, log in self._procs]
         tmp = self.state_file.with_suffix(".json.tmp")
         doc = {"run_id": self.run_id, "run_dir": str(self.run_dir) if self.run_dir else None, "driver_pid": os.getpid(),
-               "driver_start_time": _start_time(os.getpid()), "workers": rows}
+               "driver_start_time": start_time(os.getpid()), "workers": rows}
         tmp.write_text(json.dumps(doc, indent=2))
         os.replace(tmp, self.state_file)
 
@@ -273,15 +214,15 @@ class LocalBackend:
         """Stop every worker of the run (SIGTERM, SIGKILL after ``grace_s``); returns how many were running."""
         # a worker that died (SIGKILL) may leave its children (a reward pool's forkserver) in its group
         targets: dict[int, int | None] = {
-            p.pid: _start_time(p.pid) for _, _, p, _ in self._procs if p.poll() is None or _group_members(p.pid)
+            p.pid: start_time(p.pid) for _, _, p, _ in self._procs if p.poll() is None or group_members(p.pid)
         }
         if self.state_file.is_file():
             for row in json.loads(self.state_file.read_text()).get("workers", []):
-                now = _start_time(row["pid"])
+                now = start_time(row["pid"])
                 if now is not None and now == row["start_time"]:
                     targets.setdefault(row["pid"], now)
         for pid in run_processes(self.run_id):  # a worker not (yet) recorded, or what one that died started
-            group = _pgid(pid)
+            group = pgid(pid)
             if group is not None and group != os.getpgrp():  # never this process's own group
                 targets.setdefault(group, None)
         for pid in targets:
@@ -289,10 +230,10 @@ class LocalBackend:
         deadline = time.monotonic() + self.grace_s
         # a worker's children (vLLM, reward pools) share its process group and stop with it:
         # wait for the whole group, not only its leader
-        while time.monotonic() < deadline and any(self._alive(pid, st) or _group_members(pid) for pid, st in targets.items()):
+        while time.monotonic() < deadline and any(self._alive(pid, st) or group_members(pid) for pid, st in targets.items()):
             time.sleep(0.05)
         for pid, st in targets.items():
-            if self._alive(pid, st) or _group_members(pid):
+            if self._alive(pid, st) or group_members(pid):
                 logger.warning("worker pid %d (or a process it started) ignored SIGTERM for %.0f s; killing its group", pid, self.grace_s)
                 self._signal(pid, signal.SIGKILL)
         for _, _, p, _ in self._procs:
@@ -304,13 +245,13 @@ class LocalBackend:
         logger.info("local teardown of run %s: %d running worker(s) stopped", self.run_id, len(targets))
         return len(targets)
 
-    def _alive(self, pid: int, start_time: int | None) -> bool:
+    def _alive(self, pid: int, recorded_start: int | None) -> bool:
         own = next((p for _, _, p, _ in self._procs if p.pid == pid), None)
         if own is not None:
             return own.poll() is None
-        if start_time is None:  # found by its DOCKRL_RUN_ID: a group leader, maybe gone already
-            return _start_time(pid) is not None
-        return _start_time(pid) == start_time
+        if recorded_start is None:  # found by its DOCKRL_RUN_ID: a group leader, maybe gone already
+            return start_time(pid) is not None
+        return start_time(pid) == recorded_start
 
     @staticmethod
     def _signal(pid: int, sig: int) -> None:
@@ -336,8 +277,6 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
     Raises:
         ValueError: ``target`` is neither an existing folder nor a run id this machine knows.
     """
-    from dockrl.run_lock import lock_holder
-
     runs = local_runs(state_dir)
     folder = Path(target)
     out: dict = {"driver": None, "runs": {}}
@@ -362,14 +301,14 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
 
 def _stop_driver(pid: int, grace_s: float) -> int | None:
     """SIGTERM ``pid`` (a driver: its teardown stops its workers), SIGKILL after ``grace_s``; None if it was not running."""
-    start = _start_time(pid)
+    start = start_time(pid)
     if start is None or pid == os.getpid():
         return None
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s + 10  # its own teardown gives each worker grace_s
-    while time.monotonic() < deadline and _start_time(pid) == start:
+    while time.monotonic() < deadline and start_time(pid) == start:
         time.sleep(0.05)
-    if _start_time(pid) == start:
+    if start_time(pid) == start:
         logger.warning("driver pid %d ignored SIGTERM for %.0f s; killing it", pid, grace_s + 10)
         os.kill(pid, signal.SIGKILL)
     return pid

@@ -4,7 +4,7 @@
         dockrl node --nproc-per-node 8 -- worker --stage hybrid --config-env DOCKRL_CONFIG_YAML ...
 
 The Kubernetes worker backend places a group whose members hold devices as one pod per node
-(``dockrl.launch.jobset.pod_shape``), and that pod's command is this one. It starts
+(``dockrl.launch.pod_spec.pod_shape``), and that pod's command is this one. It starts
 ``--nproc-per-node`` processes of the ``dockrl`` command line after ``--`` with torch's elastic
 launcher (``torchrun``, as Kubeflow's PyTorchJob does). The launcher gives each process its
 ``LOCAL_RANK`` (its device on the node), ``RANK = node_rank × nproc_per_node + local_rank`` and
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("node %d of %d: %d rank processes (ranks %d-%d), rendezvous at %s:%d", node, nodes, args.nproc_per_node,
                 node * args.nproc_per_node, (node + 1) * args.nproc_per_node - 1, master, port)
     os.environ[NODE_PROCS_ENV] = str(args.nproc_per_node)  # the processes take torchrun's RANK and LOCAL_RANK
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import main as torchrun  # lazy: torch, after the arguments are checked
 
     try:
         torchrun(torchrun_args(nproc=args.nproc_per_node, nnodes=nodes, node_rank=node, master_addr=master, master_port=port,
@@ -110,7 +110,7 @@ def ranks_main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if world != layout.world_size:
         parser.error(f"{world} processes run, the layout has tp × pp × dp = {layout.world_size} ranks")
-    from dockrl.parallel import device as devices
+    from dockrl.parallel import device as devices  # lazy: imports torch, after the layout is checked
 
     kind = devices.resolve_kind(layout.device)
     local = local_rank()

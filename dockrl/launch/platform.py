@@ -13,13 +13,20 @@ checkpoints, metrics) lives there, so the launcher and the stage pods see the sa
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
-import typing
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
+
+from dockrl.launch.platform_checks import (
+    DIGEST_PATTERN,
+    K8S_NAME_PATTERN,
+    QUANTITY,
+    REGISTRY_PATTERN,
+    TAG_PATTERN,
+    check_field_types,
+    quantity_bytes,
+    scale_quantity,
+)
 
 IMAGE_REGISTRY = "ghcr.io/dockrl"
 """Default registry (and path) of the images; a site sets its own (``dockrl pipeline compile
@@ -30,11 +37,6 @@ IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/dockrl"
 """Image repository; the image name is appended (``ghcr.io/dockrl/dockrl-npu``)."""
 IMAGE_TAG = "0.1.0"
 """Image tag of this release (the package version); never ``latest``."""
-
-_REGISTRY = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 OBJECT_STORE_SECRET = "dockrl-object-store"
 """Secret with the object-store credentials (``manifests/components/object-store/``), needed only with ``dock.warehouse=s3``."""
@@ -55,57 +57,6 @@ IMAGE_ARCHITECTURES: dict[str, tuple[str, ...]] = {"cpu": ("amd64", "arm64"), "n
 """Node architectures each image is built for (``scripts/build_images.sh``): most Ascend servers
 are Kunpeng (arm64), some x86-64; the CUDA image follows PyPI's vLLM wheels (x86-64)."""
 
-_QUANTITY = re.compile(r"^([0-9]+)(m|Ki|Mi|Gi|Ti)?$")
-
-
-def _bytes(quantity: str) -> int:
-    """Bytes of a memory quantity ``_QUANTITY`` accepts (``m``: thousandths)."""
-    match = _QUANTITY.match(quantity)
-    assert match, quantity  # checked by the caller
-    unit = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}.get(match.group(2) or "", 0)
-    return int(match.group(1)) * unit if unit else int(match.group(1)) // 1000
-
-
-def scale_quantity(quantity: str, factor: int) -> str:
-    """``quantity`` (a Kubernetes quantity: an integer with an optional ``m``, ``Ki``, ``Mi``,
-    ``Gi`` or ``Ti`` suffix) times ``factor``, in the same unit (``scale_quantity("96Gi", 8)``
-    is ``"768Gi"``).
-
-    Raises:
-        ValueError: ``quantity`` is not of that form, or ``factor`` < 1.
-    """
-    match = _QUANTITY.match(quantity)
-    if not match or factor < 1:
-        raise ValueError(f"quantity {quantity!r} × {factor}: expected an integer with an optional unit m, Ki, Mi, Gi or Ti "
-                         "(e.g. '16', '500m', '96Gi') and a factor >= 1")
-    return f"{int(match.group(1)) * factor}{match.group(2) or ''}"
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """``value`` is of the field type ``hint`` (str, int, a Literal, dict[str, str], tuple[X, ...], a dataclass)."""
-    origin = get_origin(hint)
-    if origin is Literal:
-        return value in get_args(hint)
-    if origin is dict:
-        key, item = get_args(hint)
-        return isinstance(value, dict) and all(_fits(k, key) and _fits(v, item) for k, v in value.items())
-    if origin is tuple:
-        return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _check_field_types(obj: Any, where: str) -> None:
-    """Raises ``ValueError`` naming the first field of the dataclass ``obj`` whose value is not of
-    its declared type (a platform file's ``devices_per_node: "8"``, ``env: {X: 200}``, ``scheduler: slurm``)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, hint = getattr(obj, f.name), hints[f.name]
-        if not _fits(value, hint):
-            expected = " or ".join(map(repr, get_args(hint))) if get_origin(hint) is Literal else \
-                getattr(hint, "__name__", None) if get_origin(hint) is None else str(hint).replace("dockrl.launch.platform.", "")
-            raise ValueError(f"{where}: {f.name}={value!r}; expected {expected}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +69,7 @@ class Toleration:
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
 
     def __post_init__(self) -> None:
-        _check_field_types(self, f"toleration {self.key!r}")
+        check_field_types(self, f"toleration {self.key!r}")
 
     def to_k8s(self) -> dict[str, str]:
         out = {"key": self.key, "operator": self.operator, "effect": self.effect}
@@ -230,17 +181,17 @@ class Platform:
     it wins over the collectives' environment dockrl sets."""
 
     def __post_init__(self) -> None:
-        _check_field_types(self, f"platform {self.name!r}")
+        check_field_types(self, f"platform {self.name!r}")
         if bool(self.accelerator) != (self.devices_per_node > 0):
             raise ValueError(
                 f"platform {self.name!r}: accelerator={self.accelerator!r} with devices_per_node="
                 f"{self.devices_per_node}; set both (a resource name and a count >= 1) or neither"
             )
         for name in ("cpu_per_device", "memory_per_device", "shm_per_device", "stage_ephemeral_storage"):
-            if not _QUANTITY.match(getattr(self, name)):
+            if not QUANTITY.match(getattr(self, name)):
                 raise ValueError(f"platform {self.name!r}: {name}={getattr(self, name)!r}; expected an integer with an optional "
                                  "unit m, Ki, Mi, Gi or Ti (e.g. '16', '96Gi'; for 96G write 89Gi)")
-        if _bytes(self.shm_per_device) >= _bytes(self.memory_per_device):
+        if quantity_bytes(self.shm_per_device) >= quantity_bytes(self.memory_per_device):
             raise ValueError(f"platform {self.name!r}: shm_per_device={self.shm_per_device!r} is not below memory_per_device="
                              f"{self.memory_per_device!r}; /dev/shm is memory of the pod: keep it well below")
         unknown = sorted(set(self.architectures) - {a for archs in IMAGE_ARCHITECTURES.values() for a in archs})
@@ -248,17 +199,17 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: architectures={self.architectures!r}; expected some of amd64, arm64")
         if self.collective_timeout_s < 1:
             raise ValueError(f"platform {self.name!r}: collective_timeout_s={self.collective_timeout_s}; expected seconds >= 1")
-        if self.image_tag in ("", "latest") or not _TAG.match(self.image_tag):
+        if self.image_tag in ("", "latest") or not TAG_PATTERN.match(self.image_tag):
             raise ValueError(f"platform {self.name!r}: image_tag={self.image_tag!r}; pin a release tag "
                              "(letters, digits, '_', '.', '-'; at most 128), never 'latest'")
-        if not _REGISTRY.match(self.image_repository):
+        if not REGISTRY_PATTERN.match(self.image_repository):
             raise ValueError(f"platform {self.name!r}: image_repository={self.image_repository!r}; expected a registry "
                              "path in lower case without scheme, tag or trailing '/', e.g. registry.example.com/ml/dockrl")
         for image, digest in self.image_digests.items():
-            if image not in IMAGE_NAMES or not _DIGEST.match(digest):
+            if image not in IMAGE_NAMES or not DIGEST_PATTERN.match(digest):
                 raise ValueError(f"platform {self.name!r}: image_digests[{image!r}]={digest!r}; expected an image name "
                                  f"({', '.join(IMAGE_NAMES)}) mapped to 'sha256:<64 hex digits>'")
-        if self.image_pull_secret and not _K8S_NAME.match(self.image_pull_secret):
+        if self.image_pull_secret and not K8S_NAME_PATTERN.match(self.image_pull_secret):
             raise ValueError(f"platform {self.name!r}: image_pull_secret={self.image_pull_secret!r}; expected the name "
                              "of a Secret in the run's namespace (lower case, digits, '-', '.')")
         if self.scheduler == "kueue" and not self.queue:
@@ -370,104 +321,6 @@ PLATFORMS: dict[str, Platform] = {
 CPU_IMAGE = PLATFORMS["cpu"].image
 """Image of the components that need no accelerator (every component's ``base_image``)."""
 
-
-def with_images(platform: Platform, *, registry: str = "", tag: str = "", digests: dict[str, str] | None = None,
-                pull_secret: str = "") -> Platform:
-    """``platform`` with its images from ``registry`` (``registry.example.com/ml``: the images
-    are ``<registry>/dockrl-<name>``), ``tag``, ``digests`` and ``pull_secret``; an empty value
-    keeps the platform's own.
-
-    Raises:
-        ValueError: a value breaks a rule of ``Platform`` (the message names it).
-    """
-    changes: dict[str, Any] = {}
-    if registry:
-        changes["image_repository"] = registry.rstrip("/") + "/dockrl"
-    if tag:
-        changes["image_tag"] = tag
-    if digests:
-        changes["image_digests"] = {**platform.image_digests, **digests}
-    if pull_secret:
-        changes["image_pull_secret"] = pull_secret
-    return dataclasses.replace(platform, **changes)
-
-
-def platform_from_file(platform: Platform, path: str | Path) -> Platform:
-    """``platform`` with the fields a site's YAML (or JSON) file sets: a mapping of ``Platform``
-    fields, e.g. ``devices_per_node: 16``, ``network_interface: net1``, ``extra_resources:
-    {rdma/hca_shared_devices_a: "1"}``, ``tolerations: [{key: ..., effect: NoSchedule}]``.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: not a mapping, an unknown field (named, with the known ones), or a value that
-            breaks a rule of ``Platform`` (the message names it); each prefixed with the file.
-    """
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist: expected a YAML mapping of platform fields (docs/kubernetes.md)")
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{file}: not valid YAML: {' '.join(str(err).split())}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a mapping of platform fields, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(Platform)} - {"name"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{file}: unknown platform field(s) {unknown}; expected some of {', '.join(sorted(known))}")
-    try:
-        return Platform.from_json(json.dumps({**asdict(platform), **data}))
-    except ValueError as err:
-        raise ValueError(f"{file}: {err}") from None
-
-
-def images_from_kustomization(path: str | Path) -> dict[str, Any]:
-    """The dockrl images an overlay sets (its kustomization's ``images:`` entries named
-    ``ghcr.io/dockrl/dockrl-<name>``), as ``with_images`` keywords: ``registry``, ``tag``,
-    ``digests``. What the overlay does not set is absent.
-
-    Raises:
-        FileNotFoundError: no ``kustomization.yaml`` at ``path`` (a folder or the file).
-        ValueError: an entry's ``newName`` is not ``<registry>/dockrl-<name>``, its tag is
-            ``latest``, or the entries disagree on the registry or the tag.
-    """
-    import yaml
-
-    file = Path(path)
-    if file.is_dir():
-        file = file / "kustomization.yaml"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist: expected a kustomize overlay, e.g. manifests/overlays/npu")
-    entries = (yaml.safe_load(file.read_text()) or {}).get("images") or []
-    registries, tags, digests = set(), set(), {}
-    for entry in entries:
-        name = str(entry.get("name", ""))
-        image = name.removeprefix(IMAGE_REPOSITORY + "-")
-        if image == name or image not in IMAGE_NAMES:
-            continue  # another image (MinIO, ...)
-        new_name = str(entry.get("newName", name))
-        if not new_name.endswith(f"/dockrl-{image}"):
-            raise ValueError(f"{file}: images entry {name!r} has newName={new_name!r}; expected <registry>/dockrl-{image}")
-        registries.add(new_name.removesuffix(f"/dockrl-{image}"))
-        if "newTag" in entry:
-            tags.add(str(entry["newTag"]))
-        if "digest" in entry:
-            digests[image] = str(entry["digest"])
-    if len(registries) > 1 or len(tags) > 1:
-        raise ValueError(f"{file}: the dockrl images differ in registry {sorted(registries)} or tag {sorted(tags)}; "
-                         "a run's images come from one registry with one tag (pin single images by digest)")
-    if "latest" in tags:
-        raise ValueError(f"{file}: newTag 'latest'; pin a release tag")
-    out: dict[str, Any] = {}
-    if registries:
-        out["registry"] = registries.pop()
-    if tags:
-        out["tag"] = tags.pop()
-    if digests:
-        out["digests"] = digests
-    return out
 
 
 def get_platform(name: str) -> Platform:

@@ -8,7 +8,7 @@ long step, lives in ``dockrl/train_task.py``.
 run id alone, so it works from a different process than the one that started them.
 
 A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
-row counts); ``dataset_files`` reads it back.
+row counts); ``artifacts.dataset_files`` reads it back.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
 
-from dockrl.config import Config, load_config, resolve_auto
+from dockrl.config import Config, dump_config, load_config, resolve_auto
+from dockrl.data import load_prompts
+from dockrl.engines.vllm_support import vllm_support
+from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, resolve_checkpoint
+from dockrl.launch.backend import worker_backend_name
+from dockrl.launch.kubernetes import KubernetesBackend
+from dockrl.launch.local import LocalBackend
 from dockrl.launch.platform import Platform
 
 if TYPE_CHECKING:
@@ -31,16 +37,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DATASET_MANIFEST = "dataset.json"
-CHECKPOINT_POINTER = "dockrl-checkpoint.json"
-"""In a model folder: the checkpoint is elsewhere (on the shared volume), at the path it names."""
 TEARDOWN_WAIT_S = 90.0
 """How long the exit handler waits for a Kubernetes run's pods to be gone (their grace period is 30 s)."""
 
 
 def _count_rows(path: Path) -> int:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: only a parquet dataset needs pyarrow; teardown_run stays light
 
         return pq.ParquetFile(path).metadata.num_rows
     with path.open() as f:
@@ -60,7 +63,7 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
         ConfigError: an override is invalid (the message names the field).
         FileNotFoundError: a configured data file does not exist.
     """
-    from dockrl.run_setup import resolve_data
+    from dockrl.run_setup import resolve_data  # lazy: dockrl.run_setup imports torch
 
     cfg = load_config(None, overrides)
     out = Path(out_dir)
@@ -84,52 +87,6 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
     return info
 
 
-def dataset_files(dataset_dir: str | Path) -> tuple[Path, Path]:
-    """Train and test files of a folder written by ``prepare_dataset``.
-
-    Raises:
-        FileNotFoundError: the folder lacks ``dataset.json`` or a file it names.
-    """
-    folder = Path(dataset_dir)
-    manifest = folder / DATASET_MANIFEST
-    if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest} does not exist: {folder} is not a folder written by prepare_dataset")
-    info = json.loads(manifest.read_text())
-    train, test = folder / info["train"], folder / info["test"]
-    for path in (train, test):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} (named in {manifest}) does not exist")
-    return train, test
-
-
-def write_checkpoint_pointer(folder: str | Path, checkpoint: str | Path) -> Path:
-    """Make ``folder`` (a model artifact) name ``checkpoint`` instead of holding its files: a
-    checkpoint on the shared volume is not copied into a pod's local disk."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    pointer = out / CHECKPOINT_POINTER
-    pointer.write_text(json.dumps({"path": str(checkpoint)}) + "\n")
-    return pointer
-
-
-def resolve_checkpoint(folder: str | Path) -> Path:
-    """The checkpoint folder a model artifact holds or names (``write_checkpoint_pointer``).
-
-    Raises:
-        FileNotFoundError: the pointer names a folder this pod cannot see (the shared volume
-            not mounted at the same path).
-    """
-    src = Path(folder)
-    pointer = src / CHECKPOINT_POINTER
-    if not pointer.is_file():
-        return src
-    target = Path(json.loads(pointer.read_text())["path"])
-    if not (target / "config.json").is_file():
-        raise FileNotFoundError(f"{pointer} names the checkpoint {target}, which has no config.json here: "
-                                "is the shared volume mounted at the same path in this pod?")
-    return target
-
-
 def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> dict[str, int | str]:
     """Re-save an HF checkpoint as a self-contained safetensors folder in ``dtype``.
 
@@ -143,8 +100,8 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
         ValueError: ``dtype`` is not ``float32``, ``bfloat16`` or ``float16``.
         FileNotFoundError: ``checkpoint_dir`` has no ``config.json``.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch and transformers take seconds to import; only this step needs them
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as torch
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
@@ -174,20 +131,19 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     Raises:
         RuntimeError: no device of ``parallel.device`` is visible (``torch_device``).
     """
-    from dockrl.engines.vllm_support import vllm_support
-    from dockrl.parallel.device import torch_device
+    from dockrl.parallel.device import torch_device  # lazy: dockrl.parallel.device imports torch
 
     r, kind = cfg.rollout, cfg.parallel.device
     device = torch_device(kind)  # one device: the step's pod holds one accelerator, or none
     if r.engine == "vllm":
         support = vllm_support(kind)
         if support.ok:
-            from dockrl.engines.vllm import VLLMRolloutEngine
+            from dockrl.engines.vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
             return VLLMRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                      seed=cfg.trainer.seed, device=device)
         logger.warning("evaluate: rollout.engine=vllm cannot run here (%s); evaluating with HF on %s", support.reason, device)
-    from dockrl.engines.hf import HFRolloutEngine
+    from dockrl.engines.hf_rollout import HFRolloutEngine  # lazy: imports torch and transformers
 
     return HFRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
 
@@ -212,9 +168,8 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         ConfigError: an invalid override or ``device``.
         RuntimeError: ``device`` is an accelerator kind that this process does not see.
     """
-    from dockrl.data import load_prompts
-    from dockrl.evaluate import greedy_accuracy
-    from dockrl.rewards import RewardScorer
+    from dockrl.evaluate import greedy_accuracy  # lazy: imports torch and transformers
+    from dockrl.rewards import RewardScorer  # lazy: the math verifier imports sympy (half a second)
 
     cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
     _, test_file = dataset_files(dataset_dir)
@@ -304,8 +259,6 @@ def local_run_devices(cfg: Config, platform: Platform) -> int:
     ``parallel.device=auto`` counts as the platform's accelerator, also where ``cfg`` was loaded on
     a CPU (the pipeline's resolve-config step), which resolved it to ``cpu``.
     """
-    from dockrl.config import dump_config
-
     requested = yaml.safe_load(dump_config(cfg, portable=True))["parallel"]["device"]  # "auto" as written
     if not platform.accelerator or requested == "cpu":
         return 0
@@ -338,16 +291,10 @@ def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: s
     Raises:
         ValueError: unknown backend or empty run id.
     """
-    from dockrl.launch.backend import worker_backend_name
-
     name = worker_backend_name(backend, "teardown: backend")
     if not run_id:
         raise ValueError("teardown: run_id is empty; pass the pipeline run's id")
     if name == "local":
-        from dockrl.launch.local import LocalBackend
-
         return LocalBackend(run_id, state_dir=state_dir or None).teardown()
-    from dockrl.launch.kubernetes import KubernetesBackend
-
     # the exit handler waits for the pods to be gone: a run ends with its workers
     return KubernetesBackend.from_cluster(run_id, namespace=namespace, teardown_wait_s=TEARDOWN_WAIT_S).teardown()

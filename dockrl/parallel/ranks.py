@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dockrl.parallel import device as devices
+from dockrl.parallel.cpu_device import cpu_device
 from dockrl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -174,11 +175,9 @@ def _own_groups(ranks: ProcessRanks) -> ProcessRanks:
 
 
 def _megatron_groups(ranks: ProcessRanks) -> ProcessRanks:
-    from dockrl.parallel.cpu_device import cpu_device
-
     with warnings.catch_warnings():  # "Apex/Transformer Engine not installed": the local fallbacks are what CPU needs
         warnings.simplefilter("ignore", UserWarning)
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: megatron-core is an optional extra
 
     layout = ranks.layout
     with cpu_device() if ranks.device.type == "cpu" else contextlib.nullcontext():

@@ -29,7 +29,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
-from dockrl.rewards.math_verifier import RewardScorer
+from dockrl.lifeline import guard_pool_worker
+from dockrl.rewards.scorer import RewardScorer
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ def import_scorer(path: str) -> type:
 
 def _serve(conn, path: str, kwargs: dict, owner: int) -> None:
     """The child: build the scorer, then answer ``(op, args)`` requests until ``close`` or EOF."""
-    from dockrl.lifeline import guard_pool_worker
-
     guard_pool_worker(owner)
     try:
         scorer = import_scorer(path)(**kwargs)

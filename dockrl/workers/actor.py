@@ -20,9 +20,13 @@ import torch
 from dockrl.algorithms import actor_loss, right_pad
 from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
 from dockrl.dock import Dock, StageDock
+from dockrl.engines.factory import build_train_engine
 from dockrl.engines.train_engine import TrainEngine
+from dockrl.engines.weight_sync import WeightChannel
+from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
-from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
+from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint, weights_path
+from dockrl.run_setup import resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 
 logger = logging.getLogger(__name__)
@@ -234,10 +238,6 @@ def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, fi
     With ``dock.max_inflight`` = m > 1 the rollout takes the weights of update ``k`` only after
     generating iteration ``k+m-1`` (``dockrl.workers.rollout.sync_target``): the send waits for that
     ``ROLLOUT`` report first, so the broadcast itself never waits on a generation."""
-    from dockrl.engines.factory import build_train_engine
-    from dockrl.engines.weight_sync import WeightChannel
-    from dockrl.run_setup import resolve_model
-
     t = cfg.trainer
     engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)), ranks)
     if cfg.run.resume:

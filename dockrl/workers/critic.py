@@ -29,8 +29,11 @@ from dockrl.algorithms import right_pad, value_loss
 from dockrl.config import Config, CriticConfig, critic_batches
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.critic import HFCriticEngine
+from dockrl.engines.hf_load import load_tokenizer
+from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
-from dockrl.resume import checkpoint_dir, checkpoint_due, critic_dir, final_dir, load_optimizer, prepare_checkpoint, save_optimizer
+from dockrl.resume import checkpoint_dir, checkpoint_due, critic_dir, final_dir, prepare_checkpoint
+from dockrl.run_setup import resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations
 from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
@@ -159,8 +162,6 @@ def build_critic_engine(cfg: Config, policy_path: Path, device: torch.device | s
     Raises:
         ValueError: the checkpoint has no critic, or the critic's vocabulary does not fit the policy's.
     """
-    from dockrl.engines.hf import load_tokenizer
-
     tokenizer = load_tokenizer(policy_path, cfg.model.trust_remote_code)
     start = critic_dir(resume) if resume else Path(cfg.critic.model_path or policy_path)
     if resume and not start.is_dir():
@@ -184,8 +185,6 @@ def save_critic(engine: HFCriticEngine, checkpoint: Path) -> Path:
 def run_critic(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``critic`` stage process: values, then the update, every iteration (``CRITIC``); writes a
     due checkpoint's ``critic/`` (``CRITIC_CHECKPOINT``), then ``checkpoints/final/critic``."""
-    from dockrl.run_setup import resolve_model
-
     t, run_dir = cfg.trainer, Path(cfg.run.output_dir)
     worker = CriticWorker.from_config(build_critic_engine(cfg, resolve_model(cfg), ranks.device,
                                                           resume=Path(cfg.run.resume) if cfg.run.resume else None), cfg)

@@ -37,9 +37,14 @@ import torch.distributed as dist
 
 from dockrl.config import Config
 from dockrl.dock import Claim, Dock, StageDock
+from dockrl.engines.factory import build_rollout_engine, build_train_engine
 from dockrl.engines.hybrid import HybridActor
+from dockrl.evaluate import evaluate
+from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
-from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, load_optimizer, prepare_checkpoint, save_optimizer, weights_path
+from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint, weights_path
+from dockrl.rewards.guard import build_scorer
+from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.dynamic_sampling import groups_per_round
@@ -189,8 +194,6 @@ def build_hybrid_worker(cfg: Config, model_path: Path, ranks: ProcessRanks, *, o
     Raises:
         ValueError: ``optimizer_from`` has no optimizer state for this rank.
     """
-    from dockrl.engines.factory import build_rollout_engine, build_train_engine
-
     train = build_train_engine(cfg, model_path, ranks)
     if optimizer_from is not None:
         load_optimizer(train, optimizer_from, rank=ranks.rank)
@@ -209,10 +212,6 @@ def run_hybrid(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     its shards; each rank its own optimizer state). The evaluations run on rank 0, as the
     rollout process's do.
     """
-    from dockrl.evaluate import evaluate
-    from dockrl.rewards.guard import build_scorer
-    from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
-
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
     rank, world = ranks.rank, ranks.world_size  # joined by the entry point: parallel.tp × pp × dp ranks, one process each

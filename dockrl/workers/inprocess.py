@@ -17,14 +17,18 @@ from typing import TYPE_CHECKING, Callable, Literal
 from dockrl.config import Config
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks, shares_actor_module
-from dockrl.engines.hf import load_tokenizer
+from dockrl.engines.hf_load import load_tokenizer
+from dockrl.evaluate import evaluate
+from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
-from dockrl.resume import final_dir, load_optimizer, prepare_checkpoint, save_optimizer, seed_iteration, weights_path
+from dockrl.resume import final_dir, prepare_checkpoint, weights_path
 from dockrl.rewards.guard import Scorer, build_scorer
+from dockrl.seeding import seed_iteration
 from dockrl.stages import load, run_stages
 from dockrl.workers.actor import ActorWorker
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.dynamic_sampling import SideBySide, StageWorker, groups_per_round
+from dockrl.workers.hybrid import build_hybrid_worker
 from dockrl.workers.rollout import RolloutWorker
 
 if TYPE_CHECKING:
@@ -92,9 +96,6 @@ class InProcessStages:
         self.rollout_engine: RolloutEngine
         self.actor: TrainEngine | HybridActor
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
-            # imported here: megatron and vLLM load only for a hybrid run
-            from dockrl.workers.hybrid import build_hybrid_worker
-
             hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
             self.rollout_engine, self.actor, self.close_actor = hybrid.actor.rollout_engine, hybrid.actor, hybrid.actor.close
             stages: tuple[StageWorker, StageWorker] = hybrid.generation, hybrid.update
@@ -126,9 +127,6 @@ class InProcessStages:
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
-        # imported here: the evaluation's module imports the run setup, which sits above the stages
-        from dockrl.evaluate import evaluate
-
         return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag)
 
     def run_iteration(self, iteration: int) -> dict[str, float]:

@@ -23,7 +23,13 @@ import sys
 import torch
 
 from dockrl.config import load_config, load_config_text, resolve_auto
+from dockrl.dock import GRPO_SCHEMA
+from dockrl.dock.client import DockClient
+from dockrl.dock.warehouse_stores import make_warehouse
+from dockrl.engines.factory import process_ranks
+from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, wait_for_shards, watch_driver
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV, local_rank, replica
+from dockrl.run_setup import seed_everything
 from dockrl.stages import STAGES, load, stage
 
 
@@ -49,13 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     row = stage(args.stage)
     if row.weight_sync and not args.weight_sync:
         parser.error(f"--stage {args.stage} needs --weight-sync host:port")
-
-    from dockrl.dock import GRPO_SCHEMA
-    from dockrl.dock.client import DockClient
-    from dockrl.dock.warehouse import make_warehouse
-    from dockrl.engines.factory import process_ranks
-    from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, wait_for_shards, watch_driver
-    from dockrl.run_setup import seed_everything
 
     if args.config_env:
         text = os.environ.get(args.config_env)

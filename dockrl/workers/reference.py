@@ -12,6 +12,7 @@ from dockrl.dock import Dock, StageDock
 from dockrl.engines.factory import build_reference_engine
 from dockrl.engines.train_engine import TrainEngine
 from dockrl.parallel.ranks import ProcessRanks
+from dockrl.run_setup import resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 from dockrl.workers.inprocess import InProcessContext, InProcessParts
 
@@ -47,8 +48,6 @@ class ReferenceWorker:
 
 def run_reference(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reference`` stage process: log-probs under the initial weights every iteration (``REFERENCE``)."""
-    from dockrl.run_setup import resolve_model
-
     worker = ReferenceWorker.from_config(build_reference_engine(cfg, resolve_model(cfg), ranks), cfg)
     serve_iterations(dock, Report.REFERENCE, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
                      seed=cfg.trainer.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))

@@ -15,8 +15,10 @@ import torch
 from dockrl.algorithms.dapo import overlong_penalty
 from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig
 from dockrl.dock import Dock, StageDock
+from dockrl.engines.hf_load import load_tokenizer
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
+from dockrl.run_setup import resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.dynamic_sampling import SideBySide, divisor_at_most, groups_per_round
@@ -119,9 +121,6 @@ class RewardWorker:
 
 def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reward`` stage process: score and compute the advantages of every iteration (``REWARD``)."""
-    from dockrl.engines.hf import load_tokenizer
-    from dockrl.run_setup import resolve_model
-
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm)
     reward = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model, cfg)

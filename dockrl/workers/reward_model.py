@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
+from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.reward_model import HFRewardModel, build_reward_model
 from dockrl.parallel.ranks import ProcessRanks
+from dockrl.run_setup import resolve_model, resolve_reward_model
 from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
 from dockrl.workers.dynamic_sampling import divisor_at_most, groups_per_round
 from dockrl.workers.inprocess import InProcessContext, InProcessParts
-
-if TYPE_CHECKING:  # transformers loads only in the process that runs this stage
-    from dockrl.engines.reward_model import HFRewardModel
 
 
 class RewardModelWorker:
@@ -60,10 +59,6 @@ class RewardModelWorker:
 
 def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reward-model`` stage process: score every iteration's responses (``REWARD_MODEL``)."""
-    from dockrl.engines.hf import load_tokenizer
-    from dockrl.engines.reward_model import build_reward_model
-    from dockrl.run_setup import resolve_model, resolve_reward_model
-
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     worker = RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)
     serve_iterations(dock, Report.REWARD_MODEL, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
@@ -73,9 +68,5 @@ def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: 
 
 def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
     """The stage in-process: it scores with the rollout, before the reward stage that waits for it."""
-    # imported here, as in run_reward_model: transformers loads only where this stage runs; run_setup sits above the stages
-    from dockrl.engines.reward_model import build_reward_model
-    from dockrl.run_setup import resolve_reward_model
-
     return InProcessParts(sample=[RewardModelWorker.from_config(build_reward_model(ctx.cfg, resolve_reward_model(ctx.cfg), ctx.tokenizer,
                                                                                    ctx.ranks), ctx.cfg)])

@@ -21,9 +21,15 @@ from typing import Sequence
 
 from dockrl.config import Config, RolloutConfig
 from dockrl.dock import Dock, StageDock
-from dockrl.engines.hf import Sample
-from dockrl.engines.rollout_engine import RolloutEngine
+from dockrl.engines.factory import build_rollout_engine, receive_params
+from dockrl.engines.layer_loader import WholeLayerLoader
+from dockrl.engines.rollout_engine import RolloutEngine, Sample
+from dockrl.engines.weight_sync import WeightChannel
+from dockrl.evaluate import evaluate
 from dockrl.parallel.ranks import ProcessRanks
+from dockrl.resume import generated_through, held_open, resumed_at, weights_path
+from dockrl.rewards.guard import build_scorer
+from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations
 from dockrl.workers.dynamic_sampling import GATE, divisor_at_most, groups_per_round
 
@@ -247,14 +253,6 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     iteration is a ``RolloutWorker.run_pass``, and ``rollout/oldest_policy_version`` is the oldest
     update in the weights of a response it finished (a continued one's first segment's). The driver opens the first iteration once
     ``EVAL_BEFORE`` is reported, so ``first_wait_s`` is not needed here."""
-    from dockrl.engines.factory import build_rollout_engine, receive_params
-    from dockrl.engines.layer_loader import WholeLayerLoader
-    from dockrl.engines.weight_sync import WeightChannel
-    from dockrl.evaluate import evaluate
-    from dockrl.resume import generated_through, held_open, resumed_at, weights_path
-    from dockrl.rewards.guard import build_scorer
-    from dockrl.run_setup import load_run_prompts, resolve_data, resolve_model
-
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
     engine = build_rollout_engine(cfg, weights_path(cfg, model_path), ranks)

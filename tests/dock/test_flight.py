@@ -26,19 +26,26 @@ from hypothesis import strategies as st
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, open_dock
 from dockrl.dock.client import DockClient
-from dockrl.dock.flight import (
-    WIRE_VERSION,
-    DockShardServer,
+from dockrl.dock.flight import serve_shard, start_local_shards
+from dockrl.dock.flight_server import DockShardServer
+from dockrl.dock.flight_transport import FlightTransport
+from dockrl.dock.flight_wire import (
     claim_fixed_part,
+    decode_claim,
+    decode_claim_result,
+    decode_exchange,
+    decode_put,
     dock_error_to_flight,
     encode_claim,
+    encode_claim_result,
+    encode_exchange,
     encode_put,
     raise_dock_error,
-    serve_shard,
-    start_local_shards,
 )
-from dockrl.dock.shard import ClaimRequest, shard_ranges
-from dockrl.dock.warehouse import DirectoryWarehouse, Warehouse
+from dockrl.dock.shard_layout import shard_ranges
+from dockrl.dock.shard_requests import WIRE_VERSION, ClaimRequest
+from dockrl.dock.warehouse import Warehouse
+from dockrl.dock.warehouse_stores import DirectoryWarehouse
 
 TOKEN = "test-token"
 TOKENS = pa.list_(pa.int32())
@@ -544,7 +551,7 @@ def test_calls_without_the_right_token_are_rejected(shards, token):
 
 
 def test_shard_without_token_accepts_every_call(caplog):
-    with caplog.at_level("WARNING", logger="dockrl.dock.flight"):
+    with caplog.at_level("WARNING", logger="dockrl.dock.flight_server"):
         servers, locations = start_local_shards(1, GRPO_SCHEMA)
     assert "WITHOUT authentication" in caplog.text and "--token-env DOCKRL_DOCK_TOKEN" in caplog.text
     try:
@@ -701,7 +708,8 @@ def test_cli_refuses_a_bind_beyond_loopback_without_a_token(host, capsys):
 
 def test_a_put_table_chunked_unevenly_writes_every_row():
     """A shard's put of a table whose columns are chunked differently writes all its rows, not the first batch's."""
-    from dockrl.dock.shard import ShardService, row_runs, runs_rows
+    from dockrl.dock.rows import row_runs, runs_rows
+    from dockrl.dock.shard import ShardService
 
     svc = ShardService(GRPO_SCHEMA, name="local://test")
     svc.action("open_iteration", {"iteration": 0, "num_rows": 8, "group_size": 4, "first_row": 0, "stop_row": 8,
@@ -717,7 +725,6 @@ def test_a_put_table_chunked_unevenly_writes_every_row():
 
 def test_the_claim_cycle_messages_round_trip():
     """The binary claim ticket, claim result and put descriptor decode to what was encoded."""
-    from dockrl.dock.flight import decode_claim, decode_claim_result, decode_put, encode_claim_result
 
     req = ClaimRequest(3, "actor", ("prompt_ids", "advantages"), 32, 16, True, None, "host:1:ab", "l" * 32, 90.0, True)
     cache: dict = {}
@@ -732,7 +739,6 @@ def test_the_claim_cycle_messages_round_trip():
     assert decode_put(encode_put(4, None)) == (4, None)
     assert decode_put(encode_put(4, ("reward", "lease-1"))) == (4, ("reward", "lease-1"))
     assert decode_put(b'{"iteration": 4, "ack": {"consumer": "reward", "lease": "x"}}') == (4, ("reward", "x"))
-    from dockrl.dock.flight import decode_exchange, encode_exchange
 
     put, ticket = decode_exchange(encode_exchange(encode_put(4, ("reward", "lease-1")), encode_claim(req, fixed)))
     assert decode_put(put) == (4, ("reward", "lease-1")) and decode_claim(ticket, cache) == req
@@ -741,7 +747,6 @@ def test_the_claim_cycle_messages_round_trip():
 def test_the_decoders_read_the_version_before_the_length():
     """A message of another version is refused by name even when shorter than this version's header; a short or
     empty claim answer is a DockError naming the shard, not a struct.error."""
-    from dockrl.dock.flight import decode_claim, decode_claim_result, decode_put, encode_claim_result
 
     other = bytes([WIRE_VERSION + 1])
     with pytest.raises(DockError, match=f"claim: the client speaks dock wire version {WIRE_VERSION + 1}; this shard"):
@@ -752,7 +757,6 @@ def test_the_decoders_read_the_version_before_the_length():
         decode_claim(CLAIM_TICKET[:10], {})
     with pytest.raises(DockError, match="malformed put descriptor"):
         decode_put(PUT_DESCRIPTOR[:6])
-    from dockrl.dock.flight import decode_exchange, encode_exchange
 
     exchange = encode_exchange(PUT_DESCRIPTOR, CLAIM_TICKET)
     with pytest.raises(DockError, match=f"put: the client speaks dock wire version {WIRE_VERSION + 1}; this shard"):
@@ -771,7 +775,6 @@ def test_the_decoders_read_the_version_before_the_length():
 
 def test_an_ack_is_flagged_whatever_its_consumer():
     """The put descriptor flags an ack: an ack with an empty consumer is kept (and refused by the shard by name)."""
-    from dockrl.dock.flight import decode_put
 
     assert decode_put(encode_put(1, ("", "lease-1"))) == (1, ("", "lease-1"))
     assert decode_put(encode_put(1, ("", ""))) == (1, ("", ""))
@@ -811,8 +814,6 @@ class FakeShard(flight.FlightServerBase):
 
 
 def transport_calls(transport):
-    from dockrl.dock.flight import FlightTransport
-
     assert isinstance(transport, FlightTransport)
     req = ClaimRequest(0, "reward", ("prompt_ids",), 1, 0, False, 0.0, "raw", None, 60.0, False)
     batch = pa.record_batch([pa.array([0], type=pa.int64())], names=["row"])
@@ -825,7 +826,6 @@ def transport_calls(transport):
 def test_a_shard_of_another_wire_version_is_refused_by_name(version, call):
     """A client whose put or claim fails on a shard of another release (a fake one here: wire version 1 answers no
     ``wire_version`` in ``describe``) raises a DockError naming the shard and both versions."""
-    from dockrl.dock.flight import FlightTransport
 
     shard = FakeShard(version)
     transport = FlightTransport(shard.location)
@@ -846,8 +846,6 @@ def test_a_shard_of_another_wire_version_is_refused_by_name(version, call):
 
 
 def test_the_wire_version_is_asked_once_and_errors_of_a_shard_of_this_version_pass_unchanged():
-    from dockrl.dock.flight import FlightTransport
-
     shard = FakeShard(WIRE_VERSION)
     transport = FlightTransport(shard.location)
     try:
@@ -863,8 +861,6 @@ def test_the_wire_version_is_asked_once_and_errors_of_a_shard_of_this_version_pa
 
 @pytest.mark.parametrize("batches, what", [(0, "no record batch"), (2, "more than one record batch")])
 def test_a_claim_answer_that_is_not_one_batch_names_the_shard(batches, what):
-    from dockrl.dock.flight import FlightTransport
-
     shard = FakeShard(WIRE_VERSION, answer=batches)
     transport = FlightTransport(shard.location)
     try:
@@ -889,8 +885,6 @@ def test_a_put_of_no_rows_sends_nothing(shards):
 
 
 def test_an_unreachable_shard_fails_as_itself_without_a_version_check():
-    from dockrl.dock.flight import FlightTransport
-
     shard = FakeShard(WIRE_VERSION)
     location = shard.location
     shard.shutdown()

@@ -12,7 +12,7 @@ import pytest
 from dockrl.dock import GRPO_SCHEMA, DockError
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
-from dockrl.dock.shard import LocalTransport, local_shards
+from dockrl.dock.shard_transport import LocalTransport, local_shards
 
 TOKEN = "inflight-token"
 ROWS, GROUP = 8, 2

@@ -37,6 +37,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 import lease_helpers as lh
 
+import dockrl.dock.controller_core as controller_core
 import dockrl.dock.leases as leases
 import dockrl.dock.shard_controller as controller
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
@@ -57,8 +58,8 @@ TERMS = (1.0, 2.5)
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside ``dockrl.dock.shard_controller`` (it hands the time to ``dockrl.dock.leases``):
-    ``monotonic()`` moves only when told."""
+    """Stands in for the ``time`` module inside ``dockrl.dock.shard_controller`` and ``dockrl.dock.controller_core`` (they hand
+    the time to ``dockrl.dock.leases``): ``monotonic()`` moves only when told."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -201,7 +202,7 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self._real_time = controller.time
-        controller.time = self.clock
+        controller.time = controller_core.time = self.clock
         self.dock: ShardController | None = None
         self.model: Model | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix="lease-machine-")
@@ -211,7 +212,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.snapshots = 0
 
     def teardown(self) -> None:
-        controller.time = self._real_time
+        controller.time = controller_core.time = self._real_time
         self._log.setLevel(self._log_level)
         self.tmp.cleanup()
 

@@ -15,7 +15,7 @@ from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
 from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
-from dockrl.dock.flight import DockShardServer
+from dockrl.dock.flight_server import DockShardServer
 
 TOKEN = "lease-token"
 

@@ -299,7 +299,7 @@ def test_a_snapshot_of_another_payload_place_is_refused_naming_dock_warehouse(tm
 
 def test_a_store_mode_snapshot_outlives_its_iterations_objects(tmp_path):
     """Objects die with their iteration: the snapshot keeps copies and restores them into the new run's store."""
-    from dockrl.dock.warehouse import DirectoryWarehouse
+    from dockrl.dock.warehouse_stores import DirectoryWarehouse
 
     servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, payload="store")
     more, fresh = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, payload="store")

@@ -24,18 +24,17 @@ from dockrl.dock import GRPO_SCHEMA, DockError
 from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
-from dockrl.dock.flight import DockShardServer
+from dockrl.dock.flight_server import DockShardServer
 from dockrl.dock.warehouse import (
-    DirectoryWarehouse,
     Located,
-    S3Warehouse,
     Warehouse,
     WarehouseError,
-    make_warehouse,
     new_key,
     read_cells,
     write_arrays,
 )
+from dockrl.dock.warehouse_s3 import S3Warehouse
+from dockrl.dock.warehouse_stores import DirectoryWarehouse, make_warehouse
 
 TOKEN = "warehouse-test"
 TOKENS = pa.list_(pa.int32())

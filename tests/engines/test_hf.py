@@ -2,7 +2,10 @@ import pytest
 import torch
 
 from dockrl.algorithms import entropy_from_logits
-from dockrl.engines.hf import HFRolloutEngine, HFTrainEngine, micro_batches, pack_rows, pack_sequences, response_log_probs
+from dockrl.engines.hf_logprobs import pack_rows, pack_sequences, response_log_probs
+from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.micro_batching import micro_batches
 
 
 @pytest.fixture(scope="module")

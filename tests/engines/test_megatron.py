@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dockrl.config import AlgorithmConfig
-from dockrl.engines.hf import HFTrainEngine
+from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_to_hf
 from dockrl.engines.train_engine import TrainEngine
 from dockrl.parallel.cpu_device import CudaFactoriesOnCpu

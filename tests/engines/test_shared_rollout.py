@@ -7,7 +7,7 @@ import torch
 
 from dockrl.config import load_config, resolve_auto
 from dockrl.engines import factory
-from dockrl.engines.hf import HFRolloutEngine
+from dockrl.engines.hf_rollout import HFRolloutEngine
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 
@@ -79,11 +79,11 @@ def test_after_an_update_generation_samples_the_new_weights_without_a_copy(tiny_
 
 
 def test_sharing_builds_no_second_model(tiny_model_dir, monkeypatch):
-    from dockrl.engines import hf
+    from dockrl.engines import hf_rollout
 
     _, actor, _ = engines(tiny_model_dir, "rollout.dtype=float32")
     loads = []
-    monkeypatch.setattr(hf, "load_model", lambda *a, **k: loads.append(a) or torch.nn.Linear(1, 1))
+    monkeypatch.setattr(hf_rollout, "load_model", lambda *a, **k: loads.append(a) or torch.nn.Linear(1, 1))
     engine = HFRolloutEngine.sharing(actor.model, actor.tokenizer, tiny_model_dir)
     assert loads == [] and engine.model is actor.model and engine.device == torch.device("cpu")
 

@@ -21,7 +21,8 @@ import yaml
 from packaging.version import Version
 
 from dockrl.launch.kubernetes import ENTRY_POINT
-from dockrl.launch.platform import IMAGE_ARCHITECTURES, IMAGE_NAMES, IMAGE_TAG, PLATFORMS, images_from_kustomization, with_images
+from dockrl.launch.platform import IMAGE_ARCHITECTURES, IMAGE_NAMES, IMAGE_TAG, PLATFORMS
+from dockrl.launch.platform_files import images_from_kustomization, with_images
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = {"npu": "npu", "cuda": "gpu", "cpu": "cpu"}  # folder -> platform preset and image name

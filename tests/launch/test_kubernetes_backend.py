@@ -14,8 +14,10 @@ import pytest
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.tasks import teardown_run
-from dockrl.launch.jobset import jobset_name, member_host, pod_shape, render_jobset, secret_name
-from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod
+from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
+from dockrl.launch.pod_spec import pod_shape
+from dockrl.launch.kubernetes import KubernetesBackend
+from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id

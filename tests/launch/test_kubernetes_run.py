@@ -16,12 +16,14 @@ import yaml
 
 from dockrl import train_task
 from dockrl.config import load_config, load_config_text
+from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
 from dockrl.launch.jobset import jobset_name
-from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend, OwnerPod
+from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend
+from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.tasks import prepare_dataset, resolve_checkpoint
+from dockrl.launch.tasks import prepare_dataset
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id

@@ -141,7 +141,7 @@ time.sleep(120)
 
 def test_dockrl_teardown_of_a_run_folder_stops_what_a_killed_driver_left(tmp_path, monkeypatch, capsys):
     from dockrl.cli import main
-    from dockrl.launch import local
+    from dockrl.launch import local, procfs
 
     monkeypatch.setattr(local, "default_state_dir", lambda: tmp_path / "state")
     run = tmp_path / "run"
@@ -149,12 +149,12 @@ def test_dockrl_teardown_of_a_run_folder_stops_what_a_killed_driver_left(tmp_pat
     driver = __import__("subprocess").Popen([PY, "-c", ORPHAN_DRIVER, str(tmp_path / "state"), str(run)], stdout=-1, text=True)
     assert driver.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 20
-    while len(local.run_processes("run-orphans")) < 4:  # two workers (no lifeline here) and a child each
-        assert time.monotonic() < deadline, local.run_processes("run-orphans")
+    while len(procfs.run_processes("run-orphans")) < 4:  # two workers (no lifeline here) and a child each
+        assert time.monotonic() < deadline, procfs.run_processes("run-orphans")
         time.sleep(0.05)
     driver.kill()
     driver.wait()
-    left = sorted(local.run_processes("run-orphans"))
+    left = sorted(procfs.run_processes("run-orphans"))
     assert main(["runs"]) == 0
     listed = capsys.readouterr().out
     assert f"run-orphans  {run.resolve()}  driver {driver.pid} gone  4 live process(es) {left}" in listed

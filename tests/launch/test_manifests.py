@@ -106,9 +106,9 @@ def test_the_backend_calls_only_what_the_role_allows():
     """Every API call of the Kubernetes backend is covered by a rule of the Role (read from its source)."""
     import inspect
 
-    from dockrl.launch import kubernetes
+    from dockrl.launch import kubernetes, kubernetes_watch
 
-    source = inspect.getsource(kubernetes)
+    source = inspect.getsource(kubernetes) + inspect.getsource(kubernetes_watch)
     called = set(re.findall(r"\.(create|get|list|patch|delete|read)_namespaced_(\w+?)(?:_log)?\(", source))
     assert called == {("create", "secret"), ("patch", "secret"), ("list", "secret"), ("delete", "secret"),
                       ("create", "custom_object"), ("get", "custom_object"), ("patch", "custom_object"),
@@ -193,7 +193,8 @@ def test_a_site_overlay_refuses_to_build_until_the_site_names_its_storage_class(
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_images_are_what_compile_puts_on_the_pipeline(overlay, tmp_path):
-    from dockrl.launch.platform import IMAGE_TAG, PLATFORMS, images_from_kustomization, with_images
+    from dockrl.launch.platform import IMAGE_TAG, PLATFORMS
+    from dockrl.launch.platform_files import images_from_kustomization, with_images
 
     images = images_from_kustomization(MANIFESTS / "overlays" / overlay)
     assert images == {"registry": "ghcr.io/dockrl", "tag": IMAGE_TAG}  # the defaults of this release, pinned
@@ -202,7 +203,8 @@ def test_overlay_images_are_what_compile_puts_on_the_pipeline(overlay, tmp_path)
 
 
 def test_a_site_overlay_sets_registry_tag_and_digest(tmp_path):
-    from dockrl.launch.platform import PLATFORMS, images_from_kustomization, with_images
+    from dockrl.launch.platform import PLATFORMS
+    from dockrl.launch.platform_files import images_from_kustomization, with_images
 
     digest = "sha256:" + "c" * 64
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["../base"], "images": [

@@ -20,11 +20,12 @@ from test_distributed_resume import ROWS_PER_ITERATION, read_rows
 from test_kubernetes_run import LAUNCHER_IP, NS, OWNER, RUN, npu_platform, small_config, use_fake_cluster
 
 from dockrl import driver, train_task
+from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.tasks import prepare_dataset, resolve_checkpoint
+from dockrl.launch.tasks import prepare_dataset
 from dockrl.resume import STATE_FILE, checkpoint_dir, final_dir, prepare_checkpoint, write_driver_state, write_final_state
 
 RUN_SETTINGS = [

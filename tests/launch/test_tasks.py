@@ -12,9 +12,9 @@ import torch
 from dockrl import train_task
 from dockrl.config import ConfigError
 from dockrl.data import generate_problems, write_jsonl
+from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
 from dockrl.launch.tasks import (
     RUN_PARAMETERS,
-    dataset_files,
     evaluate_model,
     export_model,
     local_run_devices,
@@ -22,7 +22,6 @@ from dockrl.launch.tasks import (
     prepare_dataset,
     resolve_overrides,
     run_parameter_defaults,
-    write_checkpoint_pointer,
 )
 
 SMALL = ["data.generate_train=30", "data.generate_test=6"]
@@ -157,7 +156,8 @@ def test_workers_in_another_namespace_than_their_launcher_are_refused(monkeypatc
     """An owner reference cannot cross namespaces: Kubernetes would delete the workers at once."""
     import kubernetes
 
-    from dockrl.launch.kubernetes import KubernetesBackend, OwnerPod
+    from dockrl.launch.kubernetes import KubernetesBackend
+    from dockrl.launch.launcher_pod import OwnerPod
 
     monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
     monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: "fake core api")

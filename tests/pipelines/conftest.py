@@ -121,6 +121,6 @@ def make_kfp_server():
 
 @pytest.fixture(scope="session")
 def compiled_npu(tmp_path_factory) -> Path:
-    from pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.grpo import compile_pipeline
 
     return compile_pipeline(tmp_path_factory.mktemp("ir") / "grpo-npu.yaml", platform="npu")

@@ -17,7 +17,8 @@ from google.protobuf import json_format
 from kfp.kubernetes.kubernetes_executor_config_pb2 import KubernetesExecutorConfig
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
-from dockrl.launch.platform import CPU_IMAGE, PLATFORMS, Platform, with_images
+from dockrl.launch.platform import CPU_IMAGE, PLATFORMS, Platform
+from dockrl.launch.platform_files import with_images
 from dockrl.launch.tasks import RUN_PARAMETERS, run_parameter_defaults
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -41,7 +42,7 @@ def parse_ir(path: Path):
 
 @pytest.fixture(scope="module")
 def compiled_npu_kubernetes(tmp_path_factory) -> Path:
-    from pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.grpo import compile_pipeline
 
     return compile_pipeline(tmp_path_factory.mktemp("ir") / "grpo-npu-k8s.yaml", platform="npu", worker_backend="kubernetes")
 
@@ -49,8 +50,8 @@ def compiled_npu_kubernetes(tmp_path_factory) -> Path:
 def test_importing_the_pipeline_module_compiles_nothing():
     import importlib
 
-    sys.modules.pop("pipelines.grpo", None)
-    module = importlib.import_module("pipelines.grpo")
+    sys.modules.pop("dockrl.pipelines.grpo", None)
+    module = importlib.import_module("dockrl.pipelines.grpo")
     assert not hasattr(module, "grpo")  # compiled when asked (build_pipeline / compile_pipeline), not at import
 
 
@@ -124,7 +125,7 @@ def test_evaluate_runs_on_the_accelerator_image_with_one_device_and_the_rollout_
 
 @pytest.mark.parametrize("platform, worker_backend", [(p, b) for p in ("npu", "gpu", "cpu") for b in ("local", "kubernetes")])
 def test_every_task_lands_only_on_nodes_of_an_architecture_its_image_is_built_for(platform, worker_backend, tmp_path):
-    from pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.grpo import compile_pipeline
 
     preset = PLATFORMS[platform]
     _, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform=platform, worker_backend=worker_backend))
@@ -142,7 +143,7 @@ def test_every_task_lands_only_on_nodes_of_an_architecture_its_image_is_built_fo
 def test_an_image_built_for_none_of_the_platforms_architectures_is_refused(tmp_path):
     import dataclasses
 
-    from pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.grpo import compile_pipeline
 
     arm_gpu = dataclasses.replace(PLATFORMS["gpu"], architectures=("arm64",))
     with pytest.raises(ValueError, match=r"architectures=\('arm64',\), but image dockrl-gpu is built for \('amd64',\) only"):
@@ -232,7 +233,7 @@ def test_steps_run_in_order_inside_an_exit_handler_that_tears_workers_down(compi
 
 @pytest.mark.parametrize("platform, resource", [("gpu", "nvidia.com/gpu"), ("cpu", None)])
 def test_other_platforms(platform, resource, tmp_path):
-    from pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.grpo import compile_pipeline
 
     spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / f"{platform}.yaml", platform=platform))
     train = deployment.executors["exec-train"].container
@@ -252,7 +253,7 @@ def test_other_platforms(platform, resource, tmp_path):
 
 
 def test_images_registry_tag_digest_and_pull_secret_are_compile_settings(tmp_path):
-    from pipelines.grpo import PipelineSettings, Requests, compile_pipeline
+    from dockrl.pipelines.grpo import PipelineSettings, Requests, compile_pipeline
 
     digest = "sha256:" + "ab" * 32
     platform = with_images(PLATFORMS["npu"], registry="registry.example.com/ml", tag="0.2.0", digests={"npu": digest},
@@ -290,7 +291,7 @@ def test_bad_image_settings_name_the_field(kwargs, message):
 
 
 def test_bad_settings_name_the_field(tmp_path):
-    from pipelines.grpo import PipelineSettings, Requests, compile_pipeline
+    from dockrl.pipelines.grpo import PipelineSettings, Requests, compile_pipeline
 
     with pytest.raises(ValueError, match="worker_backend: got 'slurm'"):
         compile_pipeline(tmp_path / "x.yaml", worker_backend="slurm")
@@ -307,7 +308,7 @@ def test_bad_settings_name_the_field(tmp_path):
 
 
 def test_the_compiled_backend_can_be_read_back(compiled_npu, compiled_npu_kubernetes, tmp_path):
-    from pipelines.grpo import compiled_worker_backend
+    from dockrl.pipelines.grpo import compiled_worker_backend
 
     assert compiled_worker_backend(compiled_npu) == "local"
     assert compiled_worker_backend(compiled_npu_kubernetes) == "kubernetes"
@@ -368,22 +369,28 @@ def test_cli_compile_takes_the_images_from_an_overlay_and_the_options(tmp_path, 
 
 
 def test_the_wheel_ships_the_pipeline_and_its_components():
-    """The packages pyproject.toml gives setuptools are dockrl's, the pipeline's and the components'
-    (`dockrl pipeline` imports them as installed packages, no source tree needed)."""
+    """The packages pyproject.toml gives setuptools are every package under dockrl/, and the
+    pipeline's and the components' folders (pipelines/, components/ at the top of the repository)
+    as dockrl.pipelines and dockrl.components: `dockrl pipeline` imports them as installed
+    packages, no source tree needed, and the wheel adds no top-level package but dockrl."""
     import tomllib
 
     from setuptools import find_packages
 
     root = Path(__file__).resolve().parents[2]
-    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = set(find_packages(str(root), include=include))
-    assert {"dockrl", "dockrl.launch", "dockrl.dock", "pipelines", "components"} <= packages
-    assert not {p for p in packages if p.split(".")[0] not in ("dockrl", "pipelines", "components")}, packages
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {"dockrl.pipelines": "pipelines", "dockrl.components": "components"}
+    assert config["package-dir"] == mapped
+    for folder in mapped.values():
+        assert (root / folder / "__init__.py").is_file()
+        assert not find_packages(str(root / folder)), f"{folder}/ has a subpackage: list it in pyproject.toml"
+    # a package added under dockrl/ must be listed too (the mapping rules out setuptools' find)
+    assert set(config["packages"]) == set(find_packages(str(root), include=["dockrl", "dockrl.*"])) | set(mapped)
 
 
 def test_train_retries_and_a_sites_platform_file_are_compiled_in(tmp_path):
-    from dockrl.launch.platform import platform_from_file
-    from pipelines.grpo import PipelineSettings, compile_pipeline
+    from dockrl.launch.platform_files import platform_from_file
+    from dockrl.pipelines.grpo import PipelineSettings, compile_pipeline
 
     site = tmp_path / "site-platform.yaml"
     site.write_text("devices_per_node: 16\nnetwork_interface: net1\nextra_resources: {rdma/hca_shared_devices_a: '1'}\n"

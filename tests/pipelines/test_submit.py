@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dockrl import pipeline_cli
-from pipelines.submit import PipelineError, check_host, schedule, submit, validate_cron
+from dockrl.pipelines.submit import PipelineError, check_host, schedule, submit, validate_cron
 
 OVERRIDES = ["trainer.iterations=3", "trainer.lr=5e-6"]
 
@@ -71,7 +71,7 @@ def test_cli_submit_for_stage_pods_compiles_a_launcher_without_accelerators(kfp_
 
 @pytest.fixture(scope="module")
 def compiled_kubernetes(tmp_path_factory):
-    from pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.grpo import compile_pipeline
 
     return compile_pipeline(tmp_path_factory.mktemp("ir") / "k8s.yaml", platform="npu", worker_backend="kubernetes")
 
@@ -220,7 +220,7 @@ def test_bad_override_is_rejected_before_connecting(kfp_server, capsys):
 
 def test_api_refusal_names_the_status(kfp_server, compiled_npu, monkeypatch):
     kfp_server.experiments["dockrl"] = "exp-1"
-    monkeypatch.setattr("pipelines.submit._package", lambda p: str(p))
+    monkeypatch.setattr("dockrl.pipelines.submit._package", lambda p: str(p))
     import kfp
 
     def refuse(self, **kwargs):

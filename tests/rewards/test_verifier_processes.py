@@ -27,7 +27,7 @@ if __name__ == "__main__":
 
 def descendants(pid: int) -> list[int]:
     """Live processes below ``pid`` (by parent pid), and those that carry its process group."""
-    from dockrl.launch.local import live_processes
+    from dockrl.launch.procfs import live_processes
 
     procs = live_processes()
     out, todo = set(), [pid]

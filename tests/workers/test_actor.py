@@ -6,7 +6,8 @@ import torch
 
 from dockrl.algorithms import policy_loss
 from dockrl.config import AlgorithmConfig
-from dockrl.engines.hf import HFTrainEngine, response_log_probs
+from dockrl.engines.hf_logprobs import response_log_probs
+from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.workers.actor import accumulate_mini_batch, rollout_log_prob_diff
 
 
@@ -79,7 +80,7 @@ def test_micro_batches_by_length_give_the_loss_and_gradient_of_consecutive_ones(
     token budget: more or fewer of them) give the loss, the metrics, the gradient and the
     on-policy old log-probs (in the mini-batch's row order) of micro-batches of consecutive rows
     (the engine's default), up to float rounding."""
-    from dockrl.engines import hf
+    from dockrl.engines import micro_batching
 
     algo = AlgorithmConfig(loss_agg_mode=loss_agg, **extra)
     results = {}
@@ -97,12 +98,12 @@ def test_micro_batches_by_length_give_the_loss_and_gradient_of_consecutive_ones(
                 batch["prompt_ids"], batch["response_ids"], temperature=1.0, micro_batch=12)]
         batch["rollout_log_prob"] = [[-2.0] * len(r) for r in batch["response_ids"]]
         lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
-        assert hf.micro_batches(lengths, 4) == _consecutive(lengths, 4)  # the default
+        assert micro_batching.micro_batches(lengths, 4) == _consecutive(lengths, 4)  # the default
         assert _by_length(lengths, 4) != _consecutive(lengths, 4)
-        assert hf.micro_batches(lengths, 4, 60) not in (_consecutive(lengths, 4), _by_length(lengths, 4))
+        assert micro_batching.micro_batches(lengths, 4, 60) not in (_consecutive(lengths, 4), _by_length(lengths, 4))
         with monkeypatch.context() as patch:
             if mode == "by length":
-                patch.setattr(hf, "micro_batches", _by_length)
+                patch.setattr(micro_batching, "micro_batches", _by_length)
             engine.optimizer.zero_grad()
             m = accumulate_mini_batch(engine, batch, algo=algo, temperature=1.0, micro_batch=4, horizon=32,
                                       micro_batch_tokens=60 if mode == "token budget" else 0)

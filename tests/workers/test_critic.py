@@ -8,7 +8,7 @@ from critic_helpers import engine_of, rows
 
 from dockrl.config import AlgorithmConfig, CriticConfig, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError, open_dock
-from dockrl.engines.hf import micro_batches
+from dockrl.engines.micro_batching import micro_batches
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.critic import CriticWorker, accumulate_value_mini_batch
 

@@ -22,7 +22,7 @@ from dockrl.dock import GRPO_SCHEMA, Dock, open_dock
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.driver import open_with_prompts
-from dockrl.engines.hf import Sample
+from dockrl.engines.rollout_engine import Sample
 from dockrl.workers.advantage import AdvantageWorker
 from dockrl.workers.dynamic_sampling import DynamicSamplingExhausted, SideBySide, divisor_at_most
 from dockrl.workers.reward import RewardWorker

@@ -12,8 +12,9 @@ import torch
 from dockrl.config import RolloutConfig
 from dockrl.dock import GRPO_SCHEMA, DockError
 from dockrl.dock.client import DockClient
-from dockrl.dock.shard import LocalTransport, local_shards
-from dockrl.engines.hf import HFRolloutEngine, Sample
+from dockrl.dock.shard_transport import LocalTransport, local_shards
+from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.rollout_engine import Sample
 from dockrl.workers.rollout import RolloutWorker
 
 GROUP, GROUPS, BUDGET, MAX_LEN = 2, 4, 3, 8

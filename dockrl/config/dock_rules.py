@@ -1,0 +1,48 @@
+"""The ``dock`` section's rules: the warehouse's directory, and the S3 endpoint, bucket, prefix and key
+variables of ``dock.warehouse=s3`` (``s3_endpoint`` also reads an endpoint for the checkpoint's snapshot).
+"""
+
+from __future__ import annotations
+
+import re
+
+from dockrl.config.errors import _fail
+from dockrl.config.run_sections import DockConfig
+
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PREFIX = re.compile(r"([A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*)?")
+
+
+def s3_endpoint(value: str, secure: bool, where: str) -> tuple[str, bool]:
+    """``(host:port, secure)`` of an S3 endpoint given as ``host:port`` or ``http(s)://host:port``.
+
+    Raises:
+        ConfigError: empty, another scheme, a path, or not a host with an optional port.
+    """
+    endpoint = value
+    scheme, sep, rest = value.partition("://")
+    if sep:
+        if scheme not in ("http", "https"):
+            raise _fail(where, value, "expected host:port or an http:// or https:// URL")
+        endpoint, secure = rest.rstrip("/"), scheme == "https"
+    if not _HOST_PORT.fullmatch(endpoint):
+        raise _fail(where, value, "expected host:port of the S3 endpoint, e.g. minio.kubeflow:9000 (no path)")
+    return endpoint, secure
+
+
+def _check_dock(k: DockConfig) -> None:
+    if k.warehouse == "directory" and not k.directory.strip():
+        raise _fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
+    if k.warehouse != "s3":
+        return
+    if k.endpoint:
+        s3_endpoint(k.endpoint, k.secure, "dock.endpoint")
+    if not _BUCKET.fullmatch(k.bucket) or ".." in k.bucket:
+        raise _fail("dock.bucket", k.bucket, "expected an S3 bucket name: 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
+    if not _PREFIX.fullmatch(k.prefix.strip("/")) or any(p in (".", "..") for p in k.prefix.split("/")):
+        raise _fail("dock.prefix", k.prefix, "expected '/'-separated names of A-Za-z0-9 . _ - (no empty, '.' or '..' parts)")
+    for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
+        if not _ENV_NAME.fullmatch(name):
+            raise _fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")

@@ -1,0 +1,123 @@
+"""Training on torch + transformers: ``HFTrainEngine``, the actor (or frozen reference) on one device.
+
+It computes per-token log-probs of given responses (``hf_logprobs.response_log_probs``) and runs
+GRPO updates on them (``micro_batching``: micro-batch loops, AdamW, a clipped step), on any local
+HF causal-LM directory (Llama, Qwen2, ...). The model is moved to ``device`` (the process's device
+from the layout, ``dockrl.parallel.device.process_device``) once; each call packs its rows into
+padded host tensors and moves them there in one copy per tensor, and the results come back in one
+copy per call (never a transfer per row).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from dockrl.engines.hf_load import load_model, load_tokenizer
+from dockrl.engines.hf_logprobs import packing_works, response_log_probs
+from dockrl.engines.micro_batching import adamw, backward_per_micro_batch, clipped_step, forward_per_micro_batch
+from dockrl.engines.train_engine import LossFn
+
+
+class HFTrainEngine:
+    """The actor (or frozen reference) on torch: fp32 weights, optional bf16 autocast, AdamW.
+
+    Implements ``dockrl.engines.train_engine.TrainEngine``.
+
+    Args:
+        model_path: local HF model directory.
+        trainable: build an optimizer and allow updates (False for the reference).
+        device: where the model computes (the process's device); weights stay fp32 there
+            (the master weights of the update), bf16 only inside autocast.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        trainable: bool,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        autocast_bf16: bool = False,
+        trust_remote_code: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.model = load_model(model_path, "float32", trust_remote_code, self.device)
+        self.autocast_bf16 = autocast_bf16
+        self.grad_clip = grad_clip
+        self.optimizer = None
+        # Eval mode in every forward, also the trained ones: dropout would make the log-probs of
+        # one policy differ between passes (the on-policy ratio ≠ 1, old vs new log-probs noisy).
+        # Zeroing nn.Dropout modules is not enough: attention implementations read
+        # config.attention_dropout and apply it when the module is in train mode (as verl and TRL,
+        # RL runs without any dropout). A causal LM has no other train-mode behaviour.
+        self.model.eval()
+        self.pack = packing_works(self.model, lambda ps, rs, pack: response_log_probs(
+            self.model, ps, rs, pad_id=self.pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0], "the actor's micro-batches")
+        if trainable:
+            self.optimizer = adamw(self.model, lr=lr, weight_decay=weight_decay)
+        else:
+            self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def log_probs(
+        self, prompts, responses, *, temperature: float, micro_batch: int, micro_batch_tokens: int = 0,
+    ) -> list[list[float]]:
+        """Per-token log-probs (nats) of each response, in the caller's row order, computed over
+        micro-batches (``micro_batches``: ``micro_batch`` consecutive rows, or rows sorted by length,
+        at most ``micro_batch_tokens`` tokens each, when > 0); they come back to host memory in one copy for the
+        whole call."""
+        def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> torch.Tensor:
+            return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature,
+                                      autocast_bf16=self.autocast_bf16, pack=self.pack)[0]
+
+        return forward_per_micro_batch(prompts, responses, micro_batch, micro_batch_tokens, forward)
+
+    def forward_backward(
+        self, prompts, responses, *, temperature: float, micro_batch: int, loss_fn: LossFn, entropy_grad: bool = False,
+        micro_batch_tokens: int = 0,
+    ) -> list[Any]:
+        """For each micro-batch (``micro_batches``: ``micro_batch`` consecutive rows, or rows sorted by
+        length, at most ``micro_batch_tokens`` tokens each, when > 0): ``response_log_probs`` (with entropy,
+        differentiable with ``entropy_grad``), ``loss_fn(rows, ...)``, backward.
+
+        Returns:
+            The ``aux`` of each micro-batch, in micro-batch order.
+        """
+        def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+            return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
+                                      with_entropy=True, entropy_grad=entropy_grad, pack=self.pack)
+
+        return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn, micro_batch_tokens)
+
+    def sum_over_replicas(self, values: Sequence[float]) -> list[float]:
+        """One process, one replica: ``values`` unchanged."""
+        return [float(v) for v in values]
+
+    def optimizer_step(self, accumulate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Zero grads, run ``accumulate`` (forward/backward over micro-batches), clip, step.
+
+        Returns:
+            The metrics of ``accumulate`` plus ``actor/grad_norm`` (before clipping).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_step on a frozen engine (trainable=False)")
+        metrics, grad_norm = clipped_step(self.model, self.optimizer, self.grad_clip, accumulate)
+        metrics["actor/grad_norm"] = grad_norm
+        return metrics
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((n, p.detach()) for n, p in self.model.named_parameters())
+
+    def save(self, path: str | Path) -> Path:
+        """Write an HF checkpoint (safetensors + tokenizer) loadable with ``from_pretrained``."""
+        path = Path(path)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path

@@ -1,0 +1,237 @@
+"""What the Kubernetes backend reads in a run's JobSet and worker pods: which one failed or cannot start, and why.
+
+``KubernetesBackend.check`` (``kubernetes.py``) fails the run with ``WorkerFailed`` naming the
+pod, the reason and its log tail when a worker pod
+
+* failed or exited non-zero (``OOMKilled`` and the exit code named), was evicted;
+* is being deleted (drain, preemption: its ``DisruptionTarget`` condition named), vanished,
+  or was replaced by a new pod of the same index;
+* failed to pull its image more than ``Platform.image_pull_retries`` times (the kubelet
+  retries with back-off, so one registry hiccup passes), has an invalid image name or a
+  container that cannot be created;
+* stayed unschedulable past ``Platform.schedule_timeout_s`` (at once if the cluster
+  autoscaler says no node group can fit it), or was scheduled but not started within
+  ``Platform.image_pull_timeout_s`` (pulls of a large image take long: they get their own
+  clock); time queued for admission (Kueue suspends the JobSet; a Volcano PodGroup waits
+  ``Pending``) counts against ``Platform.queue_timeout_s`` instead;
+
+and when the JobSet itself failed (its deadline, its failure policy) or was deleted. ``RunWatch``
+looks; the backend decides when (``check``: at most every ``poll_s``; ``wait_ready``: until every
+member runs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Sequence
+
+from dockrl.launch.backend import WorkerFailed
+from dockrl.launch.jobset import GROUP_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, VOLCANO_GROUP, VOLCANO_PLURAL, VOLCANO_VERSION
+from dockrl.launch.platform import Platform
+from dockrl.launch.pod_spec import COMPLETION_INDEX, CONTAINER
+
+logger = logging.getLogger(__name__)
+
+PULL_FAILED = ("ErrImagePull", "ImagePullBackOff")
+"""Waiting reasons of a failed image pull: the kubelet retries, so they count against a budget."""
+FATAL_WAITING = {"InvalidImageName", "CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+"""Waiting reasons that will not resolve by waiting."""
+NO_SCALE_UP = "NotTriggerScaleUp"
+"""Cluster autoscaler event: no node group can ever fit the pod."""
+
+
+def get_field(obj: Any, *path: str) -> Any:
+    """``obj.a.b`` of a client model (or ``obj["a"]["b"]`` of a dict), None where a part is unset."""
+    for key in path:
+        if obj is None:
+            return None
+        obj = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+    return obj
+
+
+def api_exception() -> Any:
+    """The kubernetes client's ``ApiException`` (the client is imported on first use)."""
+    from kubernetes.client.exceptions import ApiException  # lazy: the kubernetes client is the kfp extra
+
+    return ApiException
+
+
+class RunWatch:
+    """The Kubernetes backend's look at a run's JobSet and pods: the first failure, if any, and what
+    it remembers between two looks (the first pod of each member, when each pod entered a phase,
+    what it warned about already).
+
+    Args:
+        core_api, custom_api: ``kubernetes.client.CoreV1Api`` / ``CustomObjectsApi`` (or fakes).
+        namespace: the run's namespace.
+        name: its JobSet's (and PodGroup's) name.
+        selector: the label selector of its objects.
+        platform: its scheduler, image pull retries and timeouts.
+        log_lines: lines of a failed worker's log in its error.
+    """
+
+    def __init__(self, core_api: Any, custom_api: Any, *, namespace: str, name: str, selector: str, platform: Platform,
+                 log_lines: int):
+        self.core, self.custom, self.namespace, self.name, self.selector = core_api, custom_api, namespace, name, selector
+        self.platform, self.log_lines = platform, log_lines
+        self.members: dict[tuple[str, str], tuple[str, str]] = {}  # (group, index) -> (pod name, uid) first seen
+        self.since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
+        self.warned: set[tuple[str, str]] = set()
+
+    def log_tail(self, pod: str) -> str:
+        ApiException = api_exception()
+        try:
+            return self.core.read_namespaced_pod_log(name=pod, namespace=self.namespace, container=CONTAINER,
+                                                     tail_lines=self.log_lines)
+        except ApiException as err:
+            return f"(no log: HTTP {err.status} {err.reason})"
+
+    def events(self, pod: str) -> list[Any]:
+        return self.core.list_namespaced_event(namespace=self.namespace, field_selector=f"involvedObject.name={pod}").items
+
+    def first_seen(self, uid: str, phase: str, now: float) -> float:
+        return self.since.setdefault((uid, phase), now)
+
+    def jobset(self) -> dict[str, Any] | None:
+        ApiException = api_exception()
+        try:
+            return self.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def podgroup_pending(self) -> bool:
+        """Volcano has not admitted the run's PodGroup yet (its phase is ``Pending``)."""
+        if self.platform.scheduler != "volcano":
+            return False
+        ApiException = api_exception()
+        try:
+            group = self.custom.get_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL, self.name)
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return get_field(group, "status", "phase") in (None, "Pending")
+
+    def pod_failure(self, pod: Any, now: float, queued: bool) -> tuple[int, WorkerFailed] | None:
+        """The most telling failure of one pod with its rank (lower wins), or None."""
+        meta, status = pod.metadata, pod.status
+        name, uid = meta.name, meta.uid
+        group = (meta.labels or {}).get(GROUP_LABEL, "?")
+        if status.phase == "Failed":
+            why = f"pod failed: {status.reason or ''} {status.message or ''}".strip()
+            for cs in status.container_statuses or []:
+                term = get_field(cs, "state", "terminated")
+                if term is not None:
+                    why += f"; container exited with code {term.exit_code} ({term.reason})"
+            return 0, WorkerFailed(group, name, why, self.log_tail(name))
+        conditions = {c.type: c for c in status.conditions or []}
+        for cs in status.container_statuses or []:
+            term, waiting = get_field(cs, "state", "terminated"), get_field(cs, "state", "waiting")
+            if term is not None and term.exit_code != 0:
+                return 0, WorkerFailed(group, name, f"exited with code {term.exit_code} ({term.reason})", self.log_tail(name))
+            if cs.restart_count:
+                return 0, WorkerFailed(group, name, f"restarted {cs.restart_count}x: a restarted worker has lost its state",
+                                       self.log_tail(name))
+            if waiting is not None and waiting.reason in FATAL_WAITING:
+                return 1, WorkerFailed(group, name, f"{waiting.reason}: {waiting.message or ''}".strip(), "")
+            if waiting is not None and waiting.reason in PULL_FAILED:
+                failed = [e for e in self.events(name) if (e.message or "").startswith("Failed to pull image")]
+                attempts = sum(e.count or 1 for e in failed)
+                if attempts > self.platform.image_pull_retries:
+                    last = failed[-1].message if failed else waiting.message
+                    return 1, WorkerFailed(group, name, f"{waiting.reason}: image pull failed {attempts} times (more than "
+                                           f"Platform.image_pull_retries={self.platform.image_pull_retries}): {last}", "")
+                if (uid, "pull") not in self.warned:
+                    self.warned.add((uid, "pull"))
+                    logger.warning("worker pod %s: %s (%s); the kubelet retries", name, waiting.reason, waiting.message)
+        if meta.deletion_timestamp is not None:
+            disruption = conditions.get("DisruptionTarget")
+            why = f"{disruption.reason}: {disruption.message}" if disruption is not None else "deleted"
+            return 2, WorkerFailed(group, name, f"pod is being deleted ({why}); a worker that goes away ends the run",
+                                   self.log_tail(name))
+        if status.phase != "Pending":
+            return None
+        scheduled = conditions.get("PodScheduled")
+        if scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable":
+            if queued:  # waiting for Volcano's admission, not for a node
+                return None
+            since = self.first_seen(uid, "unschedulable", now)
+            no_fit = [e for e in self.events(name) if e.reason == NO_SCALE_UP]
+            if no_fit:
+                return 3, WorkerFailed(group, name, f"Unschedulable, and the cluster autoscaler adds no node for it: "
+                                       f"{no_fit[-1].message}", "")
+            if now - since > self.platform.schedule_timeout_s:
+                return 3, WorkerFailed(group, name, f"Unschedulable for {now - since:.0f} s (more than Platform.schedule_timeout_s="
+                                       f"{self.platform.schedule_timeout_s}): {scheduled.message}", "")
+            if (uid, "unschedulable") not in self.warned:
+                self.warned.add((uid, "unschedulable"))
+                logger.warning("worker pod %s unschedulable: %s; failing in %d s unless a node frees up", name,
+                               scheduled.message, self.platform.schedule_timeout_s)
+        elif scheduled is not None and scheduled.status == "True":
+            since = self.first_seen(uid, "starting", now)
+            if now - since > self.platform.image_pull_timeout_s:
+                waiting = [f"{get_field(cs, 'state', 'waiting', 'reason')}" for cs in status.container_statuses or []]
+                return 3, WorkerFailed(group, name, f"scheduled but not started after {now - since:.0f} s (more than "
+                                       f"Platform.image_pull_timeout_s={self.platform.image_pull_timeout_s}): {waiting}", "")
+        return None
+
+    def look(self, now: float) -> list[Any]:
+        """One look at the JobSet and its pods; raises on a failure, returns the pods."""
+        jobset = self.jobset()
+        if jobset is None:
+            raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
+        suspended = bool(get_field(jobset, "spec", "suspend"))
+        queued = suspended or self.podgroup_pending()
+        if queued:
+            since = self.first_seen(self.name, "queued", now)
+            if now - since > self.platform.queue_timeout_s:
+                where = f"queue {self.platform.queue!r}" if self.platform.queue else "the scheduler's queue"
+                raise WorkerFailed("jobset", self.name, f"not admitted by {self.platform.scheduler} ({where}) within "
+                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s")
+        else:
+            self.since.pop((self.name, "queued"), None)  # admitted: scheduling clocks run from here
+        pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
+        failures = [f for f in (self.pod_failure(p, now, queued) for p in pods) if f is not None]
+        failures += self.replaced(pods)
+        first = min(failures, key=lambda f: f[0]) if failures else None
+        if first is not None and first[0] <= 1:  # a worker that failed by itself says the most
+            raise first[1]
+        state = get_field(jobset, "status", "terminalState")
+        failed = [c for c in get_field(jobset, "status", "conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"]
+        if state == "Failed" or failed:  # before pods that vanished with it (its deadline, its failure policy)
+            why = "; ".join(f"{c.get('reason')}: {c.get('message')}" for c in failed) or "terminal state Failed"
+            raise WorkerFailed("jobset", self.name, f"JobSet failed ({why})")
+        if first is not None:
+            raise first[1]
+        return pods
+
+    def replaced(self, pods: Sequence[Any]) -> list[tuple[int, WorkerFailed]]:
+        """Pods of a member (group, index) other than the first seen, and members whose pod vanished."""
+        out: list[tuple[int, WorkerFailed]] = []
+        now_members: dict[tuple[str, str], tuple[str, str]] = {}
+        for pod in pods:
+            meta = pod.metadata
+            key = ((meta.labels or {}).get(GROUP_LABEL, "?"), (meta.annotations or {}).get(COMPLETION_INDEX, "?"))
+            first = self.members.setdefault(key, (meta.name, meta.uid))
+            if first[1] != meta.uid:
+                out.append((2, WorkerFailed(key[0], first[0], f"replaced by pod {meta.name} (the first was deleted or failed: "
+                                            "a drain, a preemption?); a replaced worker has lost its state", "")))
+            now_members[key] = (meta.name, meta.uid)
+        for key, (name, _) in self.members.items():
+            if key not in now_members:
+                out.append((2, WorkerFailed(key[0], name, "pod vanished (deleted); a worker that goes away ends the run", "")))
+        return out
+
+
+def running_members(pods: Sequence[Any]) -> Counter:
+    """Running (or finished) members of each group among ``pods``: every container started."""
+    running: Counter = Counter()
+    for pod in pods:
+        started = all(get_field(cs, "state", "running") is not None or get_field(cs, "state", "terminated") is not None
+                      for cs in pod.status.container_statuses or [None])
+        if pod.status.phase in ("Running", "Succeeded") and started:
+            running[(pod.metadata.labels or {}).get(GROUP_LABEL)] += 1
+    return running
