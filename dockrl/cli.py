@@ -189,7 +189,7 @@ def runs_main(argv: list[str]) -> int:
                               "while their driver runs; a run whose driver was killed stays listed until `dockrl teardown`.")
     args = parser.parse_args(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from dockrl.launch.local import local_runs, teardown_local  # lazy: only `dockrl runs` and `dockrl teardown` need them
+    from dockrl.launch.run_records import local_runs, teardown_local  # lazy: only `dockrl runs` and `dockrl teardown` need them
 
     if argv[0] == "runs":
         runs = local_runs()

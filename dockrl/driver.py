@@ -12,7 +12,7 @@ collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume
 ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint_pruning.py``); then the final checkpoint, the evaluation after
 training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
-(``dockrl.workers.rollout.sync_target`` bounds their staleness).
+(``dockrl.workers.rollout_process.sync_target`` bounds their staleness).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dockrl.config import Config
 from dockrl.data import Prompt
 from dockrl.dock import Dock
 from dockrl.launch.distributed import start_processes
-from dockrl.launch.local import recorded_run
+from dockrl.launch.run_records import recorded_run
 from dockrl.lifeline import sigterm_as_exit
 from dockrl.metrics import MetricsWriter, plot_metrics
 from dockrl.progress import Progress
@@ -101,7 +101,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     for the run's lifetime (``dockrl.run_lock``). A checkpoint whose write an error, Ctrl-C or
     SIGTERM cut short is removed once the stages stopped (``CheckpointInProgress``). While it
     runs, ``dockrl runs`` lists the run: distributed, from the launcher's record; in-process,
-    from a record of its own (``dockrl.launch.local.recorded_run``).
+    from a record of its own (``dockrl.launch.run_records.recorded_run``).
 
     Raises:
         RunLockedError: another live run holds ``run.output_dir``.

@@ -18,21 +18,22 @@ Two ties, each enough alone:
 A worker whose driver is gone logs one error line and kills its whole process group: every
 backend starts a worker in a session of its own, so what it started (vLLM engine processes,
 the reward verifier's pool) stops with it. ``watch_driver`` is the worker side;
-``DriverLease`` the driver side.
+``DriverLease`` the driver side. The Flight half of the lease (``DriverLease``, the
+``shard_lease_quiet`` a worker hands ``watch_driver``, and the readiness probe
+``wait_for_shards``) lives in ``dockrl.driver_lease``, so this module needs no pyarrow.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -199,104 +200,3 @@ class sigterm_as_exit:
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
-
-
-def _flight_options(token: str | None, timeout: float):
-    import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
-
-    return flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())] if token else [], timeout=timeout)
-
-
-def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: float, *, check: Callable[[], None] | None = None) -> None:
-    """Block until every dock shard answers; ``check()`` (a worker backend's: raises when a
-    process died) runs between tries.
-
-    A readiness probe (as a kubelet's): a shard listens only once its process has imported
-    pyarrow, and gRPC offers no readiness event through pyarrow, so it asks every 0.1 s on a
-    fresh connection (a failed channel would otherwise back off for seconds).
-
-    Raises:
-        DockTimeoutError: shards that did not answer within ``timeout_s`` (named).
-        pyarrow.flight.FlightError: a shard answered with an error (a wrong token).
-    """
-    import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
-
-    from dockrl.dock.errors import DockTimeoutError  # lazy: dockrl.dock imports pyarrow
-
-    options, deadline = _flight_options(token, 2.0), time.monotonic() + timeout_s
-    for location in locations:
-        while True:
-            if check is not None:
-                check()
-            client = flight.connect(location)
-            try:
-                list(client.list_actions(options))
-                break
-            except (flight.FlightUnavailableError, flight.FlightTimedOutError):
-                if time.monotonic() > deadline:
-                    raise DockTimeoutError(f"dock shard at {location} did not answer within {timeout_s:.0f} s: its process "
-                                           "or pod did not start, or the run was torn down") from None
-                time.sleep(0.1)
-            finally:
-                client.close()
-
-
-def shard_lease_quiet(location: str, token: str | None, rpc_timeout_s: float = 5.0) -> Callable[[], float]:
-    """``lease_quiet`` for ``watch_driver``: asks the shard at ``location`` (``driver_quiet``)
-    how many seconds ago the driver last renewed its lease. The returned function raises a
-    Flight error when the shard does not answer."""
-    import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
-
-    client = flight.connect(location)
-    options = _flight_options(token, rpc_timeout_s)
-
-    def quiet() -> float:
-        results = list(client.do_action(flight.Action("driver_quiet", b"{}"), options))
-        return float(json.loads(results[0].body.to_pybytes())["quiet_s"])
-
-    return quiet
-
-
-class DriverLease:
-    """The driver's lease on every dock shard: a thread sends ``driver_beat`` to each every
-    ``timeout_s/4`` seconds (at most 5), to shards that do not answer yet too (they may still
-    be starting). ``stop()`` ends it; the shards and workers then stop ``timeout_s`` later
-    unless torn down first.
-
-    Args:
-        locations: ``grpc://host:port`` of every shard.
-        token: the shards' bearer token (None without auth).
-        timeout_s: ``run.driver_timeout_s``.
-    """
-
-    def __init__(self, locations: Sequence[str], token: str | None, timeout_s: float) -> None:
-        import pyarrow.flight as flight  # lazy: the parent tie (rewards, local workers) needs no pyarrow
-
-        self._flight = flight
-        self.period = min(timeout_s / 4, 5.0)
-        self._clients = [flight.connect(loc) for loc in locations]
-        self._options = _flight_options(token, min(self.period, 2.0))
-        self._stop = threading.Event()
-        self.beats = 0
-        self._thread = threading.Thread(target=self._run, name="dockrl-driver-lease", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            for client in self._clients:
-                try:
-                    list(client.do_action(self._flight.Action("driver_beat", b"{}"), self._options))
-                    self.beats += 1
-                except self._flight.FlightError:  # starting, or gone: the driver's own checks report dead shards
-                    pass
-            if self._stop.wait(self.period):
-                return
-
-    def stop(self) -> None:
-        """Stop renewing (the run is over); waits for the thread. Safe to call twice."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        for client in self._clients:
-            client.close()
-        self._clients = []

@@ -65,7 +65,7 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     # in dataflow order: the driver waits for their reports in this order (each may take dock.timeout_s after the one before)
     Stage(name="rollout", kind="hybrid-part", claims=("prompt_ids", "released"), writes=("response_ids", "truncated", "rollout_log_prob"),
-          devices=True, weight_sync=True, reports=(Report.ROLLOUT,), process="dockrl.workers.rollout:run_rollout"),
+          devices=True, weight_sync=True, reports=(Report.ROLLOUT,), process="dockrl.workers.rollout_process:run_rollout"),
     Stage(name="hybrid", kind="process", when="trainer.hybrid", devices=True, trains=True, weight_sync=True, layout=True,
           process="dockrl.workers.hybrid:run_hybrid"),  # its reports are those of its parts, rollout and actor
     Stage(name="reward-model", kind="process", when="reward_model.enable", claims=("prompt_ids", "response_ids"),

@@ -28,7 +28,7 @@ continues with ``run.resume=latest`` (a ``run.resume`` among the overrides wins)
 the failed attempt's folder is set aside as ``<run_id>.attempt-<n>`` and the run starts fresh.
 With ``kubernetes`` the failed attempt's JobSet is torn down first, and gone, before anything
 else (``clear_failed_attempt``): its launcher died before its own teardown, and Argo does not
-reliably run the exit handler before a retry.
+reliably run the exit handler before a retry. Both live in ``dockrl.train_retry``.
 
 Unless the overrides say otherwise, the train step skips the evaluation after training
 (``trainer.eval_after=false``): the pipeline's ``evaluate`` step measures the exported model.
@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import shutil
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -54,10 +53,9 @@ from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
-from dockrl.launch.tasks import TEARDOWN_WAIT_S
-from dockrl.resume import FINAL_DIR, checkpoint_resumes_at, latest_checkpoint
-from dockrl.run_lock import lock_holder
+from dockrl.resume import FINAL_DIR, checkpoint_resumes_at
 from dockrl.run_setup import PACKAGED_MODEL
+from dockrl.train_retry import clear_failed_attempt, prepare_retry
 
 logger = logging.getLogger(__name__)
 
@@ -182,67 +180,6 @@ def shared_mount(platform: str | Platform) -> Path | None:
     if p.shared_volume_claim and Path(p.shared_mount_path).is_dir():
         return Path(p.shared_mount_path)
     return None
-
-
-def prepare_retry(out: Path, run_id: str, *, resume_given: bool = False) -> Path | None:
-    """Where a train task starts in its run folder ``out`` (``<shared>/runs/<run_id>``, which only
-    an earlier, failed attempt of the same pipeline run can have written): the complete checkpoint
-    it continues from, or None to start fresh.
-
-    * No folder, an empty one, or one a live run holds (the driver's lock then refuses, naming
-      it): nothing to do, None.
-    * A complete checkpoint (``latest_checkpoint``): it is returned and logged, ``retry of run
-      <id>: resuming at iteration k from …``; the caller resumes with ``run.resume=latest``
-      unless ``resume_given`` (a ``run.resume`` override, which wins).
-    * No complete checkpoint: the folder is renamed ``<run_id>.attempt-<n>`` beside it (n = 1, 2,
-      … over the failed attempts), its incomplete checkpoints removed (never resumed from, and
-      the weights take the disk) and the rest kept (logs, metrics, config); None.
-    """
-    if not out.is_dir() or not any(out.iterdir()) or lock_holder(out) is not None:
-        return None
-    found = latest_checkpoint(out)
-    if found is not None:
-        if not resume_given:
-            logger.info("retry of run %s: resuming at iteration %s from %s", run_id, checkpoint_resumes_at(found), found)
-        return found
-    n = 1 + sum(1 for p in out.parent.glob(f"{out.name}.attempt-*") if p.is_dir())
-    aside = out.with_name(f"{out.name}.attempt-{n}")
-    out.rename(aside)
-    shutil.rmtree(aside / "checkpoints", ignore_errors=True)
-    logger.info("retry of run %s: the failed attempt left no complete checkpoint; its folder (logs, metrics) is kept in %s, "
-                "the run starts fresh", run_id, aside)
-    return None
-
-
-def clear_failed_attempt(backend: KubernetesBackend, wait_s: float = TEARDOWN_WAIT_S) -> list[str]:
-    """Tear down what a failed attempt of this run left in the cluster and wait until it is gone.
-
-    A retried train task's launcher finds the JobSet (and its Secret and pods) of the attempt
-    before when that launcher died before its own teardown. The new objects have the same names
-    (they would be refused as existing), and the old pods may still write into the run folder.
-
-    Returns:
-        What was there (``Kind/name``; empty for a first attempt).
-
-    Raises:
-        RuntimeError: something of it is still there after ``wait_s`` seconds (names it).
-    """
-    left = backend.remains()
-    if not left:
-        return []
-    logger.info("retry of run %s: the failed attempt's workers are still there (%s); tearing them down", backend.run_id,
-                ", ".join(left))
-    backend.teardown()
-    deadline = backend.clock() + wait_s
-    still = backend.remains()
-    while still and backend.clock() < deadline:
-        time.sleep(min(backend.poll_s, 1.0))
-        still = backend.remains()
-    if still:
-        raise RuntimeError(f"retry of run {backend.run_id}: the failed attempt's {', '.join(still)} still exist {wait_s:.0f} s "
-                           f"after their deletion; a new attempt would meet them (same names, the same run folder): delete them "
-                           f"(kubectl delete jobset,pod,secret -n {backend.namespace} -l {backend.selector}) and retry")
-    return left
 
 
 def _replay_metrics(path: Path, below: int, stream: Callable[[int, dict[str, float]], None]) -> None:

@@ -108,7 +108,7 @@ class PipelineSettings:
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     train_retries: int = 0
     """Times KFP retries a failed train task by itself (a node lost, a worker evicted); each retry
-    resumes from the run's latest checkpoint on the shared volume (``dockrl.train_task.prepare_retry``),
+    resumes from the run's latest checkpoint on the shared volume (``dockrl.train_retry.prepare_retry``),
     as a retry of the run from the Kubeflow UI does. 0: none."""
     requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend

@@ -8,13 +8,15 @@ import subprocess
 import sys
 import time
 
-from dockrl.lifeline import DRIVER_PID_ENV, DriverLease
+from dockrl.driver_lease import DriverLease
+from dockrl.lifeline import DRIVER_PID_ENV
 from dockrl.launch.local import free_ports
 
 PY = sys.executable
 WORKER = """
 import subprocess, sys, time
-from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, watch_driver
+from dockrl.driver_lease import shard_lease_quiet
+from dockrl.lifeline import driver_pid_from_env, watch_driver
 lease = shard_lease_quiet(sys.argv[1], None) if len(sys.argv) > 1 else None
 watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=lease, timeout_s=2.0, what='fake worker')
 child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])  # as a vLLM engine or a verifier pool

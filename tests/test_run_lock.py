@@ -219,7 +219,7 @@ def test_a_checkpoint_write_cut_short_removes_its_folder_and_keeps_the_complete_
 
 def test_a_live_single_process_run_is_listed_by_dockrl_runs_and_stopped_by_its_run_id(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from dockrl.cli import main
-    from dockrl.launch import local
+    from dockrl.launch import local, run_records
 
     temp = tmp_path / "tmp"  # the local runs' records live in the temporary folder: this test's own
     temp.mkdir()
@@ -237,7 +237,7 @@ def test_a_live_single_process_run_is_listed_by_dockrl_runs_and_stopped_by_its_r
         deadline = time.monotonic() + 120
 
         def ours() -> list[dict]:  # other runs' processes on this machine are listed too (a run id, no record)
-            return [r for r in local.local_runs() if r["driver_pid"] == proc.pid]
+            return [r for r in run_records.local_runs() if r["driver_pid"] == proc.pid]
 
         while not (runs := ours()):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]

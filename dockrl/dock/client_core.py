@@ -156,13 +156,6 @@ class _ClientCore:
             self._known = {layout.iteration: layout for layout in layouts}
         return layouts
 
-    def _fetch_layout(self) -> ShardLayout | None:
-        layouts = self._fetch_layouts()
-        layout = layouts[-1] if layouts else None
-        with self._lock:
-            self._layout = layout
-        return layout
-
     def _layout_for(self, what: str, iteration: int | None = None, *, fresh: bool = False) -> ShardLayout:
         """The layout of the open iteration: the one this client knows, or (``fresh``) the shards'.
 

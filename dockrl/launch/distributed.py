@@ -32,9 +32,9 @@ from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import is_loopback
 from dockrl.dock.warehouse_stores import make_warehouse
+from dockrl.driver_lease import DriverLease, wait_for_shards
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
-from dockrl.lifeline import DriverLease, wait_for_shards
 from dockrl.parallel.layout import ParallelLayout
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 from dockrl.run_setup import RunPlan

@@ -2,7 +2,7 @@
 
 The launcher (the pipeline's train pod) renders the run's objects (``jobset.py``: a Secret,
 the JobSet, a Volcano PodGroup if asked for) and creates them through the ``kubernetes``
-client, all groups at once. Every object carries the run's labels (``dockrl.io/run``,
+client, all groups at once (``kubernetes_objects.py``: create, list, delete). Every object carries the run's labels (``dockrl.io/run``,
 ``dockrl.io/group``); the Secret and the PodGroup are owned by the JobSet, the JobSet by the
 launcher pod. ``teardown`` (the driver's ``finally`` and the pipeline's exit handler) deletes
 them by label; the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
@@ -40,9 +40,6 @@ from typing import Any, Callable, Sequence
 
 from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.jobset import (
-    JOBSET_GROUP,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
     RUN_LABEL,
     VOLCANO_GROUP,
     VOLCANO_PLURAL,
@@ -53,7 +50,8 @@ from dockrl.launch.jobset import (
     render_jobset,
     secret_name,
 )
-from dockrl.launch.kubernetes_watch import RunWatch, api_exception, get_field, running_members
+from dockrl.launch.kubernetes_objects import create_object, delete_run_objects, run_objects
+from dockrl.launch.kubernetes_watch import RunWatch, get_field, running_members
 from dockrl.launch.launcher_pod import OwnerPod, launcher_namespace
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.launch.pod_spec import pod_shape
@@ -192,7 +190,7 @@ class KubernetesBackend:
         objects = self.render(groups)
         created: dict[str, dict[str, Any]] = {}
         for obj in objects:
-            created[obj["kind"]] = self._create(obj)
+            created[obj["kind"]] = create_object(self.core, self.custom, obj, namespace=self.namespace, run_id=self.run_id)
         self._expected = {g.name: pod_shape(g, self.platform).pods for g in groups}
         # what only the run uses goes with its JobSet (TTL, teardown, garbage collection)
         jobset = created["JobSet"]
@@ -205,29 +203,6 @@ class KubernetesBackend:
                                                            self.name, patch)
         logger.info("created JobSet %s/%s: %s", self.namespace, self.name,
                     ", ".join(_describe(g, self.platform) for g in groups))
-
-    def _create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        ApiException = api_exception()
-        kind, name = obj["kind"], obj["metadata"]["name"]
-        try:
-            if kind == "Secret":
-                self.core.create_namespaced_secret(namespace=self.namespace, body=obj)
-                return obj
-            group, version = obj["apiVersion"].split("/")
-            plural = JOBSET_PLURAL if kind == "JobSet" else VOLCANO_PLURAL
-            return self.custom.create_namespaced_custom_object(group, version, self.namespace, plural, obj)
-        except ApiException as err:
-            if err.status == 409:
-                raise RuntimeError(f"{kind} {self.namespace}/{name} already exists: run {self.run_id!r} was started "
-                                   "before; tear it down first (`teardown_run('kubernetes', run_id)`)") from None
-            if err.status == 403:
-                raise RuntimeError(f"not allowed to create {kind} in namespace {self.namespace!r}: apply manifests/base "
-                                   "(its Role dockrl-launcher adds these rights to KFP's pipeline-runner account)") from None
-            if err.status == 404 and kind != "Secret":
-                needs = "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)" if kind == "JobSet" else \
-                    "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'"
-                raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs} (docs/kubernetes.md)") from None
-            raise
 
     # ---- watching ----
 
@@ -266,42 +241,15 @@ class KubernetesBackend:
         """What of this run exists in the cluster, as ``Kind/name``: its Secret, PodGroup, JobSet and
         worker pods (a retried launcher finds the failed attempt's, which it tears down and waits for
         before it creates its own under the same names)."""
-        left = [f"Secret/{s.metadata.name}" for s in
-                self.core.list_namespaced_secret(namespace=self.namespace, label_selector=self.selector).items]
-        kinds = [("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL)] if self.platform.scheduler == "volcano" else []
-        for kind, group, version, plural in [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]:
-            items = self.custom.list_namespaced_custom_object(group, version, self.namespace, plural, label_selector=self.selector)
-            left += [f"{kind}/{obj['metadata']['name']}" for obj in items.get("items", [])]
-        pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
-        return left + [f"Pod/{p.metadata.name}" for p in pods]
+        return run_objects(self.core, self.custom, namespace=self.namespace, selector=self.selector,
+                           scheduler=self.platform.scheduler)
 
     def teardown(self) -> int:
         """Delete the run's JobSet (its Jobs and pods go with it), PodGroup and Secret; returns
         how many objects were deleted. With ``teardown_wait_s`` waits that long for the pods to
         be gone (each has ``terminationGracePeriodSeconds`` 30). Safe to call twice."""
-        ApiException = api_exception()
-        removed = 0
-        for secret in self.core.list_namespaced_secret(namespace=self.namespace, label_selector=self.selector).items:
-            try:
-                self.core.delete_namespaced_secret(name=secret.metadata.name, namespace=self.namespace)
-                removed += 1
-            except ApiException as err:
-                if err.status != 404:  # already gone is fine: teardown may run twice
-                    raise
-        kinds: list[tuple[str, str, str]] = []  # what the JobSet owns first, so each is counted once
-        if self.platform.scheduler == "volcano":
-            kinds.append((VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
-        kinds.append((JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL))
-        for group, version, plural in kinds:
-            for obj in self.custom.list_namespaced_custom_object(group, version, self.namespace, plural,
-                                                                 label_selector=self.selector).get("items", []):
-                try:
-                    self.custom.delete_namespaced_custom_object(group, version, self.namespace, plural, obj["metadata"]["name"],
-                                                                propagation_policy="Background")
-                    removed += 1
-                except ApiException as err:
-                    if err.status != 404:
-                        raise
+        removed = delete_run_objects(self.core, self.custom, namespace=self.namespace, selector=self.selector,
+                                     scheduler=self.platform.scheduler)
         deadline = self.clock() + self.teardown_wait_s
         left = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
         while left and self.clock() < deadline:

@@ -236,7 +236,7 @@ def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, fi
     channel at ``weight_sync``, write a due checkpoint (``CHECKPOINT``), then ``checkpoints/final``.
 
     With ``dock.max_inflight`` = m > 1 the rollout takes the weights of update ``k`` only after
-    generating iteration ``k+m-1`` (``dockrl.workers.rollout.sync_target``): the send waits for that
+    generating iteration ``k+m-1`` (``dockrl.workers.rollout_process.sync_target``): the send waits for that
     ``ROLLOUT`` report first, so the broadcast itself never waits on a generation."""
     t = cfg.trainer
     engine = build_train_engine(cfg, weights_path(cfg, resolve_model(cfg)), ranks)

@@ -26,8 +26,9 @@ from dockrl.config import load_config, load_config_text, resolve_auto
 from dockrl.dock import GRPO_SCHEMA
 from dockrl.dock.client import DockClient
 from dockrl.dock.warehouse_stores import make_warehouse
+from dockrl.driver_lease import shard_lease_quiet, wait_for_shards
 from dockrl.engines.factory import process_ranks
-from dockrl.lifeline import driver_pid_from_env, shard_lease_quiet, wait_for_shards, watch_driver
+from dockrl.lifeline import driver_pid_from_env, watch_driver
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV, local_rank, replica
 from dockrl.run_setup import seed_everything
 from dockrl.stages import STAGES, load, stage

@@ -20,7 +20,8 @@ from dockrl import driver
 from dockrl.config import ConfigError, load_config, load_config_text
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
-from dockrl.launch.local import LocalBackend, free_ports, local_runs, teardown_local
+from dockrl.launch.local import LocalBackend, free_ports
+from dockrl.launch.run_records import local_runs, teardown_local
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 from dockrl.rewards.guard import build_scorer
 from dockrl.stage_loop import Report

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from dockrl import driver
 from dockrl.launch.backend import WorkerFailed
 from dockrl.resume import checkpoint_dir
-from dockrl.workers.rollout import sync_target
+from dockrl.workers.rollout_process import sync_target
 
 ITERATIONS = 4
 

@@ -197,8 +197,8 @@ def test_a_frozen_dock_shard_fails_the_wait_in_its_rpc_timeout_naming_it(tmp_pat
 
     from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
     from dockrl.dock.client import DockClient
+    from dockrl.driver_lease import wait_for_shards
     from dockrl.launch.distributed import wait_reports
-    from dockrl.lifeline import wait_for_shards
     from dockrl.launch.local import free_ports
 
     port = free_ports(1)[0]

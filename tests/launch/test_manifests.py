@@ -106,9 +106,9 @@ def test_the_backend_calls_only_what_the_role_allows():
     """Every API call of the Kubernetes backend is covered by a rule of the Role (read from its source)."""
     import inspect
 
-    from dockrl.launch import kubernetes, kubernetes_watch
+    from dockrl.launch import kubernetes, kubernetes_objects, kubernetes_watch
 
-    source = inspect.getsource(kubernetes) + inspect.getsource(kubernetes_watch)
+    source = inspect.getsource(kubernetes) + inspect.getsource(kubernetes_objects) + inspect.getsource(kubernetes_watch)
     called = set(re.findall(r"\.(create|get|list|patch|delete|read)_namespaced_(\w+?)(?:_log)?\(", source))
     assert called == {("create", "secret"), ("patch", "secret"), ("list", "secret"), ("delete", "secret"),
                       ("create", "custom_object"), ("get", "custom_object"), ("patch", "custom_object"),

@@ -1,4 +1,4 @@
-"""A retried train task (KFP's retry of the launcher, same run id) continues its run (dockrl/train_task.py).
+"""A retried train task (KFP's retry of the launcher, same run id) continues its run (dockrl/train_task.py, dockrl/train_retry.py).
 
 The run folder of a pipeline run lies on the shared volume, keyed by the run id: a retry that
 finds a complete checkpoint there resumes from the newest, one that finds none sets the failed
@@ -19,7 +19,7 @@ from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers 
 from test_distributed_resume import ROWS_PER_ITERATION, read_rows
 from test_kubernetes_run import LAUNCHER_IP, NS, OWNER, RUN, npu_platform, small_config, use_fake_cluster
 
-from dockrl import driver, train_task
+from dockrl import driver, train_retry, train_task
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
@@ -179,12 +179,12 @@ def test_a_retry_on_kubernetes_tears_down_the_failed_attempts_jobset_then_resume
 
 def test_a_failed_attempts_pod_that_does_not_go_stops_the_retry_naming_it(cluster, tmp_path):
     backend = KubernetesBackend(RUN, namespace=NS, platform=npu_platform(tmp_path), core_api=cluster.core(), custom_api=cluster.custom())
-    assert train_task.clear_failed_attempt(backend) == []  # a first attempt: nothing to do
+    assert train_retry.clear_failed_attempt(backend) == []  # a first attempt: nothing to do
     cluster.objects[("Pod", NS, "stuck")] = {"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Running"},
                                              "metadata": {"name": "stuck", "namespace": NS, "labels": {"dockrl.io/run": RUN}}}
     with pytest.raises(RuntimeError, match=rf"retry of run {RUN}: the failed attempt's Pod/stuck still exist 0 s after their "
                                            rf"deletion.*kubectl delete jobset,pod,secret -n {NS} -l dockrl.io/run={RUN}"):
-        train_task.clear_failed_attempt(backend, wait_s=0.0)
+        train_retry.clear_failed_attempt(backend, wait_s=0.0)
 
 
 def test_a_retry_of_a_finished_run_hands_it_over_without_training_again(tiny_model_dir, tmp_path, monkeypatch, caplog):

@@ -1,0 +1,98 @@
+"""A Kubernetes run's objects in the API: create one, list what is left, delete them.
+
+The objects are those ``jobset.render_jobset`` renders (a Secret, a Volcano PodGroup if asked
+for, the JobSet), found again by the run's label selector (``dockrl.io/run=<run_id>``).
+``KubernetesBackend`` (``kubernetes.py``) calls these with its ``CoreV1Api`` and
+``CustomObjectsApi`` (or the tests' fakes):
+
+* ``create_object``: create one, with the API's refusals explained (exists, RBAC, no such resource);
+* ``run_objects``: what of a run exists, as ``Kind/name`` (a retried launcher's check);
+* ``delete_run_objects``: delete a run's Secret, PodGroup and JobSet (its Jobs and pods go with it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dockrl.launch.jobset import (
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    VOLCANO_GROUP,
+    VOLCANO_PLURAL,
+    VOLCANO_VERSION,
+)
+from dockrl.launch.kubernetes_watch import api_exception
+
+
+def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str, run_id: str) -> dict[str, Any]:
+    """Create ``obj`` (a Secret, PodGroup or JobSet of run ``run_id``) in ``namespace``; returns it as created.
+
+    Raises:
+        RuntimeError: it exists already (the run was started before), the launcher may not
+            create it (RBAC), or its API (JobSet, Volcano) is not installed.
+    """
+    ApiException = api_exception()
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    try:
+        if kind == "Secret":
+            core.create_namespaced_secret(namespace=namespace, body=obj)
+            return obj
+        group, version = obj["apiVersion"].split("/")
+        plural = JOBSET_PLURAL if kind == "JobSet" else VOLCANO_PLURAL
+        return custom.create_namespaced_custom_object(group, version, namespace, plural, obj)
+    except ApiException as err:
+        if err.status == 409:
+            raise RuntimeError(f"{kind} {namespace}/{name} already exists: run {run_id!r} was started "
+                               "before; tear it down first (`teardown_run('kubernetes', run_id)`)") from None
+        if err.status == 403:
+            raise RuntimeError(f"not allowed to create {kind} in namespace {namespace!r}: apply manifests/base "
+                               "(its Role dockrl-launcher adds these rights to KFP's pipeline-runner account)") from None
+        if err.status == 404 and kind != "Secret":
+            needs = "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)" if kind == "JobSet" else \
+                "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'"
+            raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs} (docs/kubernetes.md)") from None
+        raise
+
+
+def run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str) -> list[str]:
+    """What of the run labelled ``selector`` exists in ``namespace``, as ``Kind/name``: its Secret,
+    PodGroup (with the ``volcano`` scheduler), JobSet and worker pods."""
+    left = [f"Secret/{s.metadata.name}" for s in
+            core.list_namespaced_secret(namespace=namespace, label_selector=selector).items]
+    kinds = [("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL)] if scheduler == "volcano" else []
+    for kind, group, version, plural in [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]:
+        items = custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
+        left += [f"{kind}/{obj['metadata']['name']}" for obj in items.get("items", [])]
+    pods = core.list_namespaced_pod(namespace=namespace, label_selector=selector).items
+    return left + [f"Pod/{p.metadata.name}" for p in pods]
+
+
+def delete_run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str) -> int:
+    """Delete the Secret, PodGroup (with the ``volcano`` scheduler) and JobSet of the run labelled
+    ``selector`` (in the background: the JobSet's Jobs and pods go with it, on their own time);
+    returns how many objects were deleted. What is already gone is skipped: safe to call twice."""
+    ApiException = api_exception()
+    removed = 0
+    for secret in core.list_namespaced_secret(namespace=namespace, label_selector=selector).items:
+        try:
+            core.delete_namespaced_secret(name=secret.metadata.name, namespace=namespace)
+            removed += 1
+        except ApiException as err:
+            if err.status != 404:  # already gone is fine: teardown may run twice
+                raise
+    kinds: list[tuple[str, str, str]] = []  # what the JobSet owns first, so each is counted once
+    if scheduler == "volcano":
+        kinds.append((VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
+    kinds.append((JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL))
+    for group, version, plural in kinds:
+        for obj in custom.list_namespaced_custom_object(group, version, namespace, plural,
+                                                        label_selector=selector).get("items", []):
+            try:
+                custom.delete_namespaced_custom_object(group, version, namespace, plural, obj["metadata"]["name"],
+                                                       propagation_policy="Background")
+                removed += 1
+            except ApiException as err:
+                if err.status != 404:
+                    raise
+    return removed
