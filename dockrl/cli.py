@@ -1,4 +1,4 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | teardown | worker | dock-shard | node``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
@@ -9,6 +9,7 @@
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl runs                                    # local runs and their live processes
+    dockrl rollouts show runs/demo --iteration 3   # the rollouts a run kept (run.keep_rollouts)
     dockrl teardown runs/demo                      # stop what a run left (its driver, its workers)
 
 ``worker`` and ``dock-shard`` are what the launcher starts, as local processes and as the
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.launch.node import ranks_main  # lazy: as node
 
         return ranks_main(argv[1:])
+    if argv[:1] == ["rollouts"]:
+        from dockrl.rollouts import main as rollouts_main  # lazy: pyarrow.dataset, and transformers for the tokenizer
+
+        return rollouts_main(argv[1:])
     if argv[:1] in (["runs"], ["teardown"]):
         return runs_main(argv)
     debug = "--debug" in argv
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("node", help="several rank processes of a worker group in one pod shaped like a node (dockrl node -h)")
     sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout (dockrl ranks -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")
+    sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): dockrl rollouts show RUN --iteration N")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")
     args, rest = parser.parse_known_args(argv)
     for extra in rest:  # overrides may stand on both sides of --config: argparse leaves those after it here

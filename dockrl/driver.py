@@ -8,7 +8,8 @@ is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcess
 (``dockrl/workers/inprocess.py``, every stage in this process) or ``ProcessStages``
 (``dockrl/launch/distributed.py``, every stage a process reporting through the dock). A run (``train`` → ``drive``): plan it
 (``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
-collect the stages' metrics, close, log and checkpoint when due (``dockrl/resume.py``; older
+collect the stages' metrics, close (with ``run.keep_rollouts`` the shards
+keep its rows: ``dockrl.rollouts``), log and checkpoint when due (``dockrl/resume.py``; older
 ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint_pruning.py``); then the final checkpoint, the evaluation after
 training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 from dockrl.checkpoint_pruning import prune_checkpoints
 from dockrl.config import Config
+from dockrl.config.dock_rules import check_keep_rollouts
+from dockrl.config.run_sections import keep_fraction
 from dockrl.data import Prompt
 from dockrl.dock import Dock
 from dockrl.launch.distributed import start_processes
@@ -42,6 +45,7 @@ from dockrl.resume import (
     write_driver_state,
     write_final_state,
 )
+from dockrl.rollouts import keep_spec, lineage, write_dataset_meta
 from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches
 from dockrl.stage_loop import Report
@@ -96,7 +100,8 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     ``dock.mode=distributed`` starts the stage processes (default: local processes).
 
     Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
-    ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format) and, distributed, ``logs/``.
+    ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format), with ``run.keep_rollouts`` ``rollouts/``
+    (written by the dock shards, docs/rollouts.md) and, distributed, ``logs/``.
     Nothing of the run folder is written before the run is accepted, and the folder is locked
     for the run's lifetime (``dockrl.run_lock``). A checkpoint whose write an error, Ctrl-C or
     SIGTERM cut short is removed once the stages stopped (``CheckpointInProgress``). While it
@@ -108,6 +113,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
         WorkerFailed: a stage process died (distributed; its log tail in the message).
     """
+    check_keep_rollouts(cfg.dock.warehouse, cfg.run.keep_rollouts)  # across sections: before the run folder is touched
     # `kill` runs the clean-up below (verifier pool, workers, the run's record, lock)
     with RunLock(cfg.run.output_dir) as lock, sigterm_as_exit(), contextlib.ExitStack() as stack:
         plan = plan_run(cfg)
@@ -171,6 +177,9 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             for stage, stage_metrics in reports.items():
                 dock.report(it, stage, stage_metrics)
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
+    kept = lineage(cfg, point.checkpoint if point else None) if keep_fraction(cfg.run.keep_rollouts) > 0 else None
+    if kept is not None:  # run.keep_rollouts: the shards write the rows at each close; the dataset's _meta.json here
+        write_dataset_meta(cfg, point.checkpoint if point else None)
     with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
         if t.eval_before and not point:
@@ -187,7 +196,10 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                 opened += 1
             metrics = runner.run_iteration(it)
             metrics |= dock.stats()
-            dock.close_iteration(it)
+            if kept is None:
+                dock.close_iteration(it)
+            else:  # the shards write their rows of `it` in the background: only where, and the lineage, go from here
+                dock.close_iteration(it, keep=keep_spec(cfg, it, metrics, kept))
             seconds = time.perf_counter() - start  # perf: response tokens of all rows per second
             responses = metrics.get("rollout/responses", len(batches[it]) * n)  # dynamic sampling: the rounds sampled
             metrics |= {"timing_s/iteration": seconds,
@@ -211,6 +223,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                 checkpoint.folder = None
                 logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
                 prune_checkpoints(run_dir, t.keep_checkpoints, folder)  # after a newer one is complete, as verl's max_actor_ckpt_to_keep
+        if kept is not None:  # every kept iteration written before the run reports
+            summary |= dock.flush_rollouts()
         checkpoint.folder = final_dir(run_dir)
         runner.finish()
         write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
 
 import pytest
@@ -43,6 +44,8 @@ def test_defaults_load():
             tp, v = hints[f.name], getattr(value, f.name)
             if typing.get_origin(tp) is typing.Literal:
                 assert v in typing.get_args(tp), f"{section.name}.{f.name}"
+            elif isinstance(tp, types.UnionType):  # run.keep_rollouts: str | float | bool
+                assert type(v) in typing.get_args(tp), f"{section.name}.{f.name}"
             else:
                 assert type(v) is tp, f"{section.name}.{f.name}: {v!r} is not {tp.__name__}"
 
@@ -654,3 +657,15 @@ def test_loading_imports_neither_torch_nor_vllm_and_keeps_auto(tmp_path):
     done = subprocess.run([sys.executable, "-c", PURE_LOAD, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_lora_section_loads_nested_and_round_trips():
+    from dockrl.config import LoraConfig
+
+    cfg = load_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=q_proj, v_proj", "rollout.engine=hf"])
+    assert cfg.trainer.lora == LoraConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+    assert load_config_text(dump_config(cfg), "dumped") == cfg
+    assert load_config_text("trainer:\n  lora:\n    rank: 2\n    target_modules: [o_proj]\n", "yaml").trainer.lora.target_modules == ("o_proj",)
+    with pytest.raises(ConfigError, match=r"trainer.lora.target_modules\[0\]: got 3; expected a string"):
+        load_config_text("trainer:\n  lora:\n    rank: 2\n    target_modules: [3]\n", "yaml")
+    assert not Config().trainer.lora.enabled

@@ -23,11 +23,19 @@ from dockrl.config.loading import dump_config, load_config, load_config_text, pa
 from dockrl.config.resolve import AUTO_ENGINE_ENV, auto_rollout_engine, resolve_auto
 from dockrl.config.rules import Config, check_rules, critic_batches
 from dockrl.config.run_sections import DockConfig, RunConfig
-from dockrl.config.sections import DEFAULT_SYSTEM_PROMPT, CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
+from dockrl.config.sections import (
+    DEFAULT_SYSTEM_PROMPT,
+    CriticConfig,
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 
 __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DockConfig", "FilterGroupsConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
+    "DockConfig", "FilterGroupsConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config",
     "load_config", "load_config_text", "parse_overrides", "resolve_auto", "s3_endpoint", "save_config",
 ]

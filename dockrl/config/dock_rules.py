@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from dockrl.config.errors import _fail
-from dockrl.config.run_sections import DockConfig
+from dockrl.config.run_sections import DockConfig, keep_fraction
 
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -46,3 +46,14 @@ def _check_dock(k: DockConfig) -> None:
     for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
         if not _ENV_NAME.fullmatch(name):
             raise _fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
+
+
+def check_keep_rollouts(warehouse: str, keep_rollouts: str | float | bool) -> None:
+    """``run.keep_rollouts`` needs the payload in the dock shards' memory (the shards write the kept rows).
+
+    Raises:
+        ConfigError: rollouts kept with a ``dock.warehouse`` other than ``memory``.
+    """
+    if keep_fraction(keep_rollouts) > 0 and warehouse != "memory":
+        raise _fail("run.keep_rollouts", keep_rollouts, f"needs dock.warehouse=memory (got {warehouse!r}): the dock shards "
+                    "write the kept rows from their memory; set run.keep_rollouts=off or dock.warehouse=memory")

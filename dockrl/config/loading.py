@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -52,6 +53,18 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str):
             raise _fail(where, value, "expected a string")
         return value
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[str, ...]: a YAML list, or comma-separated
+        items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise _fail(where, value, "expected a list of strings (or comma-separated text)")
+        return tuple(_check_type(f"{where}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(items))
+    if isinstance(tp, types.UnionType):  # e.g. str | float (run.keep_rollouts): the first member type that takes the value
+        for member in typing.get_args(tp):
+            try:
+                return _check_type(where, value, member)
+            except ConfigError:
+                pass
+        raise _fail(where, value, f"expected {' or '.join(getattr(m, '__name__', str(m)) for m in typing.get_args(tp))}")
     raise TypeError(f"{where}: unsupported config type {tp}")  # internal: a new field type
 
 

@@ -134,6 +134,7 @@ def check_rules(c: Config) -> None:
     _check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
     _check_parallel(c)
     _check_engines(c)
+    _check_lora(c)
     _check_critic(c)
 
 
@@ -249,6 +250,40 @@ def _check_engines(c: Config) -> None:
         if c.rollout.engine == "hf":  # 'auto' resolves to vllm with the hybrid (dockrl.config.resolve)
             raise _fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' or 'auto' (got {c.rollout.engine!r}): "
                         "the hybrid actor generates with vLLM on the devices it trains on")
+
+
+def _check_lora(c: Config) -> None:
+    """``trainer.lora``: its ranges, its fields only with ``rank`` > 0, and what LoRA runs with today
+    (the hf engine, the HF rollout, in one process, from the start); each refusal says why."""
+    lo, t = c.trainer.lora, c.trainer
+    if lo.rank < 0:
+        raise _fail("trainer.lora.rank", lo.rank, "expected an integer >= 0 (0: off, full fine-tuning)")
+    if not lo.enabled:
+        for name in ("alpha", "target_modules"):
+            if getattr(lo, name) != getattr(type(lo)(), name):
+                raise _fail(f"trainer.lora.{name}", getattr(lo, name), "is set but trainer.lora.rank is 0 (LoRA off): "
+                            "set trainer.lora.rank > 0 or leave the field unset")
+        return
+    if not (0 < lo.alpha < math.inf):
+        raise _fail("trainer.lora.alpha", lo.alpha, "expected a finite number > 0 (the update is scaled by alpha / rank)")
+    if not lo.target_modules or not all(m.strip() for m in lo.target_modules):
+        raise _fail("trainer.lora.target_modules", list(lo.target_modules), "expected one or more module names, e.g. "
+                    "q_proj,v_proj (a linear module is targeted when its name ends with one)")
+    refused = {  # the first that applies is named; each says what would be needed
+        "trainer.hybrid": (t.hybrid, t.hybrid, "the allgather–swap moves full megatron shards, not adapters; use trainer.hybrid=false"),
+        "trainer.engine": (t.engine, t.engine == "megatron", "megatron-core 0.16.1 has no LoRA adapters (NeMo adds them, "
+                           "dockrl does not); use trainer.engine=hf"),
+        "rollout.engine": (c.rollout.engine, c.rollout.engine == "vllm", "the vLLM rollout does not take adapters or "
+                           "merged LoRA weights yet; use rollout.engine=hf (or auto, which picks hf with LoRA)"),
+        "dock.mode": (c.dock.mode, c.dock.mode == "distributed", "the adapter-only weight channel to a rollout process "
+                      "is not built yet; use dock.mode=inprocess"),
+        "run.resume": (c.run.resume, bool(c.run.resume), "restoring the adapter and its optimizer state is not built yet "
+                       "(a checkpoint's merged weights are not the base the reference needs); start from model.path "
+                       "without run.resume, or use trainer.lora.rank=0"),
+    }
+    for where, (value, bad, why) in refused.items():
+        if bad:
+            raise _fail("trainer.lora.rank", lo.rank, f"not supported with {where}={value!r}: {why}")
 
 
 def _check_parallel(c: Config) -> None:

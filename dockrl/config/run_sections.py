@@ -6,8 +6,11 @@ The dock's rules are in ``dockrl.config.dock_rules``; ``Config`` (``dockrl.confi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
+
+from dockrl.config.errors import _fail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,3 +76,29 @@ class RunConfig:
     """Workers and dock shards of a distributed run stop when the driver has not renewed its
     lease on the dock for this long, seconds (``dockrl.lifeline``; a local worker also stops at
     once when the driver process dies)."""
+    keep_rollouts: str | float | bool = "off"
+    """Keep each iteration's rows as a Parquet dataset ``<output_dir>/rollouts/iteration=<N>/shard-<S>.parquet``,
+    written by the dock shards in the background when the iteration closes (docs/rollouts.md): ``off``, ``all``, or a
+    fraction in (0, 1) of the rows, a deterministic sample: row ``r`` of iteration ``i`` is kept when the first 8 bytes
+    of ``blake2b(f"{trainer.seed}:{i}:{r}")``, as an unsigned integer over 2**64, are below the fraction. Needs
+    ``dock.warehouse=memory``. YAML reads an unquoted ``off`` as false: false is ``off``, true ``all``."""
+
+    def __post_init__(self) -> None:
+        keep_fraction(self.keep_rollouts)  # a bad value fails when the config is built
+
+
+def keep_fraction(value: str | float | bool) -> float:
+    """The fraction of rows ``run.keep_rollouts`` keeps: 0.0 (``off``), 1.0 (``all``) or the fraction in (0, 1).
+
+    Raises:
+        ConfigError: naming ``run.keep_rollouts``: not ``off``, ``all`` or a number in (0, 1).
+    """
+    if isinstance(value, bool) or value in ("off", "all"):
+        return 1.0 if value is True or value == "all" else 0.0
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction < 1:
+        raise _fail("run.keep_rollouts", value, "expected 'off', 'all' or a fraction of the rows in (0, 1), e.g. 0.25")
+    return fraction

@@ -11,7 +11,7 @@ Fields that may be ``auto`` (``parallel.device``, ``rollout.engine``, ``rollout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -91,6 +91,36 @@ class RolloutConfig:
     k + partial_max_age - 1)."""
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of a Llama/Qwen2-style decoder layer: ``trainer.lora.target_modules``'s default."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA (Hu et al. 2021, arXiv 2106.09685) on the actor: its weights W stay frozen and each
+    targeted linear layer learns a low-rank update, W + (alpha / rank) · B·A with A ``(rank, in)``
+    and B ``(out, rank)`` (peft on ``trainer.engine=hf``; docs/engines.md). With it on, the
+    reference is the actor's own model with the adapters disabled (no second copy) and checkpoints
+    hold the merged weights plus the adapter (``adapter/``).
+
+    There is no dropout field: LoRA's dropout is always 0. RL needs the log-probs of one policy to
+    be equal across passes (the on-policy ratio 1, the reference's log-probs those of the base
+    model), the same reason the engine runs every forward in eval mode."""
+
+    rank: int = 0
+    """Rank r of each adapter (0: off, full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale numerator: the update is multiplied by ``alpha / rank`` (peft's ``lora_alpha``)."""
+    target_modules: tuple[str, ...] = LORA_DEFAULT_TARGETS
+    """Names of the linear modules that get adapters: a module is targeted when its name ends with
+    one of these (peft's ``target_modules``); a YAML list, or comma-separated in an override."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the actor trains adapters (``rank`` > 0)."""
+        return self.rank > 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     iterations: int = 20
@@ -150,6 +180,8 @@ class TrainerConfig:
     (``rollout.engine=vllm``) on the same devices, and hands the updated weights from one to
     the other by the allgather–swap (``dockrl/engines/hybrid.py``) instead of a second process
     and a weight channel."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the actor instead of full fine-tuning (``trainer.lora.*``; off by default)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from dockrl.dock.rollouts import KeepSpec
 
 Columns: TypeAlias = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
 """The cells of a put: per column name, one value (or Arrow array element) per row."""
@@ -97,8 +100,12 @@ class Dock(StageDock, Protocol):
     def announce(self, iteration: int) -> None:
         """Let the stages' ``wait_iteration`` return ``iteration``, which must be open."""
 
-    def close_iteration(self, iteration: int | None = None) -> None:
-        """Drop ``iteration`` (default: every open one); claims blocked on it fail with ``DockError``."""
+    def close_iteration(self, iteration: int | None = None, *, keep: KeepSpec | None = None) -> None:
+        """Drop ``iteration`` (default: every open one); claims blocked on it fail with ``DockError``. With ``keep``
+        (``run.keep_rollouts``) the shards write their rows of it as Parquet in the background (``dockrl.dock.rollouts``)."""
+
+    def flush_rollouts(self, timeout_s: float | None = None) -> dict[str, float]:
+        """Block until the shards wrote every iteration closed with ``keep``; the ``rollouts/*`` counters (docs/rollouts.md)."""
 
     # --- data (stages): as StageDock, and reads without consuming ---------------------------------
     def get(self, columns: Sequence[str], rows: Sequence[int], *, iteration: int | None = None) -> pa.RecordBatch:

@@ -37,6 +37,7 @@ from dockrl.dock.api import Dock
 from dockrl.dock.client_claims import _Claims
 from dockrl.dock.client_snapshots import _Snapshots
 from dockrl.dock.control import check_metrics
+from dockrl.dock.rollouts import KeepSpec
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_layout import ShardLayout
 from dockrl.dock.shard_requests import Payload
@@ -126,9 +127,11 @@ class DockClient(_Claims, _Snapshots):
             with self._lock:
                 self._layout, self._confirmed = layout, layout.iteration
 
-    def close_iteration(self, iteration: int | None = None) -> None:
+    def close_iteration(self, iteration: int | None = None, *, keep: KeepSpec | None = None) -> None:
         """Drop ``iteration`` (default: every open one) on every shard; claims blocked on it fail with ``DockError``.
 
+        With ``keep`` (``run.keep_rollouts``) each shard writes its rows of it under ``keep.uri`` in the background
+        (``dockrl.dock.rollouts``; only the spec travels, no payload); ``flush_rollouts`` waits for those writes.
         With a warehouse, the iteration's objects are deleted afterwards (a store failure there
         is logged, not raised: the iteration is closed either way).
         """
@@ -139,13 +142,29 @@ class DockClient(_Claims, _Snapshots):
                 self._layout = self._confirmed = None
             self._known = {} if iteration is None else {k: v for k, v in self._known.items() if k != iteration}
         self._forget_prefetched(iteration)
+        body: dict[str, Any] = ({} if iteration is None else {"iteration": int(iteration)}) | ({} if keep is None else {"keep": keep.body()})
         for s in range(len(self.locations)):
-            self._action(s, "close_iteration", {} if iteration is None else {"iteration": int(iteration)})
+            # a shard whose writer is QUEUE iterations behind answers once it has room: the rpc deadline covers the wait
+            self._action(s, "close_iteration", body, timeout=None if keep is None else self.timeout_s + self.rpc_timeout_s)
         for it in closing:
             try:
                 delete_iteration(self.warehouse, it)  # type: ignore[arg-type]  # closing is empty without a warehouse
             except WarehouseError as e:
                 logger.warning("iteration %d closed, but its objects stay in %s: %s", it, self.warehouse.url, e)  # type: ignore[union-attr]
+
+    def flush_rollouts(self, timeout_s: float | None = None) -> dict[str, float]:
+        """Wait until every shard wrote the iterations it keeps (``close_iteration(keep=...)``); their
+        ``rollouts/*`` counters summed over the shards (empty when none kept any).
+
+        Raises:
+            DockError: a shard still writes after ``timeout_s`` (default: the client's).
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        total: dict[str, float] = {}
+        for s in range(len(self.locations)):
+            for key, value in self._action(s, "flush_rollouts", {"timeout_s": timeout}, timeout=timeout + self.rpc_timeout_s).items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     # --- control channel (shard 0) -------------------------------------------------------------
     def _wait_action(self, name: str, body: dict[str, Any], timeout_s: float | None) -> Any:

@@ -69,11 +69,13 @@ class _ControllerCore:
             self._it = IterationTable(self.schema, iteration, num_rows, group_size, first_row, total)
             self._waiters.wake_all()
 
-    def close_iteration(self) -> None:
-        """Drop the current iteration's table; later puts and claims raise ``DockError``."""
+    def close_iteration(self) -> IterationTable | None:
+        """Drop the current iteration's table; later puts and claims raise ``DockError``. Returns the table
+        (None if none was open), which nothing changes any more: a shard keeps its rows (``dockrl.dock.rollouts``)."""
         with self._cond:
-            self._it = None
+            it, self._it = self._it, None
             self._waiters.wake_all()
+        return it
 
     def _current(self, what: str, iteration: int | None = None) -> IterationTable:
         if self._it is None:

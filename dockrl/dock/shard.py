@@ -19,8 +19,10 @@ Requests (``action(name, body)``; every body and result is JSON-compatible):
 
 * controller path, metadata only: ``open_iteration`` {iteration, num_rows, group_size,
   first_row, stop_row, shard, num_shards, max_open?} (checked against the row mapping ``ShardLayout``;
-  refused while ``max_open``, default 1, iterations are open), ``close_iteration`` {iteration?}
-  (null or absent: every open one), ``describe`` {} → {schema_version, columns, layout (the newest
+  refused while ``max_open``, default 1, iterations are open), ``close_iteration`` {iteration?, keep?}
+  (null or absent: every open one; ``keep``, a ``dockrl.dock.rollouts.KeepSpec`` body: this shard writes its rows of
+  it as Parquet in the background), ``flush_rollouts`` {timeout_s?} → the ``rollouts/*`` counters once every kept
+  iteration is written, ``describe`` {} → {schema_version, columns, layout (the newest
   open iteration's), layouts (every open one's, oldest first), payload, wire_version},
   ``claim`` {iteration, consumer, columns, count, at_least, whole_groups, timeout_s, owner,
   lease, lease_s, wait_held} → {rows, pending, held} (blocks on the dock's condition variable;
@@ -61,6 +63,7 @@ import pyarrow as pa
 
 from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError
+from dockrl.dock.rollouts import KeepSpec, RolloutWriter
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.shard_iterations import ShardIterations
@@ -99,13 +102,15 @@ class ShardService:
         self.timeout_s, self.lease_s = timeout_s, lease_s
         self.control = RunControl(timeout_s=timeout_s)  # the run's control channel (used on shard 0)
         self.iterations = ShardIterations(schema, name=name, timeout_s=timeout_s, lease_s=lease_s, control=self.control)
+        self.rollouts = RolloutWriter(schema, name)  # kept rollouts (run.keep_rollouts) of the iterations it closes
         self.controller_bytes = 0
         """Request and result bytes of the controller path (counted by a transport that serializes)."""
         self._driver_seen = time.monotonic()  # the driver's lease runs from the shard's start
         d, its = self._at, self.iterations
         self.actions: dict[str, Callable[[dict[str, Any]], Any]] = {
             "open_iteration": its.open,
-            "close_iteration": lambda req: its.close(req.get("iteration")),
+            "close_iteration": self._close_iteration,
+            "flush_rollouts": lambda req: self._flush_rollouts(req.get("timeout_s")),
             "describe": lambda req: self._describe(),
             "claim": self.claim,
             "release": lambda req: d(req).release(req["consumer"], req["rows"], iteration=req["iteration"], lease=req.get("lease")),
@@ -163,11 +168,30 @@ class ShardService:
 
     def stats(self) -> dict[str, float]:
         """The controllers' counters (``ShardController.stats``) over every iteration so far, and ``dock/controller_bytes``."""
-        return self.iterations.stats() | {"dock/controller_bytes": self.controller_bytes}
+        return self.iterations.stats() | {"dock/controller_bytes": self.controller_bytes} | self.rollouts.stats()
 
     def close(self) -> None:
-        """Fail blocked claims and waits, and every later one. Idempotent."""
+        """Fail blocked claims and waits, and every later one; write the kept rollouts still queued. Idempotent."""
         self.iterations.close_all()
+        self.rollouts.close()
+
+    def _close_iteration(self, req: dict[str, Any]) -> None:
+        """The ``close_iteration`` request; with ``keep`` (a ``KeepSpec`` body) this shard's rows of the closed
+        iterations go to its background writer (``dockrl.dock.rollouts``), which may make the close wait while it
+        is ``QUEUE`` iterations behind."""
+        closed = self.iterations.close(req.get("iteration"))
+        keep = req.get("keep")
+        if keep is None:
+            return
+        spec = KeepSpec.of(keep)
+        for shard, table in closed:  # outside the iterations' lock: a wait for the writer blocks no other request
+            self.rollouts.submit(table, shard, spec)
+
+    def _flush_rollouts(self, timeout_s: float | None) -> dict[str, float]:
+        """The ``flush_rollouts`` request: wait until the kept iterations are written; their counters."""
+        if not self.rollouts.flush(None if timeout_s is None else float(timeout_s)):
+            raise DockError(f"flush_rollouts: dock shard at {self.name} still writes kept rollouts after {timeout_s}s")
+        return self.rollouts.stats()
 
     def _driver_beat(self) -> None:
         self._driver_seen = time.monotonic()

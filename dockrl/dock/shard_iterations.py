@@ -14,6 +14,7 @@ from typing import Any
 
 from dockrl.dock.control import RunControl
 from dockrl.dock.errors import DockError
+from dockrl.dock.iteration import IterationTable
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.shard_layout import ShardLayout
@@ -114,18 +115,24 @@ class ShardIterations:
                 self.docks = {**self.docks, iteration: controller}  # replaced, not changed: read without the lock
             self.layouts = {**self.layouts, iteration: expected}
 
-    def close(self, iteration: int | None = None) -> None:
-        """The ``close_iteration`` request: close ``iteration`` (None: every open one)."""
+    def close(self, iteration: int | None = None) -> list[tuple[int, IterationTable]]:
+        """The ``close_iteration`` request: close ``iteration`` (None: every open one). Returns the closed iterations'
+        tables this shard held rows of, with its shard index (``ShardService`` keeps their rows: ``run.keep_rollouts``)."""
+        closed: list[tuple[int, IterationTable]] = []
         with self.lock:
             closing = list(self.layouts) if iteration is None else [iteration] if iteration in self.layouts else []
+            shard_of = {k: self.layouts[k]["shard"] for k in closing}
             self.layouts = {k: v for k, v in self.layouts.items() if k not in closing}
-            docks = [self.docks[k] for k in closing if k in self.docks]
+            docks = [(k, self.docks[k]) for k in closing if k in self.docks]
             self.docks = {k: v for k, v in self.docks.items() if k not in closing}
-            for controller in docks:
-                controller.close_iteration()
+            for k, controller in docks:
+                table = controller.close_iteration()
+                if table is not None:
+                    closed.append((shard_of[k], table))
                 for key, value in controller.stats().items():
                     self.closed_stats[key] = self.closed_stats.get(key, 0) + value
             self.control.set_closed(iteration)
+        return closed
 
     def announce(self, iteration: int) -> None:
         """The ``announce_iteration`` request (on shard 0): ``iteration`` must be open here."""

@@ -18,7 +18,7 @@ from dockrl.config import Config
 from dockrl.engines.hf_rollout import HFRolloutEngine
 from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.engines.rollout_engine import RolloutEngine
-from dockrl.engines.train_engine import TrainEngine
+from dockrl.engines.train_engine import ScoringEngine, TrainEngine
 from dockrl.engines.vllm import VLLMRolloutEngine
 from dockrl.parallel.ranks import ProcessRanks, join_groups
 
@@ -92,8 +92,13 @@ def shares_actor_module(cfg: Config, actor: TrainEngine) -> bool:
         and next(actor.model.parameters()).dtype == torch.float32
 
 
-def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> TrainEngine:
-    """The frozen reference policy (``HFTrainEngine``, ``trainable=False``) on this process's device."""
+def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, actor: object = None) -> ScoringEngine:
+    """The frozen reference policy on this process's device: a LoRA actor's own module with its
+    adapters disabled when the actor lives in this process (``actor``, an ``HFTrainEngine`` with
+    ``trainer.lora.rank`` > 0: ``HFTrainEngine.reference``, no second copy of the weights), else
+    an ``HFTrainEngine`` (``trainable=False``) over ``model_path``."""
+    if isinstance(actor, HFTrainEngine) and actor.peft is not None:
+        return actor.reference()
     return HFTrainEngine(model_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16 is True,
                          trust_remote_code=cfg.model.trust_remote_code, device=ranks.device)
 
@@ -121,6 +126,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
     return HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16 is True, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
+        lora=t.lora,
     )
 
 

@@ -5,7 +5,8 @@ GRPO updates on them (``micro_batching``: micro-batch loops, AdamW, a clipped st
 HF causal-LM directory (Llama, Qwen2, ...). The model is moved to ``device`` (the process's device
 from the layout, ``dockrl.parallel.device.process_device``) once; each call packs its rows into
 padded host tensors and moves them there in one copy per tensor, and the results come back in one
-copy per call (never a transfer per row).
+copy per call (never a transfer per row). With ``lora`` (``trainer.lora``) it trains LoRA adapters
+only (``dockrl.engines.hf_lora``), and its ``reference()`` is the same module with them disabled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from dockrl.config import LoraConfig
 from dockrl.engines.hf_load import load_model, load_tokenizer
 from dockrl.engines.hf_logprobs import packing_works, response_log_probs
 from dockrl.engines.micro_batching import adamw, backward_per_micro_batch, clipped_step, forward_per_micro_batch
@@ -31,6 +33,13 @@ class HFTrainEngine:
         trainable: build an optimizer and allow updates (False for the reference).
         device: where the model computes (the process's device); weights stay fp32 there
             (the master weights of the update), bf16 only inside autocast.
+        lora: with ``rank`` > 0, LoRA adapters (Hu et al. 2021, arXiv 2106.09685) injected into
+            ``model`` (``hf_lora.add_adapters``), the only parameters that train; ``self.model``
+            stays the transformers module (adapters on) and ``self.peft`` is peft's wrapper
+            (None without LoRA). ``named_weights`` and ``save`` then give merged weights.
+
+    Raises:
+        ValueError: ``lora.target_modules`` matches no module of the model.
     """
 
     def __init__(
@@ -44,11 +53,17 @@ class HFTrainEngine:
         autocast_bf16: bool = False,
         trust_remote_code: bool = False,
         device: torch.device | str = "cpu",
+        lora: LoraConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
         self.model = load_model(model_path, "float32", trust_remote_code, self.device)
+        self.peft = None
+        if lora is not None and lora.enabled:
+            from dockrl.engines.hf_lora import add_adapters  # lazy: peft only where LoRA is on
+
+            self.peft = add_adapters(self.model, lora)  # in place: self.model holds the adapters, base weights frozen
         self.autocast_bf16 = autocast_bf16
         self.grad_clip = grad_clip
         self.optimizer = None
@@ -113,11 +128,53 @@ class HFTrainEngine:
         return metrics
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The current policy's weights by the base model's parameter names; with LoRA each targeted
+        weight merged with its adapter (``hf_lora.merged_weights``), a new tensor per call."""
+        if self.peft is not None:
+            from dockrl.engines.hf_lora import merged_weights
+
+            return merged_weights(self.model)
         return ((n, p.detach()) for n, p in self.model.named_parameters())
 
+    def reference(self) -> AdaptersDisabled:
+        """The frozen reference of a LoRA actor: this engine's module with its adapters disabled
+        (the initial policy exactly; no second copy of the weights).
+
+        Raises:
+            ValueError: the engine has no adapters (``lora`` off).
+        """
+        if self.peft is None:
+            raise ValueError("reference(): the engine has no LoRA adapters to disable (trainer.lora.rank is 0)")
+        return AdaptersDisabled(self)
+
     def save(self, path: str | Path) -> Path:
-        """Write an HF checkpoint (safetensors + tokenizer) loadable with ``from_pretrained``."""
+        """Write an HF checkpoint (safetensors + tokenizer) loadable with ``from_pretrained``; with
+        LoRA the merged weights (``hf_lora.merged_state_dict``), and the adapter in ``PATH/adapter``
+        (``hf_lora.save_adapter``)."""
         path = Path(path)
-        self.model.save_pretrained(path)
+        if self.peft is not None:
+            from dockrl.engines.hf_lora import merged_state_dict, save_adapter
+
+            self.model.save_pretrained(path, state_dict=merged_state_dict(self.model))
+            save_adapter(self.peft, path)
+        else:
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         return path
+
+
+class AdaptersDisabled:
+    """The reference stage's engine over a LoRA actor (``HFTrainEngine.reference``): ``log_probs``
+    of the actor's module inside peft's ``disable_adapter()``, which computes with the base weights
+    alone. Only ``log_probs`` (the reference stage's one call); nothing of it trains."""
+
+    def __init__(self, actor: HFTrainEngine) -> None:
+        assert actor.peft is not None, "AdaptersDisabled: an engine with adapters"
+        self.actor, self.optimizer = actor, None
+
+    def log_probs(self, prompts, responses, *, temperature: float, micro_batch: int, micro_batch_tokens: int = 0) -> list[list[float]]:
+        """``HFTrainEngine.log_probs`` of the base model (the actor's adapters disabled for the call)."""
+        assert self.actor.peft is not None
+        with self.actor.peft.disable_adapter():
+            return self.actor.log_probs(prompts, responses, temperature=temperature, micro_batch=micro_batch,
+                                        micro_batch_tokens=micro_batch_tokens)

@@ -106,11 +106,12 @@ def backward_per_micro_batch(
 
 
 def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over ``model``'s parameters, with torch's fused kernel where its device has one (CPU,
+    """AdamW over ``model``'s trainable parameters (``requires_grad``), with torch's fused kernel where its device has one (CPU,
     CUDA): one pass over each parameter and its two moments instead of a dozen elementwise ops
     (the same update up to float rounding; the for-loop default elsewhere)."""
     fused = model_device(model).type in ("cpu", "cuda")
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused or None)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only (hf_lora)
+    return torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def clipped_step(

@@ -26,6 +26,18 @@ unchanged (normalize it by mini-batch totals); ``aux`` is any picklable value ha
 """
 
 
+class ScoringEngine(Protocol):
+    """What the reference stage needs: ``TrainEngine.log_probs`` alone (a ``TrainEngine``, or a LoRA
+    actor's module with its adapters disabled: ``dockrl.engines.hf_train.AdaptersDisabled``)."""
+
+    def log_probs(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float, micro_batch: int,
+        micro_batch_tokens: int = 0,
+    ) -> list[list[float]]:
+        """As ``TrainEngine.log_probs``."""
+        ...
+
+
 @runtime_checkable
 class TrainEngine(Protocol):
     """A causal LM that scores responses and takes optimizer steps (the actor or the reference)."""

@@ -41,13 +41,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class InProcessContext:
     """What an in-process stage builder gets: the run's plan, this process's ranks (one device),
-    the policy's tokenizer, the run's reward scorer, and the checkpoint to resume from (or None)."""
+    the policy's tokenizer, the run's reward scorer, the checkpoint to resume from (or None), and
+    the actor's engine (a LoRA actor's module is also the reference's: ``build_reference_engine``)."""
 
     plan: RunPlan
     ranks: ProcessRanks
     tokenizer: object
     scorer: Scorer
     resume: Path | None
+    actor: object = None
 
     @property
     def cfg(self) -> Config:
@@ -113,7 +115,7 @@ class InProcessStages:
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations))
         self.scorer = build_scorer(a)
         context = InProcessContext(plan=plan, ranks=ranks, tokenizer=load_tokenizer(plan.model_path, cfg.model.trust_remote_code),
-                                   scorer=self.scorer, resume=optimizer)
+                                   scorer=self.scorer, resume=optimizer, actor=self.actor)
         parts = [load(row.inprocess)(context) for row in run_stages(cfg) if row.inprocess]
         self.saves = [p.save for p in parts if p.save is not None]
         sampling = [stages[0], *(w for p in parts for w in p.sample)]

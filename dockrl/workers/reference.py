@@ -10,7 +10,7 @@ import time
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.factory import build_reference_engine
-from dockrl.engines.train_engine import TrainEngine
+from dockrl.engines.train_engine import ScoringEngine
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.run_setup import resolve_model
 from dockrl.stage_loop import Report, final_report, serve_iterations, snapshot_after
@@ -21,14 +21,14 @@ class ReferenceWorker:
     """Args: ``after_advantages`` — with dynamic sampling, claim rows once their advantages are
     written: the groups the advantage stage keeps, never those it filters out."""
 
-    def __init__(self, engine: TrainEngine, *, temperature: float, micro_batch: int, after_advantages: bool = False,
+    def __init__(self, engine: ScoringEngine, *, temperature: float, micro_batch: int, after_advantages: bool = False,
                  micro_batch_tokens: int = 0) -> None:
         self.engine, self.temperature, self.micro_batch = engine, temperature, micro_batch
         self.micro_batch_tokens = micro_batch_tokens
         self.columns = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantages else [])
 
     @classmethod
-    def from_config(cls, engine: TrainEngine, cfg: Config) -> ReferenceWorker:
+    def from_config(cls, engine: ScoringEngine, cfg: Config) -> ReferenceWorker:
         return cls(engine, temperature=cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch,
                    micro_batch_tokens=cfg.trainer.micro_batch_tokens, after_advantages=cfg.algorithm.filter_groups.enable)
 
@@ -55,5 +55,7 @@ def run_reference(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str
 
 
 def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
-    """The stage in-process: it scores after the rollout's stages, before the advantages."""
-    return InProcessParts(score=[ReferenceWorker.from_config(build_reference_engine(ctx.cfg, ctx.plan.model_path, ctx.ranks), ctx.cfg)])
+    """The stage in-process: it scores after the rollout's stages, before the advantages; with LoRA
+    on the actor's module with its adapters disabled (``build_reference_engine``'s ``actor``)."""
+    engine = build_reference_engine(ctx.cfg, ctx.plan.model_path, ctx.ranks, actor=ctx.actor)
+    return InProcessParts(score=[ReferenceWorker.from_config(engine, ctx.cfg)])

@@ -1,0 +1,103 @@
+"""LoRA adapters on the hf engine's actor (``trainer.lora``; Hu et al. 2021, arXiv 2106.09685), with peft.
+
+``add_adapters`` injects the adapters into a transformers model in place (peft's ``LoraConfig``,
+dropout 0); the module stays the transformers model the engine, the rollout and the log-probs code
+call, and ``model.peft`` is peft's wrapper (``disable_adapter``, ``save_pretrained``).
+``merged_weights`` and ``merged_state_dict`` give the current policy as the base model's tensors,
+W + (alpha / rank) · B·A per targeted layer, computed beside W: merging into W and unmerging after
+(peft's ``merge_adapter`` / ``unmerge_adapter``) would leave W off by a rounding each time, and the
+base weights are the reference policy, which must stay exactly the initial model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+
+from dockrl.config import LoraConfig
+
+ADAPTER_DIR = "adapter"
+"""The adapter's folder in a checkpoint (peft's ``save_pretrained``: ``adapter_config.json``,
+``adapter_model.safetensors``), beside the merged HF weights."""
+ADAPTER = "default"
+"""peft's name of the one adapter."""
+
+
+def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
+    """Inject LoRA adapters into ``model`` (in place) and freeze everything else.
+
+    Each linear module whose name ends with one of ``lora.target_modules`` gets A ``(rank, in)``
+    (Kaiming-uniform, from torch's generator) and B ``(out, rank)`` (zeros): the adapted model
+    starts as the base model exactly. Dropout is 0 (``LoraConfig``'s docstring says why).
+
+    Returns:
+        peft's wrapper of ``model``; ``model`` itself keeps its type and now holds the adapters.
+
+    Raises:
+        ValueError: no module of ``model`` matches ``lora.target_modules`` (peft's message names them).
+    """
+    # peft annotates lora_alpha as int but computes scaling = lora_alpha / r: a float alpha is exact
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,  # type: ignore[arg-type]
+                            target_modules=list(lora.target_modules), bias="none")
+    return get_peft_model(model, config)
+
+
+def _base_name(name: str) -> str:
+    """A parameter's name in the model without adapters (peft moves W under ``<layer>.base_layer``)."""
+    return name.replace(".base_layer.", ".")
+
+
+def _deltas(model: torch.nn.Module) -> dict[str, LoraLayer]:
+    """The adapted layers of ``model`` by the name of the weight they change (``....q_proj.weight``)."""
+    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+@torch.no_grad()
+def _merged(name: str, tensor: torch.Tensor, deltas: dict[str, LoraLayer]) -> torch.Tensor:
+    layer = deltas.get(name)
+    if layer is None:
+        return tensor.detach()
+    delta = layer.get_delta_weight(ADAPTER)  # type: ignore[attr-defined]  # each LoRA layer kind (Linear, Embedding...) defines it
+    return tensor.detach() + delta.to(tensor.dtype)
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter of the model without adapters (``named_parameters``'
+    names and order, a tied weight once), each targeted weight merged with its adapter: the
+    current policy for a rollout copy of the base model (``HFRolloutEngine.load_weights``).
+    Untargeted weights are the parameters themselves (no copy); merged ones are new tensors."""
+    deltas = _deltas(model)
+    for name, p in model.named_parameters():
+        if ".lora_" not in name:
+            base = _base_name(name)
+            yield base, _merged(base, p, deltas)
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` of the model without adapters, the targeted weights merged (what
+    ``save_pretrained(state_dict=...)`` writes: a plain HF checkpoint of the current policy)."""
+    deltas = _deltas(model)
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".lora_" not in name:
+            base = _base_name(name)
+            out[base] = _merged(base, t, deltas)
+    return out
+
+
+def adapter_numel(model: torch.nn.Module) -> int:
+    """Number of adapter (trainable) parameters of ``model``."""
+    return sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+
+
+def save_adapter(peft_model: PeftModel, checkpoint: Path) -> Path:
+    """Write the adapter to ``CHECKPOINT/adapter`` (peft's ``save_pretrained``; loadable with
+    ``PeftModel.from_pretrained(base, CHECKPOINT/adapter)`` over the run's ``model.path``)."""
+    out = Path(checkpoint) / ADAPTER_DIR
+    peft_model.save_pretrained(str(out))
+    return out
