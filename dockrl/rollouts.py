@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from dockrl.config import Config, dump_config
+from dockrl.config import Config, dump_config, load_config
 from dockrl.config.run_sections import keep_fraction
 from dockrl.dock.rollouts import SCHEMA_VERSION, KeepSpec
 
@@ -84,8 +84,6 @@ def show_table(run_dir: Path, iteration: int, limit: int, width: int = 60) -> st
     """The text of ``dockrl rollouts show``: one line per kept row of ``iteration`` (at most ``limit``), its response
     decoded with the run's tokenizer (the model ``config.yaml`` names, loaded from its local folder)."""
     from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
-
-    from dockrl.config import load_config
 
     cfg = load_config(run_dir / "config.yaml")
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():

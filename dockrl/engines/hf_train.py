@@ -131,7 +131,7 @@ class HFTrainEngine:
         """The current policy's weights by the base model's parameter names; with LoRA each targeted
         weight merged with its adapter (``hf_lora.merged_weights``), a new tensor per call."""
         if self.peft is not None:
-            from dockrl.engines.hf_lora import merged_weights
+            from dockrl.engines.hf_lora import merged_weights  # lazy: peft loads only for a LoRA actor
 
             return merged_weights(self.model)
         return ((n, p.detach()) for n, p in self.model.named_parameters())
@@ -153,7 +153,7 @@ class HFTrainEngine:
         (``hf_lora.save_adapter``)."""
         path = Path(path)
         if self.peft is not None:
-            from dockrl.engines.hf_lora import merged_state_dict, save_adapter
+            from dockrl.engines.hf_lora import merged_state_dict, save_adapter  # lazy: peft loads only for a LoRA actor
 
             self.model.save_pretrained(path, state_dict=merged_state_dict(self.model))
             save_adapter(self.peft, path)
