@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 from dockrl.checkpoint_pruning import prune_checkpoints
 from dockrl.config import Config
-from dockrl.config.dock_rules import check_keep_rollouts
 from dockrl.config.run_sections import keep_fraction
 from dockrl.data import Prompt
 from dockrl.dock import Dock
@@ -45,7 +44,7 @@ from dockrl.resume import (
     write_driver_state,
     write_final_state,
 )
-from dockrl.rollouts import keep_spec, lineage, write_dataset_meta
+from dockrl.rollouts import keep_spec, write_dataset_meta
 from dockrl.run_lock import RunLock
 from dockrl.run_setup import RunPlan, plan_run, prompt_batches
 from dockrl.stage_loop import Report
@@ -113,7 +112,6 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
         WorkerFailed: a stage process died (distributed; its log tail in the message).
     """
-    check_keep_rollouts(cfg.dock.warehouse, cfg.run.keep_rollouts)  # across sections: before the run folder is touched
     # `kill` runs the clean-up below (verifier pool, workers, the run's record, lock)
     with RunLock(cfg.run.output_dir) as lock, sigterm_as_exit(), contextlib.ExitStack() as stack:
         plan = plan_run(cfg)
@@ -177,9 +175,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             for stage, stage_metrics in reports.items():
                 dock.report(it, stage, stage_metrics)
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
-    kept = lineage(cfg, point.checkpoint if point else None) if keep_fraction(cfg.run.keep_rollouts) > 0 else None
-    if kept is not None:  # run.keep_rollouts: the shards write the rows at each close; the dataset's _meta.json here
-        write_dataset_meta(cfg, point.checkpoint if point else None)
+    # run.keep_rollouts: the dataset's _meta.json here, the rows by the shards at each close, with this lineage
+    kept = write_dataset_meta(cfg, point.checkpoint if point else None) if keep_fraction(cfg.run.keep_rollouts) > 0 else None
     with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
         if t.eval_before and not point:
@@ -196,10 +193,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                 opened += 1
             metrics = runner.run_iteration(it)
             metrics |= dock.stats()
-            if kept is None:
-                dock.close_iteration(it)
-            else:  # the shards write their rows of `it` in the background: only where, and the lineage, go from here
-                dock.close_iteration(it, keep=keep_spec(cfg, it, metrics, kept))
+            # with kept rollouts the shards write their rows of `it` in the background: only where, and the lineage, go from here
+            dock.close_iteration(it, keep=None if kept is None else keep_spec(cfg, it, metrics, kept))
             seconds = time.perf_counter() - start  # perf: response tokens of all rows per second
             responses = metrics.get("rollout/responses", len(batches[it]) * n)  # dynamic sampling: the rounds sampled
             metrics |= {"timing_s/iteration": seconds,

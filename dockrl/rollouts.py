@@ -41,33 +41,33 @@ def lineage(cfg: Config, resumed_from: Path | str | None) -> dict[str, Any]:
     return {"config_sha256": config_hash(cfg), "resumed_from": None if resumed_from is None else str(resumed_from)}
 
 
-def write_dataset_meta(cfg: Config, resumed_from: Path | str | None) -> Path:
+def write_dataset_meta(cfg: Config, resumed_from: Path | str | None) -> dict[str, Any]:
     """Write ``<run>/rollouts/_meta.json`` (``pyarrow.dataset`` skips names starting with ``_``): the schema version,
-    the run's lineage and the sampling; a resumed run writes it again with its own. Returns its path."""
+    the run's lineage and the sampling; a resumed run writes it again with its own. Returns the lineage
+    (``lineage``), which every kept file carries too (``keep_spec``)."""
     root = rollouts_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
+    run = lineage(cfg, resumed_from)
     meta = {"schema_version": SCHEMA_VERSION, "keep_rollouts": cfg.run.keep_rollouts, "fraction": keep_fraction(cfg.run.keep_rollouts),
-            "seed": cfg.trainer.seed, "partitioning": "hive: iteration=<N>/shard-<S>.parquet"} | lineage(cfg, resumed_from)
+            "seed": cfg.trainer.seed, "partitioning": "hive: iteration=<N>/shard-<S>.parquet"} | run
     path = root / "_meta.json"
     tmp = path.with_name("._meta.json.tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     tmp.replace(path)
-    return path
+    return run
 
 
-def keep_spec(cfg: Config, iteration: int, metrics: Mapping[str, float], meta: dict[str, Any]) -> KeepSpec | None:
-    """What the driver's close of ``iteration`` asks the shards to keep (None: ``run.keep_rollouts=off``).
+def keep_spec(cfg: Config, iteration: int, metrics: Mapping[str, float], meta: dict[str, Any]) -> KeepSpec:
+    """What the driver's close of ``iteration`` asks the shards to keep, in a run with ``run.keep_rollouts`` on
+    (``meta``: the lineage ``write_dataset_meta`` returned).
 
     The weight version is the number of actor updates in the weights that sampled the iteration: the iteration's
     index on-policy, ``rollout/policy_version + 1`` when the rollout reports one (``dock.max_inflight`` > 1). With
     partial rollout a response's earlier segments may come from older weights (``rollout/oldest_policy_version``);
     the version kept is the one of the pass that finished it.
     """
-    fraction = keep_fraction(cfg.run.keep_rollouts)
-    if fraction <= 0:
-        return None
     version = metrics.get("rollout/policy_version")
-    return KeepSpec(uri=str(rollouts_root(cfg)), fraction=fraction, seed=cfg.trainer.seed,
+    return KeepSpec(uri=str(rollouts_root(cfg)), fraction=keep_fraction(cfg.run.keep_rollouts), seed=cfg.trainer.seed,
                     weight_version=iteration if version is None else int(version) + 1, meta=meta)
 
 

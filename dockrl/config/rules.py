@@ -20,7 +20,7 @@ from typing import Any
 
 from dockrl.config.algorithm_rules import _check_algorithm, _check_dapo, _check_reward_model
 from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
-from dockrl.config.dock_rules import _check_dock
+from dockrl.config.dock_rules import _check_dock, check_keep_rollouts
 from dockrl.config.errors import ConfigError, _fail
 from dockrl.config.run_sections import DockConfig, RunConfig
 from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
@@ -130,6 +130,7 @@ def check_rules(c: Config) -> None:
     _check_inflight(c)
     _check_partial(c)
     _check_dock(c.dock)
+    check_keep_rollouts(c.dock.warehouse, c.run.keep_rollouts)
     _check_reward_model(c.reward_model)
     _check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
     _check_parallel(c)

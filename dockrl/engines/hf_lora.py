@@ -12,7 +12,7 @@ base weights are the reference policy, which must stay exactly the initial model
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -66,28 +66,28 @@ def _merged(name: str, tensor: torch.Tensor, deltas: dict[str, LoraLayer]) -> to
     return tensor.detach() + delta.to(tensor.dtype)
 
 
+def _merged_items(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` of ``model`` (its parameters or state dict) under the base model's names, adapters left out,
+    each targeted weight merged with its adapter."""
+    deltas = _deltas(model)
+    for name, t in items:
+        if ".lora_" not in name:
+            base = _base_name(name)
+            yield base, _merged(base, t, deltas)
+
+
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every parameter of the model without adapters (``named_parameters``'
     names and order, a tied weight once), each targeted weight merged with its adapter: the
     current policy for a rollout copy of the base model (``HFRolloutEngine.load_weights``).
     Untargeted weights are the parameters themselves (no copy); merged ones are new tensors."""
-    deltas = _deltas(model)
-    for name, p in model.named_parameters():
-        if ".lora_" not in name:
-            base = _base_name(name)
-            yield base, _merged(base, p, deltas)
+    return _merged_items(model, model.named_parameters())
 
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` of the model without adapters, the targeted weights merged (what
     ``save_pretrained(state_dict=...)`` writes: a plain HF checkpoint of the current policy)."""
-    deltas = _deltas(model)
-    out = {}
-    for name, t in model.state_dict().items():
-        if ".lora_" not in name:
-            base = _base_name(name)
-            out[base] = _merged(base, t, deltas)
-    return out
+    return dict(_merged_items(model, model.state_dict().items()))
 
 
 def adapter_numel(model: torch.nn.Module) -> int:
