@@ -155,15 +155,21 @@ class KubernetesBackend:
         ``POD_IP`` (the pipeline's train task sets all four).
 
         Raises:
-            ValueError: no namespace given or found; or, in an owner pod, a ``namespace`` other
+            ValueError: no credentials (neither in-cluster nor a kubeconfig); no namespace given or
+                found; or, in an owner pod, a ``namespace`` other
                 than the pod's own (the workers of a run live in its launcher's namespace).
         """
         from kubernetes import client, config  # lazy: the kubernetes client is the kfp extra
 
         try:
             config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        except config.ConfigException as in_cluster:
+            try:
+                config.load_kube_config()
+            except (config.ConfigException, OSError) as outside:
+                raise ValueError(f"no Kubernetes credentials: not in a pod with a service account ({in_cluster}) and no usable "
+                                 f"kubeconfig ({outside}); set KUBECONFIG or write ~/.kube/config (kubectl config view "
+                                 "shows which one kubectl uses)") from outside
         namespace, owner = launcher_namespace(namespace)
         platform = get_platform(platform) if isinstance(platform, str) else platform
         kwargs.setdefault("launcher_ip", os.environ.get("POD_IP", ""))

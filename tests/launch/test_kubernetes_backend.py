@@ -467,3 +467,16 @@ def test_teardown_run_finds_the_cluster_namespace_and_owner(cluster, monkeypatch
     b.start(GROUPS)
     assert teardown_run("kubernetes", RUN) == 2  # the exit handler: run id only
     assert cluster.objects == {}
+
+
+def test_teardown_without_credentials_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    """Outside a cluster with no kubeconfig, `dockrl teardown --backend kubernetes` says which
+    credentials it looked for (exit code 2), not a client library's traceback."""
+    from dockrl.cli import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["teardown", "--backend", "kubernetes", "some-run"]) == 2
+    err = capsys.readouterr().err
+    assert "no Kubernetes credentials" in err and "KUBECONFIG" in err and "Traceback" not in err
