@@ -12,6 +12,7 @@ a warm-up and is not counted.
     python benchmarks/vs_trl.py --model ... --precision bf16   # where the CPU has native bf16
     python benchmarks/vs_trl.py --model ... --precision defaults   # each side as it comes
     python benchmarks/vs_trl.py --quick          # the tiny random model, both sides, seconds
+    python benchmarks/vs_trl.py --model ... --lora-rank 8   # both sides train LoRA adapters (alpha 2 × rank)
 
 ``--precision fp32`` (the default) runs both sides in fp32. ``--precision bf16`` runs each side's
 bf16 mode: TRL's ``bf16=True`` (its default: the Trainer's bf16 autocast over fp32 weights) and
@@ -41,6 +42,10 @@ exact when the descendants' memory is flat while the run process peaks (the veri
 Sampling the tree's sum instead misses short peaks (its largest sample is the lower bound the
 column never goes under). Pages that processes share count in each (the verifier's forkserver
 and the process it forks: tens of MB).
+
+``--lora-rank r`` trains LoRA adapters of rank r (alpha 2r, dropout 0) on the attention and MLP
+projections on both sides instead of the full weights: TRL's ``peft_config`` (a peft ``LoraConfig``) and
+dockrl's ``trainer.lora``; the precision column then ends with ``LoRA r``.
 
 TRL and psutil are optional dependencies of this benchmark only (``pip install 'dockrl[bench]'``).
 """
@@ -140,11 +145,23 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
         gradient_accumulation_steps=per_iteration // spec["micro_batch"], max_steps=spec["iterations"], seed=0,
         disable_tqdm=True, dataloader_num_workers=0,
     )
+    peft_config = None
+    if spec["lora_rank"]:
+        from peft import LoraConfig
+
+        from dockrl.config.sections import LORA_DEFAULT_TARGETS
+
+        peft_config = LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"], lora_dropout=0.0,
+                                 target_modules=list(LORA_DEFAULT_TARGETS), task_type="CAUSAL_LM")
     trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=Dataset.from_list(data),
-                               callbacks=[Timing()])
+                               callbacks=[Timing()], peft_config=peft_config)
     trainer.train()
     scorer.close()
-    return _result(steps) | {"precision": "bf16 autocast" if args.bf16 else "fp32"}
+    return _result(steps) | {"precision": ("bf16 autocast" if args.bf16 else "fp32") + _lora_tag(spec)}
+
+
+def _lora_tag(spec: dict[str, Any]) -> str:
+    return f", LoRA {spec['lora_rank']}" if spec["lora_rank"] else ""
 
 
 def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
@@ -164,6 +181,7 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
         f"trainer.iterations={spec['iterations']}", f"trainer.global_batch={spec['prompts']}", f"trainer.mini_batch={spec['prompts']}",
         f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", f"trainer.autocast_bf16={autocast}",
         "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0",
+        *([f"trainer.lora.rank={spec['lora_rank']}", f"trainer.lora.alpha={2 * spec['lora_rank']}"] if spec["lora_rank"] else []),
     ]))
     steps: list[dict[str, float]] = []
 
@@ -172,7 +190,7 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
                       "rollout_s": m["timing_s/rollout"], "update_s": m["timing_s/actor"]})
 
     driver.train(cfg, on_iteration=on_iteration)
-    precision = ("bf16 autocast" if cfg.trainer.autocast_bf16 else "fp32") + f", rollout {cfg.rollout.dtype}"
+    precision = ("bf16 autocast" if cfg.trainer.autocast_bf16 else "fp32") + f", rollout {cfg.rollout.dtype}" + _lora_tag(spec)
     return _result(steps) | {"precision": precision}
 
 
@@ -293,6 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--precision", choices=["fp32", "bf16", "defaults"], default="fp32",
                         help="both sides in fp32, both in their bf16 mode (native bf16 CPUs only), or each at its own defaults")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on both sides (0: full fine-tuning)")
     parser.add_argument("--iterations", type=int, default=4, help="per run, the first a warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
@@ -305,7 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
     for flag, value, least in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                               ("--micro-batch", args.micro_batch, 1), ("--iterations", args.iterations, 1), ("--repeats", args.repeats, 1)):
+                               ("--micro-batch", args.micro_batch, 1), ("--iterations", args.iterations, 1), ("--repeats", args.repeats, 1),
+                               ("--lora-rank", args.lora_rank, 0)):
         if value < least:
             parser.error(f"{flag}: got {value}; expected an integer >= {least}")
     if args.n < 2:
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> str:
             model = str(build_tiny_model(Path(work) / "tiny-model"))
         data = write_jsonl(generate_problems(args.prompts * args.iterations * 4, seed=0), Path(work) / "prompts.jsonl")
         spec = {k: getattr(args, k) for k in ("prompts", "n", "max_new_tokens", "temperature", "micro_batch", "lr", "iterations",
-                                              "precision")}
+                                              "precision", "lora_rank")}
         spec |= {"model": str(Path(model).resolve()), "data": str(data)}
         results: dict[str, list[dict[str, float]]] = {s: [] for s in args.sides}
         for r in range(args.repeats):

@@ -9,7 +9,7 @@
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl runs                                    # local runs and their live processes
-    dockrl rollouts show runs/demo --iteration 3   # the rollouts a run kept (run.keep_rollouts)
+    dockrl rollouts show runs/demo --iteration 3   # the rollouts a run kept (run.keep_rollouts); rescore, replay, page
     dockrl teardown runs/demo                      # stop what a run left (its driver, its workers)
 
 ``worker`` and ``dock-shard`` are what the launcher starts, as local processes and as the
@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return ranks_main(argv[1:])
     if argv[:1] == ["rollouts"]:
-        from dockrl.rollouts import main as rollouts_main  # lazy: pyarrow.dataset, and transformers for the tokenizer
+        from dockrl.rollouts_cli import main as rollouts_main  # lazy: pyarrow.dataset, torch, and transformers for the tokenizer
 
         return rollouts_main(argv[1:])
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     if argv[:1] in (["runs"], ["teardown"]):
         return runs_main(argv)
     debug = "--debug" in argv
@@ -89,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("node", help="several rank processes of a worker group in one pod shaped like a node (dockrl node -h)")
     sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout (dockrl ranks -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")
-    sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): dockrl rollouts show RUN --iteration N")
+    sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): show, rescore, replay, page (dockrl rollouts -h)")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")
+    sub.add_parser("export", help="a checkpoint as a self-contained HF folder; a LoRA run's adapter, merged with --merge (dockrl export -h)")
     args, rest = parser.parse_known_args(argv)
     for extra in rest:  # overrides may stand on both sides of --config: argparse leaves those after it here
         if extra.startswith("-") or "=" not in extra:
@@ -220,3 +223,28 @@ def runs_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def export_main(argv: list[str]) -> int:
+    """``dockrl export CHECKPOINT OUT [--dtype D] [--merge]``: ``dockrl.launch.tasks.export_model``. A LoRA
+    run's checkpoint gives its adapter folder (``OUT/adapter``), and with ``--merge`` also the merged HF
+    weights; any other checkpoint gives its full weights."""
+    parser = argparse.ArgumentParser(prog="dockrl export", description=export_main.__doc__)
+    parser.add_argument("checkpoint", help="a checkpoint folder, e.g. RUN/checkpoints/final")
+    parser.add_argument("out", help="the folder to write")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="of the written weights")
+    parser.add_argument("--merge", action="store_true", help="a LoRA checkpoint: also the merged HF weights W + (alpha/rank)·B·A")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dockrl.launch.artifacts import resolve_checkpoint  # lazy: the export step's modules, only for this command
+    from dockrl.launch.tasks import export_model  # lazy: as resolve_checkpoint
+
+    try:
+        has_adapter = (resolve_checkpoint(args.checkpoint) / "adapter" / "adapter_config.json").is_file()
+        info = export_model(args.checkpoint, args.out, args.dtype, merge=args.merge or not has_adapter)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dockrl export: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=2))
+    return 0
+

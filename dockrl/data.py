@@ -14,7 +14,7 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from dockrl.config import ConfigError
 
@@ -183,9 +183,13 @@ def check_chat_template(tokenizer, chat_template: str, model: str) -> None:
         )
 
 
-def prompt_token_ids(tokenizer, question: str, *, system_prompt: str, chat_template: str = "auto") -> list[int]:
+def prompt_token_ids(tokenizer, question: str, *, system_prompt: str, chat_template: str = "auto",
+                     tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of one prompt: the tokenizer's chat template with a generation prompt (``auto``),
     or ``PLAIN_PROMPT`` tokenized as text, special tokens (a BOS) as the tokenizer adds them (``none``).
+
+    ``tools`` (OpenAI function schemas) go to the chat template (``tools=``), which renders them as it
+    was trained to; ``dockrl.envs.prompting.tool_prompt`` decides whether a run's tools go there.
 
     Raises:
         ValueError: unknown ``chat_template``.
@@ -196,12 +200,14 @@ def prompt_token_ids(tokenizer, question: str, *, system_prompt: str, chat_templ
     if chat_template != "auto":
         raise ValueError(f"data.chat_template: got {chat_template!r}; expected one of 'auto', 'none'")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
     return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 
 def load_prompts(
     path: str | Path, tokenizer, *, system_prompt: str, max_prompt_length: int, chat_template: str = "auto", model: str = "",
+    tools: Sequence[dict] | None = None,
 ) -> tuple[list[Prompt], LoadReport]:
     """Read a GSM8K-format file, format each question as a prompt (``prompt_token_ids``) and tokenize.
 
@@ -212,6 +218,7 @@ def load_prompts(
         max_prompt_length: longest prompt in tokens; longer rows are dropped and reported.
         chat_template: ``data.chat_template``: ``auto`` (the tokenizer's) or ``none`` (plain text).
         model: ``model.path``, for the error when the tokenizer has no chat template.
+        tools: tool schemas for the chat template (``prompt_token_ids``), or None.
 
     Returns:
         The usable prompts and a report of the dropped lines.
@@ -240,7 +247,7 @@ def load_prompts(
         if extract_final_answer(row["answer"]) is None:  # the verifier's own reading of a number
             report.bad.append((line_no, f"answer's final '#### {truth[:30]}' is not a number (the verifier compares numbers)"))
             continue
-        ids = prompt_token_ids(tokenizer, row["question"], system_prompt=system_prompt, chat_template=chat_template)
+        ids = prompt_token_ids(tokenizer, row["question"], system_prompt=system_prompt, chat_template=chat_template, tools=tools)
         if len(ids) > max_prompt_length:
             report.bad.append((line_no, f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"))
             continue

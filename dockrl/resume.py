@@ -226,5 +226,7 @@ def held_open(cfg: Config) -> tuple[int, ...]:
 
 
 def weights_path(cfg: Config, model_path: Path) -> Path:
-    """Where the actor and rollout load their starting weights: the resumed checkpoint, else ``model_path``."""
-    return Path(cfg.run.resume) if cfg.run.resume else model_path
+    """Where the actor and rollout load their starting weights: the resumed checkpoint, else ``model_path``.
+    A LoRA run (``trainer.lora.rank`` > 0) always starts from ``model_path``, the base weights (the
+    reference); the engines then load the checkpoint's adapter (``dockrl.engines.factory``)."""
+    return Path(cfg.run.resume) if cfg.run.resume and not cfg.trainer.lora.enabled else model_path

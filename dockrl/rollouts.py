@@ -1,5 +1,6 @@
 """A run's kept rollouts (``run.keep_rollouts``, docs/rollouts.md): what the driver sends with each close, the
-dataset's ``_meta.json``, and ``dockrl rollouts show``.
+dataset's ``_meta.json``, where a run's or a pipeline artifact's kept rollouts are (``kept_rollouts``), reading them (``read_rollouts``) and
+``dockrl rollouts show`` (``show_table``; the command line is ``dockrl.rollouts_cli``).
 
 The dock shards write the rows (``dockrl.dock.rollouts``); the driver only names where, with the lineage
 (``keep_spec``), and writes the dataset-level ``<run>/rollouts/_meta.json`` (``write_dataset_meta``) once per
@@ -8,10 +9,9 @@ run start: no payload passes through it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -24,6 +24,57 @@ if TYPE_CHECKING:
 
 ROLLOUTS_DIR = "rollouts"
 """The dataset's folder in the run folder."""
+ROLLOUTS_CONFIG = "_config.yaml"
+"""In a kept-rollouts artifact folder (the pipeline's ``rollouts`` Dataset): the config of the run that kept them."""
+ROLLOUTS_TOKENIZER = "_tokenizer"
+"""In a kept-rollouts artifact folder: the run's tokenizer (``save_pretrained``), which decodes the token ids."""
+
+
+@dataclass(frozen=True)
+class KeptRollouts:
+    """Where a run's kept rollouts are, and what reads them."""
+
+    root: Path
+    """The dataset's root (``iteration=<N>/shard-<S>.parquet``)."""
+    config: Config
+    """The config of the run that kept them."""
+    run_dir: Path | None
+    """The run folder (checkpoints, ``metrics.jsonl``); None for an artifact folder."""
+
+    def tokenizer_dir(self) -> Path:
+        """The folder of the tokenizer that decodes the token ids: the artifact's ``_tokenizer/``, else the model
+        ``config.yaml`` names (from its local folder; nothing is fetched)."""
+        if self.run_dir is None:
+            return self.root / ROLLOUTS_TOKENIZER
+        if self.config.model.path and (Path(self.config.model.path) / "config.json").is_file():
+            return Path(self.config.model.path)
+        from dockrl.run_setup import resolve_model  # lazy: the packaged model's export
+
+        return resolve_model(self.config)
+
+
+def kept_rollouts(path: Path | str) -> KeptRollouts:
+    """The kept rollouts of ``path``: a run folder (``config.yaml`` and ``rollouts/``) or a kept-rollouts artifact
+    folder (``_config.yaml``, ``_tokenizer/``: the pipeline train task's ``rollouts`` Dataset).
+
+    Raises:
+        FileNotFoundError: ``path`` is neither (it names what is missing).
+    """
+    folder = Path(path)
+    if (folder / ROLLOUTS_CONFIG).is_file() and (folder / ROLLOUTS_TOKENIZER).is_dir():
+        return KeptRollouts(root=folder, config=load_config(folder / ROLLOUTS_CONFIG), run_dir=None)
+    if (folder / ROLLOUTS_DIR).is_dir() and (folder / "config.yaml").is_file():
+        return KeptRollouts(root=folder / ROLLOUTS_DIR, config=load_config(folder / "config.yaml"), run_dir=folder)
+    raise FileNotFoundError(f"{folder} holds no kept rollouts: expected a run folder with config.yaml and {ROLLOUTS_DIR}/ (a run "
+                            f"with run.keep_rollouts=all or a fraction) or a pipeline's rollouts artifact ({ROLLOUTS_CONFIG}, "
+                            f"{ROLLOUTS_TOKENIZER}/)")
+
+
+def load_rollouts_tokenizer(kept: KeptRollouts):
+    """The tokenizer of ``kept`` (``KeptRollouts.tokenizer_dir``), loaded offline."""
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
+
+    return AutoTokenizer.from_pretrained(str(kept.tokenizer_dir()), local_files_only=True)
 
 
 def rollouts_root(cfg: Config) -> Path:
@@ -80,20 +131,11 @@ def read_rollouts(root: Path | str, iteration: int | None = None, columns: list[
     return table.sort_by([("iteration", "ascending"), ("row", "ascending")])
 
 
-def show_table(run_dir: Path, iteration: int, limit: int, width: int = 60) -> str:
+def show_table(kept: KeptRollouts, iteration: int, limit: int, width: int = 60) -> str:
     """The text of ``dockrl rollouts show``: one line per kept row of ``iteration`` (at most ``limit``), its response
-    decoded with the run's tokenizer (the model ``config.yaml`` names, loaded from its local folder)."""
-    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
-
-    cfg = load_config(run_dir / "config.yaml")
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        model_dir = Path(cfg.model.path)
-    else:
-        from dockrl.run_setup import resolve_model  # lazy: the packaged model's export
-
-        model_dir = resolve_model(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    table = read_rollouts(run_dir / ROLLOUTS_DIR, iteration,
+    decoded with the run's tokenizer (``load_rollouts_tokenizer``)."""
+    tokenizer = load_rollouts_tokenizer(kept)
+    table = read_rollouts(kept.root, iteration,
                           ["iteration", "row", "weight_version", "rm_score", "correct", "response_length", "response_ids"])
     rows = table.slice(0, limit).to_pylist()
     lines = [f"{'iteration':>9} {'row':>5} {'weights':>7} {'reward':>7} {'correct':>7} {'length':>6}  response"]
@@ -106,22 +148,3 @@ def show_table(run_dir: Path, iteration: int, limit: int, width: int = 60) -> st
                      f"{r['response_length'] or 0:>6}  {text}")
     lines.append(f"({len(rows)} of {table.num_rows} kept rows of iteration {iteration})")
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """``dockrl rollouts show RUN --iteration N [--limit K]``: exit 0, or 2 for a run without kept rollouts."""
-    parser = argparse.ArgumentParser(prog="dockrl rollouts", description="A run's kept rollouts (run.keep_rollouts; docs/rollouts.md).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="a table of one iteration's kept rows: reward, length, the response's first characters")
-    show.add_argument("run", help="run folder (run.output_dir)")
-    show.add_argument("--iteration", type=int, required=True, help="the iteration to show")
-    show.add_argument("--limit", type=int, default=20, help="rows shown at most (default 20)")
-    show.add_argument("--width", type=int, default=60, help="characters of each response shown (default 60)")
-    args = parser.parse_args(argv)
-    run_dir = Path(args.run)
-    if not (run_dir / ROLLOUTS_DIR).is_dir() or not (run_dir / "config.yaml").is_file():
-        print(f"dockrl rollouts: {run_dir} holds no kept rollouts (a run with run.keep_rollouts=all or a fraction writes "
-              f"{run_dir / ROLLOUTS_DIR})", file=sys.stderr)
-        return 2
-    print(show_table(run_dir, args.iteration, args.limit, args.width))
-    return 0

@@ -20,6 +20,8 @@ from safetensors import safe_open
 
 from dockrl.config import Config, ConfigError, TrainerConfig, resolve_auto, save_config
 from dockrl.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.envs.prompting import tool_prompt
+from dockrl.envs.registry import environment_tools
 from dockrl.models import prepare_smollm2
 from dockrl.resume_point import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
 
@@ -71,7 +73,9 @@ def plan_run(cfg: Config) -> RunPlan:
     train_file, test_file = resolve_data(cfg)
     from dockrl.engines.hf_load import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
 
-    train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file)
+    tools = environment_tools(cfg)  # the prompts show the environment's tools; a user's environment that fails to build fails here
+    train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file,
+                                                   tools=tools)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
     check_resume_prompts(point, fingerprint)
     # run.resume as given (`latest` stays `latest`): config.yaml run again continues the run, where the
@@ -191,11 +195,19 @@ def as_config_error(field: str, fn: Callable[..., T], *args: Any, **kwargs: Any)
         raise ConfigError(f"{field}: {e}") from None
 
 
-def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path) -> tuple[list[Prompt], list[Prompt]]:
-    """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file)."""
+def load_run_prompts(cfg: Config, tokenizer, train_file: Path, test_file: Path, *,
+                     tools: Sequence[dict] = ()) -> tuple[list[Prompt], list[Prompt]]:
+    """Training prompts and the evaluation prompts (the first ``data.eval_size`` of the test file).
+
+    ``tools``: the run's environment's tools (``environment_tools``; empty without one: every caller in a
+    run with an environment passes them, or its prompts would differ from the driver's), shown to the
+    model by the chat template or in the system prompt (``dockrl.envs.prompting.tool_prompt``).
+    """
     check_chat_template(tokenizer, cfg.data.chat_template, cfg.model.path)  # names model.path, not a data file
-    load: dict[str, Any] = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
-                                chat_template=cfg.data.chat_template, model=cfg.model.path)
+    shown = tool_prompt(tokenizer, tools, cfg.env.tool_parser, system_prompt=cfg.data.system_prompt,
+                        chat_template=cfg.data.chat_template)
+    load: dict[str, Any] = dict(system_prompt=shown.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+                                chat_template=cfg.data.chat_template, model=cfg.model.path, tools=shown.tools)
     out = []
     for field, path in (("data.train_path", train_file), ("data.test_path", test_file)):
         prompts, report = as_config_error(field, load_prompts, path, tokenizer, **load)

@@ -49,11 +49,12 @@ from typing import Callable, Sequence
 
 from dockrl import driver
 from dockrl.config import Config, load_config
-from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, place_rollouts, write_checkpoint_pointer
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.resume import FINAL_DIR, checkpoint_resumes_at
+from dockrl.rollouts import ROLLOUTS_DIR
 from dockrl.run_setup import PACKAGED_MODEL
 from dockrl.train_retry import clear_failed_attempt, prepare_retry
 
@@ -78,6 +79,7 @@ def run_training(
     run_id: str = "",
     namespace: str = "",
     platform: str | Platform = "cpu",
+    rollouts_dir: str | Path | None = None,
 ) -> dict[str, float]:
     """Train with GRPO on a prepared dataset; write the final checkpoint and report metrics.
 
@@ -96,6 +98,9 @@ def run_training(
             for ``kubernetes``.
         namespace: the workers' namespace ("" for the launcher pod's own).
         platform: preset name or ``Platform`` of the worker pods (image, accelerators, shared volume).
+        rollouts_dir: receives the kept rollouts (``run.keep_rollouts``: the run folder's ``rollouts/``, then
+            not in ``run_dir``) with the run's config and tokenizer (``place_rollouts``); empty when the run
+            kept none. None: they stay in the run folder.
 
     Returns:
         The run summary (accuracy before training, seconds; after training too if
@@ -165,7 +170,10 @@ def run_training(
             shutil.rmtree(out / "data", ignore_errors=True)
         else:  # local: export-model may not mount the volume, so the model artifact holds a copy
             shutil.copytree(final, dst, dirs_exist_ok=True)
-        shutil.copytree(out, run, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
+        skip = ("checkpoints",) if rollouts_dir is None else ("checkpoints", ROLLOUTS_DIR)
+        shutil.copytree(out, run, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)
+    if rollouts_dir is not None:  # the train task's Dataset artifact (docs/rollouts.md)
+        place_rollouts(out / ROLLOUTS_DIR, rollouts_dir, checkpoint=dst, config=out / "config.yaml", move=out == run)
 
     for key, value in summary.items():
         _log_finite(log_metric, key, value, skipped)

@@ -315,7 +315,7 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
     Returns:
         The run's folder under ``pipeline_root``: one sub-folder per task with its artifacts
         (``prepare-dataset/dataset``, ``train/model``, ``train/run_dir``, ``train/curves``,
-        ``export-model/model``) and its ``executor_output.json`` (artifact metadata, metrics).
+        ``train/rollouts``, ``train/rollouts_page``, ``export-model/model``) and its ``executor_output.json`` (artifact metadata, metrics).
 
     Raises:
         ConfigError: an invalid override, before any task starts.
@@ -345,6 +345,8 @@ def local_summary(run_dir: str | Path) -> dict:
         "model": str(run / "export-model" / "model"),
         "train_run_dir": str(run / "train" / "run_dir"),
         "curves": str(run / "train" / "curves"),
+        "rollouts": str(run / "train" / "rollouts"),
+        "rollouts_page": str(run / "train" / "rollouts_page"),
     }
     summary |= {k: train[k] for k in ("eval/accuracy_before", "eval/format_rate_before", "run/seconds") if k in train}
     return summary | task_metadata(run, "evaluate", "metrics")

@@ -32,7 +32,7 @@ def test_a_lora_grpo_run_trains_the_adapters_only(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     for r in rows:
-        assert r["timing_s/reference"] > 0 and r["weight_sync/bytes"] > 0  # the base model scored; a bf16 copy synced
+        assert r["timing_s/reference"] > 0  # the base model scored
         assert all(v == v for v in r.values() if isinstance(v, float)), "no NaN metric"
     assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # the first update's policy is the base model
 
@@ -52,6 +52,8 @@ def test_a_lora_grpo_run_trains_the_adapters_only(tiny_model_dir, tmp_path):
         else:
             assert torch.equal(merged[name], w), name
     assert any(torch.count_nonzero(ab["B"]) for ab in a_b.values()), "the adapters trained"
+    adapter_bytes = sum(t.numel() for t in adapter.values()) * 4
+    assert all(r["weight_sync/bytes"] == adapter_bytes for r in rows)  # the bf16 copy got the fp32 adapter alone (trainer.lora.sync)
     # the random tiny model rarely earns a reward: the entropy bonus gives every step a gradient
     print(f"LoRA run: {wall:.1f} s wall; adapter {sum(t.numel() for t in adapter.values())} parameters, "
           f"{(final / ADAPTER_DIR / 'adapter_model.safetensors').stat().st_size} bytes vs "

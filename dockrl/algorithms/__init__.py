@@ -23,10 +23,20 @@ from dockrl.algorithms.losses import (
     tis_weight,
     value_loss,
 )
-from dockrl.algorithms.padding import right_pad
+from dockrl.algorithms.padding import response_mask, right_pad
+from dockrl.algorithms.rollout_correction import (
+    Correction,
+    correction_weight,
+    icepop_weight,
+    mis_sequence_weight,
+    mis_token_weight,
+    mismatch_metrics,
+    token_staleness,
+)
 
 __all__ = [
-    "ActorLoss", "PolicyLoss", "actor_loss", "aggregate_loss", "compute_advantages", "discounted_returns", "entropy_from_logits", "gae",
-    "grpo_advantages", "kl_k3", "kl_penalty", "masked_whiten", "mixed_groups", "policy_loss",
-    "reinforce_plus_plus_advantages", "right_pad", "rloo_advantages", "sequence_ratio_log", "tis_weight", "token_rewards", "value_loss",
+    "ActorLoss", "Correction", "PolicyLoss", "actor_loss", "aggregate_loss", "compute_advantages", "correction_weight",
+    "discounted_returns", "entropy_from_logits", "gae", "grpo_advantages", "icepop_weight", "kl_k3", "kl_penalty", "masked_whiten",
+    "mis_sequence_weight", "mis_token_weight", "mismatch_metrics", "mixed_groups", "policy_loss", "reinforce_plus_plus_advantages",
+    "response_mask", "right_pad", "rloo_advantages", "sequence_ratio_log", "tis_weight", "token_rewards", "token_staleness", "value_loss",
 ]

@@ -90,7 +90,8 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | N
 
     Args:
         scores: ``(B,)`` outcome rewards.
-        mask: ``(B, T)`` response mask (right-padded; a response has at least one token).
+        mask: ``(B, T)`` response mask (right-padded; a response has at least one token; 0 may
+            also mark tokens inside it: the reward goes on its last token where the mask is 1).
         kl: ``(B, T)`` per-token KL estimates of the policy to the reference (nats), or None.
         kl_coef: β.
 
@@ -98,7 +99,8 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | N
         ``(B, T)`` float32 rewards, 0 on padding.
     """
     mask = mask.float()
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    # the last token where the mask is 1 (a multi-turn row's mask has holes at the observations): max_t t·m_t
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)
     rewards = torch.zeros_like(mask)
     rewards[torch.arange(len(scores)), last] = scores.float()
     if kl is not None and kl_coef:

@@ -32,10 +32,11 @@ from dockrl.config.sections import (
     RolloutConfig,
     TrainerConfig,
 )
+from dockrl.config.turn_rules import multi_turn
 
 __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "DockConfig", "FilterGroupsConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config",
-    "load_config", "load_config_text", "parse_overrides", "resolve_auto", "s3_endpoint", "save_config",
+    "load_config", "load_config_text", "multi_turn", "parse_overrides", "resolve_auto", "s3_endpoint", "save_config",
 ]

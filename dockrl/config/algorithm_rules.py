@@ -53,6 +53,7 @@ def _check_algorithm(a: AlgorithmConfig, critic: CriticConfig) -> None:
         raise _fail("algorithm.clip_ratio_c", a.clip_ratio_c, "expected 0 (no dual-clip) or a finite bound > 1 (verl: 3.0)")
     if not (a.tis_cap == 0 or 1 <= a.tis_cap < math.inf):  # a cap below 1 would scale every token's loss down
         raise _fail("algorithm.tis_cap", a.tis_cap, "expected 0 (no truncated importance sampling) or a finite cap >= 1 (verl: 2.0)")
+    _check_rollout_correction(a)
     if a.ratio_level == "sequence" and a.loss_agg_mode != "seq-mean-token-mean":
         raise _fail("algorithm.loss_agg_mode", a.loss_agg_mode, "algorithm.ratio_level='sequence' (GSPO) averages each "
                     "sequence's token losses, then the sequences (arXiv 2507.18071, eq. 5): set "
@@ -74,6 +75,21 @@ def _check_algorithm(a: AlgorithmConfig, critic: CriticConfig) -> None:
         raise _fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, f"algorithm.adv_estimator={a.adv_estimator!r} scores "
                     "whole responses and has no per-token rewards to subtract a KL penalty from: use algorithm.kl_loss_coef "
                     "(KL in the loss, as GRPO), or adv_estimator 'reinforce_plus_plus' or 'gae'")
+
+
+def _check_rollout_correction(a: AlgorithmConfig) -> None:
+    """The masked corrections' bounds (``algorithm.rollout_correction``) and their refusal beside TIS."""
+    if not (1 <= a.rollout_ratio_high < math.inf):  # a bound below 1 would mask on-policy tokens, whose ratio is 1
+        raise _fail("algorithm.rollout_ratio_high", a.rollout_ratio_high, "expected a finite bound >= 1 (the ratio of an "
+                    "on-policy token is 1; MIS: 2.0, IcePop: 5.0)")
+    if not (0 < a.rollout_ratio_low <= 1):
+        raise _fail("algorithm.rollout_ratio_low", a.rollout_ratio_low, "expected a bound in (0, 1] (IcePop: 0.5)")
+    if a.rollout_correction != "icepop" and a.rollout_ratio_low != AlgorithmConfig().rollout_ratio_low:
+        raise _fail("algorithm.rollout_ratio_low", a.rollout_ratio_low, "is set but only algorithm.rollout_correction='icepop' "
+                    f"reads it (got algorithm.rollout_correction={a.rollout_correction!r}): use 'icepop' or remove the field")
+    if a.rollout_correction != "none" and a.tis_cap > 0:
+        raise _fail("algorithm.rollout_correction", a.rollout_correction, f"and algorithm.tis_cap={a.tis_cap} both weight each "
+                    "token's loss by its ratio π_old/π_rollout: choose one (algorithm.tis_cap=0, or algorithm.rollout_correction='none')")
 
 
 def _check_dapo(a: AlgorithmConfig, r: RolloutConfig, dock: DockConfig, critic: CriticConfig) -> None:

@@ -89,6 +89,18 @@ class AlgorithmConfig:
     """Truncated importance sampling: the policy loss of each token is weighted by
     ``min(π_old/π_rollout, tis_cap)`` (rollout engine's log-probs); 0: off, else at least 1 (a cap
     below 1 would scale every token's loss down)."""
+    rollout_correction: Literal["none", "mis_token", "mis_sequence", "icepop"] = "none"
+    """Masked correction of the rollout–trainer mismatch, beside TIS
+    (``dockrl.algorithms.rollout_correction``): with ``ρ = π_old/π_rollout`` (rollout engine's
+    log-probs), ``mis_token`` masks tokens with ``ρ > rollout_ratio_high`` out of the policy loss,
+    ``mis_sequence`` whole sequences whose ratio ``Π_t ρ_t`` exceeds it, ``icepop`` tokens with ``ρ``
+    outside ``[rollout_ratio_low, rollout_ratio_high]``; kept tokens are weighted by their ratio.
+    ``none``: off. Not with ``tis_cap`` (each weights the loss by the ratio)."""
+    rollout_ratio_high: float = 2.0
+    """Upper bound C of the ratio ``π_old/π_rollout`` kept by ``rollout_correction`` (IcePop's β;
+    it uses 5.0); also the cap of ``actor/rollout_frac_beyond_cap`` when ``tis_cap`` is 0. At least 1."""
+    rollout_ratio_low: float = 0.5
+    """Lower bound α of the ratio kept by ``rollout_correction='icepop'`` (its value 0.5), in (0, 1]."""
     kl_loss_coef: float = 0.0
     """β of the KL penalty to the reference in the loss; 0: none (without ``kl_in_reward_coef`` no
     reference stage runs)."""
@@ -124,6 +136,11 @@ class AlgorithmConfig:
     def uses_reference(self) -> bool:
         """Whether the run needs the reference's log-probs (a KL term in the loss or in the reward)."""
         return self.kl_loss_coef > 0 or self.kl_in_reward_coef > 0
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the policy loss reads the rollout engine's log-probs (TIS or a masked correction)."""
+        return self.tis_cap > 0 or self.rollout_correction != "none"
 
 
 @dataclass(frozen=True, kw_only=True)

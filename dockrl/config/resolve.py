@@ -54,7 +54,7 @@ def resolve_auto(cfg: Config) -> Config:
         dtype, autocast = _precision(device, dtype, autocast)
     engine = r.engine
     if engine == "auto":
-        engine, reason = auto_rollout_engine(device, hybrid=t.hybrid, lora=t.lora.enabled)
+        engine, reason = auto_rollout_engine(device, hybrid=t.hybrid)
         if (engine, reason) not in _STATED:  # once per process: a pipeline step resolves its config several times
             _STATED.add((engine, reason))
             _logger.info("rollout.engine=auto: %s (%s)", engine, reason)
@@ -100,11 +100,10 @@ def _resolved(section: Any, **values: Any) -> Any:
     return new
 
 
-def auto_rollout_engine(device: str, *, hybrid: bool, lora: bool = False) -> tuple[Literal["hf", "vllm"], str]:
+def auto_rollout_engine(device: str, *, hybrid: bool) -> tuple[Literal["hf", "vllm"], str]:
     """What ``rollout.engine=auto`` means on ``device`` (a resolved ``parallel.device``) here, and why.
 
-    The one place that decides: the hybrid actor generates with vLLM; a LoRA actor (``lora``:
-    ``trainer.lora.rank`` > 0) with HF, until vLLM's adapter path is built; else ``$DOCKRL_AUTO_ROLLOUT_ENGINE``
+    The one place that decides: the hybrid actor generates with vLLM; else ``$DOCKRL_AUTO_ROLLOUT_ENGINE``
     when set; else vLLM where a vLLM build for ``device`` is installed and can run
     (``dockrl.engines.vllm_support.vllm_support``), as it generates several times faster than
     transformers' ``generate`` (docs/engines.md), and HF otherwise.
@@ -114,8 +113,6 @@ def auto_rollout_engine(device: str, *, hybrid: bool, lora: bool = False) -> tup
     """
     if hybrid:
         return "vllm", "trainer.hybrid=true generates with vLLM"
-    if lora:
-        return "hf", "trainer.lora.rank>0: the vLLM rollout does not take LoRA adapters yet"
     pinned = os.environ.get(AUTO_ENGINE_ENV, "")
     if pinned:
         if pinned not in ("hf", "vllm"):

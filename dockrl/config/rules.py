@@ -21,9 +21,12 @@ from typing import Any
 from dockrl.config.algorithm_rules import _check_algorithm, _check_dapo, _check_reward_model
 from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
 from dockrl.config.dock_rules import _check_dock, check_keep_rollouts
+from dockrl.config.env_rules import check_env
+from dockrl.config.env_sections import EnvConfig
 from dockrl.config.errors import ConfigError, _fail
 from dockrl.config.run_sections import DockConfig, RunConfig
 from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
+from dockrl.config.turn_rules import check_turns
 from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 
 
@@ -41,6 +44,7 @@ class Config:
     dock: DockConfig = field(default_factory=DockConfig)
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     run: RunConfig = field(default_factory=RunConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         check_rules(self)  # every Config is valid, also one made by dataclasses.replace
@@ -137,6 +141,8 @@ def check_rules(c: Config) -> None:
     _check_engines(c)
     _check_lora(c)
     _check_critic(c)
+    check_env(c.env)
+    check_turns(c.rollout, c.env, c.trainer, c.algorithm)
 
 
 def _check_inflight(c: Config) -> None:
@@ -253,14 +259,18 @@ def _check_engines(c: Config) -> None:
                         "the hybrid actor generates with vLLM on the devices it trains on")
 
 
+VLLM_MAX_LORA_RANK = 512
+"""The largest adapter rank vLLM 0.32 serves (its ``max_lora_rank`` choices; ``dockrl.engines.vllm_lora``)."""
+
+
 def _check_lora(c: Config) -> None:
-    """``trainer.lora``: its ranges, its fields only with ``rank`` > 0, and what LoRA runs with today
-    (the hf engine, the HF rollout, in one process, from the start); each refusal says why."""
+    """``trainer.lora``: its ranges, its fields only with ``rank`` > 0, and what LoRA runs with (the hf
+    training engine; a vLLM rollout up to vLLM's largest adapter rank); each refusal says why."""
     lo, t = c.trainer.lora, c.trainer
     if lo.rank < 0:
         raise _fail("trainer.lora.rank", lo.rank, "expected an integer >= 0 (0: off, full fine-tuning)")
     if not lo.enabled:
-        for name in ("alpha", "target_modules"):
+        for name in ("alpha", "target_modules", "sync"):
             if getattr(lo, name) != getattr(type(lo)(), name):
                 raise _fail(f"trainer.lora.{name}", getattr(lo, name), "is set but trainer.lora.rank is 0 (LoRA off): "
                             "set trainer.lora.rank > 0 or leave the field unset")
@@ -274,13 +284,9 @@ def _check_lora(c: Config) -> None:
         "trainer.hybrid": (t.hybrid, t.hybrid, "the allgather–swap moves full megatron shards, not adapters; use trainer.hybrid=false"),
         "trainer.engine": (t.engine, t.engine == "megatron", "megatron-core 0.16.1 has no LoRA adapters (NeMo adds them, "
                            "dockrl does not); use trainer.engine=hf"),
-        "rollout.engine": (c.rollout.engine, c.rollout.engine == "vllm", "the vLLM rollout does not take adapters or "
-                           "merged LoRA weights yet; use rollout.engine=hf (or auto, which picks hf with LoRA)"),
-        "dock.mode": (c.dock.mode, c.dock.mode == "distributed", "the adapter-only weight channel to a rollout process "
-                      "is not built yet; use dock.mode=inprocess"),
-        "run.resume": (c.run.resume, bool(c.run.resume), "restoring the adapter and its optimizer state is not built yet "
-                       "(a checkpoint's merged weights are not the base the reference needs); start from model.path "
-                       "without run.resume, or use trainer.lora.rank=0"),
+        "rollout.engine": (c.rollout.engine, c.rollout.engine == "vllm" and lo.sync == "adapter" and lo.rank > VLLM_MAX_LORA_RANK,
+                           f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANK}; use a smaller rank, rollout.engine=hf or "
+                           "trainer.lora.sync=merged"),
     }
     for where, (value, bad, why) in refused.items():
         if bad:

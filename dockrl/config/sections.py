@@ -89,6 +89,15 @@ class RolloutConfig:
     """Partial rollout: the most passes a response spans; its last gets no budget, so it ends
     there. From 2 to ``dock.max_inflight`` (the actor of iteration k waits for the pass for
     k + partial_max_age - 1)."""
+    max_turns: int = 1
+    """Multi-turn rollout (an environment, ``env.name``): the most model turns of a trajectory, each
+    of at most ``max_response_length`` tokens, with the environment's observation between two
+    turns (docs/agents.md). 1: one turn (without an environment, today's single-turn rollout)."""
+    max_total_tokens: int = 0
+    """Multi-turn rollout: the most tokens of a trajectory after its prompt (model turns,
+    observations and template tokens: the ``response_ids`` row); a turn's budget shrinks to fit,
+    and a trajectory whose next observation would not fit ends, truncated. 0: no limit but
+    ``max_turns`` turns of ``max_response_length`` tokens each (observations uncapped)."""
 
 
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,6 +123,10 @@ class LoraConfig:
     target_modules: tuple[str, ...] = LORA_DEFAULT_TARGETS
     """Names of the linear modules that get adapters: a module is targeted when its name ends with
     one of these (peft's ``target_modules``); a YAML list, or comma-separated in an override."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What each weight sync sends the rollout engine: ``adapter``, the adapter tensors alone (MBs;
+    the rollout holds the base weights and the same adapters), or ``merged``, every weight with its
+    update merged in (GBs; for a rollout that cannot load adapters; one warning says what it costs)."""
 
     @property
     def enabled(self) -> bool:

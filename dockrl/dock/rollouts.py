@@ -85,7 +85,8 @@ def kept_columns(schema: Schema) -> list[pa.Field]:
     lead = [pa.field("iteration", pa.int32(), nullable=False), pa.field("row", pa.int64(), nullable=False),
             pa.field("shard", pa.int32(), nullable=False), pa.field("weight_version", pa.int64(), nullable=False),
             pa.field("prompt_length", pa.int32()), pa.field("response_length", pa.int32())]
-    return lead + [pa.field(c.name, c.type) for c in schema.columns if not c.rewritable]
+    # a schema column named as a leading one (the rollout's per-token weight_version) is not kept: the row's stands for it
+    return lead + [pa.field(c.name, c.type) for c in schema.columns if not c.rewritable and c.name not in LEADING]
 
 
 def rollout_table(schema: Schema, it: IterationTable, shard: int, spec: KeepSpec) -> pa.Table:
@@ -100,7 +101,7 @@ def rollout_table(schema: Schema, it: IterationTable, shard: int, spec: KeepSpec
         "shard": pa.array(np.full(n, shard, dtype=np.int32)), "weight_version": pa.array(np.full(n, version, dtype=np.int64)),
     }
     for c in schema.columns:
-        if c.rewritable:
+        if c.rewritable or c.name in LEADING:
             continue
         ready = it.ready[local, it.col_index[c.name]]
         if ready.all():

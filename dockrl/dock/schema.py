@@ -65,7 +65,7 @@ _TOKENS = pa.list_(pa.int32())
 _FLOATS = pa.list_(pa.float32())
 
 GRPO_SCHEMA = Schema(
-    version=3,  # v2: advantages per token; v3: partial rollout's carry-over columns
+    version=4,  # v2: advantages per token; v3: partial rollout's carry-over columns; v4: multi-turn trajectories, weight versions
     columns=(
         Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
         Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
@@ -75,6 +75,9 @@ GRPO_SCHEMA = Schema(
         Column(name="response_ids", type=_TOKENS, producer="rollout", doc="sampled response token ids (R,), EOS included when emitted"),
         Column(name="truncated", type=pa.bool_(), producer="rollout", doc="response hit the length limit before EOS"),
         Column(name="rollout_log_prob", type=_FLOATS, producer="rollout", doc="per-token log-prob under the rollout engine (R,), nats"),
+        Column(name="weight_version", type=_TOKENS, producer="rollout",
+               doc="per token (R,): the actor updates in the weights that sampled it (0: the initial ones); partial "
+                   "rollout's segments differ"),
         # partial rollout (rollout.partial_tokens): the rollout's own carry-over between its passes, read by no other
         # stage; their producer is no consumer, so they never count toward finishing a rollout row
         Column(name="rollout_cut", type=pa.bool_(), producer="rollout_partial", rewritable=True,
@@ -84,10 +87,27 @@ GRPO_SCHEMA = Schema(
                doc="partial rollout: the tokens of a cut response so far (rollout.partial_tokens per pass,)"),
         Column(name="partial_log_prob", type=_FLOATS, producer="rollout_partial", rewritable=True,
                doc="partial rollout: their per-token log-probs, each under the weights of the pass that sampled it, nats"),
+        Column(name="partial_weight_version", type=_TOKENS, producer="rollout_partial", rewritable=True,
+               doc="partial rollout: their per-token weight versions (as weight_version)"),
+        # multi-turn rollout (an environment): one trajectory per row; response_ids holds the model's turns and the
+        # observations between them, rollout_log_prob is 0.0 on observation tokens (docs/agents.md). Written in the
+        # rollout's put of the row, but their producer is no consumer: a single-turn row, which lacks them, still
+        # counts as finished by the rollout once its response columns are written
+        Column(name="loss_mask", type=pa.list_(pa.int8()), producer="rollout_turns",
+               doc="multi-turn: 1 exactly on the tokens the model sampled, 0 on observation and template tokens (R,)"),
+        Column(name="turn_starts", type=_TOKENS, producer="rollout_turns",
+               doc="multi-turn: offset in response_ids of each model turn's first token (turns,)"),
+        Column(name="turn_ends", type=_TOKENS, producer="rollout_turns",
+               doc="multi-turn: offset in response_ids just after each model turn's last token (turns,)"),
+        Column(name="turn_rewards", type=_FLOATS, producer="rollout_turns", doc="multi-turn: the environment's reward of each model turn (turns,)"),
+        Column(name="tool_calls", type=pa.int32(), producer="rollout_turns", doc="multi-turn: tool calls in the trajectory's model turns"),
+        Column(name="tool_errors", type=pa.int32(), producer="rollout_turns",
+               doc="multi-turn: of those, the calls that failed (unparsable, unknown tool, error, sandbox limit)"),
         Column(name="rm_model_score", type=pa.float32(), producer="reward_model",
                doc="reward model's score of prompt + response (reward_model.enable only)"),
         Column(name="rm_score", type=pa.float32(), producer="reward",
-               doc="reward of the response: the rule reward, or rule_weight · rule + model_weight · rm_model_score"),
+               doc="reward of the response: the rule reward, or rule_weight · rule + model_weight · rm_model_score; "
+                   "multi-turn: of the last model turn, plus the sum of turn_rewards"),
         Column(name="correct", type=pa.bool_(), producer="reward", doc="final answer matches the ground truth"),
         Column(name="advantages", type=_FLOATS, producer="advantage",
                doc="per-token advantage (R,) of algorithm.adv_estimator; outcome estimators repeat the response's value"),

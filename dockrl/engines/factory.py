@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -65,20 +66,52 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
     Several rollout engines generating side by side (the hybrid actor's ranks) seed vLLM's
     sampler with ``trainer.seed + ranks.rank``, so that they draw apart.
 
+    With LoRA (``trainer.lora``) and ``adapter_sync`` the engine holds the base weights of
+    ``model_path`` and the adapters (HF: ``hf_lora.add_rollout_adapters``; vLLM: ``vllm_lora``); a
+    resumed run (``run.resume``) loads the checkpoint's adapter, or with ``sync=merged`` starts from
+    the checkpoint's merged weights.
+
     Raises:
         ImportError: ``rollout.engine=vllm`` without vLLM installed (the message says how to install it).
         RuntimeError: no device of ``parallel.device`` is visible.
     """
-    r = cfg.rollout
-    device = ranks.device
-    assert r.engine != "auto", "rollout.engine is resolved by the run before any engine is built (dockrl.config.resolve_auto)"
+    assert cfg.rollout.engine != "auto", "rollout.engine is resolved by the run before any engine is built (dockrl.config.resolve_auto)"
+    if cfg.trainer.lora.enabled and cfg.run.resume and not adapter_sync(cfg):
+        model_path = Path(cfg.run.resume)  # a merged-weights rollout starts from the checkpoint's merged weights
+    engine = _rollout_engine(cfg, model_path, ranks, actor)
+    if adapter_sync(cfg) and cfg.run.resume and not (actor is not None and shares_actor_module(cfg, actor)):
+        from dockrl.engines.hf_lora import checkpoint_adapter  # lazy: peft loads only for a LoRA run
+
+        engine.load_weights(checkpoint_adapter(Path(cfg.run.resume)))  # the resumed policy: base weights + its adapter
+    return engine
+
+
+def _rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, actor: TrainEngine | None) -> RolloutEngine:
+    r, device = cfg.rollout, ranks.device
     if r.engine == "vllm":
         return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
-                                 device=device)
+                                 device=device, lora=cfg.trainer.lora if adapter_sync(cfg) else None)
     if actor is not None and shares_actor_module(cfg, actor):
         assert isinstance(actor, HFTrainEngine), "shares_actor_module: an HFTrainEngine"
         return HFRolloutEngine.sharing(actor.model, actor.tokenizer, model_path)
-    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
+    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device,
+                           lora=cfg.trainer.lora if adapter_sync(cfg) else None)
+
+
+def adapter_sync(cfg: Config) -> bool:
+    """Whether each weight sync sends the LoRA adapter alone (``trainer.lora.rank`` > 0 with
+    ``trainer.lora.sync=adapter``): the rollout engine then holds the base weights and the adapters."""
+    return cfg.trainer.lora.enabled and cfg.trainer.lora.sync == "adapter"
+
+
+def weights_to_send(cfg: Config, actor: TrainEngine) -> tuple[Iterable[tuple[str, torch.Tensor]], torch.dtype]:
+    """What one weight sync sends the rollout engine, and in which dtype: the adapter tensors in fp32
+    (``adapter_sync``: a few MB, and the rollout computes B·A in fp32 as the actor does), else the
+    current policy's weights (``named_weights``: merged with a LoRA actor) in ``rollout.dtype``."""
+    if adapter_sync(cfg):
+        assert isinstance(actor, HFTrainEngine), "trainer.lora: an HFTrainEngine actor (the config refuses megatron)"
+        return actor.adapter_weights(), torch.float32
+    return actor.named_weights(), getattr(torch, cfg.rollout.dtype)
 
 
 def shares_actor_module(cfg: Config, actor: TrainEngine) -> bool:
@@ -123,11 +156,24 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
             model_path, trainable=True, ranks=ranks, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
             trust_remote_code=cfg.model.trust_remote_code,
         )
-    return HFTrainEngine(
+    engine = HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16 is True, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
         lora=t.lora,
     )
+    if t.lora.enabled and cfg.run.resume:
+        from dockrl.engines.hf_lora import load_checkpoint_adapter  # lazy: peft loads only for a LoRA actor
+
+        assert engine.peft is not None
+        load_checkpoint_adapter(engine.peft, Path(cfg.run.resume))  # over the base weights of model.path (weights_path)
+    if t.lora.enabled and t.lora.sync == "merged":
+        from dockrl.engines.hf_lora import adapter_numel  # lazy: peft loads only for a LoRA actor
+
+        adapters, total = adapter_numel(engine.model), sum(p.numel() for p in engine.model.parameters())
+        logger.warning("trainer.lora.sync=merged: each weight sync sends all %d merged weights instead of the %d adapter "
+                       "parameters (%.0f× the bytes); use it only where the rollout engine cannot load adapters, "
+                       "else set trainer.lora.sync=adapter", total - adapters, adapters, (total - adapters) / max(adapters, 1))
+    return engine
 
 
 def receive_params(engine: RolloutEngine, cfg: Config, model_path: Path) -> list[tuple[str, torch.Tensor]]:
@@ -136,11 +182,17 @@ def receive_params(engine: RolloutEngine, cfg: Config, model_path: Path) -> list
 
     An HF engine receives into its own parameters; a vLLM engine, which holds its weights in its
     own (fused, repacked) layout, gets meta tensors of the HF model's parameters that give only
-    names, shapes and dtype (the received buckets are loaded through ``load_weights``).
+    names, shapes and dtype (the received buckets are loaded through ``load_weights``). With
+    ``adapter_sync`` only the adapter's tensors, in fp32 (``weights_to_send``).
     """
     model = getattr(engine, "model", None)
     if model is not None:
-        return list(model.named_parameters())
+        return [(n, p) for n, p in model.named_parameters() if not adapter_sync(cfg) or ".lora_" in n]
+    if adapter_sync(cfg):
+        from dockrl.engines.hf_lora import adapter_shapes  # lazy: peft loads only for a LoRA run
+
+        return [(n, torch.empty(shape, dtype=torch.float32, device="meta"))
+                for n, shape in adapter_shapes(model_path, cfg.trainer.lora, cfg.model.trust_remote_code)]
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from dockrl.config import LoraConfig
 from dockrl.engines.hf_load import load_model, load_tokenizer, model_device, warn_foreign_sampling
 from dockrl.engines.rollout_engine import Sample
 
@@ -28,13 +29,20 @@ class HFRolloutEngine:
         model_path: local HF model directory.
         dtype: weights of this copy (``bfloat16`` is ~3× faster on CPUs with bf16 units).
         device: where the model generates (the process's device).
+        lora: with ``rank`` > 0, the copy holds the actor's LoRA adapters over the base weights
+            (``hf_lora.add_rollout_adapters``; fp32 adapters over a bf16 copy) and each sync loads
+            the adapter tensors alone (``trainer.lora.sync=adapter``).
     """
 
     def __init__(
         self, model_path: str | Path, *, dtype: str = "bfloat16", trust_remote_code: bool = False,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", lora: LoraConfig | None = None,
     ) -> None:
         model = load_model(model_path, dtype, trust_remote_code, torch.device(device)).eval()
+        if lora is not None and lora.enabled:
+            from dockrl.engines.hf_lora import add_rollout_adapters  # lazy: peft loads only for a LoRA run
+
+            add_rollout_adapters(model, lora)
         model.requires_grad_(False)
         self._setup(model, load_tokenizer(model_path, trust_remote_code), model_path, shared=False)
 

@@ -136,6 +136,19 @@ class HFTrainEngine:
             return merged_weights(self.model)
         return ((n, p.detach()) for n, p in self.model.named_parameters())
 
+    def adapter_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The LoRA adapter tensors alone (``hf_lora.adapter_weights``: names, order and shapes of a
+        rollout copy with the same adapters), no copy: an adapter-only weight sync.
+
+        Raises:
+            ValueError: the engine has no adapters (``lora`` off).
+        """
+        if self.peft is None:
+            raise ValueError("adapter_weights(): the engine has no LoRA adapters (trainer.lora.rank is 0)")
+        from dockrl.engines.hf_lora import adapter_weights  # lazy: peft loads only for a LoRA actor
+
+        return adapter_weights(self.model)
+
     def reference(self) -> AdaptersDisabled:
         """The frozen reference of a LoRA actor: this engine's module with its adapters disabled
         (the initial policy exactly; no second copy of the weights).

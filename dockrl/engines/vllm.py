@@ -31,8 +31,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from dockrl.config import LoraConfig
 from dockrl.engines.hf_load import load_tokenizer, warn_foreign_sampling
 from dockrl.engines.rollout_engine import Sample
+from dockrl.engines.vllm_lora import VLLMAdapters, max_lora_rank
 from dockrl.engines.vllm_setup import _hide_unscannable_modules, _model_generation_config, check_platform, checkpoint_layout, layer_groups
 
 CPU = torch.device("cpu")
@@ -67,6 +69,9 @@ class VLLMRolloutEngine:
         enforce_eager: no graph compilation (starts in seconds; on CPU compiling takes
             minutes and needs a C++ compiler).
         device: this process's device; its kind must be vLLM's platform's.
+        lora: with ``rank`` > 0, vLLM serves the actor's LoRA adapter over its base weights
+            (``enable_lora``; ``dockrl.engines.vllm_lora``): ``load_weights`` then takes the adapter's
+            tensors (``hf_lora.adapter_weights``' names), each sync a new adapter id.
 
     Raises:
         ImportError: vLLM is not installed.
@@ -85,6 +90,7 @@ class VLLMRolloutEngine:
         max_model_len: int | None = None,
         enforce_eager: bool = True,
         device: torch.device = CPU,
+        lora: LoraConfig | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"rollout dtype: got {dtype!r}; expected one of {', '.join(map(repr, _DTYPES))}")
@@ -129,6 +135,8 @@ class VLLMRolloutEngine:
                     max_model_len=max_model_len,
                     enforce_eager=enforce_eager,
                     enable_sleep_mode=self.sleep_supported,
+                    **({} if lora is None or not lora.enabled else
+                       dict(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank(lora.rank))),  # type: ignore[arg-type]
                 )
         finally:
             torch.set_num_threads = set_num_threads
@@ -140,6 +148,11 @@ class VLLMRolloutEngine:
         for name, group in self._groups.items():
             self._members.setdefault(group, set()).add(name)
         self._warned_top_p = self._warned_sleep = False
+        self.adapters: VLLMAdapters | None = None
+        if lora is not None and lora.enabled:
+            from dockrl.engines.hf_lora import adapter_shapes  # lazy: peft loads only for a LoRA run
+
+            self.adapters = VLLMAdapters(self.llm, lora, (n for n, _ in adapter_shapes(model_path, lora, trust_remote_code)))
         logger.info("vLLM %s rollout engine (%s) ready in %.1f s", vllm.__version__, dtype, time.perf_counter() - start)
 
     def generate(
@@ -196,7 +209,8 @@ class VLLMRolloutEngine:
         for start in range(0, len(prompts), batch_size):
             chunk = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[start : start + batch_size]]
             per_request = [params(seed) for seed in seeds[start : start + batch_size]]
-            for request in self.llm.generate(chunk, per_request, use_tqdm=False):
+            adapter = None if self.adapters is None else self.adapters.request  # the policy's adapter (None: the base model)
+            for request in self.llm.generate(chunk, per_request, use_tqdm=False, lora_request=adapter):
                 out.append(self._sample(request.outputs[0]))
         return out
 
@@ -215,7 +229,8 @@ class VLLMRolloutEngine:
         Goes through vLLM's ``reload_weights`` (the repacked CPU kernels are rebuilt), sends
         the output head with the embedding of a tied model (vLLM keeps its own copy, which
         would silently stay old) and clears the prefix cache (its KV was computed with the
-        old weights). Tensors are cast to this engine's dtype one at a time.
+        old weights). Tensors are cast to this engine's dtype one at a time. With ``lora``, a call
+        that carries the adapter's tensors loads them as the next adapter (``VLLMAdapters.load``).
 
         Raises:
             KeyError: a name the model does not have (checked before anything is written).
@@ -223,6 +238,8 @@ class VLLMRolloutEngine:
                 ``k_proj``/``v_proj`` of the same layer): send every bucket as whole layers.
         """
         weights = list(named_tensors)
+        if self.adapters is not None and any(".lora_" in name for name, _ in weights):
+            return self.adapters.load(weights)  # the adapter alone: the base weights stay
         sent = {name for name, _ in weights}
         for name in sent:
             if name not in self._groups:
@@ -250,6 +267,8 @@ class VLLMRolloutEngine:
         Raises:
             KeyError: a name the model does not have.
         """
+        if self.adapters is not None and name in self.adapters.names:
+            return self.adapters.names  # one adapter folder per sync: all its tensors at once
         if name not in self._groups:
             raise KeyError(f"rollout engine: no parameter named {name!r}")
         return frozenset(self._members[self._groups[name]])
@@ -259,6 +278,8 @@ class VLLMRolloutEngine:
         vLLM initialized in this process, so that other code can start its own."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # lazy: vllm is an optional extra
 
+        if self.adapters is not None:
+            self.adapters.close()
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         cleanup_dist_env_and_memory()

@@ -3,13 +3,21 @@
 A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
 row counts), as ``tasks.prepare_dataset`` writes it; ``dataset_files`` reads it back. A model
 folder holds an HF checkpoint, or ``dockrl-checkpoint.json`` naming one on the shared volume
-(``write_checkpoint_pointer``; ``resolve_checkpoint`` follows it).
+(``write_checkpoint_pointer``; ``resolve_checkpoint`` follows it). A kept-rollouts folder (the train task's
+``rollouts`` Dataset, ``place_rollouts``) is the run's ``rollouts/`` dataset (docs/rollouts.md) with the run's
+``_config.yaml`` and the tokenizer that decodes its token ids (``_tokenizer/``) beside it: it is read without the
+run folder. ``pyarrow.dataset`` skips names that start with ``_``.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
+
+from dockrl.dock.rollouts import SCHEMA_VERSION
+from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER
 
 DATASET_MANIFEST = "dataset.json"
 CHECKPOINT_POINTER = "dockrl-checkpoint.json"
@@ -60,3 +68,49 @@ def resolve_checkpoint(folder: str | Path) -> Path:
         raise FileNotFoundError(f"{pointer} names the checkpoint {target}, which has no config.json here: "
                                 "is the shared volume mounted at the same path in this pod?")
     return target
+
+
+def place_rollouts(kept: str | Path, dest: str | Path, *, checkpoint: str | Path, config: str | Path, move: bool) -> Path:
+    """Make ``dest`` (the train task's ``rollouts`` Dataset folder) hold the run's kept rollouts ``kept``
+    (``<run>/rollouts``; moved with ``move``, else copied), the run's ``config`` as ``_config.yaml`` and the
+    tokenizer of ``checkpoint`` (a model folder, ``resolve_checkpoint``) as ``_tokenizer/``. A run that kept
+    nothing gets an empty folder. Returns ``dest``."""
+    out = Path(dest)
+    src = Path(kept)
+    if src.is_dir():
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if move:
+            shutil.move(src, out)
+        else:
+            shutil.copytree(src, out, dirs_exist_ok=True)
+        shutil.copy2(config, out / ROLLOUTS_CONFIG)
+        from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
+
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(checkpoint)), local_files_only=True)
+        tokenizer.save_pretrained(str(out / ROLLOUTS_TOKENIZER))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def rollouts_metadata(folder: str | Path, run_id: str) -> dict[str, Any]:
+    """The ``rollouts`` Dataset's metadata, shown in the Kubeflow UI beside its lineage: ``run_id``,
+    ``schema_version``, ``rows``, ``iterations`` (how many), ``first_iteration``/``last_iteration``, ``bytes`` (of
+    the Parquet files), ``keep_rollouts`` and ``config_sha256`` (from ``_meta.json``; ``off`` and no hash for a run
+    that kept nothing)."""
+    import pyarrow.compute as pc  # lazy: pyarrow.dataset only where an artifact is described
+    import pyarrow.dataset as ds
+
+    root = Path(folder)
+    meta_path = root / "_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    out: dict[str, Any] = {"run_id": run_id, "schema_version": meta.get("schema_version", SCHEMA_VERSION), "format": "parquet",
+                           "partitioning": "hive: iteration=<N>/shard-<S>.parquet", "keep_rollouts": str(meta.get("keep_rollouts", "off")),
+                           "config_sha256": meta.get("config_sha256", ""), "rows": 0, "iterations": 0, "bytes": 0}
+    files = sorted(root.rglob("*.parquet"))
+    if not files:
+        return out
+    iterations = ds.dataset(str(root), format="parquet", partitioning="hive").to_table(columns=["iteration"]).column("iteration")
+    unique = pc.unique(iterations).to_pylist()
+    return out | {"rows": len(iterations), "iterations": len(unique), "first_iteration": min(unique), "last_iteration": max(unique),
+                  "bytes": sum(f.stat().st_size for f in files)}

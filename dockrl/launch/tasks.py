@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -87,17 +88,23 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
     return info
 
 
-def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> dict[str, int | str]:
+def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16", merge: bool = True) -> dict[str, int | str]:
     """Re-save an HF checkpoint as a self-contained safetensors folder in ``dtype``.
 
     The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
-    tokenizer files, loadable with ``AutoModelForCausalLM.from_pretrained`` (and by vLLM).
+    tokenizer files, loadable with ``AutoModelForCausalLM.from_pretrained`` (and by vLLM). The
+    checkpoint of a LoRA run (``trainer.lora``) also gives its adapter folder, copied to ``OUT/adapter``
+    (peft's format, fp32: ``PeftModel.from_pretrained(base, OUT/adapter)`` over the run's
+    ``model.path``); its weights are the merged policy W + (alpha / rank)·B·A, and ``merge=False``
+    leaves them out (the adapter and the tokenizer only).
 
     Returns:
-        Metadata for the Model artifact: format, dtype, architecture, parameter count.
+        Metadata for the Model artifact: format, dtype, architecture, parameter count (merged weights),
+        and with an adapter ``adapter`` (its folder's name) and ``adapter_parameters``.
 
     Raises:
-        ValueError: ``dtype`` is not ``float32``, ``bfloat16`` or ``float16``.
+        ValueError: ``dtype`` is not ``float32``, ``bfloat16`` or ``float16``, or ``merge=False`` for a
+            checkpoint without an adapter.
         FileNotFoundError: ``checkpoint_dir`` has no ``config.json``.
     """
     import torch  # lazy: torch and transformers take seconds to import; only this step needs them
@@ -109,14 +116,28 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
     src, out = resolve_checkpoint(checkpoint_dir), Path(out_dir)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src / 'config.json'} does not exist: {src} is not an HF checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtypes[dtype])
+    adapter = src / "adapter"  # hf_lora.ADAPTER_DIR (not imported: it loads peft)
+    if not merge and not (adapter / "adapter_config.json").is_file():
+        raise ValueError(f"export without --merge: {src} holds no LoRA adapter ({adapter.name}/); only a trainer.lora run's "
+                         "checkpoint has one (export its full weights with --merge)")
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    extra: dict[str, int | str] = {}
+    if adapter.is_dir():
+        shutil.copytree(adapter, out / adapter.name, dirs_exist_ok=True)
+        from safetensors import safe_open  # lazy: as torch
+
+        with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+            extra = {"adapter": adapter.name, "adapter_parameters": sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())}
+    if not merge:
+        logger.info("exported the LoRA adapter of %s (%s parameters) to %s", src, extra["adapter_parameters"], out / adapter.name)
+        return {"format": "peft-adapter", "framework": "peft", "dtype": "float32", **extra}
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtypes[dtype])
+    model.save_pretrained(out, safe_serialization=True)
     info: dict[str, int | str] = {
         "format": "safetensors", "framework": "transformers", "dtype": dtype,
         "architecture": model.config.architectures[0] if model.config.architectures else type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in model.parameters()), **extra,
     }
     logger.info("exported %s (%s, %d parameters) to %s", src, dtype, info["parameters"], out)
     return info
@@ -154,7 +175,9 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
 
     Prompt formatting, ``data.eval_size``, the response length, the rollout engine and dtype
     (``rollout.engine=auto``: vLLM where it runs on ``device``, else HF) and the reward settings
-    come from the run's config (``overrides``), as in ``dockrl train``.
+    come from the run's config (``overrides``), as in ``dockrl train``; with an environment
+    (``env.name``) the prompts show its tools and greedy multi-turn trajectories are scored
+    (``dockrl.evaluate.multi_turn_accuracy``).
 
     Args:
         device: the device kind to evaluate on, whatever ``parallel.device`` the training used:
@@ -168,29 +191,40 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         ConfigError: an invalid override or ``device``.
         RuntimeError: ``device`` is an accelerator kind that this process does not see.
     """
-    from dockrl.evaluate import greedy_accuracy  # lazy: imports torch and transformers
+    from dockrl.envs.prompting import tool_prompt  # lazy: as dockrl.evaluate below
+    from dockrl.envs.registry import build_environment  # lazy: as dockrl.evaluate below
+    from dockrl.evaluate import greedy_accuracy, multi_turn_accuracy  # lazy: imports torch and transformers
     from dockrl.rewards import RewardScorer  # lazy: the math verifier imports sympy (half a second)
+    from dockrl.workers.multi_turn import TurnLimits  # lazy: as dockrl.evaluate above
 
     cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
     _, test_file = dataset_files(dataset_dir)
     engine = evaluation_engine(cfg, Path(model_dir))
+    environment = build_environment(cfg)  # with one, the trajectories of the rollout's loop are evaluated
+    shown = tool_prompt(engine.tokenizer, environment.tools if environment else [], cfg.env.tool_parser,
+                        system_prompt=cfg.data.system_prompt, chat_template=cfg.data.chat_template)
     prompts, report = load_prompts(
-        test_file, engine.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
-        chat_template=cfg.data.chat_template, model=str(model_dir),
+        test_file, engine.tokenizer, system_prompt=shown.system_prompt, max_prompt_length=cfg.data.max_prompt_length,
+        chat_template=cfg.data.chat_template, model=str(model_dir), tools=shown.tools,
     )
     if report.bad:
         logger.warning("%s", report.summary())
     if cfg.data.eval_size:
         prompts = prompts[: cfg.data.eval_size]
-    a = cfg.algorithm
+    a, r = cfg.algorithm, cfg.rollout
     scorer = RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     try:
-        res = greedy_accuracy(
-            engine, prompts, scorer, correct_reward=a.correct_reward,
-            max_new_tokens=cfg.rollout.max_response_length, batch_size=cfg.trainer.eval_batch_size,
-        )
+        if environment is None:
+            res = greedy_accuracy(engine, prompts, scorer, correct_reward=a.correct_reward,
+                                  max_new_tokens=r.max_response_length, batch_size=cfg.trainer.eval_batch_size)
+        else:
+            limits = TurnLimits(max_turns=r.max_turns, max_turn_tokens=r.max_response_length, max_total_tokens=r.max_total_tokens)
+            res = multi_turn_accuracy(engine, prompts, scorer, environment, limits, correct_reward=a.correct_reward,
+                                      batch_size=cfg.trainer.eval_batch_size)
     finally:
         scorer.close()
+        if environment is not None:
+            environment.close()
         if (close := getattr(engine, "close", None)) is not None:  # vLLM's engine holds its parallel state
             close()
     logger.info("greedy test accuracy %.3f (format %.3f, %d prompts, %s)", res["accuracy"], res["format_rate"], res["count"],

@@ -17,10 +17,10 @@ from typing import Sequence
 
 import torch
 
-from dockrl.algorithms import actor_loss, right_pad
-from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
+from dockrl.algorithms import actor_loss, mismatch_metrics, response_mask, right_pad, token_staleness
+from dockrl.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig, multi_turn
 from dockrl.dock import Dock, StageDock
-from dockrl.engines.factory import build_train_engine
+from dockrl.engines.factory import build_train_engine, weights_to_send
 from dockrl.engines.train_engine import TrainEngine
 from dockrl.engines.weight_sync import WeightChannel
 from dockrl.optimizer_state import load_optimizer, save_optimizer
@@ -71,11 +71,13 @@ def accumulate_mini_batch(
         batch: ``prompt_ids``, ``response_ids``, ``truncated`` when ``algo.overlong_filter`` (those
             rows are masked out of the loss and its normalizer), ``advantages`` (per token ``(R,)``, or one
             float per sequence), ``old_log_prob``, ``ref_log_prob`` when ``algo.kl_loss_coef >
-            0`` and ``rollout_log_prob`` when ``algo.tis_cap > 0`` — one list entry per
+            0`` and ``rollout_log_prob`` when ``algo.corrects_rollout`` — one list entry per
             sequence: this data-parallel replica's part of the mini-batch. When ``old_log_prob``
             is absent the update is on-policy: the detached log-probs of this very forward pass
             are the old ones (ratio exactly 1, as in verl), and they are added to
-            ``batch["old_log_prob"]``, which saves a forward pass over the batch.
+            ``batch["old_log_prob"]``, which saves a forward pass over the batch. ``loss_mask``
+            (multi-turn rows, ``(R,)`` each): 1 on the tokens the model sampled; the others leave the
+            loss, its token counts and its metrics as padding does.
         horizon: the constant normalizer of ``loss_agg_mode='seq-mean-token-sum-norm'``
             (``rollout.max_response_length``).
         micro_batch_tokens: the engine forms micro-batches of at most this many tokens instead of
@@ -95,17 +97,20 @@ def accumulate_mini_batch(
         ``pg_loss`` aggregated as ``algo.loss_agg_mode`` says (``pg_loss`` is ``loss`` without
         the KL term and the entropy bonus); ``kl``, ``entropy``, ``clip_ratio``, ``ratio_mean`` as token means (the
         token ratio, also under GSPO); ``ratio_max`` over this replica's tokens; with dual-clip
-        ``dual_clip_frac``, with TIS ``tis_weight_mean`` and ``tis_clip_frac`` (tokens at the cap).
+        ``dual_clip_frac``, with TIS ``tis_weight_mean`` and ``tis_clip_frac`` (tokens at the cap), with
+        ``algo.rollout_correction`` ``rollout_weight_mean`` and ``rollout_masked_frac`` (tokens masked out).
     """
     keep = None
     if algo.overlong_filter:  # DAPO §3.4: truncated responses leave the loss and its normalizer
         keep = torch.tensor([not t for t in batch["truncated"]], dtype=torch.float32)
-    kept = [r for i, r in enumerate(batch["response_ids"]) if keep is None or keep[i]]
-    n_seq, tokens = len(kept), float(sum(len(r) for r in kept))
+    loss_mask = batch.get("loss_mask")  # multi-turn: the tokens the model sampled; observations do not count
+    counted = [sum(m) for m in loss_mask] if loss_mask is not None else [len(r) for r in batch["response_ids"]]
+    kept = [n for i, n in enumerate(counted) if keep is None or keep[i]]
+    n_seq, tokens = len(kept), float(sum(kept))
     total_tokens, total_seqs = engine.sum_over_replicas([tokens, float(n_seq)])
     on_policy = "old_log_prob" not in batch
     names = ((["old_log_prob"] if not on_policy else []) + (["ref_log_prob"] if algo.kl_loss_coef > 0 else [])
-             + (["rollout_log_prob"] if algo.tis_cap > 0 else []))
+             + (["rollout_log_prob"] if algo.corrects_rollout else []) + (["loss_mask"] if loss_mask is not None else []))
     columns = DeviceColumns(batch, names)
 
     def loss_fn(rows: list[int], log_prob: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor):
@@ -115,6 +120,8 @@ def accumulate_mini_batch(
             mask = mask * keep[idx].to(mask)[:, None]
         on_device = columns.get(log_prob.device)
         at = idx.to(log_prob.device)
+        if loss_mask is not None:  # multi-turn: observation and template tokens leave the loss, as padding does
+            mask = mask * on_device["loss_mask"][at, :T]
         old = log_prob.detach() if on_policy else on_device["old_log_prob"][at, :T]
         adv = on_device["advantages"][at]
         if adv.ndim == 2:
@@ -122,7 +129,7 @@ def accumulate_mini_batch(
         out = actor_loss(
             log_prob, old, adv, mask, entropy, algo=algo, total_tokens=total_tokens, total_sequences=total_seqs, horizon=float(horizon),
             ref_log_prob=on_device["ref_log_prob"][at, :T] if algo.kl_loss_coef > 0 else None,
-            rollout_log_prob=on_device["rollout_log_prob"][at, :T] if algo.tis_cap > 0 else None,
+            rollout_log_prob=on_device["rollout_log_prob"][at, :T] if algo.corrects_rollout else None,
         )
         # one device → host copy per micro-batch for all the statistics
         *sums, ratio_max = torch.stack([v.float() for v in [*out.sums.values(), out.ratio_max]]).tolist()
@@ -147,13 +154,33 @@ def accumulate_mini_batch(
     return metrics
 
 
-def rollout_log_prob_diff(rollout: Sequence[Sequence[float]], actor: Sequence[Sequence[float]]) -> dict[str, float]:
+def rollout_log_prob_diff(rollout: Sequence[Sequence[float]], actor: Sequence[Sequence[float]],
+                          loss_mask: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
     """``actor/rollout_log_prob_diff_{mean,max}``: |rollout engine's − actor's log-prob| of the same
-    tokens before the update (nats, over all response tokens; verl's ``rollout_probs_diff``).
+    tokens before the update (nats, over all response tokens, or where ``loss_mask`` is 1: the
+    sampled tokens of multi-turn rows; verl's ``rollout_probs_diff``).
     Near 0 when the rollout engine serves the actor's weights (fp32: ~1e-5, bf16: ~1e-2); a stale
     or broken weight sync shows here first."""
-    diffs = [abs(a - b) for r, o in zip(rollout, actor) for a, b in zip(r, o)]
+    masks = loss_mask if loss_mask is not None else [[1] * len(r) for r in rollout]
+    diffs = [abs(a - b) for r, o, m in zip(rollout, actor, masks) for a, b, k in zip(r, o, m) if k]
     return {"actor/rollout_log_prob_diff_mean": sum(diffs) / max(len(diffs), 1), "actor/rollout_log_prob_diff_max": max(diffs, default=0.0)}
+
+
+def rollout_mismatch(
+    rollout: Sequence[Sequence[float]], actor: Sequence[Sequence[float]], weight_version: Sequence[Sequence[int]], *,
+    iteration: int, cap: float, loss_mask: Sequence[Sequence[int]] | None = None,
+) -> dict[str, float]:
+    """The rest of the off-policy metrics, beside ``rollout_log_prob_diff``, over the same tokens:
+    ``actor/rollout_kl_k3``, ``actor/rollout_ratio_max`` and ``actor/rollout_frac_beyond_cap``
+    (``mismatch_metrics``: ``ρ = π_old/π_rollout`` above ``cap``, ``algorithm.tis_cap`` or else
+    ``algorithm.rollout_ratio_high``), and ``actor/rollout_staleness_{mean,max}``: how many updates
+    the weights that sampled each token lag behind update ``iteration``, which trains on them
+    (``token_staleness`` of the ``weight_version`` column)."""
+    T = max(max((len(r) for r in rollout), default=1), 1)
+    mask = response_mask([len(r) for r in rollout], T, loss_mask)
+    metrics = mismatch_metrics(right_pad(actor, T), right_pad(rollout, T), mask, cap=cap)
+    metrics |= token_staleness(iteration, weight_version, loss_mask)
+    return {f"actor/rollout_{k}": v for k, v in metrics.items()}
 
 
 class ActorWorker:
@@ -161,6 +188,8 @@ class ActorWorker:
 
     Args:
         warmup_iterations: the first iterations only ack their rows (``critic.warmup_iterations``).
+        multi_turn: the rows are multi-turn trajectories (``dockrl.config.multi_turn``): their
+            ``loss_mask`` is claimed too and keeps the observations out of the loss (``accumulate_mini_batch``).
         replicas: data-parallel replicas of the actor (megatron's DP): each claims an equal
             part of the global batch (``num_rows / replicas`` rows; with dynamic sampling the kept
             groups, ``num_rows / rounds / replicas``) and steps on an equal part
@@ -172,25 +201,26 @@ class ActorWorker:
 
     def __init__(
         self, engine: TrainEngine, *, trainer: TrainerConfig, algo: AlgorithmConfig, rollout: RolloutConfig, replicas: int = 1,
-        warmup_iterations: int = 0,
+        warmup_iterations: int = 0, multi_turn: bool = False,
     ) -> None:
         self.engine, self.trainer, self.algo, self.rollout, self.replicas = engine, trainer, algo, rollout, replicas
-        self.warmup_iterations = warmup_iterations
+        self.warmup_iterations, self.multi_turn = warmup_iterations, multi_turn
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Update the actor on the global batch (this replica's part); returns ``actor/*`` and timing metrics."""
         start = time.perf_counter()
         columns = (["prompt_ids", "response_ids", "advantages"] + (["ref_log_prob"] if self.algo.kl_loss_coef > 0 else [])
-                   + (["truncated"] if self.algo.overlong_filter else []))
+                   + (["truncated"] if self.algo.overlong_filter else []) + (["loss_mask"] if self.multi_turn else []))
         rows = dock.num_rows // self.algo.filter_groups.rounds  # dynamic sampling: one round's worth of kept groups is trained
-        claim = dock.claim("actor", columns + ["rollout_log_prob"], rows // self.replicas, whole_groups=True)
+        claim = dock.claim("actor", columns + ["rollout_log_prob", "weight_version"], rows // self.replicas, whole_groups=True)
         claim_s = time.perf_counter() - start  # waiting for the scored rows: the actor is idle meanwhile
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
+        weight_version = claim.batch.column("weight_version").to_pylist()
         if claim.iteration < self.warmup_iterations:  # critic.warmup_iterations: only the critic trains (verl's critic_warmup)
             dock.ack(claim)
             return {"actor/warmup": 1.0, "timing_s/actor": time.perf_counter() - start}
-        if self.algo.tis_cap > 0:
+        if self.algo.corrects_rollout:
             batch["rollout_log_prob"] = rollout_log_prob
         on_policy = self.trainer.ppo_epochs == 1 and self.trainer.mini_batch == self.trainer.global_batch
         if not on_policy:  # later mini-batches need the log-probs from before the first step
@@ -223,7 +253,9 @@ class ActorWorker:
         metrics["actor/sequences"] = len(claim.rows)  # trained by this replica (dynamic sampling: exactly its part of the batch)
         if self.algo.overlong_filter:
             metrics["actor/overlong_filtered"] = sum(batch["truncated"]) / len(claim.rows)
-        metrics |= rollout_log_prob_diff(rollout_log_prob, batch["old_log_prob"])
+        metrics |= rollout_log_prob_diff(rollout_log_prob, batch["old_log_prob"], batch.get("loss_mask"))
+        metrics |= rollout_mismatch(rollout_log_prob, batch["old_log_prob"], weight_version, iteration=claim.iteration,
+                                    cap=self.algo.tis_cap or self.algo.rollout_ratio_high, loss_mask=batch.get("loss_mask"))
         tokens = sum(len(r) for r in batch["response_ids"])
         seconds = time.perf_counter() - start
         metrics.update({"timing_s/old_log_prob": old_s, "timing_s/actor": seconds, "timing_s/actor_claim": claim_s,
@@ -243,14 +275,14 @@ def run_actor(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, fi
     if cfg.run.resume:
         load_optimizer(engine, Path(cfg.run.resume))
     channel = WeightChannel(weight_sync, rank=ACTOR_RANK, timeout_s=cfg.dock.timeout_s, device=ranks.device)
-    worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout, warmup_iterations=cfg.critic.warmup_iterations)
+    worker = ActorWorker(engine, trainer=t, algo=cfg.algorithm, rollout=cfg.rollout, warmup_iterations=cfg.critic.warmup_iterations,
+                         multi_turn=multi_turn(cfg.env))
     run_dir = Path(cfg.run.output_dir)
-    wire_dtype = getattr(torch, cfg.rollout.dtype)
 
     def after_update(it: int) -> None:
         if cfg.dock.max_inflight > 1:  # the rollout receives these weights once it generated the iterations in flight
             dock.wait_reports(min(it + cfg.dock.max_inflight - 1, t.iterations - 1), [Report.ROLLOUT], cfg.dock.timeout_s)
-        sent = channel.send(engine.named_weights(), wire_dtype)
+        sent = channel.send(*weights_to_send(cfg, engine))  # LoRA: the adapter alone (trainer.lora.sync)
         logger.info("actor: sent %.1f MB of weights in %d buckets in %.2f s", sent["weight_sync/bytes"] / 1e6,
                     sent["weight_sync/buckets"], sent["weight_sync/seconds"])
         if checkpoint_due(t, it):  # the driver snapshots the dock once this is reported

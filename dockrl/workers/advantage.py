@@ -17,18 +17,22 @@ import time
 import pyarrow as pa
 import torch
 
-from dockrl.algorithms import compute_advantages, kl_penalty, mixed_groups, right_pad
+from dockrl.algorithms import compute_advantages, kl_penalty, mixed_groups, response_mask, right_pad
 from dockrl.config import AlgorithmConfig
 from dockrl.dock import Dock
 from dockrl.workers.dynamic_sampling import DynamicSampler
 
 
 class AdvantageWorker:
-    def __init__(self, cfg: AlgorithmConfig) -> None:
-        self.cfg = cfg
+    """Args: ``multi_turn`` — the rows are multi-turn trajectories (``dockrl.config.multi_turn``): their
+    ``loss_mask`` is the response mask, so the outcome reward sits on the last sampled token, GAE and the
+    discounted returns pass over the observations, and those get advantage 0."""
+
+    def __init__(self, cfg: AlgorithmConfig, *, multi_turn: bool = False) -> None:
+        self.cfg, self.multi_turn = cfg, multi_turn
         kl_in_reward, gae = cfg.kl_in_reward_coef > 0, cfg.adv_estimator == "gae"
         self.columns = (["rm_score", "response_ids"] + (["rollout_log_prob", "ref_log_prob"] if kl_in_reward else [])
-                        + (["values"] if gae else []))
+                        + (["values"] if gae else []) + (["loss_mask"] if multi_turn else []))
 
     def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Compute the advantages of every row; returns ``rollout/frac_zero_std_groups`` (groups of
@@ -55,7 +59,7 @@ class AdvantageWorker:
         scores = torch.tensor(batch.column("rm_score").to_pylist(), dtype=torch.float64)
         lengths = [len(r) for r in batch.column("response_ids").to_pylist()]
         T = max(max(lengths, default=1), 1)
-        mask = (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
+        mask = response_mask(lengths, T, batch.column("loss_mask").to_pylist() if self.multi_turn else None)
         kl = None
         if self.cfg.kl_in_reward_coef > 0:
             policy, ref = (right_pad(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "ref_log_prob"))

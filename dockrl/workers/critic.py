@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from dockrl.algorithms import right_pad, value_loss
-from dockrl.config import Config, CriticConfig, critic_batches
+from dockrl.config import Config, CriticConfig, critic_batches, multi_turn
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.critic import HFCriticEngine
 from dockrl.engines.hf_load import load_tokenizer
@@ -48,7 +48,8 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
 
     Args:
         batch: ``prompt_ids``, ``response_ids``, ``values`` (before the update: the clip's centre)
-            and ``returns``, one list entry per sequence.
+            and ``returns``, one list entry per sequence; ``loss_mask`` for multi-turn rows: only the
+            tokens the model sampled count (observations are not states the policy acted in).
 
     The loss is the token mean over the whole mini-batch (each micro-batch's token sum divided by
     the mini-batch's response tokens), so the gradient depends neither on ``micro_batch`` nor on
@@ -58,13 +59,17 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
         ``critic/vf_loss`` (the mini-batch loss), ``critic/vf_clipfrac`` (share of tokens where the
         clipped term was the larger) and ``critic/vpred_mean`` (mean new value), token means.
     """
-    total_tokens = float(sum(len(r) for r in batch["response_ids"]))
+    loss_mask = batch.get("loss_mask")
+    total_tokens = float(sum(sum(m) for m in loss_mask) if loss_mask is not None else sum(len(r) for r in batch["response_ids"]))
     T = max((len(r) for r in batch["response_ids"]), default=1)
     old, returns = right_pad(batch["values"], max(T, 1)), right_pad(batch["returns"], max(T, 1))
+    sampled = right_pad(loss_mask, max(T, 1)) if loss_mask is not None else None
 
     def loss_fn(rows: list[int], vpreds: torch.Tensor, mask: torch.Tensor):  # rows: this micro-batch's (``micro_batches``)
         t = vpreds.shape[1]
         idx = torch.tensor(rows)
+        if sampled is not None:  # multi-turn: observation tokens leave the loss, as padding does
+            mask = mask * sampled[idx, :t].to(mask)
         per_token, clipped = value_loss(vpreds, old[idx, :t].to(vpreds.device), returns[idx, :t].to(vpreds.device), mask,
                                         clip_range=cliprange_value)
         loss = (per_token * mask).sum() / max(total_tokens, 1.0)  # token-mean over the mini-batch
@@ -79,12 +84,13 @@ def accumulate_value_mini_batch(engine: HFCriticEngine, batch: dict[str, list], 
             "critic/vpred_mean": vpred / max(total_tokens, 1.0)}
 
 
-def value_metrics(values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
+def value_metrics(values: list[list[float]], returns: list[list[float]], loss_mask: list[list[int]] | None = None) -> dict[str, float]:
     """``critic/values_mean``, ``critic/returns_mean`` and ``critic/vf_explained_var``
-    ``= 1 - Var(R - V) / (Var(R) + 1e-5)`` over all response tokens, before the update (verl's
-    metrics and ε: returns that are all equal do not divide by zero)."""
-    v = torch.tensor([x for row in values for x in row], dtype=torch.float64)
-    r = torch.tensor([x for row in returns for x in row], dtype=torch.float64)
+    ``= 1 - Var(R - V) / (Var(R) + 1e-5)`` over all response tokens (or where ``loss_mask`` is 1),
+    before the update (verl's metrics and ε: returns that are all equal do not divide by zero)."""
+    masks = loss_mask if loss_mask is not None else [[1] * len(row) for row in values]
+    v = torch.tensor([x for row, m in zip(values, masks) for x, k in zip(row, m) if k], dtype=torch.float64)
+    r = torch.tensor([x for row, m in zip(returns, masks) for x, k in zip(row, m) if k], dtype=torch.float64)
     explained = 1.0 - (r - v).var(unbiased=False) / (r.var(unbiased=False) + 1e-5)
     return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()), "critic/vf_explained_var": float(explained)}
 
@@ -95,18 +101,20 @@ class CriticWorker:
     Args:
         mini_batch: prompts per optimizer step; micro_batch: sequences per forward/backward
             (``config.critic_batches``); micro_batch_tokens: or at most this many tokens
-            (``trainer.micro_batch_tokens``; 0: off).
+            (``trainer.micro_batch_tokens``; 0: off); multi_turn: the rows are multi-turn trajectories
+            (``dockrl.config.multi_turn``), whose ``loss_mask`` the update claims too.
     """
 
     def __init__(self, engine: HFCriticEngine, cfg: CriticConfig, *, mini_batch: int, micro_batch: int,
-                 micro_batch_tokens: int = 0) -> None:
+                 micro_batch_tokens: int = 0, multi_turn: bool = False) -> None:
         self.engine, self.cfg, self.mini_batch, self.micro_batch = engine, cfg, mini_batch, micro_batch
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens, self.multi_turn = micro_batch_tokens, multi_turn
 
     @classmethod
     def from_config(cls, engine: HFCriticEngine, cfg: Config) -> CriticWorker:
         mini, micro = critic_batches(cfg)
-        return cls(engine, cfg.critic, mini_batch=mini, micro_batch=micro, micro_batch_tokens=cfg.trainer.micro_batch_tokens)
+        return cls(engine, cfg.critic, mini_batch=mini, micro_batch=micro, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                   multi_turn=multi_turn(cfg.env))
 
     def compute_values(self, dock: StageDock) -> dict[str, float]:
         """Put ``values`` for every row of the open iteration; returns ``timing_s/critic_values``."""
@@ -120,7 +128,7 @@ class CriticWorker:
     def update(self, dock: StageDock) -> dict[str, float]:
         """Train on the returns of every row of the open iteration; returns ``critic/*`` and timing metrics."""
         start = time.perf_counter()
-        columns = ["prompt_ids", "response_ids", "values", "returns"]
+        columns = ["prompt_ids", "response_ids", "values", "returns"] + (["loss_mask"] if self.multi_turn else [])
         claim = dock.claim("critic_update", columns, dock.num_rows, whole_groups=True)
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rows_per_step = self.mini_batch * dock.group_size
@@ -133,7 +141,7 @@ class CriticWorker:
                                                                 micro_batch_tokens=self.micro_batch_tokens)))
         dock.ack(claim)
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
-        metrics |= value_metrics(batch["values"], batch["returns"])
+        metrics |= value_metrics(batch["values"], batch["returns"], batch.get("loss_mask"))
         return metrics | {"timing_s/critic": time.perf_counter() - start}
 
     def values_step(self) -> Stage:

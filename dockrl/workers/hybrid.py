@@ -220,7 +220,7 @@ def run_hybrid(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     resume = Path(cfg.run.resume) if cfg.run.resume else None  # a checkpoint folder: the driver resolves 'latest'
     hybrid = build_hybrid_worker(cfg, weights_path(cfg, model_path), ranks, optimizer_from=resume)
     engine = hybrid.actor.rollout_engine
-    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
+    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file, tools=[])  # the config refuses an environment here
     scorer = build_scorer(cfg.algorithm)
     t = cfg.trainer
     update_dock: StageDock = dock

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
-from dockrl.config import Config
+from dockrl.config import Config, multi_turn
 from dockrl.dock import GRPO_SCHEMA, open_dock
-from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks, shares_actor_module
+from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks, shares_actor_module, weights_to_send
 from dockrl.engines.hf_load import load_tokenizer
+from dockrl.envs.registry import build_environment
 from dockrl.evaluate import evaluate
 from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
@@ -95,6 +96,7 @@ class InProcessStages:
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
         self.sync: Callable[[], int] | None = None
+        self.environment = build_environment(cfg)  # None: single-turn; the config refuses one with the hybrid actor
         self.rollout_engine: RolloutEngine
         self.actor: TrainEngine | HybridActor
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
@@ -110,9 +112,10 @@ class InProcessStages:
             if shares_actor_module(cfg, actor):  # the rollout generates with the actor's module: nothing to copy
                 self.sync = lambda: 0
             else:
-                self.sync = lambda: rollout.load_weights(actor.named_weights())
-            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg)),
-                      ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations))
+                self.sync = lambda: rollout.load_weights(weights_to_send(cfg, actor)[0])  # LoRA: the adapter alone (MBs)
+            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment),
+                      ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
+                                  multi_turn=multi_turn(cfg.env)))
         self.scorer = build_scorer(a)
         context = InProcessContext(plan=plan, ranks=ranks, tokenizer=load_tokenizer(plan.model_path, cfg.model.trust_remote_code),
                                    scorer=self.scorer, resume=optimizer, actor=self.actor)
@@ -122,14 +125,15 @@ class InProcessStages:
         scoring = [w for p in parts for w in p.score]
         self.workers: list[StageWorker]
         if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
-            side_by_side = SideBySide([*sampling, AdvantageWorker(a)], timeout_s=cfg.dock.timeout_s)
+            side_by_side = SideBySide([*sampling, AdvantageWorker(a, multi_turn=multi_turn(cfg.env))], timeout_s=cfg.dock.timeout_s)
             self.workers, self.stop_threads = [side_by_side, *scoring, stages[1]], side_by_side.close
         else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
-            self.workers = [*sampling, *scoring, AdvantageWorker(a), *(w for p in parts for w in p.learn), stages[1]]
+            self.workers = [*sampling, *scoring, AdvantageWorker(a, multi_turn=multi_turn(cfg.env)), *(w for p in parts for w in p.learn),
+                            stages[1]]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
-        return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag)
+        return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag, self.environment)
 
     def run_iteration(self, iteration: int) -> dict[str, float]:
         seed_iteration(self.cfg.trainer.seed, iteration)
@@ -159,4 +163,6 @@ class InProcessStages:
         self.dock.close()
         self.stop_threads()
         self.scorer.close()
+        if self.environment is not None:
+            self.environment.close()
         self.close_actor()

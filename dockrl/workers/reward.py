@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from dockrl.algorithms.dapo import overlong_penalty
-from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig
+from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig, multi_turn
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.hf_load import load_tokenizer
 from dockrl.parallel.ranks import ProcessRanks
@@ -39,13 +39,17 @@ class RewardWorker:
     (``rollout.max_response_length``) — DAPO's soft overlong punishment added to every score
     (``dockrl.algorithms.dapo.overlong_penalty``). ``round_rows`` — with dynamic sampling, the rows
     of a round (``trainer.global_batch × rollout.n``): claims take a number of rows dividing it, so
-    none waits for a round not yet released (``dockrl.workers.dynamic_sampling``); 0: no rounds."""
+    none waits for a round not yet released (``dockrl.workers.dynamic_sampling``); 0: no rounds.
+    ``multi_turn`` — the rows are multi-turn trajectories: the verifier sees the text of the
+    **last model turn** alone (the answer; earlier turns are tool calls, and observations are not
+    the model's text), and the environment's rewards of every turn (``turn_rewards``) are added:
+    ``rm_score = verifier(last turn) + Σ turn rewards`` (``correct`` stays the verifier's verdict)."""
 
     def __init__(self, scorer: Scorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
                  max_bad_frac: float = 1.0, scorer_name: str = "", model_weight: float | None = None,
                  rule_weight: float = 1.0, overlong: OverlongBufferConfig | None = None, max_length: int = 0,
-                 round_rows: int = 0) -> None:
-        self.scorer, self.tokenizer, self.batch_size = scorer, tokenizer, batch_size
+                 round_rows: int = 0, multi_turn: bool = False) -> None:
+        self.scorer, self.tokenizer, self.batch_size, self.multi_turn = scorer, tokenizer, batch_size, multi_turn
         self.correct_reward, self.max_bad_frac, self.scorer_name = correct_reward, max_bad_frac, scorer_name
         self.model_weight, self.rule_weight = model_weight, rule_weight
         self.overlong = overlong if overlong is not None and overlong.enable else None
@@ -61,7 +65,7 @@ class RewardWorker:
         return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer,
                    model_weight=weights[0], rule_weight=weights[1], overlong=a.overlong_buffer,
                    max_length=cfg.rollout.max_response_length if cfg else 0,
-                   round_rows=groups_per_round(cfg) * cfg.rollout.n if cfg else 0)
+                   round_rows=groups_per_round(cfg) * cfg.rollout.n if cfg else 0, multi_turn=multi_turn(cfg.env) if cfg else False)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics.
@@ -69,12 +73,17 @@ class RewardWorker:
         Raises:
             ScorerError: more than ``max_bad_frac`` of the rewards were bad (the message counts them by reason).
         """
-        start, scores, rules, correct, bad, penalties = time.perf_counter(), [], [], [], Counter[str](), 0.0
+        start, scores, rules, correct, bad, penalties, env = time.perf_counter(), [], [], [], Counter[str](), 0.0, 0.0
         before = self.scorer.counters()
-        columns = ["response_ids", "ground_truth"] + ([] if self.model_weight is None else ["rm_model_score"])
+        columns = (["response_ids", "ground_truth"] + ([] if self.model_weight is None else ["rm_model_score"])
+                   + (["turn_starts", "turn_ends", "turn_rewards"] if self.multi_turn else []))
         while claim := dock.claim("reward", columns, self.batch_size):
             responses = claim.batch.column("response_ids").to_pylist()
-            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            answers = responses
+            if self.multi_turn:  # the last model turn's tokens: the answer the verifier checks
+                starts, ends = claim.batch.column("turn_starts").to_pylist(), claim.batch.column("turn_ends").to_pylist()
+                answers = [r[s[-1]:e[-1]] for r, s, e in zip(responses, starts, ends)]
+            texts = self.tokenizer.batch_decode(answers, skip_special_tokens=True)
             truths = claim.batch.column("ground_truth").to_pylist()
             batch_rules, batch_bad = check_rewards(self.scorer.score(texts, truths), len(texts))
             bad += batch_bad
@@ -89,6 +98,10 @@ class RewardWorker:
                                            buffer_length=o.len, penalty_factor=o.penalty_factor).tolist()
                 batch_scores = [score + p for score, p in zip(batch_scores, penalty)]
                 penalties += sum(penalty)
+            if self.multi_turn:
+                turn_rewards = [sum(r) for r in claim.batch.column("turn_rewards").to_pylist()]
+                batch_scores = [score + r for score, r in zip(batch_scores, turn_rewards)]
+                env += sum(turn_rewards)
             dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct}, ack=claim)
             scores += batch_scores
             rules += batch_rules
@@ -115,6 +128,7 @@ class RewardWorker:
             "reward/verifier_errors": errors,
             "reward/invalid": sum(bad.values()),
             **({"reward/overlong_penalty_mean": penalties / n} if self.overlong is not None else {}),
+            **({"reward/env_mean": env / n, "reward/verifier_mean": sum(rules) / n} if self.multi_turn else {}),
             "timing_s/reward": time.perf_counter() - start,
         }
 
@@ -124,7 +138,7 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm)
     reward = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model, cfg)
-    advantage = AdvantageWorker(cfg.algorithm)
+    advantage = AdvantageWorker(cfg.algorithm, multi_turn=multi_turn(cfg.env))
     side_by_side = None  # the advantage stage releases the rounds the reward scores: side by side, threads kept for the run
     if cfg.algorithm.filter_groups.enable:
         side_by_side = SideBySide([reward, advantage], timeout_s=cfg.dock.timeout_s)

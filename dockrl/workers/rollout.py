@@ -22,7 +22,9 @@ from typing import Sequence
 from dockrl.config import RolloutConfig
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.rollout_engine import RolloutEngine, Sample
+from dockrl.envs.base import Environment
 from dockrl.workers.dynamic_sampling import GATE, divisor_at_most
+from dockrl.workers.multi_turn import ObservationTokens, Trajectory, TurnLimits, multi_turn_metrics, roll_out, trajectory_columns
 
 
 def rollout_metrics(lengths: Sequence[int], truncated: int, seconds: float) -> dict[str, float]:
@@ -44,10 +46,16 @@ def rollout_metrics(lengths: Sequence[int], truncated: int, seconds: float) -> d
     }
 
 
-def response_columns(samples: Sequence[Sample]) -> dict[str, list]:
-    """The rollout's response columns of ``samples``, one row each."""
+def response_columns(samples: Sequence[Sample], versions: Sequence[Sequence[int]]) -> dict[str, list]:
+    """The rollout's response columns of ``samples``, one row each, with ``versions`` the
+    ``weight_version`` of each one's tokens (``weight_versions``)."""
     return {"response_ids": [s.response_ids for s in samples], "rollout_log_prob": [s.log_probs for s in samples],
-            "truncated": [s.truncated for s in samples]}
+            "truncated": [s.truncated for s in samples], "weight_version": [list(v) for v in versions]}
+
+
+def weight_versions(responses: Sequence[Sequence[int]], version: int) -> list[list[int]]:
+    """The ``weight_version`` cells of ``responses`` whose every token the weights of ``version`` sampled."""
+    return [[version] * len(r) for r in responses]
 
 
 class RolloutWorker:
@@ -61,10 +69,18 @@ class RolloutWorker:
             round (``trainer.global_batch``): rows are claimed once their ``released`` gate is
             written, in claims of a number of groups dividing a round, so that no claim waits for
             a round not yet released (``dockrl.workers.dynamic_sampling``). 0: no rounds.
+        environment: the run's environment (``env.name``): each row is a multi-turn trajectory
+            (``dockrl.workers.multi_turn``) with an episode of its own, opened with the row's
+            ``ground_truth``; the rows get the turn columns too (``loss_mask``, ``turn_*``, ``tool_*``).
     """
 
-    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1, round_groups: int = 0) -> None:
+    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1, round_groups: int = 0,
+                 environment: Environment | None = None) -> None:
         self.engine, self.cfg, self.shares, self.round_groups = engine, cfg, shares, round_groups
+        self.environment = environment
+        self.observe = ObservationTokens(engine.tokenizer, tools=environment.tools) if environment is not None else None
+        self.trajectories: list[Trajectory] = []
+        """Multi-turn: the trajectories of the last ``generate_iteration``."""
         self.cut: list[int] = []
         """Rows of the last iteration generated with a budget that were cut there (``generate_iteration``)."""
         self.pending: dict[int, list[int] | None] = {}
@@ -72,21 +88,27 @@ class RolloutWorker:
         (``run_pass``); ``None``: read them from the dock (a resumed run's checkpoint holds them)."""
         self.generated = 0
         """Response tokens sampled since ``run_pass`` began (every segment, finished or cut)."""
+        self.weight_version: int | None = None
+        """The actor updates in the engine's weights, written per token as ``weight_version``; set by
+        the rollout process at each weight sync (``run_rollout``). None: on-policy, the weights hold
+        every update before the claimed iteration (in-process and hybrid runs sync after each update)."""
 
     def generate_iteration(self, dock: StageDock, *, budget: int = 0) -> tuple[list[int], int, float]:
         """Generate for rows of the open iteration until none is left to claim.
 
         ``budget`` (partial rollout, ``rollout.partial_tokens``; 0: none): tokens per response in
         this pass; a response without EOS within it is cut: it gets no response columns but its
-        carry-over (``partial_ids``, ``partial_log_prob``; every row of the pass gets ``rollout_cut``)
+        carry-over (``partial_ids``, ``partial_log_prob``, ``partial_weight_version``; every row of the pass gets ``rollout_cut``)
         and its row goes to ``self.cut`` (``continue_cut`` continues it in the next pass).
 
         Returns:
             lengths (tokens) of the responses finished in this pass, how many were truncated, seconds taken.
         """
         start, lengths, truncated = time.perf_counter(), [], 0
-        self.cut = []
+        self.cut, self.trajectories = [], []
         groups, columns = max(self.cfg.batch_size // dock.group_size, 1), ["prompt_ids"]
+        if self.environment is not None:  # each trajectory's episode opens with its prompt's reference answer
+            columns.append("ground_truth")
         total = self.round_groups or dock.num_rows // dock.group_size  # groups claimable at once
         if self.shares > 1:
             groups = min(groups, -(-total // self.shares))
@@ -94,10 +116,19 @@ class RolloutWorker:
             groups, columns = divisor_at_most(self.round_groups, groups), ["prompt_ids", GATE]
         while claim := dock.claim("rollout", columns, groups * dock.group_size, whole_groups=True):
             prompts = claim.batch.column("prompt_ids").to_pylist()
+            if self.environment is not None:  # the config refuses partial rollout (budget) with an environment
+                trajectories = self._roll_out(prompts, claim.batch.column("ground_truth").to_pylist())
+                versions = weight_versions([t.response_ids for t in trajectories], self._version(claim.iteration))
+                dock.put(claim.rows, trajectory_columns(trajectories) | {"weight_version": versions}, ack=claim)
+                self.trajectories += trajectories
+                lengths += [len(t.response_ids) for t in trajectories]
+                truncated += sum(t.truncated for t in trajectories)
+                continue
             samples = self._sample(prompts, budget or self.cfg.max_response_length)
+            versions = weight_versions([s.response_ids for s in samples], self._version(claim.iteration))
             if budget:
                 cut = [s.truncated for s in samples]  # no EOS within the budget: continued in the next pass
-                self.cut += self._put_cut(dock, claim.rows, cut, samples, claim.iteration)
+                self.cut += self._put_cut(dock, claim.rows, cut, samples, versions, claim.iteration)
                 dock.put(claim.rows, {"rollout_cut": cut}, ack=claim)
                 samples = [s for s, c in zip(samples, cut) if not c]
             else:
@@ -106,12 +137,31 @@ class RolloutWorker:
                 flags = {"rollout_cut": [False] * len(samples)} if self.cfg.partial_tokens else {}
                 dock.put(
                     claim.rows,
-                    response_columns(samples) | flags,
+                    response_columns(samples, versions) | flags,
                     ack=claim,  # acked with the put: a worker that dies before it leaves its rows to another
                 )
             lengths += [len(s.response_ids) for s in samples]
             truncated += sum(s.truncated for s in samples)
         return lengths, truncated, time.perf_counter() - start
+
+    def _roll_out(self, prompts: Sequence[Sequence[int]], truths: Sequence[str]) -> list[Trajectory]:
+        """One multi-turn trajectory per prompt, each in an episode of its own, closed afterwards."""
+        assert self.environment is not None and self.observe is not None
+        c, episodes = self.cfg, []
+        try:
+            episodes = [self.environment.open(truth) for truth in truths]
+            limits = TurnLimits(max_turns=c.max_turns, max_turn_tokens=c.max_response_length, max_total_tokens=c.max_total_tokens)
+            trajectories = roll_out(self.engine, prompts, episodes, self.observe, limits, temperature=c.temperature, top_p=c.top_p,
+                                    batch_size=c.batch_size)
+        finally:
+            for episode in episodes:
+                episode.close()
+        self.generated += sum(sum(t.loss_mask) for t in trajectories)
+        return trajectories
+
+    def _version(self, iteration: int) -> int:
+        """The weight version of the tokens sampled now for ``iteration`` (``self.weight_version``)."""
+        return iteration if self.weight_version is None else self.weight_version
 
     def _sample(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Sample]:
         c = self.cfg
@@ -122,23 +172,28 @@ class RolloutWorker:
 
     @staticmethod
     def _put_cut(dock: Dock | StageDock, rows: Sequence[int], cut: Sequence[bool], samples: Sequence[Sample],
-                 iteration: int | None = None) -> list[int]:
-        """Write the response columns of the rows not ``cut`` and the carry-over of those cut; returns the cut rows."""
+                 versions: Sequence[Sequence[int]], iteration: int | None = None) -> list[int]:
+        """Write the response columns of the rows not ``cut`` and the carry-over of those cut (with
+        ``versions``, each sample's per-token weight versions); returns the cut rows."""
         done = [k for k, c in enumerate(cut) if not c]
         held = [k for k, c in enumerate(cut) if c]
         if held:
             dock.put([rows[k] for k in held], {"partial_ids": [samples[k].response_ids for k in held],
-                                               "partial_log_prob": [samples[k].log_probs for k in held]}, iteration=iteration)
+                                               "partial_log_prob": [samples[k].log_probs for k in held],
+                                               "partial_weight_version": [list(versions[k]) for k in held]}, iteration=iteration)
         if done:
-            dock.put([rows[k] for k in done], response_columns([samples[k] for k in done]), iteration=iteration)
+            dock.put([rows[k] for k in done], response_columns([samples[k] for k in done], [versions[k] for k in done]),
+                     iteration=iteration)
         return [rows[k] for k in held]
 
-    def continue_cut(self, dock: Dock, iteration: int, rows: Sequence[int], *, budget: int = 0) -> tuple[list[int], int, list[int]]:
+    def continue_cut(self, dock: Dock, iteration: int, rows: Sequence[int], *, version: int, budget: int = 0
+                     ) -> tuple[list[int], int, list[int]]:
         """Continue the cut responses of ``rows`` of ``iteration`` (``generate_iteration``) with the
         engine's current weights: generate from prompt + the tokens so far, at most ``budget`` more
         (0: none) within ``rollout.max_response_length``. A response that ends here gets its
-        response columns (the carry-over's tokens and log-probs, then the new ones) and
-        ``rollout_cut`` false; one cut again gets the longer carry-over.
+        response columns (the carry-over's tokens, log-probs and weight versions, then the new ones) and
+        ``rollout_cut`` false; one cut again gets the longer carry-over. ``version``: the weight
+        version of the engine's weights (``weight_version`` of the tokens sampled here).
 
         Returns:
             the finished responses' lengths (tokens, every segment), how many were truncated, the rows cut again.
@@ -146,22 +201,24 @@ class RolloutWorker:
         Raises:
             DockError: ``iteration`` is not open, or a row has no carry-over.
         """
-        batch = dock.get(["prompt_ids", "partial_ids", "partial_log_prob"], rows, iteration=iteration)
-        prompts, so_far, log_probs = (batch.column(k).to_pylist() for k in range(3))
+        batch = dock.get(["prompt_ids", "partial_ids", "partial_log_prob", "partial_weight_version"], rows, iteration=iteration)
+        prompts, so_far, log_probs, versions_so_far = (batch.column(k).to_pylist() for k in range(4))
         by_length: dict[int, list[int]] = {}  # a budget's multiple each: grouped, each group has one limit
         for k, tokens in enumerate(so_far):
             by_length.setdefault(len(tokens), []).append(k)
         longer: list[Sample | None] = [None] * len(rows)
+        versions: list[list[int]] = [[] for _ in rows]
         for length, ks in by_length.items():
             room = self.cfg.max_response_length - length
             samples = self._sample([prompts[k] + so_far[k] for k in ks], min(budget, room) if budget else room)
             for k, s in zip(ks, samples):
                 longer[k] = Sample(so_far[k] + s.response_ids, log_probs[k] + s.log_probs, s.truncated)
+                versions[k] = versions_so_far[k] + [version] * len(s.response_ids)
         samples_ = [s for s in longer if s is not None]
         assert len(samples_) == len(rows), "a cut response was not continued"
         # no EOS within the budget: cut again, unless it reached max_response_length (then it ends, truncated)
         cut = [bool(budget) and s.truncated and len(s.response_ids) < self.cfg.max_response_length for s in samples_]
-        again = self._put_cut(dock, rows, cut, samples_, iteration)
+        again = self._put_cut(dock, rows, cut, samples_, versions, iteration)
         if len(again) < len(rows):
             dock.put([r for r, c in zip(rows, cut) if not c], {"rollout_cut": [False] * (len(rows) - len(again))}, iteration=iteration)
         done = [s for s, c in zip(samples_, cut) if not c]
@@ -196,7 +253,7 @@ class RolloutWorker:
                 continue
             age = iteration - it + 1  # passes the responses span once this one is done
             budget = 0 if last or age >= self.cfg.partial_max_age else self.cfg.partial_tokens
-            done, done_truncated, again = self.continue_cut(dock, it, rows, budget=budget)
+            done, done_truncated, again = self.continue_cut(dock, it, rows, version=self._version(iteration), budget=budget)
             lengths, truncated, continued = lengths + done, truncated + done_truncated, continued + len(done)
             passes = max(passes, age) if done else passes
             if again:
@@ -216,5 +273,12 @@ class RolloutWorker:
                           "rollout/partial_held": held, "rollout/response_passes_max": passes}
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
-        """Generate for every row of the open iteration; returns ``rollout/*`` metrics (``rollout_metrics``)."""
-        return rollout_metrics(*self.generate_iteration(dock))
+        """Generate for every row of the open iteration; returns ``rollout/*`` metrics (``rollout_metrics``;
+        multi-turn: lengths count observation tokens too, ``perf/rollout_tokens_per_s`` the sampled
+        tokens alone, with ``multi_turn_metrics``)."""
+        self.generated = 0
+        lengths, truncated, seconds = self.generate_iteration(dock)
+        metrics = rollout_metrics(lengths, truncated, seconds)
+        if self.environment is not None:
+            metrics |= multi_turn_metrics(self.trajectories) | {"perf/rollout_tokens_per_s": self.generated / seconds}
+        return metrics

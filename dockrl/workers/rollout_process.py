@@ -12,6 +12,7 @@ from dockrl.dock import Dock
 from dockrl.engines.factory import build_rollout_engine, receive_params
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.weight_sync import WeightChannel
+from dockrl.envs.registry import build_environment
 from dockrl.evaluate import evaluate
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import generated_through, held_open, resumed_at, weights_path
@@ -49,10 +50,11 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     model_path = resolve_model(cfg)
     train_file, test_file = resolve_data(cfg)
     engine = build_rollout_engine(cfg, weights_path(cfg, model_path), ranks)
-    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file)
+    environment = build_environment(cfg)  # None: single-turn
+    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file, tools=environment.tools if environment else [])
     scorer = build_scorer(cfg.algorithm)
     params = receive_params(engine, cfg, model_path)
-    worker = RolloutWorker(engine, cfg.rollout, round_groups=groups_per_round(cfg))
+    worker = RolloutWorker(engine, cfg.rollout, round_groups=groups_per_round(cfg), environment=environment)
     channel: WeightChannel | None = None
 
     t, m = cfg.trainer, cfg.dock.max_inflight
@@ -77,6 +79,7 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
 
     def generate(it: int) -> dict[str, float]:
         versions[it] = synced
+        worker.weight_version = synced + 1  # the updates in the engine's weights: each token's weight_version
         if cfg.rollout.partial_tokens:
             metrics = worker.run_pass(dock, it, last=it == t.iterations - 1)
             first = it - int(metrics["rollout/response_passes_max"]) + 1  # the oldest pass of a response finished here
@@ -91,15 +94,17 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
         # joined before the evaluation: the actor, started at the same time, waits for it meanwhile
         channel = WeightChannel(weight_sync, rank=ROLLOUT_RANK, timeout_s=cfg.dock.timeout_s, device=ranks.device)
         if t.eval_before and not cfg.run.resume:  # the driver opens the first iteration once this is reported
-            dock.report(0, Report.EVAL_BEFORE, evaluate(engine, test_prompts, scorer, cfg, "before"))
+            dock.report(0, Report.EVAL_BEFORE, evaluate(engine, test_prompts, scorer, cfg, "before", environment))
         if done > synced:
             sync(done)
         serve_iterations(dock, Report.ROLLOUT, generate, timeout_s=cfg.dock.timeout_s, after_report=sync, seed=t.seed,
                          after=done)
         if t.eval_after:
-            dock.report(t.iterations, Report.EVAL_AFTER, evaluate(engine, test_prompts, scorer, cfg, "after"))
+            dock.report(t.iterations, Report.EVAL_AFTER, evaluate(engine, test_prompts, scorer, cfg, "after", environment))
         dock.report(t.iterations, final_report("rollout"), {})
     finally:
         scorer.close()
+        if environment is not None:
+            environment.close()
         if channel is not None:
             channel.close()

@@ -106,3 +106,14 @@ def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, capsys):
         load_benchmark().main(["--quick", "--precision", "bf16"])
     assert exit.value.code == 2
     assert "--precision bf16: this CPU has no native bf16" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two training processes on the tiny model
+def test_the_lora_side_trains_adapters_on_both_sides():
+    out = load_benchmark().main(["--quick", "--lora-rank", "4", "--timeout-s", "600"])
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| side")}
+    assert set(rows) == {"trl", "dockrl-hf"}
+    for cells in rows.values():
+        assert cells[2].endswith(", LoRA 4"), cells
+        assert all(math.isfinite(number(c)) and number(c) > 0 for c in cells[3:]), cells

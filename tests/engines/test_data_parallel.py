@@ -102,7 +102,8 @@ def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     update = UpdateThenSync(actor, worker, dp_group=actor.ranks.dp_group)
     dock = open_dock(DockConfig(), GRPO_SCHEMA, run="test")
     dock.open_iteration(0, len(batch["prompt_ids"]), N)
-    dock.put(range(len(batch["prompt_ids"])), {k: batch[k] for k in ("prompt_ids", "response_ids", "advantages", "rollout_log_prob")})
+    dock.put(range(len(batch["prompt_ids"])), {k: batch[k] for k in ("prompt_ids", "response_ids", "advantages", "rollout_log_prob")}
+             | {"weight_version": [[0] * len(r) for r in batch["response_ids"]]})  # sampled by the initial weights
     for _ in range(rank):  # the replicas before this one claimed their groups from the shared dock
         dock.ack(dock.claim("actor", ["prompt_ids"], N, whole_groups=True))
     seen: dict = {}

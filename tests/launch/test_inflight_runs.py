@@ -44,6 +44,8 @@ def test_two_iterations_in_flight_bound_staleness_train_every_row_once_and_resum
     for k, x in enumerate(rows):
         # staleness: iteration k was generated with the weights of update k-2 (-1: the initial ones), never newer
         assert (x["rollout/policy_version"], x["rollout/staleness"]) == (max(k - 2, -1), 0 if k == 0 else 1), k
+        # per token (the dock's weight_version): the same lag, seen by the actor that trains on the tokens
+        assert (x["actor/rollout_staleness_mean"], x["actor/rollout_staleness_max"]) == ((0.0, 0.0) if k == 0 else (1.0, 1.0)), k
         # exactly once: the actor trained every row of every iteration, one whole global batch each
         assert x["actor/sequences"] == ROWS_PER_ITERATION, k
     # the weights the rollout sampled with are not the actor's from iteration 1 on (the log-probs of the same tokens
@@ -99,6 +101,11 @@ def test_partial_rollout_finishes_cut_responses_in_the_next_pass_once_and_resume
         assert x["rollout/policy_version"] == max(k - 2, -1), k
         assert x["rollout/oldest_policy_version"] == (max(k - 3, -1) if x["rollout/partial_continued"] else x["rollout/policy_version"])
         assert x["actor/sequences"] == ROWS_PER_ITERATION, k  # exactly once: every row, complete, one global batch
+        # per token (the dock's weight_version), seen by the actor of update k: the tokens of the pass for k are one update
+        # behind (k >= 1), those its cut responses got in the next pass none, so a row's segments differ
+        assert x["actor/rollout_staleness_max"] == (0.0 if k == 0 else 1.0), k
+        if k and x["rollout/partial_cut"]:
+            assert 0.0 < x["actor/rollout_staleness_mean"] < 1.0, k
     straight_final = tmp_path / "straight" / "checkpoints" / "final"
     assert optimizer_steps(straight_final) == {2.0 * ITERATIONS}
 

@@ -15,13 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path):
+def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     overrides = [
         f"model.path={tiny_model_dir}", f"run.cache_dir={tmp_path / 'cache'}", "trainer.iterations=2",
         "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false",
         "trainer.eval_before=false", "trainer.save_every=0", "data.generate_train=40", "data.generate_test=8",
-        "data.eval_size=8",
+        "data.eval_size=8", "run.keep_rollouts=all",
     ]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # kfp.local leaves a temp folder per task
     proc = subprocess.run(
@@ -63,6 +63,51 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path):
     assert (resolved["devices"], resolved["cpu"], resolved["memory"]) == ("0", cpu["cpu"], cpu["memory"])
     curves = (run / "train" / "curves").read_text()  # the HTML of the run's curves, for the UI
     assert "data:image/png;base64," in curves and "<td>reward/mean</td>" in curves and out["curves"] == str(run / "train" / "curves")
+    check_rollouts_artifact(run, out, rows=2 * 4 * 4)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    check_rescore_pipeline(run / "train" / "rollouts", tmp_path, rows=2 * 4 * 4)
+
+
+def check_rollouts_artifact(run: Path, out: dict, rows: int) -> None:
+    """The train task's ``rollouts`` Dataset: every trained row, readable without the run folder, its lineage in the metadata."""
+    import pyarrow.dataset as ds
+
+    from dockrl.dock.rollouts import SCHEMA_VERSION
+    from dockrl.pipelines.grpo import task_metadata
+
+    folder = run / "train" / "rollouts"
+    assert out["rollouts"] == str(folder)
+    meta = task_metadata(run, "train", "rollouts")
+    assert meta["rows"] == rows and meta["iterations"] == 2 and (meta["first_iteration"], meta["last_iteration"]) == (0, 1)
+    assert meta["schema_version"] == SCHEMA_VERSION and meta["keep_rollouts"] == "all" and len(meta["config_sha256"]) == 64
+    assert meta["run_id"] and meta["bytes"] == sum(p.stat().st_size for p in folder.rglob("*.parquet"))
+    table = ds.dataset(folder, format="parquet", partitioning="hive").to_table()
+    assert table.num_rows == rows and table.column("advantages").null_count == 0
+    assert (folder / "_config.yaml").is_file() and (folder / "_tokenizer" / "tokenizer.json").is_file()
+    assert not (run / "train" / "run_dir" / "rollouts").exists()  # moved into the Dataset, not copied
+    page = (run / "train" / "rollouts_page").read_text()  # the second Visualization: the kept rollouts' page
+    assert 'id="rewards"' in page and 'data-iteration="1"' in page and out["rollouts_page"] == str(run / "train" / "rollouts_page")
+
+
+def check_rescore_pipeline(rollouts: Path, tmp_path: Path, rows: int) -> None:
+    """The rescore pipeline, run locally, consumes the train task's ``rollouts`` artifact through its importer
+    (``PYTHONPATH`` holds tests/, where ``fake_scorers`` is, for the task's subprocess and the scorer's)."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from dockrl.pipelines.grpo import task_metadata
+    from dockrl.pipelines.rescore import run_rescore_local
+
+    run = run_rescore_local(rollouts, "fake_scorers:FakeDigitScorer", tmp_path / "rescore-root")
+    table = pq.read_table(run / "rescore-rollouts" / "rescored" / "rescored.parquet")
+    stored = ds.dataset(rollouts, format="parquet", partitioning="hive").to_table().sort_by([("iteration", "ascending"), ("row", "ascending")])
+    assert table.num_rows == rows and table.column("old").to_pylist() == stored.column("rm_score").to_pylist()
+    assert table.column("new").null_count == 0 and not any(table.column("new_bad").to_pylist())
+    meta = task_metadata(run, "rescore-rollouts", "rescored")
+    assert meta["rows"] == rows and meta["scorer"] == "fake_scorers:FakeDigitScorer" and meta["source"] == str(rollouts.resolve())
+    metrics = task_metadata(run, "rescore-rollouts", "metrics")
+    assert metrics["rescore/rows"] == rows and set(metrics) >= {"rescore/old_mean/iter_0000", "rescore/new_mean/iter_0001"}
 
 
 def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path):

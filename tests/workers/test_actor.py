@@ -8,7 +8,7 @@ from dockrl.algorithms import policy_loss
 from dockrl.config import AlgorithmConfig
 from dockrl.engines.hf_logprobs import response_log_probs
 from dockrl.engines.hf_train import HFTrainEngine
-from dockrl.workers.actor import accumulate_mini_batch, rollout_log_prob_diff
+from dockrl.workers.actor import accumulate_mini_batch, rollout_log_prob_diff, rollout_mismatch
 
 
 def _batch(engine, n=8, kl=False, seed=0):
@@ -126,6 +126,19 @@ def test_micro_batches_by_length_give_the_loss_and_gradient_of_consecutive_ones(
 def test_rollout_log_prob_diff_by_hand():
     got = rollout_log_prob_diff([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]])
     assert got == {"actor/rollout_log_prob_diff_mean": 0.25, "actor/rollout_log_prob_diff_max": 0.5}
+
+
+def test_rollout_mismatch_by_hand():
+    # ρ = π_old/π_rollout of the three tokens: e^-0.5, 1, e^0.25; update 2 trains on versions 2, 2 | 1
+    got = rollout_mismatch([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]], [[2, 2], [1]], iteration=2, cap=1.2)
+    k3 = [math.exp(x) - x - 1 for x in (-0.5, 0.0, 0.25)]
+    assert got == {"actor/rollout_kl_k3": pytest.approx(sum(k3) / 3), "actor/rollout_ratio_max": pytest.approx(math.exp(0.25)),
+                   "actor/rollout_frac_beyond_cap": pytest.approx(1 / 3), "actor/rollout_staleness_mean": pytest.approx(1 / 3),
+                   "actor/rollout_staleness_max": 1.0}
+    # multi-turn rows: only the model's tokens (loss_mask 1) count; the token of ratio e^-0.5 is an observation's
+    masked = rollout_mismatch([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]], [[2, 2], [1]], iteration=2, cap=1.2,
+                              loss_mask=[[0, 1], [1]])
+    assert masked["actor/rollout_kl_k3"] == pytest.approx(sum(k3[1:]) / 2) and masked["actor/rollout_frac_beyond_cap"] == 0.5
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])

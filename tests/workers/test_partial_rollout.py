@@ -82,9 +82,11 @@ def train_rows(client: DockClient, iteration: int) -> dict[int, tuple[list[int],
     """What a downstream stage (the actor) claims of ``iteration``: every row's response and log-probs, by row."""
     assert client.wait_iteration(iteration - 1) == iteration
     got: dict[int, tuple[list[int], list[float]]] = {}
-    while claim := client.claim("actor", ["response_ids", "rollout_log_prob"], 3, timeout_s=5.0):
-        for row, ids, lp in zip(claim.rows, *(claim.batch.column(k).to_pylist() for k in range(2))):
+    while claim := client.claim("actor", ["response_ids", "rollout_log_prob", "weight_version"], 3, timeout_s=5.0):
+        for row, ids, lp, versions in zip(claim.rows, *(claim.batch.column(k).to_pylist() for k in range(3))):
             assert row not in got, f"row {row} of iteration {iteration} handed out twice"
+            # the fake's log-prob of a token is -(the weights' version): each segment's weight_version is its pass's
+            assert versions == [-x for x in lp], f"row {row} of iteration {iteration}: weight versions {versions}, log-probs {lp}"
             got[row] = (ids, lp)
         client.ack(claim)
     return got

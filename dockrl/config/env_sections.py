@@ -1,0 +1,49 @@
+"""The run configuration's ``env`` section: the environment of a multi-turn rollout, the format the
+model calls tools in, and the sandbox that runs model-written code; frozen, keyword-only
+dataclasses, one docstring per field.
+
+The section's rules are in ``dockrl.config.env_rules``; ``Config`` (``dockrl.config.rules``) holds it.
+The environments themselves are ``dockrl.envs`` (docs/agents.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    """Limits of one program run in the sandbox (``dockrl.envs.sandbox``): a tool call of the
+    ``python`` environment, or a response's program under the code-execution reward."""
+
+    cpu_s: int = 5
+    """CPU time of the program and its children, seconds (``RLIMIT_CPU``; past it the kernel kills it)."""
+    wall_s: float = 10.0
+    """Wall-clock time of the program, seconds; past it its whole process group is killed."""
+    memory_mb: int = 512
+    """Address space of each of the program's processes, MiB (``RLIMIT_AS``): a larger allocation raises ``MemoryError``."""
+    output_bytes: int = 4096
+    """Bytes kept of each of stdout and stderr; the rest is read and dropped (the result says it was cut)."""
+    file_mb: int = 16
+    """Largest file the program may write in its working folder, MiB (``RLIMIT_FSIZE``)."""
+    max_processes: int = 16
+    """Processes the program may hold at once, itself included, threads counted too (a pids cgroup where
+    one is writable, else ``RLIMIT_NPROC``, which the kernel does not apply to root)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    name: str = ""
+    """The rollout's environment: ``""`` (single-turn: no environment), ``python`` (a Python tool run in
+    the sandbox), ``calculator`` (an arithmetic tool), or ``package.module:Class`` (a user's environment,
+    built with no arguments in a process of its own; docs/agents.md)."""
+    tool_parser: Literal["hermes", "fenced"] = "hermes"
+    """How tool calls are read from a model turn: ``hermes``, the Qwen2.5/Hermes chat templates'
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``fenced``, a fenced code block
+    (```` ```python ````) calls the environment's one tool with the block's text."""
+    timeout_s: float = 60.0
+    """Longest a user environment (``package.module:Class``) may take to answer one call (open, a step,
+    close), seconds; past it the rollout fails naming the environment."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the sandbox that runs the ``python`` environment's tool calls (``env.sandbox.*``)."""

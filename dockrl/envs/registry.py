@@ -1,0 +1,54 @@
+"""``build_environment``: the run's environment from ``env.*``, or None for a single-turn run."""
+
+from __future__ import annotations
+
+from dockrl.config import Config, ConfigError
+from dockrl.envs.base import Environment
+from dockrl.envs.calculator import CalculatorEnvironment
+from dockrl.envs.python_tool import PythonEnvironment
+from dockrl.envs.user import UserEnvironment
+from dockrl.rewards.guard import import_scorer
+
+
+def build_environment(cfg: Config) -> Environment | None:
+    """The environment ``env.name`` names, built once per run in the rollout's process (close it at the end).
+
+    Returns:
+        None when ``env.name`` is empty (single-turn rollouts); else the ``python`` or ``calculator``
+        environment, or the user's class running in a process of its own (``UserEnvironment``).
+
+    Raises:
+        ConfigError: ``env.name`` is an import path that does not import here (the import's error appended).
+        EnvironmentFailure: the user's class does not build in its process (its traceback in the message).
+    """
+    e = cfg.env
+    if not e.name:
+        return None
+    if e.name == "python":
+        return PythonEnvironment(e.sandbox, e.tool_parser)
+    if e.name == "calculator":
+        return CalculatorEnvironment(e.tool_parser)
+    try:
+        import_scorer(e.name)  # here, so a typo fails before any process starts
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"env.name: got {e.name!r}, which does not import ({type(err).__name__}: {err}); "
+                          "expected 'package.module:Class' importable here (PYTHONPATH)") from err
+    return UserEnvironment(e.name, timeout_s=e.timeout_s)
+
+
+def environment_tools(cfg: Config) -> list[dict]:
+    """The tools of the environment ``env.name`` names (``Environment.tools``), for the prompts; empty without one.
+
+    A user's environment is built in its process for this and closed (seconds), where the prompts are
+    loaded before the rollout builds its own.
+
+    Raises:
+        as ``build_environment``.
+    """
+    environment = build_environment(cfg)
+    if environment is None:
+        return []
+    try:
+        return list(environment.tools)
+    finally:
+        environment.close()

@@ -1,0 +1,123 @@
+"""The sandbox's first program: confines its own process, then becomes the program it guards.
+
+``dockrl.envs.sandbox`` starts it as ``python -I -S sandbox_boot.py SPEC STATUS_FD`` in a new
+session, in the program's working folder. It joins the run's pids cgroup, sets the resource
+limits, leaves the network (a new network namespace, in a new user namespace where the kernel
+allows), restricts writes to the working folder with Landlock, writes what it applied to the
+status pipe as one JSON line, and ``exec``\\ s ``python -I -S -B -X utf8 main.py``. The limits,
+namespaces and Landlock domain outlive the ``exec`` and pass to every child.
+
+Standard library only: it runs without ``site`` (``-S``), so nothing of dockrl imports here.
+Landlock is the Linux security module of unprivileged sandboxing (kernel 5.13+; the constants are
+those of ``include/uapi/linux/landlock.h``); its system calls have the same numbers on every
+architecture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
+_PR_SET_NO_NEW_PRIVS = 38
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+# LANDLOCK_ACCESS_FS_*: write a file, remove a folder or file, make a char device, folder, file, socket,
+# fifo, block device, symlink (ABI 1); refer (link or rename across folders, ABI 2); truncate (ABI 3)
+_FS_WRITE_ABI1 = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | (1 << 11) | (1 << 12)
+_FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14
+_FILE_ONLY = (1 << 1) | _FS_TRUNCATE  # the rights a rule on a file (not a folder) may grant: write, truncate
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1  # LANDLOCK_ACCESS_NET_* (ABI 4)
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # LANDLOCK_SCOPE_* (ABI 6)
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _join_cgroup(procs: str) -> str:
+    if not procs:
+        return "none"
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+        return "pids-cgroup"
+    except OSError as e:
+        return f"none ({e.strerror})"
+
+
+def _set_limits(spec: dict) -> None:
+    mib = 1024 * 1024
+    for name, soft, hard in (("RLIMIT_CPU", spec["cpu_s"], spec["cpu_s"] + 1), ("RLIMIT_AS", spec["memory_mb"] * mib, None),
+                             ("RLIMIT_FSIZE", spec["file_mb"] * mib, None), ("RLIMIT_NPROC", spec["max_processes"], None),
+                             ("RLIMIT_CORE", 0, None), ("RLIMIT_NOFILE", 256, None)):
+        resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
+
+
+def _leave_network(libc: ctypes.CDLL) -> str:
+    """A new network namespace (only a loopback, down): connects fail. In a new user namespace first, so the
+    program holds no capability of the machine's namespaces; as root, the network namespace alone where that is refused."""
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
+        return "userns+netns"
+    first = os.strerror(ctypes.get_errno())
+    if libc.unshare(_CLONE_NEWNET) == 0:
+        return "netns"
+    return f"none (unshare: {first}; {os.strerror(ctypes.get_errno())})"
+
+
+def _landlock(libc: ctypes.CDLL, folder: str) -> tuple[int, str]:
+    """Writes only under ``folder`` (and to /dev/null), no TCP bind or connect (ABI 4+), no signal or abstract
+    socket out of the sandbox (ABI 6+). Returns (ABI, what applied)."""
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    if abi < 1:
+        return 0, f"none ({os.strerror(ctypes.get_errno())})"
+    write = _FS_WRITE_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    attr = _RulesetAttr(write, (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0, (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # the struct grew with the ABI; an older kernel takes its prefix
+    ruleset = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return abi, f"none (create_ruleset: {os.strerror(ctypes.get_errno())})"
+    try:
+        for path, allowed in ((folder, write), ("/dev/null", _FILE_ONLY & write)):
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = _PathBeneathAttr(allowed, fd)
+                if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0)):
+                    return abi, f"none (add_rule {path}: {os.strerror(ctypes.get_errno())})"
+            finally:
+                os.close(fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)):
+            return abi, f"none (restrict_self: {os.strerror(ctypes.get_errno())})"
+    finally:
+        os.close(ruleset)
+    return abi, "landlock-fs" + (",landlock-net" if abi >= 4 else "") + (",landlock-scope" if abi >= 6 else "")
+
+
+def main(argv: list[str]) -> None:
+    spec, status_fd = json.loads(argv[1]), int(argv[2])
+    status: dict[str, str | int] = {"cgroup": _join_cgroup(spec["cgroup_procs"])}
+    libc = _libc()
+    status["network"] = _leave_network(libc)
+    status["abi"], status["landlock"] = _landlock(libc, os.getcwd())
+    _set_limits(spec)  # last: the steps above must not count against the program's limits
+    os.write(status_fd, (json.dumps(status) + "\n").encode())
+    os.close(status_fd)
+    os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", "-X", "utf8", spec["main"]])
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,58 @@
+"""The episode of a tool environment: each model turn's tool calls are read (``dockrl.envs.tool_calls``)
+and run, and their outputs are the next turn; a turn without a tool call ends the trajectory.
+
+The built-in environments (``python``, ``calculator``) differ only in their tool: a ``ToolEpisode``
+takes the function that runs one call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dockrl.envs.base import Step
+from dockrl.envs.tool_calls import ToolCall, ToolCallError, ToolParser, describe_error, parse_tool_calls
+
+RunCall = Callable[[ToolCall], tuple[str, bool]]
+"""Runs one call: ``(output text, failed)``; never raises for what the call asks."""
+
+
+def tool_schema(name: str, description: str, argument: str, argument_description: str) -> dict:
+    """A tool with one string argument, as an OpenAI-format function schema (what chat templates take as ``tools=``)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {argument: {"type": "string", "description": argument_description}},
+                       "required": [argument]},
+    }}
+
+
+class ToolEpisode:
+    """One trajectory of a tool environment; holds no state between turns, so ``step`` is thread-safe.
+
+    Args:
+        parser: ``env.tool_parser``.
+        fenced_tool: ``(tool, argument)`` a fenced block calls.
+        run_call: runs one readable call.
+    """
+
+    def __init__(self, parser: ToolParser, fenced_tool: tuple[str, str], run_call: RunCall) -> None:
+        self.parser, self.fenced_tool, self.run_call = parser, fenced_tool, run_call
+
+    def step(self, turn: str) -> Step:
+        """The outputs of the turn's tool calls as the observation (numbered when more than one);
+        ``done`` when the turn calls no tool. Unreadable calls and failed runs count in ``tool_errors``."""
+        calls = parse_tool_calls(turn, self.parser, fenced_tool=self.fenced_tool)
+        if not calls:
+            return Step(observation=None, done=True)
+        outputs, errors = [], 0
+        for call in calls:
+            if isinstance(call, ToolCallError):
+                text, failed = describe_error(call), True
+            else:
+                text, failed = self.run_call(call)
+            outputs.append(text)
+            errors += failed
+        observation = outputs[0] if len(outputs) == 1 else "\n\n".join(f"[{i}] {text}" for i, text in enumerate(outputs, start=1))
+        return Step(observation=observation, done=False, tool_calls=len(calls), tool_errors=errors)
+
+    def close(self) -> None:
+        """Nothing to release: every call ran in its own process, already gone."""

@@ -1,0 +1,53 @@
+"""The ``env`` section: defaults, loading, and each error naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from dockrl.config import ConfigError, load_config_text
+
+
+def test_default_is_single_turn_with_sane_sandbox_limits():
+    c = load_config_text("", "test.yaml")
+    assert c.env.name == "" and c.env.tool_parser == "hermes"
+    s = c.env.sandbox
+    assert (s.cpu_s, s.wall_s, s.memory_mb, s.output_bytes, s.max_processes) == (5, 10.0, 512, 4096, 16)
+
+
+def test_env_loads_from_yaml_and_overrides():
+    c = load_config_text("env:\n  name: python\n  sandbox:\n    wall_s: 3\n", "test.yaml",
+                         ["env.tool_parser=fenced", "env.sandbox.memory_mb=256", "env.timeout_s=5"])
+    assert (c.env.name, c.env.tool_parser, c.env.timeout_s) == ("python", "fenced", 5.0)
+    assert (c.env.sandbox.wall_s, c.env.sandbox.memory_mb) == (3.0, 256)
+    assert load_config_text("env:\n  name: my_pkg.envs:Shop\n", "test.yaml").env.name == "my_pkg.envs:Shop"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("env.name=shell", r"env.name: got 'shell'; expected '' \(single-turn\), one of 'python', 'calculator', or an import path"),
+    ("env.name=my pkg:Env", "env.name: got 'my pkg:Env'"),
+    ("env.tool_parser=xml", "env.tool_parser: got 'xml'; expected one of 'hermes', 'fenced'"),
+    ("env.timeout_s=0", r"env.timeout_s: got 0.0; expected a finite number of seconds > 0"),
+    ("env.timeout_s=inf", "env.timeout_s: got inf"),
+    ("env.sandbox.wall_s=-1", "env.sandbox.wall_s: got -1.0; expected a finite number of seconds > 0"),
+    ("env.sandbox.cpu_s=0", "env.sandbox.cpu_s: got 0; expected an integer >= 1"),
+    ("env.sandbox.cpu_s=1.5", "env.sandbox.cpu_s: got 1.5; expected an integer"),
+    ("env.sandbox.memory_mb=16", r"env.sandbox.memory_mb: got 16; expected an integer >= 64 \(the Python interpreter"),
+    ("env.sandbox.output_bytes=0", "env.sandbox.output_bytes: got 0; expected an integer >= 1"),
+    ("env.sandbox.file_mb=0", "env.sandbox.file_mb: got 0"),
+    ("env.sandbox.max_processes=0", "env.sandbox.max_processes: got 0"),
+    ("env.sandbox.disk_mb=5", r"env.sandbox: unknown field\(s\) \['disk_mb'\]"),
+])
+def test_bad_env_values_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config_text("", "test.yaml", [override])
+
+
+def test_the_documented_task_configurations_load():
+    """docs/agents.md "Bundled tasks": the two configurations it gives."""
+    data = "dockrl/envs/data/"
+    c = load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=4", f"data.train_path={data}tool_arithmetic_train.jsonl",
+                                           f"data.test_path={data}tool_arithmetic_test.jsonl"])
+    assert c.env.name == "python" and c.rollout.max_turns == 4
+    c = load_config_text("", "test.yaml", ["algorithm.scorer=dockrl.rewards.code:CodeScorer", f"data.train_path={data}code_problems.jsonl",
+                                           f"data.test_path={data}code_problems.jsonl"])
+    assert c.algorithm.scorer == "dockrl.rewards.code:CodeScorer"
