@@ -21,7 +21,6 @@ from safetensors import safe_open
 from dockrl.config import Config, ConfigError, TrainerConfig, resolve_auto, save_config
 from dockrl.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
 from dockrl.envs.prompting import tool_prompt
-from dockrl.envs.registry import environment_tools
 from dockrl.models import prepare_smollm2
 from dockrl.resume_point import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
 
@@ -72,6 +71,7 @@ def plan_run(cfg: Config) -> RunPlan:
         resolve_reward_model(cfg)
     train_file, test_file = resolve_data(cfg)
     from dockrl.engines.hf_load import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
+    from dockrl.envs.registry import environment_tools  # lazy: the rewards it imports need math_verify; the actor does not
 
     tools = environment_tools(cfg)  # the prompts show the environment's tools; a user's environment that fails to build fails here
     train_prompts, test_prompts = load_run_prompts(cfg, load_tokenizer(model_path, cfg.model.trust_remote_code), train_file, test_file,
