@@ -255,10 +255,20 @@ def read_rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # three short runs of the tiny model
-def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def straight(tiny_model_dir, tmp_path_factory) -> Path:
+    """The folder of the uninterrupted 3-iteration run (a checkpoint after every iteration) that the
+    resumed runs of this module are compared with: run once, it serves them all."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(FAKES))
+        driver.train(tiny_run(tiny_model_dir, out, "straight"))
+    return out / "straight"
+
+
+@pytest.mark.slow  # two short runs of the tiny model, and the module's uninterrupted one
+def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path, monkeypatch, straight):
     monkeypatch.syspath_prepend(str(FAKES))
-    driver.train(tiny_run(tiny_model_dir, tmp_path, "straight"))
 
     def stop_in_iteration_2(it: int, metrics: dict) -> None:
         if it == 2:  # its metrics line is written, the checkpoint after iteration 1 is complete
@@ -273,11 +283,11 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tiny_model_dir, 
     assert snapshot["layout"]["iteration"] == 2 and snapshot["shards"]  # iteration 2 open with its prompts
 
     driver.train(tiny_run(tiny_model_dir, tmp_path, "cut", "run.resume=latest"))
-    same_rows(read_rows(cut), read_rows(tmp_path / "straight"))
+    same_rows(read_rows(cut), read_rows(straight))
     resumed = AutoModelForCausalLM.from_pretrained(cut / "checkpoints" / "final").state_dict()
-    straight = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoints" / "final").state_dict()
-    assert resumed.keys() == straight.keys()
-    for name, p in straight.items():
+    uncut = AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "final").state_dict()
+    assert resumed.keys() == uncut.keys()
+    for name, p in uncut.items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -285,13 +295,13 @@ def optimizer_steps(checkpoint: Path) -> set[float]:
     return {float(v["step"]) for v in torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"].values()}
 
 
-@pytest.mark.slow  # three short runs of the tiny model
-def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.slow  # three short runs of the tiny model, and the module's uninterrupted one
+def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_model_dir, tmp_path, monkeypatch, straight):
     """2 iterations without periodic checkpoints (save_every=0), then 3 in total: iteration 2 runs
     once, from the final weights, optimizer (4 steps carried: 2 mini-batches per iteration) and
-    data position, and the result is the uninterrupted 3-iteration run's."""
+    data position, and the result is the uninterrupted 3-iteration run's (which wrote checkpoints
+    on the way: writing them changes nothing of the result)."""
     monkeypatch.syspath_prepend(str(FAKES))
-    driver.train(tiny_run(tiny_model_dir, tmp_path, "straight", "trainer.save_every=0"))
     driver.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "trainer.iterations=2"))
     two = tmp_path / "two"
     assert not list((two / "checkpoints").glob("iter_*")) and optimizer_steps(final_dir(two)) == {4.0}
@@ -305,11 +315,11 @@ def test_a_finished_run_continues_for_more_iterations_as_one_longer_run(tiny_mod
 
     driver.train(tiny_run(tiny_model_dir, tmp_path, "two", "trainer.save_every=0", "run.resume=latest"))
     assert [x["iteration"] for x in read_rows(two)] == [0, 1, 2]
-    same_rows(read_rows(two), read_rows(tmp_path / "straight"))
-    assert optimizer_steps(final_dir(two)) == optimizer_steps(final_dir(tmp_path / "straight")) == {6.0}
+    same_rows(read_rows(two), read_rows(straight))
+    assert optimizer_steps(final_dir(two)) == optimizer_steps(final_dir(straight)) == {6.0}
     assert json.loads((final_dir(two) / STATE_FILE).read_text())["next_iteration"] == 3
     continued = AutoModelForCausalLM.from_pretrained(final_dir(two)).state_dict()
-    for name, p in AutoModelForCausalLM.from_pretrained(final_dir(tmp_path / "straight")).state_dict().items():
+    for name, p in AutoModelForCausalLM.from_pretrained(final_dir(straight)).state_dict().items():
         torch.testing.assert_close(continued[name], p, rtol=1e-5, atol=1e-6, msg=name)
 
     # the run's config.yaml keeps run.resume as given: run again for one more iteration, it goes on
