@@ -8,6 +8,7 @@ run's, to fp32 rounding, whichever mode ran which iterations.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,19 +42,28 @@ def stop_in_iteration_2(it: int, metrics: dict) -> None:
         raise Interrupt
 
 
-@pytest.mark.slow  # five runs of the tiny model, two of them distributed: ~2-4 min on 2 busy cores
+SCORER = "algorithm.scorer=fake_scorers:FakeHashScorer"
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model_dir, tmp_path_factory) -> Path:
+    """The folder of the uninterrupted in-process run both directions are compared with: run once."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    driver.train(run_config(tiny_model_dir, out, "straight", SCORER, "dock.mode=inprocess"))
+    return out / "straight"
+
+
+@pytest.mark.slow  # two runs of the tiny model, one of them distributed, and the module's uninterrupted one: ~1-2 min on 2 busy cores
 @pytest.mark.parametrize(("first", "then"), [("inprocess", "distributed"), ("distributed", "inprocess")])
-def test_a_run_cut_in_one_dock_mode_resumes_in_the_other(first, then, tiny_model_dir, tmp_path, workers_path):  # noqa: F811
-    scorer = "algorithm.scorer=fake_scorers:FakeHashScorer"
-    driver.train(run_config(tiny_model_dir, tmp_path, "straight", scorer, "dock.mode=inprocess"))
+def test_a_run_cut_in_one_dock_mode_resumes_in_the_other(first, then, tiny_model_dir, tmp_path, workers_path, straight):  # noqa: F811
     with pytest.raises(Interrupt):
-        driver.train(run_config(tiny_model_dir, tmp_path, "cut", scorer, f"dock.mode={first}"), on_iteration=stop_in_iteration_2)
+        driver.train(run_config(tiny_model_dir, tmp_path, "cut", SCORER, f"dock.mode={first}"), on_iteration=stop_in_iteration_2)
     cut = tmp_path / "cut"
     meta = json.loads((checkpoint_dir(cut, 2) / "dock" / "meta.json").read_text())
     assert meta["layout"]["iteration"] == 2 and len(meta["shards"]) == 2  # iteration 2 open on both shards
 
-    driver.train(run_config(tiny_model_dir, tmp_path, "cut", scorer, f"dock.mode={then}", "run.resume=latest"))
-    same_learning(read_rows(cut), read_rows(tmp_path / "straight"))
+    driver.train(run_config(tiny_model_dir, tmp_path, "cut", SCORER, f"dock.mode={then}", "run.resume=latest"))
+    same_learning(read_rows(cut), read_rows(straight))
     resumed = AutoModelForCausalLM.from_pretrained(cut / "checkpoints" / "final").state_dict()
-    for name, p in AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoints" / "final").state_dict().items():
+    for name, p in AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "final").state_dict().items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6, msg=name)
