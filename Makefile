@@ -25,11 +25,16 @@ demo: $(STAMP)
 	$(VENV)/bin/dockrl pipeline run --local $(ARGS)
 
 # static checks first (ruff: lint and import order; mypy: types; settings in pyproject.toml), then
-# the suite. DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing
+# the suite. DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing.
+# TEST_WORKERS: pytest-xdist worker processes (most tests keep one core busy, the process-level ones
+# wait on their stages much of the time: 2 on a 2-core machine; 0 runs the suite in one process).
+# --dist loadfile: each test module whole on one worker, in its order, its module fixtures set up once
+# (not loadgroup: with pytest >= 9.2 it silently stops grouping, pytest-dev/pytest-xdist#1386)
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check dockrl pipelines components
 	$(PY) -m mypy
-	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # the three images (cpu, gpu from images/cuda, npu) with docker buildx: REGISTRY, TAG, IMAGES,
 # PUSH=1 (then build/images-digests.yaml holds their digests); see scripts/build_images.sh
