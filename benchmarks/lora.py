@@ -13,7 +13,8 @@ takes a larger rate: ``--lora-lr``). Each side is a process of its own, run one 
 Prints one markdown table, a row per side: greedy test accuracy before and after training
 (``eval/before/accuracy``, ``eval/after/accuracy`` on ``--eval-size`` test prompts), seconds per
 iteration (median, the first iteration not counted), peak RSS of the run's process tree
-(``vs_trl.tree_peak_rss``), bytes sent per weight sync (``weight_sync/bytes``) and trainable parameters.
+(``vs_trl.tree_peak_rss``), bytes sent per weight sync (``weight_sync/bytes``); then a second table of the
+stages' seconds per iteration (``timing_s/<stage>``, median), which says where the two sides differ.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import tempfile
 from typing import Any
 
 from vs_trl import tree_peak_rss
+
+STAGES = ("rollout", "reward", "reference", "old_log_prob", "actor", "weight_sync")
+"""The stages whose seconds per iteration (``timing_s/<stage>``, median) the second table shows."""
 
 
 def run_side(spec: dict[str, Any]) -> dict[str, float]:
@@ -52,7 +56,7 @@ def run_side(spec: dict[str, Any]) -> dict[str, float]:
         "format_before": summary["eval/format_rate_before"], "format_after": summary["eval/format_rate_after"],
         "seconds_per_iteration": statistics.median(s["timing_s/iteration"] for s in counted),
         "sync_bytes": statistics.median(s["weight_sync/bytes"] for s in steps),
-    }
+    } | {f"{stage}_s": statistics.median(s.get(f"timing_s/{stage}", 0.0) for s in counted) for stage in STAGES}
 
 
 def measure(side: str, spec: dict[str, Any], timeout_s: float) -> dict[str, float]:
@@ -76,6 +80,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
         rows.append(f"| {side} | {r['accuracy_before']:.3f} → {r['accuracy_after']:.3f} | {r['format_before']:.3f} → "
                     f"{r['format_after']:.3f} | {r['seconds_per_iteration']:.1f} | "
                     f"{r['peak_rss_gb']:.2f} | {r['sync_bytes']:,.0f} |")
+    rows += ["", "| side (s per iteration, median) | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]
+    rows += [f"| {side} | " + " | ".join(f"{r[f'{stage}_s']:.2f}" for stage in STAGES) + " |" for side, r in results.items()]
     full, lora = results.get("full fine-tuning"), results.get("LoRA")
     if full and lora and full["sync_bytes"]:
         rows.append(f"\nLoRA / full: {lora['seconds_per_iteration'] / full['seconds_per_iteration']:.2f}× s/iteration, "

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from dockrl.config import Config, TrainerConfig, s3_endpoint
+from dockrl.config import Config, TrainerConfig, pyarrow_s3_query
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +127,8 @@ def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
         logger.warning("dock snapshot kept in %s: pyarrow reads S3 credentials from AWS_ACCESS_KEY_ID and "
                        "AWS_SECRET_ACCESS_KEY, not from %s and %s", local, k.access_key_env, k.secret_key_env)
         return local
-    endpoint, secure = s3_endpoint(k.endpoint or os.environ.get("AWS_ENDPOINT_URL", ""), k.secure, "dock.endpoint")
     key = "/".join(p for p in (k.prefix.strip("/"), run, "checkpoints", checkpoint.name, DOCK_DIR) if p)
-    query = f"endpoint_override={endpoint}&scheme={'https' if secure else 'http'}" + (f"&region={k.region}" if k.region else "")
-    return f"s3://{k.bucket}/{key}?{query}"
+    return f"s3://{k.bucket}/{key}?{pyarrow_s3_query(k)}"
 
 def actor_layout(cfg: Config) -> str:
     """What the actor's optimizer files depend on: its engine and, for megatron, its TP/PP/DP shards."""

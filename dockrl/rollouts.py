@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from dockrl.config import Config, dump_config, load_config
+from dockrl.config import Config, dump_config, load_config, pyarrow_s3_query
 from dockrl.config.run_sections import keep_fraction
 from dockrl.dock.rollouts import SCHEMA_VERSION, KeepSpec
 
@@ -35,11 +35,18 @@ class KeptRollouts:
     """Where a run's kept rollouts are, and what reads them."""
 
     root: Path
-    """The dataset's root (``iteration=<N>/shard-<S>.parquet``)."""
+    """The dataset's local folder: ``<run>/rollouts`` or the artifact folder (``_meta.json``; the rows too unless
+    ``run.rollouts_uri`` put them in the object store)."""
     config: Config
     """The config of the run that kept them."""
     run_dir: Path | None
     """The run folder (checkpoints, ``metrics.jsonl``); None for an artifact folder."""
+
+    @property
+    def rows(self) -> str:
+        """Where the Parquet files (``iteration=<N>/shard-<S>.parquet``) are: ``root``, or the run's
+        ``run.rollouts_uri`` with the query that reaches its store (``rows_uri``)."""
+        return rows_uri(self.config, self.root)
 
     def tokenizer_dir(self) -> Path:
         """The folder of the tokenizer that decodes the token ids: the artifact's ``_tokenizer/``, else the model
@@ -78,8 +85,26 @@ def load_rollouts_tokenizer(kept: KeptRollouts):
 
 
 def rollouts_root(cfg: Config) -> Path:
-    """The kept rollouts' dataset root: ``<run.output_dir>/rollouts``, absolute (shard processes write there)."""
+    """The kept rollouts' local folder: ``<run.output_dir>/rollouts``, absolute (shard processes write there)."""
     return (Path(cfg.run.output_dir) / ROLLOUTS_DIR).absolute()
+
+
+def rows_uri(cfg: Config, local: Path | str) -> str:
+    """Where the kept rows are written and read: ``local`` (a folder), or ``run.rollouts_uri`` with the query
+    ``pyarrow.fs.FileSystem.from_uri`` needs to reach the ``dock`` section's S3 store (``pyarrow_s3_query``; the bucket
+    created if missing)."""
+    if not cfg.run.rollouts_uri:
+        return str(local)
+    return f"{cfg.run.rollouts_uri.rstrip('/')}?{pyarrow_s3_query(cfg.dock)}&allow_bucket_creation=true"
+
+
+def _filesystem(location: Path | str) -> tuple[Any, str]:
+    """``(pyarrow filesystem or None for the local one, path)`` of a folder or a ``pyarrow.fs`` URI."""
+    if "://" not in str(location):
+        return None, str(location)
+    import pyarrow.fs as pafs  # lazy: `dockrl --help` stays fast
+
+    return pafs.FileSystem.from_uri(str(location))
 
 
 def config_hash(cfg: Config) -> str:
@@ -94,17 +119,32 @@ def lineage(cfg: Config, resumed_from: Path | str | None) -> dict[str, Any]:
 
 def write_dataset_meta(cfg: Config, resumed_from: Path | str | None) -> dict[str, Any]:
     """Write ``<run>/rollouts/_meta.json`` (``pyarrow.dataset`` skips names starting with ``_``): the schema version,
-    the run's lineage and the sampling; a resumed run writes it again with its own. Returns the lineage
-    (``lineage``), which every kept file carries too (``keep_spec``)."""
+    the run's lineage, the sampling and ``uri`` (``run.rollouts_uri``: where the rows are; empty, beside it); a
+    resumed run writes it again with its own. With ``run.rollouts_uri`` the same file goes there too (the bucket
+    created if missing). Returns the lineage (``lineage``), which every kept file carries too (``keep_spec``).
+
+    Raises:
+        OSError: naming ``run.rollouts_uri``: its object store is unreachable or refuses the keys.
+    """
     root = rollouts_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     run = lineage(cfg, resumed_from)
     meta = {"schema_version": SCHEMA_VERSION, "keep_rollouts": cfg.run.keep_rollouts, "fraction": keep_fraction(cfg.run.keep_rollouts),
-            "seed": cfg.trainer.seed, "partitioning": "hive: iteration=<N>/shard-<S>.parquet"} | run
+            "seed": cfg.trainer.seed, "partitioning": "hive: iteration=<N>/shard-<S>.parquet", "uri": cfg.run.rollouts_uri} | run
+    text = json.dumps(meta, indent=2) + "\n"
     path = root / "_meta.json"
     tmp = path.with_name("._meta.json.tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
+    if cfg.run.rollouts_uri:  # checked here, at the run's start: a wrong endpoint or key fails now, not in a shard's writer
+        try:
+            fs, where = _filesystem(rows_uri(cfg, root))
+            fs.create_dir(where, recursive=True)
+            with fs.open_output_stream(f"{where}/_meta.json") as out:
+                out.write(text.encode())
+        except OSError as e:
+            raise OSError(f"run.rollouts_uri={cfg.run.rollouts_uri!r}: could not write its _meta.json (the store of dock.endpoint, "
+                          f"keys from $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY): {e}") from e
     return run
 
 
@@ -118,15 +158,33 @@ def keep_spec(cfg: Config, iteration: int, metrics: Mapping[str, float], meta: d
     the version kept is the one of the pass that finished it.
     """
     version = metrics.get("rollout/policy_version")
-    return KeepSpec(uri=str(rollouts_root(cfg)), fraction=keep_fraction(cfg.run.keep_rollouts), seed=cfg.trainer.seed,
+    return KeepSpec(uri=rows_uri(cfg, rollouts_root(cfg)), fraction=keep_fraction(cfg.run.keep_rollouts), seed=cfg.trainer.seed,
                     weight_version=iteration if version is None else int(version) + 1, meta=meta)
 
 
-def read_rollouts(root: Path | str, iteration: int | None = None, columns: list[str] | None = None) -> pa.Table:
-    """The kept rows under ``root`` (of one ``iteration``, or all), sorted by iteration and row (``pyarrow.dataset``, hive)."""
+def rollouts_dataset(location: Path | str):
+    """The kept rows at ``location`` (a folder or a ``pyarrow.fs`` URI: ``KeptRollouts.rows``) as a
+    ``pyarrow.dataset.Dataset`` (hive partitioning; ``_meta.json`` and hidden temporary files skipped)."""
     import pyarrow.dataset as ds  # lazy: `dockrl --help` stays fast
 
-    dataset = ds.dataset(str(root), format="parquet", partitioning="hive")
+    fs, path = _filesystem(location)
+    return ds.dataset(path, filesystem=fs, format="parquet", partitioning="hive")
+
+
+def has_rows(location: Path | str) -> bool:
+    """Whether ``location`` holds kept rows (a Parquet file); False where it does not exist."""
+    try:
+        return bool(rollouts_dataset(location).files)
+    except FileNotFoundError:
+        return False
+
+
+def read_rollouts(location: Path | str, iteration: int | None = None, columns: list[str] | None = None) -> pa.Table:
+    """The kept rows at ``location`` (a folder or a ``pyarrow.fs`` URI; of one ``iteration``, or all), sorted by
+    iteration and row (``pyarrow.dataset``, hive)."""
+    import pyarrow.dataset as ds  # lazy: `dockrl --help` stays fast
+
+    dataset = rollouts_dataset(location)
     table = dataset.to_table(columns=columns, filter=None if iteration is None else ds.field("iteration") == iteration)
     return table.sort_by([("iteration", "ascending"), ("row", "ascending")])
 
@@ -135,7 +193,7 @@ def show_table(kept: KeptRollouts, iteration: int, limit: int, width: int = 60) 
     """The text of ``dockrl rollouts show``: one line per kept row of ``iteration`` (at most ``limit``), its response
     decoded with the run's tokenizer (``load_rollouts_tokenizer``)."""
     tokenizer = load_rollouts_tokenizer(kept)
-    table = read_rollouts(kept.root, iteration,
+    table = read_rollouts(kept.rows, iteration,
                           ["iteration", "row", "weight_version", "rm_score", "correct", "response_length", "response_ids"])
     rows = table.slice(0, limit).to_pylist()
     lines = [f"{'iteration':>9} {'row':>5} {'weights':>7} {'reward':>7} {'correct':>7} {'length':>6}  response"]

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dockrl.rollouts import KeptRollouts, kept_rollouts, load_rollouts_tokenizer, read_rollouts
+from dockrl.rollouts import KeptRollouts, has_rows, kept_rollouts, load_rollouts_tokenizer, read_rollouts
 
 SAMPLES = 3
 """Best and worst responses shown per iteration (each)."""
@@ -97,10 +97,10 @@ def empty_page(title: str = "dockrl rollouts") -> str:
 
 def rollouts_page_html(kept: KeptRollouts, title: str = "dockrl rollouts") -> str:
     """The page (see the module docstring) of ``kept``; a dataset without rows gets ``empty_page``."""
-    if not (kept.root.is_dir() and any(kept.root.rglob("*.parquet"))):
+    if not has_rows(kept.rows):
         return empty_page(title)
     head = _head(title)
-    table = read_rollouts(kept.root, columns=["iteration", "row", "rm_score", "correct", "response_length", "prompt_length",
+    table = read_rollouts(kept.rows, columns=["iteration", "row", "rm_score", "correct", "response_length", "prompt_length",
                                               "response_ids"])
     iterations = sorted(pc.unique(table.column("iteration")).to_pylist())
     rewards_png, lengths_png = _figures(table, iterations)

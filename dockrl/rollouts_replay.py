@@ -125,7 +125,7 @@ def replay(kept: KeptRollouts, iteration: int) -> dict[str, Any]:
     cfg = kept.config
     check_replayable(cfg, kept)
     assert kept.run_dir is not None, "checked above"
-    table = read_rollouts(kept.root, iteration)
+    table = read_rollouts(kept.rows, iteration)
     rows, n = cfg.trainer.global_batch * cfg.rollout.n, cfg.rollout.n
     if table.num_rows != rows:
         raise ValueError(f"dockrl rollouts replay: iteration {iteration} kept {table.num_rows} rows; the actor trained on "

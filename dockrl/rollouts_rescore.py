@@ -43,7 +43,7 @@ def rescore(kept: KeptRollouts, scorer: str, *, iteration: int | None = None, ba
         ConfigError: ``scorer`` does not import (``algorithm.scorer: ...``).
         ScorerError: the scorer raised or its process died.
     """
-    table = read_rollouts(kept.root, iteration, ["iteration", "row", "response_ids", "ground_truth", "rm_score"])
+    table = read_rollouts(kept.rows, iteration, ["iteration", "row", "response_ids", "ground_truth", "rm_score"])
     tokenizer = load_rollouts_tokenizer(kept)
     built = build_scorer(dataclasses.replace(kept.config.algorithm, scorer=scorer))
     new: list[float] = []

@@ -17,7 +17,7 @@ from dockrl.config.algorithm_sections import (
     RewardModelConfig,
     RewardModelPathConfig,
 )
-from dockrl.config.dock_rules import s3_endpoint
+from dockrl.config.dock_rules import pyarrow_s3_query, s3_endpoint
 from dockrl.config.errors import ConfigError
 from dockrl.config.loading import dump_config, load_config, load_config_text, parse_overrides, save_config
 from dockrl.config.resolve import AUTO_ENGINE_ENV, auto_rollout_engine, resolve_auto
@@ -38,5 +38,5 @@ __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "DockConfig", "FilterGroupsConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config",
-    "load_config", "load_config_text", "multi_turn", "parse_overrides", "resolve_auto", "s3_endpoint", "save_config",
+    "load_config", "load_config_text", "multi_turn", "parse_overrides", "pyarrow_s3_query", "resolve_auto", "s3_endpoint", "save_config",
 ]

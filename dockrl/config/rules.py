@@ -20,7 +20,7 @@ from typing import Any
 
 from dockrl.config.algorithm_rules import _check_algorithm, _check_dapo, _check_reward_model
 from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
-from dockrl.config.dock_rules import _check_dock, check_keep_rollouts
+from dockrl.config.dock_rules import _check_dock, check_keep_rollouts, check_rollouts_uri
 from dockrl.config.env_rules import check_env
 from dockrl.config.env_sections import EnvConfig
 from dockrl.config.errors import ConfigError, _fail
@@ -135,6 +135,7 @@ def check_rules(c: Config) -> None:
     _check_partial(c)
     _check_dock(c.dock)
     check_keep_rollouts(c.dock.warehouse, c.run.keep_rollouts)
+    check_rollouts_uri(c.run.rollouts_uri, c.dock)
     _check_reward_model(c.reward_model)
     _check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
     _check_parallel(c)

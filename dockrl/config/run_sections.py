@@ -82,6 +82,11 @@ class RunConfig:
     fraction in (0, 1) of the rows, a deterministic sample: row ``r`` of iteration ``i`` is kept when the first 8 bytes
     of ``blake2b(f"{trainer.seed}:{i}:{r}")``, as an unsigned integer over 2**64, are below the fraction. Needs
     ``dock.warehouse=memory``. YAML reads an unquoted ``off`` as false: false is ``off``, true ``all``."""
+    rollouts_uri: str = ""
+    """Where ``run.keep_rollouts`` writes the rows: empty, ``<output_dir>/rollouts``; or ``s3://<bucket>/<key>``, the
+    object store of the ``dock`` section's S3 settings (``dock.endpoint`` or ``$AWS_ENDPOINT_URL``, ``dock.secure``,
+    ``dock.region``; keys from ``$AWS_ACCESS_KEY_ID`` and ``$AWS_SECRET_ACCESS_KEY``), the bucket created if missing.
+    The run folder's ``rollouts/_meta.json`` names it either way (docs/rollouts.md)."""
 
     def __post_init__(self) -> None:
         keep_fraction(self.keep_rollouts)  # a bad value fails when the config is built

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.dock.rollouts import SCHEMA_VERSION
-from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER
+from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
 
 DATASET_MANIFEST = "dataset.json"
 CHECKPOINT_POINTER = "dockrl-checkpoint.json"
@@ -96,21 +96,23 @@ def place_rollouts(kept: str | Path, dest: str | Path, *, checkpoint: str | Path
 def rollouts_metadata(folder: str | Path, run_id: str) -> dict[str, Any]:
     """The ``rollouts`` Dataset's metadata, shown in the Kubeflow UI beside its lineage: ``run_id``,
     ``schema_version``, ``rows``, ``iterations`` (how many), ``first_iteration``/``last_iteration``, ``bytes`` (of
-    the Parquet files), ``keep_rollouts`` and ``config_sha256`` (from ``_meta.json``; ``off`` and no hash for a run
-    that kept nothing)."""
+    the Parquet files), ``keep_rollouts``, ``config_sha256`` and ``uri`` (from ``_meta.json``; ``off`` and no hash for a
+    run that kept nothing; ``uri``: ``run.rollouts_uri``, where the rows are when not in the folder)."""
     import pyarrow.compute as pc  # lazy: pyarrow.dataset only where an artifact is described
-    import pyarrow.dataset as ds
 
     root = Path(folder)
     meta_path = root / "_meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     out: dict[str, Any] = {"run_id": run_id, "schema_version": meta.get("schema_version", SCHEMA_VERSION), "format": "parquet",
                            "partitioning": "hive: iteration=<N>/shard-<S>.parquet", "keep_rollouts": str(meta.get("keep_rollouts", "off")),
-                           "config_sha256": meta.get("config_sha256", ""), "rows": 0, "iterations": 0, "bytes": 0}
-    files = sorted(root.rglob("*.parquet"))
-    if not files:
+                           "config_sha256": meta.get("config_sha256", ""), "uri": meta.get("uri", ""), "rows": 0, "iterations": 0,
+                           "bytes": 0}
+    location = kept_rollouts(root).rows if (root / ROLLOUTS_CONFIG).is_file() else root  # run.rollouts_uri: in the object store
+    if not has_rows(location):
         return out
-    iterations = ds.dataset(str(root), format="parquet", partitioning="hive").to_table(columns=["iteration"]).column("iteration")
+    dataset = rollouts_dataset(location)
+    iterations = dataset.to_table(columns=["iteration"]).column("iteration")
     unique = pc.unique(iterations).to_pylist()
+    sizes = dataset.filesystem.get_file_info(dataset.files)
     return out | {"rows": len(iterations), "iterations": len(unique), "first_iteration": min(unique), "last_iteration": max(unique),
-                  "bytes": sum(f.stat().st_size for f in files)}
+                  "bytes": sum(f.size for f in sizes)}

@@ -67,7 +67,7 @@ class WorkerGroup:
     groups, training and inference (``lcm(parallel.tp, parallel.infer_tp)``), whose collectives
     run on every layer. Members ``[k·c, (k+1)·c)`` are one such block."""
     object_store: bool = False
-    """Members read and write the S3 warehouse (``dock.warehouse=s3``): they get the platform's
+    """Members read and write the S3 warehouse (``dock.warehouse=s3``; shards also with ``run.rollouts_uri``): they get the platform's
     object-store credentials; otherwise no pod refers to that Secret, which need not exist."""
     cpu: str = "1"
     """CPU request of a member without devices (Kubernetes quantity)."""

@@ -117,8 +117,9 @@ def worker_groups(
     program = backend.program()
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
     s3 = cfg.dock.warehouse == "s3"  # only then do the members need the object store's credentials
+    shard_s3 = s3 or bool(cfg.run.rollouts_uri)  # and the shards, which write the kept rollouts there
     shards = [
-        WorkerGroup(name=f"dock-shard-{s}", secret_env={TOKEN_ENV: token}, port=port, object_store=s3, command=(
+        WorkerGroup(name=f"dock-shard-{s}", secret_env={TOKEN_ENV: token}, port=port, object_store=shard_s3, command=(
             *program, "dock-shard", "--host", backend.bind_host, "--port", str(port),
             "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
             "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
