@@ -107,7 +107,7 @@ def rollouts_metadata(folder: str | Path, run_id: str) -> dict[str, Any]:
                            "partitioning": "hive: iteration=<N>/shard-<S>.parquet", "keep_rollouts": str(meta.get("keep_rollouts", "off")),
                            "config_sha256": meta.get("config_sha256", ""), "uri": meta.get("uri", ""), "rows": 0, "iterations": 0,
                            "bytes": 0}
-    location = kept_rollouts(root).rows if (root / ROLLOUTS_CONFIG).is_file() else root  # run.rollouts_uri: in the object store
+    location = kept_rollouts(root).rows if meta.get("uri") else root  # run.rollouts_uri: in the object store (its config's)
     if not has_rows(location):
         return out
     dataset = rollouts_dataset(location)
