@@ -23,7 +23,9 @@ user gets it without choosing: TRL's ``GRPOConfig`` precision (``bf16=True`` on 
 where it is not native) and dockrl's ``auto`` (``rollout.dtype``, ``trainer.autocast_bf16``: bf16 only
 where it is faster than fp32, ``dockrl.parallel.device.bf16_by_default``); the table's
 "precision" column says what each resolved to. TRL's other defaults are kept in every mode,
-gradient checkpointing included.
+gradient checkpointing included, except that ``--gradient-checkpointing`` (on: TRL's default) sets
+it on both sides in the fp32 and bf16 modes (TRL's ``gradient_checkpointing``, dockrl's
+``trainer.gradient_checkpointing``).
 
 Prints one table, one row per side: the precision it ran in, seconds per iteration (median), response tokens per
 iteration (the two sides sample their own responses: similar, not equal), response tokens/s end to
@@ -42,6 +44,11 @@ exact when the descendants' memory is flat while the run process peaks (the veri
 Sampling the tree's sum instead misses short peaks (its largest sample is the lower bound the
 column never goes under). Pages that processes share count in each (the verifier's forkserver
 and the process it forks: tens of MB).
+
+Each side also reports its peak resident memory by stage (``memory/peak_rss_gb/<stage>``, the largest
+over the run's iterations, ``dockrl.memory``): dockrl's stages in its process, TRL's generation
+(``_generate_and_score_completions``) and its update (the rest of the step); ``benchmarks/memory.py``
+tabulates them.
 
 ``--lora-rank r`` trains LoRA adapters of rank r (alpha 2r, dropout 0) on the attention and MLP
 projections on both sides instead of the full weights: TRL's ``peft_config`` (a peft ``LoraConfig``) and
@@ -87,7 +94,7 @@ def _result(steps: list[dict[str, float]]) -> dict[str, float]:
         "rollout_tokens_per_s": _tokens_per_s(tokens, [s["rollout_s"] for s in counted]),
         "update_tokens_per_s": _tokens_per_s(tokens, [s["update_s"] for s in counted]),
         "self_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: KiB
-    }
+    } | {k: max(s.get(k, 0.0) for s in steps) for k in sorted({k for s in steps for k in s if k.startswith("memory/")})}
 
 
 def run_trl(spec: dict[str, Any]) -> dict[str, float]:
@@ -99,6 +106,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
 
     from dockrl.config import load_config
     from dockrl.data import prompt_token_ids
+    from dockrl.memory import reset_peak, stage_memory
     from dockrl.rewards.guard import build_scorer
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
@@ -116,7 +124,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
         return [float(s) for s in scorer.score(completions, [truth[p] for p in prompts])]
 
     steps: list[dict[str, float]] = []
-    generation = {"seconds": 0.0, "tokens": 0.0}
+    generation: dict[str, float] = {"seconds": 0.0, "tokens": 0.0}
 
     class Timing(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -125,19 +133,24 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.start
+            memory: dict[str, float] = {}
+            read_peak("update", memory)  # since the generation ended: the update's micro-batches and step
             steps.append({"seconds": seconds, "tokens": generation["tokens"], "rollout_s": generation["seconds"],
-                          "update_s": seconds - generation["seconds"]})
+                          "update_s": seconds - generation["seconds"], **memory, **{k: v for k, v in generation.items() if k.startswith("memory/")}})
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             start = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
+            with stage_memory("rollout", generation):  # sampling, reward and the log-probs computed with them
+                out = super()._generate_and_score_completions(inputs)
+            reset_peak()
             generation["seconds"] += time.perf_counter() - start
             generation["tokens"] += float(out["completion_mask"].sum())
             return out
 
     per_iteration = spec["prompts"] * spec["n"]
-    precision = {} if spec["precision"] == "defaults" else {"bf16": spec["precision"] == "bf16"}  # defaults: GRPOConfig's own
+    precision = {} if spec["precision"] == "defaults" else {"bf16": spec["precision"] == "bf16",  # defaults: GRPOConfig's own
+                                                            "gradient_checkpointing": spec["gradient_checkpointing"]}
     args = GRPOConfig(
         output_dir=spec["out"], use_cpu=True, **precision, report_to="none", save_strategy="no", logging_steps=1,
         learning_rate=spec["lr"], beta=0.0, num_generations=spec["n"], temperature=spec["temperature"], top_p=1.0,
@@ -157,22 +170,50 @@ def run_trl(spec: dict[str, Any]) -> dict[str, float]:
                                callbacks=[Timing()], peft_config=peft_config)
     trainer.train()
     scorer.close()
-    return _result(steps) | {"precision": ("bf16 autocast" if args.bf16 else "fp32") + _lora_tag(spec)}
+    return _result(steps) | model_sizes(spec) | {"precision": ("bf16 autocast" if args.bf16 else "fp32") + _tags(spec, args.gradient_checkpointing)}
 
 
-def _lora_tag(spec: dict[str, Any]) -> str:
-    return f", LoRA {spec['lora_rank']}" if spec["lora_rank"] else ""
+def _tags(spec: dict[str, Any], checkpointing: bool) -> str:
+    return (", gradient checkpointing" if checkpointing else "") + (f", LoRA {spec['lora_rank']}" if spec["lora_rank"] else "")
 
 
-def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
-    """One dockrl run (``dockrl train``'s driver, in-process dock) with ``rollout.engine=engine``."""
-    from dockrl import driver
+def model_sizes(spec: dict[str, Any]) -> dict[str, float]:
+    """``params`` and ``trainable`` (LoRA: the adapters') of ``spec``'s model, counted on the meta
+    device (each tensor once: a tied head is the embedding)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec["model"]))
+    params = sum(p.numel() for p in meta.parameters())
+    trainable = params
+    if spec["lora_rank"]:
+        from dockrl.config import LoraConfig
+        from dockrl.engines.hf_lora import adapter_shapes
+
+        lora = LoraConfig(rank=spec["lora_rank"], alpha=2 * spec["lora_rank"])
+        trainable = sum(shape.numel() for _, shape in adapter_shapes(spec["model"], lora))
+        params += trainable
+    return {"params": float(params), "trainable": float(trainable)}
+
+
+def read_peak(stage: str, into: dict[str, float]) -> None:
+    """``memory/peak_rss_gb/<stage>``: this process's peak resident GiB since the last ``reset_peak``."""
+    from dockrl.memory import GB, resident_bytes
+
+    if (now := resident_bytes()) is not None:
+        into[f"memory/peak_rss_gb/{stage}"] = now[1] / GB
+
+
+def dockrl_config(spec: dict[str, Any], engine: str) -> Any:
+    """The resolved config of a dockrl run of ``spec`` with ``rollout.engine=engine`` (in-process dock)."""
     from dockrl.config import load_config, resolve_auto
 
     per_iteration = spec["prompts"] * spec["n"]
     bf16 = spec["precision"] == "bf16"
     dtype, autocast = ("auto", "auto") if spec["precision"] == "defaults" else ("bfloat16" if bf16 else "float32", str(bf16).lower())
-    cfg = resolve_auto(load_config(None, [  # resolved here: the report states the precision 'defaults' chose
+    checkpointing = [] if spec["precision"] == "defaults" else [f"trainer.gradient_checkpointing={str(spec['gradient_checkpointing']).lower()}"]
+    return resolve_auto(load_config(None, [  # resolved here: the report states the precision 'defaults' chose
         f"model.path={spec['model']}", f"data.train_path={spec['data']}", f"data.test_path={spec['data']}",
         f"run.output_dir={spec['out']}", f"run.cache_dir={spec['out']}/cache", "run.progress=false",
         f"rollout.engine={engine}", f"rollout.n={spec['n']}", f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0",
@@ -180,18 +221,33 @@ def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
         f"rollout.batch_size={per_iteration}",
         f"trainer.iterations={spec['iterations']}", f"trainer.global_batch={spec['prompts']}", f"trainer.mini_batch={spec['prompts']}",
         f"trainer.micro_batch={spec['micro_batch']}", f"trainer.lr={spec['lr']}", f"trainer.autocast_bf16={autocast}",
-        "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0",
+        "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=0", *checkpointing,
         *([f"trainer.lora.rank={spec['lora_rank']}", f"trainer.lora.alpha={2 * spec['lora_rank']}"] if spec["lora_rank"] else []),
     ]))
+
+
+def run_dockrl(spec: dict[str, Any], engine: str) -> dict[str, float]:
+    """One dockrl run (``dockrl train``'s driver, in-process dock) with ``rollout.engine=engine``."""
+    from dockrl import driver
+
+    per_iteration = spec["prompts"] * spec["n"]
+    cfg = dockrl_config(spec, engine)
     steps: list[dict[str, float]] = []
 
     def on_iteration(_: int, m: dict[str, float]) -> None:
         steps.append({"seconds": m["timing_s/iteration"], "tokens": m["rollout/response_length_mean"] * per_iteration,
-                      "rollout_s": m["timing_s/rollout"], "update_s": m["timing_s/actor"]})
+                      "rollout_s": m["timing_s/rollout"], "update_s": m["timing_s/actor"]}
+                     | {k: v for k, v in m.items() if k.startswith("memory/")})
 
     driver.train(cfg, on_iteration=on_iteration)
-    precision = ("bf16 autocast" if cfg.trainer.autocast_bf16 else "fp32") + f", rollout {cfg.rollout.dtype}" + _lora_tag(spec)
-    return _result(steps) | {"precision": precision}
+    precision = ("bf16 autocast" if cfg.trainer.autocast_bf16 else "fp32") + f", rollout {cfg.rollout.dtype}"
+    sizes = model_sizes(spec)
+    if engine == "vllm":  # its own copy of the weights and its KV cache (dockrl.engines.factory.kv_cache_size)
+        from dockrl.engines.factory import kv_cache_size
+
+        sizes |= {"rollout_copy_gb": sizes["params"] * (4 if cfg.rollout.dtype == "float32" else 2) / 2**30,
+                  "kv_cache_gb": kv_cache_size(cfg, Path(spec["model"]))[0]}
+    return _result(steps) | sizes | {"precision": precision + _tags(spec, cfg.trainer.gradient_checkpointing)}
 
 
 def _child(side: str, spec: dict[str, Any]) -> None:
@@ -311,6 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--precision", choices=["fp32", "bf16", "defaults"], default="fp32",
                         help="both sides in fp32, both in their bf16 mode (native bf16 CPUs only), or each at its own defaults")
+    parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                        help="both sides recompute activations in the backward (TRL's default: on); --precision defaults: each side's own")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on both sides (0: full fine-tuning)")
     parser.add_argument("--iterations", type=int, default=4, help="per run, the first a warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
@@ -352,12 +410,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> str:
-    args = parse_args(argv)
-    if args.child:
-        _child(args.child, json.loads(args.spec))
-        return ""
-
+def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[dict[str, float]]]]:
+    """Run every side ``args.repeats`` times, alternating, on one prompts file (and the tiny model
+    without ``--model``); returns the run's spec (``model`` the folder, gone after the call) and
+    each side's results (``_result`` plus ``peak_rss_gb``, ``precision``)."""
     from dockrl.data import generate_problems, write_jsonl
 
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as work:
@@ -369,15 +425,31 @@ def main(argv: list[str] | None = None) -> str:
         data = write_jsonl(generate_problems(args.prompts * args.iterations * 4, seed=0), Path(work) / "prompts.jsonl")
         spec = {k: getattr(args, k) for k in ("prompts", "n", "max_new_tokens", "temperature", "micro_batch", "lr", "iterations",
                                               "precision", "lora_rank")}
+        spec |= {"gradient_checkpointing": args.gradient_checkpointing == "on"}
         spec |= {"model": str(Path(model).resolve()), "data": str(data)}
         results: dict[str, list[dict[str, float]]] = {s: [] for s in args.sides}
         for r in range(args.repeats):
             for side in args.sides:
                 results[side].append(_run_side(side, spec, args.timeout_s))
                 print(f"run {r + 1}/{args.repeats} {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)
-    shape = (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, {args.precision}, β=0, "
-             f"{max(args.iterations - 1, 1)} counted iteration(s) per run, {os.cpu_count()} CPUs")  # one alone is counted (_result)
-    out = f"{shape}\n\n{table(results)}"
+    return spec, results
+
+
+def shape_line(args: argparse.Namespace) -> str:
+    """The run's shape, the table's first line."""
+    checkpointing = "" if args.precision == "defaults" else f", gradient checkpointing {args.gradient_checkpointing}"
+    return (f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens, T={args.temperature:g}, {args.precision}, β=0, "
+            f"micro-batch {args.micro_batch}{checkpointing}, "
+            f"{max(args.iterations - 1, 1)} counted iteration(s) per run, {os.cpu_count()} CPUs")  # one alone is counted (_result)
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    if args.child:
+        _child(args.child, json.loads(args.spec))
+        return ""
+    _, results = collect(args)
+    out = f"{shape_line(args)}\n\n{table(results)}"
     print(out)
     return out
 

@@ -17,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from dockrl.config import Config
+from dockrl.memory import stage_memory
 from dockrl.resume import checkpoint_due
 
 if TYPE_CHECKING:  # the driver's reports only: no torch, no pyarrow here
@@ -85,7 +86,9 @@ def serve_iterations(
         logger.info("%s: iteration %d", stage, it)
         if seed is not None:
             seed_iteration(seed, it)
-        metrics = step(it)
+        metrics: dict[str, float] = {}
+        with stage_memory(str(stage), metrics):  # memory/*: this process's peak while it stepped
+            metrics |= step(it)
         if report:
             dock.report(it, stage, metrics)
         if after_report is not None:

@@ -30,7 +30,7 @@ from dockrl.resume_point import check_resume_prompts, find_resume, prompts_finge
 from dockrl.seeding import iteration_seed
 
 FAKES = Path(__file__).parent  # fake_scorers.py
-VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")
+VARYING = ("timing_s/", "perf/", "dock/", "memory/", "weight_sync/seconds", "rollouts/wait_s")
 """Metrics that depend on the clock or count a process's traffic: not compared between runs."""
 
 

@@ -157,6 +157,12 @@ class TrainerConfig:
     budget bounds the tokens of each micro-batch, and so its peak activation memory (the head's
     ``(tokens, vocabulary)`` logits included); it changes no gradient. verl's
     ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``. The megatron engine ignores it."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the actor's backward pass instead of keeping
+    them (hf engine; TRL's ``gradient_checkpointing``, on by default there; verl's
+    ``enable_gradient_checkpointing``): the update's peak memory falls by most of its activations
+    (SmolLM2-135M, 8 sequences of ~190 tokens: docs/benchmarks.md#memory) for about one more
+    forward pass of compute. The megatron engine ignores it (one warning)."""
     ppo_epochs: int = 1
     """Passes over the global batch per iteration."""
     lr: float = 1e-5

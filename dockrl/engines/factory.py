@@ -86,11 +86,43 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
     return engine
 
 
+KV_BLOCK_TOKENS = 128
+"""Tokens per KV-cache block that ``kv_cache_size`` rounds each sequence up to: vLLM's CPU block
+size (``CpuPlatform``; 16 on CUDA, so the cache there is a little larger than needed)."""
+
+
+def kv_cache_size(cfg: Config, model_path: Path) -> tuple[float, int | None]:
+    """``(GiB, max_model_len)`` of the vLLM engine's KV cache, sized to the run instead of a fixed space.
+
+    Single-turn: ``rollout.batch_size`` sequences of ``data.max_prompt_length +
+    rollout.max_response_length`` tokens (each rounded up to ``KV_BLOCK_TOKENS``), at ``2 × layers ×
+    kv_heads × head_dim × bytes(rollout.dtype)`` bytes per token (keys and values of every layer,
+    from the model's ``config.json``); ``max_model_len`` is that sequence length. vLLM schedules a
+    larger batch (the evaluation's ``trainer.eval_batch_size``) as the cache frees. Multi-turn
+    (``rollout.max_turns`` > 1; the observations have no cap): 1 GiB and the model's own length.
+    SmolLM2-135M, 32 × (256 + 128) tokens in fp32: 0.53 GiB.
+    """
+    r = cfg.rollout
+    if r.max_turns > 1:
+        return 1.0, None
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    config = getattr(config, "text_config", config)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    per_token *= 4 if r.dtype == "float32" else 2
+    length = cfg.data.max_prompt_length + r.max_response_length
+    blocks = -(-length // KV_BLOCK_TOKENS)
+    return r.batch_size * blocks * KV_BLOCK_TOKENS * per_token / 2**30, length
+
+
 def _rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, actor: TrainEngine | None) -> RolloutEngine:
     r, device = cfg.rollout, ranks.device
     if r.engine == "vllm":
+        kv_cache_gib, max_model_len = kv_cache_size(cfg, model_path)
         return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
-                                 device=device, lora=cfg.trainer.lora if adapter_sync(cfg) else None)
+                                 device=device, lora=cfg.trainer.lora if adapter_sync(cfg) else None,
+                                 kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
     if actor is not None and shares_actor_module(cfg, actor):
         assert isinstance(actor, HFTrainEngine), "shares_actor_module: an HFTrainEngine"
         return HFRolloutEngine.sharing(actor.model, actor.tokenizer, model_path)
@@ -152,6 +184,8 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
 
         if t.autocast_bf16 is True:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
+        if t.gradient_checkpointing:
+            logger.warning("trainer.gradient_checkpointing=true is ignored by trainer.engine=megatron: it keeps every activation")
         return MegatronTrainEngine(
             model_path, trainable=True, ranks=ranks, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
             trust_remote_code=cfg.model.trust_remote_code,
@@ -159,7 +193,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
     engine = HFTrainEngine(
         model_path, trainable=True, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         autocast_bf16=t.autocast_bf16 is True, trust_remote_code=cfg.model.trust_remote_code, device=ranks.device,
-        lora=t.lora,
+        lora=t.lora, gradient_checkpointing=t.gradient_checkpointing,
     )
     if t.lora.enabled and cfg.run.resume:
         from dockrl.engines.hf_lora import load_checkpoint_adapter  # lazy: peft loads only for a LoRA actor

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from dockrl.config import LoraConfig
 from dockrl.engines.hf_load import load_model, load_tokenizer, model_device, warn_foreign_sampling
@@ -108,8 +108,8 @@ class HFRolloutEngine:
 
         Samples from ``softmax(z / τ)`` restricted to the ``top_p`` nucleus and nothing else: the
         processors of the model's own generation config are not applied (``warn_foreign_sampling``).
-        Log-probs are ``log_softmax(logits / τ)`` of the raw logits (``output_logits``, not
-        the processed ``scores``) at the sampled token; prompts are left-padded and position
+        Log-probs are ``log_softmax(logits / τ)`` of the raw logits (not the processed scores)
+        at the sampled token (``SampledLogProbs``: one step's logits held at a time); prompts are left-padded and position
         ids follow the attention mask (docs/design.md §7: both matter to match a teacher-forced pass).
         A response that reaches ``max_new_tokens`` without EOS is ``truncated`` and gets no
         EOS appended.
@@ -128,19 +128,17 @@ class HFRolloutEngine:
             attention_mask[i, P - len(p) :] = 1
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         config = GenerationConfig(  # exactly the configured processors: temperature and top_p (none when greedy)
-            max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id, output_logits=True,
+            max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
             return_dict_in_generate=True, **sampling,
         )
+        recorder = SampledLogProbs(1.0 if greedy else temperature)
         with self._generating() as model:
             gen = model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
             )
         tokens = gen.sequences[:, P:]
-        step_lp = []
-        for t, logits in enumerate(gen.logits):  # (B, V) per step; one step at a time keeps memory small
-            lp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
-            step_lp.append(lp.gather(1, tokens[:, t : t + 1]).squeeze(1))
-        lps = (torch.stack(step_lp, dim=1) if step_lp else torch.zeros((len(prompts), 0))).cpu()  # one copy per batch
+        lps = recorder.finish(tokens).cpu()  # one copy per batch
         tokens = tokens.cpu()
         samples = []
         for i in range(len(prompts)):
@@ -176,3 +174,46 @@ class HFRolloutEngine:
             param.copy_(tensor)
             copied += param.numel() * param.element_size()
         return copied
+
+
+class SampledLogProbs(LogitsProcessor):
+    """Records ``log_softmax(z_t / τ)[o_t]`` of each sampled token during ``generate``, holding one
+    step's logits at a time: ``output_logits`` would keep every step's ``(B, V)`` logits until
+    ``generate`` returns (32 sequences × 128 steps × 49,152 tokens × 4 bytes = 0.8 GB for SmolLM2).
+
+    ``generate`` calls a processor passed as ``logits_processor`` on the raw fp32 logits ``z_t``,
+    before its own temperature and top-p warpers (transformers ≥ 4.50 orders them so); the token
+    sampled from step ``t`` is ``input_ids[:, -1]`` at the next call, so each call scores the
+    previous step's logits and ``finish`` the last. Returns the logits unchanged.
+
+    Args:
+        temperature: the sampling temperature τ (1 for greedy decoding).
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # the last step's (B, V) logits, its token not yet known
+        self.steps: list[torch.Tensor] = []  # (B,) log-probs per scored step
+
+    def _score(self, sampled: torch.Tensor) -> None:
+        if self.pending is not None:
+            lp = torch.log_softmax(self.pending.float() / self.temperature, dim=-1)
+            self.steps.append(lp.gather(1, sampled.unsqueeze(1)).squeeze(1))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending is not None:
+            self._score(input_ids[:, -1])
+        self.pending = scores
+        return scores
+
+    def finish(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` log-probs (nats) of the ``(B, T)`` generated ``tokens``.
+
+        Raises:
+            AssertionError: ``generate`` called the processor other than once per generated token.
+        """
+        if tokens.shape[1]:
+            self._score(tokens[:, -1])
+        self.pending = None
+        assert len(self.steps) == tokens.shape[1], f"{len(self.steps)} log-prob steps for {tokens.shape[1]} tokens"
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros((tokens.shape[0], 0))

@@ -23,6 +23,30 @@ from dockrl.engines.micro_batching import adamw, backward_per_micro_batch, clipp
 from dockrl.engines.train_engine import LossFn
 
 
+def checkpoint_layers(model: Any, model_path: str | Path) -> None:
+    """Gradient checkpointing of ``model``'s decoder layers with the rest left in eval mode.
+
+    transformers checkpoints a ``GradientCheckpointingLayer`` only while that module is in
+    training mode; the engine keeps every module in eval mode (no dropout anywhere), so only the
+    layers themselves are put in training mode, not their submodules (attention, MLP, dropout):
+    their own ``training`` flag, which no Llama-like layer reads for anything else. The rollout
+    sharing this module puts it in eval mode while it generates (``HFRolloutEngine._generating``),
+    so generation keeps its KV cache.
+
+    Raises:
+        ValueError: the model has no layer transformers can checkpoint (names ``trainer.gradient_checkpointing``).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer  # lazy: only with checkpointing on
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not getattr(model, "supports_gradient_checkpointing", False) or not layers:
+        raise ValueError(f"trainer.gradient_checkpointing=true: the model at {model_path} ({type(model).__name__}) has no "
+                         "decoder layers transformers can checkpoint; set trainer.gradient_checkpointing=false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in layers:
+        layer.training = True
+
+
 class HFTrainEngine:
     """The actor (or frozen reference) on torch: fp32 weights, optional bf16 autocast, AdamW.
 
@@ -37,9 +61,15 @@ class HFTrainEngine:
             ``model`` (``hf_lora.add_adapters``), the only parameters that train; ``self.model``
             stays the transformers module (adapters on) and ``self.peft`` is peft's wrapper
             (None without LoRA). ``named_weights`` and ``save`` then give merged weights.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass
+            instead of keeping them (Chen et al. 2016, arXiv 1604.06174; transformers'
+            ``gradient_checkpointing_enable``, non-reentrant): the update's activation memory
+            falls from every layer's to one layer's plus the layers' inputs, for about one more
+            forward pass of compute. The same gradients (``tests/engines/test_hf.py``).
 
     Raises:
-        ValueError: ``lora.target_modules`` matches no module of the model.
+        ValueError: ``lora.target_modules`` matches no module of the model; ``gradient_checkpointing``
+            with a model whose decoder layers transformers cannot checkpoint.
     """
 
     def __init__(
@@ -54,6 +84,7 @@ class HFTrainEngine:
         trust_remote_code: bool = False,
         device: torch.device | str = "cpu",
         lora: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
@@ -73,6 +104,8 @@ class HFTrainEngine:
         # config.attention_dropout and apply it when the module is in train mode (as verl and TRL,
         # RL runs without any dropout). A causal LM has no other train-mode behaviour.
         self.model.eval()
+        if gradient_checkpointing and trainable:
+            checkpoint_layers(self.model, model_path)
         self.pack = packing_works(self.model, lambda ps, rs, pack: response_log_probs(
             self.model, ps, rs, pad_id=self.pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0], "the actor's micro-batches")
         if trainable:

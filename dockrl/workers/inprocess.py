@@ -20,6 +20,7 @@ from dockrl.engines.factory import build_rollout_engine, build_train_engine, pro
 from dockrl.engines.hf_load import load_tokenizer
 from dockrl.envs.registry import build_environment
 from dockrl.evaluate import evaluate
+from dockrl.memory import stage_memory
 from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import final_dir, prepare_checkpoint, weights_path
@@ -139,7 +140,8 @@ class InProcessStages:
         seed_iteration(self.cfg.trainer.seed, iteration)
         metrics: dict[str, float] = {}
         for worker in self.workers:
-            metrics |= worker.run_iteration(self.dock)
+            with stage_memory(type(worker).__name__.removesuffix("Worker").lower(), metrics):  # memory/*: each stage's own peak
+                metrics |= worker.run_iteration(self.dock)
         if self.sync is not None:
             start = time.perf_counter()
             metrics["weight_sync/bytes"] = self.sync()

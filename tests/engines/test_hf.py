@@ -136,3 +136,41 @@ def test_a_model_that_reads_a_packed_row_as_one_sequence_is_right_padded(tiny_mo
     assert HFTrainEngine(tiny_model_dir, trainable=False).pack
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)  # packing ignored, like remote code
     assert not HFTrainEngine(tiny_model_dir, trainable=False).pack
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer(tiny_model_dir, prompts, monkeypatch):
+    responses = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+
+    def gradients(engine):
+        def loss_fn(rows, log_probs, *_):
+            return -log_probs.sum(), None
+
+        engine.model.zero_grad(set_to_none=True)
+        engine.forward_backward(prompts, responses, temperature=1.0, micro_batch=3, loss_fn=loss_fn)
+        return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.requires_grad}
+
+    plain = HFTrainEngine(tiny_model_dir, trainable=True)
+    checkpointed = HFTrainEngine(tiny_model_dir, trainable=True, gradient_checkpointing=True)
+    layers = checkpointed.model.model.layers
+    calls = []
+    func = layers[0]._gradient_checkpointing_func
+    for layer in layers:  # a fake around transformers' checkpoint function: counts the layers it recomputes
+        layer._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or func(*a, **k)
+    expected, got = gradients(plain), gradients(checkpointed)
+    assert len(calls) == len(layers)  # every decoder layer went through the checkpoint
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    # every other module stays in eval mode (no dropout), and generating with the shared module keeps its KV cache
+    assert not any(m.training for m in checkpointed.model.modules() if m not in set(layers))
+    shared = HFRolloutEngine.sharing(checkpointed.model, checkpointed.tokenizer, tiny_model_dir)
+    calls.clear()
+    shared.generate(prompts[:1], max_new_tokens=3, greedy=True)
+    assert calls == [] and all(layer.training for layer in layers)
+
+
+def test_gradient_checkpointing_refuses_a_model_without_checkpointable_layers():
+    from dockrl.engines.hf_train import checkpoint_layers
+
+    with pytest.raises(ValueError, match="trainer.gradient_checkpointing=true: the model at remote/model \\(Linear\\)"):
+        checkpoint_layers(torch.nn.Linear(2, 2), "remote/model")  # no decoder layers transformers knows

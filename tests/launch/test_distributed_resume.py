@@ -17,7 +17,7 @@ from dockrl.resume import checkpoint_dir
 from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 
 ROWS_PER_ITERATION = 4 * 4  # trainer.global_batch × rollout.n
-VARYING = ("timing_s/", "perf/", "dock/", "weight_sync/seconds")
+VARYING = ("timing_s/", "perf/", "dock/", "memory/", "weight_sync/seconds", "rollouts/wait_s")
 """Metrics that depend on the clock or count a process's traffic: not compared between runs."""
 SAME_THREADS = "run.num_threads=1"
 """For runs compared across processes: one torch thread in the driver and in every stage process,
