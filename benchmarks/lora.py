@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        import resource
+        from dockrl.memory import process_peak_bytes
 
         result = run_side(json.loads(args.child))
-        result["self_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+        result["self_peak_rss_gb"] = process_peak_bytes() / 2**30  # across the stages' resets of the kernel's peak
         print("RESULT " + json.dumps(result), flush=True)
         return ""
     if args.quick:

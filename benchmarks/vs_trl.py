@@ -38,7 +38,8 @@ process it starts (both sides' rule verifier runs in processes of its own, ~0.35
 engine core runs in the run's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, but a default vLLM
 would start one). ``ru_maxrss`` of ``RUSAGE_SELF`` misses those, and ``RUSAGE_CHILDREN`` is no fix: it
 gives the largest single waited-for descendant, not a sum over processes alive together. The
-column is the run process's own peak (``ru_maxrss``, exact) plus each descendant's own peak
+column is the run process's own peak (``ru_maxrss``, exact; dockrl's stages reset it at each start,
+so its largest reading is kept, ``dockrl.memory.process_peak_bytes``) plus each descendant's own peak
 (Linux ``VmHWM``, read by the parent every ``RSS_SAMPLE_S``): an upper bound of the tree's peak,
 exact when the descendants' memory is flat while the run process peaks (the verifier's is).
 Sampling the tree's sum instead misses short peaks (its largest sample is the lower bound the
@@ -85,6 +86,8 @@ def _tokens_per_s(tokens: list[float], seconds: list[float]) -> float:
 
 def _result(steps: list[dict[str, float]]) -> dict[str, float]:
     """The counted iterations (the first, a warm-up, dropped) of one run → its row values."""
+    from dockrl.memory import process_peak_bytes  # lazy: the child's, after its run
+
     counted = steps[1:] if len(steps) > 1 else steps
     tokens = [s["tokens"] for s in counted]
     return {
@@ -93,7 +96,8 @@ def _result(steps: list[dict[str, float]]) -> dict[str, float]:
         "tokens_per_s": _tokens_per_s(tokens, [s["seconds"] for s in counted]),
         "rollout_tokens_per_s": _tokens_per_s(tokens, [s["rollout_s"] for s in counted]),
         "update_tokens_per_s": _tokens_per_s(tokens, [s["update_s"] for s in counted]),
-        "self_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: KiB
+        # Linux: KiB; the stages reset the kernel's peak (dockrl.memory.reset_peak), which keeps the process's
+        "self_peak_rss_gb": max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, process_peak_bytes() / 2**30),
     } | {k: max(s.get(k, 0.0) for s in steps) for k in sorted({k for s in steps for k in s if k.startswith("memory/")})}
 
 

@@ -36,14 +36,28 @@ def resident_bytes() -> tuple[int, int] | None:
         return None
 
 
+_process_peak = 0  # bytes: the largest VmHWM this process read before a reset
+
+
 def reset_peak() -> bool:
     """Set this process's peak resident size to its current one (``clear_refs`` 5); False where
-    the kernel does not allow it (no ``/proc``, or a read-only one)."""
+    the kernel does not allow it (no ``/proc``, or a read-only one). The kernel's peak (``VmHWM``,
+    and ``getrusage``'s ``ru_maxrss``, which reads the same counter) then covers the time since the
+    reset only; ``process_peak_bytes`` keeps the whole process's."""
+    global _process_peak
+    if (now := resident_bytes()) is not None:
+        _process_peak = max(_process_peak, now[1])
     try:
         _CLEAR_REFS.write_text("5")
         return True
     except OSError:
         return False
+
+
+def process_peak_bytes() -> int:
+    """This process's peak resident bytes since it started, across ``reset_peak`` calls (0 without ``/proc``)."""
+    now = resident_bytes()
+    return max(_process_peak, now[1] if now else 0)
 
 
 @functools.cache

@@ -151,6 +151,7 @@ def response_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     pack: bool = True,
+    checkpoint_head: bool = False,
 ):
     """Per-token log-probs of ``responses`` given ``prompts`` in one forward pass.
 
@@ -160,7 +161,9 @@ def response_log_probs(
     the output head runs on the response tokens only (not on prompt or padding positions), the
     log-softmax never materializes (``log_softmax(z)[y] = z_y - logsumexp(z)``: one full-vocabulary
     fp32 tensor less in memory and in the backward pass) and the entropy is computed in chunks
-    (``chunked_entropy``) from the same ``logsumexp``.
+    (``chunked_entropy``) from the same ``logsumexp``. With ``checkpoint_head`` (the actor's
+    ``trainer.gradient_checkpointing``; not with ``entropy_grad``) the head's logits are computed
+    ``HEAD_CHUNK_TOKENS`` at a time and recomputed in the backward pass (``head_log_probs``).
 
     Returns:
         ``log_prob (B, T)`` fp32 (differentiable if grad is enabled), ``mask (B, T)``, and
@@ -171,6 +174,17 @@ def response_log_probs(
     device = model_device(model)
     inputs, index, mask, real, at = model_inputs(prompts, responses, pad_id, pack, device)
     B, T = index.shape  # real (N,): the response tokens among the B·T slots; at (N,): their logits' positions
+    targets = inputs["input_ids"].reshape(-1)[at + 1]  # the token each logit predicts: the next position, same row
+
+    def spread(x: torch.Tensor) -> torch.Tensor:  # (N,) -> (B, T), 0 off the response tokens
+        return x.new_zeros(B * T).index_put((real,), x).view(B, T)
+
+    if checkpoint_head and _plain_lm_head(model) and not entropy_grad and torch.is_grad_enabled():
+        with autocast(device, autocast_bf16):
+            hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        log_prob, entropy = head_log_probs(model.get_output_embeddings(), hidden.reshape(-1, hidden.shape[-1])[at], targets,
+                                           temperature=temperature, with_entropy=with_entropy, autocast_bf16=autocast_bf16)
+        return spread(log_prob), mask, None if entropy is None else spread(entropy)
     with autocast(device, autocast_bf16):
         if _plain_lm_head(model):
             # the output head only on response tokens: prompt and padding logits are never needed
@@ -182,17 +196,51 @@ def response_log_probs(
     logits = logits.float()  # (N, V)
     if temperature != 1.0:  # a (N, V) copy, and its backward, only when it changes something
         logits = logits / temperature
-    targets = inputs["input_ids"].reshape(-1)[at + 1]  # the token each logit predicts: the next position, same row
-
-    def spread(x: torch.Tensor) -> torch.Tensor:  # (N,) -> (B, T), 0 off the response tokens
-        return x.new_zeros(B * T).index_put((real,), x).view(B, T)
-
     lse = torch.logsumexp(logits, dim=-1)
     log_prob = spread(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse)  # z_y - logsumexp(z)
     entropy = None
     if with_entropy:  # differentiable for an entropy bonus: then the softmax of every token is kept for backward
         entropy = spread(entropy_from_logits(logits) if entropy_grad else chunked_entropy(logits.detach(), lse.detach()))
     return log_prob, mask, entropy
+
+
+HEAD_CHUNK_TOKENS = 256
+"""Response tokens whose head logits ``head_log_probs`` computes at once (SmolLM2: 256 × 49,152 fp32, 50 MB)."""
+
+
+def head_log_probs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float, with_entropy: bool,
+    autocast_bf16: bool, chunk_tokens: int = HEAD_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(head(h) / τ)[y]`` for ``(N, H)`` hidden states and ``(N,)`` targets, ``chunk_tokens``
+    rows at a time, each chunk under activation checkpointing (``torch.utils.checkpoint``,
+    non-reentrant): only the hidden states are kept for the backward pass, which recomputes one
+    chunk's ``(chunk, V)`` logits at a time, instead of the ``(N, V)`` logits, their exponentials
+    and their gradient together (the chunked loss of Liger-Kernel's fused linear cross-entropy,
+    arXiv 2410.10989). The same values as the unchunked head (row-wise ops).
+
+    Returns:
+        ``log_prob (N,)`` fp32 (differentiable) and, with ``with_entropy``, ``entropy (N,)`` (no grad), else None.
+    """
+    from torch.utils.checkpoint import checkpoint  # lazy: only with the actor's gradient checkpointing
+
+    device = hidden.device
+
+    def chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast(device, autocast_bf16):
+            z = head(h)
+        z = z.float()
+        if temperature != 1.0:
+            z = z / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        entropy = chunked_entropy(z.detach(), lse.detach()) if with_entropy else lse.new_zeros(0)
+        return z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse, entropy
+
+    parts = [checkpoint(chunk, hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens], use_reentrant=False)
+             for s in range(0, hidden.shape[0], chunk_tokens)]
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32) if with_entropy else None
+    return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts]) if with_entropy else None
 
 
 PackedForward = Callable[[list[list[int]], list[list[int]], bool], torch.Tensor]

@@ -65,7 +65,8 @@ class HFTrainEngine:
             instead of keeping them (Chen et al. 2016, arXiv 1604.06174; transformers'
             ``gradient_checkpointing_enable``, non-reentrant): the update's activation memory
             falls from every layer's to one layer's plus the layers' inputs, for about one more
-            forward pass of compute. The same gradients (``tests/engines/test_hf.py``).
+            forward pass of compute; the output head's logits are computed in chunks and recomputed
+            too (``hf_logprobs.head_log_probs``). The same gradients (``tests/engines/test_hf.py``).
 
     Raises:
         ValueError: ``lora.target_modules`` matches no module of the model; ``gradient_checkpointing``
@@ -104,7 +105,8 @@ class HFTrainEngine:
         # config.attention_dropout and apply it when the module is in train mode (as verl and TRL,
         # RL runs without any dropout). A causal LM has no other train-mode behaviour.
         self.model.eval()
-        if gradient_checkpointing and trainable:
+        self.gradient_checkpointing = gradient_checkpointing and trainable  # also the output head's (hf_logprobs.head_log_probs)
+        if self.gradient_checkpointing:
             checkpoint_layers(self.model, model_path)
         self.pack = packing_works(self.model, lambda ps, rs, pack: response_log_probs(
             self.model, ps, rs, pad_id=self.pad_id, temperature=1.0, autocast_bf16=False, pack=pack)[0], "the actor's micro-batches")
@@ -140,7 +142,8 @@ class HFTrainEngine:
         """
         def forward(p: list[Sequence[int]], r: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
             return response_log_probs(self.model, p, r, pad_id=self.pad_id, temperature=temperature, autocast_bf16=self.autocast_bf16,
-                                      with_entropy=True, entropy_grad=entropy_grad, pack=self.pack)
+                                      with_entropy=True, entropy_grad=entropy_grad, pack=self.pack,
+                                      checkpoint_head=self.gradient_checkpointing)
 
         return backward_per_micro_batch(prompts, responses, micro_batch, forward, loss_fn, micro_batch_tokens)
 

@@ -144,7 +144,8 @@ class InProcessStages:
                 metrics |= worker.run_iteration(self.dock)
         if self.sync is not None:
             start = time.perf_counter()
-            metrics["weight_sync/bytes"] = self.sync()
+            with stage_memory("weight_sync", metrics):
+                metrics["weight_sync/bytes"] = self.sync()
             metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
 

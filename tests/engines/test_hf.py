@@ -174,3 +174,23 @@ def test_gradient_checkpointing_refuses_a_model_without_checkpointable_layers():
 
     with pytest.raises(ValueError, match="trainer.gradient_checkpointing=true: the model at remote/model \\(Linear\\)"):
         checkpoint_layers(torch.nn.Linear(2, 2), "remote/model")  # no decoder layers transformers knows
+
+
+def test_checkpointed_head_in_chunks_equals_the_whole_head_with_its_gradient():
+    from dockrl.engines.hf_logprobs import head_log_probs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(7, 8, requires_grad=True)
+    targets = torch.randint(0, 11, (7,))
+    log_prob, entropy = head_log_probs(head, hidden, targets, temperature=0.7, with_entropy=True, autocast_bf16=False, chunk_tokens=3)
+    (log_prob * torch.arange(7.0)).sum().backward()
+    got = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    whole = torch.log_softmax(head(hidden) / 0.7, dim=-1)  # by hand: the log-softmax of the whole (7, 11) logits
+    expected = whole.gather(-1, targets[:, None]).squeeze(-1)
+    (expected * torch.arange(7.0)).sum().backward()
+    torch.testing.assert_close(log_prob, expected)
+    torch.testing.assert_close(entropy, -(whole.exp() * whole).sum(-1).detach())
+    torch.testing.assert_close(got[0], hidden.grad)
+    torch.testing.assert_close(got[1], head.weight.grad)
