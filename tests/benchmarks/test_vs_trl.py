@@ -31,7 +31,7 @@ def test_quick_mode_prints_both_sides_at_their_defaults_with_finite_numbers():
         values = [number(c) for c in cells[3:]]
         assert all(math.isfinite(v) and v > 0 for v in values), cells
     assert rows["trl"][-2:] == ["1.00x", "1.00x"]
-    assert rows["trl"][2] == "bf16 autocast"  # GRPOConfig's default on any CPU
+    assert rows["trl"][2] == "bf16 autocast, gradient checkpointing"  # GRPOConfig's defaults on any CPU
     dockrl = "bf16 autocast, rollout bfloat16" if bf16_by_default("cpu") else "fp32, rollout float32"
     assert rows["dockrl-hf"][2] == dockrl  # auto: bf16 only where it is faster
 
