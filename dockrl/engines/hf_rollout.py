@@ -182,8 +182,10 @@ class SampledLogProbs(LogitsProcessor):
     ``generate`` returns (32 sequences × 128 steps × 49,152 tokens × 4 bytes = 0.8 GB for SmolLM2).
 
     ``generate`` calls a processor passed as ``logits_processor`` on the raw fp32 logits ``z_t``,
-    before its own temperature and top-p warpers (transformers ≥ 4.50 orders them so); the token
-    sampled from step ``t`` is ``input_ids[:, -1]`` at the next call, so each call scores the
+    before its own temperature and top-p warpers (``GenerationMixin._get_logits_processor`` of the
+    pinned transformers appends the warpers after the caller's processors; were that to change,
+    ``tests/engines/test_hf.py``'s rollout against a teacher-forced pass at τ = 0.7 fails); the
+    token sampled from step ``t`` is ``input_ids[:, -1]`` at the next call, so each call scores the
     previous step's logits and ``finish`` the last. Returns the logits unchanged.
 
     Args:
@@ -201,8 +203,7 @@ class SampledLogProbs(LogitsProcessor):
             self.steps.append(lp.gather(1, sampled.unsqueeze(1)).squeeze(1))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.pending is not None:
-            self._score(input_ids[:, -1])
+        self._score(input_ids[:, -1])
         self.pending = scores
         return scores
 
