@@ -78,7 +78,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
             "|---|---|---|---|---|---|"]
     for side, r in results.items():
         rows.append(f"| {side} | {r['accuracy_before']:.3f} → {r['accuracy_after']:.3f} | {r['format_before']:.3f} → "
-                    f"{r['format_after']:.3f} | {r['seconds_per_iteration']:.1f} | "
+                    f"{r['format_after']:.3f} | {r['seconds_per_iteration']:.3g} | "
                     f"{r['peak_rss_gb']:.2f} | {r['sync_bytes']:,.0f} |")
     rows += ["", "| side (s per iteration, median) | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]
     rows += [f"| {side} | " + " | ".join(f"{r[f'{stage}_s']:.2f}" for stage in STAGES) + " |" for side, r in results.items()]
