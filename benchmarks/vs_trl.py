@@ -39,9 +39,12 @@ engine core runs in the run's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, but
 would start one). ``ru_maxrss`` of ``RUSAGE_SELF`` misses those, and ``RUSAGE_CHILDREN`` is no fix: it
 gives the largest single waited-for descendant, not a sum over processes alive together. The
 column is the run process's own peak (``ru_maxrss``, exact; dockrl's stages reset it at each start,
-so its largest reading is kept, ``dockrl.memory.process_peak_bytes``) plus each descendant's own peak
-(Linux ``VmHWM``, read by the parent every ``RSS_SAMPLE_S``): an upper bound of the tree's peak,
-exact when the descendants' memory is flat while the run process peaks (the verifier's is).
+so its largest reading is kept, ``dockrl.memory.process_peak_bytes``) plus the largest sum, over the
+descendants alive together at one sample (every ``RSS_SAMPLE_S``), of each one's own peak (Linux
+``VmHWM``): an upper bound of the tree's peak, exact when the descendants' memory is flat while the run
+process peaks (the verifier's is). Descendants that never ran together are not added up: torch's
+inductor compiles a few kernels on a first run in a chain of short compiler processes (g++, cc1plus,
+ld, a loader check; up to 0.5 GB each, one after the other).
 Sampling the tree's sum instead misses short peaks (its largest sample is the lower bound the
 column never goes under). Pages that processes share count in each (the verifier's forkserver
 and the process it forks: tens of MB).
@@ -276,15 +279,16 @@ def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS
     Returns:
         ``(stdout, stderr, sampled, descendants)``: ``sampled``, the largest sum of the tree's
         resident sizes at one sample (a lower bound of its peak: a short peak falls between
-        samples); ``descendants``, the sum over ``proc``'s descendants of each one's own peak
-        (``high_water``, last read before it ended). ``proc``'s own peak is its ``ru_maxrss``.
+        samples); ``descendants``, the largest sum, over ``proc``'s descendants alive at one sample,
+        of each one's own peak (``high_water``, last read before it ended). ``proc``'s own peak is
+        its ``ru_maxrss``.
 
     Raises:
         subprocess.TimeoutExpired: ``proc`` ran longer than ``timeout_s`` (it is killed).
     """
     import psutil
 
-    sampled, peaks = 0, {}
+    sampled, peaks, together = 0, {}, set()  # together: the sets of descendants seen alive at one sample
     done = threading.Event()
 
     def sample() -> None:
@@ -304,6 +308,7 @@ def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS
                 except psutil.NoSuchProcess:  # ended between the listing and the reading
                     pass
             sampled = max(sampled, total)
+            together.add(frozenset(m.pid for m in tree if m.pid != proc.pid))
             done.wait(every_s)
 
     sampler = threading.Thread(target=sample, name="tree-rss", daemon=True)
@@ -317,7 +322,7 @@ def tree_peak_rss(proc: subprocess.Popen, timeout_s: float, every_s: float = RSS
     finally:
         done.set()
         sampler.join(timeout=5.0)
-    return out, err, sampled, sum(peaks.values())
+    return out, err, sampled, max((sum(peaks.get(pid, 0) for pid in alive) for alive in together), default=0)
 
 
 def _run_side(side: str, spec: dict[str, Any], timeout_s: float) -> dict[str, float]:

@@ -16,6 +16,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -61,12 +63,36 @@ def process_peak_bytes() -> int:
 
 
 @functools.cache
-def _malloc_trim():  # glibc's, or None (musl, macOS)
+def _libc() -> ctypes.CDLL | None:  # the C library, or None where it cannot be loaded
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        return ctypes.CDLL(name) if name else None
     except OSError:
         return None
+
+
+def _malloc_trim():  # glibc's, or None (musl, macOS)
+    return getattr(_libc(), "malloc_trim", None)
+
+
+MADV_DONTNEED = 4  # <sys/mman.h> on Linux, every architecture
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Hand the whole pages inside ``[address, address + nbytes)`` back to the kernel
+    (``madvise(MADV_DONTNEED)``, madvise(2)): they stop counting in the resident set, and the
+    next access to them reads zeros (private anonymous memory, what torch's CPU tensors are).
+    The partial pages at either end are kept: they may hold another allocation.
+
+    Returns:
+        The bytes released (0 off Linux or where madvise is refused).
+    """
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + nbytes) // page * page
+    if end <= start or sys.platform != "linux" or (libc := _libc()) is None:
+        return 0
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return end - start if libc.madvise(start, end - start, MADV_DONTNEED) == 0 else 0
 
 
 def trim_heap() -> None:

@@ -17,8 +17,10 @@ checks that it is the kind of this process's device (``parallel.device``), so th
 on a GPU node fails instead of generating on the CPU. It generates on the current device of
 the process (``process_device`` made it current). Sleep mode (``sleep``/``wake_up``, used by
 the hybrid actor between rollouts) is used where the platform offers it
-(``is_sleep_mode_available``: CUDA and Ascend); vLLM's CPU worker has none, and there the calls
-do nothing (one warning): weights and KV cache stay in host memory.
+(``is_sleep_mode_available``: CUDA and Ascend). vLLM's CPU worker has none: there ``sleep``
+hands the KV cache's pages back to the kernel (``release_kv_cache``; the weights are host memory
+already and stay), which the in-process stages also do after each rollout, so that the update
+that follows reuses that memory.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dockrl.engines.hf_load import load_tokenizer, warn_foreign_sampling
 from dockrl.engines.rollout_engine import Sample
 from dockrl.engines.vllm_lora import VLLMAdapters, max_lora_rank
 from dockrl.engines.vllm_setup import _hide_unscannable_modules, _model_generation_config, check_platform, checkpoint_layout, layer_groups
+from dockrl.memory import release_pages
 
 CPU = torch.device("cpu")
 
@@ -147,7 +150,7 @@ class VLLMRolloutEngine:
         self._members: dict[str, set[str]] = {}
         for name, group in self._groups.items():
             self._members.setdefault(group, set()).add(name)
-        self._warned_top_p = self._warned_sleep = False
+        self._warned_top_p = False
         self.adapters: VLLMAdapters | None = None
         if lora is not None and lora.enabled:
             from dockrl.engines.hf_lora import adapter_shapes  # lazy: peft loads only for a LoRA run
@@ -287,15 +290,32 @@ class VLLMRolloutEngine:
     def sleep(self, level: int = 1) -> None:
         """Free device memory between rollouts (level 1: weights to host, KV cache dropped).
 
-        Where vLLM has no sleep mode (its CPU worker) this does nothing: weights and KV
-        cache stay in host memory, and one warning says so.
+        Where vLLM has no sleep mode (its CPU worker) the KV cache's pages are released
+        (``release_kv_cache``) and the weights stay: they are host memory already.
         """
         if not self.sleep_supported:
-            if not self._warned_sleep:
-                logger.warning("vLLM has no sleep mode on this platform: rollout weights and KV cache stay resident")
-                self._warned_sleep = True
+            self.release_kv_cache()
             return
         self.llm.sleep(level=level)
+
+    def release_kv_cache(self) -> int:
+        """Hand the KV cache's memory back to the kernel between rollouts, on the CPU (vLLM's CPU
+        worker has no sleep mode): its whole pages are released (``dockrl.memory.release_pages``)
+        and read as zeros when the next rollout writes them; the prefix cache is reset, so that no
+        block is read before it is written again. Elsewhere (device memory, or sleep mode) nothing.
+
+        Returns:
+            The bytes released (0 off the CPU).
+        """
+        if self.device.type != "cpu":
+            return 0
+
+        def regions(worker) -> set[tuple[int, int]]:  # runs in vLLM's worker (the uni executor: this process)
+            return {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in worker.model_runner.kv_caches}
+
+        released = sum(release_pages(address, nbytes) for address, nbytes in self.llm.collective_rpc(regions)[0])
+        self.llm.reset_prefix_cache()
+        return released
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring weights and KV cache back after ``sleep`` (``tags``: only ``["weights"]`` or

@@ -20,7 +20,7 @@ from dockrl.engines.factory import build_rollout_engine, build_train_engine, pro
 from dockrl.engines.hf_load import load_tokenizer
 from dockrl.envs.registry import build_environment
 from dockrl.evaluate import evaluate
-from dockrl.memory import stage_memory
+from dockrl.memory import GB, stage_memory
 from dockrl.optimizer_state import load_optimizer, save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import final_dir, prepare_checkpoint, weights_path
@@ -81,7 +81,9 @@ class InProcessStages:
     """Every stage in this process over the in-process dock (``open_dock``), run one after the
     other each iteration: rollout, the table's ``sample`` workers (reward model, reward, the
     critic's values), its ``score`` workers (reference), advantage, its ``learn`` workers (the
-    critic's update), actor, then the weight sync (the hybrid actor syncs inside its update). An
+    critic's update), actor, then the weight sync (the hybrid actor syncs inside its update). A
+    vLLM rollout on the CPU hands its KV cache's pages back after the rollout's stage (its
+    ``release_kv_cache``; ``memory/kv_cache_released_gb``), for the stages after it. An
     fp32 HF rollout beside an HF actor generates with the actor's module itself
     (``dockrl.engines.factory.shares_actor_module``): one copy of the weights in memory, and a sync
     that copies nothing (``weight_sync/bytes`` 0). With dynamic sampling
@@ -97,6 +99,7 @@ class InProcessStages:
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
         self.sync: Callable[[], int] | None = None
+        self.release_kv_cache: Callable[[], int] | None = None  # after the rollout: vLLM-CPU's KV cache for the stages after it
         self.environment = build_environment(cfg)  # None: single-turn; the config refuses one with the hybrid actor
         self.rollout_engine: RolloutEngine
         self.actor: TrainEngine | HybridActor
@@ -110,6 +113,7 @@ class InProcessStages:
             if optimizer:
                 load_optimizer(actor, optimizer)
             self.rollout_engine, self.actor = rollout, actor
+            self.release_kv_cache = getattr(rollout, "release_kv_cache", None)  # vLLM's (the HF rollout keeps none between calls)
             if shares_actor_module(cfg, actor):  # the rollout generates with the actor's module: nothing to copy
                 self.sync = lambda: 0
             else:
@@ -142,6 +146,8 @@ class InProcessStages:
         for worker in self.workers:
             with stage_memory(type(worker).__name__.removesuffix("Worker").lower(), metrics):  # memory/*: each stage's own peak
                 metrics |= worker.run_iteration(self.dock)
+                if worker is self.workers[0] and self.release_kv_cache is not None:  # the rollout's stage is done
+                    metrics["memory/kv_cache_released_gb"] = self.release_kv_cache() / GB
         if self.sync is not None:
             start = time.perf_counter()
             with stage_memory("weight_sync", metrics):

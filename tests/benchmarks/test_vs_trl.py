@@ -62,6 +62,20 @@ def test_the_peak_rss_counts_every_process_of_the_tree():
     assert 200 * 2**20 < descendants < 400 * 2**20  # the child's own peak
 
 
+def test_children_that_never_ran_together_are_not_added_up():
+    import subprocess
+    import sys
+
+    bench = load_benchmark()
+    # two children one after the other, each holding ~200 MB for a second (a compiler's chain of processes)
+    hold = "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.0)"
+    code = f"import subprocess, sys\nfor _ in range(2): subprocess.run([sys.executable, '-c', {hold!r}], check=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err, _, descendants = bench.tree_peak_rss(proc, timeout_s=60, every_s=0.02)
+    assert proc.returncode == 0, err
+    assert 200 * 2**20 < descendants < 300 * 2**20  # one child's peak, not the two's sum
+
+
 def test_a_bad_side_is_named(capsys):
     with pytest.raises(SystemExit):
         load_benchmark().main(["--quick", "--sides", "trl,verl"])

@@ -172,9 +172,30 @@ def test_layer_groups_follow_vllm_fused_layers():
 
 def test_sleep_and_wake_keep_serving(engine, prompts):
     before = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)
-    engine.sleep()  # on CPU: a warning, weights stay
+    engine.sleep()  # on CPU: the KV cache's pages released, the weights stay
     engine.wake_up()
     assert engine.generate(prompts[:1], max_new_tokens=4, greedy=True) == before
+
+
+def test_the_released_kv_cache_leaves_the_resident_set_and_the_next_rollout_is_unchanged(engine, prompts):
+    """The KV cache's pages go back to the kernel and read zeros next time; the prefix cache is
+    reset, so the same prompts (prefix-cached before) give the same greedy tokens and log-probs."""
+    from dockrl.memory import resident_bytes
+
+    def rollout():
+        return engine.generate(prompts * 4, max_new_tokens=24, greedy=True)
+
+    def write_every_block(worker):  # as many rollouts would: every page of the cache resident
+        for cache in worker.model_runner.kv_caches:
+            cache.fill_(1.0)
+
+    before = rollout()
+    engine.llm.collective_rpc(write_every_block)
+    resident = resident_bytes()[0]
+    released = engine.release_kv_cache()
+    assert released > 0.2 * 2**30  # most of the fixture's 0.25 GiB (whole pages)
+    assert resident - resident_bytes()[0] > 0.9 * released
+    assert rollout() == before  # the blocks filled with ones above were dropped (zeros) and the prefix cache reset
 
 
 
