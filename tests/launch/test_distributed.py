@@ -50,8 +50,9 @@ MARK_ENV = "DOCKRL_TEST_MARK"
 
 
 def run_processes(mark: str) -> dict[int, str]:
-    """pid → run id of every live process started for a dockrl run (``DOCKRL_RUN_ID`` in its
-    environment) by the test that set ``MARK_ENV`` to ``mark``: other runs on this machine are not ours."""
+    """pid → run id and command line of every live process started for a dockrl run (``DOCKRL_RUN_ID``
+    in its environment) by the test that set ``MARK_ENV`` to ``mark``: other runs on this machine are
+    not ours. The command line says which stage a process left behind belongs to."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -59,10 +60,11 @@ def run_processes(mark: str) -> dict[int, str]:
         try:
             env = dict(var.split(b"=", 1) for var in (entry / "environ").read_bytes().split(b"\0") if b"=" in var)
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
         except OSError:
             continue
         if b"DOCKRL_RUN_ID" in env and env.get(MARK_ENV.encode()) == mark.encode() and state != "Z":
-            found[int(entry.name)] = env[b"DOCKRL_RUN_ID"].decode()
+            found[int(entry.name)] = f"{env[b'DOCKRL_RUN_ID'].decode()}: {cmdline}"
     return found
 
 
