@@ -23,6 +23,7 @@ from dockrl.engines.hf_train import HFTrainEngine  # noqa: E402
 from dockrl.engines.rollout_engine import RolloutEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from dockrl.engines.vllm_setup import layer_groups  # noqa: E402
+from dockrl.memory import resident_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +181,6 @@ def test_sleep_and_wake_keep_serving(engine, prompts):
 def test_the_released_kv_cache_leaves_the_resident_set_and_the_next_rollout_is_unchanged(engine, prompts):
     """The KV cache's pages go back to the kernel and read zeros next time; the prefix cache is
     reset, so the same prompts (prefix-cached before) give the same greedy tokens and log-probs."""
-    from dockrl.memory import resident_bytes
-
     def rollout():
         return engine.generate(prompts * 4, max_new_tokens=24, greedy=True)
 
@@ -196,7 +195,6 @@ def test_the_released_kv_cache_leaves_the_resident_set_and_the_next_rollout_is_u
     assert released > 0.2 * 2**30  # most of the fixture's 0.25 GiB (whole pages)
     assert resident - resident_bytes()[0] > 0.9 * released
     assert rollout() == before  # the blocks filled with ones above were dropped (zeros) and the prefix cache reset
-
 
 
 def test_layer_members_name_what_one_load_must_carry(engine):
