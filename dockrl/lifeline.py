@@ -95,6 +95,9 @@ def watch_driver(
             may raise when the shard does not answer. None: no lease check.
         timeout_s: ``run.driver_timeout_s``: longest quiet lease, or unanswered shard, seconds.
         what: this process, for the log line (``reward worker``).
+        on_gone: called with the reason, maybe twice: in the main thread as the parent death signal's
+            handler and in the watch thread. It must take no lock the main thread may hold (a
+            ``threading.Event``'s ``set`` can deadlock in the handler); appending to a list or killing is safe.
 
     Returns None (and watches nothing) when there is neither a pid nor a lease to watch.
     """

@@ -47,7 +47,7 @@ import math
 import os
 import signal
 import sys
-import threading
+import time
 
 from dockrl.dock.flight_server import DockShardServer
 from dockrl.dock.schema import Schema
@@ -55,6 +55,9 @@ from dockrl.dock.shard_requests import Payload
 from dockrl.lifeline import driver_pid_from_env, watch_driver
 
 logger = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.1
+"""How often a shard process's main thread looks for a stop signal or its driver's end, seconds."""
 
 
 def start_local_shards(
@@ -126,24 +129,24 @@ def serve_shard(argv: list[str] | None = None) -> int:
     # gRPC threads serve already; the main thread only waits for a signal. Not server.serve():
     # on a signal it shuts gRPC down first, which waits for claims blocked in the shard (up to
     # their timeout), and only then runs Python's handler; close() wakes them first.
-    stopping = threading.Event()
+    # The handlers only append to lists and the main thread polls them: a handler that set a
+    # threading.Event could run while the main thread holds that Event's lock in its wait (woken
+    # by the driver watch's thread a moment before the parent death signal) and never return.
+    stop_signals: list[int] = []
     driver_gone: list[str] = []
 
     def stop(signum: int, frame: object) -> None:
-        stopping.set()
-
-    def gone(reason: str) -> None:
-        driver_gone.append(reason)
-        stopping.set()
+        stop_signals.append(signum)
 
     watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=server.driver_quiet_s if args.driver_timeout_s > 0 else None,
-                 timeout_s=args.driver_timeout_s or 60.0, what=f"dock shard at {server.location}", on_gone=gone)
+                 timeout_s=args.driver_timeout_s or 60.0, what=f"dock shard at {server.location}", on_gone=driver_gone.append)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print(server.location, flush=True)  # after the handlers: whoever reads it may stop the shard at once
     try:
-        stopping.wait()
+        while not (stop_signals or driver_gone):
+            time.sleep(STOP_POLL_S)
         if driver_gone:
             logger.error("%s; stopping", driver_gone[0])
         logger.info("dock shard at %s stopping", server.location)
