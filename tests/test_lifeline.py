@@ -105,3 +105,37 @@ def test_workers_and_shards_stop_when_the_drivers_lease_goes_quiet(tmp_path, mon
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         lease.stop()
+
+
+def test_a_stage_process_still_waiting_for_its_shards_stops_with_its_driver(tmp_path):
+    """The driver dies before the dock's shards answer (they died with it): the stage process stops
+    at once, not after its wait for the shards (``--first-wait-s``, 300 s here)."""
+    from dockrl.config import load_config, save_config
+
+    save_config(load_config(None), tmp_path / "config.yaml")
+    no_shard = free_ports(1)[0]  # nothing listens there
+    stage = (PY, "-m", "dockrl.workers.main", "--stage", "reward", "--config", str(tmp_path / "config.yaml"),
+             "--dock", f"grpc://127.0.0.1:{no_shard}", "--first-wait-s", "300")
+    driver = subprocess.Popen([PY, "-c", DRIVER_OF_ONE, repr(stage), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert driver.stdout.readline().strip() == "started"
+    log = tmp_path / "run-life" / "reward-0.log"
+    deadline = time.monotonic() + 120
+    while "dockrl.config" not in (log.read_text() if log.is_file() else ""):  # past its imports: it waits for the shards now
+        assert time.monotonic() < deadline and driver.poll() is None, "the stage process did not start"
+        time.sleep(0.1)
+    (worker,) = children(driver.pid)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    took = wait_gone([worker], timeout_s=60)
+    assert took < 5, f"took {took:.1f} s"  # ~0.3 s on a quiet machine
+    assert "reward worker: the driver (pid" in log.read_text()
+
+
+DRIVER_OF_ONE = """
+import ast, sys, time
+from dockrl.launch.local import LocalBackend
+from dockrl.launch.backend import WorkerGroup
+LocalBackend('run-life', state_dir=sys.argv[2]).start([WorkerGroup(name='reward', command=ast.literal_eval(sys.argv[1]))])
+print('started', flush=True)
+time.sleep(300)
+"""

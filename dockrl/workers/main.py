@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the other stages wait through, and how far apart the run's pods may start")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.stage} %(levelname)s %(name)s: %(message)s")
+    # stop with the driver at once when it is our parent (local backend), armed before anything that waits
+    watch_driver(driver_pid=driver_pid_from_env(), what=f"{args.stage} worker")
     row = stage(args.stage)
     if row.weight_sync and not args.weight_sync:
         parser.error(f"--stage {args.stage} needs --weight-sync host:port")
@@ -72,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     locations = [loc for loc in args.dock.split(",") if loc]
     # a run's groups start at once: a shard's pod may come up after this one
     wait_for_shards(locations, token, args.first_wait_s or cfg.dock.timeout_s)
-    # stop with the driver: at once when it was our parent, else when its lease on the dock goes quiet
-    watch_driver(driver_pid=driver_pid_from_env(), lease_quiet=shard_lease_quiet(locations[0], token),
-                 timeout_s=cfg.run.driver_timeout_s, what=f"{args.stage} worker")
+    # and with any backend once its lease on the dock goes quiet
+    watch_driver(driver_pid=None, lease_quiet=shard_lease_quiet(locations[0], token), timeout_s=cfg.run.driver_timeout_s,
+                 what=f"{args.stage} worker")
     index, size = replica()  # read here once: every stage gets its ranks from this process's ranks object
     ranks = process_ranks(cfg, trains=row.trains, replica=index, replicas=size, store_address=args.weight_sync,
                           local_rank=local_rank())
