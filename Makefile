@@ -29,13 +29,14 @@ demo: $(STAMP)
 # TEST_WORKERS: pytest-xdist worker processes, 2 by default (as CI runs it; 0: the suite in one
 # process). Most tests keep one core busy and the process-level ones wait on their stages, so two
 # workers on a 2-core machine take ~0.6x the time of one process; timing assertions share the cores.
-# --dist loadfile: each test module whole on one worker, in its order, its module fixtures set up once
+# --dist loadfile: each test module whole on one worker, in its order, its module fixtures set up once;
+# --no-loadscope-reorder: the modules in tests/conftest.py's order (the most slow tests first)
 # (not loadgroup: with pytest >= 9.2 it silently stops grouping, pytest-dev/pytest-xdist#1386)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check dockrl pipelines components
 	$(PY) -m mypy
-	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # the three images (cpu, gpu from images/cuda, npu) with docker buildx: REGISTRY, TAG, IMAGES,
 # PUSH=1 (then build/images-digests.yaml holds their digests); see scripts/build_images.sh

@@ -16,12 +16,24 @@ other's effects as in one process, and a session fixture is built once per worke
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 
 from dockrl.config import AUTO_ENGINE_ENV
 
 os.environ.setdefault(AUTO_ENGINE_ENV, "hf")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most ``slow`` tests first, every module's tests in their order: pytest-xdist
+    (``--dist loadfile --no-loadscope-reorder``, as ``make test`` runs it) hands the modules out in this
+    order, so a module of a few long end-to-end tests does not start last while the other worker idles
+    (xdist's own order, by number of tests, put them last)."""
+    module = {item: item.nodeid.split("::", 1)[0] for item in items}
+    slow = Counter(module[item] for item in items if item.get_closest_marker("slow"))
+    first_seen = {m: i for i, m in reversed(list(enumerate(module[item] for item in items)))}
+    items.sort(key=lambda item: (-slow[module[item]], first_seen[module[item]]))
 
 
 @pytest.fixture(autouse=True)

@@ -216,7 +216,7 @@ def test_claim_timeout_names_missing_columns_and_consumer(per_call):
     with pytest.raises(DockTimeoutError) as info:
         dock.claim("reward", ["prompt_ids", "response_ids"], 2, **kw)
     elapsed = time.monotonic() - start
-    assert 0.25 <= elapsed < 1.0
+    assert 0.25 <= elapsed < 3.0  # the 0.3 s timeout, plus scheduling on a loaded machine
     assert isinstance(info.value, TimeoutError) and isinstance(info.value, DockError)
     msg = str(info.value)
     assert "'reward'" in msg

@@ -24,6 +24,9 @@ RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
 OWNER = OwnerPod(name="dockrl-grpo-abcde-train-123", uid="8c7e6d5f-0000-4000-8000-123456789abc")
 TOKEN = "dock-token-of-this-run"
+AT_ONCE_S = 5.0
+"""A failure seen at once: far below the backend's default timeouts (600 s to schedule), above the
+checks of a loaded machine (1.07 s was seen under pytest-xdist)."""
 GROUPS = [
     WorkerGroup(name="dock-shard-0", command=("dockrl", "dock-shard"), port=8815, secret_env={"DOCKRL_DOCK_TOKEN": TOKEN}),
     WorkerGroup(name="hybrid", command=("dockrl", "worker", "--stage", "hybrid"), replicas=4, devices=1,
@@ -315,7 +318,7 @@ def test_unschedulable_pod_the_autoscaler_cannot_fit_fails_at_once(cluster):
     cluster.add_event(pod, "NotTriggerScaleUp", "pod didn't trigger scale-up: 2 Insufficient huawei.com/Ascend910")
     err, seconds = _watch(b)
     assert err.member == pod and "cluster autoscaler adds no node for it: pod didn't trigger scale-up" in err.reason
-    assert seconds < 1.0
+    assert seconds < AT_ONCE_S
 
 
 def test_time_queued_by_kueue_does_not_count_as_scheduling_and_has_its_own_timeout(cluster):
@@ -339,7 +342,7 @@ def test_image_pull_failures_within_the_budget_pass_and_beyond_it_fail(cluster):
     cluster.events[pod][0]["count"] = 4  # a fourth failure: over the budget
     err, seconds = _watch(b)
     assert err.member == pod and err.reason == f"ErrImagePull: image pull failed 4 times (more than Platform.image_pull_retries=3): {message}"
-    assert seconds < 1.0
+    assert seconds < AT_ONCE_S
     cluster.objects.clear()
     b = _started(cluster, running=False)
     pod = cluster.add_pod(NS, "reward", 0, {"phase": "Pending", "containerStatuses": [{
@@ -367,7 +370,7 @@ def test_oom_killed_worker_fails_with_its_log(cluster):
     err, seconds = _watch(b)
     assert (err.group, err.member) == ("hybrid", pod) and "exited with code 137 (OOMKilled)" in err.reason
     assert err.log_tail.endswith("allocating KV cache\n") and len(err.log_tail.splitlines()) == 50
-    assert seconds < 1.0
+    assert seconds < AT_ONCE_S
 
 
 def test_evicted_worker_fails_with_the_kubelets_message(cluster):
@@ -378,7 +381,7 @@ def test_evicted_worker_fails_with_the_kubelets_message(cluster):
     err, seconds = _watch(b)
     assert err.member == pod and err.reason == ("pod failed: Evicted The node was low on resource: ephemeral-storage. "
                                                 "Container worker was using 25Gi.")
-    assert seconds < 1.0
+    assert seconds < AT_ONCE_S
 
 
 def test_a_replaced_worker_fails_naming_the_pod_it_replaced(cluster):
@@ -387,7 +390,7 @@ def test_a_replaced_worker_fails_naming_the_pod_it_replaced(cluster):
     new = cluster.replace_pod(NS, "dock-shard-0", 0, json.loads(json.dumps(RUNNING)))  # drained: recreated elsewhere, running
     err, seconds = _watch(b)
     assert err.member == old and f"replaced by pod {new}" in err.reason and "lost its state" in err.reason
-    assert seconds < 1.0
+    assert seconds < AT_ONCE_S
 
 
 def test_a_worker_being_deleted_fails_with_its_disruption(cluster):
@@ -399,7 +402,7 @@ def test_a_worker_being_deleted_fails_with_its_disruption(cluster):
     cluster.set_pod(NS, pod, status, deletionTimestamp="2026-12-01T17:00:00Z")
     err, seconds = _watch(b)
     assert err.member == pod and err.reason.startswith("pod is being deleted (PreemptionByScheduler: Preempted in order to admit")
-    assert seconds < 1.0
+    assert seconds < AT_ONCE_S
     cluster.objects.pop(("Pod", NS, pod))  # gone without a replacement
     err, _ = _watch(b)
     assert err.member == pod and err.reason.startswith("pod vanished")

@@ -162,7 +162,7 @@ def test_scorer_normal_batch() -> None:
         elapsed = time.monotonic() - start
         assert rewards == pytest.approx([1.1, 0.1, 0.0, 1.1, 1.1] * 13)
         assert scorer.counters() == {"timeouts": 0, "errors": 0, "scored": 66}
-    assert elapsed < 1.0
+    assert elapsed < 3.0  # no sample waited for its timeout (5 s); the margin is for a loaded machine
 
 
 def test_scorer_hanging_verifier_times_out_and_recovers() -> None:
