@@ -222,7 +222,9 @@ def test_debug_shows_the_traceback(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code", "line"), [(signal.SIGINT, 130, CTRL_C), (signal.SIGTERM, 143, SIGTERM)], ids=["ctrl-c", "sigterm"])
 def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model_dir, tmp_path):
-    cmd = [sys.executable, "-m", "dockrl", *run_args(tmp_path, tiny_model_dir, "trainer.iterations=50")]
+    # far more iterations than run before the signal: on a loaded machine a 50-iteration run once ended
+    # (exit 0, ~10 s) before this process sent it, and a signal to an exited process is not sent
+    cmd = [sys.executable, "-m", "dockrl", *run_args(tmp_path, tiny_model_dir, "trainer.iterations=100000")]
     # SIGINT back to its default in the child: a suite started in the background of a shell runs with
     # SIGINT ignored, which the child would inherit (and Python then installs no Ctrl-C handler)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -231,6 +233,7 @@ def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model
     while not (tmp_path / "run" / "config.yaml").is_file():  # accepted: the run has started
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
         time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(sig)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == code, err
