@@ -214,6 +214,8 @@ class ActorWorker:
         rows = dock.num_rows // self.algo.filter_groups.rounds  # dynamic sampling: one round's worth of kept groups is trained
         claim = dock.claim("actor", columns + ["rollout_log_prob", "weight_version"], rows // self.replicas, whole_groups=True)
         claim_s = time.perf_counter() - start  # waiting for the scored rows: the actor is idle meanwhile
+        if not claim:  # every row was dropped (the reward stage failed the iteration: its error is the run's)
+            return {"actor/sequences": 0, "timing_s/actor": time.perf_counter() - start}
         batch = {c: claim.batch.column(c).to_pylist() for c in columns}
         rollout_log_prob = claim.batch.column("rollout_log_prob").to_pylist()
         weight_version = claim.batch.column("weight_version").to_pylist()

@@ -232,3 +232,28 @@ def test_dr_grpo_normalizer_in_the_update(tiny_model_dir):
                                  temperature=1.0, micro_batch=4, horizon=16)
     tokens, n = sum(len(r) for r in batch["response_ids"]), len(batch["response_ids"])
     assert norm["actor/pg_loss"] == pytest.approx(tok["actor/pg_loss"] * tokens / (n * 16), rel=1e-5)
+
+
+class FakeEngineNeverCalled:
+    """A fake train engine: the actor must not compute anything when it has no rows."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the engine's {name} was used")
+
+
+def test_an_iteration_whose_rows_were_all_dropped_trains_nothing():
+    """Dynamic sampling's reward stage drops every row when it fails the iteration: the actor's claim
+    ends empty and it reports no sequences (its IndexError on the empty batch once hid the
+    reward stage's, the run's real error)."""
+    from dockrl.config import DockConfig, RolloutConfig, TrainerConfig
+    from dockrl.dock import GRPO_SCHEMA, open_dock
+    from dockrl.workers.actor import ActorWorker
+
+    dock = open_dock(DockConfig(), GRPO_SCHEMA, run="test")
+    dock.open_iteration(0, 4, 2)
+    dock.drop(range(4))
+    worker = ActorWorker(FakeEngineNeverCalled(), trainer=TrainerConfig(global_batch=2, mini_batch=2, micro_batch=4),
+                         algo=AlgorithmConfig(), rollout=RolloutConfig(n=2))
+    metrics = worker.run_iteration(dock)
+    assert metrics["actor/sequences"] == 0 and metrics["timing_s/actor"] >= 0
+    dock.close()
