@@ -30,10 +30,11 @@ def pytest_collection_modifyitems(config, items):
     (``--dist loadfile --no-loadscope-reorder``, as ``make test`` runs it) hands the modules out in this
     order, so a module of a few long end-to-end tests does not start last while the other worker idles
     (xdist's own order, by number of tests, put them last)."""
-    module = {item: item.nodeid.split("::", 1)[0] for item in items}
-    slow = Counter(module[item] for item in items if item.get_closest_marker("slow"))
-    first_seen = {m: i for i, m in reversed(list(enumerate(module[item] for item in items)))}
-    items.sort(key=lambda item: (-slow[module[item]], first_seen[module[item]]))
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    slow = Counter(module(item) for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[module(item)])  # stable: each module's tests stay together, in their order
 
 
 @pytest.fixture(autouse=True)

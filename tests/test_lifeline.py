@@ -24,16 +24,14 @@ print(child.pid, flush=True)
 time.sleep(120)
 """
 DRIVER = """
-import os, subprocess, sys, time
+import ast, sys, time
 from dockrl.launch.local import LocalBackend
 from dockrl.launch.backend import WorkerGroup
-port, worker = sys.argv[1], sys.argv[2]
-b = LocalBackend('run-life', state_dir=sys.argv[3])
-b.start([WorkerGroup(name='dock-shard', command=(sys.executable, '-m', 'dockrl', 'dock-shard', '--port', port, '--driver-timeout-s', '600')),
-         WorkerGroup(name='reward', command=(sys.executable, '-c', worker))])
+LocalBackend('run-life', state_dir=sys.argv[1]).start([WorkerGroup(name=n, command=c) for n, c in ast.literal_eval(sys.argv[2])])
 print('started', flush=True)
-time.sleep(120)
+time.sleep(300)
 """
+"""A driver process: starts the worker groups ``[(name, command), ...]`` of ``argv[2]`` with the local backend, then sleeps."""
 
 
 def alive(pid: int) -> bool:
@@ -67,7 +65,9 @@ def children(pid: int) -> list[int]:
 
 def test_a_sigkilled_drivers_shard_workers_and_their_children_stop(tmp_path):
     port = free_ports(1)[0]
-    driver = subprocess.Popen([PY, "-c", DRIVER, str(port), WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    groups = [("dock-shard", (PY, "-m", "dockrl", "dock-shard", "--port", str(port), "--driver-timeout-s", "600")),
+              ("reward", (PY, "-c", WORKER))]
+    driver = subprocess.Popen([PY, "-c", DRIVER, str(tmp_path), repr(groups)], stdout=subprocess.PIPE, text=True)
     assert driver.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 30
     while (log := tmp_path / "run-life" / "reward-0.log").stat().st_size == 0:  # the worker has armed its watch
@@ -116,7 +116,7 @@ def test_a_stage_process_still_waiting_for_its_shards_stops_with_its_driver(tmp_
     no_shard = free_ports(1)[0]  # nothing listens there
     stage = (PY, "-m", "dockrl.workers.main", "--stage", "reward", "--config", str(tmp_path / "config.yaml"),
              "--dock", f"grpc://127.0.0.1:{no_shard}", "--first-wait-s", "300")
-    driver = subprocess.Popen([PY, "-c", DRIVER_OF_ONE, repr(stage), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen([PY, "-c", DRIVER, str(tmp_path), repr([("reward", stage)])], stdout=subprocess.PIPE, text=True)
     assert driver.stdout.readline().strip() == "started"
     log = tmp_path / "run-life" / "reward-0.log"
     deadline = time.monotonic() + 120
@@ -130,12 +130,3 @@ def test_a_stage_process_still_waiting_for_its_shards_stops_with_its_driver(tmp_
     assert took < 5, f"took {took:.1f} s"  # ~0.3 s on a quiet machine
     assert "reward worker: the driver (pid" in log.read_text()
 
-
-DRIVER_OF_ONE = """
-import ast, sys, time
-from dockrl.launch.local import LocalBackend
-from dockrl.launch.backend import WorkerGroup
-LocalBackend('run-life', state_dir=sys.argv[2]).start([WorkerGroup(name='reward', command=ast.literal_eval(sys.argv[1]))])
-print('started', flush=True)
-time.sleep(300)
-"""
