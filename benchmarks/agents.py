@@ -4,9 +4,9 @@ The model (default: the packaged SmolLM2-135M-Instruct, ``model.path=smollm2-135
 bundled tool task (``dockrl/envs/data/tool_arithmetic_{train,test}.jsonl``: products and sums of 3- to
 5-digit numbers, which a 135M model cannot compute in its head) in an environment (``--env``:
 ``calculator`` or ``python``) whose tool computes them; the verifier scores the last model turn's
-``#### <number>``. One run of ``--iterations`` iterations of ``--prompts`` prompts × ``--n``
-trajectories (≤ ``--max-turns`` model turns of ≤ ``--max-new-tokens`` tokens, temperature
-``--temperature``), in fp32, one update per iteration.
+``#### <number>``, plus ``--tool-call-reward`` for each model turn whose tool calls all ran. One run of
+``--iterations`` iterations of ``--prompts`` prompts × ``--n`` trajectories (≤ ``--max-turns`` model turns
+of ≤ ``--max-new-tokens`` tokens, temperature ``--temperature``), in fp32, one update per iteration.
 
     python benchmarks/agents.py                                   # SmolLM2-135M, calculator, fenced calls
     python benchmarks/agents.py --model TINY_DIR --engine hf --quick
@@ -51,7 +51,7 @@ def overrides(args: argparse.Namespace, out: str) -> list[str]:
         f"rollout.max_turns={args.max_turns}", f"rollout.max_total_tokens={args.max_total_tokens}",
         f"trainer.iterations={args.iterations}", f"trainer.global_batch={args.prompts}", f"trainer.mini_batch={args.prompts}",
         f"trainer.micro_batch={args.micro_batch}", f"trainer.lr={args.lr}", "algorithm.kl_loss_coef=0", "trainer.save_every=0",
-        f"trainer.seed={args.seed}",
+        f"trainer.seed={args.seed}", f"env.tool_call_reward={args.tool_call_reward}",
     ]
 
 
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--eval-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--tool-call-reward", type=float, default=0.0,
+                        help="env.tool_call_reward: the reward of a model turn whose tool calls all ran (0: the verifier's reward only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="run.output_dir (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="2 prompts × 2 trajectories × 8 tokens, 2 iterations, 4 test prompts "

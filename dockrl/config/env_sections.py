@@ -42,6 +42,12 @@ class EnvConfig:
     """How tool calls are read from a model turn: ``hermes``, the Qwen2.5/Hermes chat templates'
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``fenced``, a fenced code block
     (```` ```python ````) calls the environment's one tool with the block's text."""
+    tool_call_reward: float = 0.0
+    """Reward of a model turn whose tool calls all ran (at least one call, none failed), in the built-in
+    environments (``python``, ``calculator``): a shaping term for a model that seldom calls the tool, so
+    a GRPO group has variance before any answer is right (rewarding the call's form and success, as
+    ToolRL does with its format and correctness terms: Qian et al. 2025, arXiv 2504.13958). It is added to the trajectory's
+    reward through ``turn_rewards``; ``correct`` stays the verifier's verdict. 0: no such reward."""
     timeout_s: float = 60.0
     """Longest a user environment (``package.module:Class``) may take to answer one call (open, a step,
     close), seconds; past it the rollout fails naming the environment."""

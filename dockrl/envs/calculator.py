@@ -91,15 +91,16 @@ class CalculatorEnvironment:
 
     Args:
         tool_parser: ``env.tool_parser``; with ``fenced``, a fenced block's text is the expression.
+        call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
     """
 
-    def __init__(self, tool_parser: ToolParser = "hermes") -> None:
-        self.tool_parser = tool_parser
+    def __init__(self, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
+        self.tool_parser, self.call_reward = tool_parser, call_reward
         self.tools = [tool_schema("calculator", "Evaluate an arithmetic expression exactly (integers of any size, + - * / // % **, "
                                   "abs, round, min, max, sqrt) and return its value.", "expression", "The expression, e.g. 123456 * 789.")]
 
     def open(self, ground_truth: str) -> ToolEpisode:
-        return ToolEpisode(self.tool_parser, ("calculator", "expression"), _run_calculator)
+        return ToolEpisode(self.tool_parser, ("calculator", "expression"), _run_calculator, self.call_reward)
 
     def close(self) -> None:
         """Nothing to release."""

@@ -43,16 +43,17 @@ class PythonEnvironment:
     Args:
         limits: ``env.sandbox``.
         tool_parser: ``env.tool_parser``; with ``fenced``, a ```` ```python ```` block's text is the program.
+        call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
     """
 
-    def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes") -> None:
-        self.limits, self.tool_parser = limits, tool_parser
+    def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
+        self.limits, self.tool_parser, self.call_reward = limits, tool_parser, call_reward
         self.tools = [tool_schema(
             "python", f"Run a Python program and return what it prints (stdout and stderr). The standard library only; no network; "
             f"each call starts a fresh interpreter; at most {limits.wall_s:g} s.", "code", "The program; print the values you need.")]
 
     def open(self, ground_truth: str) -> ToolEpisode:
-        return ToolEpisode(self.tool_parser, ("python", "code"), self._run)
+        return ToolEpisode(self.tool_parser, ("python", "code"), self._run, self.call_reward)
 
     def _run(self, call: ToolCall) -> tuple[str, bool]:
         if call.name != "python":

@@ -25,9 +25,9 @@ def build_environment(cfg: Config) -> Environment | None:
     if not e.name:
         return None
     if e.name == "python":
-        return PythonEnvironment(e.sandbox, e.tool_parser)
+        return PythonEnvironment(e.sandbox, e.tool_parser, e.tool_call_reward)
     if e.name == "calculator":
-        return CalculatorEnvironment(e.tool_parser)
+        return CalculatorEnvironment(e.tool_parser, e.tool_call_reward)
     try:
         import_scorer(e.name)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as err:

@@ -32,14 +32,16 @@ class ToolEpisode:
         parser: ``env.tool_parser``.
         fenced_tool: ``(tool, argument)`` a fenced block calls.
         run_call: runs one readable call.
+        call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
     """
 
-    def __init__(self, parser: ToolParser, fenced_tool: tuple[str, str], run_call: RunCall) -> None:
-        self.parser, self.fenced_tool, self.run_call = parser, fenced_tool, run_call
+    def __init__(self, parser: ToolParser, fenced_tool: tuple[str, str], run_call: RunCall, call_reward: float = 0.0) -> None:
+        self.parser, self.fenced_tool, self.run_call, self.call_reward = parser, fenced_tool, run_call, call_reward
 
     def step(self, turn: str) -> Step:
         """The outputs of the turn's tool calls as the observation (numbered when more than one);
-        ``done`` when the turn calls no tool. Unreadable calls and failed runs count in ``tool_errors``."""
+        ``done`` when the turn calls no tool. Unreadable calls and failed runs count in ``tool_errors``;
+        the step's reward is ``call_reward`` when the turn held calls and none failed, else 0."""
         calls = parse_tool_calls(turn, self.parser, fenced_tool=self.fenced_tool)
         if not calls:
             return Step(observation=None, done=True)
@@ -52,7 +54,8 @@ class ToolEpisode:
             outputs.append(text)
             errors += failed
         observation = outputs[0] if len(outputs) == 1 else "\n\n".join(f"[{i}] {text}" for i, text in enumerate(outputs, start=1))
-        return Step(observation=observation, done=False, tool_calls=len(calls), tool_errors=errors)
+        return Step(observation=observation, done=False, tool_calls=len(calls), tool_errors=errors,
+                    reward=0.0 if errors else self.call_reward)
 
     def close(self) -> None:
         """Nothing to release: every call ran in its own process, already gone."""

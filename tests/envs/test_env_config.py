@@ -36,10 +36,23 @@ def test_env_loads_from_yaml_and_overrides():
     ("env.sandbox.file_mb=0", "env.sandbox.file_mb: got 0"),
     ("env.sandbox.max_processes=0", "env.sandbox.max_processes: got 0"),
     ("env.sandbox.disk_mb=5", r"env.sandbox: unknown field\(s\) \['disk_mb'\]"),
+    ("env.tool_call_reward=-0.1", "env.tool_call_reward: got -0.1; expected a finite number >= 0"),
+    ("env.tool_call_reward=0.2", r"env.tool_call_reward: got 0.2; only the built-in environments \(python, calculator\) give it; "
+                                 r"env.name='' is none"),
 ])
 def test_bad_env_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config_text("", "test.yaml", [override])
+
+
+def test_the_tool_call_reward_is_for_built_in_environments_and_below_a_right_answer():
+    c = load_config_text("", "test.yaml", ["env.name=calculator", "rollout.max_turns=2", "env.tool_call_reward=0.2"])
+    assert c.env.tool_call_reward == 0.2
+    with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 0.2; .*env.name='my_pkg.envs:Shop' gives its own rewards"):
+        load_config_text("", "test.yaml", ["env.name=my_pkg.envs:Shop", "env.tool_call_reward=0.2"])
+    with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 0.25; the most a trajectory can earn from tool calls "
+                                          r"\(× rollout.max_turns=4\) must stay below algorithm.correct_reward=1"):
+        load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=4", "env.tool_call_reward=0.25"])
 
 
 def test_the_documented_task_configurations_load():

@@ -14,7 +14,7 @@ import pytest
 
 from dockrl.config import Config, ConfigError
 from dockrl.config.env_sections import EnvConfig, SandboxConfig
-from dockrl.envs.base import Environment, EnvironmentFailure, Episode
+from dockrl.envs.base import Environment, EnvironmentFailure, Episode, Step
 from dockrl.envs.calculator import CalculationError, CalculatorEnvironment, evaluate
 from dockrl.envs.python_tool import PythonEnvironment
 from dockrl.envs.registry import build_environment
@@ -63,6 +63,20 @@ def test_calculator_environment_steps():
     assert step.done and step.observation is None and step.tool_calls == 0
     fenced = CalculatorEnvironment("fenced").open("")
     assert fenced.step("```\n2 ** 10\n```").observation == "1024"
+
+
+@pytest.mark.parametrize("make, call", [
+    (lambda reward: CalculatorEnvironment("fenced", reward), "```\n6 * 7\n```"),
+    (lambda reward: PythonEnvironment(SandboxConfig(wall_s=5.0), "fenced", reward), "```python\nprint(6 * 7)\n```"),
+])
+def test_a_turn_whose_calls_all_ran_earns_the_tool_call_reward(make, call):
+    assert make(0.0).open("42").step(call).reward == 0.0  # off by default
+    episode = make(0.2).open("42")
+    ran = episode.step(call)
+    assert (ran.observation, ran.tool_calls, ran.tool_errors, ran.reward) == ("42", 1, 0, 0.2)
+    failed = episode.step(call + "\n```\n1 / 0\n```")  # one of the two calls fails: no reward
+    assert (failed.tool_calls, failed.tool_errors, failed.reward) == (2, 1, 0.0)
+    assert episode.step("#### 42") == Step(observation=None, done=True)  # the answer turn: no call, no reward
 
 
 def test_python_environment_runs_calls_in_the_sandbox_and_counts_failures():
