@@ -6,7 +6,7 @@ bundled tool task (``dockrl/envs/data/tool_arithmetic_{train,test}.jsonl``: prod
 ``calculator`` or ``python``) whose tool computes them; the verifier scores the last model turn's
 ``#### <number>``, plus ``--tool-call-reward`` for each model turn whose tool calls all ran. One run of
 ``--iterations`` iterations of ``--prompts`` prompts × ``--n`` trajectories (≤ ``--max-turns`` model turns
-of ≤ ``--max-new-tokens`` tokens, temperature ``--temperature``), in fp32, one update per iteration.
+of ≤ ``--max-new-tokens`` tokens, temperature ``--temperature``), in fp32 (``--precision``), one update per iteration.
 
     python benchmarks/agents.py                                   # SmolLM2-135M, calculator, fenced calls
     python benchmarks/agents.py --model TINY_DIR --engine hf --quick
@@ -46,7 +46,7 @@ def overrides(args: argparse.Namespace, out: str) -> list[str]:
         f"env.name={args.env}", f"env.tool_parser={args.tool_parser}", f"data.system_prompt={SYSTEM_PROMPTS[args.env]}",
         f"data.train_path={data / 'tool_arithmetic_train.jsonl'}", f"data.test_path={data / 'tool_arithmetic_test.jsonl'}",
         f"data.eval_size={args.eval_size}", f"data.max_prompt_length={args.max_prompt_length}", f"rollout.engine={args.engine}",
-        "rollout.dtype=float32", "trainer.autocast_bf16=false",
+        *(["rollout.dtype=float32", "trainer.autocast_bf16=false"] if args.precision == "fp32" else []),
         f"rollout.n={args.n}", f"rollout.temperature={args.temperature}", f"rollout.max_response_length={args.max_new_tokens}",
         f"rollout.max_turns={args.max_turns}", f"rollout.max_total_tokens={args.max_total_tokens}",
         f"trainer.iterations={args.iterations}", f"trainer.global_batch={args.prompts}", f"trainer.mini_batch={args.prompts}",
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--eval-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "auto"],
+                        help="auto: the config's defaults (bf16 where the CPU computes it faster, docs/benchmarks.md)")
     parser.add_argument("--tool-call-reward", type=float, default=0.0,
                         help="env.tool_call_reward: the reward of a model turn whose tool calls all ran (0: the verifier's reward only)")
     parser.add_argument("--seed", type=int, default=0)
