@@ -133,6 +133,23 @@ def test_sampling_is_seeded_per_request_from_the_global_generator(engine, prompt
     assert first[:3] != first[3:]  # a group's samples of one prompt differ
 
 
+def test_a_batch_over_one_steps_token_budget_samples_seeded(engine, prompts):
+    """48 seeded requests of ~130 distinct prompt tokens each, over vLLM's default 4,096 tokens a
+    step: on the CPU, a prompt prefilled in chunks made vLLM rewind the request's generator, which
+    a CPU generator refuses ("CPU Generator does not use offset"); the engine prefills whole prompts
+    there, and the draw stays reproducible."""
+    long_prompt = [t for p in prompts for t in p] * 3
+    batch = [[i + 10, *long_prompt] for i in range(48)]  # each its own first token: no prefix-cache hit
+    assert sum(map(len, batch)) > 4096
+
+    def draw() -> list[list[int]]:
+        torch.manual_seed(5)
+        return [s.response_ids for s in engine.generate(batch, max_new_tokens=4, temperature=1.0)]
+
+    first = draw()
+    assert len(first) == 48 and draw() == first
+
+
 def test_truncated_response_is_flagged_without_fake_eos(engine, prompts):
     greedy = engine.generate(prompts[:1], max_new_tokens=4, greedy=True)[0].response_ids
     eos = engine.eos_id
