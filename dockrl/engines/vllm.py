@@ -142,7 +142,7 @@ class VLLMRolloutEngine:
                     # request rewinds its generator's offset (gpu_model_runner._bookkeeping_sync), which a
                     # CPU torch.Generator refuses ("CPU Generator does not use offset"), failing any batch
                     # whose prompts exceed one step's token budget (max_num_batched_tokens)
-                    **({"enable_chunked_prefill": False} if current_platform.device_type == "cpu" else {}),
+                    enable_chunked_prefill=False if current_platform.device_type == "cpu" else None,
                     **({} if lora is None or not lora.enabled else
                        dict(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank(lora.rank))),  # type: ignore[arg-type]
                 )
