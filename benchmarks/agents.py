@@ -52,6 +52,7 @@ def overrides(args: argparse.Namespace, out: str) -> list[str]:
         f"trainer.iterations={args.iterations}", f"trainer.global_batch={args.prompts}", f"trainer.mini_batch={args.prompts}",
         f"trainer.micro_batch={args.micro_batch}", f"trainer.lr={args.lr}", "algorithm.kl_loss_coef=0", "trainer.save_every=0",
         f"trainer.seed={args.seed}", f"env.tool_call_reward={args.tool_call_reward}",
+        *([f"algorithm.format_reward={args.format_reward}"] if args.format_reward is not None else []),
     ]
 
 
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="auto: the config's defaults (bf16 where the CPU computes it faster, docs/benchmarks.md)")
     parser.add_argument("--tool-call-reward", type=float, default=0.0,
                         help="env.tool_call_reward: the reward of a model turn whose tool calls all ran (0: the verifier's reward only)")
+    parser.add_argument("--format-reward", type=float, default=None,
+                        help="algorithm.format_reward: the reward of a wrong answer in the #### format (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="run.output_dir (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="2 prompts × 2 trajectories × 8 tokens, 2 iterations, 4 test prompts "

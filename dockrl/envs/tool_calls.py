@@ -9,6 +9,9 @@
 
 A call that cannot be read (bad JSON, no name, an unclosed tag or fence) is a ``ToolCallError``
 in the result, never an exception: the environment counts it as a tool error and tells the model.
+
+A model turn ends where its tool calls end (``calls_end``): the rollout cuts what the model wrote
+after them, as a stop sequence would, and the tool answers.
 """
 
 from __future__ import annotations
@@ -56,6 +59,30 @@ def parse_tool_calls(text: str, parser: ToolParser, *, fenced_tool: tuple[str, s
         return _hermes(text)
     if parser == "fenced":
         return _fenced(text, fenced_tool)
+    raise ValueError(f"env.tool_parser: got {parser!r}; expected one of 'hermes', 'fenced'")
+
+
+def calls_end(text: str, parser: ToolParser) -> int | None:
+    """The offset in ``text`` just after the turn's tool calls, where the rollout ends the turn; None without a
+    complete call.
+
+    ``fenced``: the end of the first closed block in a language the parser reads (one call per turn, as
+    code-interpreter rollouts run a block as soon as it closes: ToRA, arXiv 2309.17452). ``hermes``: the end
+    of the closed ``<tool_call>`` blocks that follow the first with only whitespace between them (the
+    parallel calls of one turn).
+
+    Raises:
+        ValueError: an unknown ``parser``.
+    """
+    if parser == "fenced":
+        return next((m.end() for m in _FENCE.finditer(text) if m.group(1).lower() in _FENCED_LANGUAGES), None)
+    if parser == "hermes":
+        end = None
+        for m in _HERMES.finditer(text):
+            if end is not None and text[end:m.start()].strip():
+                break
+            end = m.end()
+        return end
     raise ValueError(f"env.tool_parser: got {parser!r}; expected one of 'hermes', 'fenced'")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from dockrl.envs.base import Step
-from dockrl.envs.tool_calls import ToolCall, ToolCallError, ToolParser, describe_error, parse_tool_calls
+from dockrl.envs.tool_calls import ToolCall, ToolCallError, ToolParser, calls_end, describe_error, parse_tool_calls
 
 RunCall = Callable[[ToolCall], tuple[str, bool]]
 """Runs one call: ``(output text, failed)``; never raises for what the call asks."""
@@ -56,6 +56,10 @@ class ToolEpisode:
         observation = outputs[0] if len(outputs) == 1 else "\n\n".join(f"[{i}] {text}" for i, text in enumerate(outputs, start=1))
         return Step(observation=observation, done=False, tool_calls=len(calls), tool_errors=errors,
                     reward=0.0 if errors else self.call_reward)
+
+    def calls_end(self, turn: str) -> int | None:
+        """Where the turn's tool calls end in its text (``dockrl.envs.tool_calls.calls_end``): the rollout ends the turn there."""
+        return calls_end(turn, self.parser)
 
     def close(self) -> None:
         """Nothing to release: every call ran in its own process, already gone."""

@@ -50,6 +50,9 @@ def _serve(conn: Connection, path: str, owner: int) -> None:
                 if not isinstance(step, Step):
                     raise TypeError(f"step returned a {type(step).__name__}; expected dockrl.envs.base.Step")
                 conn.send(("ok", step))
+            elif op == "calls_end":  # optional for an episode (dockrl.envs.base.Episode)
+                find = getattr(episodes[args[0]], "calls_end", None)
+                conn.send(("ok", None if find is None else find(args[1])))
             elif op == "close_episode":
                 episode = episodes.pop(args[0], None)
                 if episode is not None:
@@ -158,6 +161,10 @@ class UserEpisode:
 
     def step(self, turn: str) -> Step:
         return self.env.call("step", (self.key, turn), "a step")
+
+    def calls_end(self, turn: str) -> int | None:
+        """The episode's ``calls_end(turn)`` in the environment's process; None where it defines none."""
+        return self.env.call("calls_end", (self.key, turn), "a turn's calls_end")
 
     def close(self) -> None:
         """Close the episode in the environment's process; idempotent, quiet when the process is already gone."""

@@ -3,21 +3,24 @@ as one token sequence per trajectory, exactly the tokens the model was given and
 
 Each turn, every active trajectory is generated together (``RolloutEngine.generate`` on prompt +
 response so far, so it runs on every engine); a turn ends at the EOS token (the chat model's
-end-of-turn) or at its budget. The turn's text (decoded for the environment only) goes to the
-trajectory's ``Episode.step``; its observation is appended **as token ids**: the chat template
-renders the observation turn alone (``ObservationTokens``: what the template puts after the
-assistant's end-of-turn token, the tool turn, then the generation prompt of the next assistant
-turn) and the ids are concatenated. The conversation is never re-tokenized, so the trained ids
-are the sampled ids plus the observation ids, token for token (the re-tokenization drift of
-trl #5224 and verl #6501 cannot happen). A trajectory ends when the environment says done or
-gives no observation, after ``rollout.max_turns`` model turns, when a turn is cut at its budget,
-or when the next observation would not fit in ``rollout.max_total_tokens``.
+end-of-turn), at its budget, or where its tool calls end when the episode says where
+(``Episode.calls_end``): what the model sampled after its calls is cut, as a stop sequence would
+cut it, and the assistant's end-of-turn token follows as a template token (loss mask 0). The
+turn's text (decoded for the environment only) goes to the trajectory's ``Episode.step``; its
+observation is appended **as token ids**: the chat template renders the observation turn alone
+(``ObservationTokens``: what the template puts after the assistant's end-of-turn token, the tool
+turn, then the generation prompt of the next assistant turn) and the ids are concatenated. The
+conversation is never re-tokenized, so the trained ids are the sampled ids (up to where a turn's
+calls end) plus the observation ids, token for token (the re-tokenization drift of trl #5224 and
+verl #6501 cannot happen). A trajectory ends when the environment says done or gives no
+observation, after ``rollout.max_turns`` model turns, when a turn is cut at its budget, or when
+the next observation would not fit in ``rollout.max_total_tokens``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dockrl.engines.rollout_engine import RolloutEngine
 from dockrl.envs.base import Episode
@@ -158,8 +161,13 @@ def roll_out(
             texts = engine.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
             for i, sample, text in zip(rows, samples, texts):
                 trajectory = out[i]
-                trajectory.add_turn(sample.response_ids, sample.log_probs)
-                if sample.truncated:  # cut at its budget: no end of turn for an observation to follow
+                ids, log_probs, truncated, end_of_turn = sample.response_ids, sample.log_probs, sample.truncated, []
+                cut = _calls_cut(engine.tokenizer, episodes[i], ids, text, truncated)
+                if cut is not None:  # ends at its calls: the assistant's end-of-turn token is the template's, not sampled
+                    ids, log_probs, truncated, end_of_turn = ids[:cut], log_probs[:cut], False, [engine.eos_id]
+                    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+                trajectory.add_turn(ids, log_probs)
+                if truncated:  # cut at its budget: no end of turn for an observation to follow
                     trajectory.truncated = True
                     continue
                 step = episodes[i].step(text)
@@ -168,14 +176,36 @@ def roll_out(
                 trajectory.tool_errors += step.tool_errors
                 if step.done or step.observation is None or turn == limits.max_turns - 1:
                     continue
-                ids = observe(step.observation)
-                if limits.max_total_tokens and len(trajectory.response_ids) + len(ids) >= limits.max_total_tokens:
+                observation = end_of_turn + observe(step.observation)
+                if limits.max_total_tokens and len(trajectory.response_ids) + len(observation) >= limits.max_total_tokens:
                     trajectory.truncated = True  # no room for the observation and a token of the next turn
                     continue
-                trajectory.add_observation(ids)
+                trajectory.add_observation(observation)
                 still.append(i)
         active = sorted(still)
     return out
+
+
+def _calls_cut(tokenizer: Any, episode: Episode, ids: Sequence[int], text: str, truncated: bool) -> int | None:
+    """How many of a turn's sampled ``ids`` to keep when it went on past its tool calls (``Episode.calls_end``):
+    the fewest whose text holds the calls whole. None: no complete call, or nothing but whitespace and the
+    end of turn after it."""
+    calls_end: Callable[[str], int | None] | None = getattr(episode, "calls_end", None)
+    if calls_end is None:
+        return None
+    find, end = calls_end, calls_end(text)
+    if end is None or (not text[end:].strip() and not truncated):
+        return None
+
+    def holds_calls(k: int) -> bool:  # grows with k: a prefix holding the calls whole keeps holding them
+        got = find(tokenizer.decode(ids[:k], skip_special_tokens=True))
+        return got is not None and got >= end
+
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds_calls(mid) else (mid + 1, hi)
+    return lo
 
 
 def trajectory_columns(trajectories: Sequence[Trajectory]) -> dict[str, list]:

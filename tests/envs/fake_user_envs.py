@@ -27,13 +27,18 @@ class FakeEchoEpisode:
         return Step(observation=None if done else f"echo {turn} (turn {self.turns}, truth {self.truth}, pid {os.getpid()})",
                     reward=1.0 if done else 0.0, done=done, tool_calls=int(not done))
 
+    def calls_end(self, turn: str) -> int | None:
+        """A turn's call ends at its first ``;``."""
+        return turn.index(";") + 1 if ";" in turn else None
+
     def close(self) -> None:
         pass
 
 
 class FakeEchoEnvironment:
     """Fake: echoes each turn with the turn number, the ground truth and its process id; a turn holding
-    ``hang`` sleeps a minute, ``raise`` raises, ``die`` exits the process, ``wrong`` returns no Step."""
+    ``hang`` sleeps a minute, ``raise`` raises, ``die`` exits the process, ``wrong`` returns no Step; a turn's
+    call ends at its first ``;`` (``calls_end``)."""
 
     tools = [{"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}]
 

@@ -126,6 +126,7 @@ def test_a_user_environment_runs_in_its_own_process():
         assert int(step.observation.rsplit(" ", 1)[1].rstrip(")")) != os.getpid()
         assert second.step("x").observation.startswith("echo x (turn 1, truth 8")
         assert first.step("again").observation.startswith("echo again (turn 2, truth 7")
+        assert first.calls_end("call(1); and on") == len("call(1);") and first.calls_end("no call") is None  # the episode's, over the pipe
         final = first.step("the answer")
         assert final.done and final.reward == 1.0
         first.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dockrl.envs.tool_calls import ToolCall, ToolCallError, describe_error, parse_tool_calls
+from dockrl.envs.tool_calls import ToolCall, ToolCallError, calls_end, describe_error, parse_tool_calls
 
 
 def test_hermes_reads_each_call_in_order():
@@ -49,3 +49,14 @@ def test_fenced_unclosed_block_is_an_error():
 def test_unknown_parser_names_the_field():
     with pytest.raises(ValueError, match="env.tool_parser"):
         parse_tool_calls("x", "xml")  # type: ignore[arg-type]
+
+
+def test_calls_end_after_the_first_fenced_block_or_the_first_run_of_hermes_calls():
+    text = "Let me compute.\n```\n12 * 34\n```\nThen more\n```\nbad"
+    assert text[:calls_end(text, "fenced")] == "Let me compute.\n```\n12 * 34\n```"
+    assert calls_end("```output\n1\n```\n```py\n2\n```", "fenced") == len("```output\n1\n```\n```py\n2\n```")  # output is not a call
+    calls = '<tool_call>{"name": "a"}</tool_call>\n <tool_call>{"name": "b"}</tool_call>'
+    assert calls_end(calls + " and then <tool_call>{}</tool_call>", "hermes") == len(calls)  # text between: the run ended
+    assert calls_end("no call ``` here", "fenced") is None and calls_end("<tool_call>{", "hermes") is None
+    with pytest.raises(ValueError, match="env.tool_parser"):
+        calls_end("x", "json")  # type: ignore[arg-type]

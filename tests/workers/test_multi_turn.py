@@ -18,6 +18,8 @@ from dockrl.config import AlgorithmConfig, DockConfig, RolloutConfig, load_confi
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.hf_rollout import HFRolloutEngine
 from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.rollout_engine import Sample
+from dockrl.envs.calculator import CalculatorEnvironment
 from dockrl.workers.actor import accumulate_mini_batch
 from dockrl.workers.multi_turn import ObservationTokens, TurnLimits, roll_out
 from dockrl.workers.rollout import RolloutWorker
@@ -224,3 +226,50 @@ def test_a_distributed_run_trains_on_multi_turn_rows(model_dir, tmp_path, monkey
         assert r["reward/env_mean"] == pytest.approx(0.25 * r["rollout/tool_calls_mean"])
         # fp32 engines in two processes, synced after each update: the sampled tokens' log-probs agree
         assert r["actor/rollout_log_prob_diff_max"] < 1e-3
+
+
+class FakeScriptedEngine:
+    """Fake rollout engine: its k-th call samples ``turns[k]`` (the real tokenizer's ids, EOS appended
+    unless the turn is cut at its budget) with log-prob -0.5 per token, for every prompt."""
+
+    def __init__(self, tokenizer, turns: list[tuple[str, bool]]) -> None:
+        self.tokenizer, self.turns, self.given = tokenizer, turns, []
+        self.eos_id = self.pad_id = tokenizer.eos_token_id
+
+    def generate(self, prompts, **_):
+        text, ends = self.turns[len(self.given)]
+        self.given.append([list(p) for p in prompts])
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + ([self.eos_id] if ends else [])
+        return [Sample(response_ids=ids, log_probs=[-0.5] * len(ids), truncated=not ends) for _ in prompts]
+
+
+def test_a_turn_ends_where_its_tool_call_ends(tiny_model_dir):
+    """A turn that went on past its fenced call (here to its budget, no EOS) is cut after the call; the
+    calculator answers it, the end-of-turn token follows as a template token, and the next turn starts there."""
+    tok = HFRolloutEngine(tiny_model_dir, dtype="float32").tokenizer
+    first = "I will compute.\n```\n12 * 34\n```\nThen more\n```\nbad"
+    engine = FakeScriptedEngine(tok, [(first, False), ("#### 408", True)])
+    prompt = prompts_of(tok)[0]
+    (t,) = roll_out(engine, [prompt], [CalculatorEnvironment("fenced", call_reward=0.2).open("408")], ObservationTokens(tok),
+                    TurnLimits(max_turns=2, max_turn_tokens=64), temperature=1.0)
+    sampled = tok.encode(first, add_special_tokens=False)
+    kept = t.response_ids[t.turn_starts[0]:t.turn_ends[0]]
+    assert kept == sampled[:len(kept)] and len(kept) < len(sampled)  # a prefix of what was sampled
+    assert tok.decode(kept).startswith("I will compute.\n```\n12 * 34\n```") and "Then" not in tok.decode(kept)
+    assert "```" not in tok.decode(kept[:-1])[len("I will compute.\n```\n12 * 34\n"):]  # the fewest tokens that close the block
+    observation = t.response_ids[t.turn_ends[0]:t.turn_starts[1]]
+    assert observation == [engine.eos_id] + ObservationTokens(tok)("408")
+    assert engine.given[1] == [prompt + kept + observation]  # the next turn continues from the cut
+    assert (t.tool_calls, t.tool_errors, t.turn_rewards, t.truncated) == (1, 0, [0.2, 0.0], False)
+    assert t.loss_mask == [1] * len(kept) + [0] * len(observation) + [1] * (len(t.response_ids) - t.turn_starts[1])
+    assert t.log_probs[:len(kept)] == [-0.5] * len(kept) and set(t.log_probs[len(kept):t.turn_starts[1]]) == {0.0}
+
+
+def test_a_turn_that_ends_right_after_its_call_is_kept_whole(tiny_model_dir):
+    tok = HFRolloutEngine(tiny_model_dir, dtype="float32").tokenizer
+    first = "```\n12 * 34\n```\n"
+    engine = FakeScriptedEngine(tok, [(first, True), ("#### 408", True)])
+    (t,) = roll_out(engine, [prompts_of(tok)[0]], [CalculatorEnvironment("fenced").open("408")], ObservationTokens(tok),
+                    TurnLimits(max_turns=2, max_turn_tokens=64), temperature=1.0)
+    assert t.response_ids[:t.turn_ends[0]] == tok.encode(first, add_special_tokens=False) + [engine.eos_id]  # the sampled EOS is trained
+    assert t.response_ids[t.turn_ends[0]:t.turn_starts[1]] == ObservationTokens(tok)("408")
