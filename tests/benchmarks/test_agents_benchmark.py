@@ -20,11 +20,13 @@ def test_quick_mode_prints_the_tables_of_the_runs_metrics(tiny_model_dir, tmp_pa
     sys.modules.setdefault("agents_benchmark", module)
     spec.loader.exec_module(module)
     out = module.main(["--quick", "--model", str(tiny_model_dir), "--engine", "hf", "--cache", str(tmp_path / "cache"),
-                       "--out", str(tmp_path / "run"), "--tool-call-reward", "0.1"])
+                       "--out", str(tmp_path / "run"), "--tool-call-reward", "0.1", "--format-reward", "0"])
     lines = out.splitlines()
     evaluated = {line.split("|")[1].strip(): line for line in lines if line.startswith(("| before", "| after"))}
     assert set(evaluated) == {"before", "after"}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert "tool_call_reward: 0.1" in config and "format_reward: 0.0" in config
     for tag, line in evaluated.items():
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[1]) == pytest.approx(summary[f"eval/accuracy_{tag}"], abs=5e-4)
@@ -37,5 +39,5 @@ def test_quick_mode_prints_the_tables_of_the_runs_metrics(tiny_model_dir, tmp_pa
         assert float(cells[1]) == pytest.approx(m["reward/mean"], abs=5e-4)
         assert float(cells[4]) == pytest.approx(m["rollout/tool_calls_mean"], abs=5e-3)
     assert lines[-1].endswith("benchmarks/agents.py --quick --model " + f"{tiny_model_dir} --engine hf --cache {tmp_path / 'cache'} "
-                              f"--out {tmp_path / 'run'} --tool-call-reward 0.1")
+                              f"--out {tmp_path / 'run'} --tool-call-reward 0.1 --format-reward 0")
     assert "tool_call_reward: 0.1" in (tmp_path / "run" / "config.yaml").read_text()
