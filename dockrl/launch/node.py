@@ -116,9 +116,13 @@ def ranks_main(argv: list[str] | None = None) -> int:
     local = local_rank()
     index = devices.local_rank_of(kind, rank) if local is None else local
     coords, infer = layout.train_coords(rank), layout.infer_coords(rank)
-    print(json.dumps({"rank": rank, "world_size": world, "local_rank": index, "host": os.uname().nodename,
-                      "device": str(devices.process_device(kind, index)), "tp_rank": coords.tp_rank, "dp_rank": coords.dp_rank,
-                      "pp_rank": coords.pp_rank, "infer_tp_rank": infer.tp_rank, "infer_dp_rank": infer.dp_rank}), flush=True)
+    report = json.dumps({"rank": rank, "world_size": world, "local_rank": index, "host": os.uname().nodename,
+                         "device": str(devices.process_device(kind, index)), "tp_rank": coords.tp_rank, "dp_rank": coords.dp_rank,
+                         "pp_rank": coords.pp_rank, "infer_tp_rank": infer.tp_rank, "infer_dp_rank": infer.dp_rank})
+    # one write of the line and its newline: a pod's rank processes share its stdout, and print's two writes
+    # (the text, then the newline) interleave there when stdout is unbuffered (PYTHONUNBUFFERED)
+    sys.stdout.write(report + "\n")
+    sys.stdout.flush()
     return 0
 
 
