@@ -44,15 +44,14 @@ def _serve(conn: Connection, path: str, owner: int) -> None:
             if op == "open":
                 key = next(ids)
                 episodes[key] = env.open(*args)
-                conn.send(("ok", key))
+                conn.send(("ok", (key, callable(getattr(episodes[key], "calls_end", None)))))
             elif op == "step":
                 step = episodes[args[0]].step(args[1])
                 if not isinstance(step, Step):
                     raise TypeError(f"step returned a {type(step).__name__}; expected dockrl.envs.base.Step")
                 conn.send(("ok", step))
-            elif op == "calls_end":  # optional for an episode (dockrl.envs.base.Episode)
-                find = getattr(episodes[args[0]], "calls_end", None)
-                conn.send(("ok", None if find is None else find(args[1])))
+            elif op == "calls_end":  # asked only of an episode that has it (open's answer)
+                conn.send(("ok", episodes[args[0]].calls_end(args[1])))
             elif op == "close_episode":
                 episode = episodes.pop(args[0], None)
                 if episode is not None:
@@ -129,7 +128,8 @@ class UserEnvironment:
             return self._answer(what, self.timeout_s)
 
     def open(self, ground_truth: str) -> Episode:
-        return UserEpisode(self, self.call("open", (ground_truth,), "open"))
+        key, has_calls_end = self.call("open", (ground_truth,), "open")
+        return UserEpisode(self, key, has_calls_end)
 
     def _kill(self) -> None:
         proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
@@ -156,15 +156,15 @@ class UserEnvironment:
 class UserEpisode:
     """One trajectory's episode, held in the environment's process."""
 
-    def __init__(self, env: UserEnvironment, key: int) -> None:
-        self.env, self.key, self._closed = env, key, False
+    def __init__(self, env: UserEnvironment, key: int, has_calls_end: bool = False) -> None:
+        self.env, self.key, self.has_calls_end, self._closed = env, key, has_calls_end, False
 
     def step(self, turn: str) -> Step:
         return self.env.call("step", (self.key, turn), "a step")
 
     def calls_end(self, turn: str) -> int | None:
-        """The episode's ``calls_end(turn)`` in the environment's process; None where it defines none."""
-        return self.env.call("calls_end", (self.key, turn), "a turn's calls_end")
+        """The episode's ``calls_end(turn)`` in the environment's process; None, without a request, where it defines none."""
+        return self.env.call("calls_end", (self.key, turn), "a turn's calls_end") if self.has_calls_end else None
 
     def close(self) -> None:
         """Close the episode in the environment's process; idempotent, quiet when the process is already gone."""
