@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +144,7 @@ class Network:
         self.switch = f"{prefix}-sw"
         self.nodes = [f"{prefix}-d"] + [f"{prefix}-n{k}" for k in range(workers)]
         self.created: list[str] = []
+        self.rate_bit: float | None = None  # the links' rate now (shape); None: unshaped
 
     @staticmethod
     def address(node: int) -> str:
@@ -167,6 +169,7 @@ class Network:
 
     def shape(self, rate_bit: float | None) -> None:
         """Every link at ``rate_bit`` bit/s in each direction; None removes the limits (memory speed)."""
+        self.rate_bit = rate_bit
         for i, ns in enumerate(self.nodes):
             for where, dev in ((ns, "eth0"), (self.switch, f"p{i}")):
                 if rate_bit is None:
@@ -327,14 +330,38 @@ class Bench:
     def measure(self, side: str, n: int) -> Sample:
         before, cpu = self.net.counters(), cpu_seconds(self.pids)
         start = time.perf_counter()
+        samples: list[tuple[float, np.ndarray]] = []  # (seconds since start, counters) each second, for --timeline
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(1.0):
+                samples.append((time.perf_counter() - start, self.net.counters()))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        if self.args.timeline and self.net.rate_bit:
+            sampler.start()
         if side == "centralized":
             self.central[n].run(self.prompts, self.shape)
         else:
             self.dock(n, locality=side == "dock+locality")
         seconds = time.perf_counter() - start
+        if sampler.is_alive():
+            stop.set()
+            sampler.join()
+            print(timeline(f"{side}, K = {n}", before, samples, n, self.net.rate_bit), file=sys.stderr, flush=True)
         cores = len(os.sched_getaffinity(0))
         used = max(cpu_seconds(self.pids) - cpu, 1 / os.sysconf("SC_CLK_TCK"))  # under one tick reads 0: count one (no 0 to divide by)
         return Sample(seconds, used / cores, self.net.counters() - before)
+
+
+def timeline(what: str, before: np.ndarray, samples: list[tuple[float, np.ndarray]], n: int, rate_bit: float) -> str:
+    """Each link direction's use, second by second (bytes in the second / R's bytes per second): where a run waits."""
+    lines, prev, then = [f"# timeline of {what}: link use per second (1.00: busy at R), driver, then nodes 0 .. {n - 1}"], before, 0.0
+    for t, counters in samples:
+        use = (counters - prev)[: n + 1] / max(t - then, 1e-9) / (rate_bit / 8)
+        lines.append(f"t={t:6.1f} s  up {' '.join(f'{x:.2f}' for x in use[:, 0])}  |  down {' '.join(f'{x:.2f}' for x in use[:, 1])}")
+        prev, then = counters, t
+    return "\n".join(lines)
 
 
 def choose_rate(control: dict[tuple[str, int], list[Sample]], margin: float) -> float:
@@ -379,7 +406,7 @@ def run_all(bench: Bench) -> str:
     bench.net.shape(None)
     for measured in [False] * a.warmup + [True] * a.repeats:
         for n in a.nodes:
-            for side in SIDES:
+            for side in a.sides:
                 sample = bench.measure(side, n)
                 if measured:
                     control.setdefault((side, n), []).append(sample)
@@ -387,13 +414,13 @@ def run_all(bench: Bench) -> str:
     bench.net.shape(rate)
     for _ in range(a.repeats):
         for n in a.nodes:
-            for side in SIDES:
+            for side in a.sides:
                 shaped.setdefault((side, n), []).append(bench.measure(side, n))
     top = max(a.nodes)
     halved: dict[str, Sample | str] = {}
     if not a.no_halving:
         bench.net.shape(rate / 2)
-        for side in SIDES:
+        for side in a.sides:
             try:
                 halved[side] = bench.measure(side, top)
             except Exception as e:  # noqa: BLE001 - reported in the table: the runs at R stand
@@ -423,10 +450,16 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
         "# link bound: bytes of the run's busiest link direction (bridge port counters, Ethernet framing and gRPC "
         "included) / R; CPU/core: user+system seconds of all benchmark processes / usable cores",
     ]
+    def central_s(n: int) -> float:  # nan without the centralized side: no ratio
+        return med(r.seconds for r in shaped[("centralized", n)]) if ("centralized", n) in shaped else float("nan")
+
+    def control_central_s(n: int) -> float:
+        return med(r.seconds for r in control[("centralized", n)]) if ("centralized", n) in control else float("nan")
+
     rows = []
     for n in a.nodes:
-        central = med(r.seconds for r in shaped[("centralized", n)])
-        for side in SIDES:
+        central = central_s(n)
+        for side in a.sides:
             runs = shaped[(side, n)]
             sec = med(r.seconds for r in runs)
             nbytes = med(r.bottleneck()[0] for r in runs)
@@ -434,7 +467,7 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
             link = runs[len(runs) // 2].bottleneck()[1]
             ctrl = med(r.seconds for r in control[(side, n)])
             cpu = med(r.cpu_per_core for r in control[(side, n)])
-            ctrl_central = med(r.seconds for r in control[("centralized", n)])
+            ctrl_central = control_central_s(n)
             rows.append([str(n), side, f"{sec:.2f}", f"{central / sec:.2f}x", f"{nbytes / 1e6:.3f}", link, f"{bound:.2f}",
                          f"{sec / bound:.2f}", f"{bound / cpu:.1f}", f"{ctrl:.3f}", f"{ctrl_central / ctrl:.2f}x"])
     out += ["", f"## shaped links (R = {rate / 1e6:.4g} Mbit/s) and the unshaped control (CPU-bound, as benchmarks/dock.py)",
@@ -443,21 +476,31 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
     if halved:
         top = max(a.nodes)
         hrows = []
-        for side in SIDES:
+        for side in a.sides:
             at_r, half = med(r.seconds for r in shaped[(side, top)]), halved[side]
             hrows.append([side, f"{at_r:.2f}", half if isinstance(half, str) else f"{half.seconds:.2f}",
                           "-" if isinstance(half, str) else f"{half.seconds / at_r:.2f}"])
         out += ["", f"## halving R at K = {top}: R = {rate / 1e6:.4g} against {rate / 2e6:.4g} Mbit/s (one iteration each)",
                 flow.render(["side", "seconds at R", "seconds at R/2", "ratio (2 when link-bound)"], hrows)]
     top = max(a.nodes)
-    central = med(r.seconds for r in shaped[("centralized", top)])
+    central = central_s(top)
+    out += ["", f"## bytes per link direction at K = {top}, MB (the median run of each side; node i: worker node i)",
+            flow.render(["side", "direction", "driver", *(f"node {i}" for i in range(top)), "mean of nodes"],
+                        [[side, d, *(f"{b / 1e6:.2f}" for b in run.links[: top + 1, j]), f"{run.links[1: top + 1, j].mean() / 1e6:.2f}"]
+                         for side in a.sides
+                         for run in [sorted(shaped[(side, top)], key=lambda r: r.seconds)[len(shaped[(side, top)]) // 2]]
+                         for j, d in enumerate(("up", "down"))])]
     out += ["", f"## targets at K = {top} (links the limit)"]
-    for side in ("dock", "dock+locality"):
+    for side in (s for s in ("dock", "dock+locality") if s in a.sides):
         runs = shaped[(side, top)]
         sec = med(r.seconds for r in runs)
         bound = med(r.bottleneck()[0] for r in runs) / byte_rate
         out.append(f"- {side}: {central / sec:.2f}x the centralized driver (target >= 8x: {'met' if central / sec >= 8 else 'not met'}); "
                    f"{sec / bound:.2f}x its own link bound (target <= 1.2x: {'met' if sec / bound <= 1.2 else 'not met'})")
+        # the bound were every node's busier direction as loaded as the mean one: what no schedule of these bytes beats
+        even = med(max(r.links[1: top + 1, 0].mean(), r.links[1: top + 1, 1].mean(), r.links[0].max()) for r in runs) / byte_rate
+        out.append(f"  its bytes evenly spread over the nodes' links would bound it at {even:.2f} s: at most "
+                   f"{central / even:.2f}x the centralized driver, whatever the schedule")
     low = min(med(b) for b in ([r.bottleneck()[0] / byte_rate / r.cpu_per_core for r in shaped[k]] for k in shaped))
     out.append(f"- link-bound time / CPU time per core, lowest over sides and K (shaped runs): {low:.1f} "
                f"(wanted >= {a.margin:g})")
@@ -497,6 +540,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="measured iterations per side and K (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured unshaped iterations first")
     p.add_argument("--no-halving", action="store_true", help="skip the runs at R/2")
+    p.add_argument("--timeline", action="store_true", help="print each shaped run's link use second by second (stderr)")
+    p.add_argument("--sides", type=lambda s: s.split(","), default=list(SIDES),
+                   help=f"sides to run, of {','.join(SIDES)} (without centralized no speed ratio is printed)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit of every wait (claims, calls, start-up), seconds")
     a = p.parse_args(argv)
     if a.quick:
@@ -509,6 +555,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--rows {a.rows} and --claim-rows {a.claim_rows} must be multiples of --group-size {a.group_size}")
     if not a.nodes or not all(1 <= n <= MAX_NODES for n in a.nodes):
         p.error(f"--nodes: got {a.nodes}; expected worker node counts in 1 .. {MAX_NODES}, e.g. 2,4,8")
+    if not a.sides or set(a.sides) - set(SIDES):
+        p.error(f"--sides: got {','.join(a.sides)}; expected some of {','.join(SIDES)}")
+    a.sides = [s for s in SIDES if s in a.sides]
     if a.rate_mbit < 0 or a.margin <= 0 or a.warmup < 0:
         p.error("--rate-mbit must be >= 0, --margin > 0, --warmup >= 0")
     return a
