@@ -11,7 +11,9 @@ the file it came from. Skips, saying so, only when PyPI itself is unreachable.""
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -32,9 +34,20 @@ def pypi():
         pytest.skip(f"PyPI ({resolver.PYPI}) is not reachable from this machine: the images' requirements cannot be resolved here")
 
 
-@pytest.mark.parametrize(("name", "arch"), [(name, arch) for name, archs in sorted(IMAGE_ARCHITECTURES.items()) for arch in archs])
-def test_image_requirements_resolve_to_their_pins(pypi, name, arch):
-    result = resolver.resolve(resolver.read_image(name), arch)
+CASES = [(name, arch) for name, archs in sorted(IMAGE_ARCHITECTURES.items()) for arch in archs]
+
+
+@pytest.fixture(scope="module")
+def resolutions(pypi) -> Iterator[dict[tuple[str, str], Future]]:
+    """Every image and architecture resolved side by side (one pip process each: most of their time is waiting on
+    the registry), started once for the module; each test takes its own result (a resolution's error fails only it)."""
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        yield {case: pool.submit(resolver.resolve, resolver.read_image(case[0]), case[1]) for case in CASES}
+
+
+@pytest.mark.parametrize(("name", "arch"), CASES)
+def test_image_requirements_resolve_to_their_pins(resolutions, name, arch):
+    result = resolutions[(name, arch)].result()
     print(result.describe())
     assert not result.problems, "\n".join(result.problems)
     resolved = {resolver.canonicalize_name(e["metadata"]["name"]) for e in result.resolved}
