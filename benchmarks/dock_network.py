@@ -23,7 +23,9 @@ the same workload and the same two sides (``dock.py``'s ``Cells``, ``StageServer
 Reported per K (medians of ``--repeats``): seconds of each side, the dock/centralized speed,
 each side's own link bound (the bytes of the busiest link direction in that run, read from the
 bridge ports' counters, Ethernet framing included, / R) with time / bound, and CPU seconds per
-core (user + system time of every process of the benchmark / the cores it may use). R defaults
+core (user + system time of every process of the benchmark / the cores it may use); then every link's bytes at the
+largest K and, per dock side, the bound its bytes would give were they spread evenly over the nodes' links (what no
+schedule of those bytes beats). R defaults
 to the largest rate at which every side's link-bound time is >= ``--margin`` x its CPU time per
 core, both measured in the unshaped control; runs at R/2 at the largest K check that the time
 doubles. The unshaped control (the same namespaces, veth links at memory speed) is the
@@ -38,6 +40,7 @@ Run (as root; pin it to cores to keep other work off the measurement)::
 
     python benchmarks/dock_network.py                       # K = 2, 4, 8; 512 rows; R chosen from the control
     python benchmarks/dock_network.py --nodes 8 --rate-mbit 4
+    python benchmarks/dock_network.py --nodes 8 --rate-mbit 1 --sides dock --timeline   # one side, each link's use per second
     python benchmarks/dock_network.py --quick               # K = 2, 64 rows, seconds (the test suite's)
 """
 
