@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import multiprocessing as mp
 import os
 import secrets
@@ -334,24 +335,24 @@ class Bench:
         before, cpu = self.net.counters(), cpu_seconds(self.pids)
         start = time.perf_counter()
         samples: list[tuple[float, np.ndarray]] = []  # (seconds since start, counters) each second, for --timeline
-        stop = threading.Event()
+        stop, sampler, rate = threading.Event(), None, self.net.rate_bit
 
         def sample() -> None:
             while not stop.wait(1.0):
                 samples.append((time.perf_counter() - start, self.net.counters()))
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        if self.args.timeline and self.net.rate_bit:
+        if self.args.timeline and rate:
+            sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
         if side == "centralized":
             self.central[n].run(self.prompts, self.shape)
         else:
             self.dock(n, locality=side == "dock+locality")
         seconds = time.perf_counter() - start
-        if sampler.is_alive():
+        if sampler is not None and rate:
             stop.set()
             sampler.join()
-            print(timeline(f"{side}, K = {n}", before, samples, n, self.net.rate_bit), file=sys.stderr, flush=True)
+            print(timeline(f"{side}, K = {n}, R = {rate / 1e6:.4g} Mbit/s", before, samples, n, rate), file=sys.stderr, flush=True)
         cores = len(os.sched_getaffinity(0))
         used = max(cpu_seconds(self.pids) - cpu, 1 / os.sysconf("SC_CLK_TCK"))  # under one tick reads 0: count one (no 0 to divide by)
         return Sample(seconds, used / cores, self.net.counters() - before)
@@ -453,15 +454,15 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
         "# link bound: bytes of the run's busiest link direction (bridge port counters, Ethernet framing and gRPC "
         "included) / R; CPU/core: user+system seconds of all benchmark processes / usable cores",
     ]
-    def central_s(n: int) -> float:  # nan without the centralized side: no ratio
-        return med(r.seconds for r in shaped[("centralized", n)]) if ("centralized", n) in shaped else float("nan")
+    def central_s(results: dict, n: int) -> float:  # nan without the centralized side: its ratios print as "-"
+        return med(r.seconds for r in results[("centralized", n)]) if ("centralized", n) in results else float("nan")
 
-    def control_central_s(n: int) -> float:
-        return med(r.seconds for r in control[("centralized", n)]) if ("centralized", n) in control else float("nan")
+    def ratio(x: float) -> str:
+        return f"{x:.2f}x" if math.isfinite(x) else "-"
 
     rows = []
     for n in a.nodes:
-        central = central_s(n)
+        central, ctrl_central = central_s(shaped, n), central_s(control, n)
         for side in a.sides:
             runs = shaped[(side, n)]
             sec = med(r.seconds for r in runs)
@@ -470,9 +471,8 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
             link = runs[len(runs) // 2].bottleneck()[1]
             ctrl = med(r.seconds for r in control[(side, n)])
             cpu = med(r.cpu_per_core for r in control[(side, n)])
-            ctrl_central = control_central_s(n)
-            rows.append([str(n), side, f"{sec:.2f}", f"{central / sec:.2f}x", f"{nbytes / 1e6:.3f}", link, f"{bound:.2f}",
-                         f"{sec / bound:.2f}", f"{bound / cpu:.1f}", f"{ctrl:.3f}", f"{ctrl_central / ctrl:.2f}x"])
+            rows.append([str(n), side, f"{sec:.2f}", ratio(central / sec), f"{nbytes / 1e6:.3f}", link, f"{bound:.2f}",
+                         f"{sec / bound:.2f}", f"{bound / cpu:.1f}", f"{ctrl:.3f}", ratio(ctrl_central / ctrl)])
     out += ["", f"## shaped links (R = {rate / 1e6:.4g} Mbit/s) and the unshaped control (CPU-bound, as benchmarks/dock.py)",
             flow.render(["K", "side", "seconds", "speed vs central", "bottleneck MB", "busiest link", "link bound s",
                          "time / bound", "bound / CPU per core", "control s (unshaped)", "control speed vs central"], rows)]
@@ -486,7 +486,7 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
         out += ["", f"## halving R at K = {top}: R = {rate / 1e6:.4g} against {rate / 2e6:.4g} Mbit/s (one iteration each)",
                 flow.render(["side", "seconds at R", "seconds at R/2", "ratio (2 when link-bound)"], hrows)]
     top = max(a.nodes)
-    central = central_s(top)
+    central = central_s(shaped, top)
     out += ["", f"## bytes per link direction at K = {top}, MB (the median run of each side; node i: worker node i)",
             flow.render(["side", "direction", "driver", *(f"node {i}" for i in range(top)), "mean of nodes"],
                         [[side, d, *(f"{b / 1e6:.2f}" for b in run.links[: top + 1, j]), f"{run.links[1: top + 1, j].mean() / 1e6:.2f}"]
@@ -498,12 +498,13 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
         runs = shaped[(side, top)]
         sec = med(r.seconds for r in runs)
         bound = med(r.bottleneck()[0] for r in runs) / byte_rate
-        out.append(f"- {side}: {central / sec:.2f}x the centralized driver (target >= 8x: {'met' if central / sec >= 8 else 'not met'}); "
-                   f"{sec / bound:.2f}x its own link bound (target <= 1.2x: {'met' if sec / bound <= 1.2 else 'not met'})")
+        speed = (f"{central / sec:.2f}x the centralized driver (target >= 8x: {'met' if central / sec >= 8 else 'not met'})"
+                 if math.isfinite(central) else "no centralized side run")
+        out.append(f"- {side}: {speed}; {sec / bound:.2f}x its own link bound (target <= 1.2x: {'met' if sec / bound <= 1.2 else 'not met'})")
         # the bound were every node's busier direction as loaded as the mean one: what no schedule of these bytes beats
         even = med(max(r.links[1: top + 1, 0].mean(), r.links[1: top + 1, 1].mean(), r.links[0].max()) for r in runs) / byte_rate
-        out.append(f"  its bytes evenly spread over the nodes' links would bound it at {even:.2f} s: at most "
-                   f"{central / even:.2f}x the centralized driver, whatever the schedule")
+        cap = f": at most {central / even:.2f}x the centralized driver, whatever the schedule" if math.isfinite(central) else ""
+        out.append(f"  its bytes evenly spread over the nodes' links would bound it at {even:.2f} s{cap}")
     low = min(med(b) for b in ([r.bottleneck()[0] / byte_rate / r.cpu_per_core for r in shaped[k]] for k in shaped))
     out.append(f"- link-bound time / CPU time per core, lowest over sides and K (shaped runs): {low:.1f} "
                f"(wanted >= {a.margin:g})")

@@ -156,7 +156,7 @@ class UserEnvironment:
 class UserEpisode:
     """One trajectory's episode, held in the environment's process."""
 
-    def __init__(self, env: UserEnvironment, key: int, has_calls_end: bool = False) -> None:
+    def __init__(self, env: UserEnvironment, key: int, has_calls_end: bool) -> None:
         self.env, self.key, self.has_calls_end, self._closed = env, key, has_calls_end, False
 
     def step(self, turn: str) -> Step:

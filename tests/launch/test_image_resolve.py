@@ -39,8 +39,9 @@ CASES = [(name, arch) for name, archs in sorted(IMAGE_ARCHITECTURES.items()) for
 
 @pytest.fixture(scope="module")
 def resolutions(pypi) -> Iterator[dict[tuple[str, str], Future]]:
-    """Every image and architecture resolved side by side (one pip process each: most of their time is waiting on
-    the registry), started once for the module; each test takes its own result (a resolution's error fails only it)."""
+    """Every image and architecture resolved side by side (one pip process each, on the cores the rest of the run
+    leaves free, their waits on the registry overlapping), started once for the module; each test takes its own
+    result (a resolution's error fails only it)."""
     with ThreadPoolExecutor(len(CASES)) as pool:
         yield {case: pool.submit(resolver.resolve, resolver.read_image(case[0]), case[1]) for case in CASES}
 
