@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.dock.flight import serve_shard  # lazy: pyarrow.flight, needed in a shard process only
 
         return serve_shard(argv[1:])
+    if argv[:1] == ["fork-server"]:
+        from dockrl.launch.fork_server import serve  # lazy: it imports a stage process's modules itself
+
+        return serve(argv[1:])
     if argv[:1] == ["node"]:
         from dockrl.launch.node import main as node_main  # lazy: each subcommand imports what it runs only
 
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run --local, submit, schedule (dockrl pipeline -h)")
     sub.add_parser("worker", help="one stage of a distributed run, against its dock (dockrl worker -h)")
     sub.add_parser("dock-shard", help="one transfer dock shard (dockrl dock-shard -h)")
+    sub.add_parser("fork-server", help="forks a local run's stage processes from one that imported their code (started by the driver)")
     sub.add_parser("node", help="several rank processes of a worker group in one pod shaped like a node (dockrl node -h)")
     sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout (dockrl ranks -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")

@@ -10,6 +10,10 @@ teardown``) is ``dockrl.launch.run_records``.
 
 Addressing: members run this interpreter's ``dockrl`` (``sys.executable -m dockrl``), serve on
 free loopback ports and reach the launcher on loopback; every path is shared.
+
+Stage processes (``dockrl worker``) are forked by the start's fork server (``dockrl.launch.fork_server``:
+one import of torch and transformers per start instead of one per process); with ``fork_server=False``,
+and for every other command (dock shards), each member is a ``subprocess.Popen`` of its command.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -81,6 +87,106 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
+class ForkServer:
+    """The driver's end of a fork server (``dockrl.launch.fork_server``): ``fork`` starts a member.
+
+    Args:
+        env: the server's environment (the run's: ``DOCKRL_RUN_ID`` and ``DRIVER_PID_ENV`` in it).
+        log: the server's own log (its stderr: import warnings, a crash).
+        timeout_s: longest wait for the server to answer a request, seconds (its imports included).
+    """
+
+    def __init__(self, env: dict[str, str], log: Path, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._exits: dict[int, int] = {}
+        self._answers: queue.Queue[str] = queue.Queue()
+        self._closed = threading.Event()
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dockrl", "fork-server"], env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err)
+        self.log = log
+        self._reader = threading.Thread(target=self._read, name=f"fork-server-{self.proc.pid}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            word, _, rest = raw.decode(errors="replace").strip().partition(" ")
+            if word == "exited":
+                pid, code = rest.split()
+                self._exits[int(pid)] = int(code)
+            else:
+                self._answers.put(f"{word} {rest}")
+        self._closed.set()
+
+    def fork(self, argv: Sequence[str], env: dict[str, str], log: Path) -> ForkedProcess:
+        """Start ``dockrl worker <argv>`` with ``env`` and its output in ``log``.
+
+        Raises:
+            RuntimeError: the server refused the request, exited, or did not answer within ``timeout_s``;
+                the first line names which, the lines after it are the server log's tail.
+        """
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps({"argv": list(argv), "env": env, "log": str(log)}) + "\n").encode())
+            self.proc.stdin.flush()
+            answer = self._answers.get(timeout=self.timeout_s)
+        except (OSError, queue.Empty):
+            answer = "no answer" if self.proc.poll() is None else f"exited with code {self.proc.returncode}"
+        word, _, rest = answer.partition(" ")
+        if word != "started":
+            raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start worker {' '.join(argv[:2])}: {answer} "
+                               f"within {self.timeout_s:.0f} s; its log {self.log}:\n{log_tail(self.log)}")
+        return ForkedProcess(int(rest), self)
+
+    def returncode(self, pid: int) -> int | None:
+        """``pid``'s exit code once the server reported it; -1 if the server is gone without reporting it and
+        ``pid`` no longer runs (its member's parent died, so nobody else can know its code)."""
+        if pid in self._exits:
+            return self._exits[pid]
+        if self._closed.is_set() and start_time(pid) is None:
+            return self._exits.setdefault(pid, -1)
+        return None
+
+    def close(self, timeout_s: float) -> None:
+        """Close the server's stdin (it stops; members still running get their parent death signal) and wait for it."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=timeout_s)
+
+
+class ForkedProcess:
+    """A member forked by a ``ForkServer``, with the part of ``subprocess.Popen`` the backend uses."""
+
+    def __init__(self, pid: int, server: ForkServer) -> None:
+        self.pid = pid
+        self._server = server
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.returncode(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code, waiting at most ``timeout`` seconds (``subprocess.TimeoutExpired`` after)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.returncode) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+
 class LocalBackend:
     """Worker groups as local processes (see the module docstring)."""
 
@@ -91,7 +197,7 @@ class LocalBackend:
     start_spread_s = 0.0  # every process starts at once
 
     def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0,
-                 run_dir: str | Path | None = None):
+                 run_dir: str | Path | None = None, fork_server: bool = True):
         if not run_id or "/" in run_id:
             raise ValueError(f"local backend: run_id {run_id!r}; expected a non-empty name without '/'")
         self.run_id = run_id
@@ -99,7 +205,9 @@ class LocalBackend:
         self.log_dir = Path(log_dir) if log_dir else self.state_dir / run_id
         self.run_dir = Path(run_dir).resolve() if run_dir else None  # recorded: `dockrl teardown RUN_DIR` finds the run by it
         self.grace_s = grace_s
-        self._procs: list[tuple[str, str, subprocess.Popen, Path]] = []  # (group, member, process, log)
+        self.fork_server = fork_server
+        self._procs: list[tuple[str, str, subprocess.Popen | ForkedProcess, Path]] = []  # (group, member, process, log)
+        self._servers: list[ForkServer] = []
 
     @property
     def logs(self) -> str:
@@ -121,16 +229,29 @@ class LocalBackend:
     def start(self, groups: Sequence[WorkerGroup]) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        program = self.program()
+        run_env = {**os.environ, "DOCKRL_RUN_ID": self.run_id, DRIVER_PID_ENV: str(os.getpid())}
+        server: ForkServer | None = None
         try:
             for g in groups:
+                forked = self.fork_server and tuple(g.command[:len(program) + 1]) == (*program, "worker")
+                if forked and server is None:
+                    server = ForkServer(run_env, self.log_dir / f"fork-server-{len(self._servers)}.log", self.start_timeout_s)
+                    self._servers.append(server)
                 for i in range(g.replicas):
                     member = f"{g.name}-{i}"
-                    env = {**os.environ, **g.env, **g.secret_env, "DOCKRL_RUN_ID": self.run_id, "DOCKRL_GROUP": g.name,
-                           REPLICA_ENV: str(i), REPLICAS_ENV: str(g.replicas), DRIVER_PID_ENV: str(os.getpid())}
+                    env = {**run_env, **g.env, **g.secret_env, "DOCKRL_GROUP": g.name, REPLICA_ENV: str(i), REPLICAS_ENV: str(g.replicas)}
                     log = self.log_dir / f"{member}.log"
-                    with open(log, "wb") as out:
-                        proc = subprocess.Popen(list(g.command), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
+                    proc: subprocess.Popen | ForkedProcess
+                    if forked and server is not None:
+                        try:
+                            proc = server.fork(g.command[len(program) + 1:], env, log)
+                        except RuntimeError as e:
+                            raise WorkerFailed(g.name, member, str(e).split("\n", 1)[0], log_tail(server.log)) from None
+                    else:
+                        with open(log, "wb") as out:
+                            proc = subprocess.Popen(list(g.command), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.DEVNULL, start_new_session=True)
                     self._procs.append((g.name, member, proc, log))
                     logger.info("started %s (pid %d): %s", member, proc.pid, " ".join(g.command))
         finally:
@@ -200,6 +321,8 @@ class LocalBackend:
                 p.wait(timeout=self.grace_s)
             except subprocess.TimeoutExpired:
                 logger.warning("worker pid %d did not exit after SIGKILL", p.pid)
+        for server in self._servers:
+            server.close(self.grace_s)
         self.state_file.unlink(missing_ok=True)
         logger.info("local teardown of run %s: %d running worker(s) stopped", self.run_id, len(targets))
         return len(targets)

@@ -162,7 +162,8 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
     assert (run / "metrics.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
     assert {p.name for p in (run / "logs").iterdir()} == {
-        "dock-shard-0-0.log", "dock-shard-1-0.log", "rollout-0.log", "reward-0.log", "reference-0.log", "actor-0.log"
+        "dock-shard-0-0.log", "dock-shard-1-0.log", "rollout-0.log", "reward-0.log", "reference-0.log", "actor-0.log",
+        "fork-server-0.log",  # the stage processes were forked from it (dockrl.launch.fork_server)
     }
 
     after = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "final")
@@ -232,7 +233,7 @@ def test_two_hybrid_iterations_in_distributed_mode(tiny_model_dir, tmp_path, wor
     assert {"eval/accuracy_before", "eval/accuracy_after"} <= summary.keys()
     check_hybrid_run(tmp_path / "run", tiny_model_dir)
     assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} == {
-        "dock-shard-0-0.log", "dock-shard-1-0.log", "hybrid-0.log", "reward-0.log", "reference-0.log"
+        "dock-shard-0-0.log", "dock-shard-1-0.log", "hybrid-0.log", "reward-0.log", "reference-0.log", "fork-server-0.log"
     }
 
 
