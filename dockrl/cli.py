@@ -14,7 +14,8 @@
 
 ``worker`` and ``dock-shard`` are what the launcher starts, as local processes and as the
 arguments of the stage pods (the images' entry point is ``dockrl``); ``node`` starts the rank
-processes of a pod that holds several devices.
+processes of a pod that holds several devices; ``fork-server`` is the local backend's: it forks
+a local run's ``worker`` processes from one that imported their code (dockrl/launch/fork_server.py).
 """
 
 from __future__ import annotations

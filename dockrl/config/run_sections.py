@@ -72,6 +72,11 @@ class RunConfig:
     resume: str = ""
     """Resume from a checkpoint: '' (a fresh run), 'latest' (the newest complete one under
     output_dir/checkpoints) or a checkpoint folder (``dockrl.resume``)."""
+    fork_server: bool = True
+    """A local distributed run (``dock.mode=distributed`` on this machine) forks its stage processes from one
+    process that has imported their code, torch and transformers (``dockrl/launch/fork_server.py``): a run
+    imports them once, not once per process, and the processes share those pages. false: each stage process
+    starts an interpreter of its own. The pipeline's stage pods (its ``worker_backend=kubernetes``) always start their own."""
     driver_timeout_s: float = 60.0
     """Workers and dock shards of a distributed run stop when the driver has not renewed its
     lease on the dock for this long, seconds (``dockrl.lifeline``; a local worker also stops at

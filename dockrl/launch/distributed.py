@@ -198,7 +198,8 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     cfg = plan.cfg
     run_dir = Path(cfg.run.output_dir)
     keep_earlier_logs(run_dir / "logs")  # a resumed run: the failed attempt's logs go to logs/attempt-<N>/
-    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=run_dir / "logs", run_dir=run_dir)
+    backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=run_dir / "logs", run_dir=run_dir,
+                                      fork_server=cfg.run.fork_server)
     warehouse = make_warehouse(cfg.dock, backend.run_id)  # checked here once, before any worker starts
     token = secrets.token_urlsafe(24)
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process

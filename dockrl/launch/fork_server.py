@@ -1,12 +1,12 @@
 """The fork server of a local run: its stage processes forked from one process that has imported their code.
 
 A stage process (``dockrl worker``) spends most of its start importing torch and transformers (4-5 s of
-one core each on a 2-core AMD EPYC; a run of the tiny model starts 3-5 of them at once and then trains
-for a second or two). ``LocalBackend`` starts, for each ``start``, one server with the run's environment
-(``python -m dockrl fork-server``); the server imports ``PRELOAD`` once and forks every stage process of
-that start from itself, so a run pays the imports once and its stage processes share those pages until
-they write them (Android's zygote, ``multiprocessing``'s forkserver). Dock shards and other commands
-keep ``subprocess.Popen``.
+one core each on a 2-core AMD EPYC; a run of the tiny model starts 3-5 of them at once, then trains for
+a second or two). ``LocalBackend`` starts one server per ``start``, with the run's environment
+(``python -m dockrl fork-server``); the server imports a stage process's code once (``preload``) and
+forks that start's stage processes from itself, so a run pays the imports once and its stage processes
+share those pages until they write them (Android's zygote, ``multiprocessing``'s forkserver). Dock shards
+and other commands keep ``subprocess.Popen``.
 
 A forked member is what ``python -m dockrl worker ARGS`` would be: it leads a session of its own, its
 stdin is ``/dev/null``, its stdout and stderr go to its log, its environment is the one asked for
@@ -14,13 +14,15 @@ stdin is ``/dev/null``, its stdout and stderr go to its log, its environment is 
 ``DOCKRL_RUN_ID``), ``sys.argv`` is the command's, and it returns from this module into
 ``dockrl.__main__`` with the command's exit code, so the interpreter exits as that process would
 (non-daemon threads joined, ``atexit`` run, an uncaught exception printed with exit code 1). Its
-``DRIVER_PID_ENV`` names the server, its parent: the server dies with the driver (the parent
-death signal, SIGKILL) and the members with the server (``dockrl.lifeline.watch_driver``).
+``DRIVER_PID_ENV`` names the server, its parent: the server dies with the driver (the parent death
+signal, SIGKILL) and the members with the server (``dockrl.lifeline.watch_driver``).
 
 Protocol, one line each way per event: the driver writes ``{"argv": [...], "env": {...}, "log": path}``
-as JSON on the server's stdin (``argv``: the arguments of ``dockrl worker``); the server answers ``started <pid>`` (or ``failed <message>``) and,
-once a member has exited, ``exited <pid> <code>`` (``os.waitstatus_to_exitcode``: -N for signal N) on
-its stdout. The server stops when its stdin closes. It never starts a thread, so a fork copies one.
+as JSON on the server's stdin (``argv``: the arguments of ``dockrl worker``); the server answers
+``started <pid>`` (or ``failed <message>``) and, once a member has exited, ``exited <pid> <code>``
+(``os.waitstatus_to_exitcode``: -N for signal N) on its stdout. The server stops when its stdin closes.
+It starts no Python thread (torch and pyarrow's allocator keep native ones, as in any process that forks
+after importing them, a torch ``DataLoader``'s workers among them): a member has the one that forked it.
 """
 
 from __future__ import annotations
@@ -34,8 +36,17 @@ import sys
 
 from dockrl.lifeline import DRIVER_PID_ENV, die_with_parent
 
-PRELOAD = ("dockrl.workers.main",)
-"""Modules the server imports before it forks: everything a stage process imports before it runs."""
+
+def preload() -> None:
+    """Import what a stage process imports before it runs: ``dockrl worker``'s module (torch, transformers)
+    and every stage's process body (``dockrl.stages.STAGES``); an engine's own package (vLLM, megatron-core)
+    is imported by the member that builds it."""
+    from dockrl.stages import STAGES, load
+
+    importlib.import_module("dockrl.workers.main")
+    for row in STAGES:
+        if row.process:
+            load(row.process)
 
 
 def _answer(line: str) -> None:
@@ -78,7 +89,7 @@ def _become_member(request: dict, server_fds: tuple[int, ...]) -> int:
 
 
 def serve(argv: list[str]) -> int:
-    """``dockrl fork-server``: import ``PRELOAD``, then fork a member per request until stdin closes.
+    """``dockrl fork-server``: ``preload``, then fork a member per request until stdin closes.
 
     Exits the process (code 0) in the server once stdin closes; returns in a forked member, with that member's
     exit code (see the module docstring), and 1 or 2 where the server cannot serve.
@@ -91,8 +102,7 @@ def serve(argv: list[str]) -> int:
     if driver and str(os.getppid()) != driver:  # the driver died before the kernel was asked to tell us
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's Ctrl-C is the driver's: it tears the run down
-    for name in PRELOAD:
-        importlib.import_module(name)
+    preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
