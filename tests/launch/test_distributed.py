@@ -171,8 +171,11 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
 
 
 @pytest.mark.slow
-def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, tmp_path, workers_path):
-    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeCrashingScorer", "trainer.eval_before=false")
+@pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "own-interpreter"])
+def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, tmp_path, workers_path, fork_server):
+    # forked by the run's fork server (the default) or an interpreter of its own: the same exit code and log
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeCrashingScorer", "trainer.eval_before=false",
+                     f"run.fork_server={fork_server}")
     with pytest.raises(WorkerFailed) as err:
         driver.train(cfg)
     failed_at = time.time()
@@ -180,6 +183,7 @@ def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, 
     assert "RuntimeError: fake scorer crash: the verifier blew up" in err.value.log_tail
     crashed_at = (tmp_path / "run" / "logs" / "reward-0.log").stat().st_mtime  # its traceback is its last write
     assert failed_at - crashed_at < 10, f"the run failed {failed_at - crashed_at:.1f} s after the crash"
+    assert ((tmp_path / "run" / "logs" / "fork-server-0.log").is_file()) == fork_server
     # workers_path checks that no process of the run is left
 
 
