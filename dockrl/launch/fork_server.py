@@ -68,7 +68,6 @@ def _become_member(request: dict, server_fds: tuple[int, ...]) -> int:
     """In the forked child: become the requested process and run its command; returns its exit code."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     for fd in server_fds:
         os.close(fd)
     os.setsid()  # stdin and stdout, the driver's pipes, are replaced below
@@ -101,7 +100,6 @@ def serve(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL)
     if driver and str(os.getppid()) != driver:  # the driver died before the kernel was asked to tell us
         return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's Ctrl-C is the driver's: it tears the run down
     preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

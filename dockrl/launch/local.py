@@ -102,8 +102,9 @@ class ForkServer:
         self._answers: queue.Queue[str] = queue.Queue()
         self._closed = threading.Event()
         with open(log, "wb") as err:
+            # a session of its own, as every member: `dockrl teardown` from elsewhere signals its group, not the driver's
             self.proc = subprocess.Popen([sys.executable, "-m", "dockrl", "fork-server"], env=env, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err)
+                                         stdout=subprocess.PIPE, stderr=err, start_new_session=True)
         self.log = log
         self._reader = threading.Thread(target=self._read, name=f"fork-server-{self.proc.pid}", daemon=True)
         self._reader.start()
@@ -118,6 +119,7 @@ class ForkServer:
             else:
                 self._answers.put(f"{word} {rest}")
         self._closed.set()
+        self._answers.put("closed")  # a request waiting for its answer fails now, not after timeout_s
 
     def fork(self, argv: Sequence[str], env: dict[str, str], log: Path) -> ForkedProcess:
         """Start ``dockrl worker <argv>`` with ``env`` and its output in ``log``.
@@ -131,12 +133,19 @@ class ForkServer:
             self.proc.stdin.write((json.dumps({"argv": list(argv), "env": env, "log": str(log)}) + "\n").encode())
             self.proc.stdin.flush()
             answer = self._answers.get(timeout=self.timeout_s)
-        except (OSError, queue.Empty):
-            answer = "no answer" if self.proc.poll() is None else f"exited with code {self.proc.returncode}"
+        except queue.Empty:
+            answer = f"no answer within {self.timeout_s:.0f} s"
+        except OSError:  # its stdin is closed: it is gone
+            answer = "closed"
+        if answer == "closed":
+            try:
+                answer = f"it exited with code {self.proc.wait(timeout=5.0)}"
+            except subprocess.TimeoutExpired:
+                answer = "it closed its output"
         word, _, rest = answer.partition(" ")
         if word != "started":
-            raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start worker {' '.join(argv[:2])}: {answer} "
-                               f"within {self.timeout_s:.0f} s; its log {self.log}:\n{log_tail(self.log)}")
+            raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start worker {' '.join(argv[:2])}: {answer}; "
+                               f"its log {self.log}:\n{log_tail(self.log)}")
         return ForkedProcess(int(rest), self)
 
     def returncode(self, pid: int) -> int | None:
@@ -301,7 +310,8 @@ class LocalBackend:
                 now = start_time(row["pid"])
                 if now is not None and now == row["start_time"]:
                     targets.setdefault(row["pid"], now)
-        for pid in run_processes(self.run_id):  # a worker not (yet) recorded, or what one that died started
+        servers = {server.proc.pid for server in self._servers}  # closed below, once they reported their members' exits
+        for pid in set(run_processes(self.run_id)) - servers:  # a worker not (yet) recorded, or what one that died started
             group = pgid(pid)
             if group is not None and group != os.getpgrp():  # never this process's own group
                 targets.setdefault(group, None)

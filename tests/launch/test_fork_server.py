@@ -92,6 +92,16 @@ def test_a_server_that_does_not_answer_in_time_is_an_error_naming_it(tmp_path):
     assert slow.proc.returncode is not None
 
 
+def test_a_server_that_exits_fails_the_request_at_once_with_its_code(tmp_path):
+    # told its driver is pid 1, which is not its parent: it stops before serving, as when its driver died that early
+    gone = ForkServer({**os.environ, DRIVER_PID_ENV: "1"}, tmp_path / "server.log", timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"did not start worker --stage reward: it exited with code 1"):
+        gone.fork(["--stage", "reward"], dict(os.environ), tmp_path / "reward.log")
+    assert time.monotonic() - start < 30  # not its 60-s timeout
+    gone.close(1.0)
+
+
 def test_closing_the_server_stops_the_members_still_running(served, tiny_model_dir):  # last: it closes the module's server
     server, folder = served
     log = folder / "left.log"
