@@ -27,7 +27,7 @@ demo: $(STAMP)
 # static checks first (ruff: lint and import order; mypy: types; settings in pyproject.toml), then
 # the suite. DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing.
 # TEST_WORKERS: pytest-xdist worker processes (0, the default: the suite in one process, as CI runs it;
-# 2 on a 2-core machine: 15.6 min of pytest in a fresh clone against 19-26 in one process; most tests
+# 2 on a 2-core machine: 14.4 min of pytest against 17 in one process (2-core AMD EPYC); most tests
 # keep one core busy and the process-level ones wait on their stages, but the timing assertions then
 # share the cores: two flaky bounds were found that way and widened, others may remain).
 # --dist loadfile: each test module whole on one worker, in its order, its module fixtures set up once;
