@@ -31,20 +31,12 @@ from pathlib import Path
 
 from dockrl import driver
 from dockrl.config import load_config
-from dockrl.launch.procfs import live_processes
+from dockrl.launch.procfs import live_processes, process_environ
 from dockrl.models import build_tiny_model
 
 SIDES = ("popen", "fork")
 MARK_ENV = "DOCKRL_BENCH_LOCAL_START"
 """Set to this process's pid: the run's processes inherit it, and only they are measured."""
-
-
-def _environ(pid: int) -> dict[bytes, bytes]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(var.split(b"=", 1) for var in raw.split(b"\0") if b"=" in var)
 
 
 def _rollup_kb(pid: int, field: str) -> int:
@@ -60,7 +52,7 @@ def _rollup_kb(pid: int, field: str) -> int:
 def run_memory_gb() -> tuple[float, float, int]:
     """Summed PSS and RSS (GB) and the number of this benchmark's run processes (``MARK_ENV``, ``DOCKRL_RUN_ID``)."""
     mark = str(os.getpid()).encode()
-    pids = [pid for pid in live_processes() if pid != os.getpid() and (env := _environ(pid)).get(MARK_ENV.encode()) == mark
+    pids = [pid for pid in live_processes() if pid != os.getpid() and (env := process_environ(pid)).get(MARK_ENV.encode()) == mark
             and b"DOCKRL_RUN_ID" in env]
     return (sum(_rollup_kb(p, "Pss") for p in pids) / 1e6, sum(_rollup_kb(p, "Rss") for p in pids) / 1e6, len(pids))
 

@@ -27,7 +27,6 @@ after importing them, a torch ``DataLoader``'s workers among them): a member has
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import select
@@ -41,9 +40,9 @@ def preload() -> None:
     """Import what a stage process imports before it runs: ``dockrl worker``'s module (torch, transformers)
     and every stage's process body (``dockrl.stages.STAGES``); an engine's own package (vLLM, megatron-core)
     is imported by the member that builds it."""
+    import dockrl.workers.main  # noqa: F401 - the point: imported here, once
     from dockrl.stages import STAGES, load
 
-    importlib.import_module("dockrl.workers.main")
     for row in STAGES:
         if row.process:
             load(row.process)

@@ -50,16 +50,19 @@ def pgid(pid: int) -> int | None:
         return None
 
 
-def process_run_id(pid: int) -> str | None:
-    """``DOCKRL_RUN_ID`` in the environment of live process ``pid`` (None: none, gone, a zombie, or not ours to read)."""
+def process_environ(pid: int) -> dict[bytes, bytes]:
+    """The environment ``pid`` was started with (``/proc/<pid>/environ``; empty: gone, a zombie, or not ours to read)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
-        return None
-    for var in raw.split(b"\0"):
-        if var.startswith(b"DOCKRL_RUN_ID="):
-            return var.split(b"=", 1)[1].decode(errors="replace")
-    return None
+        return {}
+    return dict(var.split(b"=", 1) for var in raw.split(b"\0") if b"=" in var)
+
+
+def process_run_id(pid: int) -> str | None:
+    """``DOCKRL_RUN_ID`` in the environment of live process ``pid`` (None: none, gone, a zombie, or not ours to read)."""
+    run_id = process_environ(pid).get(b"DOCKRL_RUN_ID")
+    return None if run_id is None else run_id.decode(errors="replace")
 
 
 def run_processes(run_id: str | None = None) -> dict[int, str]:

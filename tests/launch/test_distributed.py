@@ -21,6 +21,7 @@ from dockrl.config import ConfigError, load_config, load_config_text
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend, free_ports
+from dockrl.launch.procfs import process_environ
 from dockrl.launch.run_records import local_runs, teardown_local
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 from dockrl.rewards.guard import build_scorer
@@ -58,7 +59,7 @@ def run_processes(mark: str) -> dict[int, str]:
         if not entry.name.isdigit():
             continue
         try:
-            env = dict(var.split(b"=", 1) for var in (entry / "environ").read_bytes().split(b"\0") if b"=" in var)
+            env = process_environ(int(entry.name))
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
         except OSError:
