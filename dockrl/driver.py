@@ -113,7 +113,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         WorkerFailed: a stage process died (distributed; its log tail in the message).
     """
     # `kill` runs the clean-up below (verifier pool, workers, the run's record, lock)
-    with RunLock(cfg.run.output_dir) as lock, sigterm_as_exit(), contextlib.ExitStack() as stack:
+    with RunLock(cfg.run.output_dir) as lock, sigterm_as_exit() as stop, contextlib.ExitStack() as stack:
         plan = plan_run(cfg)
         lock.accept()  # from here the lock file keeps this run's pid (a refused run puts back what it found)
         if cfg.dock.mode == "distributed":
@@ -126,7 +126,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
             runner = InProcessStages(plan, run=run)
         checkpoint = CheckpointInProgress()
         try:
-            summary = drive(plan, runner, on_iteration=on_iteration, checkpoint=checkpoint)
+            summary = drive(plan, runner, on_iteration=on_iteration, checkpoint=checkpoint, stop=stop)
         finally:
             runner.close()  # first: no stage writes into a checkpoint any more
             checkpoint.remove()  # one cut short (an error, Ctrl-C, SIGTERM): incomplete, never resumed from
@@ -136,7 +136,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
 
 
 def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | None = None,
-          checkpoint: CheckpointInProgress | None = None) -> dict[str, float]:
+          checkpoint: CheckpointInProgress | None = None, stop: sigterm_as_exit | None = None) -> dict[str, float]:
     """The iteration loop of a planned run over started stages; returns the run summary.
 
     A checkpoint after iteration ``k`` (when ``checkpoint_due``): the stages write the actor's
@@ -153,6 +153,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     ``checkpoint.folder`` names the checkpoint the stages may be writing, from the start of the
     iteration after which it is due until the driver's state completes it: the caller removes it
     (``CheckpointInProgress.remove``) once the stages stopped when the loop is cut short.
+    ``stop`` (the caller's ``sigterm_as_exit``) raises, before the first evaluation and at the start
+    of each iteration, a SIGTERM or Ctrl-C whose exception was lost in a finalizer.
     """
     t0 = time.perf_counter()
     cfg, point, dock = plan.cfg, plan.resume, runner.dock
@@ -179,9 +181,12 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     kept = write_dataset_meta(cfg, point.checkpoint if point else None) if keep_fraction(cfg.run.keep_rollouts) > 0 else None
     with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
+        check_stop = stop.raise_if_stopped if stop is not None else lambda: None  # a SIGTERM or Ctrl-C a finalizer swallowed
+        check_stop()  # one received while the stages loaded their models
         if t.eval_before and not point:
             summary |= runner.evaluate("before")
         for it in range(first, t.iterations):
+            check_stop()
             start = time.perf_counter()
             for ready in unannounced:  # opened and filled before a checkpoint's snapshot: the stages may start now
                 dock.announce(ready)

@@ -189,17 +189,35 @@ class sigterm_as_exit:
     """Context manager: SIGTERM raises ``SystemExit(143)`` in the main thread while inside, so the
     ``finally`` blocks of a run (closing the verifier's pool, tearing workers down, releasing the
     run folder) run when the run is stopped with ``kill``; the previous handler comes back on exit.
-    Off the main thread it does nothing (signal handlers belong to the main thread)."""
+    Off the main thread it does nothing (signal handlers belong to the main thread).
+
+    A signal handler's exception is lost where Python ignores exceptions: in a ``__del__`` the
+    garbage collector runs, or a weakref callback ("Exception ignored in ..." on stderr), and the
+    run would go on. The handler therefore also records the signal, SIGINT's too (its
+    ``KeyboardInterrupt`` as Python's own handler raises it), and ``raise_if_stopped`` raises it
+    again: the driver calls it between iterations."""
 
     def __enter__(self) -> sigterm_as_exit:
-        self._previous = None
+        self._previous: dict[int, object] = {}
+        self.received: int | None = None
         if threading.current_thread() is threading.main_thread():
-            def stop(signum: int, frame: object) -> None:
-                raise SystemExit(128 + signum)
-
-            self._previous = signal.signal(signal.SIGTERM, stop)
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._stop)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._stop)
         return self
 
+    def _stop(self, signum: int, frame: object) -> None:
+        self.received = signum
+        self.raise_if_stopped()
+
+    def raise_if_stopped(self) -> None:
+        """Raise what the signal received inside raises (``SystemExit(143)`` for SIGTERM,
+        ``KeyboardInterrupt`` for SIGINT); nothing when none was."""
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.received is not None:
+            raise SystemExit(128 + self.received)
+
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)  # type: ignore[arg-type]

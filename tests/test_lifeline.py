@@ -1,4 +1,5 @@
-"""Workers and dock shards stop when their driver is gone: by parent death and by the driver's lease."""
+"""Workers and dock shards stop when their driver is gone: by parent death and by the driver's lease;
+a run stopped by SIGTERM or Ctrl-C stops even where the signal's exception is lost."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dockrl.driver_lease import DriverLease
-from dockrl.lifeline import DRIVER_PID_ENV
 from dockrl.launch.local import free_ports
+from dockrl.lifeline import DRIVER_PID_ENV, sigterm_as_exit
 
 PY = sys.executable
 WORKER = """
@@ -130,3 +133,33 @@ def test_a_stage_process_still_waiting_for_its_shards_stops_with_its_driver(tmp_
     assert took < 5, f"took {took:.1f} s"  # ~0.3 s on a quiet machine
     assert "reward worker: the driver (pid" in log.read_text()
 
+
+
+class SignalInFinalizer:
+    """Sends ``signum`` to this process from its ``__del__``: the handler's exception is raised
+    there, where Python prints "Exception ignored in" and goes on (as a regex group's finalizer run
+    by the garbage collector did when a run was stopped while it loaded its model)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)
+        time.sleep(0.05)  # the handler runs at the next bytecode, still inside this finalizer
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's, on purpose
+@pytest.mark.parametrize(("signum", "raised"), [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)])
+def test_a_stop_signal_lost_in_a_finalizer_is_raised_again(signum, raised):
+    previous = signal.getsignal(signum)
+    if signum == signal.SIGINT and previous is not signal.default_int_handler:
+        pytest.skip("SIGINT is ignored in this process (a suite started in the background): the run leaves it so")
+    with sigterm_as_exit() as stop:
+        stop.raise_if_stopped()  # nothing received yet
+        SignalInFinalizer(signum)  # dropped at once: its __del__ swallows the handler's exception
+        assert stop.received == signum
+        with pytest.raises(raised) as info:
+            stop.raise_if_stopped()
+    assert signal.getsignal(signum) is previous
+    if raised is SystemExit:
+        assert info.value.code == 143
