@@ -7,8 +7,8 @@ installed with the test extras, and a test that does not choose its engine must 
 resolution clear the variable (tests/test_engine_choice.py).
 ``DOCKRL_AUTO_ROLLOUT_ENGINE=vllm pytest ...`` runs the suite with vLLM wherever it is ``auto``.
 
-``make test`` runs the suite in one process; ``make test TEST_WORKERS=2`` in pytest-xdist worker
-processes, each test module whole on one worker in its order (``--dist loadfile``): a module's
+``make test`` runs the suite in two pytest-xdist worker processes (``make test TEST_WORKERS=0``: in one),
+each test module whole on one worker in its order (``--dist loadfile``): a module's
 fixtures (a vLLM engine, megatron's ranks, dock shard servers) start once and its tests see each
 other's effects as in one process, and a session fixture is built once per worker.
 """
