@@ -61,7 +61,7 @@ def tables(results: dict[str, list[dict[str, float]]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = _median(results["trl"], "peak_rss_gb") if "trl" in results else 0.0
     for side, runs in results.items():
-        peaks = {column: _median(runs, f"memory/peak_rss_gb/{stage}") for stage, column in STAGES["trl" if side == "trl" else "dockrl"]}
+        peaks = {column: _median(runs, f"memory/peak_rss_gb/{stage}") for stage, column in STAGES["trl" if side.startswith("trl") else "dockrl"]}
         tree = _median(runs, "peak_rss_gb")
         cells = [side, str(len(runs))] + [f"{peaks[c]:.2f}" if c in peaks else "" for c in columns]
         lines.append("| " + " | ".join(cells + [f"{tree:.2f}", f"{tree / base:.2f}x" if base else ""]) + " |")
@@ -72,7 +72,7 @@ def tables(results: dict[str, list[dict[str, float]]]) -> str:
         state = state_gb(runs)
         total = sum(state.values())
         rollout = _median(runs, "memory/peak_rss_gb/rollout")
-        update = _median(runs, "memory/peak_rss_gb/" + ("update" if side == "trl" else "actor"))
+        update = _median(runs, "memory/peak_rss_gb/" + ("update" if side.startswith("trl") else "actor"))
         cells = [side] + [f"{state[o]:.2f}" for o in objects] + [f"{total:.2f}", f"{rollout - total:.2f}", f"{update - total:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

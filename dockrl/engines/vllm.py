@@ -156,6 +156,7 @@ class VLLMRolloutEngine:
         for name, group in self._groups.items():
             self._members.setdefault(group, set()).add(name)
         self._warned_top_p = False
+        self._unloaded: set[str] = set()  # HF names not loaded since release_weights: generate refuses until they are
         self.adapters: VLLMAdapters | None = None
         if lora is not None and lora.enabled:
             from dockrl.engines.hf_lora import adapter_shapes  # lazy: peft loads only for a LoRA run
@@ -192,6 +193,9 @@ class VLLMRolloutEngine:
         Raises:
             RuntimeError: vLLM ended a request for another reason (e.g. aborted).
         """
+        if self._unloaded:
+            raise RuntimeError(f"rollout engine: its weights were released (release_weights) and {len(self._unloaded)} tensors were not "
+                               f"loaded since, e.g. {sorted(self._unloaded)[:3]}: load the full weights before generating")
         if top_p < 1.0 and not greedy and not self._warned_top_p:
             logger.warning("rollout.top_p=%s with vLLM: log-probs are renormalized over the nucleus, the actor's are not", top_p)
             self._warned_top_p = True
@@ -266,6 +270,7 @@ class VLLMRolloutEngine:
         cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+        self._unloaded -= sent
         return sum(t.numel() for _, t in weights) * self.dtype.itemsize
 
     def layer_members(self, name: str) -> frozenset[str]:
@@ -322,6 +327,30 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()
         return released
 
+    def release_weights(self) -> int:
+        """Hand the weights' memory back to the kernel until the next full ``load_weights``, on the CPU:
+        what vLLM's sleep level 2 does on a GPU (the weights discarded, the next sync writes them
+        again), which its CPU worker does not have. For a rollout whose next sync sends every weight
+        (not a LoRA one: its syncs carry the adapter alone), between its rollout and that sync.
+
+        vLLM's CPU linear layers keep their weights packed for their kernels (a oneDNN handler, or a
+        packed tensor, in the layer's ``cpu_linear``; the parameter itself is emptied): each layer's
+        ``cpu_linear`` is dropped, which frees its packed copy, and the pages of every other parameter
+        (embedding, norms, biases) are released (``dockrl.memory.release_pages``). ``load_weights``
+        rebuilds a layer's kernel once its tensors arrive (vLLM's layerwise reload); ``generate``
+        raises until every tensor has been loaded again. Elsewhere (device memory, sleep mode), or
+        with LoRA adapters, nothing.
+
+        Returns:
+            The parameters' bytes whose pages were released (the packed copies freed besides are not
+            counted; they return to the kernel when the process's heap is trimmed, as after every stage).
+        """
+        if self.device.type != "cpu" or self.adapters is not None:
+            return 0
+        released = self.llm.collective_rpc(_release_model_weights)[0]
+        self._unloaded = set(self._groups)
+        return released
+
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring weights and KV cache back after ``sleep`` (``tags``: only ``["weights"]`` or
         ``["kv_cache"]``; None: both); the prefix cache starts empty. No-op without sleep mode."""
@@ -329,3 +358,22 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=None if tags is None else list(tags))
             if tags is None or "kv_cache" in tags:
                 self.llm.reset_prefix_cache()
+
+
+def _weights_released(*_args, **_kwargs):
+    raise RuntimeError("rollout engine: this layer's weights were released (release_weights); load the weights first")
+
+
+def _release_model_weights(worker) -> int:
+    """In vLLM's worker (the uni executor: this process): drop every CPU linear layer's packed weights
+    (``cpu_linear``, set by vLLM's CPU GEMM dispatch) and release the pages of every parameter; returns
+    the parameters' bytes released."""
+    released, seen = 0, set()
+    for module in worker.model_runner.model.modules():
+        if "cpu_linear" in vars(module):
+            module.cpu_linear = _weights_released
+        for param in module.parameters(recurse=False):
+            if param.numel() and param.is_contiguous() and param.data_ptr() not in seen:
+                seen.add(param.data_ptr())
+                released += release_pages(param.data_ptr(), param.numel() * param.element_size())
+    return released

