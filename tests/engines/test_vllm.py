@@ -8,6 +8,7 @@ skips them with the reason.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import pytest
@@ -21,7 +22,7 @@ from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_pref
 from dockrl.engines.hf_rollout import HFRolloutEngine  # noqa: E402
 from dockrl.engines.hf_train import HFTrainEngine  # noqa: E402
 from dockrl.engines.rollout_engine import RolloutEngine  # noqa: E402
-from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from dockrl.engines.vllm import _PARTIAL_RELOAD_WARNINGS, VLLMRolloutEngine  # noqa: E402
 from dockrl.engines.vllm_setup import layer_groups  # noqa: E402
 from dockrl.memory import resident_bytes  # noqa: E402
 
@@ -231,6 +232,28 @@ def test_released_weights_are_refused_until_a_sync_in_buckets_loads_them_all_aga
     engine.load_weights([w for w in weights if w[0] == "model.norm.weight"])
     assert engine.generate(prompts, max_new_tokens=8, greedy=True) == before
     assert_log_probs_close(before, recompute(actor, prompts, before, temperature=1.0))
+
+
+def test_a_bucket_leaves_out_vllms_warnings_for_the_layers_it_does_not_carry(engine, actor):
+    """vLLM warns for every layer a reload does not carry ("<Layer>: Failed to load weights") and lists
+    the weights it did not load: load_weights drops both for a bucket (a partial call) and neither
+    reaches a handler; vLLM's own reload, called directly, still gives them (the capture works)."""
+    records: list[logging.LogRecord] = []
+    capture = logging.Handler(logging.DEBUG)
+    capture.emit = records.append  # type: ignore[method-assign]
+    loggers = [logging.getLogger(name) for name in _PARTIAL_RELOAD_WARNINGS]
+    norm = [w for w in actor.named_weights() if w[0] == "model.norm.weight"]
+    for log in loggers:
+        log.addHandler(capture)
+    try:
+        engine.load_weights(norm)
+        assert not [r for r in records if r.msg in _PARTIAL_RELOAD_WARNINGS.values()]
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(norm), "is_checkpoint_format": True})
+        assert {r.msg for r in records} >= set(_PARTIAL_RELOAD_WARNINGS.values())
+    finally:
+        for log in loggers:
+            log.removeHandler(capture)
+    assert not any(log.filters for log in loggers)
 
 
 def test_layer_members_name_what_one_load_must_carry(engine):
