@@ -362,8 +362,9 @@ class VLLMRolloutEngine:
                 self.llm.reset_prefix_cache()
 
 
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _PARTIAL_RELOAD_WARNINGS = {
-    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+    _LAYERWISE_LOGGER: "%s: Failed to load weights",
     "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded from checkpoint: %s",
 }
 """vLLM's warnings, per logger (their message templates), that a ``reload_weights`` call gives for every
@@ -374,28 +375,24 @@ partial call they say nothing. A call that carries every weight keeps the second
 weight of vLLM's model that the checkpoint's names do not reach."""
 
 
-class _DropPartialReloadWarnings(logging.Filter):
-    def __init__(self, partial: bool) -> None:
-        super().__init__()
-        self.drop = {name: msg for name, msg in _PARTIAL_RELOAD_WARNINGS.items() if partial or name.endswith(".layerwise")}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg != self.drop.get(record.name)
-
-
 @contextlib.contextmanager
 def _quiet_partial_reload(partial: bool):
     """While a ``reload_weights`` call runs, drop vLLM's per-layer "Failed to load weights" and, where
     ``partial`` (the call carries some of the weights), its list of the weights not loaded
     (``_PARTIAL_RELOAD_WARNINGS``); its other messages pass."""
-    drop, loggers = _DropPartialReloadWarnings(partial), [logging.getLogger(name) for name in _PARTIAL_RELOAD_WARNINGS]
+    drop = _PARTIAL_RELOAD_WARNINGS if partial else {_LAYERWISE_LOGGER: _PARTIAL_RELOAD_WARNINGS[_LAYERWISE_LOGGER]}
+    loggers = [logging.getLogger(name) for name in _PARTIAL_RELOAD_WARNINGS]
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.msg != drop.get(record.name)
+
     for log in loggers:
-        log.addFilter(drop)
+        log.addFilter(keep)
     try:
         yield
     finally:
         for log in loggers:
-            log.removeFilter(drop)
+            log.removeFilter(keep)
 
 
 def _weights_released(*_args, **_kwargs):

@@ -159,10 +159,11 @@ class InProcessStages:
         for worker in self.workers:
             with stage_memory(type(worker).__name__.removesuffix("Worker").lower(), metrics):  # memory/*: each stage's own peak
                 metrics |= worker.run_iteration(self.dock)
-                if worker is self.workers[0] and self.release_kv_cache is not None:  # the rollout's stage is done
-                    metrics["memory/kv_cache_released_gb"] = self.release_kv_cache() / GB
-                if worker is self.workers[0] and self.release_weights is not None:
-                    metrics["memory/rollout_weights_released_gb"] = self.release_weights() / GB
+                if worker is self.workers[0]:  # the rollout's stage is done
+                    if self.release_kv_cache is not None:
+                        metrics["memory/kv_cache_released_gb"] = self.release_kv_cache() / GB
+                    if self.release_weights is not None:
+                        metrics["memory/rollout_weights_released_gb"] = self.release_weights() / GB
         if self.sync is not None:
             start = time.perf_counter()
             with stage_memory("weight_sync", metrics):
