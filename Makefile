@@ -24,8 +24,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dockrl pipeline run --local $(ARGS)
 
-# static checks first (ruff: lint and import order; mypy: types; settings in pyproject.toml), then
-# the suite. DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing.
+# static checks first (ruff: lint and import order of the package, its tests, benchmarks and image scripts;
+# mypy: types; settings in pyproject.toml), then the suite.
+# DOCKRL_REQUIRE_VLLM: the vLLM engine tests fail instead of skipping when vllm is missing.
 # TEST_WORKERS: pytest-xdist worker processes, 2 by default (as CI runs it; 0: the suite in one process).
 # On a 2-core AMD EPYC: 11.9 min of pytest against 16.7 in one process. Most tests keep one core busy and
 # the process-level ones wait on their stages; timing bounds allow a loaded machine (the suite passed
@@ -35,7 +36,7 @@ demo: $(STAMP)
 # (not loadgroup: with pytest >= 9.2 it silently stops grouping, pytest-dev/pytest-xdist#1386)
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m ruff check dockrl pipelines components
+	$(PY) -m ruff check dockrl pipelines components tests benchmarks images
 	$(PY) -m mypy
 	DOCKRL_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -11,8 +11,8 @@ import math
 import multiprocessing
 import os
 import random
-import time
 import signal
+import time
 import zlib
 
 

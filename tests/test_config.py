@@ -340,7 +340,8 @@ def test_warehouse_settings_are_accepted():
     config = load_config(None, ["dock.warehouse=s3", "dock.endpoint=https://minio.kubeflow:9000", "dock.bucket=rl.runs-1",
                                 "dock.prefix=team/a", "dock.secure=false", "dock.store_retries=0", "dock.store_timeout_s=2"])
     dock = config.dock
-    assert (dock.warehouse, dock.endpoint, dock.bucket, dock.prefix, dock.secure) == ("s3", "https://minio.kubeflow:9000", "rl.runs-1", "team/a", False)
+    assert (dock.warehouse, dock.endpoint, dock.bucket, dock.prefix, dock.secure) == (
+        "s3", "https://minio.kubeflow:9000", "rl.runs-1", "team/a", False)
     assert (dock.access_key_env, dock.secret_key_env) == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     assert load_config(None, ["dock.warehouse=s3", "dock.endpoint=127.0.0.1:9000"]).dock.endpoint == "127.0.0.1:9000"
     assert load_config(None, ["dock.warehouse=directory", "dock.directory=store/x"]).dock.directory == "store/x"
@@ -549,7 +550,8 @@ def test_autocast_literal_is_checked_by_type():
         load_config(None, ["trainer.autocast_bf16=1"])
 ENGINE_ERRORS = {
     "unknown training engine": (["trainer.engine=deepspeed"], ["trainer.engine: got 'deepspeed'; expected one of 'hf', 'megatron'"]),
-    "megatron over several ranks": (["trainer.engine=megatron", "parallel.tp=2"], ["parallel.tp: got 2", "hybrid actor with dock.mode='distributed' only", "use 1"]),
+    "megatron over several ranks": (["trainer.engine=megatron", "parallel.tp=2"],
+                                    ["parallel.tp: got 2", "hybrid actor with dock.mode='distributed' only", "use 1"]),
     "megatron pipeline": (["trainer.engine=megatron", "parallel.pp=2"], ["parallel.pp: got 2", "multi-rank megatron actor"]),
     "megatron data parallel": (["trainer.engine=megatron", "parallel.dp=2"], ["parallel.dp: got 2", "multi-rank megatron actor"]),
     "hybrid data parallel on an odd batch": (
@@ -564,7 +566,8 @@ ENGINE_ERRORS = {
         ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true", "dock.mode=distributed", "parallel.tp=2", "parallel.infer_tp=2"],
         ["parallel.infer_tp: got 2", "inference DP' = tp × pp × dp"],
     ),
-    "hybrid on hf": (["trainer.hybrid=true", "rollout.engine=vllm"], ["trainer.hybrid: got True", "needs trainer.engine='megatron' (got 'hf')", "reshards"]),
+    "hybrid on hf": (["trainer.hybrid=true", "rollout.engine=vllm"],
+                     ["trainer.hybrid: got True", "needs trainer.engine='megatron' (got 'hf')", "reshards"]),
     "hybrid with hf rollout": (
         ["trainer.hybrid=true", "trainer.engine=megatron", "rollout.engine=hf"],
         ["trainer.hybrid: got True", "needs rollout.engine='vllm' or 'auto' (got 'hf')", "on the devices it trains on"],
@@ -607,11 +610,13 @@ def test_algorithm_defaults_are_grpo_and_verl_combinations_load():
     rpp = load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_in_reward_coef=0.01",
                              "algorithm.kl_penalty=low_var_kl", "algorithm.gamma=0.99"]).algorithm
     assert rpp.uses_reference and rpp.kl_penalty == "low_var_kl"
-    gspo = load_config(None, ["algorithm.ratio_level=sequence", "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4",
+    gspo = load_config(None, ["algorithm.ratio_level=sequence", "algorithm.loss_agg_mode=seq-mean-token-mean",
+                              "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4",
                               "algorithm.clip_ratio_c=3", "algorithm.tis_cap=2"]).algorithm
     assert (gspo.ratio_level, gspo.clip_ratio_c, gspo.tis_cap) == ("sequence", 3.0, 2.0)
     for estimator in ("reinforce_plus_plus", "gae"):  # no group: one sample per prompt, as verl's PPO
-        one = load_config(None, ["rollout.n=1", "trainer.micro_batch=6", f"algorithm.adv_estimator={estimator}", f"critic.enable={estimator == 'gae'}"])
+        one = load_config(None, ["rollout.n=1", "trainer.micro_batch=6", f"algorithm.adv_estimator={estimator}",
+                                 f"critic.enable={estimator == 'gae'}"])
         assert one.rollout.n == 1
 
 

@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
+from fake_scorers import FakeRandomScorer  # noqa: E402
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver, run_setup
-from dockrl.rewards import guard
 from dockrl.config import load_config, load_config_text
-from fake_scorers import FakeRandomScorer  # noqa: E402
+from dockrl.rewards import guard
 
 
 @pytest.mark.slow

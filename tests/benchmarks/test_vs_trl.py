@@ -20,10 +20,12 @@ def load_benchmark():
 
 
 @pytest.mark.slow  # two training processes on the tiny model: ~50 s on 2 busy cores
-def test_quick_mode_prints_both_sides_at_their_defaults_with_finite_numbers():
+def test_quick_mode_trains_lora_adapters_on_both_sides_at_their_defaults_with_finite_numbers():
+    """One run for both: each side at its own defaults, adapters of rank 4 (full fine-tuning at fp32 is
+    what the memory benchmark's quick mode runs, tests/benchmarks/test_memory_benchmark.py)."""
     from dockrl.parallel.device import bf16_by_default
 
-    out = load_benchmark().main(["--quick", "--precision", "defaults", "--timeout-s", "600"])
+    out = load_benchmark().main(["--quick", "--precision", "defaults", "--lora-rank", "4", "--timeout-s", "600"])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
             for line in out.splitlines() if line.startswith("| ") and not line.startswith("| side")}
     assert set(rows) == {"trl", "dockrl-hf"}
@@ -31,9 +33,9 @@ def test_quick_mode_prints_both_sides_at_their_defaults_with_finite_numbers():
         values = [number(c) for c in cells[3:]]
         assert all(math.isfinite(v) and v > 0 for v in values), cells
     assert rows["trl"][-2:] == ["1.00x", "1.00x"]
-    assert rows["trl"][2] == "bf16 autocast, gradient checkpointing"  # GRPOConfig's defaults on any CPU
+    assert rows["trl"][2] == "bf16 autocast, gradient checkpointing, LoRA 4"  # GRPOConfig's defaults on any CPU
     dockrl = "bf16 autocast, rollout bfloat16" if bf16_by_default("cpu") else "fp32, rollout float32"
-    assert rows["dockrl-hf"][2] == dockrl  # auto: bf16 only where it is faster
+    assert rows["dockrl-hf"][2] == dockrl + ", LoRA 4"  # auto: bf16 only where it is faster
 
 
 def test_the_table_puts_each_side_against_trl():
@@ -120,14 +122,3 @@ def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, capsys):
         load_benchmark().main(["--quick", "--precision", "bf16"])
     assert exit.value.code == 2
     assert "--precision bf16: this CPU has no native bf16" in capsys.readouterr().err
-
-
-@pytest.mark.slow  # two training processes on the tiny model
-def test_the_lora_side_trains_adapters_on_both_sides():
-    out = load_benchmark().main(["--quick", "--lora-rank", "4", "--timeout-s", "600"])
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| side")}
-    assert set(rows) == {"trl", "dockrl-hf"}
-    for cells in rows.values():
-        assert cells[2].endswith(", LoRA 4"), cells
-        assert all(math.isfinite(number(c)) and number(c) > 0 for c in cells[3:]), cells

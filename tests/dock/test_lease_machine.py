@@ -29,13 +29,12 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+import lease_helpers as lh
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
-
-import lease_helpers as lh
 
 import dockrl.dock.controller_core as controller_core
 import dockrl.dock.leases as leases

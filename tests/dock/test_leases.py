@@ -7,15 +7,14 @@ import threading
 import time
 from collections.abc import Iterator
 
+import lease_helpers as lh
 import pytest
 
-import lease_helpers as lh
-
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight_server import DockShardServer
+from dockrl.dock.shard_controller import ShardController
 
 TOKEN = "lease-token"
 

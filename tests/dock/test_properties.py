@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 import pytest
+from dock_workers import OUTPUTS, Job, expected_table, prompt_cell, start_shards, worker_main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dock_workers import OUTPUTS, Job, expected_table, prompt_cell, start_shards, worker_main
 from dockrl.dock import GRPO_SCHEMA
 from dockrl.dock.client import DockClient
 

@@ -21,10 +21,10 @@ import pytest
 
 from dockrl.config import ConfigError, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockError
-from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import start_local_shards
 from dockrl.dock.flight_server import DockShardServer
+from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.warehouse import (
     Located,
     Warehouse,
@@ -362,10 +362,10 @@ def test_client_and_shards_must_agree_on_the_payload_mode(store_servers, tmp_pat
     memory_servers, memory_locations = start_local_shards(1, GRPO_SCHEMA, token=TOKEN)
     try:
         with pytest.raises(DockError, match="payload='store' but this client has no warehouse"):
-            dock_on(store_servers, None).num_rows
+            dock_on(store_servers, None).num_rows  # noqa: B018 - the property's check raises
         store_client = DockClient(memory_locations, GRPO_SCHEMA, token=TOKEN, warehouse=DirectoryWarehouse(tmp_path))
         with pytest.raises(DockError, match="payload='memory' but this client has the warehouse file://"):
-            store_client.num_rows
+            store_client.num_rows  # noqa: B018 - the property's check raises
         # a client that skips the check (it opened the iteration itself) is refused by the shard
         raw = DockClient([s.location for s in store_servers], GRPO_SCHEMA, token=TOKEN)
         raw.open_iteration(0, 2, 2)

@@ -17,7 +17,8 @@ def rollout(tiny_model_dir):
 def prompts(rollout):
     tok = rollout.tokenizer
     questions = ["Tom has 3 apples. How many apples?", "Sara has 12 coins and gets 4 more.", "Ali has 7 cards."]
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for q in questions]
 
 
 def test_rollout_log_probs_match_teacher_forced_pass(tiny_model_dir, rollout, prompts):

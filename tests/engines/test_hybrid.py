@@ -50,7 +50,8 @@ def actor(tiny_model_dir):
 def prompts(actor):
     tok = actor.rollout_engine.tokenizer
     questions = ["Tom has 3 apples. How many apples?", "Sara has 12 coins and gets 4 more.", "Ali has 7 cards."]
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for q in questions]
 
 
 def trainer_log_probs(actor, prompts, samples, temperature):

@@ -189,7 +189,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, batch: dict, ou
             }
             engine.save(Path(out) / key / "export")
             result["metrics"] = engine.optimizer_step(
-                lambda: accumulate_mini_batch(engine, dict(batch), algo=ALGO, temperature=TEMPERATURE, micro_batch=2)
+                lambda: accumulate_mini_batch(engine, dict(batch), algo=ALGO, temperature=TEMPERATURE, micro_batch=2)  # noqa: B023 - called in this iteration
             )
             result["after"] = engine.named_weights()
             # nothing of the CPU device layer may stay patched outside its scopes

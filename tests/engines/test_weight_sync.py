@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
-import traceback
 
 import pytest
 import torch

@@ -106,10 +106,10 @@ class FakeKubernetesApi:
             if owned_pod or any(o.get("uid") == uid for o in owners):
                 del self.objects[key]
 
-    def core(self) -> "FakeCoreV1Api":
+    def core(self) -> FakeCoreV1Api:
         return FakeCoreV1Api(self)
 
-    def custom(self) -> "FakeCustomObjectsApi":
+    def custom(self) -> FakeCustomObjectsApi:
         return FakeCustomObjectsApi(self)
 
     # ---- what the JobSet controller, the scheduler and the kubelet would do ----

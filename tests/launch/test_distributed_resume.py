@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver
 from dockrl.config import load_config
 from dockrl.launch.backend import WorkerFailed
 from dockrl.resume import checkpoint_dir
-from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 
 ROWS_PER_ITERATION = 4 * 4  # trainer.global_batch × rollout.n
 VARYING = ("timing_s/", "perf/", "dock/", "memory/", "weight_sync/seconds", "rollouts/wait_s")
@@ -62,7 +62,7 @@ def run_config(tiny_model_dir, tmp_path, name: str, *extra: str):
 
 
 @pytest.mark.slow  # three distributed runs of the tiny model: ~1-3 min on 2 busy cores
-def test_a_run_killed_mid_iteration_resumes_without_losing_or_repeating_rows(tiny_model_dir, tmp_path, workers_path, monkeypatch):
+def test_a_run_killed_mid_iteration_resumes_without_losing_or_repeating_rows(tiny_model_dir, tmp_path, workers_path, monkeypatch):  # noqa: F811
     driver.train(run_config(tiny_model_dir, tmp_path, "straight", "algorithm.scorer=fake_scorers:FakeHashScorer"))
 
     # the reward process kills itself as it starts scoring iteration 2: the checkpoint after iteration 1 is complete

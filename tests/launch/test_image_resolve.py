@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from test_images import load_resolver  # images/resolve.py, loaded once for both files
 
 from dockrl.launch.platform import IMAGE_ARCHITECTURES
-from test_images import load_resolver  # images/resolve.py, loaded once for both files
 
 ROOT = Path(__file__).resolve().parents[2]
 

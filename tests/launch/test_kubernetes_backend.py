@@ -13,12 +13,12 @@ import time
 import pytest
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
-from dockrl.launch.tasks import teardown_run
 from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
-from dockrl.launch.pod_spec import pod_shape
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
+from dockrl.launch.pod_spec import pod_shape
+from dockrl.launch.tasks import teardown_run
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
@@ -333,7 +333,8 @@ def test_image_pull_failures_within_the_budget_pass_and_beyond_it_fail(cluster):
     b = _started(cluster, running=False)  # image_pull_retries 3
     pod = cluster.add_pod(NS, "reward", 1, {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
                                             "containerStatuses": [{"name": "worker", "ready": False, "restartCount": 0, "image": "x",
-                                                                   "imageID": "", "state": {"waiting": {"reason": "ErrImagePull", "message": "i/o timeout"}}}]})
+                                                                   "imageID": "",
+                                                                   "state": {"waiting": {"reason": "ErrImagePull", "message": "i/o timeout"}}}]})
     message = 'Failed to pull image "ghcr.io/dockrl/dockrl-cpu:0.1.0": unexpected EOF'
     cluster.add_event(pod, "Failed", message, count=2)  # a registry hiccup: the kubelet retries
     for _ in range(5):
@@ -356,7 +357,8 @@ def test_a_pull_that_outlasts_its_own_timeout_fails_naming_the_waiting_state(clu
     b = _started(cluster, platform("npu", image_pull_timeout_s=1), running=False)
     pod = cluster.add_pod(NS, "hybrid", 0, json.loads(json.dumps(PULLING)))
     err, seconds = _watch(b)
-    assert err.member == pod and "scheduled but not started after 1 s (more than Platform.image_pull_timeout_s=1): ['ContainerCreating']" in err.reason
+    assert err.member == pod
+    assert "scheduled but not started after 1 s (more than Platform.image_pull_timeout_s=1): ['ContainerCreating']" in err.reason
     assert 1.0 <= seconds < 5.0  # the timeout, plus checks slowed by a loaded machine (2.5 was once too tight)
 
 

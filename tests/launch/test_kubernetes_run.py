@@ -243,7 +243,7 @@ def test_the_launcher_refuses_what_stage_pods_cannot_run(tiny_model_dir, tmp_pat
     no_volume = Platform(name="cpu", shared_volume_claim="")
     backend = KubernetesBackend(RUN, namespace=NS, platform=no_volume, core_api=None, custom_api=None)
     with pytest.raises(ValueError, match="has no shared_volume_claim"):
-        backend.shared_dir
+        backend.shared_dir  # noqa: B018 - the property's check raises
 
 
 def test_platform_travels_as_json():

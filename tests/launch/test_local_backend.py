@@ -10,8 +10,8 @@ import time
 import pytest
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
-from dockrl.launch.tasks import teardown_run
 from dockrl.launch.local import LocalBackend
+from dockrl.launch.tasks import teardown_run
 
 PY = sys.executable
 

