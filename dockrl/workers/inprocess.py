@@ -8,6 +8,7 @@ row of the stage table (``dockrl.stages.STAGES``, its ``inprocess`` builder): a 
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -102,9 +103,16 @@ class InProcessStages:
     stage releases each next round of the rollout; the ``score`` workers follow them."""
 
     def __init__(self, plan: RunPlan, *, run: str = "") -> None:
-        cfg = self.cfg = plan.cfg
-        self.plan, self.run, self.close_actor = plan, run or f"dockrl-{secrets.token_hex(6)}", lambda: None
-        self.stop_threads: Callable[[], None] = lambda: None  # dynamic sampling's side-by-side stages
+        """Builds every stage's engines and workers, the environment, the scorer and the dock; one of
+        them failing closes those built before it (the error raised as it came)."""
+        self.cfg, self.plan, self.run = plan.cfg, plan, run or f"dockrl-{secrets.token_hex(6)}"
+        with contextlib.ExitStack() as built:
+            self._build(built)
+            self._closing = built.pop_all()  # built whole: `close` closes it
+
+    def _build(self, built: contextlib.ExitStack) -> None:
+        """The stages, with each thing that needs closing pushed onto ``built`` as it is made (closed in reverse)."""
+        cfg, plan = self.cfg, self.plan
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
@@ -112,11 +120,14 @@ class InProcessStages:
         self.release_kv_cache: Callable[[], int] | None = None  # after the rollout: vLLM-CPU's KV cache for the stages after it
         self.release_weights: Callable[[], int] | None = None  # after the rollout, until the sync: vLLM-CPU's weights
         self.environment = build_environment(cfg)  # None: single-turn; the config refuses one with the hybrid actor
+        if self.environment is not None:
+            built.callback(self.environment.close)
         self.rollout_engine: RolloutEngine
         self.actor: TrainEngine | HybridActor
         if t.hybrid:  # one actor generates (vLLM) and trains (megatron); it syncs inside its update stage
             hybrid = build_hybrid_worker(cfg, weights, ranks, optimizer_from=optimizer)  # loaded before its first sync
-            self.rollout_engine, self.actor, self.close_actor = hybrid.actor.rollout_engine, hybrid.actor, hybrid.actor.close
+            built.callback(hybrid.actor.close)
+            self.rollout_engine, self.actor = hybrid.actor.rollout_engine, hybrid.actor
             stages: tuple[StageWorker, StageWorker] = hybrid.generation, hybrid.update
         else:
             actor = build_train_engine(cfg, weights, ranks)
@@ -135,6 +146,7 @@ class InProcessStages:
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
                                   multi_turn=multi_turn(cfg.env)))
         self.scorer = build_scorer(a)
+        built.callback(self.scorer.close)
         context = InProcessContext(plan=plan, ranks=ranks, tokenizer=load_tokenizer(plan.model_path, cfg.model.trust_remote_code),
                                    scorer=self.scorer, resume=optimizer, actor=self.actor)
         parts = [load(row.inprocess)(context) for row in run_stages(cfg) if row.inprocess]
@@ -144,11 +156,13 @@ class InProcessStages:
         self.workers: list[StageWorker]
         if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
             side_by_side = SideBySide([*sampling, AdvantageWorker(a, multi_turn=multi_turn(cfg.env))], timeout_s=cfg.dock.timeout_s)
-            self.workers, self.stop_threads = [side_by_side, *scoring, stages[1]], side_by_side.close
+            built.callback(side_by_side.close)
+            self.workers = [side_by_side, *scoring, stages[1]]
         else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
             self.workers = [*sampling, *scoring, AdvantageWorker(a, multi_turn=multi_turn(cfg.env)), *(w for p in parts for w in p.learn),
                             stages[1]]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
+        built.callback(self.dock.close)
 
     def evaluate(self, tag: Literal["before", "after"]) -> dict[str, float]:
         return evaluate(self.rollout_engine, self.plan.test_prompts, self.scorer, self.cfg, tag, self.environment)
@@ -185,9 +199,5 @@ class InProcessStages:
         self.save_checkpoint(self.cfg.trainer.iterations - 1, final_dir(self.cfg.run.output_dir))
 
     def close(self) -> None:
-        self.dock.close()
-        self.stop_threads()
-        self.scorer.close()
-        if self.environment is not None:
-            self.environment.close()
-        self.close_actor()
+        """The dock, dynamic sampling's threads, the scorer, the hybrid actor and the environment, in that order."""
+        self._closing.close()

@@ -20,6 +20,7 @@ from dockrl.engines.hf_rollout import HFRolloutEngine
 from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.engines.rollout_engine import Sample
 from dockrl.envs.calculator import CalculatorEnvironment
+from dockrl.envs.registry import build_environment
 from dockrl.workers.actor import accumulate_mini_batch
 from dockrl.workers.multi_turn import ObservationTokens, TurnLimits, roll_out
 from dockrl.workers.rollout import RolloutWorker
@@ -201,6 +202,33 @@ def test_an_inprocess_run_with_a_tool_environment_reports_turns_and_tool_errors(
         assert r["reward/env_mean"] == pytest.approx(0.25 * r["rollout/tool_calls_mean"])
         assert r["actor/rollout_log_prob_diff_max"] < 1e-3  # fp32 both: the trained tokens are the sampled ones
         assert all(v == v for v in r.values() if isinstance(v, float)), "no NaN metric"
+
+
+def test_stages_that_fail_half_built_close_the_environment_they_started(model_dir, tmp_path, monkeypatch):
+    """The in-process stages' construction fails after the user environment's process started (a fake
+    failure: the dock does not open): the run raises that error and the environment's process is gone."""
+    import dockrl.workers.inprocess as inprocess
+
+    started = []
+
+    def environment(cfg):
+        started.append(build_environment(cfg))
+        return started[-1]
+
+    def dock_that_does_not_open(*args, **kwargs):
+        raise OSError("fake: the dock does not open")
+
+    monkeypatch.setattr(inprocess, "build_environment", environment)
+    monkeypatch.setattr(inprocess, "open_dock", dock_that_does_not_open)
+    cfg = load_config(None, [
+        f"model.path={model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}", "run.progress=false",
+        "trainer.global_batch=2", "trainer.mini_batch=2", "rollout.n=4", "rollout.max_turns=3", "rollout.engine=hf",
+        "data.generate_train=8", "data.generate_test=4", "data.eval_size=4", "env.name=fake_envs:FakeScriptedToolEnvironment",
+    ])
+    with pytest.raises(OSError, match="fake: the dock does not open"):
+        driver.train(cfg)
+    [env] = started
+    assert env._proc is None and env._conn is None  # closed: its process stopped, its pipe closed
 
 
 @pytest.mark.slow  # the stages as processes: tens of seconds
