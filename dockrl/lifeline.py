@@ -161,7 +161,7 @@ def _start_time(pid: int) -> str | None:
 
 
 def exit_when_gone(pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
-    """In a helper process that is not a child of ``pid`` (a worker forked by a forkserver):
+    """In a helper process that may outlive ``pid`` (a process pool's worker):
     exit (``os._exit``) as soon as process ``pid`` is gone. A thread polls every ``poll_s``."""
     started = _start_time(pid)
 
@@ -176,11 +176,9 @@ def exit_when_gone(pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
 
 
 def guard_pool_worker(owner_pid: int) -> None:
-    """``initializer`` of a process pool whose workers are forked by a forkserver (the reward
-    verifier's): they exit when the pool's owner ``owner_pid`` is gone, even by SIGKILL, and when
-    their forkserver is. Without it they outlive the owner: each holds the forkserver's liveness
-    pipe open and waits on its task queue forever, so the forkserver and the resource tracker
-    stay too."""
+    """``initializer`` of a process pool's workers (the reward verifier's): they exit when the
+    pool's owner ``owner_pid`` is gone, even by SIGKILL, and when their parent is. Without it they
+    outlive the owner, waiting on their task queue forever, and the resource tracker stays too."""
     die_with_parent(signal.SIGKILL)
     exit_when_gone(owner_pid)
 

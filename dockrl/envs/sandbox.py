@@ -8,7 +8,10 @@ the standard library only) through ``dockrl.envs.sandbox_boot``, which confines 
   ``RLIMIT_NPROC`` (``max_processes``; not applied by the kernel to root), no core files;
 * a pids cgroup of its own (``max_processes``) where the cgroup file system is writable (root);
 * a new network namespace (in a new user namespace where the kernel allows): no interface is up,
-  so every connect fails;
+  so every connect fails, and abstract Unix socket names are its own;
+* a new mount namespace with empty ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` of its own (its
+  folder bound back at its path): no Unix socket another process of the same user left there (a
+  ``multiprocessing`` forkserver's, ZeroMQ's ``ipc://``) is reachable;
 * Landlock (kernel 5.13+): writes only inside its folder; no TCP bind or connect (ABI 4+); no
   signal or abstract socket out of the sandbox (ABI 6+);
 * a new session: at the end, whether the program ended, timed out or left children behind, its
@@ -75,7 +78,8 @@ class SandboxResult:
     seconds: float
     """Wall-clock time from start to the last process killed, seconds."""
     isolation: tuple[str, ...] = ()
-    """The layers that applied: ``pids-cgroup``, ``userns+netns`` or ``netns``, ``landlock-fs``, ``landlock-net``, ``landlock-scope``."""
+    """The layers that applied: ``pids-cgroup``, ``userns+netns`` or ``netns``, ``mountns``, ``landlock-fs``, ``landlock-net``,
+    ``landlock-scope``."""
 
     @property
     def ok(self) -> bool:
@@ -292,6 +296,12 @@ def _isolation(status: dict, cgroup: bool) -> tuple[str, ...]:
                    "unless Landlock (ABI 4+) refuses their TCP connects")
     else:
         applied.append(network)
+    mounts = str(status.get("mounts", "none"))
+    if mounts.startswith("none"):
+        _warn_once("mounts", f"sandbox: no mount namespace ({mounts}): programs can reach the Unix sockets other processes "
+                   "of this user left in /tmp, /dev/shm and /run")
+    else:
+        applied.append(mounts)
     landlock = str(status.get("landlock", "none"))
     if landlock.startswith("none"):
         _warn_once("landlock", f"sandbox: Landlock unavailable ({landlock}): programs can write outside their folder "

@@ -2,10 +2,13 @@
 
 ``dockrl.envs.sandbox`` starts it as ``python -I -S sandbox_boot.py SPEC STATUS_FD`` in a new
 session, in the program's working folder. It joins the run's pids cgroup, sets the resource
-limits, leaves the network (a new network namespace, in a new user namespace where the kernel
-allows), restricts writes to the working folder with Landlock, writes what it applied to the
-status pipe as one JSON line, and ``exec``\\ s ``python -I -S -B -X utf8 main.py``. The limits,
-namespaces and Landlock domain outlive the ``exec`` and pass to every child.
+limits, leaves the network and the file system's shared folders (new network and mount
+namespaces, in a new user namespace where the kernel allows: ``/tmp``, ``/var/tmp``, ``/dev/shm``
+and ``/run`` become empty folders of its own, its working folder bound back at its path, so no
+Unix socket of another process of the same user is reachable), restricts writes to the working
+folder with Landlock, writes what it applied to the status pipe as one JSON line, and
+``exec``\\ s ``python -I -S -B -X utf8 main.py``. The limits, namespaces and Landlock domain
+outlive the ``exec`` and pass to every child.
 
 Standard library only: it runs without ``site`` (``-S``), so nothing of dockrl imports here.
 Landlock is the Linux security module of unprivileged sandboxing (kernel 5.13+; the constants are
@@ -21,7 +24,11 @@ import os
 import resource
 import sys
 
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+_CLONE_NEWUSER, _CLONE_NEWNET, _CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 1, 1 << 2, 1 << 12, 1 << 14, 1 << 18
+# where processes of the same user leave Unix sockets (multiprocessing's forkserver, ZeroMQ's ipc://,
+# the container runtime's and service account's files under /run): replaced by empty folders inside
+_HIDDEN_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _PR_SET_NO_NEW_PRIVS = 38
 _CREATE_RULESET_VERSION = 1
@@ -67,15 +74,51 @@ def _set_limits(spec: dict) -> None:
         resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
 
 
-def _leave_network(libc: ctypes.CDLL) -> str:
-    """A new network namespace (only a loopback, down): connects fail. In a new user namespace first, so the
-    program holds no capability of the machine's namespaces; as root, the network namespace alone where that is refused."""
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
-        return "userns+netns"
-    first = os.strerror(ctypes.get_errno())
-    if libc.unshare(_CLONE_NEWNET) == 0:
-        return "netns"
-    return f"none (unshare: {first}; {os.strerror(ctypes.get_errno())})"
+def _leave_namespaces(libc: ctypes.CDLL) -> tuple[str, bool]:
+    """New network and mount namespaces: (the network layer that applied, whether the mount namespace did).
+
+    A new network namespace has only a loopback, down: connects fail, and its abstract Unix socket names are
+    its own. In a new user namespace first, so the program holds no capability of the machine's namespaces
+    (the user keeps its own id inside, so it can create files in its new folders); as root, the namespaces
+    alone where that is refused; the network alone where a mount namespace is refused."""
+    uid, gid = os.getuid(), os.getgid()
+    errors = []
+    for flags, network in ((_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWNS, "userns+netns"), (_CLONE_NEWNET | _CLONE_NEWNS, "netns"),
+                           (_CLONE_NEWUSER | _CLONE_NEWNET, "userns+netns"), (_CLONE_NEWNET, "netns")):
+        if libc.unshare(flags) != 0:
+            errors.append(os.strerror(ctypes.get_errno()))
+            continue
+        if flags & _CLONE_NEWUSER:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        return network, bool(flags & _CLONE_NEWNS)
+    return f"none (unshare: {'; '.join(dict.fromkeys(errors))})", False
+
+
+def _hide_shared_folders(libc: ctypes.CDLL, folder: str) -> str:
+    """In the new mount namespace: an empty tmpfs over each of ``_HIDDEN_FOLDERS``, and ``folder`` (the working
+    folder, often under ``/tmp``) bound back at its own path. Returns ``mountns`` or why not."""
+    def fail(what: str) -> str:
+        return f"none ({what}: {os.strerror(ctypes.get_errno())})"
+
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:  # nothing below propagates back out
+        return fail("mount --make-rprivate /")
+    keep = os.open(folder, os.O_PATH | os.O_CLOEXEC)
+    try:
+        hidden: list[str] = []
+        for path in dict.fromkeys(os.path.realpath(p) for p in _HIDDEN_FOLDERS):
+            if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=1777") != 0:
+                return fail(f"tmpfs on {path}")
+            hidden.append(path)
+        if any(folder == path or folder.startswith(path + "/") for path in hidden):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if libc.mount(f"/proc/self/fd/{keep}".encode(), folder.encode(), None, _MS_BIND, None) != 0:
+                return fail(f"bind {folder}")
+        os.chdir(folder)
+    finally:
+        os.close(keep)
+    return "mountns"
 
 
 def _landlock(libc: ctypes.CDLL, folder: str) -> tuple[int, str]:
@@ -111,8 +154,10 @@ def main(argv: list[str]) -> None:
     spec, status_fd = json.loads(argv[1]), int(argv[2])
     status: dict[str, str | int] = {"cgroup": _join_cgroup(spec["cgroup_procs"])}
     libc = _libc()
-    status["network"] = _leave_network(libc)
-    status["abi"], status["landlock"] = _landlock(libc, os.getcwd())
+    folder = os.getcwd()
+    status["network"], mount_namespace = _leave_namespaces(libc)
+    status["mounts"] = _hide_shared_folders(libc, folder) if mount_namespace else "none (no mount namespace)"
+    status["abi"], status["landlock"] = _landlock(libc, folder)
     _set_limits(spec)  # last: the steps above must not count against the program's limits
     os.write(status_fd, (json.dumps(status) + "\n").encode())
     os.close(status_fd)

@@ -18,7 +18,7 @@ from types import TracebackType
 from dockrl.lifeline import guard_pool_worker
 from dockrl.rewards.math_verifier import score_response
 
-# longest a fresh verifier worker may take to start (fork, sympy imports), seconds: generous, a
+# longest a fresh verifier worker may take to start (an interpreter, sympy imports), seconds: generous, a
 # loaded machine took over 60 s
 _START_TIMEOUT_S = 180.0
 
@@ -27,10 +27,12 @@ class RewardScorer:
     """Scores batches of ``(response, ground_truth)`` in worker processes, with a per-sample timeout.
 
     Each sample is one task in a :class:`~concurrent.futures.ProcessPoolExecutor` using the
-    ``forkserver`` start method: workers are forked from a small, single-threaded server
-    process (which preloads this module), so they start in milliseconds yet never inherit the
-    trainer's CUDA context or thread locks, as ``fork`` would. As with ``spawn``, a script
-    that creates a scorer needs an ``if __name__ == "__main__":`` guard.
+    ``spawn`` start method: fresh interpreters that talk to this process over pipes only, so
+    they never inherit the trainer's CUDA context or thread locks, as ``fork`` would, and no
+    socket listens for them. Not ``forkserver``: before Python 3.14 its server unpickles
+    whatever reaches its Unix socket in the temporary folder, and a program of the same user
+    (a model-written one in the sandbox, ``dockrl.envs.sandbox``) could run code through it.
+    A script that creates a scorer needs an ``if __name__ == "__main__":`` guard.
 
     A sample whose verifier runs longer than ``timeout_s`` seconds scores 0.0 and counts in
     ``timeouts``; one that raises (or crashes its worker) scores 0.0 and counts in ``errors``.
@@ -70,10 +72,9 @@ class RewardScorer:
             TimeoutError: the workers did not start within ``_START_TIMEOUT_S`` seconds.
         """
         if self._pool is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload([__name__, "math_verify"])
-            # the workers exit with this process, even when it is SIGKILLed (else they, the forkserver
-            # and the resource tracker live on: each worker holds the forkserver's liveness pipe)
+            ctx = multiprocessing.get_context("spawn")  # no listening socket (class docstring)
+            # the workers exit with this process, even when it is SIGKILLed (else they and the
+            # resource tracker live on, waiting on their task queue)
             self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx,
                                              initializer=guard_pool_worker, initargs=(os.getpid(),))
             try:  # the verifier itself, so its module is imported too (a worker unpickles it on first use)

@@ -4,7 +4,9 @@ and nothing it started is left running, nor its folder or cgroup."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,14 +122,19 @@ def test_a_network_connect_fails(no_leftovers):
         server.close()
 
 
-def test_a_write_outside_its_folder_fails(tmp_path: Path, no_leftovers):
+def test_a_write_outside_its_folder_fails(no_leftovers):
     if "landlock-fs" not in isolation():
         pytest.skip("Landlock is not available on this kernel")
-    target = tmp_path / "outside.txt"
-    r = run_python(f"open({str(target)!r}, 'w').write('escaped')", LIMITS)
-    assert not r.ok and "PermissionError" in r.stderr and not target.exists()
-    r = run_python(f"import os\nos.remove({str(tmp_path)!r})", LIMITS)
-    assert not r.ok and tmp_path.is_dir()
+    # a folder the sandbox sees (not under /tmp, which its mount namespace replaces): Landlock refuses the write
+    outside = Path(tempfile.mkdtemp(prefix=".dockrl-sandbox-test-", dir=Path.cwd()))
+    try:
+        target = outside / "outside.txt"
+        r = run_python(f"open({str(target)!r}, 'w').write('escaped')", LIMITS)
+        assert not r.ok and "PermissionError" in r.stderr and not target.exists()
+        r = run_python(f"import os\nos.rmdir({str(outside)!r})", LIMITS)
+        assert not r.ok and "PermissionError" in r.stderr and outside.is_dir()
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
 
 
 def test_output_is_cut_and_the_folder_and_cgroup_are_removed(no_leftovers):

@@ -1,4 +1,4 @@
-"""The reward verifier's processes (forkserver, pool workers, resource tracker) never outlive their owner."""
+"""The reward verifier's processes (pool workers, resource tracker) never outlive their owner."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_no_verifier_process_outlives_its_owner(tmp_path, sig):
     try:
         assert owner.stdout.readline().strip() == "ready"
         helpers = descendants(owner.pid)
-        assert len(helpers) >= 3  # the forkserver, its pool worker, the resource tracker
+        assert len(helpers) >= 2  # the pool worker, the resource tracker
         owner.send_signal(sig)
         owner.wait(timeout=30)
         start = time.monotonic()
@@ -83,12 +83,12 @@ def test_an_inprocess_run_stopped_by_sigterm_leaves_nothing(tiny_model_dir, tmp_
         driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while len(helpers := descendants(driver.pid)) < 3:  # the evaluation before training started the verifier's pool
+        while len(helpers := descendants(driver.pid)) < 2:  # the evaluation before training started the verifier's pool
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:] if driver.poll() is not None else "slow"
             time.sleep(0.2)
         time.sleep(1)
         helpers = descendants(driver.pid)
-        assert len(helpers) >= 3 and lock_holder(run)["pid"] == driver.pid
+        assert len(helpers) >= 2 and lock_holder(run)["pid"] == driver.pid
         driver.send_signal(signal.SIGTERM)
         try:
             code = driver.wait(timeout=120)
@@ -96,7 +96,7 @@ def test_an_inprocess_run_stopped_by_sigterm_leaves_nothing(tiny_model_dir, tmp_
             pytest.fail(f"the driver did not exit within 120 s of SIGTERM; its log ends:\n{log.read_text()[-3000:]}")
         assert code == 143, log.read_text()[-3000:]
         start = time.monotonic()
-        while any(alive(p) for p in helpers) and time.monotonic() - start < 10:  # the forkserver and tracker read EOF
+        while any(alive(p) for p in helpers) and time.monotonic() - start < 10:  # the tracker reads EOF
             time.sleep(0.05)
         assert not [p for p in helpers if alive(p)] and lock_holder(run) is None
     finally:
