@@ -5,8 +5,8 @@
 the actor's HF weights, ``optimizer.pt`` (``dockrl.optimizer_state.save_optimizer``), with ``critic.enable`` the
 critic's weights and optimizer in ``critic/`` (``critic_dir``), the dock snapshot taken with
 iteration ``k`` open and its prompts put but not yet announced (``dock/``, or the run's S3 store:
-``dock_snapshot_uri``; none in ``final``), and ``driver_state.json``, written last and
-atomically: a folder without it is incomplete and never resumed from (``prepare_checkpoint``
+``dock_snapshot_uri``; none in ``final``), and ``driver_state.json``, written last,
+atomically, after every file and folder of the checkpoint is synced to disk (``sync_tree``): a folder without it is incomplete and never resumed from (``prepare_checkpoint``
 removes it before a folder is written again). ``run.resume=latest`` takes the complete
 checkpoint that resumes furthest (``dockrl.resume_point.find_resume``). With ``trainer.keep_checkpoints`` = K the
 driver keeps the newest K complete ``iter_*`` checkpoints and ``final``, removing older ones as
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -155,10 +156,38 @@ def write_driver_state(
         "generated_through": next_iteration - 1 if generated_through is None else generated_through,
         "reports": {str(k): v for k, v in (reports or {}).items()},
     }
-    path = Path(checkpoint) / STATE_FILE
+    folder = Path(checkpoint)
+    sync_tree(folder)  # the weights, optimizer and local dock snapshot on disk before the marker says they are
+    path = folder / STATE_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
+    with tmp.open("w") as f:
+        f.write(json.dumps(doc, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
+    _fsync_path(folder)  # the rename itself
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """``fsync`` every file under ``folder``, then every folder from the deepest up to ``folder`` itself, so
+    what the stages wrote there (from any process on this machine, or closed by theirs on a network file
+    system) survives a crash of the node, not only of a process: the checkpoint's marker follows it.
+
+    Raises:
+        OSError: a file or folder could not be synced (a full or failing disk); the marker is then not written.
+    """
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync_path(Path(root, name))
+        _fsync_path(Path(root))
 
 
 def write_final_state(checkpoint: Path, cfg: Config, *, summary: dict[str, float], prompts: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,29 @@ def test_an_optimizer_write_cut_short_leaves_no_half_written_file(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     assert save_optimizer(engine, tmp_path) == tmp_path / optimizer_file(0) and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_checkpoints_files_and_folders_are_on_disk_before_its_marker(tmp_path, monkeypatch):
+    """Durable against a node crash, not only a killed process: every file and folder of the checkpoint is
+    fsync'ed, then the marker (its own file, then the folder holding the rename), in that order."""
+    cfg = config(tmp_path)
+    ckpt = checkpoint_dir(cfg.run.output_dir, 2)
+    (ckpt / "dock" / "shard-0").mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.pt", "dock/shard-0/rows.arrow"):
+        (ckpt / name).write_bytes(b"x")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), ckpt))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    write_driver_state(ckpt, cfg, next_iteration=2, dock_uri=str(ckpt / "dock"), open_iteration=2, summary={}, prompts="p")
+    marker = synced.index(f"{STATE_FILE}.tmp")
+    before = set(synced[:marker])
+    assert {"model.safetensors", "optimizer.pt", "dock/shard-0/rows.arrow", "dock/shard-0", "dock", "."} <= before, synced
+    assert synced[marker + 1:] == ["."] and (ckpt / STATE_FILE).is_file()
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path):
