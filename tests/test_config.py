@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
+import tracemalloc
 import types
 import typing
 
@@ -92,6 +94,34 @@ def test_an_error_names_the_file_when_the_value_or_key_at_fault_came_from_it(tmp
         load_config(write_yaml(tmp_path, "trainer:\n  lr: 1e-5\n"), ["trainer.foo=1"])
     with pytest.raises(ConfigError, match=r"^trainer.lr: got \{'x': 1\}; expected a number$"):  # the override replaced the file's lr
         load_config(write_yaml(tmp_path, "trainer:\n  lr: 1e-5\n"), ["trainer.lr.x=1"])
+
+
+def test_a_yaml_alias_bomb_is_refused_in_milliseconds_naming_the_field():
+    """A few hundred bytes of nested aliases, as one config value, expand to 9**9 strings once walked or
+    printed; the loader refuses it before (under 1 s and 100 MB)."""
+    levels = ["&a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"&{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    bomb = "trainer:\n  lr: [" + ", ".join(levels) + "]\n"
+    assert len(bomb) < 400
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"^bomb.yaml: trainer\.lr\[.*more than 10000 values"):
+        load_config_text(bomb, "bomb.yaml")
+    seconds, (_, peak) = time.perf_counter() - start, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert seconds < 1 and peak < 100 * 2**20, (seconds, peak)
+
+
+def test_a_config_too_deep_or_too_long_is_refused():
+    with pytest.raises(ConfigError, match=r"^deep: trainer\.lr(\[0\])+: nested more than 16 deep"):
+        load_config_text("trainer:\n  lr: " + "[" * 30 + "]" * 30 + "\n", "deep")
+    with pytest.raises(ConfigError, match="a config is at most 4194304"):
+        load_config_text("#" * (4 * 2**20 + 1), "long")
+    with pytest.raises(ConfigError, match=r"^long: run\.output_dir: a text of 1048577 characters"):
+        load_config_text("run:\n  output_dir: " + "x" * (2**20 + 1) + "\n", "long")
+    with pytest.raises(ConfigError, match="an override is at most 1048576"):
+        load_config(None, ["run.output_dir=" + "x" * 2**20])
 
 
 def test_a_config_file_that_is_not_utf8_names_the_byte(tmp_path):

@@ -90,10 +90,58 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(str(e)) from e
 
 
+MAX_CONFIG_CHARS = 4 << 20
+"""The longest config text, in characters (4 MiB: real ones are a few KiB)."""
+MAX_TEXT_CHARS = 1 << 20
+"""The longest value of a field, and the longest override, in characters."""
+MAX_VALUES = 10_000
+"""Values (mappings, lists and scalars) a config may hold in all, each alias counted where it is used."""
+MAX_DEPTH = 16
+"""Nesting of mappings and lists in a config (sections, nested sections and list fields are 4 deep)."""
+
+
+def check_bounds(data: Any, source: str) -> None:
+    """Refuse a config larger or deeper than any real one before anything else reads it.
+
+    A YAML alias is one node that every use shares: a few hundred bytes of nested aliases ("a billion
+    laughs") load as a handful of objects that expand to billions of values once something walks or
+    prints them. The walk here counts each use and stops at ``MAX_VALUES``, so such a value costs
+    milliseconds.
+
+    Raises:
+        ConfigError: more than ``MAX_VALUES`` values, a nesting deeper than ``MAX_DEPTH``, or a text
+            value longer than ``MAX_TEXT_CHARS``; the message names the field where the bound was crossed.
+    """
+    seen = 0
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        seen += 1
+        field = where or "config"
+        if seen > MAX_VALUES:
+            raise ConfigError(f"{source}: {field}: the config holds more than {MAX_VALUES} values (a YAML alias used "
+                              "over and over?); a config is at most that large")
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{source}: {field}: nested more than {MAX_DEPTH} deep; a config is at most that deep")
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str) and len(value) > MAX_TEXT_CHARS:
+            raise ConfigError(f"{source}: {field}: a text of {len(value)} characters; a value is at most {MAX_TEXT_CHARS}")
+
+
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """``["trainer.lr=1e-5", "reward_model.model.path=rm"]`` → nested dict; values parsed as YAML scalars."""
+    """``["trainer.lr=1e-5", "reward_model.model.path=rm"]`` → nested dict; values parsed as YAML scalars.
+
+    Raises:
+        ConfigError: an override that is not ``section.field=value``, one longer than ``MAX_TEXT_CHARS``, or one
+            that gives a value to a name an earlier override made a section.
+    """
     tree: dict[str, Any] = {}
     for item in overrides:
+        if len(item) > MAX_TEXT_CHARS:
+            raise ConfigError(f"override {item[:60]!r}...: {len(item)} characters; an override is at most {MAX_TEXT_CHARS}")
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected section.field=value, e.g. trainer.lr=1e-5")
         key, raw = item.split("=", 1)
@@ -204,11 +252,13 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
         source: where the text came from, for error messages (a file, ``env DOCKRL_CONFIG_YAML``).
 
     Raises:
-        ConfigError: as ``load_config``; also text that is not a YAML mapping of sections, or that
-            repeats a key of a mapping. A message about a value or key of the text starts with
+        ConfigError: as ``load_config``; also text that is not a YAML mapping of sections, that
+            repeats a key of a mapping, or that is larger or deeper than any config (``check_bounds``). A message about a value or key of the text starts with
             ``source`` (one naming an overridden field does not); one naming a field the text and the
             overrides leave at its default ends with ``(<field> is the default <value>)``.
     """
+    if len(text) > MAX_CONFIG_CHARS:
+        raise ConfigError(f"{source}: {len(text)} characters; a config is at most {MAX_CONFIG_CHARS}")
     try:
         data = yaml.load(text, Loader=_ConfigLoader) or {}
     except yaml.MarkedYAMLError as err:  # one line: where, what, and while doing what
@@ -219,6 +269,7 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
         raise ConfigError(f"{source}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a YAML mapping of sections")
+    check_bounds(data, source)
     in_text, overridden = copy.deepcopy(data), parse_overrides(overrides)
     try:
         _merge(data, overridden, Config)
