@@ -8,13 +8,14 @@ tokenizes, and reports every unusable line with its number and reason.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 from dockrl.config import ConfigError
 
@@ -130,9 +131,36 @@ def check_data_file(path: str | Path) -> Path:
     return path
 
 
+MAX_ROW_BYTES = 1 << 20
+"""The longest data row (a JSONL line, or a Parquet row's question and answer), in bytes: a longer one is
+dropped unread, before anything parses or tokenizes it (1 MiB: far above any prompt a model takes)."""
+
+
+class RowTooLong(ValueError):
+    """A data row over ``MAX_ROW_BYTES``, skipped without being read whole."""
+
+
+def _jsonl_lines(f: BinaryIO) -> Iterator[tuple[int, bytes | RowTooLong]]:
+    """(line number, line) of a binary file, a line over ``MAX_ROW_BYTES`` as a ``RowTooLong`` (read in
+    1 MiB pieces and dropped: memory stays bounded whatever the line's length)."""
+    for i in itertools.count(1):
+        line = f.readline(MAX_ROW_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_ROW_BYTES or line.endswith(b"\n"):
+            yield i, line
+            continue
+        size = len(line)
+        while line and not line.endswith(b"\n"):
+            line = f.readline(MAX_ROW_BYTES)
+            size += len(line)
+        yield i, RowTooLong(f"a line of {size} bytes > {MAX_ROW_BYTES} (dropped unread)")
+
+
 def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
     if path.suffix == ".parquet":
         import pyarrow as pa  # lazy: pyarrow.parquet loads in ~0.15 s, only for a Parquet file; this module stays light
+        import pyarrow.compute as pc  # lazy: as pyarrow
         import pyarrow.parquet as pq  # lazy: as pyarrow above
 
         try:
@@ -146,8 +174,9 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
             if not (pa.types.is_string(table.schema.field(name).type) or pa.types.is_large_string(table.schema.field(name).type)):
                 raise ValueError(f"data file {path}: column {name!r} is {table.schema.field(name).type}; "
                                  "expected strings (GSM8K format: 'answer' ends in '#### <number>')")
-        for i, row in enumerate(table.to_pylist(), start=1):
-            yield i, row
+        sizes = pc.add(pc.fill_null(pc.binary_length(table["question"]), 0), pc.fill_null(pc.binary_length(table["answer"]), 0))
+        for i, (row, size) in enumerate(zip(table.to_pylist(), sizes.to_pylist()), start=1):
+            yield i, RowTooLong(f"a row of {size} bytes > {MAX_ROW_BYTES}") if size > MAX_ROW_BYTES else row
         return
     with path.open("rb") as f:
         head = f.read(4096).lstrip()
@@ -155,7 +184,10 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
             raise ValueError(f"data file {path}: a JSON array; expected JSON Lines, one object per line "
                              "(convert it: jq -c '.[]' FILE > FILE.jsonl)")
         f.seek(0)  # decoded line by line: a line that is not UTF-8 is one bad line, not a failed file
-        for i, raw in enumerate(f, start=1):
+        for i, raw in _jsonl_lines(f):
+            if isinstance(raw, RowTooLong):
+                yield i, raw
+                continue
             if not raw.strip():
                 continue
             try:
@@ -234,11 +266,17 @@ def load_prompts(
     path = check_data_file(path)
     report, prompts, seen = LoadReport(str(path)), list[Prompt](), set[str]()
     for line_no, row in _read_rows(path):
+        if isinstance(row, RowTooLong):
+            report.bad.append((line_no, str(row)))
+            continue
         if isinstance(row, Exception):
             report.bad.append((line_no, f"invalid JSON: {row}"))
             continue
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
             report.bad.append((line_no, "missing 'question' or 'answer' string field"))
+            continue
+        if not row["question"].strip():
+            report.bad.append((line_no, "the question is empty"))
             continue
         truth = final_answer_of(row["answer"])
         if truth is None:

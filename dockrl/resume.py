@@ -6,7 +6,8 @@ the actor's HF weights, ``optimizer.pt`` (``dockrl.optimizer_state.save_optimize
 critic's weights and optimizer in ``critic/`` (``critic_dir``), the dock snapshot taken with
 iteration ``k`` open and its prompts put but not yet announced (``dock/``, or the run's S3 store:
 ``dock_snapshot_uri``; none in ``final``), and ``driver_state.json``, written last,
-atomically, after every file and folder of the checkpoint is synced to disk (``sync_tree``): a folder without it is incomplete and never resumed from (``prepare_checkpoint``
+atomically, after every file and folder of the checkpoint is synced to disk (``sync_tree``): a
+folder without it is incomplete and never resumed from (``prepare_checkpoint``
 removes it before a folder is written again). ``run.resume=latest`` takes the complete
 checkpoint that resumes furthest (``dockrl.resume_point.find_resume``). With ``trainer.keep_checkpoints`` = K the
 driver keeps the newest K complete ``iter_*`` checkpoints and ``final``, removing older ones as

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import operator
 import re
+import time
+import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from dockrl.config import DEFAULT_SYSTEM_PROMPT
-from dockrl.data import final_answer_of, generate_problems, load_prompts, write_jsonl
+from dockrl.data import MAX_ROW_BYTES, final_answer_of, generate_problems, load_prompts, write_jsonl
 
 STEP = re.compile(r"^(\d+) ([+\-*]) (\d+) = (\d+)$")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -152,6 +154,36 @@ def test_empty_file_raises(tmp_path, tokenizer):
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="no usable row"):
         load_prompts(path, tokenizer, system_prompt="", max_prompt_length=256)
+
+
+def test_blank_questions_and_answers_are_counted_and_skipped_with_their_line(tmp_path, tokenizer):
+    rows = [GOOD[0], {"question": "", "answer": "#### 3"}, {"question": "  \n\t", "answer": "#### 3"}, {"question": "q", "answer": "  "}]
+    prompts, report = load_prompts(write_jsonl(rows, tmp_path / "blank.jsonl"), tokenizer, system_prompt="", max_prompt_length=256)
+    assert [p.question for p in prompts] == [GOOD[0]["question"]]
+    assert report.bad == [(2, "the question is empty"), (3, "the question is empty"), (4, "answer has no final '#### <number>'")]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_100_mb_row_is_dropped_unread_in_seconds(tmp_path, tokenizer, suffix):
+    """Dropped before it is parsed or tokenized (a 16 MB line once took 46 s and 6 GB), memory bounded."""
+    huge = {"question": "Tom has 3 apples. " * (100 * 2**20 // 18), "answer": "#### 3"}
+    path = tmp_path / f"huge.{suffix}"
+    if suffix == "jsonl":
+        with path.open("w") as f:
+            f.write(json.dumps(GOOD[0]) + "\n" + json.dumps(huge) + "\n" + json.dumps(GOOD[1]) + "\n")
+    else:
+        pq.write_table(pa.Table.from_pylist([GOOD[0], huge, GOOD[1]]), path)
+    del huge
+    tracemalloc.start()
+    start = time.perf_counter()
+    prompts, report = load_prompts(path, tokenizer, system_prompt="", max_prompt_length=256)
+    seconds, (_, peak) = time.perf_counter() - start, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [p.question for p in prompts] == [GOOD[0]["question"], GOOD[1]["question"]]
+    assert len(report.bad) == 1 and report.bad[0][0] == 2 and f"> {MAX_ROW_BYTES}" in report.bad[0][1], report.bad
+    assert seconds < 5, seconds
+    if suffix == "jsonl":  # Parquet's column is read whole by Arrow (outside Python's allocator)
+        assert peak < 16 * 2**20, peak
 
 
 def test_parquet_loads_like_jsonl(tmp_path, tokenizer):

@@ -253,7 +253,8 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
 
     Raises:
         ConfigError: as ``load_config``; also text that is not a YAML mapping of sections, that
-            repeats a key of a mapping, or that is larger or deeper than any config (``check_bounds``). A message about a value or key of the text starts with
+            repeats a key of a mapping, or that is larger or deeper than any config (``check_bounds``).
+            A message about a value or key of the text starts with
             ``source`` (one naming an overridden field does not); one naming a field the text and the
             overrides leave at its default ends with ``(<field> is the default <value>)``.
     """
