@@ -14,6 +14,12 @@ BUILT_IN_ENVIRONMENTS = ("python", "calculator")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
+SANDBOX_MAX: dict[str, float] = {"wall_s": 3600.0, "cpu_s": 3600, "memory_mb": 65536, "output_bytes": 1 << 20, "file_mb": 1024,
+                                 "max_processes": 1024}
+"""Upper bounds of ``env.sandbox.*``: no program of a rollout gets more than an hour, 64 GiB, a 1 GiB file,
+1,024 processes or 1 MiB of output (which the trainer keeps and tokenizes)."""
+
+
 def check_env(e: EnvConfig) -> None:
     """The ``env`` section's ranges and names.
 
@@ -26,11 +32,11 @@ def check_env(e: EnvConfig) -> None:
     if not (0 < e.timeout_s < math.inf):
         raise _fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
     s = e.sandbox
-    if not (0 < s.wall_s < math.inf):
-        raise _fail("env.sandbox.wall_s", s.wall_s, "expected a finite number of seconds > 0")
-    for where, v, low in (("env.sandbox.cpu_s", s.cpu_s, 1), ("env.sandbox.memory_mb", s.memory_mb, 64),
-                          ("env.sandbox.output_bytes", s.output_bytes, 1), ("env.sandbox.file_mb", s.file_mb, 1),
-                          ("env.sandbox.max_processes", s.max_processes, 1)):
-        if v < low:
-            why = " (the Python interpreter itself needs about that much address space)" if where.endswith("memory_mb") else ""
-            raise _fail(where, v, f"expected an integer >= {low}{why}")
+    if not (0 < s.wall_s <= SANDBOX_MAX["wall_s"]):
+        raise _fail("env.sandbox.wall_s", s.wall_s, f"expected seconds > 0 and <= {SANDBOX_MAX['wall_s']:g}")
+    for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("max_processes", 1)):
+        v, high = getattr(s, name), SANDBOX_MAX[name]
+        if not low <= v <= high:
+            why = " (the Python interpreter itself needs about that much address space)" if name == "memory_mb" and v < low else ""
+            raise _fail(f"env.sandbox.{name}", v, f"expected an integer >= {low}{why} and <= {high}")
+
