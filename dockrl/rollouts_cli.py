@@ -19,7 +19,9 @@ from dockrl.rollouts_rescore import rescore_command
 
 def main(argv: list[str]) -> int:
     """``dockrl rollouts show | rescore | replay | page RUN ...`` (RUN: a run folder or a pipeline's rollouts artifact):
-    exit 0; 1 when ``replay`` differs from the logged values; 2 when RUN holds no kept rollouts."""
+    exit 0; 1 when ``replay`` differs from the logged values; 2 when RUN holds no kept rollouts or not what the
+    command asks of it (one line on stderr: an iteration not kept, no checkpoint to replay from, a scorer that is no
+    ``module:Class``)."""
     parser = argparse.ArgumentParser(prog="dockrl rollouts", description="A run's kept rollouts (run.keep_rollouts; docs/rollouts.md).")
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="a table of one iteration's kept rows: reward, length, the response's first characters")
@@ -39,17 +41,18 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         kept = kept_rollouts(args.run)
-    except FileNotFoundError as e:
-        print(f"dockrl rollouts: {e}", file=sys.stderr)
+        if args.command == "show":
+            print(show_table(kept, args.iteration, args.limit, args.width))
+        elif args.command == "rescore":
+            print(rescore_command(kept, args.scorer, args.iteration, args.out))
+        elif args.command == "replay":
+            text, same = replay_command(kept, args.iteration)
+            print(text)
+            return 0 if same else 1
+        else:
+            print(write_rollouts_page(kept, args.out))
+    except (ValueError, KeyError, FileNotFoundError) as e:  # what the user asked for is not in RUN: one line, no traceback
+        text = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # a KeyError's str() is its repr
+        print(text if text.startswith("dockrl ") else f"dockrl rollouts {args.command}: {text}", file=sys.stderr)
         return 2
-    if args.command == "show":
-        print(show_table(kept, args.iteration, args.limit, args.width))
-    elif args.command == "rescore":
-        print(rescore_command(kept, args.scorer, args.iteration, args.out))
-    elif args.command == "replay":
-        text, same = replay_command(kept, args.iteration)
-        print(text)
-        return 0 if same else 1
-    else:
-        print(write_rollouts_page(kept, args.out))
     return 0

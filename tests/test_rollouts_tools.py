@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pyarrow.parquet as pq
 import pytest
 from fake_scorers import FakeDigitScorer
@@ -57,6 +59,19 @@ def test_rescore_errors_name_what_is_wrong(kept_run, tmp_path, capsys):
         rescore(kept_rollouts(kept_run), "fake_scorers:NoSuchScorer")
     assert main(["rollouts", "rescore", str(tmp_path), "--scorer", "fake_scorers:FakeDigitScorer"]) == 2
     assert "holds no kept rollouts" in capsys.readouterr().err
+
+
+def test_errors_of_each_command_on_a_run_are_one_line_and_exit_2(kept_run, tmp_path, capsys):
+    """``replay`` of an iteration whose checkpoint is gone and ``rescore`` with a scorer that does not import: one
+    line each, exit code 2, no traceback."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(kept_run, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    for argv, says in ((["replay", "--iteration", "1"], "is not a complete checkpoint"),
+                       (["rescore", "--scorer", "no_such_module:Scorer"], "does not import")):
+        capsys.readouterr()
+        assert main(["rollouts", argv[0], str(run_dir), *argv[1:]]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and says in err, err
 
 
 def test_a_bad_value_of_the_new_scorer_is_flagged_on_its_row(kept_run):

@@ -105,12 +105,29 @@ class WorkerGroup:
             raise ValueError(f"worker group {self.name!r}: port={self.port}; expected 0 (none) or 1-65535")
 
 
+def stage_error(log_tail: str) -> str:
+    """The exception that ended a worker, as the last traceback in its log states it (``Type: message``, the
+    type without its module), or ``""`` when the log holds no traceback (nor the end of one)."""
+    lines = log_tail.splitlines()
+    # the traceback's header, or (a tail that cut it off) its last frame
+    starts = [i for i, line in enumerate(lines) if line.startswith(("Traceback (most recent call last):", '  File "'))]
+    if not starts:
+        return ""
+    for line in lines[starts[-1] + 1:]:
+        if line.strip() and not line[0].isspace():  # the frames are indented; the exception's line is not
+            return re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", line.strip())
+    return ""
+
+
 class WorkerFailed(RuntimeError):
     """A worker died or cannot start; carries the tail of its log."""
 
     def __init__(self, group: str, member: str, reason: str, log_tail: str = ""):
         self.group, self.member, self.reason, self.log_tail = group, member, reason, log_tail
         msg = f"worker {member} of group {group!r} failed: {reason}"
+        own = stage_error(log_tail)
+        if own:  # the stage's own words first: the line a user reads
+            msg += f": {own}"
         if log_tail:
             msg += "\n--- last lines of its log ---\n" + log_tail.rstrip("\n")
         super().__init__(msg)

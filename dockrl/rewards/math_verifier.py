@@ -82,9 +82,9 @@ def _number_at_start(text: str, *, whole: bool) -> str | None:
     if (whole and rest.strip()) or _AMBIGUOUS_TAIL.match(rest):
         return None
     negative = bool(match["s1"] or match["s2"])  # any minus sign makes it negative, as before
-    if match["fnum"] is not None:
-        num = int(match["fnum"])
-        negative, body = negative or num < 0, f"{abs(num)}/{match['fden']}"
+    if match["fnum"] is not None:  # digits as text: int() refuses more than 4,300 of them (sys.int_info)
+        digits = match["fnum"].lstrip("-").lstrip("0") or "0"
+        negative, body = negative or (match["fnum"].startswith("-") and digits != "0"), f"{digits}/{match['fden']}"
     else:
         body = match["mant"].replace(",", "")
         if match["exp"] is not None:
@@ -122,10 +122,22 @@ def _normalize(answer: str) -> str:
     return number if number is not None else text.replace("$", "").strip()
 
 
+def _exact(number: str) -> Fraction:
+    """``a``, ``a.b`` or ``a/b`` exactly, through ``Decimal``: ``Fraction(str)`` goes through ``int(str)``, which
+    refuses more than 4,300 digits, and a long right answer would score as wrong.
+
+    Raises:
+        ValueError, ArithmeticError: not such a number, or a zero denominator.
+    """
+    num, _, den = number.partition("/")
+    value = Fraction(Decimal(num))
+    return value / Fraction(Decimal(den)) if den else value
+
+
 def _fraction_equal(predicted: str, ground_truth: str) -> bool:
     try:
-        return Fraction(predicted) == Fraction(ground_truth)
-    except (ValueError, ZeroDivisionError, TypeError):
+        return _exact(predicted) == _exact(ground_truth)
+    except (ValueError, ArithmeticError, TypeError):
         return False
 
 
@@ -147,6 +159,8 @@ def answers_match(predicted: str, ground_truth: str) -> bool:
     pred, gold = _normalize(predicted), _normalize(ground_truth)
     if not pred or not gold:
         return False
+    if pred == gold:  # the same canonical text: equal, without parsing (a number of 100,000 digits takes math-verify seconds)
+        return True
     try:
         timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
         gold_parsed = parse(gold, parsing_timeout=timeout)

@@ -182,6 +182,7 @@ def test_a_crashing_worker_fails_the_run_fast_with_its_log_tail(tiny_model_dir, 
     failed_at = time.time()
     assert err.value.member == "reward-0" and "exited with code 1" in str(err.value)
     assert "RuntimeError: fake scorer crash: the verifier blew up" in err.value.log_tail
+    assert str(err.value).splitlines()[0].endswith("exited with code 1: RuntimeError: fake scorer crash: the verifier blew up")
     crashed_at = (tmp_path / "run" / "logs" / "reward-0.log").stat().st_mtime  # its traceback is its last write
     assert failed_at - crashed_at < 10, f"the run failed {failed_at - crashed_at:.1f} s after the crash"
     assert ((tmp_path / "run" / "logs" / "fork-server-0.log").is_file()) == fork_server

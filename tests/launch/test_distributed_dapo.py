@@ -56,4 +56,5 @@ def test_a_dataset_the_model_always_solves_fails_the_run_within_the_bound(tiny_m
         driver.train(cfg)
     assert err.value.member == "reward-0"
     assert "DynamicSamplingExhausted" in err.value.log_tail and "max_num_gen_batches=3" in err.value.log_tail
+    assert "DynamicSamplingExhausted" in str(err.value).splitlines()[0]  # the stage's own reason is the first line
     assert time.monotonic() - start < 120  # well before dock.timeout_s would let any stage give up waiting

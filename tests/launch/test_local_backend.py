@@ -52,6 +52,21 @@ def test_a_failing_worker_fails_fast_with_its_log_tail(tmp_path):
     assert backend.teardown() == 1
 
 
+def test_a_failed_workers_message_starts_with_its_own_error(tmp_path):
+    """The one line a user reads is the stage's own reason (the last exception its log reports), its log below."""
+    backend = LocalBackend("run-c", state_dir=tmp_path)
+    crash = ("import logging, sys; logging.basicConfig(); logging.getLogger('x').info('loaded'); "
+             "raise sys.modules['builtins'].ValueError('dynamic sampling gave up after 3 rounds: set algorithm.filter_groups')")
+    backend.start([WorkerGroup(name="reward", command=(PY, "-c", crash))])
+    with pytest.raises(WorkerFailed) as err:
+        backend.wait(timeout_s=30)
+    first = str(err.value).splitlines()[0]
+    assert first == ("worker reward-0 of group 'reward' failed: exited with code 1: "
+                     "ValueError: dynamic sampling gave up after 3 rounds: set algorithm.filter_groups"), first
+    assert "Traceback" in err.value.log_tail
+    backend.teardown()
+
+
 def test_teardown_stops_the_children_a_killed_worker_left(tmp_path):
     backend = LocalBackend("run-k", state_dir=tmp_path)
     # the worker starts a child (a pool's forkserver, say), prints its pid, then dies by SIGKILL

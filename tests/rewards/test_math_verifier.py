@@ -142,6 +142,15 @@ def test_answers_match_never_raises_on_junk() -> None:
     assert answers_match(None, "7") is False  # type: ignore[arg-type]
 
 
+def test_answers_past_pythons_int_string_limit_are_compared_exactly() -> None:
+    """More than 4,300 digits (``sys.int_info.str_digits_check_threshold``): ``int(str)`` refuses them."""
+    big = "9" * 5000
+    assert score_response(f"#### {big}", big) == pytest.approx(1.1)
+    assert score_response(f"#### {big[:-1]}8", big) == pytest.approx(0.1)
+    assert answers_match(f"{big}/2", f"{big[:-1]}8.5e0") is False and answers_match(f"{big}0/20", f"{big}/2")
+    assert extract_final_answer("#### \\frac{-" + big + "}{3}") == f"-{big}/3"
+
+
 def test_score_response_values() -> None:
     assert score_response("So 6*7.\n#### 42", "42") == pytest.approx(1.1)
     assert score_response("#### 1,234", "1234") == pytest.approx(1.1)

@@ -1,0 +1,47 @@
+"""Every ``dockrl`` subcommand ends a user error with exit code 2 and one line that says what is wrong (after
+argparse's usage, for an argument argparse refuses): never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from dockrl.cli import main
+
+CASES = [
+    (["train", "trainer.lr=abc"], "trainer.lr: got 'abc'; expected a number"),
+    (["train", "--config", "{tmp}/missing.yaml"], "missing.yaml does not exist"),
+    (["train", "--bogus"], "unrecognized argument '--bogus'"),
+    (["prepare-data", "data.generate_train=-1"], "data.generate_train: got -1"),
+    (["prepare-model", "model.path={tmp}/no-model"], "no-model"),
+    (["pipeline", "schedule", "--host", "http://127.0.0.1:9", "--cron", "0 3 * * *"], "has 5 field(s)"),
+    (["pipeline", "compile", "{tmp}/pipeline.txt"], "expected a .yaml or .json file name"),
+    (["pipeline", "run", "--local", "trainer.lr=abc"], "trainer.lr: got 'abc'"),
+    (["rollouts", "show", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
+    (["rollouts", "replay", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
+    (["export", "{tmp}/no-checkpoint", "{tmp}/out"], "is not an HF checkpoint"),
+    (["teardown", "{tmp}/no-run"], "is neither a run folder nor a run id"),
+    (["ranks", "parallel.tp=abc"], "parallel.tp"),
+    (["node", "--bogus"], "the following arguments are required: --nproc-per-node"),
+    (["worker", "--bogus"], "the following arguments are required"),
+    (["dock-shard", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+def run(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own refusal
+        return int(e.code or 0)
+
+
+@pytest.mark.parametrize(("argv", "says"), CASES, ids=[" ".join(a[:2]) for a, _ in CASES])
+def test_a_user_error_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing a command might write lands in the repository
+    code = run([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith((" ", "usage:"))]
+    assert code == 2, err
+    assert lines and lines[-1].startswith("dockrl") and says in lines[-1], err
+    assert len([line for line in lines if not line.startswith("20")]) == 1, err  # one message (log lines start with their date)
+
