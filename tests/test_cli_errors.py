@@ -24,6 +24,7 @@ CASES = [
     (["node", "--bogus"], "the following arguments are required: --nproc-per-node"),
     (["worker", "--bogus"], "the following arguments are required"),
     (["dock-shard", "--bogus"], "unrecognized arguments: --bogus"),
+    (["sandbox", "env.sandbox.require=disks"], "env.sandbox.require: got ['disks']"),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from dockrl.config.env_sections import EnvConfig
+from dockrl.config.env_sections import SANDBOX_LAYERS, EnvConfig
 from dockrl.config.errors import _fail
 
 BUILT_IN_ENVIRONMENTS = ("python", "calculator")
@@ -34,6 +34,10 @@ def check_env(e: EnvConfig) -> None:
     s = e.sandbox
     if not (0 < s.wall_s <= SANDBOX_MAX["wall_s"]):
         raise _fail("env.sandbox.wall_s", s.wall_s, f"expected seconds > 0 and <= {SANDBOX_MAX['wall_s']:g}")
+    unknown = [layer for layer in s.require if layer not in SANDBOX_LAYERS]
+    if unknown or len(set(s.require)) != len(s.require):
+        raise _fail("env.sandbox.require", list(s.require), f"expected distinct names among {', '.join(SANDBOX_LAYERS)} "
+                    "([] for none: trusted code only)")
     for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("max_processes", 1)):
         v, high = getattr(s, name), SANDBOX_MAX[name]
         if not low <= v <= high:

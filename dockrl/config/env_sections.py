@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+SANDBOX_LAYERS = ("network", "mounts", "writes", "processes")
+"""What the sandbox's layers keep from a program (``env.sandbox.require``): the network, the files and Unix
+sockets other processes left in the shared folders, writes outside its folder, processes beyond its own count."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
@@ -29,7 +33,12 @@ class SandboxConfig:
     """Largest file the program may write in its working folder, MiB (``RLIMIT_FSIZE``)."""
     max_processes: int = 16
     """Processes the program may hold at once, itself included, threads counted too (a pids cgroup where
-    one is writable, else ``RLIMIT_NPROC``, which the kernel does not apply to root)."""
+    one is writable, else ``RLIMIT_NPROC`` in the program's user namespace, which counts its own processes only)."""
+    require: tuple[str, ...] = SANDBOX_LAYERS
+    """The layers that must be in force before any model-written program runs (``network``, ``mounts``,
+    ``writes``, ``processes``): the environment and the code scorer refuse to start without them, naming what is
+    missing and how a pod gets it (docs/agents.md). ``[]`` runs programs with whatever the machine gives:
+    for trusted code only, and said loudly in the log."""
 
 
 @dataclass(frozen=True, kw_only=True)

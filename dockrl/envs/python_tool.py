@@ -8,7 +8,7 @@ from one call to the next, as the tool's description tells the model.
 from __future__ import annotations
 
 from dockrl.config.env_sections import SandboxConfig
-from dockrl.envs.sandbox import SandboxResult, run_python
+from dockrl.envs.sandbox import SandboxResult, require_layers, run_python
 from dockrl.envs.tool_calls import ToolCall, ToolParser
 from dockrl.envs.tool_episode import ToolEpisode, tool_schema
 
@@ -47,6 +47,9 @@ class PythonEnvironment:
     """
 
     def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
+        """Raises:
+            SandboxUnavailable: a layer of ``limits.require`` is not in force here (``require_layers``)."""
+        require_layers(limits)  # fail closed: before the first program of the model
         self.limits, self.tool_parser, self.call_reward = limits, tool_parser, call_reward
         self.tools = [tool_schema(
             "python", f"Run a Python program and return what it prints (stdout and stderr). The standard library only; no network; "

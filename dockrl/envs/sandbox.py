@@ -41,10 +41,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dockrl.config import ConfigError
 from dockrl.config.env_sections import SandboxConfig
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,12 @@ class SandboxResult:
     seconds: float
     """Wall-clock time from start to the last process killed, seconds."""
     isolation: tuple[str, ...] = ()
-    """The layers that applied: ``pids-cgroup``, ``userns+netns`` or ``netns``, ``mountns``, ``landlock-fs``, ``landlock-net``,
-    ``landlock-scope``."""
+    """The layers that applied: ``pids-cgroup``, ``userns-nproc``, ``userns+netns`` or ``netns``, ``mountns``, ``landlock-fs``,
+    ``landlock-net``, ``landlock-scope``."""
+
+    not_in_force: dict[str, str] = field(default_factory=dict)
+    """The boot's reason for each layer it could not apply (keys ``cgroup``, ``network``, ``mounts``, ``landlock``,
+    ``processes``), e.g. ``none (unshare: Operation not permitted)``."""
 
     @property
     def ok(self) -> bool:
@@ -194,6 +199,8 @@ def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[byt
 def _limit_hit(code: int | None, stderr: str, timed_out: bool, refusals: int) -> Limit | None:
     if refusals:  # before the wall: a fork bomb spins on refused forks until the wall limit
         return "processes"
+    if "[Errno 11] Resource temporarily unavailable" in stderr or "can't start new thread" in stderr:  # EAGAIN: RLIMIT_NPROC
+        return "processes"
     if timed_out:
         return "wall"
     if code in (-signal.SIGXCPU, -signal.SIGKILL):  # SIGKILL: the hard CPU limit, one second past the soft one
@@ -262,8 +269,10 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
     # the folder's random name would make the same program's output differ from run to run
     out_text, stderr = (b.decode("utf-8", "replace").replace(f"{folder}/", "") for b in (out, err))
     code_ = None if timed_out else proc.returncode
+    not_in_force = {k: str(v) for k, v in status.items() if str(v).startswith("none")}
     return SandboxResult(stdout=out_text, stderr=stderr, exit_code=code_, timed_out=timed_out,
-                         limit=_limit_hit(code_, stderr, timed_out, refusals), truncated=truncated, seconds=seconds, isolation=isolation)
+                         limit=_limit_hit(code_, stderr, timed_out, refusals), truncated=truncated, seconds=seconds, isolation=isolation,
+                         not_in_force=not_in_force)
 
 
 def _read_status(fd: int) -> dict:
@@ -290,6 +299,8 @@ def _isolation(status: dict, cgroup: bool) -> tuple[str, ...]:
     elif os.geteuid() == 0:
         _warn_once("cgroup", "sandbox: no pids cgroup could be made (cgroup file system not writable): a program's processes "
                    "are bounded by nothing while running as root; its process group is still killed at the end")
+    if status.get("processes") == "userns-nproc":
+        applied.append("userns-nproc")
     network = str(status.get("network", "none"))
     if network.startswith("none"):
         _warn_once("network", f"sandbox: no new network namespace ({network}): programs can reach the network "
@@ -309,3 +320,63 @@ def _isolation(status: dict, cgroup: bool) -> tuple[str, ...]:
     else:
         applied.extend(landlock.split(","))
     return tuple(applied)
+
+
+LAYERS: dict[str, tuple[str, ...]] = {
+    "network": ("userns+netns", "netns", "landlock-net"),
+    "mounts": ("mountns",),
+    "writes": ("landlock-fs",),
+    "processes": ("pids-cgroup", "userns-nproc"),
+}
+"""Each name of ``env.sandbox.require`` (``SANDBOX_LAYERS``) and the layers that give it, any one of them."""
+
+_NAMESPACES = ("user namespaces enabled (sysctl user.max_user_namespaces > 0) and a seccomp profile that allows unshare "
+               "(the container runtime's default refuses it without CAP_SYS_ADMIN: a Localhost profile in the pod's "
+               "securityContext.seccompProfile)")
+HOW_TO_GET = {
+    "network": f"a network namespace ({_NAMESPACES}), or Landlock ABI 4+ (kernel 6.7+)",
+    "mounts": f"a mount namespace ({_NAMESPACES})",
+    "writes": "Landlock: kernel 5.13+ with landlock in its LSM list (cat /sys/kernel/security/lsm) and a seccomp profile "
+              "that allows the landlock_* system calls",
+    "processes": "a pids cgroup of its own (a writable, delegated cgroup) or a user namespace, whose RLIMIT_NPROC counts "
+                 "the program's processes alone",
+}
+
+_checked: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+class SandboxUnavailable(ConfigError):
+    """The machine does not give the sandbox a layer that ``env.sandbox.require`` asks for."""
+
+
+def require_layers(limits: SandboxConfig) -> tuple[str, ...]:
+    """Check, once per process, that the sandbox's layers ``limits.require`` are in force on this machine, by
+    running an empty program in it; returns the layers that applied. ``require`` empty: no check, and a
+    warning that programs run with whatever the machine gives (trusted code only).
+
+    Raises:
+        SandboxUnavailable: a required layer is missing; the message names it, the machine's reason and how to get it.
+    """
+    if not limits.require:
+        _warn_once("require", "sandbox: env.sandbox.require=[]: model-written programs run with whatever isolation this "
+                   "machine gives, possibly none (its network, its files, the worker's user); for trusted code only")
+        return run_python("pass", limits).isolation
+    key = tuple(sorted(limits.require))
+    if key not in _checked:
+        result = run_python("pass", limits)
+        missing = [name for name in LAYERS if name in key and not set(LAYERS[name]) & set(result.isolation)]
+        if missing:
+            why = "; ".join(f"{name}: {HOW_TO_GET[name]} (here: {_reason(name, result)})" for name in missing)
+            raise SandboxUnavailable(
+                f"env.sandbox.require: {', '.join(missing)} not in force on this machine, so no model-written program may run "
+                f"here; {why}. Or run the stage where they are (docs/agents.md, the sandbox), or set env.sandbox.require=[] "
+                "for trusted code only")
+        _checked[key] = result.isolation
+    return _checked[key]
+
+
+def _reason(name: str, result: SandboxResult) -> str:
+    """Why the machine gave no layer of ``name``: the boot's own words, or the program's error when it did not start."""
+    keys = {"network": ("network", "landlock"), "mounts": ("mounts",), "writes": ("landlock",), "processes": ("cgroup", "processes")}[name]
+    said = [result.not_in_force[k] for k in keys if k in result.not_in_force]
+    return "; ".join(said) if said else f"the sandbox did not start: {result.stderr.strip()[-300:] or result.exit_code}"

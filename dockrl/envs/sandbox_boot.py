@@ -57,7 +57,7 @@ def _libc() -> ctypes.CDLL:
 
 def _join_cgroup(procs: str) -> str:
     if not procs:
-        return "none"
+        return "none (no pids cgroup could be made: the cgroup file system is not writable here)"
     try:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
@@ -66,16 +66,30 @@ def _join_cgroup(procs: str) -> str:
         return f"none ({e.strerror})"
 
 
-def _set_limits(spec: dict) -> None:
+def _set_limits(spec: dict, own_user_namespace: bool) -> str:
+    """The resource limits; returns how the program's processes are counted (``userns-nproc`` or why not).
+
+    ``RLIMIT_NPROC`` counts every process and thread of the user in the user namespace where the limit is checked
+    (Linux 5.14+): in a user namespace of its own, the program's alone; in the worker's, the worker's threads
+    and every other process of the uid (other pods' on the node), which would refuse the program's first thread
+    for what others hold. It is set in the first case only; the kernel never applies it to root."""
     mib = 1024 * 1024
-    for name, soft, hard in (("RLIMIT_CPU", spec["cpu_s"], spec["cpu_s"] + 1), ("RLIMIT_AS", spec["memory_mb"] * mib, None),
-                             ("RLIMIT_FSIZE", spec["file_mb"] * mib, None), ("RLIMIT_NPROC", spec["max_processes"], None),
-                             ("RLIMIT_CORE", 0, None), ("RLIMIT_NOFILE", 256, None)):
+    limits = [("RLIMIT_CPU", spec["cpu_s"], spec["cpu_s"] + 1), ("RLIMIT_AS", spec["memory_mb"] * mib, None),
+              ("RLIMIT_FSIZE", spec["file_mb"] * mib, None), ("RLIMIT_CORE", 0, None), ("RLIMIT_NOFILE", 256, None)]
+    if os.getuid() == 0:
+        counted = "none (root: the kernel applies no RLIMIT_NPROC)"
+    elif own_user_namespace:
+        limits.append(("RLIMIT_NPROC", spec["max_processes"], None))
+        counted = "userns-nproc"
+    else:
+        counted = "none (no user namespace: RLIMIT_NPROC would count the worker's threads too)"
+    for name, soft, hard in limits:
         resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
+    return counted
 
 
-def _leave_namespaces(libc: ctypes.CDLL) -> tuple[str, bool]:
-    """New network and mount namespaces: (the network layer that applied, whether the mount namespace did).
+def _leave_namespaces(libc: ctypes.CDLL) -> tuple[str, str]:
+    """New network and mount namespaces: (the network layer that applied, ``mountns``; or why not, ``none (...)``).
 
     A new network namespace has only a loopback, down: connects fail, and its abstract Unix socket names are
     its own. In a new user namespace first, so the program holds no capability of the machine's namespaces
@@ -92,8 +106,10 @@ def _leave_namespaces(libc: ctypes.CDLL) -> tuple[str, bool]:
             for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
-        return network, bool(flags & _CLONE_NEWNS)
-    return f"none (unshare: {'; '.join(dict.fromkeys(errors))})", False
+        why = f"none (unshare: {'; '.join(dict.fromkeys(errors))})"
+        return network, "mountns" if flags & _CLONE_NEWNS else why
+    why = f"none (unshare: {'; '.join(dict.fromkeys(errors))})"
+    return why, why
 
 
 def _hide_shared_folders(libc: ctypes.CDLL, folder: str) -> str:
@@ -155,10 +171,10 @@ def main(argv: list[str]) -> None:
     status: dict[str, str | int] = {"cgroup": _join_cgroup(spec["cgroup_procs"])}
     libc = _libc()
     folder = os.getcwd()
-    status["network"], mount_namespace = _leave_namespaces(libc)
-    status["mounts"] = _hide_shared_folders(libc, folder) if mount_namespace else "none (no mount namespace)"
+    status["network"], mounts = _leave_namespaces(libc)
+    status["mounts"] = _hide_shared_folders(libc, folder) if mounts == "mountns" else mounts
     status["abi"], status["landlock"] = _landlock(libc, folder)
-    _set_limits(spec)  # last: the steps above must not count against the program's limits
+    status["processes"] = _set_limits(spec, status["network"] == "userns+netns")  # last: the steps above must not count against them
     os.write(status_fd, (json.dumps(status) + "\n").encode())
     os.close(status_fd)
     os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", "-X", "utf8", spec["main"]])

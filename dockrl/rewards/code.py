@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from dockrl.config.env_sections import SandboxConfig
-from dockrl.envs.sandbox import run_python
+from dockrl.config.env_sections import SANDBOX_LAYERS, SandboxConfig
+from dockrl.envs.sandbox import require_layers, run_python
 from dockrl.envs.tasks import CODE_PROBLEMS, load_code_problems
 from dockrl.envs.tool_calls import ToolCall, parse_tool_calls
 
@@ -72,13 +72,22 @@ class CodeScorer:
 
     Counters: ``scored`` responses, ``errors`` (no program in the response), ``timeouts`` (a run
     stopped at a limit), ``tests_passed`` and ``tests_run``.
+
+    It refuses to start where a layer of ``require`` (the class attribute: every layer) is not in force
+    (``SandboxUnavailable``); for trusted programs, a subclass with ``require = ()`` runs them with
+    whatever the machine gives.
     """
+
+    require: tuple[str, ...] = SANDBOX_LAYERS
+    """The sandbox's layers that must be in force (``env.sandbox.require``'s names)."""
 
     def __init__(self, *, timeout_s: float = 5.0, correct_reward: float = 1.0, format_reward: float = 0.0,
                  problems: str | Path = CODE_PROBLEMS, workers: int = 0) -> None:
         self.tests = load_code_problems(problems)
         self.correct_reward, self.format_reward = float(correct_reward), float(format_reward)
-        self.limits = SandboxConfig(wall_s=float(timeout_s), cpu_s=max(1, math.ceil(timeout_s)), output_bytes=65536)
+        self.limits = SandboxConfig(wall_s=float(timeout_s), cpu_s=max(1, math.ceil(timeout_s)), output_bytes=65536,
+                                    require=tuple(self.require))
+        require_layers(self.limits)  # fail closed: before the first program of the model
         self.workers = workers or min(8, os.cpu_count() or 1)
         self._counts = {"scored": 0, "errors": 0, "timeouts": 0, "tests_passed": 0, "tests_run": 0}
         self._lock = threading.Lock()  # responses are scored from a thread pool
