@@ -15,9 +15,9 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 
 
 SANDBOX_MAX: dict[str, float] = {"wall_s": 3600.0, "cpu_s": 3600, "memory_mb": 65536, "output_bytes": 1 << 20, "file_mb": 1024,
-                                 "max_processes": 1024}
+                                 "disk_mb": 16384, "max_processes": 1024}
 """Upper bounds of ``env.sandbox.*``: no program of a rollout gets more than an hour, 64 GiB, a 1 GiB file,
-1,024 processes or 1 MiB of output (which the trainer keeps and tokenizes)."""
+16 GiB of files, 1,024 processes or 1 MiB of output (which the trainer keeps and tokenizes)."""
 
 
 def check_env(e: EnvConfig) -> None:
@@ -38,7 +38,7 @@ def check_env(e: EnvConfig) -> None:
     if unknown or len(set(s.require)) != len(s.require):
         raise _fail("env.sandbox.require", list(s.require), f"expected distinct names among {', '.join(SANDBOX_LAYERS)} "
                     "([] for none: trusted code only)")
-    for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("max_processes", 1)):
+    for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("disk_mb", 1), ("max_processes", 1)):
         v, high = getattr(s, name), SANDBOX_MAX[name]
         if not low <= v <= high:
             why = " (the Python interpreter itself needs about that much address space)" if name == "memory_mb" and v < low else ""

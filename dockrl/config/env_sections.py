@@ -26,11 +26,15 @@ class SandboxConfig:
     wall_s: float = 10.0
     """Wall-clock time of the program, seconds; past it its whole process group is killed."""
     memory_mb: int = 512
-    """Address space of each of the program's processes, MiB (``RLIMIT_AS``): a larger allocation raises ``MemoryError``."""
+    """Address space of each of the program's processes, MiB (``RLIMIT_AS``): a larger allocation raises ``MemoryError``;
+    and the resident memory of all of them together, where a memory cgroup can be made (root)."""
     output_bytes: int = 4096
     """Bytes kept of each of stdout and stderr; the rest is read and dropped (the result says it was cut)."""
     file_mb: int = 16
     """Largest file the program may write in its working folder, MiB (``RLIMIT_FSIZE``)."""
+    disk_mb: int = 64
+    """All the files of its working folder together, MiB: the folder is a tmpfs of this size in the program's mount
+    namespace (counted in its memory where a memory cgroup applies)."""
     max_processes: int = 16
     """Processes the program may hold at once, itself included, threads counted too (a pids cgroup where
     one is writable, else ``RLIMIT_NPROC`` in the program's user namespace, which counts its own processes only)."""

@@ -26,6 +26,7 @@ def describe_result(result: SandboxResult, limits: SandboxConfig) -> str:
         "memory": f"it asked for more than {limits.memory_mb} MiB of memory",
         "processes": f"it started more than {limits.max_processes} processes",
         "file_size": f"it wrote a file larger than {limits.file_mb} MiB",
+        "disk": f"its files took more than {limits.disk_mb} MiB",
     }
     if result.limit is not None:
         parts.append(f"[{why[result.limit]}]")

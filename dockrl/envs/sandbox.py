@@ -52,11 +52,12 @@ logger = logging.getLogger(__name__)
 
 _BOOT = Path(__file__).with_name("sandbox_boot.py")
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, then v2's unified one
+_MEMORY_ROOT = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory hierarchy
 _runs = itertools.count()
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
-Limit = Literal["wall", "cpu", "memory", "processes", "file_size"]
+Limit = Literal["wall", "cpu", "memory", "processes", "file_size", "disk"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,15 +73,16 @@ class SandboxResult:
     timed_out: bool
     """It ran past ``wall_s`` and was killed."""
     limit: Limit | None
-    """The limit it hit: ``wall``, ``cpu`` (``RLIMIT_CPU``), ``memory`` (a ``MemoryError``), ``processes``
-    (a fork refused by the pids cgroup), ``file_size`` (``RLIMIT_FSIZE``); None when none."""
+    """The limit it hit: ``wall``, ``cpu`` (``RLIMIT_CPU``), ``memory`` (a ``MemoryError``, or a process killed
+    by the memory cgroup), ``processes`` (a fork or thread refused), ``file_size`` (``RLIMIT_FSIZE``),
+    ``disk`` (its folder full); None when none."""
     truncated: bool
     """stdout or stderr was longer than ``output_bytes`` (the rest was read and dropped)."""
     seconds: float
     """Wall-clock time from start to the last process killed, seconds."""
     isolation: tuple[str, ...] = ()
-    """The layers that applied: ``pids-cgroup``, ``userns-nproc``, ``userns+netns`` or ``netns``, ``mountns``, ``landlock-fs``,
-    ``landlock-net``, ``landlock-scope``."""
+    """The layers that applied: ``pids-cgroup``, ``userns-nproc``, ``userns+netns`` or ``netns``, ``mountns`` (with its
+    folder a tmpfs of ``disk_mb``), ``landlock-fs``, ``landlock-net``, ``landlock-scope``, ``memory-cgroup``."""
 
     not_in_force: dict[str, str] = field(default_factory=dict)
     """The boot's reason for each layer it could not apply (keys ``cgroup``, ``network``, ``mounts``, ``landlock``,
@@ -100,13 +102,18 @@ def _warn_once(key: str, message: str) -> None:
     logger.warning(message)
 
 
-def _make_cgroup(max_processes: int) -> Path | None:
-    """A new pids cgroup under this process's own, limited to ``max_processes``; None where none can be made."""
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup per hierarchy (``pids``, ``memory``, … in cgroup v1; ``""``: v2's unified one)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
-        return None
-    own = {parts[1]: parts[2] for parts in (line.split(":", 2) for line in lines) if len(parts) == 3}
+        return {}
+    return {parts[1]: parts[2] for parts in (line.split(":", 2) for line in lines) if len(parts) == 3}
+
+
+def _make_cgroup(max_processes: int) -> Path | None:
+    """A new pids cgroup under this process's own, limited to ``max_processes``; None where none can be made."""
+    own = _own_cgroups()
     for root, key in zip(_CGROUP_ROOTS, ("pids", "")):
         base = root / own.get(key, "/").lstrip("/") if key in own else None
         if base is None or not (base / "cgroup.procs").is_file():
@@ -120,6 +127,45 @@ def _make_cgroup(max_processes: int) -> Path | None:
             if path.is_dir():
                 _remove_cgroup(path)
     return None
+
+
+def _make_memory_cgroup(pids: Path | None, memory_mb: int) -> Path | None:
+    """A limit of ``memory_mb`` MiB on the resident memory of all the program's processes together (its files in
+    its tmpfs folder included, no swap): ``memory.max`` of its pids cgroup in cgroup v2 where the memory
+    controller is on there, else a memory cgroup of its own in v1's memory hierarchy; None where neither can be made."""
+    limit = str(memory_mb << 20)
+    if pids is not None and (pids / "memory.max").is_file():
+        try:
+            (pids / "memory.max").write_text(limit)
+            if (pids / "memory.swap.max").is_file():
+                (pids / "memory.swap.max").write_text("0")
+            return pids
+        except OSError:
+            return None
+    own = _own_cgroups().get("memory")
+    base = _MEMORY_ROOT / own.lstrip("/") if own is not None else None
+    if base is None or not (base / "cgroup.procs").is_file():
+        return None
+    path = base / f"dockrl-sandbox-{os.getpid()}-{next(_runs)}"
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(limit)
+        return path
+    except OSError:
+        if path.is_dir():
+            _remove_cgroup(path)
+    return None
+
+
+def _oom_kills(memory: Path | None) -> int:
+    """Processes the kernel killed for the memory limit (``oom_kill`` of v2's ``memory.events``, v1's ``memory.oom_control``)."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            counts = dict(line.split() for line in (memory / name).read_text().splitlines() if line.strip()) if memory else {}
+        except (OSError, ValueError):
+            continue
+        return int(counts.get("oom_kill", 0))
+    return 0
 
 
 def _kill_cgroup(path: Path, timeout_s: float = 5.0) -> None:
@@ -196,9 +242,13 @@ def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[byt
     return bytes(kept[proc.stdout.fileno()]), bytes(kept[proc.stderr.fileno()]), truncated, False
 
 
-def _limit_hit(code: int | None, stderr: str, timed_out: bool, refusals: int) -> Limit | None:
+def _limit_hit(code: int | None, stderr: str, timed_out: bool, refusals: int, oom_kills: int = 0) -> Limit | None:
     if refusals:  # before the wall: a fork bomb spins on refused forks until the wall limit
         return "processes"
+    if oom_kills:  # before the CPU limit: both end the program with SIGKILL
+        return "memory"
+    if "[Errno 28] No space left on device" in stderr:  # its folder, a tmpfs of disk_mb, is full
+        return "disk"
     if "[Errno 11] Resource temporarily unavailable" in stderr or "can't start new thread" in stderr:  # EAGAIN: RLIMIT_NPROC
         return "processes"
     if timed_out:
@@ -223,9 +273,11 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
     """
     folder = Path(tempfile.mkdtemp(prefix="dockrl-sandbox-"))
     cgroup = _make_cgroup(limits.max_processes)
+    memory = _make_memory_cgroup(cgroup, limits.memory_mb)
     status_r, status_w = os.pipe()
-    spec = {"main": "main.py", "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else "", "cpu_s": limits.cpu_s,
-            "memory_mb": limits.memory_mb, "file_mb": limits.file_mb, "max_processes": limits.max_processes}
+    spec = {"main": "main.py", "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else "",
+            "memory_procs": str(memory / "cgroup.procs") if memory and memory != cgroup else "", "cpu_s": limits.cpu_s,
+            "memory_mb": limits.memory_mb, "file_mb": limits.file_mb, "disk_mb": limits.disk_mb, "max_processes": limits.max_processes}
     started = time.monotonic()
     proc = None
     try:
@@ -250,28 +302,28 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
                 os.killpg(proc.pid, signal.SIGKILL)  # the program's leftover children too
             except ProcessLookupError:
                 pass
-        if cgroup is not None:
-            _kill_cgroup(cgroup)  # and those that left the process group (setsid)
+        for group in dict.fromkeys(g for g in (cgroup, memory) if g is not None):
+            _kill_cgroup(group)  # and those that left the process group (setsid)
         if proc is not None:
             proc.wait(timeout=10)
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
                     pipe.close()
-        refusals = _fork_refusals(cgroup)
-        if cgroup is not None:
-            _remove_cgroup(cgroup)
+        refusals, oom_kills = _fork_refusals(cgroup), _oom_kills(memory)
+        for group in dict.fromkeys(g for g in (cgroup, memory) if g is not None):
+            _remove_cgroup(group)
         if status_w >= 0:
             os.close(status_w)
         status = _read_status(status_r)
         shutil.rmtree(folder, ignore_errors=True)
     seconds = time.monotonic() - started
-    isolation = _isolation(status, cgroup is not None)
+    isolation = _isolation(status, cgroup is not None) + (("memory-cgroup",) if memory is not None and status else ())
     # the folder's random name would make the same program's output differ from run to run
     out_text, stderr = (b.decode("utf-8", "replace").replace(f"{folder}/", "") for b in (out, err))
     code_ = None if timed_out else proc.returncode
     not_in_force = {k: str(v) for k, v in status.items() if str(v).startswith("none")}
     return SandboxResult(stdout=out_text, stderr=stderr, exit_code=code_, timed_out=timed_out,
-                         limit=_limit_hit(code_, stderr, timed_out, refusals), truncated=truncated, seconds=seconds, isolation=isolation,
+                         limit=_limit_hit(code_, stderr, timed_out, refusals, oom_kills), truncated=truncated, seconds=seconds, isolation=isolation,
                          not_in_force=not_in_force)
 
 

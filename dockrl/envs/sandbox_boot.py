@@ -112,9 +112,10 @@ def _leave_namespaces(libc: ctypes.CDLL) -> tuple[str, str]:
     return why, why
 
 
-def _hide_shared_folders(libc: ctypes.CDLL, folder: str) -> str:
-    """In the new mount namespace: an empty tmpfs over each of ``_HIDDEN_FOLDERS``, and ``folder`` (the working
-    folder, often under ``/tmp``) bound back at its own path. Returns ``mountns`` or why not."""
+def _hide_shared_folders(libc: ctypes.CDLL, folder: str, disk_mb: int) -> str:
+    """In the new mount namespace: an empty tmpfs over each of ``_HIDDEN_FOLDERS``, and over ``folder`` (the working
+    folder, often under ``/tmp``) a tmpfs of ``disk_mb`` MiB holding its program: the total the program's files may
+    take. Returns ``mountns`` or why not."""
     def fail(what: str) -> str:
         return f"none ({what}: {os.strerror(ctypes.get_errno())})"
 
@@ -127,10 +128,13 @@ def _hide_shared_folders(libc: ctypes.CDLL, folder: str) -> str:
             if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=1777") != 0:
                 return fail(f"tmpfs on {path}")
             hidden.append(path)
-        if any(folder == path or folder.startswith(path + "/") for path in hidden):
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if libc.mount(f"/proc/self/fd/{keep}".encode(), folder.encode(), None, _MS_BIND, None) != 0:
-                return fail(f"bind {folder}")
+        with open(os.path.join(f"/proc/self/fd/{keep}", "main.py"), "rb") as f:
+            program = f.read()
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # under a hidden folder: its empty tmpfs
+        if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_mb}m,mode=0700".encode()) != 0:
+            return fail(f"tmpfs on {folder}")
+        with open(os.path.join(folder, "main.py"), "wb") as out:
+            out.write(program)
         os.chdir(folder)
     finally:
         os.close(keep)
@@ -169,10 +173,12 @@ def _landlock(libc: ctypes.CDLL, folder: str) -> tuple[int, str]:
 def main(argv: list[str]) -> None:
     spec, status_fd = json.loads(argv[1]), int(argv[2])
     status: dict[str, str | int] = {"cgroup": _join_cgroup(spec["cgroup_procs"])}
+    if spec["memory_procs"]:  # cgroup v1: the memory limit's own hierarchy
+        _join_cgroup(spec["memory_procs"])
     libc = _libc()
     folder = os.getcwd()
     status["network"], mounts = _leave_namespaces(libc)
-    status["mounts"] = _hide_shared_folders(libc, folder) if mounts == "mountns" else mounts
+    status["mounts"] = _hide_shared_folders(libc, folder, spec["disk_mb"]) if mounts == "mountns" else mounts
     status["abi"], status["landlock"] = _landlock(libc, folder)
     status["processes"] = _set_limits(spec, status["network"] == "userns+netns")  # last: the steps above must not count against them
     os.write(status_fd, (json.dumps(status) + "\n").encode())

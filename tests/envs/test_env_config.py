@@ -39,7 +39,7 @@ def test_env_loads_from_yaml_and_overrides():
     ("env.sandbox.output_bytes=0", "env.sandbox.output_bytes: got 0; expected an integer >= 1"),
     ("env.sandbox.file_mb=0", "env.sandbox.file_mb: got 0"),
     ("env.sandbox.max_processes=0", "env.sandbox.max_processes: got 0"),
-    ("env.sandbox.disk_mb=5", r"env.sandbox: unknown field\(s\) \['disk_mb'\]"),
+    ("env.sandbox.gpu_mb=5", r"env.sandbox: unknown field\(s\) \['gpu_mb'\]"),
     ("env.tool_call_reward=-0.1", "env.tool_call_reward: got -0.1; expected a finite number >= 0"),
     ("env.tool_call_reward=0.2", r"env.tool_call_reward: got 0.2; only the built-in environments \(python, calculator\) give it; "
                                  r"env.name='' is none"),

@@ -148,3 +148,22 @@ def test_output_is_cut_and_the_folder_and_cgroup_are_removed(no_leftovers):
 def test_a_large_file_hits_the_file_size_limit(no_leftovers):
     r = run_python("open('big', 'wb').write(b'x' * (3 * 1024 * 1024))", SandboxConfig(file_mb=1, wall_s=5.0))
     assert r.limit == "file_size" and not r.ok
+
+
+def test_the_files_of_a_program_together_stop_at_disk_mb(no_leftovers):
+    if "mountns" not in isolation():
+        pytest.skip("no mount namespace here: only file_mb applies, per file")
+    program = "for i in range(10):\n    open(f'part{i}', 'wb').write(b'x' * (1 << 20))"  # 10 files of 1 MiB, each under file_mb
+    r = run_python(program, SandboxConfig(disk_mb=4, file_mb=2, wall_s=5.0))
+    assert not r.ok and r.limit == "disk" and "No space left on device" in r.stderr, r
+    assert run_python(program, SandboxConfig(disk_mb=16, file_mb=2, wall_s=5.0)).ok
+
+
+def test_the_processes_of_a_program_together_stop_at_memory_mb(no_leftovers):
+    """Each process within its own address space limit, together over it: the memory cgroup kills, reported as memory."""
+    if "memory-cgroup" not in isolation():
+        pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
+    program = ("import os, time\nfor _ in range(3):\n    os.fork()\nblock = bytearray(100 << 20)\nfor i in range(0, len(block), 4096):\n"
+               "    block[i] = 1\ntime.sleep(2)")
+    r = run_python(program, SandboxConfig(memory_mb=300, wall_s=10.0))  # 8 processes x 100 MiB > 300 MiB; each < 300
+    assert not r.ok and r.limit == "memory", r
