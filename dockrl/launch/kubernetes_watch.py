@@ -15,14 +15,23 @@ pod, the reason and its log tail when a worker pod
   clock); time queued for admission (Kueue suspends the JobSet; a Volcano PodGroup waits
   ``Pending``) counts against ``Platform.queue_timeout_s`` instead;
 
-and when the JobSet itself failed (its deadline, its failure policy) or was deleted. ``RunWatch``
-looks; the backend decides when (``check``: at most every ``poll_s``; ``wait_ready``: until every
-member runs).
+and when the JobSet itself failed (its deadline, its failure policy) or was deleted.
+
+While the run waits for admission, ``RunWatch`` logs every ``WAIT_LOG_S`` what it waits for: the
+JobSet's suspension and its Kueue Workload's ``QuotaReserved`` and ``Admitted`` conditions (the
+Workload is found by Kueue's ``kueue.x-k8s.io/job-uid`` label), or the Volcano PodGroup's phase
+and conditions. It fails within ``Platform.admission_timeout_s`` (minutes), not
+``queue_timeout_s``, where Kueue will not admit the run by waiting: the JobSet is suspended and
+no Workload appears for it (a namespace Kueue manages without a queue name on the JobSet, a
+missing LocalQueue in older Kueue, Kueue down), or its Workload is ``Inadmissible`` or asks for
+more than the queue's maximum capacity. ``RunWatch`` looks; the backend decides when (``check``:
+at most every ``poll_s``; ``wait_ready``: until every member runs).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from typing import Any, Sequence
 
@@ -39,6 +48,18 @@ FATAL_WAITING = {"InvalidImageName", "CrashLoopBackOff", "CreateContainerConfigE
 """Waiting reasons that will not resolve by waiting."""
 NO_SCALE_UP = "NotTriggerScaleUp"
 """Cluster autoscaler event: no node group can ever fit the pod."""
+WAIT_LOG_S = 60.0
+"""How often a run waiting for admission says what it waits for, seconds."""
+KUEUE_GROUP, KUEUE_VERSION, KUEUE_PLURAL = "kueue.x-k8s.io", "v1beta1", "workloads"
+"""Kueue's Workload API (v1beta1: served by old and new Kueue releases alike)."""
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""Label of a Workload with the uid of the job it stands for (here the JobSet)."""
+KUEUE_CONDITIONS = ("QuotaReserved", "Admitted", "Evicted")
+"""The Workload conditions that say where its admission stands."""
+NEVER_ADMITTED = ("Inadmissible", "request > maximum capacity")
+"""What Kueue says of a Workload that waiting does not admit (a missing LocalQueue, a stopped
+ClusterQueue, a request over the queue's maximum capacity): a reason or part of a message of its
+``QuotaReserved`` condition."""
 
 
 def get_field(obj: Any, *path: str) -> Any:
@@ -78,6 +99,7 @@ class RunWatch:
         self.members: dict[tuple[str, str], tuple[str, str]] = {}  # (group, index) -> (pod name, uid) first seen
         self.since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
         self.warned: set[tuple[str, str]] = set()
+        self.said_waiting = -math.inf  # when the wait for admission was last logged
 
     def log_tail(self, pod: str) -> str:
         ApiException = api_exception()
@@ -102,18 +124,70 @@ class RunWatch:
                 return None
             raise
 
-    def podgroup_pending(self) -> bool:
-        """Volcano has not admitted the run's PodGroup yet (its phase is ``Pending``)."""
+    def podgroup(self) -> dict[str, Any] | None:
+        """The run's Volcano PodGroup while Volcano has not admitted it (its phase ``Pending``), else None."""
         if self.platform.scheduler != "volcano":
-            return False
+            return None
         ApiException = api_exception()
         try:
             group = self.custom.get_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL, self.name)
         except ApiException as err:
             if err.status == 404:
-                return False
+                return None
             raise
-        return get_field(group, "status", "phase") in (None, "Pending")
+        return group if get_field(group, "status", "phase") in (None, "Pending") else None
+
+    def workload(self, jobset: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """The Kueue Workload of ``jobset`` (None if there is none) and, when it cannot be read, why."""
+        ApiException = api_exception()
+        selector = f"{KUEUE_JOB_UID_LABEL}={get_field(jobset, 'metadata', 'uid')}"
+        try:
+            items = self.custom.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, self.namespace, KUEUE_PLURAL,
+                                                              label_selector=selector).get("items", [])
+        except ApiException as err:
+            if err.status == 404:
+                return None, "Kueue's Workload API is not installed"
+            if err.status == 403:
+                return None, ("not allowed to read Kueue Workloads (apply manifests/base: its Role dockrl-launcher "
+                              "reads workloads.kueue.x-k8s.io)")
+            raise
+        return (items[0] if items else None), ""
+
+    def admission(self, jobset: dict[str, Any], now: float, since: float) -> str:
+        """What the suspended ``jobset`` waits for, as one line; raises ``WorkerFailed`` where waiting
+        will not admit it within ``Platform.admission_timeout_s`` (see the module docstring)."""
+        timeout = self.platform.admission_timeout_s
+        waited = now - since
+        workload, unread = self.workload(jobset)
+        if workload is None:
+            if waited > timeout:
+                queue = (f"the LocalQueue {self.platform.queue!r} exists in namespace {self.namespace!r} (kubectl get "
+                         "localqueue) and Kueue runs" if self.platform.scheduler == "kueue" else
+                         "the JobSet names no LocalQueue (platform scheduler='default'), but Kueue manages this "
+                         "namespace: set Platform.scheduler='kueue' and Platform.queue")
+                raise WorkerFailed("jobset", self.name, f"suspended for {waited:.0f} s and no Kueue Workload for it (more than "
+                                   f"Platform.admission_timeout_s={timeout}): Kueue never set its QuotaReserved condition, "
+                                   f"nor will by waiting; check that {queue}" + (f" ({unread})" if unread else ""))
+            return (f"JobSet suspended; no Kueue Workload for it yet{f' ({unread})' if unread else ''}; failing after "
+                    f"Platform.admission_timeout_s={timeout} s without one")
+        conditions = {c.get("type"): c for c in get_field(workload, "status", "conditions") or []}
+        said = [f"{t}={c.get('status')} ({c.get('reason')}: {c.get('message')})" for t in KUEUE_CONDITIONS
+                if (c := conditions.get(t)) is not None]
+        state = f"JobSet suspended; Kueue Workload {get_field(workload, 'metadata', 'name')}: " + (
+            ", ".join(said) or "no QuotaReserved condition yet")
+        quota = conditions.get("QuotaReserved") or {}
+        never = quota.get("status") == "False" and any(
+            word in f"{quota.get('reason')} {quota.get('message')}" for word in NEVER_ADMITTED)
+        if never and waited > timeout:
+            raise WorkerFailed("jobset", self.name, f"not admitted by Kueue for {waited:.0f} s, and waiting will not admit it "
+                               f"(more than Platform.admission_timeout_s={timeout}): {state}")
+        return state + (f"; waiting will not admit it: failing after Platform.admission_timeout_s={timeout} s" if never else "")
+
+    def say_waiting(self, what: str, now: float, since: float) -> None:
+        if now - self.said_waiting >= WAIT_LOG_S:
+            self.said_waiting = now
+            logger.info("run's JobSet %s/%s waiting for admission for %.0f s (fails after Platform.queue_timeout_s=%d s): %s",
+                        self.namespace, self.name, now - since, self.platform.queue_timeout_s, what)
 
     def pod_failure(self, pod: Any, now: float, queued: bool) -> tuple[int, WorkerFailed] | None:
         """The most telling failure of one pod with its rank (lower wins), or None."""
@@ -184,15 +258,23 @@ class RunWatch:
         if jobset is None:
             raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
         suspended = bool(get_field(jobset, "spec", "suspend"))
-        queued = suspended or self.podgroup_pending()
+        podgroup = None if suspended else self.podgroup()
+        queued = suspended or podgroup is not None
         if queued:
             since = self.first_seen(self.name, "queued", now)
+            if suspended:
+                what = self.admission(jobset, now, since)
+            else:
+                said = [f"{c.get('type')} ({c.get('reason')}: {c.get('message')})" for c in get_field(podgroup, "status", "conditions") or []]
+                what = f"Volcano PodGroup {self.name} Pending" + (f": {'; '.join(said)}" if said else "")
             if now - since > self.platform.queue_timeout_s:
                 where = f"queue {self.platform.queue!r}" if self.platform.queue else "the scheduler's queue"
                 raise WorkerFailed("jobset", self.name, f"not admitted by {self.platform.scheduler} ({where}) within "
-                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s")
+                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s: {what}")
+            self.say_waiting(what, now, since)
         else:
             self.since.pop((self.name, "queued"), None)  # admitted: scheduling clocks run from here
+            self.said_waiting = -math.inf
         pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
         failures = [f for f in (self.pod_failure(p, now, queued) for p in pods) if f is not None]
         failures += self.replaced(pods)
