@@ -116,6 +116,12 @@ class WorkerFailed(RuntimeError):
         super().__init__(msg)
 
 
+class WorkersSuspended(WorkerFailed):
+    """The cluster took a run's workers away to run them later: Kueue preempted the run (it
+    suspended the JobSet, whose pods go away). A pause, not a failure: the launcher keeps the run
+    and resumes it from its newest checkpoint once it is admitted again (``dockrl.train_task``)."""
+
+
 class WorkerBackend(Protocol):
     """Starts, watches and tears down the worker groups of one run, and addresses their members."""
 

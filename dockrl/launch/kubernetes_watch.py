@@ -15,7 +15,11 @@ pod, the reason and its log tail when a worker pod
   clock); time queued for admission (Kueue suspends the JobSet; a Volcano PodGroup waits
   ``Pending``) counts against ``Platform.queue_timeout_s`` instead;
 
-and when the JobSet itself failed (its deadline, its failure policy) or was deleted.
+and when the JobSet itself failed (its deadline, its failure policy) or was deleted. A JobSet
+suspended after it was admitted was preempted (Kueue suspends it; the JobSet controller deletes
+its Jobs, so its pods go away): ``WorkersSuspended``, before anything its vanishing pods say,
+naming the Workload's ``Evicted`` condition (a Workload deactivated by hand, ``InactiveWorkload``,
+fails the run instead).
 
 While the run waits for admission, ``RunWatch`` logs every ``WAIT_LOG_S`` what it waits for: the
 JobSet's suspension and its Kueue Workload's ``QuotaReserved`` and ``Admitted`` conditions (the
@@ -35,7 +39,7 @@ import math
 from collections import Counter
 from typing import Any, Sequence
 
-from dockrl.launch.backend import WorkerFailed
+from dockrl.launch.backend import WorkerFailed, WorkersSuspended
 from dockrl.launch.jobset import GROUP_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, VOLCANO_GROUP, VOLCANO_PLURAL, VOLCANO_VERSION
 from dockrl.launch.platform import Platform
 from dockrl.launch.pod_spec import COMPLETION_INDEX, CONTAINER
@@ -54,6 +58,8 @@ KUEUE_GROUP, KUEUE_VERSION, KUEUE_PLURAL = "kueue.x-k8s.io", "v1beta1", "workloa
 """Kueue's Workload API (v1beta1: served by old and new Kueue releases alike)."""
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 """Label of a Workload with the uid of the job it stands for (here the JobSet)."""
+DEACTIVATED = "InactiveWorkload"
+"""Reason of a Workload's ``Evicted`` condition when someone set its ``spec.active`` false: a stop, not a preemption."""
 KUEUE_CONDITIONS = ("QuotaReserved", "Admitted", "Evicted")
 """The Workload conditions that say where its admission stands."""
 NEVER_ADMITTED = ("Inadmissible", "request > maximum capacity")
@@ -100,6 +106,7 @@ class RunWatch:
         self.since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
         self.warned: set[tuple[str, str]] = set()
         self.said_waiting = -math.inf  # when the wait for admission was last logged
+        self.admitted = False  # seen admitted (not queued) once: a suspension from now on is a preemption
 
     def log_tail(self, pod: str) -> str:
         ApiException = api_exception()
@@ -183,6 +190,23 @@ class RunWatch:
                                f"(more than Platform.admission_timeout_s={timeout}): {state}")
         return state + (f"; waiting will not admit it: failing after Platform.admission_timeout_s={timeout} s" if never else "")
 
+    def preemption(self, jobset: dict[str, Any] | None = None) -> WorkersSuspended | None:
+        """The preemption of the run, if its JobSet (``jobset``, or read now) is suspended after it
+        was admitted, else None.
+
+        Raises:
+            WorkerFailed: the Workload was deactivated by hand (``InactiveWorkload``): a stop, not a pause.
+        """
+        jobset = jobset if jobset is not None else self.jobset() if self.admitted else None
+        if jobset is None or not self.admitted or not get_field(jobset, "spec", "suspend"):
+            return None
+        workload, unread = self.workload(jobset)
+        evicted = next((c for c in get_field(workload, "status", "conditions") or [] if c.get("type") == "Evicted"), None)
+        why = f"Evicted ({evicted.get('reason')}: {evicted.get('message')})" if evicted else unread or "no Evicted condition on its Workload"
+        if evicted is not None and evicted.get("reason") == DEACTIVATED:
+            raise WorkerFailed("jobset", self.name, f"suspended: its Kueue Workload was deactivated (spec.active=false): {why}")
+        return WorkersSuspended("jobset", self.name, f"suspended by Kueue after it was admitted (preempted: {why}); its pods go away")
+
     def say_waiting(self, what: str, now: float, since: float) -> None:
         if now - self.said_waiting >= WAIT_LOG_S:
             self.said_waiting = now
@@ -257,6 +281,9 @@ class RunWatch:
         jobset = self.jobset()
         if jobset is None:
             raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
+        paused = self.preemption(jobset)
+        if paused is not None:  # before what its pods say: they go away because of it
+            raise paused
         suspended = bool(get_field(jobset, "spec", "suspend"))
         podgroup = None if suspended else self.podgroup()
         queued = suspended or podgroup is not None
@@ -274,7 +301,7 @@ class RunWatch:
             self.say_waiting(what, now, since)
         else:
             self.since.pop((self.name, "queued"), None)  # admitted: scheduling clocks run from here
-            self.said_waiting = -math.inf
+            self.admitted = True
         pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
         failures = [f for f in (self.pod_failure(p, now, queued) for p in pods) if f is not None]
         failures += self.replaced(pods)
