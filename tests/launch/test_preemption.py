@@ -15,6 +15,7 @@ machine's loopback (``LoopbackKubernetesBackend``: every member on a port of its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -27,12 +28,12 @@ from pathlib import Path
 import pytest
 from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 from test_distributed_resume import read_rows, same_rows
-from test_kubernetes_backend import RUNNING
+from test_kubernetes_backend import AT_ONCE_S, RUNNING
 from test_kubernetes_run import NS, RUN, use_fake_cluster
 from test_retry import RUN_SETTINGS, cpu_platform
 
 from dockrl import train_task
-from dockrl.launch.backend import WorkersSuspended
+from dockrl.launch.backend import WorkerFailed, WorkersSuspended
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.local import HOST, free_ports
 from dockrl.launch.tasks import prepare_dataset
@@ -57,6 +58,7 @@ class FakeKueueControllers:
         self.started: set[str] = set()  # JobSet uids whose pods were created
         self.preempted: set[str] = set()  # JobSet uids Kueue preempted: never admitted again (the launcher replaces them)
         self.hold_until = 0.0  # Kueue admits nothing before this monotonic time
+        self.workloads = True  # False: Kueue manages the namespace but makes no Workload (the JobSet names no queue)
         self.admitted = 0
 
     # ---- the API server, with the controllers acting first ----
@@ -66,7 +68,8 @@ class FakeKueueControllers:
         if kind == "JobSet":  # Kueue's webhook suspends it; its job controller makes its Workload
             self.objects[(kind, namespace, obj["metadata"]["name"])]["spec"]["suspend"] = True
             obj["spec"]["suspend"] = True
-            self.set_workload(namespace, [{"type": "QuotaReserved", "reason": "Pending", "message": "waiting for quota"}])
+            if self.workloads:
+                self.set_workload(namespace, [{"type": "QuotaReserved", "reason": "Pending", "message": "waiting for quota"}])
         self.reconcile()
         return obj
 
@@ -92,7 +95,7 @@ class FakeKueueControllers:
             if kind != "JobSet":
                 continue
             uid = obj["metadata"]["uid"]
-            if obj["spec"].get("suspend") and uid not in self.preempted and time.monotonic() >= self.hold_until:
+            if obj["spec"].get("suspend") and self.workloads and uid not in self.preempted and time.monotonic() >= self.hold_until:
                 obj["spec"]["suspend"] = False  # Kueue admits it
                 self.admitted += 1
                 self.set_workload(ns, [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
@@ -232,8 +235,6 @@ def test_a_suspension_after_admission_is_a_preemption_and_a_deactivated_workload
     """The watch alone: suspended before admission is queued; suspended after it, preempted; deactivated by hand, failed."""
     from test_kubernetes_backend import GROUPS, _running, backend
 
-    from dockrl.launch.backend import WorkerFailed
-
     b = backend(cluster)
     b.start(GROUPS)
     cluster.set_jobset(NS, suspend=True)
@@ -276,3 +277,28 @@ def test_teardown_finds_a_preemption_the_run_met_first_as_a_lost_shard(cluster):
     b.teardown()
     assert isinstance(b.preempted, WorkersSuspended) and "no Evicted condition on its Workload" in b.preempted.reason
     assert cluster.objects == {}
+
+
+def test_the_launcher_of_a_jobset_that_stays_suspended_says_why_and_fails_within_the_admission_timeout(
+    kueue_cluster, tiny_model_dir, tmp_path, monkeypatch, caplog,
+):
+    """The namespace is Kueue's, but the JobSet names no LocalQueue (platform scheduler 'default'):
+    Kueue suspends it and never makes its Workload. The launcher logs what it waits for at once
+    and fails after Platform.admission_timeout_s, naming Kueue's condition, instead of after a day."""
+    kueue_cluster.workloads = False
+    use_fake_cluster(kueue_cluster, monkeypatch, pod_ip=HOST)
+    monkeypatch.setattr(train_task, "KubernetesBackend", LoopbackKubernetesBackend)
+    overrides = [f"model.path={tiny_model_dir}", *RUN_SETTINGS]
+    prepare_dataset(overrides, tmp_path / "ds")
+    platform = dataclasses.replace(cpu_platform(tmp_path / "shared"), admission_timeout_s=2)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO), pytest.raises(WorkerFailed) as err:
+        train_task.run_training(overrides, tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=lambda k, v: None,
+                                worker_backend="kubernetes", run_id=RUN, platform=platform)
+    assert 2.0 < time.monotonic() - t0 < 2.0 + AT_ONCE_S
+    assert not isinstance(err.value, WorkersSuspended)
+    assert "and no Kueue Workload for it (more than Platform.admission_timeout_s=2): Kueue never set its QuotaReserved " \
+           "condition, nor will by waiting; check that the JobSet names no LocalQueue" in err.value.reason
+    [said] = [r.getMessage() for r in caplog.records if "waiting for admission" in r.getMessage()]
+    assert "JobSet suspended; no Kueue Workload for it yet; failing after Platform.admission_timeout_s=2 s" in said
+    assert kueue_cluster.objects == {} and not kueue_cluster.procs  # torn down; no pod ever ran
