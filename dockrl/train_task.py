@@ -10,7 +10,7 @@ registered with it.
   is mounted in the pod (``Platform.shared_volume_claim`` and ``shared_mount_path`` exists),
   ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end a copy of the
   final checkpoint goes to ``checkpoint_dir`` and the rest of the folder to ``run_dir``.
-* ``kubernetes``: one JobSet per run, a replicated job per dock shard and per stage
+* ``kubernetes``: one JobSet per run, a replicated job for the dock shards (one pod each) and per stage
   (``KubernetesBackend.from_cluster``; rollout, reference and actor on the platform's
   accelerators, one device per rank process). The pods cannot see the
   launcher's files, so the run folder lives on the platform's shared volume,

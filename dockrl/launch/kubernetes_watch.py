@@ -26,8 +26,8 @@ JobSet's suspension and its Kueue Workload's ``QuotaReserved`` and ``Admitted`` 
 Workload is found by Kueue's ``kueue.x-k8s.io/job-uid`` label), or the Volcano PodGroup's phase
 and conditions. It fails within ``Platform.admission_timeout_s`` (minutes), not
 ``queue_timeout_s``, where Kueue will not admit the run by waiting: the JobSet is suspended and
-no Workload appears for it (a namespace Kueue manages without a queue name on the JobSet, a
-missing LocalQueue in older Kueue, Kueue down), or its Workload is ``Inadmissible`` or asks for
+no Workload appears for it (a namespace Kueue manages without a queue name on the JobSet,
+Kueue down), or its Workload is ``Inadmissible`` or asks for
 more than the queue's maximum capacity. ``RunWatch`` looks; the backend decides when (``check``:
 at most every ``poll_s``; ``wait_ready``: until every member runs).
 """

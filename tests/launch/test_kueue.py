@@ -114,8 +114,8 @@ def waits(caplog) -> list[str]:
 
 
 def test_a_jobset_kueue_never_takes_logs_every_minute_and_fails_within_the_admission_timeout(cluster, caplog):
-    """Kueue manages the namespace, but no Workload appears for the JobSet (no LocalQueue of that
-    name in older Kueue, Kueue down): the launcher fails after admission_timeout_s, not a day."""
+    """The JobSet is suspended, but no Workload appears for it (Kueue down, or not taking it): the
+    launcher fails after admission_timeout_s, not a day."""
     clock = FakeClock(step=10.0)
     b = suspended_run(cluster, clock, **KUEUE, admission_timeout_s=300)
     with caplog.at_level(logging.INFO), pytest.raises(WorkerFailed) as err:
