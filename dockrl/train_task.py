@@ -161,6 +161,8 @@ def run_training(
             logger.info("retry of run %s: all %d iterations were done (%s): handing over its final checkpoint", run_id, start, found)
             summary = _read_summary(out / "summary.json")
             break
+        if backend is not None:
+            backend.preempted = None  # an error before this attempt's workers start is no preemption
         try:
             summary = driver.train(cfg, on_iteration=stream, backend=backend)
             break
@@ -170,7 +172,7 @@ def run_training(
                 raise
         # torn down by the driver; gone before the resumed run creates its JobSet under the same name
         logger.warning("run %s paused: %s; it resumes from its newest checkpoint in a new JobSet, which waits for "
-                       "Kueue's admission", run_id, paused)
+                       "Kueue's admission", run_id, paused.reason)
         clear_failed_attempt(backend)
 
     final = out / "checkpoints" / "final"
