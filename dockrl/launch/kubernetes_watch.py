@@ -27,8 +27,8 @@ Workload is found by Kueue's ``kueue.x-k8s.io/job-uid`` label), or the Volcano P
 and conditions. It fails within ``Platform.admission_timeout_s`` (minutes), not
 ``queue_timeout_s``, where Kueue will not admit the run by waiting: the JobSet is suspended and
 no Workload appears for it (a namespace Kueue manages without a queue name on the JobSet,
-Kueue down), or its Workload is ``Inadmissible`` or asks for
-more than the queue's maximum capacity. ``RunWatch`` looks; the backend decides when (``check``:
+Kueue down), or its Workload is ``Inadmissible`` (its LocalQueue missing or stopped) or asks for
+more than any flavor of the queue can ever hold. ``RunWatch`` looks; the backend decides when (``check``:
 at most every ``poll_s``; ``wait_ready``: until every member runs).
 """
 
@@ -62,10 +62,14 @@ DEACTIVATED = "InactiveWorkload"
 """Reason of a Workload's ``Evicted`` condition when someone set its ``spec.active`` false: a stop, not a preemption."""
 KUEUE_CONDITIONS = ("QuotaReserved", "Admitted", "Evicted")
 """The Workload conditions that say where its admission stands."""
-NEVER_ADMITTED = ("Inadmissible", "request > maximum capacity")
-"""What Kueue says of a Workload that waiting does not admit (a missing LocalQueue, a stopped
-ClusterQueue, a request over the queue's maximum capacity): a reason or part of a message of its
-``QuotaReserved`` condition."""
+INADMISSIBLE = "Inadmissible"
+"""Reason of a Workload's ``QuotaReserved`` condition when its LocalQueue is missing or stopped, or
+its ClusterQueue missing or inactive: waiting does not admit it."""
+OVER_CAPACITY, MORE_NEEDED = "> maximum capacity", "more needed"
+"""Parts of a ``QuotaReserved`` message of Kueue: a request no flavor of the queue can ever hold
+(``request > maximum capacity (32 > 16)``, with several PodSets ``... + current podset request (8) >
+maximum capacity (16)``), and a flavor that lacks unused quota only (``8 more needed``): quota that
+preemptions or finished workloads can free."""
 
 
 def get_field(obj: Any, *path: str) -> Any:
@@ -166,12 +170,12 @@ class RunWatch:
         timeout = self.platform.admission_timeout_s
         waited = now - since
         workload, unread = self.workload(jobset)
+        queue = (f"the LocalQueue {self.platform.queue!r} exists in namespace {self.namespace!r} (kubectl get "
+                 "localqueue) and Kueue runs" if self.platform.scheduler == "kueue" else
+                 f"the JobSet names no LocalQueue (platform scheduler={self.platform.scheduler!r}), but Kueue manages this "
+                 "namespace: set Platform.scheduler='kueue' and Platform.queue")
         if workload is None:
             if waited > timeout:
-                queue = (f"the LocalQueue {self.platform.queue!r} exists in namespace {self.namespace!r} (kubectl get "
-                         "localqueue) and Kueue runs" if self.platform.scheduler == "kueue" else
-                         "the JobSet names no LocalQueue (platform scheduler='default'), but Kueue manages this "
-                         "namespace: set Platform.scheduler='kueue' and Platform.queue")
                 raise WorkerFailed("jobset", self.name, f"suspended for {waited:.0f} s and no Kueue Workload for it (more than "
                                    f"Platform.admission_timeout_s={timeout}): Kueue never set its QuotaReserved condition, "
                                    f"nor will by waiting; check that {queue}" + (f" ({unread})" if unread else ""))
@@ -183,11 +187,13 @@ class RunWatch:
         state = f"JobSet suspended; Kueue Workload {get_field(workload, 'metadata', 'name')}: " + (
             ", ".join(said) or "no QuotaReserved condition yet")
         quota = conditions.get("QuotaReserved") or {}
-        never = quota.get("status") == "False" and any(
-            word in f"{quota.get('reason')} {quota.get('message')}" for word in NEVER_ADMITTED)
+        message = str(quota.get("message") or "")
+        never = quota.get("status") == "False" and (
+            quota.get("reason") == INADMISSIBLE or (OVER_CAPACITY in message and MORE_NEEDED not in message))
         if never and waited > timeout:
             raise WorkerFailed("jobset", self.name, f"not admitted by Kueue for {waited:.0f} s, and waiting will not admit it "
-                               f"(more than Platform.admission_timeout_s={timeout}): {state}")
+                               f"(more than Platform.admission_timeout_s={timeout}): {state}; check that {queue}, and that "
+                               "it can hold every pod of the run")
         return state + (f"; waiting will not admit it: failing after Platform.admission_timeout_s={timeout} s" if never else "")
 
     def preemption(self, jobset: dict[str, Any] | None = None) -> WorkersSuspended | None:

@@ -153,10 +153,12 @@ def test_a_workload_waiting_for_quota_is_logged_with_its_conditions_and_waits_fo
     assert len(said) == 11 and all(f"QuotaReserved=False (Pending: {pending})" in m for m in said)
 
 
-@pytest.mark.parametrize("reason, message", [
+@pytest.mark.parametrize("reason, message", [  # as Kueue words them (its workload controller and flavor assigner)
     ("Inadmissible", "LocalQueue team-rl doesn't exist"),
     ("Pending", "couldn't assign flavors to pod set hybrid: insufficient quota for huawei.com/Ascend910 in flavor ascend, "
                 "request > maximum capacity (32 > 16)"),
+    ("Pending", "couldn't assign flavors to pod set reference: insufficient quota for huawei.com/Ascend910 in flavor ascend, "
+                "previously considered podsets requests (16) + current podset request (1) > maximum capacity (16)"),
 ])
 def test_a_workload_that_waiting_will_not_admit_fails_after_the_admission_timeout(cluster, reason, message):
     clock = FakeClock(step=20.0)
@@ -167,6 +169,17 @@ def test_a_workload_that_waiting_will_not_admit_fails_after_the_admission_timeou
     assert clock.now <= 40 + 60 + 20  # first seen at 40 s, failed at the first look past the admission timeout
     assert "and waiting will not admit it (more than Platform.admission_timeout_s=60)" in err.value.reason
     assert f"QuotaReserved=False ({reason}: {message})" in err.value.reason
+
+
+def test_a_workload_one_flavor_could_hold_once_quota_frees_keeps_waiting(cluster):
+    clock = FakeClock(step=20.0)
+    b = suspended_run(cluster, clock, **KUEUE, admission_timeout_s=60, queue_timeout_s=300)
+    cluster.set_workload(NS, [{"type": "QuotaReserved", "reason": "Pending", "message": (
+        "couldn't assign flavors to pod set hybrid: insufficient unused quota for huawei.com/Ascend910 in flavor ascend-a, "
+        "8 more needed, insufficient quota for huawei.com/Ascend910 in flavor ascend-b, request > maximum capacity (16 > 8)")}])
+    with pytest.raises(WorkerFailed, match="within Platform.queue_timeout_s=300 s"):
+        b.wait_ready(b.start_timeout_s)
+    assert clock.now > 300
 
 
 def test_once_admitted_the_run_stops_saying_it_waits(cluster, caplog):
