@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,8 @@ class FakeKueueControllers:
         self.procs: dict[str, subprocess.Popen] = {}  # pod name -> its process
         self.started: set[str] = set()  # JobSet uids whose pods were created
         self.preempted: set[str] = set()  # JobSet uids Kueue preempted: never admitted again (the launcher replaces them)
-        self.hold_until = 0.0  # Kueue admits nothing before this monotonic time
+        self.reads: Counter[str] = Counter()  # JobSet uid -> times the launcher read it suspended
+        self.admit_after_reads = 0  # Kueue admits a JobSet once the launcher read it suspended that often
         self.workloads = True  # False: Kueue manages the namespace but makes no Workload (the JobSet names no queue)
         self.admitted = 0
 
@@ -75,7 +77,10 @@ class FakeKueueControllers:
 
     def get(self, kind: str, namespace: str, name: str) -> dict:
         self.reconcile()
-        return super().get(kind, namespace, name)
+        obj = super().get(kind, namespace, name)
+        if kind == "JobSet" and obj["spec"].get("suspend"):
+            self.reads[obj["metadata"]["uid"]] += 1
+        return obj
 
     def listed(self, kind: str, namespace: str, selector: str | None, model: str | None = None):
         self.reconcile()
@@ -95,7 +100,7 @@ class FakeKueueControllers:
             if kind != "JobSet":
                 continue
             uid = obj["metadata"]["uid"]
-            if obj["spec"].get("suspend") and self.workloads and uid not in self.preempted and time.monotonic() >= self.hold_until:
+            if obj["spec"].get("suspend") and self.workloads and uid not in self.preempted and self.reads[uid] >= self.admit_after_reads:
                 obj["spec"]["suspend"] = False  # Kueue admits it
                 self.admitted += 1
                 self.set_workload(ns, [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
@@ -145,14 +150,14 @@ class FakeKueueControllers:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-    def preempt(self, namespace: str, hold_s: float) -> None:
+    def preempt(self, namespace: str, queued_reads: int) -> None:
         """What Kueue does to make room for a workload of higher priority: it suspends the JobSet (the
-        JobSet controller deletes its Jobs: every pod goes away), marks the Workload evicted and
-        requeued, and admits nothing for ``hold_s`` seconds."""
+        JobSet controller deletes its Jobs: every pod goes away) and marks the Workload evicted and
+        requeued; from now on it admits a JobSet only once the launcher read it queued ``queued_reads`` times."""
         jobset = self.jobset(namespace)
         jobset["spec"]["suspend"] = True
         self.preempted.add(jobset["metadata"]["uid"])
-        self.hold_until = time.monotonic() + hold_s
+        self.admit_after_reads = queued_reads
         self.set_workload(namespace, [
             {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "Preempted to accommodate a workload (UID: 9f1e) "
                                                                                    "due to prioritization in the ClusterQueue"},
@@ -209,7 +214,7 @@ def test_a_run_kueue_preempts_pauses_and_resumes_to_the_uninterrupted_result(
 
     def log_metric(key: str, value: float) -> None:
         if key == "actor/loss/iter_0001" and not kueue_cluster.preempted:  # iteration 1 done: a workload of higher priority comes
-            kueue_cluster.preempt(NS, hold_s=3.0)
+            kueue_cluster.preempt(NS, queued_reads=3)
         logged[key] = value
 
     with caplog.at_level(logging.INFO):
