@@ -121,6 +121,10 @@ class WorkersSuspended(WorkerFailed):
     suspended the JobSet, whose pods go away). A pause, not a failure: the launcher keeps the run
     and resumes it from its newest checkpoint once it is admitted again (``dockrl.train_task``)."""
 
+    def __init__(self, group: str, member: str, reason: str, log_tail: str = ""):
+        super().__init__(group, member, reason, log_tail)
+        self.args = (f"workers of {member} paused: {reason}",)  # not "failed": the run goes on
+
 
 class WorkerBackend(Protocol):
     """Starts, watches and tears down the worker groups of one run, and addresses their members."""
