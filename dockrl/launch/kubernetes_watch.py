@@ -26,9 +26,9 @@ JobSet's suspension and its Kueue Workload's ``QuotaReserved`` and ``Admitted`` 
 Workload is found by Kueue's ``kueue.x-k8s.io/job-uid`` label), or the Volcano PodGroup's phase
 and conditions. It fails within ``Platform.admission_timeout_s`` (minutes), not
 ``queue_timeout_s``, where Kueue will not admit the run by waiting: the JobSet is suspended and
-no Workload appears for it (a namespace Kueue manages without a queue name on the JobSet,
-Kueue down), or its Workload is ``Inadmissible`` (its LocalQueue missing or stopped) or asks for
-more than any flavor of the queue can ever hold. ``RunWatch`` looks; the backend decides when (``check``:
+no Workload appears for it (Kueue down, its JobSet integration off), or its Workload is
+``Inadmissible`` (its LocalQueue missing or stopped; a JobSet without a queue name where Kueue
+manages the namespace) or asks for more than any flavor of the queue can ever hold. ``RunWatch`` looks; the backend decides when (``check``:
 at most every ``poll_s``; ``wait_ready``: until every member runs).
 """
 
