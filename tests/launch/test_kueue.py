@@ -130,7 +130,8 @@ def test_a_jobset_kueue_never_takes_logs_every_minute_and_fails_within_the_admis
     assert all("JobSet suspended; no Kueue Workload for it yet; failing after Platform.admission_timeout_s=300 s" in m for m in said)
 
 
-def test_a_namespace_kueue_manages_without_a_queue_name_fails_naming_the_missing_queue(cluster):
+def test_a_suspended_jobset_without_a_queue_name_and_no_workload_fails_naming_the_missing_queue(cluster):
+    """Compiled with scheduler 'default' for a namespace whose JobSets Kueue suspends, and no Workload appears."""
     clock = FakeClock(step=30.0)
     b = suspended_run(cluster, clock, admission_timeout_s=120)  # scheduler default: the JobSet names no queue
     with pytest.raises(WorkerFailed, match=r"QuotaReserved condition, nor will by waiting; check that the JobSet names no "

@@ -287,9 +287,9 @@ def test_teardown_finds_a_preemption_the_run_met_first_as_a_lost_shard(cluster):
 def test_the_launcher_of_a_jobset_that_stays_suspended_says_why_and_fails_within_the_admission_timeout(
     kueue_cluster, tiny_model_dir, tmp_path, monkeypatch, caplog,
 ):
-    """The namespace is Kueue's, but the JobSet names no LocalQueue (platform scheduler 'default'):
-    Kueue suspends it and never makes its Workload. The launcher logs what it waits for at once
-    and fails after Platform.admission_timeout_s, naming Kueue's condition, instead of after a day."""
+    """Kueue's webhook suspends the JobSet, which names no LocalQueue (platform scheduler 'default'),
+    and no Workload ever appears for it. The launcher logs what it waits for at once and fails after
+    Platform.admission_timeout_s, naming Kueue's condition, instead of after a day."""
     kueue_cluster.workloads = False
     use_fake_cluster(kueue_cluster, monkeypatch, pod_ip=HOST)
     monkeypatch.setattr(train_task, "KubernetesBackend", LoopbackKubernetesBackend)
