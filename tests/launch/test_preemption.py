@@ -60,7 +60,7 @@ class FakeKueueControllers:
         self.preempted: set[str] = set()  # JobSet uids Kueue preempted: never admitted again (the launcher replaces them)
         self.reads: Counter[str] = Counter()  # JobSet uid -> times the launcher read it suspended
         self.admit_after_reads = 0  # Kueue admits a JobSet once the launcher read it suspended that often
-        self.workloads = True  # False: Kueue manages the namespace but makes no Workload (the JobSet names no queue)
+        self.workloads = True  # False: Kueue suspends JobSets but makes no Workload (its controller not taking them)
         self.admitted = 0
 
     # ---- the API server, with the controllers acting first ----
