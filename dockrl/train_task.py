@@ -10,7 +10,7 @@ registered with it.
   is mounted in the pod (``Platform.shared_volume_claim`` and ``shared_mount_path`` exists),
   ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end a copy of the
   final checkpoint goes to ``checkpoint_dir`` and the rest of the folder to ``run_dir``.
-* ``kubernetes``: one JobSet per run, a replicated job per dock shard and per stage
+* ``kubernetes``: one JobSet per run, a replicated job for the dock shards (one pod each) and per stage
   (``KubernetesBackend.from_cluster``; rollout, reference and actor on the platform's
   accelerators, one device per rank process). The pods cannot see the
   launcher's files, so the run folder lives on the platform's shared volume,
@@ -29,6 +29,12 @@ the failed attempt's folder is set aside as ``<run_id>.attempt-<n>`` and the run
 With ``kubernetes`` the failed attempt's JobSet is torn down first, and gone, before anything
 else (``clear_failed_attempt``): its launcher died before its own teardown, and Argo does not
 reliably run the exit handler before a retry. Both live in ``dockrl.train_retry``.
+
+A preemption is a pause, not a failure: when Kueue suspends the run's JobSet (its pods go away),
+the backend says so (``KubernetesBackend.preempted``) whatever error the driver met first, and the
+launcher goes on in the same way as a retry, in the same process: the JobSet torn down and gone,
+the run resumed from its newest complete checkpoint (dock snapshot, weights, optimizer, data
+position: docs/resume.md) in a new JobSet, which Kueue queues until it admits the run again.
 
 Unless the overrides say otherwise, the train step skips the evaluation after training
 (``trainer.eval_after=false``): the pipeline's ``evaluate`` step measures the exported model.
@@ -50,7 +56,7 @@ from typing import Callable, Sequence
 from dockrl import driver
 from dockrl.config import Config, load_config
 from dockrl.launch.artifacts import dataset_files, place_rollouts, write_checkpoint_pointer
-from dockrl.launch.backend import worker_backend_name
+from dockrl.launch.backend import WorkersSuspended, worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.resume import FINAL_DIR, checkpoint_resumes_at
@@ -110,7 +116,8 @@ def run_training(
         ValueError: unknown ``worker_backend``; for ``kubernetes``: no ``run_id``, no shared
             volume, ``dock.mode`` not distributed, a ``directory`` warehouse off the shared volume.
         ConfigError: an invalid override (the message names the field).
-        WorkerFailed: a worker died or cannot start (its log tail in the message).
+        WorkerFailed: a worker died or cannot start (its log tail in the message); not for a
+            preemption (``WorkersSuspended``), after which the run resumes.
         RuntimeError: for ``kubernetes``, a failed attempt's objects of the same run id are not
             gone in time (``clear_failed_attempt``, names them).
     """
@@ -126,32 +133,47 @@ def run_training(
     elif run_id and (shared := shared_mount(platform)) is not None:
         out = shared / "runs" / run_id
     resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
-    found = prepare_retry(out, run_id, resume_given=resume_given) if out != run else None
-    if backend is not None:
-        train_file, test_file = _copy_into([train_file, test_file], out / "data")
-    cfg = load_config(None, [
-        # the pipeline's evaluate step measures the exported model: no second evaluation here
-        "dock.mode=distributed", "trainer.eval_after=false", *(["run.resume=latest"] if found else []), *overrides,
-        f"data.train_path={train_file}", f"data.test_path={test_file}", f"run.output_dir={out}", "run.progress=false",
-    ])
     skipped: list[str] = []
 
     def stream(it: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             _log_finite(log_metric, f"{key}/iter_{it:04d}", value, skipped)
 
-    if backend is not None:
-        check_shared_config(cfg, backend.shared_dir)
-        check_platform_device(cfg, backend.platform)
-    start = checkpoint_resumes_at(found) if found and not resume_given else None
-    if start is not None:  # this attempt's metrics artifact gets the iterations the failed one ran too
-        _replay_metrics(out / "metrics.jsonl", start, stream)
-    if found is not None and found.name == FINAL_DIR and start is not None and start >= cfg.trainer.iterations:
-        # the failed attempt trained to the end and failed handing over: nothing is left to run
-        logger.info("retry of run %s: all %d iterations were done (%s): handing over its final checkpoint", run_id, start, found)
-        summary = _read_summary(out / "summary.json")
-    else:
-        summary = driver.train(cfg, on_iteration=stream, backend=backend)
+    paused: WorkersSuspended | None = None
+    while True:  # once, or again after each preemption of the workers (a pause: the run resumes)
+        found = prepare_retry(out, run_id, resume_given=resume_given and paused is None) if out != run else None
+        data = _copy_into([train_file, test_file], out / "data") if backend is not None else [train_file, test_file]
+        latest = ["run.resume=latest"] if found else []
+        cfg = load_config(None, [
+            # the pipeline's evaluate step measures the exported model: no second evaluation here
+            "dock.mode=distributed", "trainer.eval_after=false", *(latest if paused is None else []), *overrides,
+            *(latest if paused is not None else []),  # after a preemption the newest checkpoint wins over a given run.resume
+            f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"run.output_dir={out}", "run.progress=false",
+        ])
+        if backend is not None:
+            check_shared_config(cfg, backend.shared_dir)
+            check_platform_device(cfg, backend.platform)
+        start = checkpoint_resumes_at(found) if found and (paused is not None or not resume_given) else None
+        if start is not None and paused is None:  # this attempt's metrics artifact gets the iterations the failed one ran too
+            _replay_metrics(out / "metrics.jsonl", start, stream)
+        if found is not None and found.name == FINAL_DIR and start is not None and start >= cfg.trainer.iterations:
+            # the failed attempt trained to the end and failed handing over: nothing is left to run
+            logger.info("retry of run %s: all %d iterations were done (%s): handing over its final checkpoint", run_id, start, found)
+            summary = _read_summary(out / "summary.json")
+            break
+        if backend is not None:
+            backend.preempted = None  # an error before this attempt's workers start is no preemption
+        try:
+            summary = driver.train(cfg, on_iteration=stream, backend=backend)
+            break
+        except Exception:
+            paused = backend.preempted if backend is not None else None
+            if backend is None or paused is None:
+                raise
+        # torn down by the driver; gone before the resumed run creates its JobSet under the same name
+        logger.warning("run %s paused: %s; it resumes from its newest checkpoint in a new JobSet, which waits for "
+                       "Kueue's admission", run_id, paused.reason)
+        clear_failed_attempt(backend)
 
     final = out / "checkpoints" / "final"
     if not (final / "config.json").is_file():

@@ -53,6 +53,7 @@ from dockrl.dock.flight_server import DockShardServer
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_requests import Payload
 from dockrl.lifeline import driver_pid_from_env, watch_driver
+from dockrl.process_env import REPLICAS_ENV, replica
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,23 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
+def _member_port(parser: argparse.ArgumentParser, spec: str) -> int:
+    """The port of this shard: ``spec`` itself, or of a comma-separated list (one per member of the
+    shards' group) the one at this member's index (``process_env.replica``: ``DOCKRL_REPLICA``)."""
+    try:
+        ports = [int(p) for p in spec.split(",")]
+    except ValueError:
+        parser.error(f"--port {spec}: expected a port or comma-separated ports (one per shard)")
+    if not all(0 <= p < 65536 for p in ports):
+        parser.error(f"--port {spec}: expected ports 0-65535")
+    if len(ports) == 1:
+        return ports[0]
+    index, size = replica()
+    if size != len(ports):
+        parser.error(f"--port {spec}: {len(ports)} ports for a group of {size} shards ({REPLICAS_ENV}); give one per shard")
+    return ports[index]
+
+
 def serve_shard(argv: list[str] | None = None) -> int:
     """Run one dock shard in this process until SIGINT/SIGTERM; print its location first.
 
@@ -100,7 +118,8 @@ def serve_shard(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="dockrl dock-shard", description="Run one transfer dock shard.")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (printed on stdout)")
+    parser.add_argument("--port", default="0", help="port; 0 picks a free one (printed on stdout); or one port per "
+                        "shard of the group, comma-separated: this member's is the one at its index (DOCKRL_REPLICA)")
     parser.add_argument("--token-env", default=None, help="environment variable holding the shared bearer token")
     parser.add_argument("--schema", default="dockrl.dock.schema:GRPO_SCHEMA", help="module:attribute of the Schema")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="default claim timeout, seconds")
@@ -110,6 +129,7 @@ def serve_shard(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver-timeout-s", type=float, default=0.0,
                         help="stop when the run's driver has not renewed its lease for this long, seconds (0: never)")
     args = parser.parse_args(argv)
+    port = _member_port(parser, args.port)
     if not 0 < args.lease_s < math.inf:
         parser.error(f"--lease-s {args.lease_s}: expected a finite number of seconds > 0")
     token = None
@@ -122,7 +142,7 @@ def serve_shard(argv: list[str] | None = None) -> int:
                      "pass --token-env DOCKRL_DOCK_TOKEN (with the token in that variable), or bind --host 127.0.0.1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = DockShardServer(
-        _load_schema(args.schema), f"grpc://{args.host}:{args.port}", token=token, timeout_s=args.timeout_s,
+        _load_schema(args.schema), f"grpc://{args.host}:{port}", token=token, timeout_s=args.timeout_s,
         payload=args.payload,
         lease_s=args.lease_s,
     )

@@ -133,6 +133,16 @@ class WorkerFailed(RuntimeError):
         super().__init__(msg)
 
 
+class WorkersSuspended(WorkerFailed):
+    """The cluster took a run's workers away to run them later: Kueue preempted the run (it
+    suspended the JobSet, whose pods go away). A pause, not a failure: the launcher keeps the run
+    and resumes it from its newest checkpoint once it is admitted again (``dockrl.train_task``)."""
+
+    def __init__(self, group: str, member: str, reason: str, log_tail: str = ""):
+        super().__init__(group, member, reason, log_tail)
+        self.args = (f"workers of {member} paused: {reason}",)  # not "failed": the run goes on
+
+
 class WorkerBackend(Protocol):
     """Starts, watches and tears down the worker groups of one run, and addresses their members."""
 

@@ -48,9 +48,14 @@ CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
 
 
+SHARDS_GROUP = "dock-shard"
+"""The dock shards' worker group: shard ``s`` is its member ``s`` (on Kubernetes one replicated job
+of ``dock.shards`` indexed pods, so a run's PodSets do not grow with its shards)."""
+
+
 def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
-    """``grpc://host:port`` of every dock shard (group ``dock-shard-<s>`` on ``ports[s]``), in shard order."""
-    return [f"grpc://{backend.address(f'dock-shard-{s}', 0, port)}" for s, port in enumerate(ports)]
+    """``grpc://host:port`` of every dock shard (member ``s`` of group ``dock-shard`` on ``ports[s]``), in shard order."""
+    return [f"grpc://{backend.address(SHARDS_GROUP, s, port)}" for s, port in enumerate(ports)]
 
 
 def member_devices(cfg: Config, stage: str) -> int:
@@ -95,7 +100,7 @@ def worker_groups(
     cfg: Config, backend: WorkerBackend, ports: Sequence[int], weight_address: str, token: str, run: str = "run",
     first_wait: float | None = None,
 ) -> list[WorkerGroup]:
-    """The dock shard groups (one per shard, each serving on its port) and the stage groups of a run.
+    """The dock shards' group (one member per shard, member ``s`` serving on ``ports[s]``) and the stage groups of a run.
 
     Args:
         backend: gives the members' program, bind interface and addresses.
@@ -118,21 +123,21 @@ def worker_groups(
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
     s3 = cfg.dock.warehouse == "s3"  # only then do the members need the object store's credentials
     shard_s3 = s3 or bool(cfg.run.rollouts_uri)  # and the shards, which write the kept rollouts there
-    shards = [
-        WorkerGroup(name=f"dock-shard-{s}", secret_env={TOKEN_ENV: token}, port=port, object_store=shard_s3, command=(
-            *program, "dock-shard", "--host", backend.bind_host, "--port", str(port),
-            "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
-            "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
-        ))
-        for s, port in enumerate(ports)
-    ]
+    # one command for every shard: a member takes its port by its index (DOCKRL_REPLICA, on Kubernetes
+    # the pod's completion index); in pods every shard serves on the same port
+    port_arg = str(ports[0]) if len(set(ports)) == 1 else ",".join(map(str, ports))
+    shards = WorkerGroup(name=SHARDS_GROUP, replicas=len(ports), secret_env={TOKEN_ENV: token}, port=ports[0], object_store=shard_s3, command=(
+        *program, "dock-shard", "--host", backend.bind_host, "--port", port_arg,
+        "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
+        "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
+    ))
     dock = ",".join(shard_locations(backend, ports))
     stages = stage_processes(cfg)
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
     replicas = {stage: stage_members(cfg.parallel, stage)[0] for stage in stages}
     # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
     local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
-    return shards + [
+    return [shards] + [
         # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
         WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
                     replicas=replicas[stage], colocate=stage_members(cfg.parallel, stage)[1], object_store=s3, command=(

@@ -18,9 +18,14 @@ backend (``kubernetes.py``) creates, as dicts:
     ``ttlSecondsAfterFinished`` on the JobSet (``Platform.worker_ttl_s``): nothing outlives a
     lost launcher by more than the deadline;
   - optional gang scheduling (``Platform.scheduler``): Kueue queues the whole JobSet
-    (label ``kueue.x-k8s.io/queue-name``); Volcano schedules every pod (``schedulerName:
-    volcano``) as one **PodGroup** (annotation ``scheduling.k8s.io/group-name``), rendered
-    here too, with ``minMember`` = every pod of the run;
+    (labels ``kueue.x-k8s.io/queue-name`` and, with ``Platform.priority_class``,
+    ``kueue.x-k8s.io/priority-class``); Kueue makes each replicated job one PodSet of the
+    JobSet's Workload, and older Kueue releases admit at most ``KUEUE_MAX_PODSETS`` (8) of them,
+    so a run renders at most that many replicated jobs (the dock shards are one: N indexed
+    pods); Volcano schedules every pod (``schedulerName: volcano``) as one **PodGroup**
+    (annotation ``scheduling.k8s.io/group-name``), rendered here too, with ``minMember`` =
+    every pod of the run and the platform's ``pod_labels`` (a rank-table controller reads
+    them on the job as well);
 
 * every pod: as ``pod_spec.py`` renders it (requests, devices, Pod Security ``restricted``, no
   service-account token, no Istio sidecar), its members placed by ``pod_spec.pod_shape``.
@@ -44,6 +49,12 @@ VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL = "scheduling.volcano.sh", "v1bet
 RUN_LABEL = "dockrl.io/run"
 GROUP_LABEL = "dockrl.io/group"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+KUEUE_MAX_PODSETS = 8
+"""Most PodSets a Kueue Workload may hold in Kueue releases before mid-2026 (``spec.podSets``
+``maxItems: 8`` of the Workload CRD; 18 since): a JobSet's replicated jobs are its Workload's
+PodSets, and a Workload over the limit is refused by the API server, so the JobSet is never admitted.
+dockrl holds to 8, so a run is admitted by older Kueue too."""
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 ISTIO_INJECT = "sidecar.istio.io/inject"
 FAILURE_RULE = "FailRunOnAnyWorkerFailure"
@@ -105,8 +116,8 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
         owner: owner reference of every object (the launcher pod), or None.
 
     Raises:
-        ValueError: ``run_id`` not a label value, no group, duplicate group names, or one
-            ``secret_env`` name with two values.
+        ValueError: ``run_id`` not a label value, no group, duplicate group names, more groups
+            than ``KUEUE_MAX_PODSETS``, or one ``secret_env`` name with two values.
     """
     check_run_id(run_id)
     names = [g.name for g in groups]
@@ -114,6 +125,9 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
         raise ValueError("worker groups: none given; a run has at least its dock shards and stages")
     if len(set(names)) != len(names):
         raise ValueError(f"worker groups: duplicate names in {names}")
+    if len(names) > KUEUE_MAX_PODSETS:
+        raise ValueError(f"worker groups: {len(names)} ({names}) would be {len(names)} replicated jobs, more than the "
+                         f"{KUEUE_MAX_PODSETS} PodSets a Kueue Workload holds (KUEUE_MAX_PODSETS): Kueue would never admit the run")
     name = jobset_name(run_id)
     meta: dict[str, Any] = {"namespace": namespace, "labels": run_labels(run_id)}
     if owner is not None:
@@ -128,8 +142,10 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
         podgroup: dict[str, Any] = {"minMember": sum(pod_shape(g, platform).pods for g in groups)}  # all or nothing
         if platform.queue:
             podgroup["queue"] = platform.queue
+        # the job carries the pods' labels too: MindCluster's rank-table controller reads ring-controller.atlas there
+        group_meta = {"name": name, **meta, "labels": {**platform.pod_labels, **meta["labels"]}}
         objects.append({"apiVersion": f"{VOLCANO_GROUP}/{VOLCANO_VERSION}", "kind": "PodGroup",
-                        "metadata": {"name": name, **meta}, "spec": podgroup})
+                        "metadata": group_meta, "spec": podgroup})
     replicated = []
     for g in groups:
         labels = run_labels(run_id, g.name)
@@ -151,6 +167,8 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
     jobset_meta = {"name": name, **meta, "labels": dict(meta["labels"])}
     if platform.scheduler == "kueue":
         jobset_meta["labels"][KUEUE_QUEUE_LABEL] = platform.queue
+        if platform.priority_class:
+            jobset_meta["labels"][KUEUE_PRIORITY_LABEL] = platform.priority_class
     objects.append({
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}", "kind": "JobSet", "metadata": jobset_meta,
         "spec": {

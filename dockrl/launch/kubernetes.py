@@ -27,10 +27,15 @@ How a run's stages find what they need, in pods that cannot see the launcher's f
 fails the run with ``WorkerFailed`` naming the pod, the reason and its log tail when a
 worker pod failed or cannot start in time (``kubernetes_watch.py`` lists the reasons and their
 timeouts), and when the JobSet itself failed (its deadline, its failure policy) or was deleted.
+A JobSet Kueue suspends after admitting it was preempted: ``check`` raises ``WorkersSuspended``
+instead, and ``preempted`` keeps it (``teardown`` looks once more before it deletes the JobSet, for
+a run that noticed the preemption first as a shard that stopped answering), so the launcher resumes
+the run instead of failing it (``dockrl.train_task``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -38,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dockrl.launch.backend import WorkerGroup
+from dockrl.launch.backend import WorkerFailed, WorkerGroup, WorkersSuspended
 from dockrl.launch.jobset import (
     RUN_LABEL,
     VOLCANO_GROUP,
@@ -108,9 +113,21 @@ class KubernetesBackend:
         # scheduled and pulls its image on its own clock
         self.start_spread_s = float(platform.schedule_timeout_s + platform.image_pull_timeout_s)
         self._expected: dict[str, int] = {}  # group -> pods
-        self._watch = RunWatch(core_api, custom_api, namespace=namespace, name=self.name, selector=self.selector,
-                               platform=platform, log_lines=log_lines)
+        self._watch = self._new_watch()
         self._last_look = -math.inf
+        self.preempted: WorkersSuspended | None = None
+        """The preemption of this run's workers (Kueue suspended their JobSet), once seen; None while there was none."""
+
+    def _new_watch(self) -> RunWatch:
+        return RunWatch(self.core, self.custom, namespace=self.namespace, name=self.name, selector=self.selector,
+                        platform=self.platform, log_lines=self.log_lines)
+
+    def _look(self, now: float) -> list[Any]:
+        try:
+            return self._watch.look(now)
+        except WorkersSuspended as paused:
+            self.preempted = paused
+            raise
 
     # ---- addressing (see the module docstring) ----
 
@@ -194,6 +211,7 @@ class KubernetesBackend:
             raise RuntimeError(f"kubernetes backend: run {self.run_id!r} started already; a run is one JobSet, "
                                "so start takes every group at once")
         objects = self.render(groups)
+        self._watch, self._last_look, self.preempted = self._new_watch(), -math.inf, None  # a resumed run's JobSet: seen afresh
         created: dict[str, dict[str, Any]] = {}
         for obj in objects:
             created[obj["kind"]] = create_object(self.core, self.custom, obj, namespace=self.namespace, run_id=self.run_id)
@@ -219,7 +237,7 @@ class KubernetesBackend:
         if not self._expected or now - self._last_look < self.poll_s:
             return
         self._last_look = now
-        self._watch.look(now)
+        self._look(now)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every member's container runs (queued, scheduled, pulled, started).
@@ -232,7 +250,7 @@ class KubernetesBackend:
         while True:
             now = self.clock()
             self._last_look = now
-            running = running_members(self._watch.look(now))
+            running = running_members(self._look(now))
             short = {g: f"{running[g]}/{n}" for g, n in self._expected.items() if running[g] < n}
             if not short:
                 return
@@ -253,7 +271,11 @@ class KubernetesBackend:
     def teardown(self) -> int:
         """Delete the run's JobSet (its Jobs and pods go with it), PodGroup and Secret; returns
         how many objects were deleted. With ``teardown_wait_s`` waits that long for the pods to
-        be gone (each has ``terminationGracePeriodSeconds`` 30). Safe to call twice."""
+        be gone (each has ``terminationGracePeriodSeconds`` 30). Safe to call twice. A preemption
+        not seen yet is looked for first (``preempted``)."""
+        if self._expected and self.preempted is None:
+            with contextlib.suppress(WorkerFailed):  # a Workload deactivated by hand: a stop, nothing to resume
+                self.preempted = self._watch.preemption()
         removed = delete_run_objects(self.core, self.custom, namespace=self.namespace, selector=self.selector,
                                      scheduler=self.platform.scheduler)
         deadline = self.clock() + self.teardown_wait_s

@@ -15,18 +15,31 @@ pod, the reason and its log tail when a worker pod
   clock); time queued for admission (Kueue suspends the JobSet; a Volcano PodGroup waits
   ``Pending``) counts against ``Platform.queue_timeout_s`` instead;
 
-and when the JobSet itself failed (its deadline, its failure policy) or was deleted. ``RunWatch``
-looks; the backend decides when (``check``: at most every ``poll_s``; ``wait_ready``: until every
-member runs).
+and when the JobSet itself failed (its deadline, its failure policy) or was deleted. A JobSet
+suspended after it was admitted was preempted (Kueue suspends it; the JobSet controller deletes
+its Jobs, so its pods go away): ``WorkersSuspended``, before anything its vanishing pods say,
+naming the Workload's ``Evicted`` condition (a Workload deactivated by hand, ``InactiveWorkload``,
+fails the run instead).
+
+While the run waits for admission, ``RunWatch`` logs every ``WAIT_LOG_S`` what it waits for: the
+JobSet's suspension and its Kueue Workload's ``QuotaReserved`` and ``Admitted`` conditions (the
+Workload is found by Kueue's ``kueue.x-k8s.io/job-uid`` label), or the Volcano PodGroup's phase
+and conditions. It fails within ``Platform.admission_timeout_s`` (minutes), not
+``queue_timeout_s``, where Kueue will not admit the run by waiting: the JobSet is suspended and
+no Workload appears for it (Kueue down, its JobSet integration off), or its Workload is
+``Inadmissible`` (its LocalQueue missing or stopped; a JobSet without a queue name where Kueue
+manages the namespace) or asks for more than any flavor of the queue can ever hold. ``RunWatch`` looks; the backend decides when (``check``:
+at most every ``poll_s``; ``wait_ready``: until every member runs).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from typing import Any, Sequence
 
-from dockrl.launch.backend import WorkerFailed
+from dockrl.launch.backend import WorkerFailed, WorkersSuspended
 from dockrl.launch.jobset import GROUP_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, VOLCANO_GROUP, VOLCANO_PLURAL, VOLCANO_VERSION
 from dockrl.launch.platform import Platform
 from dockrl.launch.pod_spec import COMPLETION_INDEX, CONTAINER
@@ -39,6 +52,24 @@ FATAL_WAITING = {"InvalidImageName", "CrashLoopBackOff", "CreateContainerConfigE
 """Waiting reasons that will not resolve by waiting."""
 NO_SCALE_UP = "NotTriggerScaleUp"
 """Cluster autoscaler event: no node group can ever fit the pod."""
+WAIT_LOG_S = 60.0
+"""How often a run waiting for admission says what it waits for, seconds."""
+KUEUE_GROUP, KUEUE_VERSION, KUEUE_PLURAL = "kueue.x-k8s.io", "v1beta1", "workloads"
+"""Kueue's Workload API (v1beta1: served by old and new Kueue releases alike)."""
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""Label of a Workload with the uid of the job it stands for (here the JobSet)."""
+DEACTIVATED = "InactiveWorkload"
+"""Reason of a Workload's ``Evicted`` condition when someone set its ``spec.active`` false: a stop, not a preemption."""
+KUEUE_CONDITIONS = ("QuotaReserved", "Admitted", "Evicted")
+"""The Workload conditions that say where its admission stands."""
+INADMISSIBLE = "Inadmissible"
+"""Reason of a Workload's ``QuotaReserved`` condition when its LocalQueue is missing or stopped, or
+its ClusterQueue missing or inactive: waiting does not admit it."""
+OVER_CAPACITY, MORE_NEEDED = "> maximum capacity", "more needed"
+"""Parts of a ``QuotaReserved`` message of Kueue: a request no flavor of the queue can ever hold
+(``request > maximum capacity (32 > 16)``, with several PodSets ``... + current podset request (8) >
+maximum capacity (16)``), and a flavor that lacks unused quota only (``8 more needed``): quota that
+preemptions or finished workloads can free."""
 
 
 def get_field(obj: Any, *path: str) -> Any:
@@ -78,6 +109,8 @@ class RunWatch:
         self.members: dict[tuple[str, str], tuple[str, str]] = {}  # (group, index) -> (pod name, uid) first seen
         self.since: dict[tuple[str, str], float] = {}  # (pod uid, phase) -> first seen in that phase
         self.warned: set[tuple[str, str]] = set()
+        self.said_waiting = -math.inf  # when the wait for admission was last logged
+        self.admitted = False  # seen admitted (not queued) once: a suspension from now on is a preemption
 
     def log_tail(self, pod: str) -> str:
         ApiException = api_exception()
@@ -102,18 +135,89 @@ class RunWatch:
                 return None
             raise
 
-    def podgroup_pending(self) -> bool:
-        """Volcano has not admitted the run's PodGroup yet (its phase is ``Pending``)."""
+    def podgroup(self) -> dict[str, Any] | None:
+        """The run's Volcano PodGroup while Volcano has not admitted it (its phase ``Pending``), else None."""
         if self.platform.scheduler != "volcano":
-            return False
+            return None
         ApiException = api_exception()
         try:
             group = self.custom.get_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL, self.name)
         except ApiException as err:
             if err.status == 404:
-                return False
+                return None
             raise
-        return get_field(group, "status", "phase") in (None, "Pending")
+        return group if get_field(group, "status", "phase") in (None, "Pending") else None
+
+    def workload(self, jobset: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """The Kueue Workload of ``jobset`` (None if there is none) and, when it cannot be read, why."""
+        ApiException = api_exception()
+        selector = f"{KUEUE_JOB_UID_LABEL}={get_field(jobset, 'metadata', 'uid')}"
+        try:
+            items = self.custom.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, self.namespace, KUEUE_PLURAL,
+                                                              label_selector=selector).get("items", [])
+        except ApiException as err:
+            if err.status == 404:
+                return None, "Kueue's Workload API is not installed"
+            if err.status == 403:
+                return None, ("not allowed to read Kueue Workloads (apply manifests/base: its Role dockrl-launcher "
+                              "reads workloads.kueue.x-k8s.io)")
+            raise
+        return (items[0] if items else None), ""
+
+    def admission(self, jobset: dict[str, Any], now: float, since: float) -> str:
+        """What the suspended ``jobset`` waits for, as one line; raises ``WorkerFailed`` where waiting
+        will not admit it within ``Platform.admission_timeout_s`` (see the module docstring)."""
+        timeout = self.platform.admission_timeout_s
+        waited = now - since
+        workload, unread = self.workload(jobset)
+        queue = (f"the LocalQueue {self.platform.queue!r} exists in namespace {self.namespace!r} (kubectl get "
+                 "localqueue) and Kueue runs" if self.platform.scheduler == "kueue" else
+                 f"the JobSet names no LocalQueue (platform scheduler={self.platform.scheduler!r}), but Kueue manages this "
+                 "namespace: set Platform.scheduler='kueue' and Platform.queue")
+        if workload is None:
+            if waited > timeout:
+                raise WorkerFailed("jobset", self.name, f"suspended for {waited:.0f} s and no Kueue Workload for it (more than "
+                                   f"Platform.admission_timeout_s={timeout}): Kueue never set its QuotaReserved condition, "
+                                   f"nor will by waiting; check that {queue}" + (f" ({unread})" if unread else ""))
+            return (f"JobSet suspended; no Kueue Workload for it yet{f' ({unread})' if unread else ''}; failing after "
+                    f"Platform.admission_timeout_s={timeout} s without one")
+        conditions = {c.get("type"): c for c in get_field(workload, "status", "conditions") or []}
+        said = [f"{t}={c.get('status')} ({c.get('reason')}: {c.get('message')})" for t in KUEUE_CONDITIONS
+                if (c := conditions.get(t)) is not None]
+        state = f"JobSet suspended; Kueue Workload {get_field(workload, 'metadata', 'name')}: " + (
+            ", ".join(said) or "no QuotaReserved condition yet")
+        quota = conditions.get("QuotaReserved") or {}
+        message = str(quota.get("message") or "")
+        never = quota.get("status") == "False" and (
+            quota.get("reason") == INADMISSIBLE or (OVER_CAPACITY in message and MORE_NEEDED not in message))
+        if never and waited > timeout:
+            raise WorkerFailed("jobset", self.name, f"not admitted by Kueue for {waited:.0f} s, and waiting will not admit it "
+                               f"(more than Platform.admission_timeout_s={timeout}): {state}; check that {queue}, and that "
+                               "it can hold every pod of the run")
+        return state + (f"; waiting will not admit it: failing after Platform.admission_timeout_s={timeout} s" if never else "")
+
+    def preemption(self, jobset: dict[str, Any] | None = None) -> WorkersSuspended | None:
+        """The preemption of the run, if its JobSet (``jobset``, or read now) is suspended after it
+        was admitted, else None.
+
+        Raises:
+            WorkerFailed: the Workload was deactivated by hand (``InactiveWorkload``): a stop, not a pause.
+        """
+        jobset = jobset if jobset is not None else self.jobset() if self.admitted else None
+        if jobset is None or not self.admitted or not get_field(jobset, "spec", "suspend"):
+            return None
+        workload, unread = self.workload(jobset)
+        evicted = next((c for c in get_field(workload, "status", "conditions") or [] if c.get("type") == "Evicted"), None)
+        why = f"Evicted ({evicted.get('reason')}: {evicted.get('message')})" if evicted else unread or "no Evicted condition on its Workload"
+        if evicted is not None and evicted.get("reason") == DEACTIVATED:
+            raise WorkerFailed("jobset", self.name, f"suspended: its Kueue Workload was deactivated (spec.active=false): {why}")
+        return WorkersSuspended("jobset", self.name, f"suspended by Kueue after it was admitted (preempted: {why}); its pods go away")
+
+    def say_waiting(self, what: str, now: float, since: float) -> None:
+        if now - self.said_waiting >= WAIT_LOG_S:
+            self.said_waiting = now
+            logger.info("run's JobSet %s/%s waiting for admission for %.0f s (fails after Platform.queue_timeout_s=%d s): %s",
+                        self.namespace, self.name, now - since, self.platform.queue_timeout_s, what)
 
     def pod_failure(self, pod: Any, now: float, queued: bool) -> tuple[int, WorkerFailed] | None:
         """The most telling failure of one pod with its rank (lower wins), or None."""
@@ -183,16 +287,27 @@ class RunWatch:
         jobset = self.jobset()
         if jobset is None:
             raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
+        paused = self.preemption(jobset)
+        if paused is not None:  # before what its pods say: they go away because of it
+            raise paused
         suspended = bool(get_field(jobset, "spec", "suspend"))
-        queued = suspended or self.podgroup_pending()
+        podgroup = None if suspended else self.podgroup()
+        queued = suspended or podgroup is not None
         if queued:
             since = self.first_seen(self.name, "queued", now)
+            if suspended:
+                what = self.admission(jobset, now, since)
+            else:
+                said = [f"{c.get('type')} ({c.get('reason')}: {c.get('message')})" for c in get_field(podgroup, "status", "conditions") or []]
+                what = f"Volcano PodGroup {self.name} Pending" + (f": {'; '.join(said)}" if said else "")
             if now - since > self.platform.queue_timeout_s:
                 where = f"queue {self.platform.queue!r}" if self.platform.queue else "the scheduler's queue"
                 raise WorkerFailed("jobset", self.name, f"not admitted by {self.platform.scheduler} ({where}) within "
-                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s")
+                                   f"Platform.queue_timeout_s={self.platform.queue_timeout_s} s: {what}")
+            self.say_waiting(what, now, since)
         else:
             self.since.pop((self.name, "queued"), None)  # admitted: scheduling clocks run from here
+            self.admitted = True
         pods = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
         failures = [f for f in (self.pod_failure(p, now, queued) for p in pods) if f is not None]
         failures += self.replaced(pods)

@@ -144,8 +144,18 @@ class Platform:
     schedule_timeout_s: int = 600
     """Longest a worker pod may stay unschedulable (no node with its resources, selector or
     taints) before the run fails, seconds; the time queued for admission is not counted."""
+    priority_class: str = ""
+    """Kueue WorkloadPriorityClass of a run's workers (label ``kueue.x-k8s.io/priority-class`` on
+    the JobSet, with ``scheduler=kueue``; "" for the queue's default): what Kueue orders and
+    preempts by."""
     queue_timeout_s: int = 24 * 3600
     """Longest the workers may wait for admission by Kueue or Volcano, seconds."""
+    admission_timeout_s: int = 300
+    """Longest a suspended JobSet may wait for Kueue to take it, seconds: for its Workload to
+    appear (none appears where Kueue manages the namespace but the JobSet names no LocalQueue,
+    or Kueue is not running), and while Kueue calls it ``Inadmissible`` (its LocalQueue missing,
+    its ClusterQueue stopped) or larger than the queue's maximum capacity; what can be admitted
+    once quota frees up waits ``queue_timeout_s``."""
     image_pull_timeout_s: int = 1800
     """Longest a scheduled worker pod may take to pull its image and start, seconds (the NPU
     image is tens of GB)."""
@@ -215,7 +225,11 @@ class Platform:
         if self.scheduler == "kueue" and not self.queue:
             raise ValueError(f"platform {self.name!r}: scheduler='kueue' needs queue (the LocalQueue of the workers' "
                              "namespace, e.g. queue='team-rl')")
-        for name in ("worker_deadline_s", "worker_ttl_s", "schedule_timeout_s", "queue_timeout_s", "image_pull_timeout_s"):
+        if self.priority_class and not K8S_NAME_PATTERN.match(self.priority_class):
+            raise ValueError(f"platform {self.name!r}: priority_class={self.priority_class!r}; expected the name of a "
+                             "Kueue WorkloadPriorityClass (lower case, digits, '-', '.')")
+        for name in ("worker_deadline_s", "worker_ttl_s", "schedule_timeout_s", "queue_timeout_s", "admission_timeout_s",
+                     "image_pull_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"platform {self.name!r}: {name}={getattr(self, name)}; expected seconds >= 1")
         if self.image_pull_retries < 0 or self.accelerator_device_gid < 0:

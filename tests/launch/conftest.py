@@ -162,6 +162,18 @@ class FakeKubernetesApi:
             "reason": reason, "message": message, "count": count, "type": "Warning",
         })
 
+    def set_workload(self, namespace: str, conditions: list[dict]) -> str:
+        """The Kueue Workload of the namespace's JobSet (named and labelled as Kueue does) with ``conditions``."""
+        jobset = self.jobset(namespace)
+        name = f"jobset-{jobset['metadata']['name']}-1a2b3"
+        self.objects[("Workload", namespace, name)] = {
+            "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
+            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
+                         "labels": {"kueue.x-k8s.io/job-uid": jobset["metadata"]["uid"]}},
+            "status": {"conditions": [{"status": "False", "reason": "", "message": "", **c} for c in conditions]},
+        }
+        return name
+
     def set_jobset(self, namespace: str, *, status: dict | None = None, suspend: bool | None = None) -> None:
         jobset = self.jobset(namespace)
         if status is not None:
@@ -203,7 +215,8 @@ class FakeCoreV1Api:
         return "".join(deque(lines, maxlen=tail_lines) if tail_lines else lines)
 
 
-_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("scheduling.volcano.sh", "podgroups"): "PodGroup"}
+_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("scheduling.volcano.sh", "podgroups"): "PodGroup",
+          ("kueue.x-k8s.io", "workloads"): "Workload"}
 
 
 class FakeCustomObjectsApi:

@@ -84,23 +84,24 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     cfg = run_config(tiny_model_dir, tmp_path)
     local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
     groups = worker_groups(cfg, local, [5001, 5002], "127.0.0.1:29500", "secret")
-    assert [g.name for g in groups] == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
+    assert [g.name for g in groups] == ["dock-shard", "rollout", "reward", "reference", "actor"]
+    assert groups[0].replicas == 2  # the shards: one group, member s serving on ports[s]
     assert all(g.secret_env == {TOKEN_ENV: "secret"} for g in groups)  # the token travels as a secret only
     assert all(TOKEN_ENV not in g.env for g in groups)
     assert all("secret" not in " ".join(g.command) for g in groups)
-    assert all(load_config_text(g.env[CONFIG_ENV], "env") == cfg for g in groups[2:])  # so does the config
-    assert "device: auto" in groups[2].env[CONFIG_ENV]  # a stage resolves parallel.device=auto where it runs
+    assert all(load_config_text(g.env[CONFIG_ENV], "env") == cfg for g in groups[1:])  # so does the config
+    assert "device: auto" in groups[1].env[CONFIG_ENV]  # a stage resolves parallel.device=auto where it runs
     # this interpreter's dockrl command line, as the images' entry point is dockrl
-    assert all(g.command[:4] == (sys.executable, "-m", "dockrl", "dock-shard") for g in groups[:2])
-    assert all(g.command[:6] == (sys.executable, "-m", "dockrl", "worker", "--stage", g.name) for g in groups[2:])
-    shard = groups[1].command
+    assert groups[0].command[:4] == (sys.executable, "-m", "dockrl", "dock-shard")
+    assert all(g.command[:6] == (sys.executable, "-m", "dockrl", "worker", "--stage", g.name) for g in groups[1:])
+    shard = groups[0].command
     assert shard[shard.index("--host"):shard.index("--host") + 8] == (
-        "--host", "127.0.0.1", "--port", "5002", "--token-env", TOKEN_ENV, "--timeout-s", "120.0")
+        "--host", "127.0.0.1", "--port", "5001,5002", "--token-env", TOKEN_ENV, "--timeout-s", "120.0")
     assert shard[shard.index("--payload") + 1] == "memory"
     stored = worker_groups(run_config(tiny_model_dir, tmp_path, "dock.warehouse=directory"), local, [1], "h:2", "t", "run-7")
     assert stored[0].command[stored[0].command.index("--payload") + 1] == "store"  # shards keep metadata only
     assert stored[1].command[stored[1].command.index("--run") + 1] == "run-7"  # stages name the run's objects
-    rollout = groups[2].command
+    rollout = groups[1].command
     assert rollout[rollout.index("--config-env") + 1] == CONFIG_ENV
     assert rollout[rollout.index("--dock") + 1] == "grpc://127.0.0.1:5001,grpc://127.0.0.1:5002"
     assert rollout[rollout.index("--weight-sync") + 1] == "127.0.0.1:29500"
@@ -112,7 +113,7 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR, Report.WEIGHT_SYNC]
 
     no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_loss_coef=0")
-    assert [g.name for g in worker_groups(no_kl, local, [1], "h:2", "t")] == ["dock-shard-0", "rollout", "reward", "actor"]
+    assert [g.name for g in worker_groups(no_kl, local, [1], "h:2", "t")] == ["dock-shard", "rollout", "reward", "actor"]
     assert Report.REFERENCE not in iteration_reports(no_kl)
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
@@ -163,7 +164,7 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
     assert (run / "metrics.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
     assert {p.name for p in (run / "logs").iterdir()} == {
-        "dock-shard-0-0.log", "dock-shard-1-0.log", "rollout-0.log", "reward-0.log", "reference-0.log", "actor-0.log",
+        "dock-shard-0.log", "dock-shard-1.log", "rollout-0.log", "reward-0.log", "reference-0.log", "actor-0.log",
         "fork-server-0.log",  # the stage processes were forked from it (dockrl.launch.fork_server)
     }
 
@@ -202,7 +203,7 @@ def test_a_dead_dock_shard_fails_the_run_as_a_worker(tiny_model_dir, tmp_path, w
 
     with pytest.raises(WorkerFailed) as err:
         driver.train(cfg, on_iteration=kill_the_shard)
-    assert err.value.member == "dock-shard-0-0" and "code -9" in str(err.value)
+    assert err.value.member == "dock-shard-0" and "code -9" in str(err.value)
 
 
 def require_vllm() -> None:
@@ -218,13 +219,13 @@ def test_the_hybrid_actor_replaces_the_rollout_and_actor_processes(tiny_model_di
     cfg = run_config(tiny_model_dir, tmp_path, *HYBRID)
     local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
     groups = worker_groups(cfg, local, [5001], "127.0.0.1:29500", "secret")
-    assert [g.name for g in groups] == ["dock-shard-0", "hybrid", "reward", "reference"]
+    assert [g.name for g in groups] == ["dock-shard", "hybrid", "reward", "reference"]
     assert groups[1].accelerators  # it trains and generates on the platform's accelerators
     assert groups[1].command[groups[1].command.index("--stage") + 1] == "hybrid"
     assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR]  # the sync is part of the actor's report
     assert groups[1].replicas == 1
     wide = worker_groups(run_config(tiny_model_dir, tmp_path, *HYBRID, "parallel.tp=2", "parallel.pp=2"), local, [5001], "127.0.0.1:29500", "secret")
-    assert [(g.name, g.replicas) for g in wide] == [("dock-shard-0", 1), ("hybrid", 4), ("reward", 1), ("reference", 1)]
+    assert [(g.name, g.replicas) for g in wide] == [("dock-shard", 1), ("hybrid", 4), ("reward", 1), ("reference", 1)]
     # on one machine every shard is each member's: replica r claims from shard r mod shards first
     assert ["--local-shard-of-replica" in g.command for g in wide] == [False, True, False, False]
 
@@ -247,7 +248,7 @@ def test_a_hybrid_actor_of_two_ranks(tiny_model_dir, tmp_path, workers_path, lay
     check_hybrid_run(tmp_path / "run", tiny_model_dir)
     logs = tmp_path / "run" / "logs"
     assert {p.name for p in logs.iterdir()} == {  # no rollout or actor process: the hybrid ranks are both
-        "dock-shard-0-0.log", "dock-shard-1-0.log", "hybrid-0.log", "hybrid-1.log", "reward-0.log", "reference-0.log", "fork-server-0.log"
+        "dock-shard-0.log", "dock-shard-1.log", "hybrid-0.log", "hybrid-1.log", "reward-0.log", "reference-0.log", "fork-server-0.log"
     }
     assert "rank 1 of 2 joined" in (logs / "hybrid-1.log").read_text()
     ckpt = tmp_path / "run" / "checkpoints" / "iter_000001"

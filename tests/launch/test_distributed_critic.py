@@ -29,13 +29,13 @@ class Interrupt(Exception):
 def test_the_critic_is_a_stage_group_on_an_accelerator(tiny_model_dir, tmp_path):
     cfg = ppo_run(tiny_model_dir, tmp_path, "run", "dock.mode=distributed")
     groups = worker_groups(cfg, LocalBackend("dockrl-test", state_dir=tmp_path / "state"), [5001], "127.0.0.1:29500", "secret")
-    assert [g.name for g in groups] == ["dock-shard-0", "rollout", "reward", "critic", "actor"]
+    assert [g.name for g in groups] == ["dock-shard", "rollout", "reward", "critic", "actor"]
     critic = groups[3]
     assert critic.devices == 1 and critic.command[critic.command.index("--stage") + 1] == "critic"
     assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.CRITIC, Report.ACTOR, Report.WEIGHT_SYNC]
     hybrid = ppo_run(tiny_model_dir, tmp_path, "run", "dock.mode=distributed", *HYBRID)  # beside the hybrid actor too
     assert [g.name for g in worker_groups(hybrid, LocalBackend("dockrl-test", state_dir=tmp_path / "state"), [5001], "h:2", "t")] == [
-        "dock-shard-0", "hybrid", "reward", "critic"]
+        "dock-shard", "hybrid", "reward", "critic"]
 
 
 @pytest.mark.slow  # an in-process run and two distributed runs of the tiny model
@@ -79,7 +79,7 @@ def test_the_critic_runs_as_a_pod_of_the_runs_jobset_with_its_accelerator(tiny_m
                                          platform=PLATFORMS["gpu"]) if o["kind"] == "JobSet"]
     validate_jobset(jobset)
     jobs = {r["name"]: r["template"]["spec"]["template"]["spec"]["containers"][0] for r in jobset["spec"]["replicatedJobs"]}
-    assert set(jobs) == {"dock-shard-0", "rollout", "reward", "critic", "actor"}
+    assert set(jobs) == {"dock-shard", "rollout", "reward", "critic", "actor"}
     critic = jobs["critic"]
     assert critic["resources"]["limits"] == {"nvidia.com/gpu": 1} and critic["image"] == PLATFORMS["gpu"].image
     command = [*critic.get("command", []), *critic.get("args", [])]

@@ -62,23 +62,27 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     validate_jobset(jobset)
     assert secret["stringData"] == {TOKEN_ENV: "secret-token"}
     rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
-    assert list(rjobs) == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
+    assert list(rjobs) == ["dock-shard", "rollout", "reward", "reference", "actor"]  # the shards: one replicated job
+    assert rjobs["dock-shard"]["template"]["spec"] | {"template": None} == {
+        "completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 0,
+        "activeDeadlineSeconds": PLATFORMS["npu"].worker_deadline_s, "template": None}
 
     def pod(group: str) -> dict:
         return rjobs[group]["template"]["spec"]["template"]["spec"]
 
     name = jobset_name(RUN)
-    locations = [f"grpc://{name}-dock-shard-{s}-0-0.{name}.{NS}.svc:{SHARD_PORT}" for s in (0, 1)]
+    locations = [f"grpc://{name}-dock-shard-0-{s}.{name}.{NS}.svc:{SHARD_PORT}" for s in (0, 1)]  # pod s of its one Job
     assert shard_locations(backend, ports) == locations  # where the launcher connects, too
     secret_ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": TOKEN_ENV}}
-    for s in (0, 1):
-        [c] = pod(f"dock-shard-{s}")["containers"]
-        # arguments only: the image's entry point is dockrl (on the NPU image after CANN's set_env.sh)
-        assert "command" not in c
-        assert c["args"][:7] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
-        assert c["args"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
-        assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
-        assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
+    [c] = pod("dock-shard")["containers"]
+    # arguments only: the image's entry point is dockrl (on the NPU image after CANN's set_env.sh)
+    assert "command" not in c
+    assert c["args"][:7] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
+    assert c["args"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
+    assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
+    assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
+    # each shard's index is its pod's completion index
+    assert env_of(c)["DOCKRL_REPLICA"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     assert "secret-token" not in json.dumps(jobset)
 
     for stage in ("rollout", "reward", "reference", "actor"):
@@ -107,10 +111,9 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
                                       "limits": {"huawei.com/Ascend910": 1}}
             assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
             assert spec["securityContext"]["supplementalGroups"] == [1000]
-    for s in (0, 1):
-        assert "limits" not in pod(f"dock-shard-{s}")["containers"][0]["resources"]
-        assert "nodeSelector" not in pod(f"dock-shard-{s}")
-        assert pod(f"dock-shard-{s}")["containers"][0]["image"] == PLATFORMS["cpu"].image
+    assert "limits" not in pod("dock-shard")["containers"][0]["resources"]
+    assert "nodeSelector" not in pod("dock-shard")
+    assert pod("dock-shard")["containers"][0]["image"] == PLATFORMS["cpu"].image
 
 
 def test_the_hybrid_actor_asks_for_one_device_per_rank_of_the_layout(cluster, tiny_model_dir, tmp_path):
@@ -120,7 +123,7 @@ def test_the_hybrid_actor_asks_for_one_device_per_rank_of_the_layout(cluster, ti
                        "parallel.tp=2", "parallel.dp=2", "trainer.global_batch=4", "trainer.mini_batch=4")
     groups = {g.name: g for g in worker_groups(cfg, backend, backend.serve_ports(2), f"{LAUNCHER_IP}:29500", "t", RUN)}
     assert (groups["hybrid"].replicas, groups["hybrid"].devices) == (4, 1)  # tp × pp × dp = 4 rank processes
-    assert (groups["reference"].devices, groups["reward"].devices, groups["dock-shard-0"].devices) == (1, 0, 0)
+    assert (groups["reference"].devices, groups["reward"].devices, groups["dock-shard"].devices) == (1, 0, 0)
     [_, jobset] = backend.render(list(groups.values()))
     hybrid = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}["hybrid"]["template"]["spec"]
     # one pod shaped like a node holds the 4 ranks as local ranks (dockrl node), both TP groups inside it
@@ -148,7 +151,7 @@ def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_eve
 ):
     use_fake_cluster(cluster, monkeypatch)
     monkeypatch.setattr(KubernetesBackend, "__init__", _fast_polls(KubernetesBackend.__init__))
-    cluster.pods_on_create["dock-shard-1"] = ({"phase": "Failed", "containerStatuses": [{
+    cluster.pods_on_create["dock-shard"] = ({"phase": "Failed", "containerStatuses": [{
         "name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
         "state": {"terminated": {"exitCode": 2, "reason": "Error"}}}]},
         "dockrl dock-shard: error: --token-env DOCKRL_DOCK_TOKEN: the environment variable is unset or empty\n")
@@ -159,7 +162,7 @@ def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_eve
                               tmp_path / "run", log_metric=lambda k, v: None, worker_backend="kubernetes",
                               run_id=RUN, platform=platform)
     e = err.value
-    assert e.group == "dock-shard-1" and e.member.startswith(f"{jobset_name(RUN)}-dock-shard-1-0-0-")
+    assert e.group == "dock-shard" and e.member.startswith(f"{jobset_name(RUN)}-dock-shard-0-")
     assert "exited with code 2 (Error)" in e.reason and "environment variable is unset" in e.log_tail
     assert [o["kind"] for o in cluster.created] == ["Secret", "JobSet"]  # every group in one JobSet, at once
     rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[1]["spec"]["replicatedJobs"]}

@@ -94,6 +94,7 @@ def test_launcher_role_adds_exactly_what_the_backend_does_to_kfps_runner_account
         ("", "events"): {"list", "watch"},
         ("", "secrets"): {"create", "get", "list", "patch", "delete"},
         ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "patch", "delete"},
+        ("kueue.x-k8s.io", "workloads"): {"get", "list"},
     }
     [binding] = [o for o in built["npu"] if o["kind"] == "RoleBinding"]
     # KFP's own accounts (single-user: pipeline-runner; multi-user: default-editor), in the binding's namespace

@@ -22,7 +22,7 @@ def rm_config(tiny_model_dir, tiny_reward_model_dir, tmp_path, *extra):
 def test_the_reward_model_is_a_worker_group_on_an_accelerator(tiny_model_dir, tiny_reward_model_dir, tmp_path):
     cfg = rm_config(tiny_model_dir, tiny_reward_model_dir, tmp_path)
     groups = worker_groups(cfg, LocalBackend("dockrl-test", state_dir=tmp_path / "state"), [5001], "127.0.0.1:29500", "secret")
-    assert [g.name for g in groups] == ["dock-shard-0", "rollout", "reward-model", "reward", "actor"]
+    assert [g.name for g in groups] == ["dock-shard", "rollout", "reward-model", "reward", "actor"]
     rm = groups[2]
     assert rm.devices == 1 and rm.command[rm.command.index("--stage") + 1] == "reward-model"
 
