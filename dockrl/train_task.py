@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 from dockrl import driver
 from dockrl.config import Config, load_config
-from dockrl.launch.artifacts import dataset_files, place_rollouts, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, fetch_s3, is_s3, place_rollouts, write_checkpoint_pointer
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
@@ -129,10 +129,12 @@ def run_training(
     found = prepare_retry(out, run_id, resume_given=resume_given) if out != run else None
     if backend is not None:
         train_file, test_file = _copy_into([train_file, test_file], out / "data")
+    model_copy = fetch_model(overrides, out / MODEL_COPY)
     cfg = load_config(None, [
         # the pipeline's evaluate step measures the exported model: no second evaluation here
         "dock.mode=distributed", "trainer.eval_after=false", *(["run.resume=latest"] if found else []), *overrides,
         f"data.train_path={train_file}", f"data.test_path={test_file}", f"run.output_dir={out}", "run.progress=false",
+        *([f"model.path={model_copy}"] if model_copy else []),
     ])
     skipped: list[str] = []
 
@@ -156,6 +158,8 @@ def run_training(
     final = out / "checkpoints" / "final"
     if not (final / "config.json").is_file():
         raise RuntimeError(f"training finished without a final checkpoint in {final}")
+    if model_copy is not None:  # the final checkpoint holds what a later step needs; the copy is a model's size
+        shutil.rmtree(model_copy, ignore_errors=True)
     dst = Path(checkpoint_dir)
     if out == run:
         if dst.is_dir() and not any(dst.iterdir()):
@@ -180,6 +184,29 @@ def run_training(
     if skipped:
         logger.warning("%d metric values were null or non-finite and not logged, e.g. %s", len(skipped), skipped[:5])
     return summary
+
+
+MODEL_COPY = "model"
+"""In the run folder: the copy of an ``s3://`` ``model.path`` the stages start from (removed after the run)."""
+
+
+def fetch_model(overrides: Sequence[str], dest: Path) -> Path | None:
+    """Where ``model.path`` is an ``s3://`` URI, its folder copied to ``dest`` (in the run folder: on the shared
+    volume the worker pods see it too; a retry finds the copy of its failed attempt); None for a path.
+
+    Raises:
+        ConfigError: an invalid override; no S3 endpoint (naming ``dock.endpoint``).
+        FileNotFoundError: nothing at the URI, or no ``config.json`` there.
+    """
+    cfg = load_config(None, overrides)
+    if not is_s3(cfg.model.path):
+        return None
+    if not (dest / "config.json").is_file():
+        logger.info("fetching model.path=%s into %s", cfg.model.path, dest)
+        fetch_s3(cfg.model.path, dest, cfg.dock)
+    if not (dest / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={cfg.model.path!r}: no config.json under it: not an HF model folder")
+    return dest
 
 
 def shared_mount(platform: str | Platform) -> Path | None:

@@ -40,8 +40,9 @@ Nothing is compiled at import: ``build_pipeline`` and ``compile_pipeline`` do it
 
 # no `from __future__ import annotations`: kfp reads the pipeline's parameter types at runtime
 import json
+import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -56,7 +57,10 @@ from dockrl.components.train import train
 from dockrl.config import load_config
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
+from dockrl.launch.task_mounts import can_isolate, isolate_volumes
 from dockrl.launch.tasks import run_parameter_defaults
+
+logger = logging.getLogger(__name__)
 
 PIPELINE_NAME = "dockrl-grpo"
 POD_FIELDS_AS_ENV = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid",
@@ -177,16 +181,28 @@ def _shared_volume(task: dsl.PipelineTask, platform: Platform) -> None:
         kubernetes.mount_pvc(task, pvc_name=platform.shared_volume_claim, mount_path=platform.shared_mount_path)
 
 
+def _object_store(task: dsl.PipelineTask, platform: Platform) -> None:
+    if platform.object_store_secret:
+        # optional: a run with neither the S3 warehouse nor s3:// inputs needs no Secret (manifests/components/object-store)
+        kubernetes.use_secret_as_env(task, secret_name=platform.object_store_secret,
+                                     secret_key_to_env={k: k for k in OBJECT_STORE_KEYS}, optional=True)
+
+
+def _reads_run_inputs(task: dsl.PipelineTask, platform: Platform) -> None:
+    """A task that reads the run's inputs or the model: the shared volume (a path there: the user's
+    model and data, the run folder, an exported model's folder) and the object-store Secret (an
+    ``s3://`` URI). Every task whose config or model artifact may name one of them gets both, so
+    what it reads is there in its pod whatever the backend."""
+    _shared_volume(task, platform)
+    _object_store(task, platform)
+
+
 def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
     """The train task: the object-store Secret where one exists; with the local backend the
     platform's accelerators and scheduling, sized by ``size`` (resolve-config: the devices its
     run uses, and the CPU and memory of a pod holding them); with kubernetes the shared volume."""
     platform = settings.platform
     task.set_caching_options(False)  # a training run is never served from the cache
-    if platform.object_store_secret:
-        # optional: a run with the in-memory warehouse needs no Secret (manifests/components/object-store)
-        kubernetes.use_secret_as_env(task, secret_name=platform.object_store_secret,
-                                     secret_key_to_env={k: k for k in OBJECT_STORE_KEYS}, optional=True)
     if settings.worker_backend == "local":
         if settings.requests_of("train") is None:
             task.set_cpu_request(size.outputs["cpu"]).set_memory_request(size.outputs["memory"])
@@ -196,7 +212,7 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
             _accelerator_nodes(task, platform, platform.devices_per_node)
     # the run folder lives on the shared volume with either backend (dockrl.train_task): a retry of
     # the task finds its checkpoints there and resumes instead of starting over
-    _shared_volume(task, platform)
+    _reads_run_inputs(task, platform)
     if settings.train_retries:
         task.set_retry(num_retries=settings.train_retries, backoff_duration="60s")
     for env, path in POD_FIELDS_AS_ENV.items():
@@ -254,20 +270,22 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
                 model_path=model_path, train_data=train_data, test_data=test_data, config_overrides=config_overrides,
                 platform=s.platform.to_json())
             _common(resolved, "resolve-config", s)
+            _reads_run_inputs(resolved, s.platform)  # the model's shape is checked against the layout
             overrides = resolved.outputs["overrides"]
             data = prepare_dataset(config_overrides=overrides)
             _common(data, "prepare-dataset", s)
+            _reads_run_inputs(data, s.platform)
             trained = train(config_overrides=overrides, dataset=data.outputs["dataset"], worker_backend=s.worker_backend,
                             run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
             _common(trained, "train", s)
             _configure_launcher(trained, s, resolved)
             exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype)
             _common(exported, "export-model", s)
-            if s.worker_backend == "kubernetes":  # the final checkpoint stays on the shared volume
-                _shared_volume(exported, s.platform)
+            _reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
             evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,
                                  device="auto" if s.platform.accelerator else "cpu")
             _common(evaluated, "evaluate", s)
+            _reads_run_inputs(evaluated, s.platform)
             _configure_evaluate(evaluated, s)
 
     return grpo
@@ -306,11 +324,17 @@ def compiled_worker_backend(package: str | Path) -> str:
                      "(recompile it with `dockrl pipeline compile`)")
 
 
-def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: str = "bfloat16") -> Path:
-    """Run the whole pipeline on this machine with ``kfp.local`` (tasks as subprocesses).
+def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: str = "bfloat16",
+              shared_dir: str | Path | None = None, isolate: bool | None = None, parameters: dict | None = None) -> Path:
+    """Run the whole pipeline on this machine with ``kfp.local`` (tasks as subprocesses), shaped like the cluster.
 
     Needs no Docker, cluster or network: tasks run in this Python environment one at a time;
-    platform settings (accelerators, node selectors, Secrets) are ignored locally.
+    platform settings (accelerators, node selectors, Secrets) are ignored locally. The shared volume is
+    the folder ``shared_dir`` (default ``<pipeline_root>/shared``): the tasks that mount it in the
+    compiled pipeline find it at that path, and with ``isolate`` each other task starts in a mount
+    namespace where it is hidden (``dockrl.launch.task_mounts``), as it is from that task's pod. ``isolate``
+    None: where this process may (root), else a warning. Put a run's own model and data there and give
+    their paths (``model_path``, ``train_data``, ``test_data`` in ``parameters``, or the overrides) as on the cluster.
 
     Returns:
         The run's folder under ``pipeline_root``: one sub-folder per task with its artifacts
@@ -319,14 +343,26 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
     Raises:
         ConfigError: an invalid override, before any task starts.
+        OSError: ``isolate=True`` where this process may not create mount namespaces.
         RuntimeError: a task failed (kfp.local names the task and shows its log).
     """
     load_config(None, overrides)  # fail here, naming the field, before any task starts
     root = Path(pipeline_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    shared = Path(shared_dir).resolve() if shared_dir else root / "shared"
+    shared.mkdir(parents=True, exist_ok=True)
+    platform = replace(get_platform("cpu"), shared_mount_path=str(shared))
+    pipeline = build_pipeline(platform, "local")
+    if isolate is None:
+        isolate = can_isolate()
+        if not isolate:
+            logger.warning("local run: not root, so every task sees the whole machine, %s included; on a cluster only the "
+                           "tasks that mount the shared volume see it", shared)
+    if isolate:
+        isolate_volumes(pipeline, {platform.shared_volume_claim: shared})
     before = set(root.glob(f"{PIPELINE_NAME}-*"))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    build_pipeline("cpu", "local")(config_overrides=list(overrides), export_dtype=export_dtype)
+    pipeline(**{"config_overrides": list(overrides), "export_dtype": export_dtype, **(parameters or {})})
     new = sorted(set(root.glob(f"{PIPELINE_NAME}-*")) - before)
     if len(new) != 1:
         raise RuntimeError(f"expected one new run folder under {root}, found {[p.name for p in new]}")

@@ -7,6 +7,9 @@ folder holds an HF checkpoint, or ``dockrl-checkpoint.json`` naming one on the s
 ``rollouts`` Dataset, ``place_rollouts``) is the run's ``rollouts/`` dataset (docs/rollouts.md) with the run's
 ``_config.yaml`` and the tokenizer that decodes its token ids (``_tokenizer/``) beside it: it is read without the
 run folder. ``pyarrow.dataset`` skips names that start with ``_``.
+
+A run's model and data may also be ``s3://`` URIs: ``fetch_s3`` copies them into the task's pod, with the
+``dock`` section's S3 settings (the same store, endpoint and keys as the S3 warehouse).
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dockrl.config import pyarrow_s3_query
 from dockrl.dock.rollouts import SCHEMA_VERSION
 from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
+
+if TYPE_CHECKING:
+    from dockrl.config.run_sections import DockConfig
 
 DATASET_MANIFEST = "dataset.json"
 CHECKPOINT_POINTER = "dockrl-checkpoint.json"
@@ -40,6 +47,40 @@ def dataset_files(dataset_dir: str | Path) -> tuple[Path, Path]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} (named in {manifest}) does not exist")
     return train, test
+
+
+def is_s3(location: str | Path) -> bool:
+    """Whether a model or data setting names an object in the object store (``s3://bucket/key``)."""
+    return str(location).startswith("s3://")
+
+
+def fetch_s3(uri: str, dest: str | Path, dock: DockConfig) -> Path:
+    """Copy the object or the folder (every object under the key, recursively) at ``uri`` into ``dest``.
+
+    ``uri`` is ``s3://<bucket>/<key>``; the store is the ``dock`` section's (``dock.endpoint`` or
+    ``$AWS_ENDPOINT_URL``, ``dock.secure``, ``dock.region``; the keys from ``$AWS_ACCESS_KEY_ID`` and
+    ``$AWS_SECRET_ACCESS_KEY``, the object-store Secret's). Returns the local copy: ``dest/<name>`` for an
+    object, ``dest`` for a folder.
+
+    Raises:
+        ConfigError: naming ``dock.endpoint``: no endpoint is set.
+        FileNotFoundError: nothing is at ``uri`` (the message names the endpoint).
+    """
+    import pyarrow.fs as pafs  # lazy: only a run with s3:// inputs needs the S3 filesystem
+
+    query = pyarrow_s3_query(dock)
+    fs, key = pafs.FileSystem.from_uri(f"{uri.rstrip('/')}?{query}")
+    info = fs.get_file_info(key)
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    if info.type == pafs.FileType.File:
+        target = out / Path(key).name
+        pafs.copy_files(key, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        return target
+    if info.type != pafs.FileType.Directory:
+        raise FileNotFoundError(f"{uri} does not exist in the object store ({query.split('&')[0].split('=', 1)[1]})")
+    pafs.copy_files(key, str(out), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    return out
 
 
 def write_checkpoint_pointer(folder: str | Path, checkpoint: str | Path) -> Path:

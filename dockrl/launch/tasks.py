@@ -27,7 +27,7 @@ import yaml
 from dockrl.config import Config, dump_config, load_config, resolve_auto
 from dockrl.data import load_prompts
 from dockrl.engines.vllm_support import vllm_support
-from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, resolve_checkpoint
+from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, fetch_s3, is_s3, resolve_checkpoint
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.local import LocalBackend
@@ -55,14 +55,16 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
     """Write the run's train and test prompt files into ``out_dir``.
 
     The files are the configured ones (``data.train_path``, ``data.test_path``, ``champ``) or
-    the seeded generated problems, exactly as ``dockrl train`` would use them.
+    the seeded generated problems, exactly as ``dockrl train`` would use them. A configured file
+    is a path this task's pod sees (on the shared volume, which the pipeline mounts here) or an
+    ``s3://`` URI, fetched with the ``dock`` section's S3 settings (``artifacts.fetch_s3``).
 
     Returns:
         Metadata for the Dataset artifact: file names, row counts, seed.
 
     Raises:
         ConfigError: an override is invalid (the message names the field).
-        FileNotFoundError: a configured data file does not exist.
+        FileNotFoundError: a configured data file does not exist (in this pod, or in the object store).
     """
     from dockrl.run_setup import resolve_data  # lazy: dockrl.run_setup imports torch
 
@@ -70,8 +72,10 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dockrl-data-") as tmp:
-        # generated files go to a scratch cache; configured files are read where they are
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, cache_dir=tmp))
+        # generated files go to a scratch cache; configured files are read where they are, s3:// ones fetched there
+        fetched: dict[str, Any] = {f: str(fetch_s3(getattr(cfg.data, f), Path(tmp) / "s3" / f, cfg.dock))
+                   for f in ("train_path", "test_path") if is_s3(getattr(cfg.data, f))}
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, cache_dir=tmp), data=dataclasses.replace(cfg.data, **fetched))
         train_src, test_src = resolve_data(cfg)
         for src in (train_src, test_src):
             if not Path(src).is_file():

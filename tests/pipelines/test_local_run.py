@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +17,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    """The runbook's step 5: the user's own model and data in a folder of the shared volume. As root (CI) each task
+    sees that folder only where the compiled pipeline mounts the volume (``dockrl.launch.task_mounts``)."""
+    from dockrl.data import generate_problems, write_jsonl
+
+    shared = tmp_path / "shared"
+    model = Path(shutil.copytree(tiny_model_dir, shared / "models" / "tiny"))
+    train, test = write_jsonl(generate_problems(40, seed=1), shared / "data" / "train.jsonl"), write_jsonl(
+        generate_problems(8, seed=2), shared / "data" / "test.jsonl")
     overrides = [
-        f"model.path={tiny_model_dir}", f"run.cache_dir={tmp_path / 'cache'}", "trainer.iterations=2",
-        "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
+        f"model.path={model}", f"data.train_path={train}", f"data.test_path={test}", f"run.cache_dir={tmp_path / 'cache'}",
+        "trainer.iterations=2", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false",
-        "trainer.eval_before=false", "trainer.save_every=0", "data.generate_train=40", "data.generate_test=8",
-        "data.eval_size=8", "run.keep_rollouts=all",
+        "trainer.eval_before=false", "trainer.save_every=0", "data.eval_size=8", "run.keep_rollouts=all",
     ]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # kfp.local leaves a temp folder per task
     proc = subprocess.run(
         [sys.executable, "-m", "dockrl", "pipeline", "run", "--local", "--pipeline-root", str(tmp_path / "root"),
-         "--export-dtype", "float32", *overrides],
+         "--shared-dir", str(shared), "--export-dtype", "float32", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
