@@ -1,6 +1,8 @@
 """KFP component: export the trained checkpoint as a self-contained HF safetensors Model.
 
-The work is ``dockrl.launch.tasks.export_model``.
+The work is ``dockrl.launch.tasks.export_model_artifact``: the model goes to the run folder on the shared
+volume and the artifact names it (its metadata: where, how big, dtype, parameters); with ``copy`` the
+artifact holds the model itself (uploaded to KFP's artifact store).
 """
 
 from kfp import dsl
@@ -10,12 +12,12 @@ from dockrl.launch.platform import CPU_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def export_model(checkpoint: Input[Model], dtype: str, model: Output[Model]):
+def export_model(checkpoint: Input[Model], dtype: str, copy: bool, model: Output[Model]):
     """Re-save ``checkpoint`` in ``dtype`` (float32, bfloat16, float16) with its tokenizer."""
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
-    from dockrl.launch.tasks import export_model as export
+    from dockrl.launch.tasks import export_model_artifact
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    model.metadata.update(export(checkpoint.path, model.path, dtype))
+    model.metadata.update(export_model_artifact(checkpoint.path, model.path, dtype, copy=copy))

@@ -8,8 +8,9 @@ registered with it.
 * ``local``: processes in the launcher's pod (``dock.mode=distributed`` unless the overrides
   say otherwise). The run folder is ``run_dir`` itself, or, where the platform's shared volume
   is mounted in the pod (``Platform.shared_volume_claim`` and ``shared_mount_path`` exists),
-  ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end a copy of the
-  final checkpoint goes to ``checkpoint_dir`` and the rest of the folder to ``run_dir``.
+  ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end ``checkpoint_dir``
+  names the final checkpoint there (``write_checkpoint_pointer``) and the rest of the folder is
+  copied to ``run_dir``. Without the shared volume the final checkpoint moves into ``checkpoint_dir``.
 * ``kubernetes``: one JobSet per run, a replicated job per dock shard and per stage
   (``KubernetesBackend.from_cluster``; rollout, reference and actor on the platform's
   accelerators, one device per rank process). The pods cannot see the
@@ -169,11 +170,11 @@ def run_training(
         # The checkpoints stay on the shared volume (never in this pod's emptyDir), where a retry or
         # run.resume finds them; the run_dir artifact gets the small files (metrics, TensorBoard
         # events, plot, config); the shared folder stays, for TensorBoard and reuse.
-        if backend is not None:  # the model artifact names the final checkpoint (export-model mounts the volume)
-            write_checkpoint_pointer(dst, final)
+        # the model artifact names the final checkpoint, never copies it into KFP's artifact store: every task
+        # that reads a model mounts the volume (pipelines/grpo.py)
+        write_checkpoint_pointer(dst, final)
+        if backend is not None:
             shutil.rmtree(out / "data", ignore_errors=True)
-        else:  # local: export-model may not mount the volume, so the model artifact holds a copy
-            shutil.copytree(final, dst, dirs_exist_ok=True)
         skip = ("checkpoints",) if rollouts_dir is None else ("checkpoints", ROLLOUTS_DIR)
         shutil.copytree(out, run, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)
     if rollouts_dir is not None:  # the train task's Dataset artifact (docs/rollouts.md)

@@ -11,7 +11,10 @@ architectures) and the tasks' CPU and memory requests. Run-time (the pipeline's 
 what a user changes per run in the UI): ``dockrl.launch.tasks.RUN_PARAMETERS`` (iterations,
 batch sizes, group size, learning rate, KL coefficient, response length, algorithm, model and
 data paths) with the config's defaults, ``config_overrides`` (``section.field=value`` strings,
-for any other config field; they win over a parameter) and ``export_dtype``.
+for any other config field; they win over a parameter), ``export_dtype`` and ``copy_model``. A pipeline
+run keeps the newest ``keep_checkpoints`` = 2 checkpoints and the final one (the config keeps all). The
+model artifacts (train's and export-model's) name the model's folder on the shared volume, with its
+metadata; the weights go through KFP's artifact store only with ``copy_model`` (export-model's model).
 
 The steps run inside a ``dsl.ExitHandler`` whose exit task tears down the run's worker groups
 whatever happened. Every task is limited to the node architectures its image is built for
@@ -22,9 +25,11 @@ CPU and memory of a pod holding them, which resolve-config computes from the run
 (``dockrl.launch.tasks.local_run_resources``; KFP's driver reads them from that task's outputs).
 With ``kubernetes`` it only drives: the stages run in pods of their own in the run's namespace
 (``dockrl/launch/kubernetes.py``), the train task runs on the CPU image without accelerators and
-mounts the shared volume (the run folder: data, checkpoints, TensorBoard events); export-model
-mounts it too (it reads the final checkpoint there). With either backend the train task reads
-the object-store Secret as optional: only a run with the S3 warehouse needs it. On a platform
+mounts the shared volume (the run folder: data, checkpoints, TensorBoard events). With either
+backend every task that reads the run's config or a model (resolve-config, prepare-dataset, train,
+export-model, evaluate) mounts the shared volume, where the user's model and data may be, and reads
+the object-store Secret as optional: only a run with the S3 warehouse or ``s3://`` inputs needs it
+(``tests/pipelines/test_task_inputs.py`` holds every compiled task to this). On a platform
 with accelerators evaluate runs on the platform's image with one accelerator and the config's
 rollout engine. Local runs ignore every platform setting (kfp.local).
 
@@ -256,8 +261,10 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         model_path: str = p["model_path"],
         train_data: str = p["train_data"],
         test_data: str = p["test_data"],
+        keep_checkpoints: int = p["keep_checkpoints"],
         config_overrides: list[str] = [],  # noqa: B006 - KFP writes the default into the pipeline spec; never mutated
         export_dtype: str = "bfloat16",
+        copy_model: bool = False,
     ):
         teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
         teardown.set_caching_options(False)
@@ -267,7 +274,8 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
             resolved = resolve_config(
                 iterations=iterations, global_batch=global_batch, mini_batch=mini_batch, group_size=group_size,
                 learning_rate=learning_rate, kl_loss_coef=kl_loss_coef, max_response_length=max_response_length, adv_estimator=adv_estimator,
-                model_path=model_path, train_data=train_data, test_data=test_data, config_overrides=config_overrides,
+                model_path=model_path, train_data=train_data, test_data=test_data, keep_checkpoints=keep_checkpoints,
+                config_overrides=config_overrides,
                 platform=s.platform.to_json())
             _common(resolved, "resolve-config", s)
             _reads_run_inputs(resolved, s.platform)  # the model's shape is checked against the layout
@@ -279,7 +287,7 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
                             run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
             _common(trained, "train", s)
             _configure_launcher(trained, s, resolved)
-            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype)
+            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype, copy=copy_model)
             _common(exported, "export-model", s)
             _reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
             evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,

@@ -93,6 +93,18 @@ def write_checkpoint_pointer(folder: str | Path, checkpoint: str | Path) -> Path
     return pointer
 
 
+def model_location(folder: str | Path) -> dict[str, Any]:
+    """Metadata of a model artifact (``folder``): ``path`` (the model's folder: on the shared volume where the
+    artifact names it, else the artifact's own), ``pointer`` (whether it names one) and ``bytes`` (the model's files).
+
+    Raises:
+        FileNotFoundError: as ``resolve_checkpoint``.
+    """
+    target = resolve_checkpoint(folder)
+    return {"path": str(target), "pointer": target != Path(folder),
+            "bytes": sum(p.stat().st_size for p in target.rglob("*") if p.is_file())}
+
+
 def resolve_checkpoint(folder: str | Path) -> Path:
     """The checkpoint folder a model artifact holds or names (``write_checkpoint_pointer``).
 

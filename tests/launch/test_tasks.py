@@ -12,11 +12,13 @@ import torch
 from dockrl import train_task
 from dockrl.config import ConfigError
 from dockrl.data import generate_problems, write_jsonl
-from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, resolve_checkpoint, write_checkpoint_pointer
 from dockrl.launch.tasks import (
     RUN_PARAMETERS,
+    config_defaults,
     evaluate_model,
     export_model,
+    export_model_artifact,
     local_run_devices,
     local_run_resources,
     prepare_dataset,
@@ -77,14 +79,38 @@ def test_export_model_follows_a_pointer_to_a_checkpoint_on_the_shared_volume(tin
         export_model(tmp_path / "gone", tmp_path / "out2")
 
 
+def test_the_export_step_writes_the_model_beside_the_checkpoint_and_its_artifact_names_it(tiny_model_dir, tmp_path):
+    """On the shared volume: ``<run>/export`` and a pointer (no weights in the artifact store); a full copy when asked,
+    or where the checkpoint artifact holds the checkpoint itself (no shared volume)."""
+    import shutil
+
+    final = Path(shutil.copytree(tiny_model_dir, tmp_path / "runs" / "r1" / "checkpoints" / "final"))
+    write_checkpoint_pointer(tmp_path / "ckpt", final)
+    info = export_model_artifact(tmp_path / "ckpt", tmp_path / "model", "float32")
+    export = tmp_path / "runs" / "r1" / "export"
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["dockrl-checkpoint.json"]
+    assert resolve_checkpoint(tmp_path / "model") == export and (export / "model.safetensors").is_file()
+    assert (info["path"], info["pointer"], info["dtype"]) == (str(export), True, "float32")
+    assert info["bytes"] == sum(p.stat().st_size for p in export.rglob("*") if p.is_file()) > 0
+    again = export_model_artifact(tmp_path / "ckpt", tmp_path / "model-2", "bfloat16")  # a retried step replaces it
+    assert again["path"] == str(export) and again["bytes"] < info["bytes"]
+    copied = export_model_artifact(tmp_path / "ckpt", tmp_path / "model-3", "float32", copy=True)
+    assert (tmp_path / "model-3" / "model.safetensors").is_file() and not copied["pointer"] and copied["bytes"] == info["bytes"]
+    alone = export_model_artifact(final, tmp_path / "model-4", "float32")  # the checkpoint itself: nowhere else to put it
+    assert (tmp_path / "model-4" / "model.safetensors").is_file() and alone["path"] == str(tmp_path / "model-4")
+
+
 def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_overrides(caplog):
     defaults = run_parameter_defaults()
     assert set(defaults) == set(RUN_PARAMETERS) and defaults["learning_rate"] == 1e-5
-    assert resolve_overrides(defaults, []) == []  # the defaults change nothing
+    assert resolve_overrides(config_defaults(), []) == []  # the config's defaults change nothing
+    # a pipeline run keeps 2 checkpoints and the final one unless told otherwise; the config keeps all
+    assert (defaults["keep_checkpoints"], config_defaults()["keep_checkpoints"]) == (2, 0)
+    assert resolve_overrides(defaults, []) == ["trainer.keep_checkpoints=2"]
     changed = defaults | {"iterations": 3, "learning_rate": 5e-6, "group_size": 4, "global_batch": 4, "mini_batch": 4}
     out = resolve_overrides(changed, ["trainer.iterations=2"])
     assert out == ["trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=4", "rollout.n=4",
-                   "trainer.lr=5e-06", "trainer.iterations=2"]
+                   "trainer.lr=5e-06", "trainer.keep_checkpoints=2", "trainer.iterations=2"]
     assert "run parameter iterations=3 is overridden by config_overrides" in caplog.text
     with pytest.raises(ConfigError, match="algorithm.adv_estimator"):
         resolve_overrides(defaults | {"adv_estimator": "ppo-ish"}, [])

@@ -193,7 +193,7 @@ def test_every_task_requests_cpu_and_memory_and_carries_the_label(compiled_npu, 
 def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu):
     spec, deployment, _ = parse_ir(compiled_npu)
     params = spec.root.input_definitions.parameters
-    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype"}
+    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype", "copy_model"}
     defaults = run_parameter_defaults()
     assert defaults["iterations"] == 20 and defaults["group_size"] == 8 and defaults["model_path"] == "smollm2-135m"
     for name, default in defaults.items():
@@ -202,6 +202,9 @@ def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu
         assert got == default, name
     assert params["config_overrides"].parameter_type == pb.ParameterType.LIST
     assert list(params["config_overrides"].default_value.list_value.values) == []
+    # the weights stay on the shared volume unless a run asks for a copy in the artifact store
+    assert params["copy_model"].parameter_type == pb.ParameterType.BOOLEAN and not params["copy_model"].default_value.bool_value
+    assert params["keep_checkpoints"].default_value.number_value == 2
     # every step reads the overrides that resolve-config checked
     body = spec.components["comp-exit-handler-1"].dag.tasks
     for step in ("prepare-dataset", "train", "evaluate"):

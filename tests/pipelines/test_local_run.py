@@ -46,9 +46,19 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     dataset = run / "prepare-dataset" / "dataset"
     info = json.loads((dataset / "dataset.json").read_text())
     assert info["test_rows"] == 8 and info["train_rows"] > 0
-    for task in ("train", "export-model"):
-        assert (run / task / "model" / "model.safetensors").is_file(), task
-        assert (run / task / "model" / "tokenizer.json").is_file(), task
+    # the model artifacts name the models on the shared volume: no model-sized file in KFP's artifact store
+    from dockrl.launch.artifacts import resolve_checkpoint
+    from dockrl.pipelines.grpo import task_metadata
+
+    [shared_run] = (shared / "runs").iterdir()
+    for task, where in (("train", shared_run / "checkpoints" / "final"), ("export-model", shared_run / "export")):
+        assert [p.name for p in (run / task / "model").iterdir()] == ["dockrl-checkpoint.json"], task
+        assert resolve_checkpoint(run / task / "model") == where and (where / "model.safetensors").is_file(), task
+        meta = task_metadata(run, task, "model")
+        assert meta["path"] == str(where) and meta["pointer"] and meta["bytes"] == sum(f.stat().st_size for f in where.rglob("*") if f.is_file())
+    artifacts = {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*") if p.is_file()}
+    assert max(artifacts.values()) < (where / "model.safetensors").stat().st_size / 4, artifacts
+    assert "keep_checkpoints: 2" in (shared_run / "config.yaml").read_text()  # the pipeline's default
     rows = [json.loads(x) for x in (run / "train" / "run_dir" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
 
@@ -63,7 +73,7 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # the exit task ran
     # the run's overrides, checked once before the data step, are what every step read
     resolved = json.loads((run / "resolve-config" / "executor_output.json").read_text())["parameterValues"]
-    assert resolved["overrides"] == overrides
+    assert resolved["overrides"] == ["trainer.keep_checkpoints=2", *overrides]  # the pipeline's own default first
     # and the size of the train pod that runs them: the cpu platform has no devices
     from dockrl.launch.platform import PLATFORMS
 
@@ -132,6 +142,6 @@ def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"dockrl pipeline run: task 'prepare-dataset' failed: FileNotFoundError: data file {missing} does not exist")
     assert "\x1b[" not in proc.stdout + proc.stderr
-    [run] = (tmp_path / "root").iterdir()
+    [run] = (tmp_path / "root").glob("dockrl-grpo-*")
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # teardown ran after the failure
     assert not (run / "train").exists()
