@@ -203,9 +203,9 @@ def _reads_run_inputs(task: dsl.PipelineTask, platform: Platform) -> None:
 
 
 def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
-    """The train task: the object-store Secret where one exists; with the local backend the
-    platform's accelerators and scheduling, sized by ``size`` (resolve-config: the devices its
-    run uses, and the CPU and memory of a pod holding them); with kubernetes the shared volume."""
+    """The train task: the shared volume and the object-store Secret (``_reads_run_inputs``); with the
+    local backend the platform's accelerators and scheduling, sized by ``size`` (resolve-config: the
+    devices its run uses, and the CPU and memory of a pod holding them)."""
     platform = settings.platform
     task.set_caching_options(False)  # a training run is never served from the cache
     if settings.worker_backend == "local":
@@ -378,15 +378,15 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
 
 def local_summary(run_dir: str | Path) -> dict:
-    """What ``dockrl pipeline run --local`` prints: where the artifacts are, the greedy test
-    accuracy before training (train step) and of the exported model (evaluate step), and the
-    training seconds."""
+    """What ``dockrl pipeline run --local`` prints: where the artifacts are (the exported model: where its
+    artifact names it, on the shared volume), the greedy test accuracy before training (train step) and of
+    the exported model (evaluate step), and the training seconds."""
     run = Path(run_dir)
     train = task_metadata(run, "train", "metrics")
     summary = {
         "run_dir": str(run),
         "dataset": str(run / "prepare-dataset" / "dataset"),
-        "model": str(run / "export-model" / "model"),
+        "model": task_metadata(run, "export-model", "model").get("path", str(run / "export-model" / "model")),
         "train_run_dir": str(run / "train" / "run_dir"),
         "curves": str(run / "train" / "curves"),
         "rollouts": str(run / "train" / "rollouts"),

@@ -41,7 +41,8 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     out = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # the summary is the last thing printed
     run = Path(out["run_dir"])
     assert 0.0 <= out["eval/accuracy"] <= 1.0 and out["eval/count"] == 8.0
-    assert out["model"] == str(run / "export-model" / "model") and out["run/seconds"] > 0
+    [shared_run] = (shared / "runs").iterdir()  # the run's folder on the shared volume
+    assert out["model"] == str(shared_run / "export") and out["run/seconds"] > 0
 
     dataset = run / "prepare-dataset" / "dataset"
     info = json.loads((dataset / "dataset.json").read_text())
@@ -50,7 +51,6 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     from dockrl.launch.artifacts import resolve_checkpoint
     from dockrl.pipelines.grpo import task_metadata
 
-    [shared_run] = (shared / "runs").iterdir()
     for task, where in (("train", shared_run / "checkpoints" / "final"), ("export-model", shared_run / "export")):
         assert [p.name for p in (run / task / "model").iterdir()] == ["dockrl-checkpoint.json"], task
         assert resolve_checkpoint(run / task / "model") == where and (where / "model.safetensors").is_file(), task
