@@ -11,10 +11,11 @@ architectures) and the tasks' CPU and memory requests. Run-time (the pipeline's 
 what a user changes per run in the UI): ``dockrl.launch.tasks.RUN_PARAMETERS`` (iterations,
 batch sizes, group size, learning rate, KL coefficient, response length, algorithm, model and
 data paths) with the config's defaults, ``config_overrides`` (``section.field=value`` strings,
-for any other config field; they win over a parameter), ``export_dtype`` and ``copy_model``. A pipeline
+for any other config field; they win over a parameter), ``export_dtype``, ``copy_model`` and ``export_uri``. A pipeline
 run keeps the newest ``keep_checkpoints`` = 2 checkpoints and the final one (the config keeps all). The
 model artifacts (train's and export-model's) name the model's folder on the shared volume, with its
-metadata; the weights go through KFP's artifact store only with ``copy_model`` (export-model's model).
+metadata; ``export_uri`` (``s3://<bucket>/<key>``) puts the exported model in the object store instead and
+its artifact names that URI; the weights go through KFP's artifact store only with ``copy_model``.
 
 The steps run inside a ``dsl.ExitHandler`` whose exit task tears down the run's worker groups
 whatever happened. Every task is limited to the node architectures its image is built for
@@ -265,6 +266,7 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         config_overrides: list[str] = [],  # noqa: B006 - KFP writes the default into the pipeline spec; never mutated
         export_dtype: str = "bfloat16",
         copy_model: bool = False,
+        export_uri: str = "",
     ):
         teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
         teardown.set_caching_options(False)
@@ -287,7 +289,8 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
                             run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
             _common(trained, "train", s)
             _configure_launcher(trained, s, resolved)
-            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype, copy=copy_model)
+            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype, copy=copy_model, uri=export_uri,
+                                    config_overrides=overrides)
             _common(exported, "export-model", s)
             _reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
             evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,

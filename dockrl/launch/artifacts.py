@@ -83,14 +83,48 @@ def fetch_s3(uri: str, dest: str | Path, dock: DockConfig) -> Path:
     return out
 
 
+def upload_s3(folder: str | Path, uri: str, dock: DockConfig) -> str:
+    """Copy the files of ``folder`` to ``uri`` (``s3://<bucket>/<key>``, the bucket created if missing) in the
+    ``dock`` section's store (as ``fetch_s3``). Returns ``uri``.
+
+    Raises:
+        ConfigError: naming ``dock.endpoint``: no endpoint is set.
+        ValueError: ``uri`` is not an ``s3://`` URI.
+    """
+    import pyarrow.fs as pafs  # lazy: as fetch_s3
+
+    if not is_s3(uri) or "?" in uri:
+        raise ValueError(f"{uri!r}: expected s3://<bucket>/<key> (the endpoint comes from the dock section)")
+    fs, key = pafs.FileSystem.from_uri(f"{uri.rstrip('/')}?{pyarrow_s3_query(dock)}&allow_bucket_creation=true")
+    fs.create_dir(key)
+    pafs.copy_files(str(folder), key, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    return uri
+
+
 def write_checkpoint_pointer(folder: str | Path, checkpoint: str | Path) -> Path:
-    """Make ``folder`` (a model artifact) name ``checkpoint`` instead of holding its files: a
-    checkpoint on the shared volume is not copied into a pod's local disk."""
+    """Make ``folder`` (a model artifact) name ``checkpoint`` (a folder on the shared volume, or an ``s3://``
+    URI) instead of holding its files: a model is not copied into a pod's local disk or KFP's artifact store."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     pointer = out / CHECKPOINT_POINTER
     pointer.write_text(json.dumps({"path": str(checkpoint)}) + "\n")
     return pointer
+
+
+def pointer_target(folder: str | Path) -> str:
+    """What a model artifact names (a folder or an ``s3://`` URI); "" where it holds the model itself."""
+    pointer = Path(folder) / CHECKPOINT_POINTER
+    return str(json.loads(pointer.read_text())["path"]) if pointer.is_file() else ""
+
+
+def resolve_model(folder: str | Path, dock: DockConfig, scratch: str | Path) -> Path:
+    """The model folder a model artifact holds or names; one in the object store is fetched into ``scratch``.
+
+    Raises:
+        FileNotFoundError: as ``resolve_checkpoint`` and ``fetch_s3``.
+    """
+    named = pointer_target(folder)
+    return fetch_s3(named, scratch, dock) if is_s3(named) else resolve_checkpoint(folder)
 
 
 def model_location(folder: str | Path) -> dict[str, Any]:
@@ -116,7 +150,10 @@ def resolve_checkpoint(folder: str | Path) -> Path:
     pointer = src / CHECKPOINT_POINTER
     if not pointer.is_file():
         return src
-    target = Path(json.loads(pointer.read_text())["path"])
+    named = json.loads(pointer.read_text())["path"]
+    if is_s3(named):
+        raise FileNotFoundError(f"{pointer} names {named}, in the object store: fetch it (resolve_model)")
+    target = Path(named)
     if not (target / "config.json").is_file():
         raise FileNotFoundError(f"{pointer} names the checkpoint {target}, which has no config.json here: "
                                 "is the shared volume mounted at the same path in this pod?")

@@ -27,7 +27,17 @@ import yaml
 from dockrl.config import Config, dump_config, load_config, resolve_auto
 from dockrl.data import load_prompts
 from dockrl.engines.vllm_support import vllm_support
-from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, fetch_s3, is_s3, model_location, resolve_checkpoint, write_checkpoint_pointer
+from dockrl.launch.artifacts import (
+    DATASET_MANIFEST,
+    dataset_files,
+    fetch_s3,
+    is_s3,
+    model_location,
+    resolve_checkpoint,
+    resolve_model,
+    upload_s3,
+    write_checkpoint_pointer,
+)
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.local import LocalBackend
@@ -152,21 +162,35 @@ EXPORT_DIR = "export"
 
 
 def export_model_artifact(checkpoint: str | Path, artifact_dir: str | Path, dtype: str = "bfloat16", *,
-                          copy: bool = False) -> dict[str, int | str]:
+                          copy: bool = False, uri: str = "", overrides: Sequence[str] = ()) -> dict[str, int | str]:
     """The pipeline's export step: export the train task's ``checkpoint`` artifact into the run folder
-    (``<run>/export``, beside ``checkpoints/final`` on the shared volume) and make ``artifact_dir`` name it
+    (``<run>/export``, beside ``checkpoints/final`` on the shared volume), or to ``uri`` (``s3://<bucket>/<key>``
+    in the store of the run's ``dock`` section, ``overrides``), and make ``artifact_dir`` name it
     (``write_checkpoint_pointer``): the weights never go through KFP's artifact store. With ``copy``, or
     where the checkpoint artifact holds the checkpoint itself (no shared volume), the export goes into
     ``artifact_dir`` (a model-sized upload to the artifact store).
 
     Returns:
-        ``export_model``'s metadata, with ``model_location``'s (where the model is, its size).
+        ``export_model``'s metadata, with where the model is (``path``: a folder or ``uri``), ``pointer`` and
+        ``bytes`` (``model_location``).
 
     Raises:
-        as ``export_model``.
+        ValueError: both ``copy`` and ``uri``; as ``export_model``.
+        ConfigError: an invalid override; with ``uri``, no S3 endpoint (naming ``dock.endpoint``).
     """
     src = resolve_checkpoint(checkpoint)
     out = Path(artifact_dir)
+    if uri:
+        if copy:
+            raise ValueError(f"export to {uri} and a copy in the artifact store: choose one (copy_model or export_uri)")
+        dock = load_config(None, overrides).dock
+        with tempfile.TemporaryDirectory(prefix="dockrl-export-") as tmp:
+            info = export_model(src, tmp, dtype)
+            size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+            upload_s3(tmp, uri, dock)
+        write_checkpoint_pointer(out, uri)
+        logger.info("exported model uploaded to %s (%d bytes)", uri, size)
+        return info | {"path": uri, "pointer": True, "bytes": size}
     where = out if copy or src == Path(checkpoint) else src.parent.parent / EXPORT_DIR
     if where.exists() and where != out:  # a retried step: the earlier attempt's export, maybe cut short
         shutil.rmtree(where)
@@ -204,8 +228,8 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
 
 def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str], *,
                    device: str = "cpu") -> dict[str, float]:
-    """Greedy accuracy of ``model_dir`` (a model folder, or an artifact naming one: ``resolve_checkpoint``) on
-    the test split of ``dataset_dir``.
+    """Greedy accuracy of ``model_dir`` (a model folder, or an artifact naming one: ``artifacts.resolve_model``)
+    on the test split of ``dataset_dir``.
 
     Prompt formatting, ``data.eval_size``, the response length, the rollout engine and dtype
     (``rollout.engine=auto``: vLLM where it runs on ``device``, else HF) and the reward settings
@@ -224,16 +248,23 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
     Raises:
         ConfigError: an invalid override or ``device``.
         RuntimeError: ``device`` is an accelerator kind that this process does not see.
+        FileNotFoundError: the model the artifact names is not there (the volume not mounted, nothing at the URI).
     """
+    cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
+    _, test_file = dataset_files(dataset_dir)
+    with tempfile.TemporaryDirectory(prefix="dockrl-eval-model-") as scratch:
+        # the export step's artifact names the model: on the shared volume, or in the object store (fetched here)
+        return _evaluate(cfg, resolve_model(model_dir, cfg.dock, scratch), test_file)
+
+
+def _evaluate(cfg: Config, model_dir: Path, test_file: Path) -> dict[str, float]:
+    """``evaluate_model`` on the model folder ``model_dir``."""
     from dockrl.envs.prompting import tool_prompt  # lazy: as dockrl.evaluate below
     from dockrl.envs.registry import build_environment  # lazy: as dockrl.evaluate below
     from dockrl.evaluate import greedy_accuracy, multi_turn_accuracy  # lazy: imports torch and transformers
     from dockrl.rewards import RewardScorer  # lazy: the math verifier imports sympy (half a second)
     from dockrl.workers.multi_turn import TurnLimits  # lazy: as dockrl.evaluate above
 
-    cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
-    _, test_file = dataset_files(dataset_dir)
-    model_dir = resolve_checkpoint(model_dir)  # the export step's artifact names the model on the shared volume
     engine = evaluation_engine(cfg, model_dir)
     environment = build_environment(cfg)  # with one, the trajectories of the rollout's loop are evaluated
     shown = tool_prompt(engine.tokenizer, environment.tools if environment else [], cfg.env.tool_parser,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dock.conftest import s3_server  # noqa: F401 - the fixture: moto's S3 server in a process of its own
 
 from dockrl import train_task
 from dockrl.config import ConfigError
@@ -98,6 +99,28 @@ def test_the_export_step_writes_the_model_beside_the_checkpoint_and_its_artifact
     assert (tmp_path / "model-3" / "model.safetensors").is_file() and not copied["pointer"] and copied["bytes"] == info["bytes"]
     alone = export_model_artifact(final, tmp_path / "model-4", "float32")  # the checkpoint itself: nowhere else to put it
     assert (tmp_path / "model-4" / "model.safetensors").is_file() and alone["path"] == str(tmp_path / "model-4")
+
+
+@pytest.mark.slow  # a moto server start
+def test_an_export_to_the_object_store_is_named_by_its_artifact_and_evaluated_from_there(s3_server, tiny_model_dir, tmp_path,  # noqa: F811
+                                                                                        monkeypatch):
+    import pyarrow.fs as pafs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    dock = [f"dock.endpoint=http://{s3_server.endpoint}", "dock.region=us-east-1"]
+    info = export_model_artifact(tiny_model_dir, tmp_path / "model", "bfloat16", uri="s3://exports/team/run-1", overrides=dock)
+    assert (info["path"], info["pointer"], info["dtype"]) == ("s3://exports/team/run-1", True, "bfloat16")
+    assert json.loads((tmp_path / "model" / "dockrl-checkpoint.json").read_text()) == {"path": "s3://exports/team/run-1"}
+    store = pafs.S3FileSystem(endpoint_override=f"http://{s3_server.endpoint}", scheme="http", region="us-east-1")
+    files = {f.base_name: f.size for f in store.get_file_info(pafs.FileSelector("exports/team/run-1")) if f.is_file}
+    assert "model.safetensors" in files and "tokenizer.json" in files and sum(files.values()) == info["bytes"]
+    prepare_dataset(SMALL, tmp_path / "ds")
+    res = evaluate_model(tmp_path / "model", tmp_path / "ds", [*dock, "rollout.max_response_length=4", "data.eval_size=2",
+                                                               "rollout.dtype=float32", "rollout.engine=hf"])
+    assert res["eval/count"] == 2.0
+    with pytest.raises(ValueError, match="choose one"):
+        export_model_artifact(tiny_model_dir, tmp_path / "model-2", uri="s3://exports/x", copy=True, overrides=dock)
 
 
 def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_overrides(caplog):

@@ -193,7 +193,7 @@ def test_every_task_requests_cpu_and_memory_and_carries_the_label(compiled_npu, 
 def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu):
     spec, deployment, _ = parse_ir(compiled_npu)
     params = spec.root.input_definitions.parameters
-    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype", "copy_model"}
+    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype", "copy_model", "export_uri"}
     defaults = run_parameter_defaults()
     assert defaults["iterations"] == 20 and defaults["group_size"] == 8 and defaults["model_path"] == "smollm2-135m"
     for name, default in defaults.items():
