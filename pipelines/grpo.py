@@ -354,6 +354,7 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
     Raises:
         ConfigError: an invalid override, before any task starts.
+        ValueError: ``shared_dir`` holds ``pipeline_root``.
         OSError: ``isolate=True`` where this process may not create mount namespaces.
         RuntimeError: a task failed (kfp.local names the task and shows its log).
     """
@@ -361,6 +362,9 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
     root = Path(pipeline_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     shared = Path(shared_dir).resolve() if shared_dir else root / "shared"
+    if root.is_relative_to(shared):
+        raise ValueError(f"shared_dir {shared} holds the pipeline root {root}: the tasks that do not mount the shared "
+                         "volume could not write their outputs; give a folder beside it")
     shared.mkdir(parents=True, exist_ok=True)
     platform = replace(get_platform("cpu"), shared_mount_path=str(shared))
     pipeline = build_pipeline(platform, "local")

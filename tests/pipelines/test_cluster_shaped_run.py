@@ -70,6 +70,13 @@ def test_a_volume_mounted_elsewhere_than_its_local_folder_is_refused(tmp_path):
         isolate_volumes(elsewhere, {"dockrl-shared": tmp_path})
 
 
+def test_a_shared_folder_that_holds_the_pipeline_root_is_refused(tmp_path):
+    from dockrl.pipelines.grpo import run_local
+
+    with pytest.raises(ValueError, match="holds the pipeline root .*: the tasks that do not mount the shared volume could not"):
+        run_local([], tmp_path / "root", shared_dir=tmp_path)
+
+
 def test_the_grpo_pipeline_hides_the_volume_from_the_exit_task_alone(tmp_path):
     from dockrl.launch.platform import get_platform
     from dockrl.pipelines.grpo import build_pipeline, replace
