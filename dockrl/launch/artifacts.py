@@ -2,8 +2,8 @@
 
 A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
 row counts), as ``tasks.prepare_dataset`` writes it; ``dataset_files`` reads it back. A model
-folder holds an HF checkpoint, or ``dockrl-checkpoint.json`` naming one on the shared volume
-(``write_checkpoint_pointer``; ``resolve_checkpoint`` follows it). A kept-rollouts folder (the train task's
+folder holds an HF checkpoint, or ``dockrl-checkpoint.json`` naming one on the shared volume or in the
+object store (``write_checkpoint_pointer``; ``resolve_checkpoint`` and ``resolve_model`` follow it). A kept-rollouts folder (the train task's
 ``rollouts`` Dataset, ``place_rollouts``) is the run's ``rollouts/`` dataset (docs/rollouts.md) with the run's
 ``_config.yaml`` and the tokenizer that decodes its token ids (``_tokenizer/``) beside it: it is read without the
 run folder. ``pyarrow.dataset`` skips names that start with ``_``.
@@ -78,7 +78,7 @@ def fetch_s3(uri: str, dest: str | Path, dock: DockConfig) -> Path:
         pafs.copy_files(key, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         return target
     if info.type != pafs.FileType.Directory:
-        raise FileNotFoundError(f"{uri} does not exist in the object store ({query.split('&')[0].split('=', 1)[1]})")
+        raise FileNotFoundError(f"{uri} does not exist in the object store ({query})")
     pafs.copy_files(key, str(out), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
     return out
 

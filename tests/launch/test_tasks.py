@@ -11,9 +11,9 @@ import torch
 from dock.conftest import s3_server  # noqa: F401 - the fixture: moto's S3 server in a process of its own
 
 from dockrl import train_task
-from dockrl.config import ConfigError
+from dockrl.config import ConfigError, load_config
 from dockrl.data import generate_problems, write_jsonl
-from dockrl.launch.artifacts import dataset_files, resolve_checkpoint, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, fetch_s3, resolve_checkpoint, write_checkpoint_pointer
 from dockrl.launch.tasks import (
     RUN_PARAMETERS,
     config_defaults,
@@ -121,6 +121,8 @@ def test_an_export_to_the_object_store_is_named_by_its_artifact_and_evaluated_fr
     assert res["eval/count"] == 2.0
     with pytest.raises(ValueError, match="choose one"):
         export_model_artifact(tiny_model_dir, tmp_path / "model-2", uri="s3://exports/x", copy=True, overrides=dock)
+    with pytest.raises(FileNotFoundError, match=r"^s3://exports/none does not exist in the object store \(endpoint_override="):
+        fetch_s3("s3://exports/none", tmp_path / "none", load_config(None, dock).dock)
 
 
 def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_overrides(caplog):
