@@ -31,6 +31,7 @@ def resolve_config(
     model_path: str,
     train_data: str,
     test_data: str,
+    keep_checkpoints: int,
     config_overrides: List[str],
     platform: str,
 ) -> NamedTuple("Outputs", [("overrides", List[str]), ("devices", str), ("cpu", str), ("memory", str)]):  # type: ignore[valid-type]
@@ -45,7 +46,8 @@ def resolve_config(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = {"iterations": iterations, "global_batch": global_batch, "mini_batch": mini_batch, "group_size": group_size,
               "learning_rate": learning_rate, "kl_loss_coef": kl_loss_coef, "max_response_length": max_response_length,
-              "adv_estimator": adv_estimator, "model_path": model_path, "train_data": train_data, "test_data": test_data}
+              "adv_estimator": adv_estimator, "model_path": model_path, "train_data": train_data, "test_data": test_data,
+              "keep_checkpoints": keep_checkpoints}
     overrides = resolve_overrides(params, config_overrides)
     size = local_run_resources(overrides, Platform.from_json(platform))
     return overrides, size["devices"], size["cpu"], size["memory"]  # in the order of the outputs

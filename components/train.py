@@ -47,7 +47,7 @@ def train(
     # first, before torch (and with it torch_npu) loads: on the NPU image, CANN's environment,
     # which KFP's own command bypasses (the process starts again through the image's entry point)
     enter_image_environment()
-    from dockrl.launch.artifacts import rollouts_metadata
+    from dockrl.launch.artifacts import model_location, rollouts_metadata
     from dockrl.launch.platform import Platform
     from dockrl.metrics import metrics_report_html
     from dockrl.rollouts_page import rollouts_page_of_folder
@@ -57,7 +57,8 @@ def train(
     run_training(config_overrides, dataset.path, model.path, run_dir.path, log_metric=metrics.log_metric,
                  worker_backend=worker_backend, run_id=run_id,
                  platform=Platform.from_json(platform), rollouts_dir=rollouts.path)
-    model.metadata.update({"framework": "transformers", "format": "safetensors", "stage": "final-checkpoint"})
+    model.metadata.update({"framework": "transformers", "format": "safetensors", "stage": "final-checkpoint",
+                           **model_location(model.path)})
     Path(curves.path).write_text(metrics_report_html(run_dir.path))
     rollouts.metadata.update(rollouts_metadata(rollouts.path, run_id))
     Path(rollouts_page.path).write_text(rollouts_page_of_folder(rollouts.path), encoding="utf-8")

@@ -1,18 +1,24 @@
 """Checkpoint retention, ``trainer.keep_checkpoints`` (docs/resume.md): ``prune_checkpoints`` removes the
 complete intermediate checkpoints older than the newest K, each with its dock snapshot where that lies
 outside its folder (``dockrl.resume.dock_snapshot_uri``). The driver calls it as each newer one completes.
+
+Run folder retention, ``dockrl runs prune`` (docs/kubeflow.md): ``prune_runs`` removes the run folders of a
+shared volume's ``runs/`` that nothing wrote to for a given number of days, except the newest few and any a live
+run holds; recurring runs add one folder per run, and nothing else removes them.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dockrl.resume import FINAL_DIR, ITER_DIR, read_state
+from dockrl.run_lock import lock_holder
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +101,52 @@ def _delete_snapshot(uri: str) -> None:
     except (OSError, ValueError, pa.ArrowException) as e:
         where = uri.partition("?")[0]  # the query names the endpoint only, never a credential, but is long
         logger.warning("the dock snapshot %s of a pruned checkpoint could not be deleted (%s): delete it", where, e)
+
+
+DAY_S = 86400.0
+
+
+def last_write(folder: Path, depth: int = 2) -> float:
+    """The newest modification time (seconds since the epoch) of ``folder`` and what lies up to ``depth`` levels
+    below it: a live run writes ``metrics.jsonl``, its logs and a checkpoint folder at least once an iteration."""
+    newest = folder.stat().st_mtime
+    if depth > 0:
+        for child in folder.iterdir():
+            newest = max(newest, last_write(child, depth - 1) if child.is_dir() and not child.is_symlink() else child.lstat().st_mtime)
+    return newest
+
+
+def prune_runs(runs_dir: str | Path, *, older_than_days: float, keep: int = 0, dry_run: bool = False,
+               now: float | None = None) -> list[Path]:
+    """Remove the run folders in ``runs_dir`` (the shared volume's ``runs/``: one per pipeline run, and the
+    ``<run id>.attempt-<n>`` a retry set aside) that nothing wrote to for ``older_than_days`` days (``last_write``),
+    except the ``keep`` newest and any whose run lock a live process holds (``run_lock.lock_holder``; on a network
+    file system only a holder on this node is seen, hence the age as well). A folder is renamed ``.pruning-<name>``
+    before its files go; what an earlier call left so is removed too. A dock snapshot in the S3 store
+    (``dock.warehouse=s3``) stays: the store's own lifecycle rules remove it.
+
+    Returns:
+        The removed folders (with ``dry_run``: those that would be), oldest first.
+
+    Raises:
+        ValueError: a negative ``older_than_days`` or ``keep``.
+        FileNotFoundError: ``runs_dir`` is not a folder.
+    """
+    if older_than_days < 0 or keep < 0:
+        raise ValueError(f"prune_runs: older_than_days={older_than_days}, keep={keep}: expected numbers >= 0")
+    root = Path(runs_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a folder: expected the runs/ folder of the shared volume")
+    now = time.time() if now is None else now
+    folders = sorted((last_write(p), p) for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    candidates = folders[:max(len(folders) - keep, 0)]
+    removed = [p for written, p in candidates if now - written > older_than_days * DAY_S and lock_holder(p) is None]
+    if dry_run:
+        return removed
+    for folder in removed:
+        trash = folder.with_name(f"{PRUNING}{folder.name}")
+        folder.rename(trash)
+        logger.info("pruned run folder %s (last written %.1f days ago)", folder, (now - last_write(trash, 0)) / DAY_S)
+    for trash in root.glob(f"{PRUNING}*"):
+        shutil.rmtree(trash, ignore_errors=True)
+    return removed

@@ -9,6 +9,7 @@
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl runs                                    # local runs and their live processes
+    dockrl runs prune /mnt/dockrl/runs --older-than-days 30 --keep 5   # old run folders of the shared volume
     dockrl rollouts show runs/demo --iteration 3   # the rollouts a run kept (run.keep_rollouts); rescore, replay, page
     dockrl teardown runs/demo                      # stop what a run left (its driver, its workers)
 
@@ -191,8 +192,32 @@ def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, s
     return 1, f"{kind}: {text} (run again with --debug for the traceback)"
 
 
+def prune_main(argv: list[str]) -> int:
+    """``dockrl runs prune RUNS_DIR --older-than-days N [--keep K] [--dry-run]``: old run folders of a shared volume."""
+    parser = argparse.ArgumentParser(prog="dockrl runs prune", description=(
+        "Remove the run folders of a shared volume's runs/ folder (e.g. /mnt/dockrl/runs) that nothing wrote to for "
+        "--older-than-days days, except the --keep newest and any a live run holds. Prints the removed folders as JSON."))
+    parser.add_argument("runs_dir", help="the runs/ folder of the shared volume")
+    parser.add_argument("--older-than-days", type=float, required=True, help="age (days since the last write) to remove at")
+    parser.add_argument("--keep", type=int, default=0, help="always keep this many newest run folders (default 0)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dockrl.checkpoint_pruning import prune_runs  # lazy: pyarrow
+
+    try:
+        removed = prune_runs(args.runs_dir, older_than_days=args.older_than_days, keep=args.keep, dry_run=args.dry_run)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dockrl runs prune: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"removed" if not args.dry_run else "would_remove": [str(p) for p in removed]}, indent=2))
+    return 0
+
+
 def runs_main(argv: list[str]) -> int:
     """``dockrl runs`` (the local runs and their live processes) and ``dockrl teardown RUN``."""
+    if argv[:2] == ["runs", "prune"]:
+        return prune_main(argv[2:])
     parser = argparse.ArgumentParser(prog=f"dockrl {argv[0]}")
     if argv[0] == "teardown":
         parser.description = "Stop what a run left running: its driver (if it still holds the run folder) and its workers."

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", required=True, help="required: run with kfp.local (use `submit` for a cluster)")
     p.add_argument("--pipeline-root", default="runs/pipeline", help="where the task artifacts go (default: runs/pipeline)")
     p.add_argument("--export-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--shared-dir", default="", help="the folder that plays the shared volume: put the run's own model and "
+                   "data there (default: <pipeline-root>/shared); as root, the tasks that do not mount it do not see it")
     p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=2")
 
     for name, help_ in [("submit", "start one run on Kubeflow Pipelines"),
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             forward_sigterm()
             with LocalRunOutput() as output:  # the failed task and its error come last, not 45 lines up
                 try:
-                    run_dir = run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype)
+                    run_dir = run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype, shared_dir=args.shared_dir or None)
                 except RuntimeError as e:
                     raise RuntimeError(output.failure(e)) from None
             print(json.dumps(local_summary(run_dir), indent=2))

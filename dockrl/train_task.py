@@ -8,8 +8,9 @@ registered with it.
 * ``local``: processes in the launcher's pod (``dock.mode=distributed`` unless the overrides
   say otherwise). The run folder is ``run_dir`` itself, or, where the platform's shared volume
   is mounted in the pod (``Platform.shared_volume_claim`` and ``shared_mount_path`` exists),
-  ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end a copy of the
-  final checkpoint goes to ``checkpoint_dir`` and the rest of the folder to ``run_dir``.
+  ``<shared_mount_path>/runs/<run_id>/``, which outlives the pod: at the end ``checkpoint_dir``
+  names the final checkpoint there (``write_checkpoint_pointer``) and the rest of the folder is
+  copied to ``run_dir``. Without the shared volume the final checkpoint moves into ``checkpoint_dir``.
 * ``kubernetes``: one JobSet per run, a replicated job for the dock shards (one pod each) and per stage
   (``KubernetesBackend.from_cluster``; rollout, reference and actor on the platform's
   accelerators, one device per rank process). The pods cannot see the
@@ -55,7 +56,7 @@ from typing import Callable, Sequence
 
 from dockrl import driver
 from dockrl.config import Config, load_config
-from dockrl.launch.artifacts import dataset_files, place_rollouts, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, fetch_s3, is_s3, place_rollouts, write_checkpoint_pointer
 from dockrl.launch.backend import WorkersSuspended, worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
@@ -133,6 +134,7 @@ def run_training(
     elif run_id and (shared := shared_mount(platform)) is not None:
         out = shared / "runs" / run_id
     resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
+    model_copy = fetch_model(overrides, out / MODEL_COPY)
     skipped: list[str] = []
 
     def stream(it: int, metrics: dict[str, float]) -> None:
@@ -149,6 +151,7 @@ def run_training(
             "dock.mode=distributed", "trainer.eval_after=false", *(latest if paused is None else []), *overrides,
             *(latest if paused is not None else []),  # after a preemption the newest checkpoint wins over a given run.resume
             f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"run.output_dir={out}", "run.progress=false",
+            *([f"model.path={model_copy}"] if model_copy else []),
         ])
         if backend is not None:
             check_shared_config(cfg, backend.shared_dir)
@@ -178,6 +181,8 @@ def run_training(
     final = out / "checkpoints" / "final"
     if not (final / "config.json").is_file():
         raise RuntimeError(f"training finished without a final checkpoint in {final}")
+    if model_copy is not None:  # the final checkpoint holds what a later step needs; the copy is a model's size
+        shutil.rmtree(model_copy, ignore_errors=True)
     dst = Path(checkpoint_dir)
     if out == run:
         if dst.is_dir() and not any(dst.iterdir()):
@@ -187,11 +192,11 @@ def run_training(
         # The checkpoints stay on the shared volume (never in this pod's emptyDir), where a retry or
         # run.resume finds them; the run_dir artifact gets the small files (metrics, TensorBoard
         # events, plot, config); the shared folder stays, for TensorBoard and reuse.
-        if backend is not None:  # the model artifact names the final checkpoint (export-model mounts the volume)
-            write_checkpoint_pointer(dst, final)
+        # the model artifact names the final checkpoint, never copies it into KFP's artifact store: every task
+        # that reads a model mounts the volume (pipelines/grpo.py)
+        write_checkpoint_pointer(dst, final)
+        if backend is not None:
             shutil.rmtree(out / "data", ignore_errors=True)
-        else:  # local: export-model may not mount the volume, so the model artifact holds a copy
-            shutil.copytree(final, dst, dirs_exist_ok=True)
         skip = ("checkpoints",) if rollouts_dir is None else ("checkpoints", ROLLOUTS_DIR)
         shutil.copytree(out, run, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)
     if rollouts_dir is not None:  # the train task's Dataset artifact (docs/rollouts.md)
@@ -202,6 +207,29 @@ def run_training(
     if skipped:
         logger.warning("%d metric values were null or non-finite and not logged, e.g. %s", len(skipped), skipped[:5])
     return summary
+
+
+MODEL_COPY = "model"
+"""In the run folder: the copy of an ``s3://`` ``model.path`` the stages start from (removed after the run)."""
+
+
+def fetch_model(overrides: Sequence[str], dest: Path) -> Path | None:
+    """Where ``model.path`` is an ``s3://`` URI, its folder copied to ``dest`` (in the run folder: on the shared
+    volume the worker pods see it too; a retry finds the copy of its failed attempt); None for a path.
+
+    Raises:
+        ConfigError: an invalid override; no S3 endpoint (naming ``dock.endpoint``).
+        FileNotFoundError: nothing at the URI, or no ``config.json`` there.
+    """
+    cfg = load_config(None, overrides)
+    if not is_s3(cfg.model.path):
+        return None
+    if not (dest / "config.json").is_file():
+        logger.info("fetching model.path=%s into %s", cfg.model.path, dest)
+        fetch_s3(cfg.model.path, dest, cfg.dock)
+    if not (dest / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={cfg.model.path!r}: no config.json under it: not an HF model folder")
+    return dest
 
 
 def shared_mount(platform: str | Platform) -> Path | None:

@@ -11,7 +11,11 @@ architectures) and the tasks' CPU and memory requests. Run-time (the pipeline's 
 what a user changes per run in the UI): ``dockrl.launch.tasks.RUN_PARAMETERS`` (iterations,
 batch sizes, group size, learning rate, KL coefficient, response length, algorithm, model and
 data paths) with the config's defaults, ``config_overrides`` (``section.field=value`` strings,
-for any other config field; they win over a parameter) and ``export_dtype``.
+for any other config field; they win over a parameter), ``export_dtype``, ``copy_model`` and ``export_uri``. A pipeline
+run keeps the newest ``keep_checkpoints`` = 2 checkpoints and the final one (the config keeps all). The
+model artifacts (train's and export-model's) name the model's folder on the shared volume, with its
+metadata; ``export_uri`` (``s3://<bucket>/<key>``) puts the exported model in the object store instead and
+its artifact names that URI; the weights go through KFP's artifact store only with ``copy_model``.
 
 The steps run inside a ``dsl.ExitHandler`` whose exit task tears down the run's worker groups
 whatever happened. Every task is limited to the node architectures its image is built for
@@ -22,9 +26,11 @@ CPU and memory of a pod holding them, which resolve-config computes from the run
 (``dockrl.launch.tasks.local_run_resources``; KFP's driver reads them from that task's outputs).
 With ``kubernetes`` it only drives: the stages run in pods of their own in the run's namespace
 (``dockrl/launch/kubernetes.py``), the train task runs on the CPU image without accelerators and
-mounts the shared volume (the run folder: data, checkpoints, TensorBoard events); export-model
-mounts it too (it reads the final checkpoint there). With either backend the train task reads
-the object-store Secret as optional: only a run with the S3 warehouse needs it. On a platform
+mounts the shared volume (the run folder: data, checkpoints, TensorBoard events). With either
+backend every task that reads the run's config or a model (resolve-config, prepare-dataset, train,
+export-model, evaluate) mounts the shared volume, where the user's model and data may be, and reads
+the object-store Secret as optional: only a run with the S3 warehouse or ``s3://`` inputs needs it
+(``tests/pipelines/test_task_inputs.py`` holds every compiled task to this). On a platform
 with accelerators evaluate runs on the platform's image with one accelerator and the config's
 rollout engine. Local runs ignore every platform setting (kfp.local).
 
@@ -40,8 +46,9 @@ Nothing is compiled at import: ``build_pipeline`` and ``compile_pipeline`` do it
 
 # no `from __future__ import annotations`: kfp reads the pipeline's parameter types at runtime
 import json
+import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -56,7 +63,10 @@ from dockrl.components.train import train
 from dockrl.config import load_config
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
+from dockrl.launch.task_mounts import can_isolate, isolate_volumes
 from dockrl.launch.tasks import run_parameter_defaults
+
+logger = logging.getLogger(__name__)
 
 PIPELINE_NAME = "dockrl-grpo"
 POD_FIELDS_AS_ENV = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid",
@@ -177,16 +187,28 @@ def _shared_volume(task: dsl.PipelineTask, platform: Platform) -> None:
         kubernetes.mount_pvc(task, pvc_name=platform.shared_volume_claim, mount_path=platform.shared_mount_path)
 
 
-def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
-    """The train task: the object-store Secret where one exists; with the local backend the
-    platform's accelerators and scheduling, sized by ``size`` (resolve-config: the devices its
-    run uses, and the CPU and memory of a pod holding them); with kubernetes the shared volume."""
-    platform = settings.platform
-    task.set_caching_options(False)  # a training run is never served from the cache
+def _object_store(task: dsl.PipelineTask, platform: Platform) -> None:
     if platform.object_store_secret:
-        # optional: a run with the in-memory warehouse needs no Secret (manifests/components/object-store)
+        # optional: a run with neither the S3 warehouse nor s3:// inputs needs no Secret (manifests/components/object-store)
         kubernetes.use_secret_as_env(task, secret_name=platform.object_store_secret,
                                      secret_key_to_env={k: k for k in OBJECT_STORE_KEYS}, optional=True)
+
+
+def _reads_run_inputs(task: dsl.PipelineTask, platform: Platform) -> None:
+    """A task that reads the run's inputs or the model: the shared volume (a path there: the user's
+    model and data, the run folder, an exported model's folder) and the object-store Secret (an
+    ``s3://`` URI). Every task whose config or model artifact may name one of them gets both, so
+    what it reads is there in its pod whatever the backend."""
+    _shared_volume(task, platform)
+    _object_store(task, platform)
+
+
+def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
+    """The train task: the shared volume and the object-store Secret (``_reads_run_inputs``); with the
+    local backend the platform's accelerators and scheduling, sized by ``size`` (resolve-config: the
+    devices its run uses, and the CPU and memory of a pod holding them)."""
+    platform = settings.platform
+    task.set_caching_options(False)  # a training run is never served from the cache
     if settings.worker_backend == "local":
         if settings.requests_of("train") is None:
             task.set_cpu_request(size.outputs["cpu"]).set_memory_request(size.outputs["memory"])
@@ -196,7 +218,7 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
             _accelerator_nodes(task, platform, platform.devices_per_node)
     # the run folder lives on the shared volume with either backend (dockrl.train_task): a retry of
     # the task finds its checkpoints there and resumes instead of starting over
-    _shared_volume(task, platform)
+    _reads_run_inputs(task, platform)
     if settings.train_retries:
         task.set_retry(num_retries=settings.train_retries, backoff_duration="60s")
     for env, path in POD_FIELDS_AS_ENV.items():
@@ -240,8 +262,11 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         model_path: str = p["model_path"],
         train_data: str = p["train_data"],
         test_data: str = p["test_data"],
+        keep_checkpoints: int = p["keep_checkpoints"],
         config_overrides: list[str] = [],  # noqa: B006 - KFP writes the default into the pipeline spec; never mutated
         export_dtype: str = "bfloat16",
+        copy_model: bool = False,
+        export_uri: str = "",
     ):
         teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
         teardown.set_caching_options(False)
@@ -251,23 +276,27 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
             resolved = resolve_config(
                 iterations=iterations, global_batch=global_batch, mini_batch=mini_batch, group_size=group_size,
                 learning_rate=learning_rate, kl_loss_coef=kl_loss_coef, max_response_length=max_response_length, adv_estimator=adv_estimator,
-                model_path=model_path, train_data=train_data, test_data=test_data, config_overrides=config_overrides,
+                model_path=model_path, train_data=train_data, test_data=test_data, keep_checkpoints=keep_checkpoints,
+                config_overrides=config_overrides,
                 platform=s.platform.to_json())
             _common(resolved, "resolve-config", s)
+            _reads_run_inputs(resolved, s.platform)  # the model's shape is checked against the layout
             overrides = resolved.outputs["overrides"]
             data = prepare_dataset(config_overrides=overrides)
             _common(data, "prepare-dataset", s)
+            _reads_run_inputs(data, s.platform)
             trained = train(config_overrides=overrides, dataset=data.outputs["dataset"], worker_backend=s.worker_backend,
                             run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
             _common(trained, "train", s)
             _configure_launcher(trained, s, resolved)
-            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype)
+            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype, copy=copy_model, uri=export_uri,
+                                    config_overrides=overrides)
             _common(exported, "export-model", s)
-            if s.worker_backend == "kubernetes":  # the final checkpoint stays on the shared volume
-                _shared_volume(exported, s.platform)
+            _reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
             evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,
                                  device="auto" if s.platform.accelerator else "cpu")
             _common(evaluated, "evaluate", s)
+            _reads_run_inputs(evaluated, s.platform)
             _configure_evaluate(evaluated, s)
 
     return grpo
@@ -306,11 +335,17 @@ def compiled_worker_backend(package: str | Path) -> str:
                      "(recompile it with `dockrl pipeline compile`)")
 
 
-def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: str = "bfloat16") -> Path:
-    """Run the whole pipeline on this machine with ``kfp.local`` (tasks as subprocesses).
+def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: str = "bfloat16",
+              shared_dir: str | Path | None = None, isolate: bool | None = None, parameters: dict | None = None) -> Path:
+    """Run the whole pipeline on this machine with ``kfp.local`` (tasks as subprocesses), shaped like the cluster.
 
     Needs no Docker, cluster or network: tasks run in this Python environment one at a time;
-    platform settings (accelerators, node selectors, Secrets) are ignored locally.
+    platform settings (accelerators, node selectors, Secrets) are ignored locally. The shared volume is
+    the folder ``shared_dir`` (default ``<pipeline_root>/shared``): the tasks that mount it in the
+    compiled pipeline find it at that path, and with ``isolate`` each other task starts in a mount
+    namespace where it is hidden (``dockrl.launch.task_mounts``), as it is from that task's pod. ``isolate``
+    None: where this process may (root), else a warning. Put a run's own model and data there and give
+    their paths (``model_path``, ``train_data``, ``test_data`` in ``parameters``, or the overrides) as on the cluster.
 
     Returns:
         The run's folder under ``pipeline_root``: one sub-folder per task with its artifacts
@@ -319,14 +354,30 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
     Raises:
         ConfigError: an invalid override, before any task starts.
+        ValueError: ``shared_dir`` holds ``pipeline_root``.
+        OSError: ``isolate=True`` where this process may not create mount namespaces.
         RuntimeError: a task failed (kfp.local names the task and shows its log).
     """
     load_config(None, overrides)  # fail here, naming the field, before any task starts
     root = Path(pipeline_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    shared = Path(shared_dir).resolve() if shared_dir else root / "shared"
+    if root.is_relative_to(shared):
+        raise ValueError(f"shared_dir {shared} holds the pipeline root {root}: the tasks that do not mount the shared "
+                         "volume could not write their outputs; give a folder beside it")
+    shared.mkdir(parents=True, exist_ok=True)
+    platform = replace(get_platform("cpu"), shared_mount_path=str(shared))
+    pipeline = build_pipeline(platform, "local")
+    if isolate is None:
+        isolate = can_isolate()
+        if not isolate:
+            logger.warning("local run: not root, so every task sees the whole machine, %s included; on a cluster only the "
+                           "tasks that mount the shared volume see it", shared)
+    if isolate:
+        isolate_volumes(pipeline, {platform.shared_volume_claim: shared})
     before = set(root.glob(f"{PIPELINE_NAME}-*"))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    build_pipeline("cpu", "local")(config_overrides=list(overrides), export_dtype=export_dtype)
+    pipeline(**{"config_overrides": list(overrides), "export_dtype": export_dtype, **(parameters or {})})
     new = sorted(set(root.glob(f"{PIPELINE_NAME}-*")) - before)
     if len(new) != 1:
         raise RuntimeError(f"expected one new run folder under {root}, found {[p.name for p in new]}")
@@ -334,15 +385,15 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
 
 def local_summary(run_dir: str | Path) -> dict:
-    """What ``dockrl pipeline run --local`` prints: where the artifacts are, the greedy test
-    accuracy before training (train step) and of the exported model (evaluate step), and the
-    training seconds."""
+    """What ``dockrl pipeline run --local`` prints: where the artifacts are (the exported model: where its
+    artifact names it, on the shared volume), the greedy test accuracy before training (train step) and of
+    the exported model (evaluate step), and the training seconds."""
     run = Path(run_dir)
     train = task_metadata(run, "train", "metrics")
     summary = {
         "run_dir": str(run),
         "dataset": str(run / "prepare-dataset" / "dataset"),
-        "model": str(run / "export-model" / "model"),
+        "model": task_metadata(run, "export-model", "model").get("path", str(run / "export-model" / "model")),
         "train_run_dir": str(run / "train" / "run_dir"),
         "curves": str(run / "train" / "curves"),
         "rollouts": str(run / "train" / "rollouts"),

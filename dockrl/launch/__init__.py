@@ -5,6 +5,7 @@ nothing here imports the driver.
 
 * ``tasks.py``     prepare the dataset, export the model, evaluate it, tear a run's workers down (short pipeline steps)
 * ``artifacts.py`` the dataset and model folders those steps hand on
+* ``task_mounts.py`` a local pipeline run shaped like the cluster: each task sees only the volumes it mounts
 * ``distributed.py`` the stage runner of ``dock.mode=distributed``: dock shards and stages as worker groups
 * ``backend.py``   worker groups, the backend protocol and its names (imports nothing of dockrl)
 * ``local.py``     worker groups as local processes (``procfs.py``: what ``/proc`` says of them)

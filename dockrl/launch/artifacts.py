@@ -2,11 +2,14 @@
 
 A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
 row counts), as ``tasks.prepare_dataset`` writes it; ``dataset_files`` reads it back. A model
-folder holds an HF checkpoint, or ``dockrl-checkpoint.json`` naming one on the shared volume
-(``write_checkpoint_pointer``; ``resolve_checkpoint`` follows it). A kept-rollouts folder (the train task's
+folder holds an HF checkpoint, or ``dockrl-checkpoint.json`` naming one on the shared volume or in the
+object store (``write_checkpoint_pointer``; ``resolve_checkpoint`` and ``resolve_model`` follow it). A kept-rollouts folder (the train task's
 ``rollouts`` Dataset, ``place_rollouts``) is the run's ``rollouts/`` dataset (docs/rollouts.md) with the run's
 ``_config.yaml`` and the tokenizer that decodes its token ids (``_tokenizer/``) beside it: it is read without the
 run folder. ``pyarrow.dataset`` skips names that start with ``_``.
+
+A run's model and data may also be ``s3://`` URIs: ``fetch_s3`` copies them into the task's pod, with the
+``dock`` section's S3 settings (the same store, endpoint and keys as the S3 warehouse).
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dockrl.config import pyarrow_s3_query
 from dockrl.dock.rollouts import SCHEMA_VERSION
 from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
+
+if TYPE_CHECKING:
+    from dockrl.config.run_sections import DockConfig
 
 DATASET_MANIFEST = "dataset.json"
 CHECKPOINT_POINTER = "dockrl-checkpoint.json"
@@ -42,14 +49,94 @@ def dataset_files(dataset_dir: str | Path) -> tuple[Path, Path]:
     return train, test
 
 
+def is_s3(location: str | Path) -> bool:
+    """Whether a model or data setting names an object in the object store (``s3://bucket/key``)."""
+    return str(location).startswith("s3://")
+
+
+def fetch_s3(uri: str, dest: str | Path, dock: DockConfig) -> Path:
+    """Copy the object or the folder (every object under the key, recursively) at ``uri`` into ``dest``.
+
+    ``uri`` is ``s3://<bucket>/<key>``; the store is the ``dock`` section's (``dock.endpoint`` or
+    ``$AWS_ENDPOINT_URL``, ``dock.secure``, ``dock.region``; the keys from ``$AWS_ACCESS_KEY_ID`` and
+    ``$AWS_SECRET_ACCESS_KEY``, the object-store Secret's). Returns the local copy: ``dest/<name>`` for an
+    object, ``dest`` for a folder.
+
+    Raises:
+        ConfigError: naming ``dock.endpoint``: no endpoint is set.
+        FileNotFoundError: nothing is at ``uri`` (the message names the endpoint).
+    """
+    import pyarrow.fs as pafs  # lazy: only a run with s3:// inputs needs the S3 filesystem
+
+    query = pyarrow_s3_query(dock)
+    fs, key = pafs.FileSystem.from_uri(f"{uri.rstrip('/')}?{query}")
+    info = fs.get_file_info(key)
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    if info.type == pafs.FileType.File:
+        target = out / Path(key).name
+        pafs.copy_files(key, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        return target
+    if info.type != pafs.FileType.Directory:
+        raise FileNotFoundError(f"{uri} does not exist in the object store ({query})")
+    pafs.copy_files(key, str(out), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    return out
+
+
+def upload_s3(folder: str | Path, uri: str, dock: DockConfig) -> str:
+    """Copy the files of ``folder`` to ``uri`` (``s3://<bucket>/<key>``, the bucket created if missing) in the
+    ``dock`` section's store (as ``fetch_s3``). Returns ``uri``.
+
+    Raises:
+        ConfigError: naming ``dock.endpoint``: no endpoint is set.
+        ValueError: ``uri`` is not an ``s3://`` URI.
+    """
+    import pyarrow.fs as pafs  # lazy: as fetch_s3
+
+    if not is_s3(uri) or "?" in uri:
+        raise ValueError(f"{uri!r}: expected s3://<bucket>/<key> (the endpoint comes from the dock section)")
+    fs, key = pafs.FileSystem.from_uri(f"{uri.rstrip('/')}?{pyarrow_s3_query(dock)}&allow_bucket_creation=true")
+    fs.create_dir(key)
+    pafs.copy_files(str(folder), key, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    return uri
+
+
 def write_checkpoint_pointer(folder: str | Path, checkpoint: str | Path) -> Path:
-    """Make ``folder`` (a model artifact) name ``checkpoint`` instead of holding its files: a
-    checkpoint on the shared volume is not copied into a pod's local disk."""
+    """Make ``folder`` (a model artifact) name ``checkpoint`` (a folder on the shared volume, or an ``s3://``
+    URI) instead of holding its files: a model is not copied into a pod's local disk or KFP's artifact store."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     pointer = out / CHECKPOINT_POINTER
     pointer.write_text(json.dumps({"path": str(checkpoint)}) + "\n")
     return pointer
+
+
+def pointer_target(folder: str | Path) -> str:
+    """What a model artifact names (a folder or an ``s3://`` URI); "" where it holds the model itself."""
+    pointer = Path(folder) / CHECKPOINT_POINTER
+    return str(json.loads(pointer.read_text())["path"]) if pointer.is_file() else ""
+
+
+def resolve_model(folder: str | Path, dock: DockConfig, scratch: str | Path) -> Path:
+    """The model folder a model artifact holds or names; one in the object store is fetched into ``scratch``.
+
+    Raises:
+        FileNotFoundError: as ``resolve_checkpoint`` and ``fetch_s3``.
+    """
+    named = pointer_target(folder)
+    return fetch_s3(named, scratch, dock) if is_s3(named) else resolve_checkpoint(folder)
+
+
+def model_location(folder: str | Path) -> dict[str, Any]:
+    """Metadata of a model artifact (``folder``): ``path`` (the model's folder: on the shared volume where the
+    artifact names it, else the artifact's own), ``pointer`` (whether it names one) and ``bytes`` (the model's files).
+
+    Raises:
+        FileNotFoundError: as ``resolve_checkpoint``.
+    """
+    target = resolve_checkpoint(folder)
+    return {"path": str(target), "pointer": target != Path(folder),
+            "bytes": sum(p.stat().st_size for p in target.rglob("*") if p.is_file())}
 
 
 def resolve_checkpoint(folder: str | Path) -> Path:
@@ -63,7 +150,10 @@ def resolve_checkpoint(folder: str | Path) -> Path:
     pointer = src / CHECKPOINT_POINTER
     if not pointer.is_file():
         return src
-    target = Path(json.loads(pointer.read_text())["path"])
+    named = json.loads(pointer.read_text())["path"]
+    if is_s3(named):
+        raise FileNotFoundError(f"{pointer} names {named}, in the object store: fetch it (resolve_model)")
+    target = Path(named)
     if not (target / "config.json").is_file():
         raise FileNotFoundError(f"{pointer} names the checkpoint {target}, which has no config.json here: "
                                 "is the shared volume mounted at the same path in this pod?")

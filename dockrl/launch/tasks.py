@@ -27,7 +27,17 @@ import yaml
 from dockrl.config import Config, dump_config, load_config, resolve_auto
 from dockrl.data import load_prompts
 from dockrl.engines.vllm_support import vllm_support
-from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, resolve_checkpoint
+from dockrl.launch.artifacts import (
+    DATASET_MANIFEST,
+    dataset_files,
+    fetch_s3,
+    is_s3,
+    model_location,
+    resolve_checkpoint,
+    resolve_model,
+    upload_s3,
+    write_checkpoint_pointer,
+)
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.local import LocalBackend
@@ -55,14 +65,16 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
     """Write the run's train and test prompt files into ``out_dir``.
 
     The files are the configured ones (``data.train_path``, ``data.test_path``, ``champ``) or
-    the seeded generated problems, exactly as ``dockrl train`` would use them.
+    the seeded generated problems, exactly as ``dockrl train`` would use them. A configured file
+    is a path this task's pod sees (on the shared volume, which the pipeline mounts here) or an
+    ``s3://`` URI, fetched with the ``dock`` section's S3 settings (``artifacts.fetch_s3``).
 
     Returns:
         Metadata for the Dataset artifact: file names, row counts, seed.
 
     Raises:
         ConfigError: an override is invalid (the message names the field).
-        FileNotFoundError: a configured data file does not exist.
+        FileNotFoundError: a configured data file does not exist (in this pod, or in the object store).
     """
     from dockrl.run_setup import resolve_data  # lazy: dockrl.run_setup imports torch
 
@@ -70,8 +82,10 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dockrl-data-") as tmp:
-        # generated files go to a scratch cache; configured files are read where they are
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, cache_dir=tmp))
+        # generated files go to a scratch cache; configured files are read where they are, s3:// ones fetched there
+        fetched: dict[str, Any] = {f: str(fetch_s3(getattr(cfg.data, f), Path(tmp) / "s3" / f, cfg.dock))
+                   for f in ("train_path", "test_path") if is_s3(getattr(cfg.data, f))}
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, cache_dir=tmp), data=dataclasses.replace(cfg.data, **fetched))
         train_src, test_src = resolve_data(cfg)
         for src in (train_src, test_src):
             if not Path(src).is_file():
@@ -143,6 +157,49 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
     return info
 
 
+EXPORT_DIR = "export"
+"""In a run folder on the shared volume: the exported model a pipeline run's ``model`` artifact names."""
+
+
+def export_model_artifact(checkpoint: str | Path, artifact_dir: str | Path, dtype: str = "bfloat16", *,
+                          copy: bool = False, uri: str = "", overrides: Sequence[str] = ()) -> dict[str, int | str]:
+    """The pipeline's export step: export the train task's ``checkpoint`` artifact into the run folder
+    (``<run>/export``, beside ``checkpoints/final`` on the shared volume), or to ``uri`` (``s3://<bucket>/<key>``
+    in the store of the run's ``dock`` section, ``overrides``), and make ``artifact_dir`` name it
+    (``write_checkpoint_pointer``): the weights never go through KFP's artifact store. With ``copy``, or
+    where the checkpoint artifact holds the checkpoint itself (no shared volume), the export goes into
+    ``artifact_dir`` (a model-sized upload to the artifact store).
+
+    Returns:
+        ``export_model``'s metadata, with where the model is (``path``: a folder or ``uri``), ``pointer`` and
+        ``bytes`` (``model_location``).
+
+    Raises:
+        ValueError: both ``copy`` and ``uri``; as ``export_model``.
+        ConfigError: an invalid override; with ``uri``, no S3 endpoint (naming ``dock.endpoint``).
+    """
+    src = resolve_checkpoint(checkpoint)
+    out = Path(artifact_dir)
+    if uri:
+        if copy:
+            raise ValueError(f"export to {uri} and a copy in the artifact store: choose one (copy_model or export_uri)")
+        dock = load_config(None, overrides).dock
+        with tempfile.TemporaryDirectory(prefix="dockrl-export-") as tmp:
+            info = export_model(src, tmp, dtype)
+            size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+            upload_s3(tmp, uri, dock)
+        write_checkpoint_pointer(out, uri)
+        logger.info("exported model uploaded to %s (%d bytes)", uri, size)
+        return info | {"path": uri, "pointer": True, "bytes": size}
+    where = out if copy or src == Path(checkpoint) else src.parent.parent / EXPORT_DIR
+    if where.exists() and where != out:  # a retried step: the earlier attempt's export, maybe cut short
+        shutil.rmtree(where)
+    info = export_model(src, where, dtype)
+    if where != out:
+        write_checkpoint_pointer(out, where)
+    return info | model_location(out)
+
+
 def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     """The evaluate step's engine on this process's device (``parallel.device``, which
     ``evaluate_model`` sets to where the pipeline placed the step; ``cfg`` as ``resolve_auto`` returns it): ``VLLMRolloutEngine`` where
@@ -171,7 +228,8 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
 
 def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str], *,
                    device: str = "cpu") -> dict[str, float]:
-    """Greedy accuracy of ``model_dir`` on the test split of ``dataset_dir``.
+    """Greedy accuracy of ``model_dir`` (a model folder, or an artifact naming one: ``artifacts.resolve_model``)
+    on the test split of ``dataset_dir``.
 
     Prompt formatting, ``data.eval_size``, the response length, the rollout engine and dtype
     (``rollout.engine=auto``: vLLM where it runs on ``device``, else HF) and the reward settings
@@ -190,16 +248,24 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
     Raises:
         ConfigError: an invalid override or ``device``.
         RuntimeError: ``device`` is an accelerator kind that this process does not see.
+        FileNotFoundError: the model the artifact names is not there (the volume not mounted, nothing at the URI).
     """
+    cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
+    _, test_file = dataset_files(dataset_dir)
+    with tempfile.TemporaryDirectory(prefix="dockrl-eval-model-") as scratch:
+        # the export step's artifact names the model: on the shared volume, or in the object store (fetched here)
+        return _evaluate(cfg, resolve_model(model_dir, cfg.dock, scratch), test_file)
+
+
+def _evaluate(cfg: Config, model_dir: Path, test_file: Path) -> dict[str, float]:
+    """``evaluate_model`` on the model folder ``model_dir``."""
     from dockrl.envs.prompting import tool_prompt  # lazy: as dockrl.evaluate below
     from dockrl.envs.registry import build_environment  # lazy: as dockrl.evaluate below
     from dockrl.evaluate import greedy_accuracy, multi_turn_accuracy  # lazy: imports torch and transformers
     from dockrl.rewards import RewardScorer  # lazy: the math verifier imports sympy (half a second)
     from dockrl.workers.multi_turn import TurnLimits  # lazy: as dockrl.evaluate above
 
-    cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
-    _, test_file = dataset_files(dataset_dir)
-    engine = evaluation_engine(cfg, Path(model_dir))
+    engine = evaluation_engine(cfg, model_dir)
     environment = build_environment(cfg)  # with one, the trajectories of the rollout's loop are evaluated
     shown = tool_prompt(engine.tokenizer, environment.tools if environment else [], cfg.env.tool_parser,
                         system_prompt=cfg.data.system_prompt, chat_template=cfg.data.chat_template)
@@ -246,14 +312,20 @@ RUN_PARAMETERS: dict[str, str] = {
     "model_path": "model.path",
     "train_data": "data.train_path",
     "test_data": "data.test_path",
+    "keep_checkpoints": "trainer.keep_checkpoints",
 }
 """The knobs a user changes per run in the Kubeflow UI: pipeline parameter -> config field.
 Everything else is a ``config_overrides`` entry (run-time) or a setting of the compiled package
 (backend, platform, images, sizes: compile-time)."""
 
+PIPELINE_DEFAULTS: dict[str, Any] = {"keep_checkpoints": 2}
+"""Run parameters whose pipeline default is not the config's: a pipeline run keeps the newest 2
+checkpoints and the final one (``trainer.keep_checkpoints``; the config's 0 keeps all), so that a
+long run does not fill the shared volume (docs/kubeflow.md sizes it)."""
 
-def run_parameter_defaults() -> dict[str, Any]:
-    """Each run parameter's default: the config default of its field (what the UI shows)."""
+
+def config_defaults() -> dict[str, Any]:
+    """Each run parameter's config default: the value of its field when no override sets it."""
     cfg = load_config(None)
     out: dict[str, Any] = {}
     for name, where in RUN_PARAMETERS.items():
@@ -262,9 +334,15 @@ def run_parameter_defaults() -> dict[str, Any]:
     return out
 
 
+def run_parameter_defaults() -> dict[str, Any]:
+    """Each run parameter's default (what the UI shows): its config default, or ``PIPELINE_DEFAULTS``'."""
+    return config_defaults() | PIPELINE_DEFAULTS
+
+
 def resolve_overrides(params: Mapping[str, object], overrides: Sequence[str]) -> list[str]:
     """The run's ``section.field=value`` overrides: the run parameters that differ from their
-    defaults, then ``overrides`` (which win over a parameter setting the same field).
+    config defaults (``config_defaults``: a pipeline default of its own, ``PIPELINE_DEFAULTS``, is one),
+    then ``overrides`` (which win over a parameter setting the same field).
 
     Raises:
         ValueError: a name in ``params`` is not a run parameter.
@@ -273,7 +351,7 @@ def resolve_overrides(params: Mapping[str, object], overrides: Sequence[str]) ->
     unknown = sorted(set(params) - set(RUN_PARAMETERS))
     if unknown:
         raise ValueError(f"run parameters {unknown}: expected some of {', '.join(RUN_PARAMETERS)}")
-    defaults = run_parameter_defaults()
+    defaults = config_defaults()
     out = [f"{RUN_PARAMETERS[name]}={value}" for name, value in params.items() if value != defaults[name]]
     explicit = {o.split("=", 1)[0].strip() for o in overrides}
     for name, value in params.items():

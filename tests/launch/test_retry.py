@@ -86,7 +86,8 @@ def test_a_retried_train_task_resumes_from_its_newest_checkpoint(tiny_model_dir,
     assert state["next_iteration"] == 3
     assert sorted(p.name for p in (shared_run / "checkpoints").iterdir()) == ["final", "iter_000002"]
     model = tmp_path / "attempt-2" / "model"
-    assert resolve_checkpoint(model) == model and (model / "config.json").is_file()  # a copy: export-model needs no volume
+    # the artifact names the final checkpoint on the volume (export-model and evaluate mount it): no weights in the artifact store
+    assert resolve_checkpoint(model) == final_dir(shared_run) and [p.name for p in model.iterdir()] == ["dockrl-checkpoint.json"]
     assert [x["iteration"] for x in read_rows(tmp_path / "attempt-2" / "run")] == [0, 1, 2]
     assert any((shared_run / "logs" / "attempt-1").glob("reward-0*.log"))  # the failed attempt's logs are kept
 
@@ -117,7 +118,7 @@ def test_a_retried_train_task_without_a_checkpoint_sets_the_attempt_aside_and_st
     assert f"its folder (logs, metrics) is kept in {aside}, the run starts fresh" in caplog.text
     assert [x["iteration"] for x in read_rows(aside)] == [0] and not (aside / "checkpoints").exists()
     assert [x["iteration"] for x in read_rows(shared_run)] == [0, 1] and logged_iterations(logged) == [0, 1]
-    assert (tmp_path / "attempt-2" / "model" / "config.json").is_file()
+    assert (resolve_checkpoint(tmp_path / "attempt-2" / "model") / "config.json").is_file()
 
 
 def fake_training(seen: dict, *, fail: bool = False):
@@ -203,7 +204,7 @@ def test_a_retry_of_a_finished_run_hands_it_over_without_training_again(tiny_mod
         summary, logged = attempt(["trainer.iterations=2"], tmp_path, 2, platform)
     assert f"retry of run {RUN}: all 2 iterations were done ({final}): handing over its final checkpoint" in caplog.text
     assert logged == {"reward/mean/iter_0000": 1.0, "reward/mean/iter_0001": 1.0, "run/seconds": 12.0}
-    assert summary["run/seconds"] == 12.0 and (tmp_path / "attempt-2" / "model" / "config.json").is_file()
+    assert summary["run/seconds"] == 12.0 and resolve_checkpoint(tmp_path / "attempt-2" / "model") == final
     assert (final / STATE_FILE).is_file()  # kept on the shared volume: run.resume continues it with more iterations
 
 

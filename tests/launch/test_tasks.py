@@ -8,15 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from dock.conftest import s3_server  # noqa: F401 - the fixture: moto's S3 server in a process of its own
 
 from dockrl import train_task
-from dockrl.config import ConfigError
+from dockrl.config import ConfigError, load_config
 from dockrl.data import generate_problems, write_jsonl
-from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, fetch_s3, resolve_checkpoint, write_checkpoint_pointer
 from dockrl.launch.tasks import (
     RUN_PARAMETERS,
+    config_defaults,
     evaluate_model,
     export_model,
+    export_model_artifact,
     local_run_devices,
     local_run_resources,
     prepare_dataset,
@@ -77,14 +80,62 @@ def test_export_model_follows_a_pointer_to_a_checkpoint_on_the_shared_volume(tin
         export_model(tmp_path / "gone", tmp_path / "out2")
 
 
+def test_the_export_step_writes_the_model_beside_the_checkpoint_and_its_artifact_names_it(tiny_model_dir, tmp_path):
+    """On the shared volume: ``<run>/export`` and a pointer (no weights in the artifact store); a full copy when asked,
+    or where the checkpoint artifact holds the checkpoint itself (no shared volume)."""
+    import shutil
+
+    final = Path(shutil.copytree(tiny_model_dir, tmp_path / "runs" / "r1" / "checkpoints" / "final"))
+    write_checkpoint_pointer(tmp_path / "ckpt", final)
+    info = export_model_artifact(tmp_path / "ckpt", tmp_path / "model", "float32")
+    export = tmp_path / "runs" / "r1" / "export"
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["dockrl-checkpoint.json"]
+    assert resolve_checkpoint(tmp_path / "model") == export and (export / "model.safetensors").is_file()
+    assert (info["path"], info["pointer"], info["dtype"]) == (str(export), True, "float32")
+    assert info["bytes"] == sum(p.stat().st_size for p in export.rglob("*") if p.is_file()) > 0
+    again = export_model_artifact(tmp_path / "ckpt", tmp_path / "model-2", "bfloat16")  # a retried step replaces it
+    assert again["path"] == str(export) and again["bytes"] < info["bytes"]
+    copied = export_model_artifact(tmp_path / "ckpt", tmp_path / "model-3", "float32", copy=True)
+    assert (tmp_path / "model-3" / "model.safetensors").is_file() and not copied["pointer"] and copied["bytes"] == info["bytes"]
+    alone = export_model_artifact(final, tmp_path / "model-4", "float32")  # the checkpoint itself: nowhere else to put it
+    assert (tmp_path / "model-4" / "model.safetensors").is_file() and alone["path"] == str(tmp_path / "model-4")
+
+
+@pytest.mark.slow  # a moto server start
+def test_an_export_to_the_object_store_is_named_by_its_artifact_and_evaluated_from_there(s3_server, tiny_model_dir, tmp_path,  # noqa: F811
+                                                                                        monkeypatch):
+    import pyarrow.fs as pafs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    dock = [f"dock.endpoint=http://{s3_server.endpoint}", "dock.region=us-east-1"]
+    info = export_model_artifact(tiny_model_dir, tmp_path / "model", "bfloat16", uri="s3://exports/team/run-1", overrides=dock)
+    assert (info["path"], info["pointer"], info["dtype"]) == ("s3://exports/team/run-1", True, "bfloat16")
+    assert json.loads((tmp_path / "model" / "dockrl-checkpoint.json").read_text()) == {"path": "s3://exports/team/run-1"}
+    store = pafs.S3FileSystem(endpoint_override=f"http://{s3_server.endpoint}", scheme="http", region="us-east-1")
+    files = {f.base_name: f.size for f in store.get_file_info(pafs.FileSelector("exports/team/run-1")) if f.is_file}
+    assert "model.safetensors" in files and "tokenizer.json" in files and sum(files.values()) == info["bytes"]
+    prepare_dataset(SMALL, tmp_path / "ds")
+    res = evaluate_model(tmp_path / "model", tmp_path / "ds", [*dock, "rollout.max_response_length=4", "data.eval_size=2",
+                                                               "rollout.dtype=float32", "rollout.engine=hf"])
+    assert res["eval/count"] == 2.0
+    with pytest.raises(ValueError, match="choose one"):
+        export_model_artifact(tiny_model_dir, tmp_path / "model-2", uri="s3://exports/x", copy=True, overrides=dock)
+    with pytest.raises(FileNotFoundError, match=r"^s3://exports/none does not exist in the object store \(endpoint_override="):
+        fetch_s3("s3://exports/none", tmp_path / "none", load_config(None, dock).dock)
+
+
 def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_overrides(caplog):
     defaults = run_parameter_defaults()
     assert set(defaults) == set(RUN_PARAMETERS) and defaults["learning_rate"] == 1e-5
-    assert resolve_overrides(defaults, []) == []  # the defaults change nothing
+    assert resolve_overrides(config_defaults(), []) == []  # the config's defaults change nothing
+    # a pipeline run keeps 2 checkpoints and the final one unless told otherwise; the config keeps all
+    assert (defaults["keep_checkpoints"], config_defaults()["keep_checkpoints"]) == (2, 0)
+    assert resolve_overrides(defaults, []) == ["trainer.keep_checkpoints=2"]
     changed = defaults | {"iterations": 3, "learning_rate": 5e-6, "group_size": 4, "global_batch": 4, "mini_batch": 4}
     out = resolve_overrides(changed, ["trainer.iterations=2"])
     assert out == ["trainer.iterations=3", "trainer.global_batch=4", "trainer.mini_batch=4", "rollout.n=4",
-                   "trainer.lr=5e-06", "trainer.iterations=2"]
+                   "trainer.lr=5e-06", "trainer.keep_checkpoints=2", "trainer.iterations=2"]
     assert "run parameter iterations=3 is overridden by config_overrides" in caplog.text
     with pytest.raises(ConfigError, match="algorithm.adv_estimator"):
         resolve_overrides(defaults | {"adv_estimator": "ppo-ish"}, [])

@@ -80,15 +80,16 @@ def test_local_backend_the_train_task_carries_the_accelerators_and_the_run_folde
     assert [(t.key, t.operator, t.effect) for t in cfg.tolerations] == [("huawei.com/Ascend910", "Exists", "NoSchedule")]
     [shm] = cfg.empty_dir_mounts  # NCCL, HCCL and vLLM exchange through /dev/shm; a container's default is 64 MiB
     assert (shm.mount_path, shm.medium, shm.size_limit) == ("/dev/shm", "Memory", npu.shm_size(npu.devices_per_node))
-    # the run folder on the shared volume, where a retried train task finds its checkpoints; no other task mounts it
-    assert {name for name, c in k8s.items() if c.pvc_mount} == {"exec-train"}
+    # the run folder on the shared volume, where a retried train task finds its checkpoints; every task that reads
+    # the run's paths mounts it too (tests/pipelines/test_task_inputs.py), the exit task alone does not
+    assert {name for name, c in k8s.items() if c.pvc_mount} == EXECUTORS - {"exec-teardown-workers"}
     [pvc] = cfg.pvc_mount
     assert (pvc.constant, pvc.mount_path) == (npu.shared_volume_claim, npu.shared_mount_path)
     assert not spec.components["comp-exit-handler-1"].dag.tasks["train"].HasField("retry_policy")  # retries: train_retries
-    # the object-store Secret only with the S3 warehouse: optional
+    # the object-store Secret only for the S3 warehouse or s3:// inputs: optional
     [secret] = cfg.secret_as_env
     assert secret.secret_name == "dockrl-object-store" and secret.HasField("optional") and secret.optional
-    assert {name for name, c in k8s.items() if c.secret_as_env} == {"exec-train"}
+    assert {name for name, c in k8s.items() if c.secret_as_env} == EXECUTORS - {"exec-teardown-workers"}
     assert {(f.name, f.field_path) for f in cfg.field_path_as_env} == {
         ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_UID", "metadata.uid"),
         ("POD_IP", "status.podIP")}
@@ -166,8 +167,8 @@ def test_kubernetes_backend_the_launcher_drives_with_the_volume_and_secret_but_n
     # the run folder (checkpoints, TensorBoard) on the shared volume; export-model reads the final checkpoint there
     for executor in ("exec-train", "exec-export-model"):
         assert [(v.constant, v.mount_path) for v in k8s[executor].pvc_mount] == [("dockrl-shared", "/mnt/dockrl")], executor
-    assert {name for name, c in k8s.items() if c.pvc_mount} == {"exec-train", "exec-export-model"}
-    assert {name for name, c in k8s.items() if c.secret_as_env} == {"exec-train"}
+    assert {name for name, c in k8s.items() if c.pvc_mount} == EXECUTORS - {"exec-teardown-workers"}
+    assert {name for name, c in k8s.items() if c.secret_as_env} == EXECUTORS - {"exec-teardown-workers"}
     assert "POD_IP" in {f.name for f in cfg.field_path_as_env}
     inputs = spec.components["comp-exit-handler-1"].dag.tasks["train"].inputs.parameters
     assert inputs["worker_backend"].runtime_value.constant.string_value == "kubernetes"
@@ -192,7 +193,7 @@ def test_every_task_requests_cpu_and_memory_and_carries_the_label(compiled_npu, 
 def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu):
     spec, deployment, _ = parse_ir(compiled_npu)
     params = spec.root.input_definitions.parameters
-    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype"}
+    assert set(params) == set(RUN_PARAMETERS) | {"config_overrides", "export_dtype", "copy_model", "export_uri"}
     defaults = run_parameter_defaults()
     assert defaults["iterations"] == 20 and defaults["group_size"] == 8 and defaults["model_path"] == "smollm2-135m"
     for name, default in defaults.items():
@@ -201,6 +202,9 @@ def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu
         assert got == default, name
     assert params["config_overrides"].parameter_type == pb.ParameterType.LIST
     assert list(params["config_overrides"].default_value.list_value.values) == []
+    # the weights stay on the shared volume unless a run asks for a copy in the artifact store
+    assert params["copy_model"].parameter_type == pb.ParameterType.BOOLEAN and not params["copy_model"].default_value.bool_value
+    assert params["keep_checkpoints"].default_value.number_value == 2
     # every step reads the overrides that resolve-config checked
     body = spec.components["comp-exit-handler-1"].dag.tasks
     for step in ("prepare-dataset", "train", "evaluate"):
@@ -223,7 +227,7 @@ def test_steps_run_in_order_inside_an_exit_handler_that_tears_workers_down(compi
     assert set(body) == set(STEPS)
     assert list(body["prepare-dataset"].dependent_tasks) == ["resolve-config"]
     assert set(body["train"].dependent_tasks) == {"prepare-dataset", "resolve-config"}
-    assert list(body["export-model"].dependent_tasks) == ["train"]
+    assert set(body["export-model"].dependent_tasks) == {"resolve-config", "train"}  # the run's S3 settings for export_uri
     assert set(body["evaluate"].dependent_tasks) == {"export-model", "prepare-dataset", "resolve-config"}
     assert not body["train"].caching_options.enable_cache
     # the curves of the run, for the UI's Visualizations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,31 +17,48 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    """The runbook's step 5: the user's own model and data in a folder of the shared volume. As root (CI) each task
+    sees that folder only where the compiled pipeline mounts the volume (``dockrl.launch.task_mounts``)."""
+    from dockrl.data import generate_problems, write_jsonl
+
+    shared = tmp_path / "shared"
+    model = Path(shutil.copytree(tiny_model_dir, shared / "models" / "tiny"))
+    train, test = write_jsonl(generate_problems(40, seed=1), shared / "data" / "train.jsonl"), write_jsonl(
+        generate_problems(8, seed=2), shared / "data" / "test.jsonl")
     overrides = [
-        f"model.path={tiny_model_dir}", f"run.cache_dir={tmp_path / 'cache'}", "trainer.iterations=2",
-        "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
+        f"model.path={model}", f"data.train_path={train}", f"data.test_path={test}", f"run.cache_dir={tmp_path / 'cache'}",
+        "trainer.iterations=2", "trainer.global_batch=4", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=4",
         "rollout.max_response_length=12", "rollout.dtype=float32", "trainer.autocast_bf16=false",
-        "trainer.eval_before=false", "trainer.save_every=0", "data.generate_train=40", "data.generate_test=8",
-        "data.eval_size=8", "run.keep_rollouts=all",
+        "trainer.eval_before=false", "trainer.save_every=0", "data.eval_size=8", "run.keep_rollouts=all",
     ]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # kfp.local leaves a temp folder per task
     proc = subprocess.run(
         [sys.executable, "-m", "dockrl", "pipeline", "run", "--local", "--pipeline-root", str(tmp_path / "root"),
-         "--export-dtype", "float32", *overrides],
+         "--shared-dir", str(shared), "--export-dtype", "float32", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # the summary is the last thing printed
     run = Path(out["run_dir"])
     assert 0.0 <= out["eval/accuracy"] <= 1.0 and out["eval/count"] == 8.0
-    assert out["model"] == str(run / "export-model" / "model") and out["run/seconds"] > 0
+    [shared_run] = (shared / "runs").iterdir()  # the run's folder on the shared volume
+    assert out["model"] == str(shared_run / "export") and out["run/seconds"] > 0
 
     dataset = run / "prepare-dataset" / "dataset"
     info = json.loads((dataset / "dataset.json").read_text())
     assert info["test_rows"] == 8 and info["train_rows"] > 0
-    for task in ("train", "export-model"):
-        assert (run / task / "model" / "model.safetensors").is_file(), task
-        assert (run / task / "model" / "tokenizer.json").is_file(), task
+    # the model artifacts name the models on the shared volume: no model-sized file in KFP's artifact store
+    from dockrl.launch.artifacts import resolve_checkpoint
+    from dockrl.pipelines.grpo import task_metadata
+
+    for task, where in (("train", shared_run / "checkpoints" / "final"), ("export-model", shared_run / "export")):
+        assert [p.name for p in (run / task / "model").iterdir()] == ["dockrl-checkpoint.json"], task
+        assert resolve_checkpoint(run / task / "model") == where and (where / "model.safetensors").is_file(), task
+        meta = task_metadata(run, task, "model")
+        assert meta["path"] == str(where) and meta["pointer"] and meta["bytes"] == sum(f.stat().st_size for f in where.rglob("*") if f.is_file())
+    artifacts = {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*") if p.is_file()}
+    assert max(artifacts.values()) < (where / "model.safetensors").stat().st_size / 4, artifacts
+    assert "keep_checkpoints: 2" in (shared_run / "config.yaml").read_text()  # the pipeline's default
     rows = [json.loads(x) for x in (run / "train" / "run_dir" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
 
@@ -55,7 +73,7 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # the exit task ran
     # the run's overrides, checked once before the data step, are what every step read
     resolved = json.loads((run / "resolve-config" / "executor_output.json").read_text())["parameterValues"]
-    assert resolved["overrides"] == overrides
+    assert resolved["overrides"] == ["trainer.keep_checkpoints=2", *overrides]  # the pipeline's own default first
     # and the size of the train pod that runs them: the cpu platform has no devices
     from dockrl.launch.platform import PLATFORMS
 
@@ -124,6 +142,6 @@ def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"dockrl pipeline run: task 'prepare-dataset' failed: FileNotFoundError: data file {missing} does not exist")
     assert "\x1b[" not in proc.stdout + proc.stderr
-    [run] = (tmp_path / "root").iterdir()
+    [run] = (tmp_path / "root").glob("dockrl-grpo-*")
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # teardown ran after the failure
     assert not (run / "train").exists()
