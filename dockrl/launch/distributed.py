@@ -20,12 +20,10 @@ import logging
 import math
 import secrets
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import pyarrow.flight as flight
-import torch.distributed as dist
 
 from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
@@ -36,6 +34,7 @@ from dockrl.driver_lease import DriverLease, wait_for_shards
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
+from dockrl.parallel.ranks import serve_store
 from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
 from dockrl.run_setup import RunPlan
 from dockrl.stage_loop import Report, final_report
@@ -203,9 +202,8 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     warehouse = make_warehouse(cfg.dock, backend.run_id)  # checked here once, before any worker starts
     token = secrets.token_urlsafe(24)
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
-    # the store's server listens on every interface; members connect to launcher_host
-    weight_store = dist.TCPStore(backend.bind_host, 0, is_master=True, wait_for_workers=False,
-                                 timeout=timedelta(seconds=cfg.dock.timeout_s))
+    # on the backend's bind host only (loopback for a local run); members connect to launcher_host
+    weight_store = serve_store(backend.bind_host, timeout_s=cfg.dock.timeout_s)
     ports = backend.serve_ports(cfg.dock.shards)
     locations = shard_locations(backend, ports)
     groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, backend.run_id,

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -80,6 +85,37 @@ def workers_path(monkeypatch):
     assert not left, f"processes left behind: {left}"
 
 
+def is_loopback_ip(address: str) -> bool:
+    """``address`` is loopback, also as an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``, gRPC's listeners)."""
+    ip = ipaddress.ip_address(address)
+    return bool((getattr(ip, "ipv4_mapped", None) or ip).is_loopback)
+
+
+@contextlib.contextmanager
+def listening_sockets(poll_s: float = 0.2) -> Iterator[set[tuple[str, str, int]]]:
+    """Collect, while the block runs, (process name, address, port) of every TCP socket that this
+    process and its descendants (the run's workers and what they start) listen on."""
+    seen: set[tuple[str, str, int]] = set()
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            me = psutil.Process()
+            for proc in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    name = " ".join(proc.cmdline()[2:5])
+                    seen.update((name, c.laddr.ip, c.laddr.port) for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+            done.wait(poll_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join(10)
+
+
 def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path)
     local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
@@ -140,7 +176,11 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
         f"dock.directory={tmp_path / 'store'}",
     )
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    summary = driver.train(cfg)
+    with listening_sockets() as listens:
+        summary = driver.train(cfg)
+    # the dock shards, the weight channel's store and the process groups' sockets: on loopback only
+    assert len({port for _, _, port in listens}) >= 3, listens
+    assert [x for x in listens if not is_loopback_ip(x[1])] == []
 
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
