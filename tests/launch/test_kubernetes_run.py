@@ -58,7 +58,7 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     cfg = small_config(tiny_model_dir, backend.shared_dir / "runs" / RUN)
     ports = backend.serve_ports(2)
     groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0)
-    secret, jobset = backend.render(groups)
+    secret, _, jobset = backend.render(groups)
     validate_jobset(jobset)
     assert secret["stringData"] == {TOKEN_ENV: "secret-token"}
     rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
@@ -121,7 +121,7 @@ def test_the_hybrid_actor_asks_for_one_device_per_rank_of_the_layout(cluster, ti
     groups = {g.name: g for g in worker_groups(cfg, backend, backend.serve_ports(2), f"{LAUNCHER_IP}:29500", "t", RUN)}
     assert (groups["hybrid"].replicas, groups["hybrid"].devices) == (4, 1)  # tp × pp × dp = 4 rank processes
     assert (groups["reference"].devices, groups["reward"].devices, groups["dock-shard-0"].devices) == (1, 0, 0)
-    [_, jobset] = backend.render(list(groups.values()))
+    [_, _, jobset] = backend.render(list(groups.values()))
     hybrid = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}["hybrid"]["template"]["spec"]
     # one pod shaped like a node holds the 4 ranks as local ranks (dockrl node), both TP groups inside it
     [c] = hybrid["template"]["spec"]["containers"]
@@ -161,13 +161,15 @@ def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_eve
     e = err.value
     assert e.group == "dock-shard-1" and e.member.startswith(f"{jobset_name(RUN)}-dock-shard-1-0-0-")
     assert "exited with code 2 (Error)" in e.reason and "environment variable is unset" in e.log_tail
-    assert [o["kind"] for o in cluster.created] == ["Secret", "JobSet"]  # every group in one JobSet, at once
-    rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[1]["spec"]["replicatedJobs"]}
+    assert [o["kind"] for o in cluster.created] == ["Secret", "NetworkPolicy", "JobSet"]  # every group in one JobSet, at once
+    rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[2]["spec"]["replicatedJobs"]}
     reward = rjobs["reward"]["containers"][0]["args"]
     # its wait for the first iteration: the rollout's loading and evaluation (dock.timeout_s 600 s each, one evaluation
     # batch of 4 test prompts), plus how far apart pods may start (the scheduling and image pull timeouts)
     assert float(reward[reward.index("--first-wait-s") + 1]) == 600 * 3 + platform.schedule_timeout_s + platform.image_pull_timeout_s
-    assert cluster.objects == {}  # torn down: the JobSet, its pods and the Secret
+    # torn down: the JobSet and its pods; the Secret goes with the launcher pod that owns it (the Role: create only)
+    [(kind, secret)] = [(k[0], o) for k, o in cluster.objects.items()]
+    assert kind == "Secret" and secret["metadata"]["ownerReferences"] == [OWNER.reference()]
     shared_run = tmp_path / "shared" / "runs" / RUN
     assert sorted(p.name for p in (shared_run / "data").iterdir()) == ["test.jsonl", "train.jsonl"]
     config = yaml.safe_load((shared_run / "config.yaml").read_text())
