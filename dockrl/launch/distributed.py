@@ -4,9 +4,10 @@
 ``RUN/logs/``; or ``KubernetesBackend``, one JobSet per run), every group at once:
 ``dock.shards`` dock shards (``dockrl dock-shard``, two bearer tokens generated for the run and
 passed as secrets: the driver's, which only this process and the shards hold, and the stages',
-which may not call the driver's actions nor snapshot outside the run's places; ``dockrl.dock.roles``)
-and one group per stage process (``dockrl worker``, ``dockrl.stages.stage_processes``). Rollout and actor meet on the weight channel, whose
-``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
+which may not call the driver's actions nor snapshot outside the run's places; ``dockrl.dock.roles``;
+mutual TLS with certificates made for the run, ``dockrl.dock.tls``) and one group per stage process
+(``dockrl worker``, ``dockrl.stages.stage_processes``). Rollout and actor meet on the weight
+channel, whose ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
 × dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
 (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
@@ -50,9 +51,9 @@ CHECK_EVERY_S = 0.5
 """Longest the driver waits for reports between two checks of the workers, seconds."""
 
 
-def shard_locations(backend: WorkerBackend, ports: Sequence[int], scheme: str = "grpc") -> list[str]:
-    """``<scheme>://host:port`` of every dock shard (group ``dock-shard-<s>`` on ``ports[s]``), in shard order."""
-    return [f"{scheme}://{backend.address(f'dock-shard-{s}', 0, port)}" for s, port in enumerate(ports)]
+def shard_locations(backend: WorkerBackend, ports: Sequence[int], protocol: str = "grpc") -> list[str]:
+    """``<protocol>://host:port`` of every dock shard (group ``dock-shard-<s>`` on ``ports[s]``), in shard order."""
+    return [f"{protocol}://{backend.address(f'dock-shard-{s}', 0, port)}" for s, port in enumerate(ports)]
 
 
 def member_devices(cfg: Config, stage: str) -> int:

@@ -16,6 +16,7 @@ import yaml
 
 from dockrl import train_task
 from dockrl.config import load_config, load_config_text
+from dockrl.dock.tls import RunCertificates
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
@@ -24,7 +25,7 @@ from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 from dockrl.launch.tasks import prepare_dataset
-from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
+from dockrl.process_env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
@@ -57,29 +58,38 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
                                 owner=OWNER, launcher_ip=LAUNCHER_IP)
     cfg = small_config(tiny_model_dir, backend.shared_dir / "runs" / RUN)
     ports = backend.serve_ports(2)
-    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0)
+    name = jobset_name(RUN)
+    hosts = [f"{name}-dock-shard-{s}-0-0.{name}.{NS}.svc" for s in (0, 1)]
+    certs = RunCertificates.generate(hosts)  # as the launcher makes them: for the shards' pod DNS names
+    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0,
+                           driver_token="driver-token", tls=certs)
     secret, _, jobset = backend.render(groups)
     validate_jobset(jobset)
-    assert secret["stringData"] == {TOKEN_ENV: "secret-token"}
+    assert secret["stringData"] == {TOKEN_ENV: "secret-token", DRIVER_TOKEN_ENV: "driver-token", **certs.server.env("server"),
+                                    **certs.client.env("client")}
     rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
     assert list(rjobs) == ["dock-shard-0", "dock-shard-1", "rollout", "reward", "reference", "actor"]
 
     def pod(group: str) -> dict:
         return rjobs[group]["template"]["spec"]["template"]["spec"]
 
-    name = jobset_name(RUN)
-    locations = [f"grpc://{name}-dock-shard-{s}-0-0.{name}.{NS}.svc:{SHARD_PORT}" for s in (0, 1)]
-    assert shard_locations(backend, ports) == locations  # where the launcher connects, too
+    locations = [f"grpc+tls://{host}:{SHARD_PORT}" for host in hosts]
+    assert shard_locations(backend, ports, "grpc+tls") == locations  # where the launcher connects, too
     secret_ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": TOKEN_ENV}}
     for s in (0, 1):
         [c] = pod(f"dock-shard-{s}")["containers"]
         # arguments only: the image's entry point is dockrl (on the NPU image after CANN's set_env.sh)
         assert "command" not in c
-        assert c["args"][:7] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
-        assert c["args"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
+        assert c["args"][:9] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", DRIVER_TOKEN_ENV,
+                                 "--stage-token-env", TOKEN_ENV]
+        args = " ".join(c["args"])
+        assert f"--driver-timeout-s {cfg.run.driver_timeout_s}" in args  # the liveness tie (dockrl.lifeline)
+        assert f"--snapshot-place {backend.shared_dir / 'runs' / RUN}" in args and c["args"][-1] == "--tls"
         assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
         assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
-    assert "secret-token" not in json.dumps(jobset)
+        assert set(env_of(c)) >= {DRIVER_TOKEN_ENV, *certs.server.env("server")}  # by secretKeyRef
+    text = json.dumps(jobset)
+    assert not [v for v in ("secret-token", "driver-token", "PRIVATE KEY", "CERTIFICATE") if v in text]
 
     for stage in ("rollout", "reward", "reference", "actor"):
         spec = pod(stage)
@@ -92,7 +102,8 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
         # every stage starts at once: the others wait through the rollout's evaluation (and all for the shards)
         assert cmd[-2:] == ["--first-wait-s", "1234"]
         env = env_of(c)
-        assert env[TOKEN_ENV] == secret_ref
+        assert env[TOKEN_ENV] == secret_ref and DRIVER_TOKEN_ENV not in env  # the driver's token: the shards' only
+        assert set(certs.client.env("client")) <= set(env) and not set(env) & {"DOCKRL_DOCK_TLS_SERVER_KEY"}
         assert load_config_text(env[CONFIG_ENV], "env") == cfg  # the whole config, no file of the launcher
         # the shared volume, where the run folder (data, checkpoints) is, at the same path as in the launcher
         assert {"name": "shared", "mountPath": str(backend.shared_dir)} in c["volumeMounts"]
