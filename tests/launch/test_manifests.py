@@ -268,6 +268,8 @@ def test_the_workers_keys_are_a_user_limited_to_the_run_bucket_not_minios_root_k
     assert statement["Effect"] == "Allow" and statement["Resource"] == ["arn:aws:s3:::$BUCKET", "arn:aws:s3:::$BUCKET/*"]
     assert 'mc admin user add root "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"' in script
     assert 'mc admin policy attach root dockrl-run-bucket --user "$AWS_ACCESS_KEY_ID"' in script
+    assert subprocess.run(["sh", "-n"], input=script, text=True).returncode == 0  # the script parses
+    assert objects[("Job", "dockrl-minio-setup")]["spec"]["activeDeadlineSeconds"] > 0  # it waits for MinIO, not forever
     # and the code never names the root Secret: no worker or launcher can be handed the root keys
     assert not [p for p in (MANIFESTS.parent / "dockrl").rglob("*.py") if "dockrl-minio-root" in p.read_text()]
 
