@@ -10,7 +10,10 @@ Three tables (medians; the machine is shared, so the ratios are the result, not 
   floor, measured in the same run: a raw Flight server in its own process answering one
   ``do_get`` of a table of the same cells and one ``do_put`` of a batch of the same output cells
   (plus the int64 row column). The cycles are reported in units of those two raw calls; the
-  raw ``do_exchange`` that moves both in one call is shown beside them.
+  raw ``do_exchange`` that moves both in one call is shown beside them. And the same cycle (claim
+  on the put) against a second shard process serving mutual TLS with a run's certificates
+  (``dockrl.dock.tls``, as a distributed run's launcher starts its shards), alternating with the
+  plain one: the TLS / plain ratio is TLS's cost on the claim cycle.
 * **(b) claim cost as the work grows**, on one ``ShardService`` in this process (the controller
   a shard server runs, without the transport): claimers (distinct lease owners) take turns;
   each acks its previous claim of ``--claim-rows`` rows and claims the next, so every claimer
@@ -54,6 +57,7 @@ from dockrl.dock.client import DockClient
 from dockrl.dock.errors import DockError
 from dockrl.dock.schema import GRPO_SCHEMA
 from dockrl.dock.shard import ShardService
+from dockrl.dock.tls import RunCertificates
 
 GROUP = 16
 """Rows per prompt group in every table."""
@@ -107,13 +111,13 @@ class Child:
     location: str
 
 
-def start_child(args: list[str]) -> Child:
+def start_child(args: list[str], env: dict[str, str] | None = None) -> Child:
     """A server process that prints its location as its first line; stops when its stdin closes or on terminate."""
     proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     ready = select.select([proc.stdout], [], [], 60.0)[0]
     line = proc.stdout.readline().strip() if ready else ""  # type: ignore[union-attr]
-    if not line.startswith("grpc://"):
+    if not line.startswith(("grpc://", "grpc+tls://")):
         proc.kill()
         raise RuntimeError(f"server {args} did not print its location (got {line!r})")
     return Child(proc, line)
@@ -141,9 +145,12 @@ def timed(fn: Callable[[], object], n: int) -> float:
 
 def cycle_table(claim_rows: int, tokens: int, cycles: int, repeats: int) -> list[dict[str, float]]:
     """Per repeat, alternating in the same processes: ms of the raw do_get + do_put, of the raw do_exchange, of the
-    dock's cycle with the claim riding on the put (``one_ms``) and without (``two_ms``); the cycles' ratios to the raw pair."""
+    dock's cycle with the claim riding on the put (``one_ms``) and without (``two_ms``); the cycles' ratios to the raw pair;
+    the claim-on-the-put cycle against a shard over mutual TLS (``tls_ms``) and its ratio to the plain one."""
     raw = start_child([__file__, "--raw-server", "--claim-rows", str(claim_rows), "--tokens", str(tokens)])
     shard = start_child(["-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0"])
+    certs = RunCertificates.generate(["127.0.0.1"], run="bench")
+    secure = start_child(["-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0", "--tls"], env=certs.server.env("server"))
     out = []
     try:
         conn = flight.connect(raw.location)
@@ -180,15 +187,19 @@ def cycle_table(claim_rows: int, tokens: int, cycles: int, repeats: int) -> list
             return statistics.median(times[1:] or times)  # the first claim is its own call either way
 
         with DockClient([shard.location], GRPO_SCHEMA, timeout_s=30.0) as one, \
-                DockClient([shard.location], GRPO_SCHEMA, timeout_s=30.0, prefetch=False) as two:
+                DockClient([shard.location], GRPO_SCHEMA, timeout_s=30.0, prefetch=False) as two, \
+                DockClient([secure.location], GRPO_SCHEMA, timeout_s=30.0, tls=certs.client) as tls:
             for rep in range(repeats):
                 raw_s = timed(raw_cycle, cycles)
                 exchange_s = timed(raw_exchange, cycles)
                 one_s, two_s = dock_cycle_s(one, 2 * rep), dock_cycle_s(two, 2 * rep + 1)
+                tls_s = dock_cycle_s(tls, rep)
                 out.append({"raw_ms": raw_s * 1e3, "exchange_ms": exchange_s * 1e3, "one_ms": one_s * 1e3,
-                            "two_ms": two_s * 1e3, "one_ratio": one_s / raw_s, "two_ratio": two_s / raw_s})
+                            "two_ms": two_s * 1e3, "one_ratio": one_s / raw_s, "two_ratio": two_s / raw_s,
+                            "tls_ms": tls_s * 1e3, "tls_ratio": tls_s / one_s})
         conn.close()
     finally:
+        stop_child(secure)
         stop_child(shard)
         raw.proc.stdin.close()  # type: ignore[union-attr]
         stop_child(raw)
@@ -371,13 +382,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cyc = cycle_table(args.claim_rows, args.tokens, cycles, repeats)
     print(f"\n## (a) claim + put cycle, {args.claim_rows} rows x {args.tokens} tokens, one shard over Flight (loopback)\n")
-    keys = ("raw_ms", "exchange_ms", "one_ms", "two_ms", "one_ratio", "two_ratio")
+    keys = ("raw_ms", "exchange_ms", "one_ms", "two_ms", "tls_ms", "one_ratio", "two_ratio", "tls_ratio")
     print("| repeat | raw do_get + do_put ms | raw do_exchange ms | dock, claim on the put ms | dock, two round trips ms "
-          "| claim on the put / raw pair | two round trips / raw pair |")
-    print("|---|---|---|---|---|---|---|")
+          "| dock over mutual TLS, claim on the put ms | claim on the put / raw pair | two round trips / raw pair | TLS / plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k, c in enumerate([*cyc, {key: statistics.median(c[key] for c in cyc) for key in keys}]):
-        print(f"| {k if k < len(cyc) else 'median'} | " + " | ".join(f"{c[key]:.3f}" for key in keys[:4])
-              + f" | {c['one_ratio']:.2f}x | {c['two_ratio']:.2f}x |")
+        print(f"| {k if k < len(cyc) else 'median'} | " + " | ".join(f"{c[key]:.3f}" for key in keys[:5])
+              + f" | {c['one_ratio']:.2f}x | {c['two_ratio']:.2f}x | {c['tls_ratio']:.2f}x |")
 
     print(f"\n## (b) claim + ack cost, {args.claim_rows // 8} rows per claim, one shard in process\n")
     print("| sweep | rows per iteration | claimers | blocked claims | us per claim |")

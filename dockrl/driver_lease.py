@@ -19,15 +19,17 @@ from typing import Callable, Sequence
 import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockTimeoutError
+from dockrl.dock.tls import DockTLS, connect
 
 
 def _flight_options(token: str | None, timeout: float):
     return flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())] if token else [], timeout=timeout)
 
 
-def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: float, *, check: Callable[[], None] | None = None) -> None:
+def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: float, *, check: Callable[[], None] | None = None,
+                    tls: DockTLS | None = None) -> None:
     """Block until every dock shard answers; ``check()`` (a worker backend's: raises when a
-    process died) runs between tries.
+    process died) runs between tries; ``tls``: the run's mutual TLS, client end (None: plain).
 
     A readiness probe (as a kubelet's): a shard listens only once its process has imported
     pyarrow, and gRPC offers no readiness event through pyarrow, so it asks every 0.1 s on a
@@ -42,7 +44,7 @@ def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: floa
         while True:
             if check is not None:
                 check()
-            client = flight.connect(location)
+            client = connect(location, tls)
             try:
                 list(client.list_actions(options))
                 break
@@ -55,11 +57,11 @@ def wait_for_shards(locations: Sequence[str], token: str | None, timeout_s: floa
                 client.close()
 
 
-def shard_lease_quiet(location: str, token: str | None, rpc_timeout_s: float = 5.0) -> Callable[[], float]:
+def shard_lease_quiet(location: str, token: str | None, rpc_timeout_s: float = 5.0, tls: DockTLS | None = None) -> Callable[[], float]:
     """``lease_quiet`` for ``watch_driver``: asks the shard at ``location`` (``driver_quiet``)
     how many seconds ago the driver last renewed its lease. The returned function raises a
     Flight error when the shard does not answer."""
-    client = flight.connect(location)
+    client = connect(location, tls)
     options = _flight_options(token, rpc_timeout_s)
 
     def quiet() -> float:
@@ -79,11 +81,12 @@ class DriverLease:
         locations: ``grpc://host:port`` of every shard.
         token: the shards' bearer token (None without auth).
         timeout_s: ``run.driver_timeout_s``.
+        tls: the run's mutual TLS, client end (None: plain connections).
     """
 
-    def __init__(self, locations: Sequence[str], token: str | None, timeout_s: float) -> None:
+    def __init__(self, locations: Sequence[str], token: str | None, timeout_s: float, tls: DockTLS | None = None) -> None:
         self.period = min(timeout_s / 4, 5.0)
-        self._clients = [flight.connect(loc) for loc in locations]
+        self._clients = [connect(loc, tls) for loc in locations]
         self._options = _flight_options(token, min(self.period, 2.0))
         self._stop = threading.Event()
         self.beats = 0

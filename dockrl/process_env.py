@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 
 TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
-"""Environment variable with the dock shards' bearer token."""
+"""Environment variable with the dock shards' bearer token of the stages (``dockrl.dock.roles``)."""
+DRIVER_TOKEN_ENV = "DOCKRL_DOCK_DRIVER_TOKEN"
+"""Environment variable with the driver's bearer token, set for the dock shards only (the driver holds it in memory)."""
 CONFIG_ENV = "DOCKRL_CONFIG_YAML"
 """Environment variable with the run's fully resolved config (YAML) for ``dockrl worker --config-env``."""
 REPLICA_ENV = "DOCKRL_REPLICA"

@@ -132,6 +132,18 @@ def dock_snapshot_uri(cfg: Config, checkpoint: Path, run: str) -> str:
     key = "/".join(p for p in (k.prefix.strip("/"), run, "checkpoints", checkpoint.name, DOCK_DIR) if p)
     return f"s3://{k.bucket}/{key}?{pyarrow_s3_query(k)}"
 
+def dock_snapshot_places(cfg: Config, run: str, restore: str = "") -> tuple[str, ...]:
+    """Where the dock shards of run ``run`` may write and read snapshots (``dockrl.dock.roles``):
+    the run folder, with ``dock.warehouse=s3`` the run's objects in the store (the prefix of every
+    ``dock_snapshot_uri``), and ``restore``, the snapshot a resumed run starts from."""
+    k = cfg.dock
+    places = [str(Path(cfg.run.output_dir).resolve())]
+    if k.warehouse == "s3" and k.mode == "distributed":
+        key = "/".join(p for p in (k.prefix.strip("/"), run) if p)
+        places.append(f"s3://{k.bucket}/{key}?{pyarrow_s3_query(k)}")
+    return (*places, restore) if restore else tuple(places)
+
+
 def actor_layout(cfg: Config) -> str:
     """What the actor's optimizer files depend on: its engine and, for megatron, its TP/PP/DP shards."""
     p = cfg.parallel

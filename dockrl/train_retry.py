@@ -3,7 +3,7 @@
 * ``prepare_retry``: the run folder on the shared volume, keyed by the pipeline run's id: the
   complete checkpoint to continue from, or the folder set aside and a fresh start.
 * ``clear_failed_attempt``: with the ``kubernetes`` worker backend, the failed attempt's JobSet
-  (Secret, pods) torn down and gone before the new attempt creates its own under the same names.
+  (its pods) torn down and gone before the new attempt creates its own under the same names.
 """
 
 from __future__ import annotations

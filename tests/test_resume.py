@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from dockrl import driver
 from dockrl.config import ConfigError, load_config
+from dockrl.dock import GRPO_SCHEMA
+from dockrl.dock.roles import AccessDenied, ShardAccess
 from dockrl.engines.micro_batching import adamw
 from dockrl.metrics import MetricsWriter
 from dockrl.optimizer_state import load_optimizer, optimizer_file, save_optimizer
@@ -20,6 +22,7 @@ from dockrl.resume import (
     STATE_FILE,
     checkpoint_dir,
     checkpoint_due,
+    dock_snapshot_places,
     dock_snapshot_uri,
     final_dir,
     latest_checkpoint,
@@ -236,6 +239,15 @@ def test_dock_snapshots_go_to_the_run_folder_or_the_runs_s3_store(tmp_path):
     assert dock_snapshot_uri(custom, ckpt, "r1").startswith("/")  # pyarrow reads AWS_* only: kept local
     inprocess = config(tmp_path, "dock.warehouse=s3", "dock.endpoint=minio:9000")
     assert dock_snapshot_uri(inprocess, ckpt, "r1").startswith("/")  # its dock lives in memory, no store
+    # the shards take snapshots there and nowhere else (dockrl.dock.roles): every uri lies under the run's places
+    for cfg in (config(tmp_path), s3, custom):
+        assert cfg.run.output_dir == str(tmp_path / "run")
+        access = ShardAccess("d", "s", GRPO_SCHEMA, snapshot_places=dock_snapshot_places(cfg, "r1"))
+        access.check_place(dock_snapshot_uri(cfg, ckpt, "r1"))
+        with pytest.raises(AccessDenied):
+            access.check_place(dock_snapshot_uri(cfg, checkpoint_dir(tmp_path / "other", 4), "r2"))
+    resumed = dock_snapshot_places(s3, "r2", restore=dock_snapshot_uri(s3, ckpt, "r1"))  # a resume reads the old run's
+    ShardAccess("d", "s", GRPO_SCHEMA, snapshot_places=resumed).check_place(dock_snapshot_uri(s3, ckpt, "r1"))
 
 
 def test_a_resumed_writer_keeps_the_iterations_before_the_checkpoint(tmp_path):

@@ -76,6 +76,7 @@ class DockClient(_Claims, _Snapshots):
         max_inflight: iterations this client may have open at once (``open_iteration``; ``dock.max_inflight``).
         prefetch: a put that acks a claim carries the consumer's next claim of the same shape (see
             "Claims ride on puts" in ``dockrl.dock.client_puts``; memory payload only); False: every claim is its own round trip.
+        tls: the run's mutual TLS, client end (``dockrl.dock.tls``), for ``grpc+tls://`` shards; None: plain connections.
 
     Thread-safe; every method may raise ``DockError`` as the shards' ``ShardController`` does,
     and Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token)

@@ -39,6 +39,7 @@ from dockrl.dock.heartbeat import LeaseHeartbeat
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_layout import ShardLayout
 from dockrl.dock.shard_transport import ShardTransport
+from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse import Warehouse
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class _ClientCore:
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
         first_shard: int | None = None, local_shard: int | None = None, max_inflight: int = 1, prefetch: bool = True,
+        tls: DockTLS | None = None,
     ) -> None:
         if not shards:
             raise ValueError("DockClient: shards is empty; expected at least one grpc://host:port or shard transport")
@@ -82,7 +84,8 @@ class _ClientCore:
         if local_shard is not None and not (isinstance(local_shard, int) and 0 <= local_shard < len(shards)):
             raise ValueError(f"DockClient: local_shard={local_shard!r}; expected a shard index in [0, {len(shards)}) or None")
         self.local_shard = local_shard
-        self.transports: list[ShardTransport] = [FlightTransport(t, token=token) if isinstance(t, str) else t for t in shards]
+        self.transports: list[ShardTransport] = [FlightTransport(t, token=token, tls=tls) if isinstance(t, str) else t
+                                                  for t in shards]
         self.locations, self.schema = [t.location for t in self.transports], schema
         self.timeout_s, self.rpc_timeout_s, self.lease_s = timeout_s, rpc_timeout_s, lease_s
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

@@ -52,6 +52,7 @@ import time
 from dockrl.dock.flight_server import DockShardServer
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_requests import Payload
+from dockrl.dock.tls import CA_ENV, DockTLS
 from dockrl.lifeline import driver_pid_from_env, watch_driver
 from dockrl.process_env import REPLICAS_ENV, replica
 
@@ -120,7 +121,15 @@ def serve_shard(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     parser.add_argument("--port", default="0", help="port; 0 picks a free one (printed on stdout); or one port per "
                         "shard of the group, comma-separated: this member's is the one at its index (DOCKRL_REPLICA)")
-    parser.add_argument("--token-env", default=None, help="environment variable holding the shared bearer token")
+    parser.add_argument("--token-env", default=None, help="environment variable holding the driver's bearer token (every right)")
+    parser.add_argument("--stage-token-env", default=None,
+                        help="environment variable holding the stages' bearer token (no driver action; dockrl.dock.roles)")
+    parser.add_argument("--stages-sample", action="store_true",
+                        help="dynamic sampling runs: the stages' token may drop rows and write the round gate")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS with the run's certificates from the environment (dockrl.dock.tls: CA, server cert and key)")
+    parser.add_argument("--snapshot-place", action="append", default=[], metavar="PATH_OR_S3_URI",
+                        help="a folder or s3:// prefix snapshots may go to (repeatable; none: anywhere)")
     parser.add_argument("--schema", default="dockrl.dock.schema:GRPO_SCHEMA", help="module:attribute of the Schema")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="default claim timeout, seconds")
     parser.add_argument("--payload", choices=("memory", "store"), default="memory",
@@ -137,14 +146,25 @@ def serve_shard(argv: list[str] | None = None) -> int:
         token = os.environ.get(args.token_env)
         if not token:
             parser.error(f"--token-env {args.token_env}: the environment variable is unset or empty; export the shard token")
+    stage_token = None
+    if args.stage_token_env:
+        stage_token = os.environ.get(args.stage_token_env)
+        if not stage_token or token is None:
+            parser.error(f"--stage-token-env {args.stage_token_env}: unset or empty, or no --token-env for the driver's token")
+    try:
+        tls = DockTLS.from_env(os.environ, "server") if args.tls else None
+    except ValueError as e:
+        parser.error(f"--tls: {e}")
+    if args.tls and tls is None:
+        parser.error(f"--tls: {CA_ENV} is unset or empty; the launcher sets the run's certificates")
     if token is None and not is_loopback(args.host):
         parser.error(f"--host {args.host}: a shard reachable from other machines must require a bearer token; "
                      "pass --token-env DOCKRL_DOCK_TOKEN (with the token in that variable), or bind --host 127.0.0.1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = DockShardServer(
         _load_schema(args.schema), f"grpc://{args.host}:{port}", token=token, timeout_s=args.timeout_s,
-        payload=args.payload,
-        lease_s=args.lease_s,
+        payload=args.payload, lease_s=args.lease_s, stage_token=stage_token, stages_sample=args.stages_sample,
+        snapshot_places=args.snapshot_place, tls=tls,
     )
     # gRPC threads serve already; the main thread only waits for a signal. Not server.serve():
     # on a signal it shuts gRPC down first, which waits for claims blocked in the shard (up to

@@ -1,17 +1,17 @@
 """The shard's side of the dock over Arrow Flight: ``DockShardServer`` serves one
 ``dockrl.dock.shard.ShardService`` behind gRPC (``dockrl.dock.flight`` maps its requests onto
 Flight; ``dockrl.dock.flight_wire`` holds the messages), with bearer-token auth
-(``BearerTokenMiddlewareFactory``).
+(``BearerTokenMiddlewareFactory``): the token a call presents is the driver's or the stages'
+(``dockrl.dock.roles``), and a call its role may not make is refused (``FlightUnauthorizedError``).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import struct
 import threading
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -28,29 +28,40 @@ from dockrl.dock.flight_wire import (
     encode_claim_failed,
     encode_claim_result,
 )
+from dockrl.dock.roles import AccessDenied, Role, ShardAccess
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard import ShardService
 from dockrl.dock.shard_controller import ShardController
 from dockrl.dock.shard_requests import Payload
+from dockrl.dock.tls import DockTLS, scheme
 
 logger = logging.getLogger(__name__)
 
 
+class RoleMiddleware(flight.ServerMiddleware):
+    """The role of one call's token (read by the handlers)."""
+
+    def __init__(self, role: Role) -> None:
+        self.role = role
+
+
 class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
-    """Rejects every call whose ``authorization`` header is not ``Bearer <token>``."""
+    """Rejects every call whose ``authorization`` header is not ``Bearer <token>`` of one of
+    ``access``'s tokens; gives the others their role."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, access: ShardAccess) -> None:
+        self.access = access
 
-    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> RoleMiddleware:
         values = headers.get("authorization", [])
-        if len(values) != 1 or not hmac.compare_digest(str(values[0]).encode(), self._expected):
+        role = self.access.role(str(values[0])) if len(values) == 1 else None
+        if role is None:
             raise flight.FlightUnauthenticatedError(
                 "dock shard: missing or wrong 'authorization: Bearer <token>' header; pass the token the shard was "
                 "started with: DOCKRL_DOCK_TOKEN in the environment of `dockrl worker` (the launcher sets it), "
                 "or DockClient(token=...) in code"
             )
-        return None
+        return RoleMiddleware(role)
 
 
 class DockShardServer(flight.FlightServerBase):
@@ -59,8 +70,14 @@ class DockShardServer(flight.FlightServerBase):
     Args:
         schema: the column schema shared by every shard and client.
         location: where to listen; port 0 picks a free port (see ``location``).
-        token: shared secret every call must present as ``authorization: Bearer <token>``;
-            None accepts every call (single-machine runs).
+        token: the driver's secret, every right (``authorization: Bearer <token>``); None
+            accepts every call (single-machine runs).
+        stage_token: the stages' secret (``dockrl.dock.roles``: no driver action, no driver
+            column); None: the driver's token is the only one.
+        stages_sample: dynamic sampling runs: the stages may ``drop`` and write its gate.
+        snapshot_places: folders or ``s3://`` prefixes snapshots may go to and come from; empty: anywhere.
+        tls: the run's mutual TLS, server end (``dockrl.dock.tls``): the shard serves ``grpc+tls://``
+            and takes connections only from clients with a certificate of the run's authority.
         timeout_s: default claim timeout of the shard, seconds.
         payload: ``memory`` (cells in this process, Flight ``do_put``/``do_get``) or ``store``
             (cells in a warehouse that clients read and write; this shard keeps object keys).
@@ -72,14 +89,21 @@ class DockShardServer(flight.FlightServerBase):
 
     def __init__(
         self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0,
-        payload: Payload = "memory", lease_s: float = 300.0,
+        payload: Payload = "memory", lease_s: float = 300.0, stage_token: str | None = None, stages_sample: bool = False,
+        snapshot_places: Sequence[str] = (), tls: DockTLS | None = None,
     ) -> None:
         if payload not in ("memory", "store"):
             raise ValueError(f"DockShardServer payload: got {payload!r}; expected 'memory' or 'store'")
-        middleware = {"auth": BearerTokenMiddlewareFactory(token)} if token else {}
-        super().__init__(location, middleware=middleware)
-        host = location.split("://", 1)[-1].rsplit(":", 1)[0]
-        self._location = f"grpc://{host}:{self.port}"
+        if stage_token and not token:
+            raise ValueError("DockShardServer: a stage_token needs the driver's token too")
+        self.access = ShardAccess(token or "", stage_token, schema, stages_sample=stages_sample,
+                                  snapshot_places=tuple(snapshot_places))
+        middleware = {"auth": BearerTokenMiddlewareFactory(self.access)} if token else {}
+        address = location.split("://", 1)[-1]
+        mutual = {"tls_certificates": [flight.CertKeyPair(cert=tls.cert, key=tls.key)], "verify_client": True,
+                  "root_certificates": tls.ca} if tls else {}
+        super().__init__(f"{scheme(tls)}://{address}", middleware=middleware, **mutual)
+        self._location = f"{scheme(tls)}://{address.rsplit(':', 1)[0]}:{self.port}"
         self.service = ShardService(schema, name=self._location, timeout_s=timeout_s, payload=payload, lease_s=lease_s)
         self._lock = threading.Lock()
         self._closed = False
@@ -93,7 +117,7 @@ class DockShardServer(flight.FlightServerBase):
 
     @property
     def location(self) -> str:
-        """``grpc://host:port`` a client connects to (the real port when started with port 0)."""
+        """``grpc://host:port`` (``grpc+tls://`` with TLS) a client connects to (the real port when started with port 0)."""
         return self._location
 
     @property
@@ -132,11 +156,18 @@ class DockShardServer(flight.FlightServerBase):
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [(name, "see dockrl.dock.shard") for name in self.service.actions]
 
+    def _role(self, context: flight.ServerCallContext) -> Role:
+        """The role of the call's token; the driver's when the shard takes calls without one."""
+        middleware = context.get_middleware("auth")
+        return middleware.role if isinstance(middleware, RoleMiddleware) else "driver"
+
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
         body = action.body.to_pybytes()
+        role = self._role(context)
 
         def run() -> Any:
             req = json.loads(body or b"{}")
+            self.access.check_action(role, action.type, req)
             if action.type == "claim":
                 return self.service.claim(req, context.is_cancelled)
             return self.service.action(action.type, req)
@@ -153,8 +184,10 @@ class DockShardServer(flight.FlightServerBase):
         writer: flight.FlightMetadataWriter,
     ) -> None:
         command = descriptor.command
+        role = self._role(context)
 
         def put() -> None:
+            self.access.check_columns(role, reader.schema.names)
             iteration, ack = decode_put(command)
             self.service.write(iteration, reader.read_all(), ack, from_ipc=True)
             self._count(len(command))  # the descriptor is metadata: it counts as controller bytes
@@ -186,8 +219,10 @@ class DockShardServer(flight.FlightServerBase):
     ) -> None:
         """A put that carries the next claim (``encode_exchange``): the put's batch in, the claim's cells out."""
         command = descriptor.command
+        role = self._role(context)
 
         def exchange() -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
+            self.access.check_columns(role, reader.schema.names)
             put, ticket = decode_exchange(command)
             iteration, ack = decode_put(put)
             req = decode_claim(ticket, self._fixed_parts)
@@ -221,6 +256,8 @@ def _guard(what: str, fn: Callable[[], Any]) -> Any:
     """Run a request; dock errors become their Flight form, malformed requests a DockError."""
     try:
         return fn()
+    except AccessDenied as e:
+        raise flight.FlightUnauthorizedError(str(e)) from None
     except DockError as e:
         _fail(e)
     except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError, struct.error) as e:

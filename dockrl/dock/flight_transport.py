@@ -27,6 +27,7 @@ from dockrl.dock.flight_wire import (
     raise_dock_error,
 )
 from dockrl.dock.shard_requests import WIRE_VERSION, ClaimRequest, ack_of
+from dockrl.dock.tls import DockTLS, connect
 
 T = TypeVar("T")
 _UNASKED = object()
@@ -43,6 +44,7 @@ class FlightTransport:
     Args:
         location: ``grpc://host:port`` of the shard.
         token: the shard's bearer token; None when it runs without auth.
+        tls: the run's mutual TLS, client end (``dockrl.dock.tls``), for a ``grpc+tls://`` shard; None: plain.
 
     Flight errors (unreachable shard, ``FlightUnauthenticatedError`` for a wrong token) are
     annotated with the shard and the call; dock errors come back as their own type.
@@ -56,10 +58,10 @@ class FlightTransport:
 
     mode: Literal["inprocess", "distributed"] = "distributed"
 
-    def __init__(self, location: str, *, token: str | None = None) -> None:
+    def __init__(self, location: str, *, token: str | None = None, tls: DockTLS | None = None) -> None:
         self.location = location
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self._client = flight.connect(location)
+        self._client = connect(location, tls)
         self._lock = threading.Lock()
         self._call_options: dict[float | None, flight.FlightCallOptions] = {}
         self._fixed_parts: dict[tuple[str, str, tuple[str, ...]], bytes] = {}  # claim_fixed_part by consumer, owner, columns

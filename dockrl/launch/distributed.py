@@ -2,10 +2,12 @@
 
 ``start_processes`` starts, through a worker backend (``LocalBackend`` by default, logs in
 ``RUN/logs/``; or ``KubernetesBackend``, one JobSet per run), every group at once:
-``dock.shards`` dock shards (``dockrl dock-shard``, a bearer token generated for the run and
-passed as a secret) and one group per stage process (``dockrl worker``,
-``dockrl.stages.stage_processes``). Rollout and actor meet on the weight channel, whose
-``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
+``dock.shards`` dock shards (``dockrl dock-shard``, two bearer tokens generated for the run and
+passed as secrets: the driver's, which only this process and the shards hold, and the stages',
+which may not call the driver's actions nor snapshot outside the run's places; ``dockrl.dock.roles``;
+mutual TLS with certificates made for the run, ``dockrl.dock.tls``) and one group per stage process
+(``dockrl worker``, ``dockrl.stages.stage_processes``). Rollout and actor meet on the weight
+channel, whose ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
 × dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
 (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
@@ -20,23 +22,24 @@ import logging
 import math
 import secrets
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import pyarrow.flight as flight
-import torch.distributed as dist
 
 from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import is_loopback
+from dockrl.dock.tls import RunCertificates, scheme
 from dockrl.dock.warehouse_stores import make_warehouse
 from dockrl.driver_lease import DriverLease, wait_for_shards
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
-from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
+from dockrl.parallel.ranks import serve_store
+from dockrl.process_env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.resume import dock_snapshot_places
 from dockrl.run_setup import RunPlan
 from dockrl.stage_loop import Report, final_report
 from dockrl.stages import checkpoint_reports, iteration_reports, stage_processes
@@ -53,9 +56,9 @@ SHARDS_GROUP = "dock-shard"
 of ``dock.shards`` indexed pods, so a run's PodSets do not grow with its shards)."""
 
 
-def shard_locations(backend: WorkerBackend, ports: Sequence[int]) -> list[str]:
-    """``grpc://host:port`` of every dock shard (member ``s`` of group ``dock-shard`` on ``ports[s]``), in shard order."""
-    return [f"grpc://{backend.address(SHARDS_GROUP, s, port)}" for s, port in enumerate(ports)]
+def shard_locations(backend: WorkerBackend, ports: Sequence[int], protocol: str = "grpc") -> list[str]:
+    """``<protocol>://host:port`` of every dock shard (member ``s`` of group ``dock-shard`` on ``ports[s]``), in shard order."""
+    return [f"{protocol}://{backend.address(SHARDS_GROUP, s, port)}" for s, port in enumerate(ports)]
 
 
 def member_devices(cfg: Config, stage: str) -> int:
@@ -98,7 +101,7 @@ def eval_batches(cfg: Config, test_prompts: int) -> int:
 
 def worker_groups(
     cfg: Config, backend: WorkerBackend, ports: Sequence[int], weight_address: str, token: str, run: str = "run",
-    first_wait: float | None = None,
+    first_wait: float | None = None, *, driver_token: str = "", restore: str = "", tls: RunCertificates | None = None,
 ) -> list[WorkerGroup]:
     """The dock shards' group (one member per shard, member ``s`` serving on ``ports[s]``) and the stage groups of a run.
 
@@ -108,12 +111,18 @@ def worker_groups(
         weight_address: ``host:port`` of the launcher's ``TCPStore`` as the members reach it: the
             weight channel's rendezvous, or with ``trainer.hybrid`` that of the hybrid actor's
             ranks (one member each, ``parallel.tp × pp × dp``).
-        token: the shards' bearer token; travels as a secret (``WorkerGroup.secret_env``,
+        token: the stages' bearer token; travels as a secret (``WorkerGroup.secret_env``,
             ``TOKEN_ENV``) only.
+        driver_token: the driver's bearer token, a secret of the shards only (``DRIVER_TOKEN_ENV``);
+            '' leaves ``token`` the only one, with every right.
         run: the run's name (lease owners, the warehouse objects' root).
         first_wait: longest wait of the stages for the shards to answer and for the first
             iteration (``first_wait_s``; the rollout evaluates first and uses it for the shards
             only); None for ``dock.timeout_s``.
+        restore: the snapshot the run resumes from: the shards may read it (beside the run's own
+            places, ``dock_snapshot_places``).
+        tls: the run's certificates: the shards serve mutual TLS (``grpc+tls://``), each end's
+            part a secret of its members; None: plain gRPC.
 
     The config travels as YAML in ``CONFIG_ENV``. With ``dock.warehouse`` other than
     ``memory`` the shards keep metadata only (``--payload store``) and every stage reads and
@@ -123,15 +132,25 @@ def worker_groups(
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
     s3 = cfg.dock.warehouse == "s3"  # only then do the members need the object store's credentials
     shard_s3 = s3 or bool(cfg.run.rollouts_uri)  # and the shards, which write the kept rollouts there
+    tokens = ["--token-env", DRIVER_TOKEN_ENV, "--stage-token-env", TOKEN_ENV] if driver_token else ["--token-env", TOKEN_ENV]
+    access = ["--stages-sample"] if cfg.algorithm.filter_groups.enable else []  # its advantage stage drops rows
+    for place in dock_snapshot_places(cfg, run, restore):
+        access += ["--snapshot-place", place]
+    shard_secrets = {TOKEN_ENV: token, **({DRIVER_TOKEN_ENV: driver_token} if driver_token else {})}
+    stage_secrets = {TOKEN_ENV: token}
+    if tls:
+        access.append("--tls")
+        shard_secrets |= tls.server.env("server")
+        stage_secrets |= tls.client.env("client")
     # one command for every shard: a member takes its port by its index (DOCKRL_REPLICA, on Kubernetes
     # the pod's completion index); in pods every shard serves on the same port
     port_arg = str(ports[0]) if len(set(ports)) == 1 else ",".join(map(str, ports))
-    shards = WorkerGroup(name=SHARDS_GROUP, replicas=len(ports), secret_env={TOKEN_ENV: token}, port=ports[0], object_store=shard_s3, command=(
+    shards = WorkerGroup(name=SHARDS_GROUP, replicas=len(ports), secret_env=shard_secrets, port=ports[0], object_store=shard_s3, command=(
         *program, "dock-shard", "--host", backend.bind_host, "--port", port_arg,
-        "--token-env", TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
-        "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s),
+        *tokens, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
+        "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s), *access,
     ))
-    dock = ",".join(shard_locations(backend, ports))
+    dock = ",".join(shard_locations(backend, ports, scheme(tls.server if tls else None)))
     stages = stage_processes(cfg)
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
     replicas = {stage: stage_members(cfg.parallel, stage)[0] for stage in stages}
@@ -139,7 +158,7 @@ def worker_groups(
     local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
     return [shards] + [
         # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
-        WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env={TOKEN_ENV: token}, devices=member_devices(cfg, stage),
+        WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env=stage_secrets, devices=member_devices(cfg, stage),
                     replicas=replicas[stage], colocate=stage_members(cfg.parallel, stage)[1], object_store=s3, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
@@ -206,15 +225,17 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=run_dir / "logs", run_dir=run_dir,
                                       fork_server=cfg.run.fork_server)
     warehouse = make_warehouse(cfg.dock, backend.run_id)  # checked here once, before any worker starts
-    token = secrets.token_urlsafe(24)
+    token, driver_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)  # the stages', the driver's
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
-    # the store's server listens on every interface; members connect to launcher_host
-    weight_store = dist.TCPStore(backend.bind_host, 0, is_master=True, wait_for_workers=False,
-                                 timeout=timedelta(seconds=cfg.dock.timeout_s))
+    # on the backend's bind host only (loopback for a local run); members connect to launcher_host
+    weight_store = serve_store(backend.bind_host, timeout_s=cfg.dock.timeout_s)
     ports = backend.serve_ports(cfg.dock.shards)
-    locations = shard_locations(backend, ports)
+    hosts = [backend.address(SHARDS_GROUP, s, port).rsplit(":", 1)[0] for s, port in enumerate(ports)]
+    tls = RunCertificates.generate(hosts, run=backend.run_id)  # the run's own: no other run can talk to its shards
+    locations = shard_locations(backend, ports, scheme(tls.server))
     groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, backend.run_id,
-                           first_wait=first_wait_s(cfg, len(plan.test_prompts)) + backend.start_spread_s)
+                           first_wait=first_wait_s(cfg, len(plan.test_prompts)) + backend.start_spread_s,
+                           driver_token=driver_token, restore=plan.resume.dock_uri if plan.resume else "", tls=tls)
     lease: DriverLease | None = None
     dock: DockClient | None = None
     alive = [weight_store]  # until stop(): the members' rendezvous
@@ -229,11 +250,11 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
 
     try:
         backend.start(groups)
-        lease = DriverLease(locations, token, cfg.run.driver_timeout_s)  # from now on: shards still starting count too
+        lease = DriverLease(locations, driver_token, cfg.run.driver_timeout_s, tls=tls.client)  # from now on: shards still starting count too
         backend.wait_ready(backend.start_timeout_s)
-        wait_for_shards(locations, token, backend.start_timeout_s, check=backend.check)
+        wait_for_shards(locations, driver_token, backend.start_timeout_s, check=backend.check, tls=tls.client)
         # a shard that stops answering fails the run within dock.timeout_s (at most a minute), not later
-        dock = DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
+        dock = DockClient(locations, GRPO_SCHEMA, token=driver_token, tls=tls.client, timeout_s=cfg.dock.timeout_s, warehouse=warehouse,
                           lease_s=cfg.dock.lease_s, owner=f"{backend.run_id}/driver", rpc_timeout_s=min(60.0, cfg.dock.timeout_s),
                           max_inflight=cfg.dock.max_inflight)
     except BaseException:

@@ -3,8 +3,16 @@
 ``render_jobset`` turns the worker groups of a run into the API objects the Kubernetes worker
 backend (``kubernetes.py``) creates, as dicts:
 
-* one **Secret** ``<jobset>-secrets`` with the values of the groups' ``secret_env`` (the dock's
-  bearer token); containers read them through ``secretKeyRef``, never as a plain value;
+* one **Secret** ``<jobset>-secrets-<launcher pod's uid>`` with the values of the groups'
+  ``secret_env`` (the dock's bearer token); containers read them through ``secretKeyRef``, never
+  as a plain value. It is owned by the launcher pod from its creation and goes with it (garbage
+  collection): the launcher may create Secrets, never read, change or delete one
+  (``manifests/base/rbac.yaml``), so a retried launcher (a pod of its own) creates a Secret of its own;
+* one **NetworkPolicy** named as the JobSet: the run's worker pods (the JobSet name label
+  ``jobset.sigs.k8s.io/jobset-name``, which the JobSet controller puts on the pods it creates)
+  take connections only from each other and from the pods of the run's pipeline (KFP's label
+  ``pipeline/runid``, the launcher among them); created before the JobSet, so no worker pod is
+  ever open to the namespace;
 * one **JobSet** ``dockrl-<8 hex of the run id's hash>`` holding a replicated job per group
   (dock shards, rollout, reward, reference, actor or hybrid), each one Indexed Job of
   ``replicas`` pods, all created at once (no stage holds its accelerators while another is
@@ -46,6 +54,11 @@ from dockrl.launch.pod_spec import pod_shape, pod_spec
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL = "scheduling.volcano.sh", "v1beta1", "podgroups"
+POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL = "networking.k8s.io", "v1", "networkpolicies"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+"""Set by the JobSet controller on every pod of a JobSet: the run's NetworkPolicy selects by it."""
+KFP_RUN_LABEL = "pipeline/runid"
+"""Set by KFP's API server on every pod of a pipeline run (the launcher's): its value is the run id."""
 RUN_LABEL = "dockrl.io/run"
 GROUP_LABEL = "dockrl.io/group"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -73,9 +86,10 @@ def jobset_name(run_id: str) -> str:
     return f"dockrl-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
 
 
-def secret_name(run_id: str) -> str:
-    """The run's Secret (the values of the groups' ``secret_env``)."""
-    return f"{jobset_name(run_id)}-secrets"
+def secret_name(run_id: str, owner_uid: str = "") -> str:
+    """The Secret of run ``run_id`` (the values of the groups' ``secret_env``) created by the
+    launcher pod of uid ``owner_uid`` ('': a launcher outside a pod)."""
+    return f"{jobset_name(run_id)}-secrets" + (f"-{owner_uid[:8]}" if owner_uid else "")
 
 
 def member_host(run_id: str, group: str, replica: int, namespace: str) -> str:
@@ -108,8 +122,8 @@ def _secret_keys(groups: Sequence[WorkerGroup]) -> dict[str, str]:
 
 def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str, platform: Platform,
                   owner: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The API objects of a run's workers, in creation order: the Secret, the PodGroup (with
-    ``scheduler=volcano``), the JobSet.
+    """The API objects of a run's workers, in creation order: the Secret, the NetworkPolicy, the
+    PodGroup (with ``scheduler=volcano``), the JobSet.
 
     Args:
         groups: the run's worker groups (distinct names).
@@ -132,9 +146,17 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
     meta: dict[str, Any] = {"namespace": namespace, "labels": run_labels(run_id)}
     if owner is not None:
         meta["ownerReferences"] = [owner]
+    secret = secret_name(run_id, owner["uid"] if owner else "")
     objects: list[dict[str, Any]] = [{
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-        "metadata": {"name": secret_name(run_id), **meta}, "stringData": _secret_keys(groups),
+        "metadata": {"name": secret, **meta}, "stringData": _secret_keys(groups),
+    }, {
+        "apiVersion": f"{POLICY_GROUP}/{POLICY_VERSION}", "kind": "NetworkPolicy", "metadata": {"name": name, **meta},
+        "spec": {  # a podSelector without namespaceSelector: pods of this namespace only
+            "podSelector": {"matchLabels": {JOBSET_NAME_LABEL: name}}, "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {JOBSET_NAME_LABEL: name}}},
+                                  {"podSelector": {"matchLabels": {KFP_RUN_LABEL: run_id}}}]}],
+        },
     }]
     pod_annotations = {ISTIO_INJECT: "false"}
     if platform.scheduler == "volcano":
@@ -160,7 +182,7 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
                 "backoffLimit": 0,  # a pod that fails fails its Job, and so the JobSet
                 "activeDeadlineSeconds": platform.worker_deadline_s,
                 "template": {"metadata": {"labels": pod_labels, "annotations": annotations},
-                             "spec": pod_spec(run_id, g, platform, secret=secret_name(run_id),
+                             "spec": pod_spec(run_id, g, platform, secret=secret,
                                               master_addr=member_host(run_id, g.name, 0, namespace))},
             },
         }})

@@ -3,9 +3,10 @@
 The launcher (the pipeline's train pod) renders the run's objects (``jobset.py``: a Secret,
 the JobSet, a Volcano PodGroup if asked for) and creates them through the ``kubernetes``
 client, all groups at once (``kubernetes_objects.py``: create, list, delete). Every object carries the run's labels (``dockrl.io/run``,
-``dockrl.io/group``); the Secret and the PodGroup are owned by the JobSet, the JobSet by the
+``dockrl.io/group``); the PodGroup is owned by the JobSet, the JobSet and the Secret by the
 launcher pod. ``teardown`` (the driver's ``finally`` and the pipeline's exit handler) deletes
-them by label; the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
+the JobSet and the PodGroup by label, the Secret goes with the launcher pod (the launcher may
+create Secrets but not delete one); the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
 the dock (``dockrl.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
 the shards and the stages exit) bound what a lost launcher leaves behind.
 
@@ -53,7 +54,6 @@ from dockrl.launch.jobset import (
     jobset_name,
     member_host,
     render_jobset,
-    secret_name,
 )
 from dockrl.launch.kubernetes_objects import create_object, delete_run_objects, run_objects
 from dockrl.launch.kubernetes_watch import RunWatch, get_field, running_members
@@ -219,12 +219,12 @@ class KubernetesBackend:
         # what only the run uses goes with its JobSet (TTL, teardown, garbage collection)
         jobset = created["JobSet"]
         owned = [{"apiVersion": jobset["apiVersion"], "kind": "JobSet", "name": self.name, "uid": get_field(jobset, "metadata", "uid")}]
-        if owned[0]["uid"]:
-            patch = {"metadata": {"ownerReferences": owned}}
-            self.core.patch_namespaced_secret(name=secret_name(self.run_id), namespace=self.namespace, body=patch)
-            if "PodGroup" in created:
-                self.custom.patch_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL,
-                                                           self.name, patch)
+        if owned[0]["uid"] and "PodGroup" in created:
+            self.custom.patch_namespaced_custom_object(VOLCANO_GROUP, VOLCANO_VERSION, self.namespace, VOLCANO_PLURAL,
+                                                       self.name, {"metadata": {"ownerReferences": owned}})
+        if self.owner is None:
+            logger.warning("the run's Secret %s/%s has no owner pod and stays after the run (the launcher may not delete "
+                           "Secrets): delete it with kubectl", self.namespace, created["Secret"]["metadata"]["name"])
         logger.info("created JobSet %s/%s: %s", self.namespace, self.name,
                     ", ".join(_describe(g, self.platform) for g in groups))
 
@@ -262,21 +262,21 @@ class KubernetesBackend:
     # ---- teardown ----
 
     def remains(self) -> list[str]:
-        """What of this run exists in the cluster, as ``Kind/name``: its Secret, PodGroup, JobSet and
+        """What of this run exists in the cluster, as ``Kind/name``: its PodGroup, JobSet and
         worker pods (a retried launcher finds the failed attempt's, which it tears down and waits for
         before it creates its own under the same names)."""
         return run_objects(self.core, self.custom, namespace=self.namespace, selector=self.selector,
                            scheduler=self.platform.scheduler)
 
     def teardown(self) -> int:
-        """Delete the run's JobSet (its Jobs and pods go with it), PodGroup and Secret; returns
+        """Delete the run's JobSet (its Jobs and pods go with it) and PodGroup; returns
         how many objects were deleted. With ``teardown_wait_s`` waits that long for the pods to
         be gone (each has ``terminationGracePeriodSeconds`` 30). Safe to call twice. A preemption
         not seen yet is looked for first (``preempted``)."""
         if self._expected and self.preempted is None:
             with contextlib.suppress(WorkerFailed):  # a Workload deactivated by hand: a stop, nothing to resume
                 self.preempted = self._watch.preemption()
-        removed = delete_run_objects(self.core, self.custom, namespace=self.namespace, selector=self.selector,
+        removed = delete_run_objects(self.custom, namespace=self.namespace, selector=self.selector,
                                      scheduler=self.platform.scheduler)
         deadline = self.clock() + self.teardown_wait_s
         left = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items

@@ -1,13 +1,19 @@
 """A Kubernetes run's objects in the API: create one, list what is left, delete them.
 
-The objects are those ``jobset.render_jobset`` renders (a Secret, a Volcano PodGroup if asked
-for, the JobSet), found again by the run's label selector (``dockrl.io/run=<run_id>``).
+The objects are those ``jobset.render_jobset`` renders (a Secret, a NetworkPolicy, a Volcano
+PodGroup if asked for, the JobSet), found again by the run's label selector (``dockrl.io/run=<run_id>``).
 ``KubernetesBackend`` (``kubernetes.py``) calls these with its ``CoreV1Api`` and
 ``CustomObjectsApi`` (or the tests' fakes):
 
 * ``create_object``: create one, with the API's refusals explained (exists, RBAC, no such resource);
 * ``run_objects``: what of a run exists, as ``Kind/name`` (a retried launcher's check);
-* ``delete_run_objects``: delete a run's Secret, PodGroup and JobSet (its Jobs and pods go with it).
+* ``delete_run_objects``: delete a run's NetworkPolicy, PodGroup and JobSet (its Jobs and pods go with it).
+
+The NetworkPolicy (``networking.k8s.io/v1``) goes through the ``CustomObjectsApi`` as the
+JobSet does: its generic calls serve any resource of a named API group.
+
+The run's Secret is neither listed nor deleted: the launcher may create Secrets, never read or
+delete one; it goes with the launcher pod that owns it (``jobset.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from dockrl.launch.jobset import (
     JOBSET_GROUP,
     JOBSET_PLURAL,
     JOBSET_VERSION,
+    POLICY_GROUP,
+    POLICY_PLURAL,
+    POLICY_VERSION,
     VOLCANO_GROUP,
     VOLCANO_PLURAL,
     VOLCANO_VERSION,
@@ -26,7 +35,7 @@ from dockrl.launch.kubernetes_watch import api_exception
 
 
 def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str, run_id: str) -> dict[str, Any]:
-    """Create ``obj`` (a Secret, PodGroup or JobSet of run ``run_id``) in ``namespace``; returns it as created.
+    """Create ``obj`` (a Secret, NetworkPolicy, PodGroup or JobSet of run ``run_id``) in ``namespace``; returns it as created.
 
     Raises:
         RuntimeError: it exists already (the run was started before), the launcher may not
@@ -39,7 +48,7 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
             core.create_namespaced_secret(namespace=namespace, body=obj)
             return obj
         group, version = obj["apiVersion"].split("/")
-        plural = JOBSET_PLURAL if kind == "JobSet" else VOLCANO_PLURAL
+        plural = {"JobSet": JOBSET_PLURAL, "NetworkPolicy": POLICY_PLURAL}.get(kind, VOLCANO_PLURAL)
         return custom.create_namespaced_custom_object(group, version, namespace, plural, obj)
     except ApiException as err:
         if err.status == 409:
@@ -48,7 +57,7 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
         if err.status == 403:
             raise RuntimeError(f"not allowed to create {kind} in namespace {namespace!r}: apply manifests/base "
                                "(its Role dockrl-launcher adds these rights to KFP's pipeline-runner account)") from None
-        if err.status == 404 and kind != "Secret":
+        if err.status == 404 and kind in ("JobSet", "PodGroup"):
             needs = "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)" if kind == "JobSet" else \
                 "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'"
             raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs} (docs/kubernetes.md)") from None
@@ -56,11 +65,12 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
 
 
 def run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str) -> list[str]:
-    """What of the run labelled ``selector`` exists in ``namespace``, as ``Kind/name``: its Secret,
-    PodGroup (with the ``volcano`` scheduler), JobSet and worker pods."""
-    left = [f"Secret/{s.metadata.name}" for s in
-            core.list_namespaced_secret(namespace=namespace, label_selector=selector).items]
-    kinds = [("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL)] if scheduler == "volcano" else []
+    """What of the run labelled ``selector`` exists in ``namespace``, as ``Kind/name``: its
+    NetworkPolicy, PodGroup (with the ``volcano`` scheduler), JobSet and worker pods."""
+    left: list[str] = []
+    kinds = [("NetworkPolicy", POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)]
+    if scheduler == "volcano":
+        kinds.append(("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
     for kind, group, version, plural in [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]:
         items = custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
         left += [f"{kind}/{obj['metadata']['name']}" for obj in items.get("items", [])]
@@ -68,20 +78,13 @@ def run_objects(core: Any, custom: Any, *, namespace: str, selector: str, schedu
     return left + [f"Pod/{p.metadata.name}" for p in pods]
 
 
-def delete_run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str) -> int:
-    """Delete the Secret, PodGroup (with the ``volcano`` scheduler) and JobSet of the run labelled
+def delete_run_objects(custom: Any, *, namespace: str, selector: str, scheduler: str) -> int:
+    """Delete the NetworkPolicy, PodGroup (with the ``volcano`` scheduler) and JobSet of the run labelled
     ``selector`` (in the background: the JobSet's Jobs and pods go with it, on their own time);
     returns how many objects were deleted. What is already gone is skipped: safe to call twice."""
     ApiException = api_exception()
     removed = 0
-    for secret in core.list_namespaced_secret(namespace=namespace, label_selector=selector).items:
-        try:
-            core.delete_namespaced_secret(name=secret.metadata.name, namespace=namespace)
-            removed += 1
-        except ApiException as err:
-            if err.status != 404:  # already gone is fine: teardown may run twice
-                raise
-    kinds: list[tuple[str, str, str]] = []  # what the JobSet owns first, so each is counted once
+    kinds = [(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)]  # what the JobSet owns before it, so each is counted once
     if scheduler == "volcano":
         kinds.append((VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
     kinds.append((JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL))

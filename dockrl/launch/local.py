@@ -9,7 +9,9 @@ recorded, so a reused pid is never hit. What reads those records (``dockrl runs`
 teardown``) is ``dockrl.launch.run_records``.
 
 Addressing: members run this interpreter's ``dockrl`` (``sys.executable -m dockrl``), serve on
-free loopback ports and reach the launcher on loopback; every path is shared.
+free loopback ports and reach the launcher on loopback; every path is shared. Their process
+groups' own sockets (gloo's pairs, NCCL's bootstrap) listen on the loopback interface too
+(``LOOPBACK_COMMUNICATORS``): nothing of a local run is reachable from another machine.
 
 Stage processes (``dockrl worker``) are forked by the start's fork server (``dockrl.launch.fork_server``:
 one import of torch and transformers per start instead of one per process); with ``fork_server=False``,
@@ -43,6 +45,9 @@ logger = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
 HOST = "127.0.0.1"
 """Every member of a local run listens on loopback only."""
+LOOPBACK_COMMUNICATORS = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+"""The interface (Linux's loopback) the members' gloo and NCCL communicators listen on; without it
+they listen on the address the machine's hostname resolves to."""
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
@@ -239,7 +244,7 @@ class LocalBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         program = self.program()
-        run_env = {**os.environ, "DOCKRL_RUN_ID": self.run_id, DRIVER_PID_ENV: str(os.getpid())}
+        run_env = {**os.environ, **LOOPBACK_COMMUNICATORS, "DOCKRL_RUN_ID": self.run_id, DRIVER_PID_ENV: str(os.getpid())}
         server: ForkServer | None = None
         try:
             for g in groups:

@@ -12,6 +12,10 @@ the environment nor megatron's ``parallel_state`` getters.
 the launcher's ``TCPStore``, or a group of one on a loopback store), then the layout's groups —
 megatron's (``parallel_state.initialize_model_parallel``, which its layers read) when the process
 trains with megatron, else its own TP/PP groups (``torch.distributed.new_group``).
+
+``serve_store`` starts a ``TCPStore`` server that listens on the one address asked for: torch's
+own listens on every interface whatever host it is given, and its protocol has no authentication,
+so a loopback store of a local run would otherwise be open to the machine's network.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 import sys
 import warnings
 from dataclasses import dataclass, replace
@@ -31,6 +36,33 @@ from dockrl.parallel.cpu_device import cpu_device
 from dockrl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+EVERY_INTERFACE = ("", "0.0.0.0", "::")
+"""Hosts that mean "listen on every interface" (a pod's own network namespace)."""
+
+
+def serve_store(host: str, *, timeout_s: float) -> dist.TCPStore:
+    """A ``TCPStore`` server on a free port of ``host``, listening on that address only.
+
+    torch's ``TCPStore(host, 0, is_master=True)`` listens on every interface and ignores ``host``;
+    here the listening socket is bound to ``host`` first and handed to the store
+    (``master_listen_fd``). A host in ``EVERY_INTERFACE`` keeps torch's own listener.
+
+    Args:
+        host: address to listen on (``127.0.0.1`` for a local run).
+        timeout_s: seconds a request to the store may wait.
+
+    Raises:
+        OSError: ``host`` is not an address of this machine.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if host in EVERY_INTERFACE:
+        return dist.TCPStore(host or "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family, backlog=1024)
+    port = sock.getsockname()[1]
+    # the store owns the socket from here on (detach: Python must not close it when sock is collected)
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +184,7 @@ def join_groups(
             host, _, port = store_address.rpartition(":")
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         else:
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+            store = serve_store("127.0.0.1", timeout_s=timeout_s)
         dist.init_process_group(backend=devices.backend_for(kind), store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if kind == "cuda" else None)  # eager NCCL communicator on this GPU
         logger.info("rank %d of %d joined its %s process group at %s on %s", rank, world, devices.backend_for(kind),

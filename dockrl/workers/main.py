@@ -25,6 +25,7 @@ import torch
 from dockrl.config import load_config, load_config_text, resolve_auto
 from dockrl.dock import GRPO_SCHEMA
 from dockrl.dock.client import DockClient
+from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse_stores import make_warehouse
 from dockrl.driver_lease import shard_lease_quiet, wait_for_shards
 from dockrl.engines.factory import process_ranks
@@ -71,17 +72,21 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
     token = os.environ.get(TOKEN_ENV) or None
+    try:
+        tls = DockTLS.from_env(os.environ, "client")  # the run's certificates, when its shards serve over TLS
+    except ValueError as e:
+        parser.error(str(e))
     locations = [loc for loc in args.dock.split(",") if loc]
     # a run's groups start at once: a shard's pod may come up after this one
-    wait_for_shards(locations, token, args.first_wait_s or cfg.dock.timeout_s)
+    wait_for_shards(locations, token, args.first_wait_s or cfg.dock.timeout_s, tls=tls)
     # and with any backend once its lease on the dock goes quiet
-    watch_driver(driver_pid=None, lease_quiet=shard_lease_quiet(locations[0], token), timeout_s=cfg.run.driver_timeout_s,
+    watch_driver(driver_pid=None, lease_quiet=shard_lease_quiet(locations[0], token, tls=tls), timeout_s=cfg.run.driver_timeout_s,
                  what=f"{args.stage} worker")
     index, size = replica()  # read here once: every stage gets its ranks from this process's ranks object
     ranks = process_ranks(cfg, trains=row.trains, replica=index, replicas=size, store_address=args.weight_sync,
                           local_rank=local_rank())
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
-    with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
+    with DockClient(locations, GRPO_SCHEMA, token=token, tls=tls, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
                     lease_s=cfg.dock.lease_s, owner=owner, prefetch=cfg.dock.prefetch,
                     local_shard=index % len(locations) if args.local_shard_of_replica else None) as dock:
         load(row.process)(cfg, dock, ranks, args.weight_sync, args.first_wait_s)

@@ -186,17 +186,9 @@ class FakeCoreV1Api:
     def __init__(self, api: FakeKubernetesApi):
         self.api = api
 
+    # Secrets: create only, as the launcher's Role allows (manifests/base/rbac.yaml)
     def create_namespaced_secret(self, namespace, body, **_):
         return self.api.create("Secret", namespace, body)
-
-    def patch_namespaced_secret(self, name, namespace, body, **_):
-        return self.api.patch("Secret", namespace, name, body)
-
-    def list_namespaced_secret(self, namespace, label_selector=None, **_):
-        return self.api.listed("Secret", namespace, label_selector, "V1SecretList")
-
-    def delete_namespaced_secret(self, name, namespace, **_):
-        self.api.delete("Secret", namespace, name)
 
     def list_namespaced_pod(self, namespace, label_selector=None, **_):
         return self.api.listed("Pod", namespace, label_selector, "V1PodList")
@@ -216,7 +208,7 @@ class FakeCoreV1Api:
 
 
 _KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("scheduling.volcano.sh", "podgroups"): "PodGroup",
-          ("kueue.x-k8s.io", "workloads"): "Workload"}
+          ("kueue.x-k8s.io", "workloads"): "Workload", ("networking.k8s.io", "networkpolicies"): "NetworkPolicy"}
 
 
 class FakeCustomObjectsApi:

@@ -2,28 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver
 from dockrl.config import ConfigError, load_config, load_config_text
+from dockrl.dock.tls import RunCertificates
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend, free_ports
 from dockrl.launch.procfs import process_environ
 from dockrl.launch.run_records import local_runs, teardown_local
-from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
+from dockrl.process_env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
 from dockrl.rewards.guard import build_scorer
 from dockrl.stage_loop import Report
 from dockrl.stages import iteration_reports
@@ -80,6 +86,37 @@ def workers_path(monkeypatch):
     assert not left, f"processes left behind: {left}"
 
 
+def is_loopback_ip(address: str) -> bool:
+    """``address`` is loopback, also as an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``, gRPC's listeners)."""
+    ip = ipaddress.ip_address(address)
+    return bool((getattr(ip, "ipv4_mapped", None) or ip).is_loopback)
+
+
+@contextlib.contextmanager
+def listening_sockets(poll_s: float = 0.2) -> Iterator[set[tuple[str, str, int]]]:
+    """Collect, while the block runs, (process name, address, port) of every TCP socket that this
+    process and its descendants (the run's workers and what they start) listen on."""
+    seen: set[tuple[str, str, int]] = set()
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            me = psutil.Process()
+            for proc in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    name = " ".join(proc.cmdline()[2:5])
+                    seen.update((name, c.laddr.ip, c.laddr.port) for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+            done.wait(poll_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join(10)
+
+
 def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path)
     local = LocalBackend("dockrl-test", state_dir=tmp_path / "state")
@@ -112,6 +149,16 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert [(g.name, g.devices) for g in groups if g.accelerators] == [("rollout", 1), ("reference", 1), ("actor", 1)]
     assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR, Report.WEIGHT_SYNC]
 
+    # the run's tokens and certificates: the driver's token and the server's key for the shards only
+    certs = RunCertificates.generate(["127.0.0.1"])
+    secured = worker_groups(cfg, local, [5001], "127.0.0.1:29500", "stage", driver_token="driver", tls=certs)
+    shard, stages = secured[0], secured[1:]
+    assert shard.secret_env == {TOKEN_ENV: "stage", DRIVER_TOKEN_ENV: "driver", **certs.server.env("server")}
+    assert all(g.secret_env == {TOKEN_ENV: "stage", **certs.client.env("client")} for g in stages)
+    assert ("--token-env", DRIVER_TOKEN_ENV, "--stage-token-env", TOKEN_ENV) == shard.command[8:12] and "--tls" in shard.command
+    assert f"--snapshot-place {(tmp_path / 'run').resolve()}" in " ".join(shard.command)
+    assert all(g.command[g.command.index("--dock") + 1] == "grpc+tls://127.0.0.1:5001" for g in stages)
+
     no_kl = run_config(tiny_model_dir, tmp_path, "algorithm.kl_loss_coef=0")
     assert [g.name for g in worker_groups(no_kl, local, [1], "h:2", "t")] == ["dock-shard", "rollout", "reward", "actor"]
     assert Report.REFERENCE not in iteration_reports(no_kl)
@@ -141,7 +188,13 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
         f"dock.directory={tmp_path / 'store'}",
     )
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    summary = driver.train(cfg)
+    with listening_sockets() as listens:
+        summary = driver.train(cfg)
+    # the dock shards, the weight channel's store and the process groups' sockets: on loopback only
+    assert len({port for _, _, port in listens}) >= 3, listens
+    assert [x for x in listens if not is_loopback_ip(x[1])] == []
+    for shard in (0, 1):  # the dock over mutual TLS with the run's own certificates
+        assert "dock shard listening at grpc+tls://127.0.0.1:" in (tmp_path / "run" / "logs" / f"dock-shard-{shard}-0.log").read_text()
 
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

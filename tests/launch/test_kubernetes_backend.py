@@ -11,6 +11,7 @@ import re
 import time
 
 import pytest
+from test_manifests import admits
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
@@ -47,8 +48,9 @@ def platform(name: str = "npu", **changes) -> Platform:
 
 def backend(cluster, plat: Platform | None = None, **kw) -> KubernetesBackend:
     kw.setdefault("poll_s", 0.05)
+    kw.setdefault("owner", OWNER)
     return KubernetesBackend(RUN, namespace=NS, platform=plat or PLATFORMS["npu"], core_api=cluster.core(),
-                             custom_api=cluster.custom(), owner=OWNER, **kw)
+                             custom_api=cluster.custom(), **kw)
 
 
 def objects(plat: Platform, groups=GROUPS) -> dict[str, dict]:
@@ -70,9 +72,11 @@ def pod_spec(jobset: dict, group: str) -> dict:
 def test_every_rendered_jobset_is_valid_against_the_crd_and_kubernetes(name, scheduler, validate_jobset, validate_strict):
     plat = platform(name, scheduler=scheduler, queue="team-rl" if scheduler == "kueue" else "")
     objs = objects(plat)
-    assert list(objs) == ["Secret", "PodGroup", "JobSet"] if scheduler == "volcano" else ["Secret", "JobSet"]
+    assert list(objs) == (["Secret", "NetworkPolicy", "PodGroup", "JobSet"] if scheduler == "volcano" else
+                          ["Secret", "NetworkPolicy", "JobSet"])
     validate_jobset(objs["JobSet"])
     validate_strict(objs["Secret"])
+    validate_strict(objs["NetworkPolicy"])
     for rjob in objs["JobSet"]["spec"]["replicatedJobs"]:  # the Job and pod template, as the Job controller gets them
         validate_strict({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{jobset_name(RUN)}-{rjob['name']}-0"},
                          "spec": rjob["template"]["spec"]})
@@ -177,15 +181,31 @@ def test_pods_meet_pod_security_restricted_without_a_sidecar_and_npu_pods_open_t
     assert "supplementalGroups" not in pod_spec(gpu, "hybrid")["securityContext"]
 
 
+def test_the_runs_worker_pods_take_connections_from_the_run_only():
+    objs = objects(platform("npu"))
+    [policy] = [objs["NetworkPolicy"]]
+    assert policy["metadata"]["ownerReferences"] == [OWNER.reference()]
+    # a worker pod as the JobSet controller labels it (the pod template's labels and the JobSet name)
+    rjob = objs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]
+    worker = {**rjob, "jobset.sigs.k8s.io/jobset-name": jobset_name(RUN)}
+    other_run = {**rjob, "dockrl.io/run": "other", "jobset.sigs.k8s.io/jobset-name": jobset_name("other")}
+    launcher = {"app.kubernetes.io/part-of": "dockrl", "pipeline/runid": RUN}  # KFP's API server labels the run's pods
+    for source in (worker, launcher):
+        assert admits([policy], worker, namespace=NS, source_namespace=NS, port=8815, source=source)
+    for source in (other_run, rjob, {"app.kubernetes.io/part-of": "dockrl", "pipeline/runid": "another-run"}):
+        assert not admits([policy], worker, namespace=NS, source_namespace=NS, port=8815, source=source), source
+    assert not admits([policy], worker, namespace=NS, source_namespace="elsewhere", port=8815, source=worker)
+
+
 def test_the_dock_token_is_in_the_runs_secret_never_a_plain_value():
     objs = objects(PLATFORMS["npu"])
     secret = objs["Secret"]
-    assert secret["metadata"]["name"] == secret_name(RUN) and secret["stringData"] == {"DOCKRL_DOCK_TOKEN": TOKEN}
+    assert secret["metadata"]["name"] == secret_name(RUN, OWNER.uid) and secret["stringData"] == {"DOCKRL_DOCK_TOKEN": TOKEN}
     assert TOKEN not in json.dumps(objs["JobSet"])
     for group in ("dock-shard-0", "hybrid", "reward"):
         env = {e["name"]: e for e in pod_spec(objs["JobSet"], group)["containers"][0]["env"]}
         assert env["DOCKRL_DOCK_TOKEN"] == {"name": "DOCKRL_DOCK_TOKEN",
-                                            "valueFrom": {"secretKeyRef": {"name": secret_name(RUN), "key": "DOCKRL_DOCK_TOKEN"}}}
+                                            "valueFrom": {"secretKeyRef": {"name": secret_name(RUN, OWNER.uid), "key": "DOCKRL_DOCK_TOKEN"}}}
     assert "DOCKRL_DOCK_TOKEN" not in {e["name"] for e in pod_spec(objs["JobSet"], "reference")["containers"][0]["env"]}
 
 
@@ -231,12 +251,10 @@ def test_start_creates_the_secret_then_one_jobset_owning_it_and_waits_for_every_
     b = backend(cluster)
     b.start(GROUPS)
     created = [c for c in cluster.calls if c[0].startswith("create")]
-    assert created == [("create Secret", {"namespace": NS, "name": secret_name(RUN)}),
+    assert created == [("create Secret", {"namespace": NS, "name": secret_name(RUN, OWNER.uid)}),
+                       ("create NetworkPolicy", {"namespace": NS, "name": jobset_name(RUN)}),  # before any pod exists
                        ("create JobSet", {"namespace": NS, "name": jobset_name(RUN)})]  # every stage at once
-    jobset = cluster.jobset(NS)
-    secret = cluster.objects[("Secret", NS, secret_name(RUN))]
-    assert secret["metadata"]["ownerReferences"] == [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                                                      "name": jobset_name(RUN), "uid": jobset["metadata"]["uid"]}]
+    assert not [c for c in cluster.calls if "Secret" in c[0] and not c[0].startswith("create")]  # the Role: create only
     with pytest.raises(TimeoutError, match=r"not running after 0 s: running/expected per group \{'dock-shard-0': '0/1', 'hybrid': '0/1'"):
         b.wait_ready(timeout_s=0.1)
     _running(cluster)
@@ -250,23 +268,28 @@ def test_start_creates_the_secret_then_one_jobset_owning_it_and_waits_for_every_
 def test_volcano_podgroup_is_created_first_and_handed_to_the_jobset(cluster):
     b = backend(cluster, platform("npu", scheduler="volcano"))
     b.start(GROUPS)
-    assert [c[0] for c in cluster.calls if c[0].startswith("create")] == ["create Secret", "create PodGroup", "create JobSet"]
+    assert [c[0] for c in cluster.calls if c[0].startswith("create")] == ["create Secret", "create NetworkPolicy", "create PodGroup",
+                                                                                  "create JobSet"]
     uid = cluster.jobset(NS)["metadata"]["uid"]
     assert cluster.objects[("PodGroup", NS, jobset_name(RUN))]["metadata"]["ownerReferences"][0]["uid"] == uid
     assert b.teardown() == 3
-    assert cluster.objects == {}
+    assert list(cluster.objects) == [("Secret", NS, secret_name(RUN, OWNER.uid))]  # it goes with the launcher pod
 
 
 def test_start_twice_missing_rights_and_a_cluster_without_jobset_are_clear_errors(cluster):
     backend(cluster).start(GROUPS[:1])
     with pytest.raises(RuntimeError, match="already exists: run .* was started before"):
         backend(cluster).start(GROUPS[:1])
-    b = backend(cluster)
+    # a retried launcher is a pod of its own: it tears the JobSet down and creates a Secret of its own
+    b = backend(cluster, owner=OwnerPod(name="dockrl-grpo-abcde-train-456", uid="9d8f7e6a-0000-4000-8000-123456789abc"))
     b.teardown()
     b.start(GROUPS[:1])
+    assert [k for k in cluster.objects if k[0] == "Secret"] == [("Secret", NS, secret_name(RUN, OWNER.uid)),
+                                                                ("Secret", NS, secret_name(RUN, "9d8f7e6a"))]
     with pytest.raises(RuntimeError, match="start takes every group at once"):
         b.start(GROUPS[1:])
     b.teardown()
+    cluster.objects.clear()  # the launcher pods gone, their Secrets with them
     cluster.fail_create["JobSet"] = 403
     with pytest.raises(RuntimeError, match="not allowed to create JobSet .* Role dockrl-launcher adds these rights to KFP's pipeline-runner"):
         backend(cluster).start(GROUPS)
@@ -439,12 +462,12 @@ def test_teardown_deletes_only_this_runs_objects_and_is_idempotent(cluster):
     b = _started(cluster)
     other = KubernetesBackend("other-run", namespace=NS, platform=PLATFORMS["cpu"], core_api=cluster.core(), custom_api=cluster.custom())
     cluster_objects_before = set(cluster.objects)
-    assert b.teardown() == 2  # the JobSet (its pods with it) and the Secret
-    assert cluster.objects == {}
-    assert len(cluster_objects_before) == 2 + sum(g.replicas for g in GROUPS)
+    assert b.teardown() == 2  # the NetworkPolicy and the JobSet (its pods with it); the Secret goes with the launcher pod
+    assert list(cluster.objects) == [("Secret", NS, secret_name(RUN, OWNER.uid))]
+    assert len(cluster_objects_before) == 3 + sum(g.replicas for g in GROUPS)
     other_groups = [GROUPS[3]]
     other.start(other_groups)
-    assert b.teardown() == 0 and len(cluster.objects) == 2  # the other run's JobSet and Secret stay
+    assert b.teardown() == 0 and len(cluster.objects) == 4  # the other run's JobSet, NetworkPolicy and Secret stay
 
 
 def test_teardown_waits_for_the_pods_within_its_bound(cluster, caplog):
@@ -471,7 +494,7 @@ def test_teardown_run_finds_the_cluster_namespace_and_owner(cluster, monkeypatch
     assert (b.namespace, b.owner, b.platform.name) == (NS, OWNER, "npu")
     b.start(GROUPS)
     assert teardown_run("kubernetes", RUN) == 2  # the exit handler: run id only
-    assert cluster.objects == {}
+    assert list(cluster.objects) == [("Secret", NS, secret_name(RUN, OWNER.uid))]  # it goes with the launcher pod
 
 
 def test_teardown_without_credentials_is_one_clear_error(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ import yaml
 
 from dockrl import train_task
 from dockrl.config import load_config, load_config_text
+from dockrl.dock.tls import RunCertificates
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups
@@ -24,7 +25,7 @@ from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 from dockrl.launch.tasks import prepare_dataset
-from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
+from dockrl.process_env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
@@ -57,10 +58,15 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
                                 owner=OWNER, launcher_ip=LAUNCHER_IP)
     cfg = small_config(tiny_model_dir, backend.shared_dir / "runs" / RUN)
     ports = backend.serve_ports(2)
-    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0)
-    secret, jobset = backend.render(groups)
+    name = jobset_name(RUN)
+    hosts = [f"{name}-dock-shard-0-{s}.{name}.{NS}.svc" for s in (0, 1)]  # pod s of the shards' one Job
+    certs = RunCertificates.generate(hosts)  # as the launcher makes them: for the shards' pod DNS names
+    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0,
+                           driver_token="driver-token", tls=certs)
+    secret, _, jobset = backend.render(groups)
     validate_jobset(jobset)
-    assert secret["stringData"] == {TOKEN_ENV: "secret-token"}
+    assert secret["stringData"] == {TOKEN_ENV: "secret-token", DRIVER_TOKEN_ENV: "driver-token", **certs.server.env("server"),
+                                    **certs.client.env("client")}
     rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
     assert list(rjobs) == ["dock-shard", "rollout", "reward", "reference", "actor"]  # the shards: one replicated job
     assert rjobs["dock-shard"]["template"]["spec"] | {"template": None} == {
@@ -70,20 +76,24 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     def pod(group: str) -> dict:
         return rjobs[group]["template"]["spec"]["template"]["spec"]
 
-    name = jobset_name(RUN)
-    locations = [f"grpc://{name}-dock-shard-0-{s}.{name}.{NS}.svc:{SHARD_PORT}" for s in (0, 1)]  # pod s of its one Job
-    assert shard_locations(backend, ports) == locations  # where the launcher connects, too
+    locations = [f"grpc+tls://{host}:{SHARD_PORT}" for host in hosts]
+    assert shard_locations(backend, ports, "grpc+tls") == locations  # where the launcher connects, too
     secret_ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": TOKEN_ENV}}
     [c] = pod("dock-shard")["containers"]
     # arguments only: the image's entry point is dockrl (on the NPU image after CANN's set_env.sh)
     assert "command" not in c
-    assert c["args"][:7] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", TOKEN_ENV]
-    assert c["args"][-2:] == ["--driver-timeout-s", str(cfg.run.driver_timeout_s)]  # the liveness tie (dockrl.lifeline)
+    assert c["args"][:9] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", DRIVER_TOKEN_ENV,
+                             "--stage-token-env", TOKEN_ENV]
+    args = " ".join(c["args"])
+    assert f"--driver-timeout-s {cfg.run.driver_timeout_s}" in args  # the liveness tie (dockrl.lifeline)
+    assert f"--snapshot-place {backend.shared_dir / 'runs' / RUN}" in args and c["args"][-1] == "--tls"
     assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
     assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
+    assert set(env_of(c)) >= {DRIVER_TOKEN_ENV, *certs.server.env("server")}  # by secretKeyRef
     # each shard's index is its pod's completion index
     assert env_of(c)["DOCKRL_REPLICA"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
-    assert "secret-token" not in json.dumps(jobset)
+    text = json.dumps(jobset)
+    assert not [v for v in ("secret-token", "driver-token", "PRIVATE KEY", "CERTIFICATE") if v in text]
 
     for stage in ("rollout", "reward", "reference", "actor"):
         spec = pod(stage)
@@ -96,7 +106,8 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
         # every stage starts at once: the others wait through the rollout's evaluation (and all for the shards)
         assert cmd[-2:] == ["--first-wait-s", "1234"]
         env = env_of(c)
-        assert env[TOKEN_ENV] == secret_ref
+        assert env[TOKEN_ENV] == secret_ref and DRIVER_TOKEN_ENV not in env  # the driver's token: the shards' only
+        assert set(certs.client.env("client")) <= set(env) and not set(env) & {"DOCKRL_DOCK_TLS_SERVER_KEY"}
         assert load_config_text(env[CONFIG_ENV], "env") == cfg  # the whole config, no file of the launcher
         # the shared volume, where the run folder (data, checkpoints) is, at the same path as in the launcher
         assert {"name": "shared", "mountPath": str(backend.shared_dir)} in c["volumeMounts"]
@@ -124,7 +135,7 @@ def test_the_hybrid_actor_asks_for_one_device_per_rank_of_the_layout(cluster, ti
     groups = {g.name: g for g in worker_groups(cfg, backend, backend.serve_ports(2), f"{LAUNCHER_IP}:29500", "t", RUN)}
     assert (groups["hybrid"].replicas, groups["hybrid"].devices) == (4, 1)  # tp × pp × dp = 4 rank processes
     assert (groups["reference"].devices, groups["reward"].devices, groups["dock-shard"].devices) == (1, 0, 0)
-    [_, jobset] = backend.render(list(groups.values()))
+    [_, _, jobset] = backend.render(list(groups.values()))
     hybrid = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}["hybrid"]["template"]["spec"]
     # one pod shaped like a node holds the 4 ranks as local ranks (dockrl node), both TP groups inside it
     [c] = hybrid["template"]["spec"]["containers"]
@@ -164,13 +175,15 @@ def test_a_failing_shard_pod_fails_the_run_with_its_log_and_teardown_removes_eve
     e = err.value
     assert e.group == "dock-shard" and e.member.startswith(f"{jobset_name(RUN)}-dock-shard-0-")
     assert "exited with code 2 (Error)" in e.reason and "environment variable is unset" in e.log_tail
-    assert [o["kind"] for o in cluster.created] == ["Secret", "JobSet"]  # every group in one JobSet, at once
-    rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[1]["spec"]["replicatedJobs"]}
+    assert [o["kind"] for o in cluster.created] == ["Secret", "NetworkPolicy", "JobSet"]  # every group in one JobSet, at once
+    rjobs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in cluster.created[2]["spec"]["replicatedJobs"]}
     reward = rjobs["reward"]["containers"][0]["args"]
     # its wait for the first iteration: the rollout's loading and evaluation (dock.timeout_s 600 s each, one evaluation
     # batch of 4 test prompts), plus how far apart pods may start (the scheduling and image pull timeouts)
     assert float(reward[reward.index("--first-wait-s") + 1]) == 600 * 3 + platform.schedule_timeout_s + platform.image_pull_timeout_s
-    assert cluster.objects == {}  # torn down: the JobSet, its pods and the Secret
+    # torn down: the JobSet and its pods; the Secret goes with the launcher pod that owns it (the Role: create only)
+    [(kind, secret)] = [(k[0], o) for k, o in cluster.objects.items()]
+    assert kind == "Secret" and secret["metadata"]["ownerReferences"] == [OWNER.reference()]
     shared_run = tmp_path / "shared" / "runs" / RUN
     assert sorted(p.name for p in (shared_run / "data").iterdir()) == ["test.jsonl", "train.jsonl"]
     config = yaml.safe_load((shared_run / "config.yaml").read_text())

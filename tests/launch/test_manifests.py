@@ -7,6 +7,7 @@ refuse to build.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -92,7 +93,8 @@ def test_launcher_role_adds_exactly_what_the_backend_does_to_kfps_runner_account
         ("", "pods"): {"get", "list", "watch"},
         ("", "pods/log"): {"get"},
         ("", "events"): {"list", "watch"},
-        ("", "secrets"): {"create", "get", "list", "patch", "delete"},
+        ("networking.k8s.io", "networkpolicies"): {"create", "list", "delete"},
+        ("", "secrets"): {"create"},  # no other Secret of the namespace can be read, changed or deleted
         ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "patch", "delete"},
         ("kueue.x-k8s.io", "workloads"): {"get", "list"},
     }
@@ -111,21 +113,60 @@ def test_the_backend_calls_only_what_the_role_allows():
 
     source = inspect.getsource(kubernetes) + inspect.getsource(kubernetes_objects) + inspect.getsource(kubernetes_watch)
     called = set(re.findall(r"\.(create|get|list|patch|delete|read)_namespaced_(\w+?)(?:_log)?\(", source))
-    assert called == {("create", "secret"), ("patch", "secret"), ("list", "secret"), ("delete", "secret"),
+    assert called == {("create", "secret"),
                       ("create", "custom_object"), ("get", "custom_object"), ("patch", "custom_object"),
                       ("list", "custom_object"), ("delete", "custom_object"), ("list", "pod"), ("read", "pod"),
                       ("list", "event")}
 
 
-def test_run_ports_take_connections_from_dockrl_pods_only(built):
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) matches ``labels``."""
+    ops = {"In": lambda k, v: labels.get(k) in v, "NotIn": lambda k, v: labels.get(k) not in v,
+           "Exists": lambda k, v: k in labels, "DoesNotExist": lambda k, v: k not in labels}
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        ops[e["operator"]](e["key"], e.get("values", [])) for e in selector.get("matchExpressions", []))
+
+
+def admits(policies: list[dict], pod: dict[str, str], *, namespace: str = "kubeflow", port: int = 9000,
+           source: dict[str, str], source_namespace: str = "kubeflow") -> bool:
+    """Whether a connection from a pod labelled ``source`` (in ``source_namespace``) to a pod labelled
+    ``pod`` (in ``namespace``) on ``port`` is let in by the ingress NetworkPolicies ``policies``, as
+    Kubernetes defines them: a pod no policy selects takes everything; a selected one what any
+    selecting policy's rule allows (a podSelector alone: pods of the policy's own namespace)."""
+    mine = [p for p in policies if p["metadata"].get("namespace", namespace) == namespace
+            and selects(p["spec"]["podSelector"], pod) and "Ingress" in p["spec"]["policyTypes"]]
+    if not mine:
+        return True
+    for rule in (r for p in mine for r in p["spec"].get("ingress", [])):
+        if rule.get("ports") and not any(x["port"] == port for x in rule["ports"]):
+            continue
+        for peer in rule.get("from", [{}]):
+            same = "namespaceSelector" not in peer and source_namespace == namespace
+            if "podSelector" in peer and same and selects(peer["podSelector"], source):
+                return True
+    return False
+
+
+JOBSET_POD = {"jobset.sigs.k8s.io/jobset-name": "dockrl-0a1b2c3d", "jobset.sigs.k8s.io/replicatedjob-name": "actor"}
+"""The labels the JobSet controller puts on a worker pod (beside the run's own)."""
+LAUNCHER_POD = {"app.kubernetes.io/part-of": "dockrl", "pipeline/runid": "run-1"}
+"""The train task's pod: the pipeline's label, and KFP's run label set by its API server."""
+
+
+def test_the_launchers_ports_take_connections_from_worker_pods_only(built):
     from dockrl.launch.jobset import run_labels
 
+    worker = {**run_labels("run-1", "actor"), **JOBSET_POD}
     for overlay, objects in built.items():
-        [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
-        selector = policy["spec"]["podSelector"]["matchLabels"]
-        assert selector == {"app.kubernetes.io/part-of": "dockrl"} and policy["spec"]["policyTypes"] == ["Ingress"]
-        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}], overlay
-        assert selector.items() <= run_labels("run", "actor").items()  # every worker pod is selected and admitted
+        policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        [run_ports] = [p for p in policies if p["metadata"]["name"] == "dockrl-run-ports"]
+        assert selects(run_ports["spec"]["podSelector"], LAUNCHER_POD)
+        assert not selects(run_ports["spec"]["podSelector"], worker)  # each run's own policy covers its workers
+        assert admits(policies, LAUNCHER_POD, port=29500, source=worker), overlay
+        # a pod that gives itself dockrl's labels, and a worker pod of another namespace, are refused
+        assert not admits(policies, LAUNCHER_POD, port=29500, source=run_labels("run-1", "actor")), overlay
+        assert not admits(policies, LAUNCHER_POD, port=29500, source=LAUNCHER_POD), overlay
+        assert not admits(policies, LAUNCHER_POD, port=29500, source=worker, source_namespace="other"), overlay
 
 
 def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_path, validate_strict):
@@ -135,7 +176,7 @@ def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_pat
     assert not any("object-store" in r for r in base["resources"]) and "components" not in base
     for overlay in SITE_OVERLAYS:  # the default in-memory warehouse needs none
         assert not any(o["kind"] == "Secret" for o in built[overlay]), overlay
-    [secret] = [o for o in built["cpu"] if o["kind"] == "Secret"]  # the standalone MinIO's credentials
+    [secret] = [o for o in built["cpu"] if o["kind"] == "Secret" and o["metadata"]["name"] == OBJECT_STORE_SECRET]  # the workers' keys
     assert secret["metadata"]["name"] == OBJECT_STORE_SECRET and set(secret["stringData"]) == set(OBJECT_STORE_KEYS)
     # a site with S3 adds the component to its overlay
     manifests = site_copy(tmp_path)
@@ -148,16 +189,90 @@ def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_pat
     assert secret["metadata"]["labels"] == {"app.kubernetes.io/part-of": "dockrl", "dockrl.io/platform": "npu"}
 
 
+@pytest.fixture(scope="module")
+def with_minio(built, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every overlay with the standalone MinIO: the cpu overlay as shipped, the site overlays with the
+    component added as their README says."""
+    manifests = site_copy(tmp_path_factory.mktemp("minio"))
+    for overlay in SITE_OVERLAYS:
+        kustomization = manifests / "overlays" / overlay / "kustomization.yaml"
+        kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/minio-standalone\n")
+    return {overlay: built[overlay] if overlay not in SITE_OVERLAYS else build(manifests, overlay) for overlay in OVERLAYS}
+
+
 def test_cpu_overlay_runs_a_standalone_minio_wired_to_the_secret(built):
     objects = {(o["kind"], o["metadata"]["name"]): o for o in built["cpu"]}
     deploy = objects[("Deployment", "dockrl-minio")]
     [container] = deploy["spec"]["template"]["spec"]["containers"]
     assert re.fullmatch(r"quay\.io/minio/minio:RELEASE\.[0-9T:-]+Z", container["image"])
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
-    assert env["MINIO_ROOT_USER"] == {"name": "dockrl-object-store", "key": "AWS_ACCESS_KEY_ID"}
     assert objects[("Secret", "dockrl-object-store")]["stringData"]["AWS_ENDPOINT_URL"] == "http://dockrl-minio:9000"
     assert ("Service", "dockrl-minio") in objects and ("PersistentVolumeClaim", "dockrl-minio-data") in objects
-    assert not any(o["kind"] == "Deployment" for o in built["npu"] + built["gpu"])
+    [setup] = objects[("Job", "dockrl-minio-setup")]["spec"]["template"]["spec"]["containers"]
+    assert re.fullmatch(r"quay\.io/minio/mc:RELEASE\.[0-9T:-]+Z", setup["image"])
+    assert not any(o["kind"] in ("Deployment", "Job") for o in built["npu"] + built["gpu"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_minio_takes_connections_from_the_runs_pods_only(overlay, with_minio, validate_strict):
+    from dockrl.launch.jobset import run_labels
+
+    objects = with_minio[overlay]
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    [minio] = [o for o in objects if o["kind"] == "Deployment"]
+    pod = minio["spec"]["template"]["metadata"]["labels"]
+    assert [p["metadata"]["name"] for p in policies if selects(p["spec"]["podSelector"], pod)] == ["dockrl-minio"]
+    for policy in policies:
+        validate_strict(policy)
+    worker = {**run_labels("run-1", "reward"), **JOBSET_POD}
+    [setup] = [o for o in objects if o["kind"] == "Job"]
+    for source in (worker, LAUNCHER_POD, setup["spec"]["template"]["metadata"]["labels"]):
+        assert admits(policies, pod, source=source)
+    for source in (run_labels("run-1", "reward"), {"app.kubernetes.io/part-of": "dockrl"}, {"app": "notebook"}):
+        assert not admits(policies, pod, source=source), source  # labels a pod can give itself
+    assert not admits(policies, pod, source=worker, source_namespace="other")
+    assert not admits(policies, pod, source=worker, port=9001)  # no console
+    [service] = [o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "dockrl-minio"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [9000]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_minio_and_its_setup_run_as_non_root(overlay, with_minio):
+    for obj in (o for o in with_minio[overlay] if o["kind"] in ("Deployment", "Job")):
+        spec = obj["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        for container in spec["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_workers_keys_are_a_user_limited_to_the_run_bucket_not_minios_root_keys(overlay, with_minio):
+    from dockrl.config.run_sections import DockConfig
+    from dockrl.launch.platform import OBJECT_STORE_SECRET
+
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in with_minio[overlay]}
+    [server] = objects[("Deployment", "dockrl-minio")]["spec"]["template"]["spec"]["containers"]
+    # MinIO's root keys come from a Secret of their own, never the one the workers and the launcher read
+    assert server["envFrom"] == [{"secretRef": {"name": "dockrl-minio-root"}}] and "env" not in server
+    root, workers = objects[("Secret", "dockrl-minio-root")], objects[("Secret", OBJECT_STORE_SECRET)]
+    assert set(root["stringData"]) == {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+    assert root["stringData"]["MINIO_ROOT_USER"] != workers["stringData"]["AWS_ACCESS_KEY_ID"]
+    # the setup Job: the object-store keys become a user whose one policy allows the run bucket and its objects
+    [mc] = objects[("Job", "dockrl-minio-setup")]["spec"]["template"]["spec"]["containers"]
+    assert mc["envFrom"] == [{"secretRef": {"name": "dockrl-minio-root"}}, {"secretRef": {"name": OBJECT_STORE_SECRET}}]
+    assert {e["name"]: e["value"] for e in mc["env"]}["BUCKET"] == DockConfig().bucket
+    script = mc["args"][0]
+    policy = json.loads(script.split("<<POLICY\n", 1)[1].split("\nPOLICY\n", 1)[0])
+    [statement] = policy["Statement"]
+    assert statement["Effect"] == "Allow" and statement["Resource"] == ["arn:aws:s3:::$BUCKET", "arn:aws:s3:::$BUCKET/*"]
+    assert 'mc admin user add root "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"' in script
+    assert 'mc admin policy attach root dockrl-run-bucket --user "$AWS_ACCESS_KEY_ID"' in script
+    assert subprocess.run(["sh", "-n"], input=script, text=True).returncode == 0  # the script parses
+    assert objects[("Job", "dockrl-minio-setup")]["spec"]["activeDeadlineSeconds"] > 0  # it waits for MinIO, not forever
+    # and the code never names the root Secret: no worker or launcher can be handed the root keys
+    assert not [p for p in (MANIFESTS.parent / "dockrl").rglob("*.py") if "dockrl-minio-root" in p.read_text()]
 
 
 def test_image_tags_only_in_overlays_and_never_latest():

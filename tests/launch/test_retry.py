@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers importable, no process left behind
 from test_distributed_resume import ROWS_PER_ITERATION, read_rows
-from test_kubernetes_run import LAUNCHER_IP, NS, OWNER, RUN, npu_platform, small_config, use_fake_cluster
+from test_kubernetes_run import LAUNCHER_IP, NS, RUN, npu_platform, small_config, use_fake_cluster
 
 from dockrl import driver, train_retry, train_task
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.kubernetes import KubernetesBackend
+from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 from dockrl.launch.tasks import prepare_dataset
 from dockrl.resume import STATE_FILE, checkpoint_dir, final_dir, prepare_checkpoint, write_driver_state, write_final_state
@@ -148,13 +149,15 @@ def test_a_retry_on_kubernetes_tears_down_the_failed_attempts_jobset_then_resume
     platform = npu_platform(tmp_path)
     shared_run = tmp_path / "shared" / "runs" / RUN
     cfg = small_config(tiny_model_dir, shared_run, "trainer.iterations=4")
-    # the failed attempt: its JobSet, Secret and running pods (its launcher died before its teardown), a complete checkpoint
+    # the failed attempt: its JobSet, Secret and running pods (its launcher died before its teardown), a complete checkpoint;
+    # its launcher was a pod of its own
     old = KubernetesBackend(RUN, namespace=NS, platform=platform, core_api=cluster.core(), custom_api=cluster.custom(),
-                            owner=OWNER, launcher_ip=LAUNCHER_IP)
+                            owner=OwnerPod(name="dockrl-grpo-abcde-train-1", uid="11111111-0000-4000-8000-0123456789ab"),
+                            launcher_ip=LAUNCHER_IP)
     cluster.pods_on_create["actor"] = ({"phase": "Running"}, "")
     old.start(worker_groups(cfg, old, old.serve_ports(2), f"{LAUNCHER_IP}:29500", "token", RUN))
     left = old.remains()
-    assert {x.split("/")[0] for x in left} == {"Secret", "JobSet", "Pod"}
+    assert {x.split("/")[0] for x in left} == {"NetworkPolicy", "JobSet", "Pod"}  # its Secret goes with its launcher pod
     ckpt = completed(cfg, shared_run, 2)
     (shared_run / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "reward/mean": i / 10}) + "\n" for i in (0, 1, 2)))
 
@@ -169,7 +172,8 @@ def test_a_retry_on_kubernetes_tears_down_the_failed_attempts_jobset_then_resume
     prepare_dataset(["data.generate_train=12", "data.generate_test=4", "data.max_steps=2"], tmp_path / "ds")
     with caplog.at_level(logging.INFO):
         _, logged = attempt(["trainer.iterations=4"], tmp_path, 2, platform, worker_backend="kubernetes")
-    assert seen["at start"] == []  # torn down and gone before the new attempt started anything
+    assert seen["at start"] == ["Secret"]  # torn down and gone before the new attempt started anything, but the
+    # failed launcher pod's Secret (garbage collection removes it with that pod; the new attempt creates its own)
     assert f"the failed attempt's workers are still there ({', '.join(left)}); tearing them down" in caplog.text
     assert seen["cfg"].run.resume == "latest" and f"retry of run {RUN}: resuming at iteration 2 from {ckpt}" in caplog.text
     # iterations 0 and 1 replayed from metrics.jsonl (not 2: the checkpoint resumes there), 2 streamed by the new attempt

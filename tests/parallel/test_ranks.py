@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import re
+import socket
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 from dockrl.parallel.layout import ParallelLayout
-from dockrl.parallel.ranks import ProcessRanks, join_groups, leave_groups
+from dockrl.parallel.ranks import ProcessRanks, join_groups, leave_groups, serve_store
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,3 +98,32 @@ def test_engines_and_workers_get_ranks_only_from_the_ranks_object():
                 if pattern.search(line) and what not in ALLOWED.get(rel, ()):
                     found.append(f"{rel}:{number}: {what}: {line.strip()}")
     assert not found, "ranks read outside the ranks object and the entry point:\n" + "\n".join(found)
+
+
+def outside_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback (the network's view of it)."""
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback]
+
+
+def listening(port: int) -> set[str]:
+    """The addresses this process listens on at ``port``."""
+    return {c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_a_loopback_store_is_not_reachable_from_the_network():
+    store = serve_store("127.0.0.1", timeout_s=10)
+    assert listening(store.port) == {"127.0.0.1"}  # torch's own server listens on every interface ('*', '::')
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    for address in outside_addresses():
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, store.port), timeout=5).close()
+
+
+def test_a_pod_store_listens_on_every_interface():
+    store = serve_store("0.0.0.0", timeout_s=10)  # a pod's own network namespace: members reach it at the pod's IP
+    assert listening(store.port) & {"0.0.0.0", "::"}
+    for address in outside_addresses():
+        socket.create_connection((address, store.port), timeout=5).close()
