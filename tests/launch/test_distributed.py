@@ -194,7 +194,7 @@ def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, t
     assert len({port for _, _, port in listens}) >= 3, listens
     assert [x for x in listens if not is_loopback_ip(x[1])] == []
     for shard in (0, 1):  # the dock over mutual TLS with the run's own certificates
-        assert "dock shard listening at grpc+tls://127.0.0.1:" in (tmp_path / "run" / "logs" / f"dock-shard-{shard}-0.log").read_text()
+        assert "dock shard listening at grpc+tls://127.0.0.1:" in (tmp_path / "run" / "logs" / f"dock-shard-{shard}.log").read_text()
 
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
