@@ -126,7 +126,8 @@ def run_training(
     elif run_id and (shared := shared_mount(platform)) is not None:
         out = shared / "runs" / run_id
     resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
-    found = prepare_retry(out, run_id, resume_given=resume_given) if out != run else None
+    lock_wait_s = load_config(None, list(overrides)).run.lock_wait_s
+    found = prepare_retry(out, run_id, resume_given=resume_given, lock_wait_s=lock_wait_s) if out != run else None
     if backend is not None:
         train_file, test_file = _copy_into([train_file, test_file], out / "data")
     cfg = load_config(None, [

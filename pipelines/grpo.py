@@ -107,9 +107,13 @@ class PipelineSettings:
     worker_backend: WorkerBackendName = "local"
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     train_retries: int = 0
-    """Times KFP retries a failed train task by itself (a node lost, a worker evicted); each retry
+    """Times KFP retries a train task that failed by itself, after 60 s (``set_retry``); each retry
     resumes from the run's latest checkpoint on the shared volume (``dockrl.train_retry.prepare_retry``),
-    as a retry of the run from the Kubeflow UI does. 0: none."""
+    as a retry of the run from the Kubeflow UI does. 0: none. KFP 2.17 compiles it into an Argo
+    ``retryStrategy`` without a ``retryPolicy``, so Argo's default ``OnFailure`` applies: a launcher
+    that exits non-zero (a worker pod failed, was evicted or lost: the launcher fails the run) is
+    retried; a launcher pod that is itself deleted, evicted or on a lost node is not, unless the
+    cluster's workflow controller sets a default retry policy (docs/kubeflow.md, Retries)."""
     requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
     defaults to the size of a pod holding the devices its run uses: ``Platform.pod_requests``;
