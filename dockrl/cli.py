@@ -1,4 +1,5 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node | ranks | smoke``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node |
+ranks | smoke | evaluate``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.launch.node import ranks_main  # lazy: as node
 
         return ranks_main(argv[1:])
+    if argv[:1] == ["evaluate"]:
+        from dockrl.launch.tasks import evaluate_main  # lazy: torch and the engines load when it evaluates
+
+        return evaluate_main(argv[1:])
     if argv[:1] == ["smoke"]:
         from dockrl.launch.node import smoke_main  # lazy: as node
 
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("node", help="several rank processes of a worker group in one pod shaped like a node (dockrl node -h)")
     sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout; --all-reduce: "
                    "an all-reduce's bandwidth (dockrl ranks -h)")
+    sub.add_parser("evaluate", help="greedy accuracy of a model on a dataset folder's test split, as JSON (dockrl evaluate -h)")
     sub.add_parser("smoke", help="a JobSet of pods that all-reduce across nodes before a first run (dockrl smoke -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")
     sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): show, rescore, replay, page (dockrl rollouts -h)")
