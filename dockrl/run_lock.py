@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 LOCK_FILE = ".dockrl.lock"
 ACQUIRE_TRIES = 20
 """Attempts to lock the file at the path when a releasing run removed it in between (``RunLock.acquire``)."""
-
-
 POLL_S = 2.0
 """Seconds between two tries at a lock held by a process of another host (``RunLock`` with ``wait_s``)."""
 
@@ -65,7 +63,7 @@ def live_here(holder: dict) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
-        return True
+        pass
     return True
 
 

@@ -41,6 +41,7 @@ import sys
 import time
 from typing import Any
 
+from dockrl.launch.platform import Platform, get_platform
 from dockrl.parallel.layout import ParallelLayout
 from dockrl.process_env import NODE_PROCS_ENV, local_rank, replica
 
@@ -138,7 +139,7 @@ def all_reduce_bandwidth(kind: str, device: Any, *, rank: int, world: int, size_
         for _ in range(iterations):
             dist.all_reduce(buf)
         devices.synchronize(buf.device)
-        elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64, device=device)
+        elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float32, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective is as fast as its slowest rank
         seconds, size = float(elapsed.item()), buf.numel() * buf.element_size()
     finally:
@@ -205,7 +206,7 @@ SMOKE_DEADLINE_S = 3600
 _DEVICE_KIND = {"npu": "npu", "gpu": "cuda", "cpu": "cpu"}
 
 
-def smoke_objects(platform: Any, *, pods: int, namespace: str, size_mib: float = 64.0, iterations: int = 5) -> list[dict[str, Any]]:
+def smoke_objects(platform: Platform, *, pods: int, namespace: str, size_mib: float = 64.0, iterations: int = 5) -> list[dict[str, Any]]:
     """The objects of a collective check across ``pods`` pods, as a run's JobSet renders them
     (``jobset.render_jobset``: every hook of ``platform``, its scheduler, the shared volume): one
     replicated job ``smoke`` whose pods each hold a node's devices (one process on the cpu
@@ -246,10 +247,9 @@ def smoke_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=float, default=64.0, help="the all-reduce's buffer, MiB (default 64)")
     parser.add_argument("--iterations", type=int, default=5, help="timed all-reduces (default 5)")
     args = parser.parse_args(argv)
-    import yaml  # lazy: as the platform modules
+    import yaml  # lazy: this command only
 
-    from dockrl.launch.platform import get_platform
-    from dockrl.launch.platform_files import platform_from_file
+    from dockrl.launch.platform_files import platform_from_file  # lazy: as yaml
 
     try:
         platform = get_platform(args.platform)
