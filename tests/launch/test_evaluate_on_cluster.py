@@ -97,6 +97,27 @@ def test_a_failed_evaluate_pod_fails_the_step_with_its_log_and_leaves_nothing(cl
     assert cluster.objects == {}  # torn down
 
 
+def test_a_jobset_that_completes_without_the_metrics_fails_the_step(cluster, tmp_path):
+    dataset, model = tmp_path / "ds", tmp_path / "shared" / "model"
+    dataset.mkdir()
+    model.mkdir(parents=True)
+    cluster.pods_on_create[EVALUATE_GROUP] = (_terminated(0), "")
+
+    def the_jobset_controller() -> None:  # marks the JobSet complete once its pod exited 0
+        deadline = time.monotonic() + 30
+        while not [o for o in cluster.created if o["kind"] == "JobSet"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.set_jobset(NS, status={"terminalState": "Completed"})
+
+    controller = threading.Thread(target=the_jobset_controller, daemon=True)
+    controller.start()
+    with pytest.raises(RuntimeError, match=r"completed without writing .*metrics.json; its log: `kubectl logs -n team-rl -l "
+                                           rf"dockrl.io/run={evaluate_run_id(RUN)}"):
+        evaluate_on_cluster(model, dataset, [], run_id=RUN, backend=_backend(cluster, tmp_path / "shared"), poll_s=0.05)
+    controller.join(timeout=30)
+    assert cluster.objects == {}
+
+
 @pytest.mark.slow  # the tiny model's greedy evaluation in a process of its own: ~20-40 s on 2 cores
 def test_the_evaluate_step_runs_its_pod_on_the_shared_volume_and_reports_its_metrics(cluster, tiny_model_dir, tmp_path):
     overrides = [f"run.cache_dir={tmp_path / 'cache'}", "data.generate_train=8", "data.generate_test=4", "data.eval_size=4",
