@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
 
-from dockrl.config import Config, dump_config, load_config, resolve_auto
+from dockrl.config import Config, ConfigError, dump_config, load_config, resolve_auto
 from dockrl.data import load_prompts
 from dockrl.engines.vllm_support import vllm_support
 from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, resolve_checkpoint
@@ -261,7 +261,10 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="the run's section.field=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metrics = evaluate_model(args.model, args.dataset, args.overrides, device=args.device)
+    try:
+        metrics = evaluate_model(args.model, args.dataset, args.overrides, device=args.device)
+    except (ConfigError, FileNotFoundError) as err:  # a user's input: one line, exit 2
+        parser.error(str(err))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")

@@ -75,6 +75,15 @@ def test_evaluate_renders_as_a_worker_group_of_the_run_with_every_site_hook(sche
         assert podgroup["spec"] == {"minMember": 1, "queue": "team-rl"}
 
 
+def test_dockrl_evaluate_refuses_a_folder_that_is_no_dataset_in_one_line(tmp_path, capsys):
+    from dockrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", "--out", str(tmp_path / "m.json"), str(tmp_path / "model"), str(tmp_path / "no-dataset")])
+    assert exit_.value.code == 2
+    assert "no-dataset/dataset.json does not exist" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
+
+
 def _backend(cluster, shared: Path) -> KubernetesBackend:
     platform = Platform.from_json(json.dumps(json.loads(PLATFORMS["cpu"].to_json()) | {"shared_mount_path": str(shared)}))
     return KubernetesBackend(evaluate_run_id(RUN), namespace=NS, platform=platform, core_api=cluster.core(),
