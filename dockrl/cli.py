@@ -1,4 +1,5 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node |
+ranks | smoke | evaluate``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
@@ -8,6 +9,7 @@
     dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
+    dockrl smoke --namespace team-rl | kubectl apply -f -   # an all-reduce across two pods, its bandwidth
     dockrl runs                                    # local runs and their live processes
     dockrl runs prune /mnt/dockrl/runs --older-than-days 30 --keep 5   # old run folders of the shared volume
     dockrl rollouts show runs/demo --iteration 3   # the rollouts a run kept (run.keep_rollouts); rescore, replay, page
@@ -65,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         from dockrl.launch.node import ranks_main  # lazy: as node
 
         return ranks_main(argv[1:])
+    if argv[:1] == ["evaluate"]:
+        from dockrl.launch.tasks import evaluate_main  # lazy: torch and the engines load when it evaluates
+
+        return evaluate_main(argv[1:])
+    if argv[:1] == ["smoke"]:
+        from dockrl.launch.node import smoke_main  # lazy: as node
+
+        return smoke_main(argv[1:])
     if argv[:1] == ["rollouts"]:
         from dockrl.rollouts_cli import main as rollouts_main  # lazy: pyarrow.dataset, torch, and transformers for the tokenizer
 
@@ -98,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("dock-shard", help="one transfer dock shard (dockrl dock-shard -h)")
     sub.add_parser("fork-server", help="forks a local run's stage processes from one that imported their code (started by the driver)")
     sub.add_parser("node", help="several rank processes of a worker group in one pod shaped like a node (dockrl node -h)")
-    sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout (dockrl ranks -h)")
+    sub.add_parser("ranks", help="this process's rank, device and coordinates in a parallel layout; --all-reduce: "
+                   "an all-reduce's bandwidth (dockrl ranks -h)")
+    sub.add_parser("evaluate", help="greedy accuracy of a model on a dataset folder's test split, as JSON (dockrl evaluate -h)")
+    sub.add_parser("smoke", help="a JobSet of pods that all-reduce across nodes before a first run (dockrl smoke -h)")
     sub.add_parser("runs", help="list the local runs and their live processes")
     sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): show, rescore, replay, page (dockrl rollouts -h)")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")

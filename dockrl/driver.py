@@ -108,12 +108,13 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     from a record of its own (``dockrl.launch.run_records.recorded_run``).
 
     Raises:
-        RunLockedError: another live run holds ``run.output_dir``.
+        RunLockedError: another live run holds ``run.output_dir`` (one on another host: still after
+            ``run.lock_wait_s``).
         ConfigError: what only the run can check (``model.path``, ``run.resume``, the data).
         WorkerFailed: a stage process died (distributed; its log tail in the message).
     """
     # `kill` runs the clean-up below (verifier pool, workers, the run's record, lock)
-    with RunLock(cfg.run.output_dir) as lock, sigterm_as_exit() as stop, contextlib.ExitStack() as stack:
+    with RunLock(cfg.run.output_dir, wait_s=cfg.run.lock_wait_s) as lock, sigterm_as_exit() as stop, contextlib.ExitStack() as stack:
         plan = plan_run(cfg)
         lock.accept()  # from here the lock file keeps this run's pid (a refused run puts back what it found)
         if cfg.dock.mode == "distributed":

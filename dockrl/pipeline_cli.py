@@ -105,7 +105,10 @@ def _add_compile_options(p: argparse.ArgumentParser, *, when: str = "") -> None:
                    help="YAML of this site's platform fields over the preset: devices_per_node, cpu_per_device, "
                    "memory_per_device, network_interface, extra_resources, pod_labels, pod_annotations, env, architectures, ...")
     p.add_argument("--train-retries", type=int, default=None, metavar="N",
-                   help="times KFP retries a failed train task by itself; each retry resumes from the latest checkpoint (default 0)")
+                   help="times KFP retries a train task whose launcher exited with an error (a worker pod failed, was "
+                   "evicted or its node lost); each retry resumes from the latest checkpoint. The launcher's own pod "
+                   "deleted, evicted or on a lost node is retried only where the workflow controller's default retry "
+                   "policy says so (docs/kubeflow.md, Retries) (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,12 +12,22 @@ A ``flock`` is per open file description: a child started with ``fork`` alone (n
 shares it and keeps the folder locked while it lives, which is right for a process of the run.
 Processes started by ``subprocess`` do not inherit it (close-on-exec). On a network file
 system without ``flock`` support (some NFS set-ups) the lock is local to each machine.
+
+A lock on a shared file system (NFS, CephFS) whose holder's node was lost is not released at
+once: the server keeps it until the client's lease or session expires (NFSv4: the server's lease
+time, 90 s by default; CephFS: the MDS evicts a silent client after ``mds_session_autoclose``,
+300 s by default). A retried pipeline task that starts on another node within that time finds the
+folder held by a process that no longer exists. With ``wait_s`` (the driver's
+``run.lock_wait_s``) ``RunLock`` therefore waits up to that long, polling, for a lock whose holder
+is on another host before it refuses; a holder that is a live process of this host is refused at
+once, and a dead one never holds the lock.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -26,13 +36,35 @@ from types import TracebackType
 
 from dockrl.config import ConfigError
 
+logger = logging.getLogger(__name__)
+
 LOCK_FILE = ".dockrl.lock"
 ACQUIRE_TRIES = 20
 """Attempts to lock the file at the path when a releasing run removed it in between (``RunLock.acquire``)."""
+POLL_S = 2.0
+"""Seconds between two tries at a lock held by a process of another host (``RunLock`` with ``wait_s``)."""
 
 
 class RunLockedError(ConfigError):
-    """``run.output_dir`` is held by another live run."""
+    """``run.output_dir`` is held by another run; ``holder`` is what its lock file says (``lock_holder``)."""
+
+    def __init__(self, message: str, holder: dict | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+
+
+def live_here(holder: dict) -> bool:
+    """The holder a lock file names is a live process of this host (no lease to wait for)."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    return True
 
 
 def lock_holder(run_dir: str | Path) -> dict | None:
@@ -61,6 +93,12 @@ def _read_holder(path: Path) -> dict:
         return {}  # the holder has not written its pid yet
 
 
+def _who(holder: dict) -> str:
+    if not holder:
+        return "a process that is starting"
+    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
+
+
 class RunLock:
     """Exclusive lock of a run folder (see the module docstring). It creates the folder (and the
     folders above it that are missing) and writes its pid into the lock file at once, so that a
@@ -71,13 +109,24 @@ class RunLock:
     created that holds nothing else (never a folder that was there before). An accepted run's
     pid stays in the lock file, held by nobody once it ends.
 
+    Args:
+        run_dir: the run folder.
+        wait_s: how long to wait, seconds, for a lock whose holder is not a live process of this
+            host (a lost node's, until its file system lease expires: the module docstring)
+            before refusing; 0 refuses at once.
+        poll_s: seconds between two tries while waiting.
+
     Raises (on enter):
-        RunLockedError: another live process holds the folder.
+        RunLockedError: another live process holds the folder (after ``wait_s`` for one on
+            another host: the message says how long it waited).
         ConfigError: the folder cannot be created or the lock file not written (names the path
             and the OS error, e.g. a read-only folder).
     """
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, *, wait_s: float = 0.0, poll_s: float = POLL_S) -> None:
+        if not (wait_s >= 0 and poll_s > 0):
+            raise ValueError(f"run lock: wait_s={wait_s}, poll_s={poll_s}; expected wait_s >= 0 and poll_s > 0")
+        self.wait_s, self.poll_s = wait_s, poll_s
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
@@ -86,14 +135,25 @@ class RunLock:
         self._accepted = False
 
     def acquire(self) -> RunLock:
+        deadline = None
         try:
-            for _ in range(ACQUIRE_TRIES):
-                fd = self._lock_once()
-                if fd is not None:
+            while True:
+                try:
+                    fd = self._lock()
                     break
-            else:
-                raise ConfigError(f"run.output_dir: the lock file {self.path} was removed {ACQUIRE_TRIES} times while this "
-                                  "run took it; another process keeps deleting that folder: choose another run.output_dir")
+                except RunLockedError as refused:
+                    if not self.wait_s or live_here(refused.holder):
+                        raise
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + self.wait_s
+                        logger.warning("%s is locked by %s, a process of another host; if that host was lost its lock lasts "
+                                       "until the file system's lease expires: waiting up to %.0f s (run.lock_wait_s)",
+                                       self.run_dir, _who(refused.holder), self.wait_s)
+                    if now >= deadline:
+                        raise RunLockedError(f"{refused} (still held after waiting run.lock_wait_s={self.wait_s:g} s for "
+                                             "the lock of a lost host to expire)", refused.holder) from None
+                    time.sleep(min(self.poll_s, max(deadline - now, 0.0)))
         except BaseException:
             self._remove_folders()  # a failed start leaves none of the folders it made (one the holder uses is not empty)
             raise
@@ -102,6 +162,15 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
         return self
+
+    def _lock(self) -> int:
+        """The locked descriptor of the lock file, taking it again while a releasing run removes it."""
+        for _ in range(ACQUIRE_TRIES):
+            fd = self._lock_once()
+            if fd is not None:
+                return fd
+        raise ConfigError(f"run.output_dir: the lock file {self.path} was removed {ACQUIRE_TRIES} times while this "
+                          "run took it; another process keeps deleting that folder: choose another run.output_dir")
 
     def accept(self) -> None:
         """The run is accepted and writes into the folder: release leaves the lock file with this
@@ -134,12 +203,10 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             holder = _read_holder(self.path)
-            who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
-                   if holder else "a process that is starting")
             raise RunLockedError(
-                f"run.output_dir: {self.run_dir} is in use by another dockrl run ({who}); two runs in one folder "
+                f"run.output_dir: {self.run_dir} is in use by another dockrl run ({_who(holder)}); two runs in one folder "
                 "would mix their metrics and checkpoints: wait for it to end (or stop it: dockrl teardown "
-                f"{self.run_dir}), or choose another run.output_dir"
+                f"{self.run_dir}), or choose another run.output_dir", holder
             ) from None
         try:  # the file locked must still be the one at the path: not one a releasing run unlinked after we opened it
             current = os.stat(self.path)

@@ -16,18 +16,22 @@ from pathlib import Path
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.tasks import TEARDOWN_WAIT_S
 from dockrl.resume import checkpoint_resumes_at, latest_checkpoint
-from dockrl.run_lock import lock_holder
+from dockrl.run_lock import RunLock, lock_holder
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_retry(out: Path, run_id: str, *, resume_given: bool = False) -> Path | None:
+def prepare_retry(out: Path, run_id: str, *, resume_given: bool = False, lock_wait_s: float = 0.0) -> Path | None:
     """Where a train task starts in its run folder ``out`` (``<shared>/runs/<run_id>``, which only
     an earlier, failed attempt of the same pipeline run can have written): the complete checkpoint
     it continues from, or None to start fresh.
 
-    * No folder, an empty one, or one a live run holds (the driver's lock then refuses, naming
-      it): nothing to do, None.
+    * No folder, or an empty one: nothing to do, None.
+    * A folder whose lock a process of another host holds (the failed attempt's, on a node that
+      was lost: its lock lasts until the file system's lease expires): waits up to
+      ``lock_wait_s`` seconds for it to go (``run.lock_wait_s``, ``dockrl.run_lock``), then goes on;
+      one a live process of this host holds, or still held after the wait: ``RunLockedError``
+      naming the holder.
     * A complete checkpoint (``latest_checkpoint``): it is returned and logged, ``retry of run
       <id>: resuming at iteration k from …``; the caller resumes with ``run.resume=latest``
       unless ``resume_given`` (a ``run.resume`` override, which wins).
@@ -35,8 +39,10 @@ def prepare_retry(out: Path, run_id: str, *, resume_given: bool = False) -> Path
       … over the failed attempts), its incomplete checkpoints removed (never resumed from, and
       the weights take the disk) and the rest kept (logs, metrics, config); None.
     """
-    if not out.is_dir() or not any(out.iterdir()) or lock_holder(out) is not None:
+    if not out.is_dir() or not any(out.iterdir()):
         return None
+    if lock_holder(out) is not None:
+        RunLock(out, wait_s=lock_wait_s).acquire().release()  # released by then, or RunLockedError naming the holder
     found = latest_checkpoint(out)
     if found is not None:
         if not resume_given:

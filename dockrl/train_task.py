@@ -134,6 +134,7 @@ def run_training(
     elif run_id and (shared := shared_mount(platform)) is not None:
         out = shared / "runs" / run_id
     resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
+    lock_wait_s = load_config(None, list(overrides)).run.lock_wait_s
     model_copy = fetch_model(overrides, out / MODEL_COPY)
     skipped: list[str] = []
 
@@ -143,7 +144,7 @@ def run_training(
 
     paused: WorkersSuspended | None = None
     while True:  # once, or again after each preemption of the workers (a pause: the run resumes)
-        found = prepare_retry(out, run_id, resume_given=resume_given and paused is None) if out != run else None
+        found = prepare_retry(out, run_id, resume_given=resume_given and paused is None, lock_wait_s=lock_wait_s) if out != run else None
         data = _copy_into([train_file, test_file], out / "data") if backend is not None else [train_file, test_file]
         latest = ["run.resume=latest"] if found else []
         cfg = load_config(None, [

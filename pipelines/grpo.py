@@ -32,7 +32,14 @@ export-model, evaluate) mounts the shared volume, where the user's model and dat
 the object-store Secret as optional: only a run with the S3 warehouse or ``s3://`` inputs needs it
 (``tests/pipelines/test_task_inputs.py`` holds every compiled task to this). On a platform
 with accelerators evaluate runs on the platform's image with one accelerator and the config's
-rollout engine. Local runs ignore every platform setting (kfp.local).
+rollout engine; with ``kubernetes`` evaluate drives too: its work runs in a JobSet of its own, a
+worker group of the run (``dockrl.launch.tasks.evaluate_on_cluster``) whose pod has every hook
+of the platform. KFP 2.17 can put on its own pods the platform's ``env``, ``pod_labels`` and
+``pod_annotations`` (the tasks that hold accelerators get them), but no hostPath volume,
+supplemental group, scheduler name or extended resource besides the one accelerator: compiling
+for the ``local`` backend with ``host_paths``, ``accelerator_device_gid``, ``scheduler='volcano'``
+or ``extra_resources`` set warns, naming them (``kfp_unapplied_hooks``). Local runs ignore every
+platform setting (kfp.local).
 
 Not used: kfp 2.17's task-config passthrough (``@dsl.component(task_config_passthroughs=...)``
 with a ``dsl.TaskConfig`` input, kubeflow/pipelines #12185), which forwards one task's
@@ -117,9 +124,13 @@ class PipelineSettings:
     worker_backend: WorkerBackendName = "local"
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     train_retries: int = 0
-    """Times KFP retries a failed train task by itself (a node lost, a worker evicted); each retry
+    """Times KFP retries a train task that failed by itself, after 60 s (``set_retry``); each retry
     resumes from the run's latest checkpoint on the shared volume (``dockrl.train_retry.prepare_retry``),
-    as a retry of the run from the Kubeflow UI does. 0: none."""
+    as a retry of the run from the Kubeflow UI does. 0: none. KFP 2.17 compiles it into an Argo
+    ``retryStrategy`` without a ``retryPolicy``, so Argo's default ``OnFailure`` applies: a launcher
+    that exits non-zero (a worker pod failed, was evicted or lost: the launcher fails the run) is
+    retried; a launcher pod that is itself deleted, evicted or on a lost node is not, unless the
+    cluster's workflow controller sets a default retry policy (docs/kubeflow.md, Retries)."""
     requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
     defaults to the size of a pod holding the devices its run uses: ``Platform.pod_requests``;
@@ -140,6 +151,8 @@ class PipelineSettings:
             return self.requests[task]
         if task == "train" and self.worker_backend == "local":
             return None
+        if task == "evaluate" and self.worker_backend == "kubernetes":  # drives a worker group, as the train task
+            return DEFAULT_REQUESTS["train"]
         if task == "evaluate" and self.platform.accelerator:
             one = self.platform.pod_requests(1)
             return Requests(cpu=one["cpu"], memory=one["memory"])
@@ -147,10 +160,10 @@ class PipelineSettings:
 
     def image_of(self, task: str) -> str:
         """Which image (``cpu``, ``npu``, ``gpu``) ``task`` runs: the platform's for the tasks that
-        hold its accelerators (train with the local backend; evaluate), else ``cpu``."""
+        hold its accelerators (train and evaluate with the local backend), else ``cpu``."""
         if task == "train" and self.worker_backend == "local":
             return self.platform.name
-        if task == "evaluate" and self.platform.accelerator:
+        if task == "evaluate" and self.platform.accelerator and self.worker_backend == "local":
             return self.platform.name
         return "cpu"
 
@@ -170,10 +183,32 @@ def _common(task: dsl.PipelineTask, name: str, settings: PipelineSettings) -> No
     kubernetes.add_pod_label(task, label_key="app.kubernetes.io/part-of", label_value="dockrl")
 
 
+def kfp_unapplied_hooks(settings: PipelineSettings) -> list[str]:
+    """The platform's site hooks that the KFP tasks holding accelerators (train and evaluate with
+    the ``local`` backend) do not get, since KFP 2.17 cannot express them on its pods: hostPath
+    volumes, supplemental groups, a scheduler name, extended resources besides the accelerator.
+    Empty with the ``kubernetes`` backend, whose worker pods get them all."""
+    p = settings.platform
+    if settings.worker_backend != "local" or not p.accelerator:
+        return []
+    hooks = {"host_paths (hostPath volumes)": bool(p.host_paths),
+             f"accelerator_device_gid={p.accelerator_device_gid} (supplementalGroups)": bool(p.accelerator_device_gid),
+             "scheduler='volcano' (schedulerName)": p.scheduler == "volcano",
+             "extra_resources (extended resources)": bool(p.extra_resources)}
+    return [name for name, set_ in hooks.items() if set_]
+
+
 def _accelerator_nodes(task: dsl.PipelineTask, platform: Platform, shm_devices: int) -> None:
-    """The platform's node selector and tolerations, and a ``/dev/shm`` for ``shm_devices``
+    """The platform's node selector and tolerations, its ``env``, ``pod_labels`` and
+    ``pod_annotations`` (the hooks KFP can apply), and a ``/dev/shm`` for ``shm_devices``
     devices: vLLM's workers, NCCL and HCCL exchange through it, and a container's default is
     64 MiB. A memory-backed emptyDir counts against the pod's memory; its size is a cap."""
+    for name, value in sorted(platform.env.items()):
+        task.set_env_variable(name, value)
+    for key, value in sorted(platform.pod_labels.items()):
+        kubernetes.add_pod_label(task, label_key=key, label_value=value)
+    for key, value in sorted(platform.pod_annotations.items()):
+        kubernetes.add_pod_annotation(task, annotation_key=key, annotation_value=value)
     for key, value in platform.node_selector.items():
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for t in platform.tolerations:
@@ -226,9 +261,15 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
 
 
 def _configure_evaluate(task: dsl.PipelineTask, settings: PipelineSettings) -> None:
-    """Evaluate: on a platform with accelerators, one of them and its nodes."""
+    """Evaluate (the shared volume and the object-store Secret: ``_reads_run_inputs``): with the kubernetes
+    backend a launcher of its worker group (the pod's own name, namespace and uid: the JobSet's owner); else
+    on a platform with accelerators one of them and its nodes."""
     platform = settings.platform
-    if platform.accelerator:
+    _reads_run_inputs(task, platform)
+    if settings.worker_backend == "kubernetes":
+        for env, path in POD_FIELDS_AS_ENV.items():
+            kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
+    elif platform.accelerator:
         task.set_accelerator_type(platform.accelerator).set_accelerator_limit(1)
         _accelerator_nodes(task, platform, 1)
 
@@ -247,6 +288,11 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
                                     worker_backend=worker_backend)
     s = settings
     p = run_parameter_defaults()
+    unapplied = kfp_unapplied_hooks(s)
+    if unapplied:
+        logger.warning("platform %r with the local worker backend: KFP cannot put %s on the train and evaluate pods, which "
+                       "hold the accelerators; they run without. Compile with --worker-backend kubernetes (every worker "
+                       "pod gets every hook), or make the nodes work without them", s.platform.name, ", ".join(unapplied))
 
     @dsl.pipeline(name=PIPELINE_NAME,
                   description=f"GRPO post-training through the transfer dock ({s.platform.name}, {s.worker_backend} workers)")
@@ -294,9 +340,9 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
             _common(exported, "export-model", s)
             _reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
             evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,
-                                 device="auto" if s.platform.accelerator else "cpu")
+                                 device="auto" if s.platform.accelerator else "cpu", worker_backend=s.worker_backend,
+                                 run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
             _common(evaluated, "evaluate", s)
-            _reads_run_inputs(evaluated, s.platform)
             _configure_evaluate(evaluated, s)
 
     return grpo
@@ -412,5 +458,5 @@ def task_metadata(run_dir: str | Path, task: str, artifact: str) -> dict:
     return dict(outputs[artifact]["artifacts"][0].get("metadata", {}))
 
 
-__all__ = ["DEFAULT_REQUESTS", "PIPELINE_NAME", "PipelineSettings", "Requests", "build_pipeline",
+__all__ = ["DEFAULT_REQUESTS", "PIPELINE_NAME", "PipelineSettings", "Requests", "build_pipeline", "kfp_unapplied_hooks",
            "compile_pipeline", "compiled_worker_backend", "local_summary", "run_local", "task_metadata"]

@@ -17,6 +17,7 @@ from dockrl import driver
 from dockrl.config import ConfigError, load_config, save_config
 from dockrl.resume import CheckpointInProgress, checkpoint_dir, latest_checkpoint, write_driver_state
 from dockrl.run_lock import LOCK_FILE, RunLock, RunLockedError, lock_holder
+from dockrl.train_retry import prepare_retry
 
 HOLD = "import sys, time; from dockrl.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
 
@@ -45,6 +46,70 @@ def test_a_second_run_is_refused_until_the_holder_dies_even_by_sigkill(tmp_path)
             RunLock(run).acquire()
     assert lock_holder(run) is None
     RunLock(run).acquire().release()
+
+
+# a holder on another host: the process names its host as a lost node would have (a fake host name)
+HOLD_ELSEWHERE = ("import socket, sys, time; socket.gethostname = lambda: 'fake-lost-node'; from dockrl.run_lock import RunLock; "
+                  "RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(float(sys.argv[2]))")
+
+
+def hold_lock_elsewhere(run_dir: Path, seconds: float) -> subprocess.Popen:
+    """A process that holds the lock of ``run_dir`` for ``seconds`` in the name of another host, as the
+    file system keeps a lost node's lock until its lease expires."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_ELSEWHERE, str(run_dir), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_lock_of_another_host_that_goes_away_within_the_wait_is_taken(tmp_path, caplog):
+    run = tmp_path / "run"
+    holder = hold_lock_elsewhere(run, 1.5)
+    try:
+        start = time.monotonic()
+        with RunLock(run, wait_s=60, poll_s=0.1):
+            waited = time.monotonic() - start
+            assert lock_holder(run)["pid"] == os.getpid()
+    finally:
+        holder.wait(timeout=30)
+    assert 0.5 < waited < 30
+    assert f"is locked by pid {holder.pid} on fake-lost-node" in caplog.text and "waiting up to 60 s (run.lock_wait_s)" in caplog.text
+
+
+def test_a_lock_of_another_host_that_stays_is_refused_after_the_wait(tmp_path):
+    run = tmp_path / "run"
+    holder = hold_lock_elsewhere(run, 60)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RunLockedError, match=rf"pid {holder.pid} on fake-lost-node.*still held after waiting run.lock_wait_s=1 s"):
+            RunLock(run, wait_s=1, poll_s=0.1).acquire()
+        assert 1 <= time.monotonic() - start < 10
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_a_live_holder_of_this_host_is_refused_without_waiting(tmp_path):
+    run = tmp_path / "run"
+    holder = hold_lock(run)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RunLockedError, match=rf"pid {holder.pid} on "):
+            RunLock(run, wait_s=60, poll_s=0.1).acquire()
+        assert time.monotonic() - start < 5
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_a_retried_task_waits_for_the_lost_attempts_lock_before_it_looks_at_the_folder(tmp_path):
+    out = tmp_path / "runs" / "run-1"
+    holder = hold_lock_elsewhere(out, 1.0)
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n')  # the lost attempt's, without a complete checkpoint
+    try:
+        assert prepare_retry(out, "run-1", lock_wait_s=60) is None
+    finally:
+        holder.wait(timeout=30)
+    assert not out.exists() and (tmp_path / "runs" / "run-1.attempt-1" / "metrics.jsonl").is_file()
 
 
 def test_a_read_only_run_folder_is_named(tmp_path):

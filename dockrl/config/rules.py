@@ -111,7 +111,7 @@ def check_rules(c: Config) -> None:
         "trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
         "algorithm.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_in_reward_coef": a.kl_in_reward_coef,
         "algorithm.adv_eps": a.adv_eps, "algorithm.clip_ratio_high": a.clip_ratio_high,
-        "algorithm.entropy_coeff": a.entropy_coeff,
+        "algorithm.entropy_coeff": a.entropy_coeff, "run.lock_wait_s": c.run.lock_wait_s,
         "algorithm.correct_reward": a.correct_reward, "algorithm.format_reward": a.format_reward,
     }
     for where, x in non_negative.items():

@@ -81,6 +81,12 @@ class RunConfig:
     """Workers and dock shards of a distributed run stop when the driver has not renewed its
     lease on the dock for this long, seconds (``dockrl.lifeline``; a local worker also stops at
     once when the driver process dies)."""
+    lock_wait_s: float = 300.0
+    """How long a run waits, seconds, for its run folder's lock when a process of another host
+    holds it before it refuses (``dockrl.run_lock``): a lost node's lock on NFS or CephFS lasts
+    until the file system's lease expires (NFSv4 90 s, CephFS ``mds_session_autoclose`` 300 s by
+    default), and a retried pipeline task starts within that time. A live holder on this host is
+    refused at once. 0: never wait."""
     keep_rollouts: str | float | bool = "off"
     """Keep each iteration's rows as a Parquet dataset ``<output_dir>/rollouts/iteration=<N>/shard-<S>.parquet``,
     written by the dock shards in the background when the iteration closes (docs/rollouts.md): ``off``, ``all``, or a

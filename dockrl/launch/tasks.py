@@ -7,24 +7,35 @@ long step, lives in ``dockrl/train_task.py``.
 ``teardown_run`` is what the pipeline's exit handler calls: it finds a run's workers from the
 run id alone, so it works from a different process than the one that started them.
 
+With the ``kubernetes`` worker backend the evaluate step is a launcher too
+(``evaluate_on_cluster``): the greedy evaluation runs in a JobSet of its own, one replicated job
+``evaluate`` whose pod holds the rollout's TP' devices (``parallel.infer_tp``) and is rendered
+as every worker pod of the run is (``jobset.render_jobset``: the platform's ``host_paths``,
+``env``, extra resources, labels, annotations, device group, scheduler and queue), running
+``dockrl evaluate`` (``evaluate_main``) on the model and test split on the shared volume.
+
 A dataset folder holds ``train.<ext>``, ``test.<ext>`` and ``dataset.json`` (the file names and
 row counts); ``artifacts.dataset_files`` reads it back.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
 
-from dockrl.config import Config, dump_config, load_config, resolve_auto
+from dockrl.config import Config, ConfigError, dump_config, load_config, resolve_auto
 from dockrl.data import load_prompts
 from dockrl.engines.vllm_support import vllm_support
 from dockrl.launch.artifacts import (
@@ -38,8 +49,10 @@ from dockrl.launch.artifacts import (
     upload_s3,
     write_checkpoint_pointer,
 )
-from dockrl.launch.backend import worker_backend_name
+from dockrl.launch.backend import WorkerGroup, worker_backend_name
+from dockrl.launch.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 from dockrl.launch.kubernetes import KubernetesBackend
+from dockrl.launch.kubernetes_watch import get_field
 from dockrl.launch.local import LocalBackend
 from dockrl.launch.platform import Platform
 
@@ -50,6 +63,10 @@ logger = logging.getLogger(__name__)
 
 TEARDOWN_WAIT_S = 90.0
 """How long the exit handler waits for a Kubernetes run's pods to be gone (their grace period is 30 s)."""
+EVALUATE_GROUP = "evaluate"
+"""The worker group (replicated job) of the evaluate step with the ``kubernetes`` backend."""
+EVALUATE_RESULT = "metrics.json"
+"""What ``dockrl evaluate --out`` writes: the step's metrics as JSON."""
 
 
 def _count_rows(path: Path) -> int:
@@ -298,6 +315,96 @@ def _evaluate(cfg: Config, model_dir: Path, test_file: Path) -> dict[str, float]
     return {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"], "eval/count": float(res["count"])}
 
 
+def evaluate_main(argv: list[str] | None = None) -> int:
+    """``dockrl evaluate --out metrics.json MODEL DATASET [overrides]``: ``evaluate_model``, its
+    metrics written as JSON (the command of the evaluate step's pod)."""
+    parser = argparse.ArgumentParser(prog="dockrl evaluate", description="greedy accuracy of a model on the test split of a "
+                                     "dataset folder (prepare-dataset's), written as JSON")
+    parser.add_argument("model", help="an HF model folder, or a model artifact naming one (dockrl-checkpoint.json)")
+    parser.add_argument("dataset", help="a dataset folder written by prepare-dataset")
+    parser.add_argument("--out", required=True, help="the metrics' JSON file (written whole, or not at all)")
+    parser.add_argument("--device", default="auto", help="cpu, or auto: the accelerator this process sees (default auto)")
+    parser.add_argument("overrides", nargs="*", help="the run's section.field=value overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        metrics = evaluate_model(args.model, args.dataset, args.overrides, device=args.device)
+    except (ConfigError, FileNotFoundError) as err:  # a user's input: one line, exit 2
+        parser.error(str(err))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(out.name + ".part")
+    part.write_text(json.dumps(metrics) + "\n")
+    os.replace(part, out)  # the launcher sees the whole file or none
+    return 0
+
+
+def evaluate_run_id(run_id: str) -> str:
+    """The run id (label ``dockrl.io/run``) of a run's evaluate JobSet: its own objects beside the training's."""
+    return f"{run_id}-{EVALUATE_GROUP}"
+
+
+def evaluate_group(model_dir: Path, dataset_dir: Path, result: Path, overrides: Sequence[str], cfg: Config) -> WorkerGroup:
+    """The evaluate step's worker group: one member holding the rollout's TP' devices
+    (``parallel.infer_tp``) that runs ``dockrl evaluate`` on the shared volume's model and test split."""
+    command = ("evaluate", "--out", str(result), "--device", "auto", str(model_dir), str(dataset_dir), *overrides)
+    return WorkerGroup(name=EVALUATE_GROUP, command=command, devices=cfg.parallel.infer_tp, memory="16Gi")
+
+
+def evaluate_on_cluster(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str], *, run_id: str,
+                        backend: KubernetesBackend, poll_s: float = 5.0) -> dict[str, float]:
+    """``evaluate_model`` in a worker group of the run (the module docstring), for the evaluate
+    step with the ``kubernetes`` backend; ``backend`` is that of ``evaluate_run_id(run_id)``.
+
+    The model is evaluated where it lies when it is on the shared volume (a checkpoint pointer,
+    or a model folder there); one in the object store (``s3://``) is fetched to the volume; any
+    other is copied to ``<shared>/runs/<run_id>/evaluate/model`` first (logged with its size). The
+    dataset folder is copied beside it. Objects a failed attempt of the step left are torn down
+    first, and the step's own at the end, however it ends.
+
+    Returns:
+        The metrics of ``evaluate_model``.
+
+    Raises:
+        WorkerFailed: the evaluate pod failed or cannot start (``KubernetesBackend.check``).
+        RuntimeError: its JobSet completed without writing the metrics.
+        TimeoutError: no metrics after the backend's start timeout plus ``Platform.worker_deadline_s``.
+    """
+    cfg = load_config(None, list(overrides))
+    shared = backend.shared_dir
+    folder = shared / "runs" / run_id / EVALUATE_GROUP
+    model = resolve_model(model_dir, cfg.dock, folder / "fetched")  # one in the object store: fetched onto the volume
+    if not model.resolve().is_relative_to(shared.resolve()):
+        size = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
+        logger.warning("evaluate: the model %s is not on the shared volume: copying it (%.2f GB) to %s", model, size / 1e9,
+                       folder / "model")
+        model = Path(shutil.copytree(model, folder / "model", dirs_exist_ok=True))
+    dataset = Path(shutil.copytree(dataset_dir, folder / "dataset", dirs_exist_ok=True))
+    result = folder / EVALUATE_RESULT
+    result.unlink(missing_ok=True)  # a failed attempt's
+    if backend.remains():
+        backend.teardown()
+    try:
+        backend.start([evaluate_group(model, dataset, result, overrides, cfg)])
+        limit = backend.start_timeout_s + backend.platform.worker_deadline_s
+        deadline = time.monotonic() + limit
+        while not result.is_file():
+            backend.check()
+            jobset = backend.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, backend.namespace, JOBSET_PLURAL,
+                                                                 backend.name)
+            if get_field(jobset, "status", "terminalState") == "Completed" and not result.is_file():
+                raise RuntimeError(f"evaluate: JobSet {backend.namespace}/{backend.name} completed without writing {result}; "
+                                   f"its log: {backend.logs}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"evaluate: no metrics in {result} after {limit:.0f} s; its log: {backend.logs}")
+            time.sleep(poll_s)
+    finally:
+        backend.teardown()
+    metrics = json.loads(result.read_text())
+    logger.info("evaluate on the cluster: %s", metrics)
+    return metrics
+
+
 # ---- the pipeline's run-time parameters ----
 
 RUN_PARAMETERS: dict[str, str] = {
@@ -408,5 +515,6 @@ def teardown_run(backend: str, run_id: str, *, namespace: str = "", state_dir: s
         raise ValueError("teardown: run_id is empty; pass the pipeline run's id")
     if name == "local":
         return LocalBackend(run_id, state_dir=state_dir or None).teardown()
-    # the exit handler waits for the pods to be gone: a run ends with its workers
-    return KubernetesBackend.from_cluster(run_id, namespace=namespace, teardown_wait_s=TEARDOWN_WAIT_S).teardown()
+    # the exit handler waits for the pods to be gone: a run ends with its workers, the evaluate step's too
+    return sum(KubernetesBackend.from_cluster(rid, namespace=namespace, teardown_wait_s=TEARDOWN_WAIT_S).teardown()
+               for rid in (run_id, evaluate_run_id(run_id)))

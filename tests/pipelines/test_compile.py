@@ -7,6 +7,7 @@ Regenerate the golden files after an intended change of the pipeline or a compon
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -104,9 +105,8 @@ def test_local_backend_the_train_task_carries_the_accelerators_and_the_run_folde
             assert not k8s[name].node_selector.labels and not k8s[name].tolerations and not k8s[name].empty_dir_mounts
 
 
-@pytest.mark.parametrize("fixture", ["compiled_npu", "compiled_npu_kubernetes"])
-def test_evaluate_runs_on_the_accelerator_image_with_one_device_and_the_rollout_engine(fixture, request):
-    spec, deployment, k8s = parse_ir(request.getfixturevalue(fixture))
+def test_evaluate_runs_on_the_accelerator_image_with_one_device_and_the_rollout_engine(compiled_npu):
+    spec, deployment, k8s = parse_ir(compiled_npu)
     npu = PLATFORMS["npu"]
     evaluate = deployment.executors["exec-evaluate"].container
     assert evaluate.image == npu.image
@@ -122,6 +122,45 @@ def test_evaluate_runs_on_the_accelerator_image_with_one_device_and_the_rollout_
     assert inputs["device"].runtime_value.constant.string_value == "auto"
     # export-model stays on the CPU image
     assert deployment.executors["exec-export-model"].container.image == CPU_IMAGE
+
+
+def test_kubernetes_backend_evaluate_drives_a_worker_group_of_the_run(compiled_npu_kubernetes):
+    spec, deployment, k8s = parse_ir(compiled_npu_kubernetes)
+    evaluate = deployment.executors["exec-evaluate"].container
+    assert evaluate.image == CPU_IMAGE and not evaluate.resources.HasField("accelerator")  # its worker pod holds them
+    assert (evaluate.resources.resource_cpu_request, evaluate.resources.resource_memory_request) == ("2", "8Gi")
+    cfg = k8s["exec-evaluate"]
+    assert not cfg.node_selector.labels and not cfg.tolerations and not cfg.empty_dir_mounts
+    assert [(v.constant, v.mount_path) for v in cfg.pvc_mount] == [("dockrl-shared", "/mnt/dockrl")]
+    assert {f.name for f in cfg.field_path_as_env} == {"POD_NAME", "POD_NAMESPACE", "POD_UID", "POD_IP"}  # the JobSet's owner
+    inputs = spec.components["comp-exit-handler-1"].dag.tasks["evaluate"].inputs.parameters
+    assert inputs["worker_backend"].runtime_value.constant.string_value == "kubernetes"
+    assert Platform.from_json(inputs["platform"].runtime_value.constant.string_value) == PLATFORMS["npu"]
+    assert inputs["run_id"].runtime_value.constant.string_value == "{{$.pipeline_job_uuid}}"
+
+
+def test_site_hooks_kfp_can_apply_go_on_its_accelerator_pods_and_the_others_are_named(tmp_path, caplog):
+    from dockrl.pipelines.grpo import PipelineSettings, compile_pipeline, kfp_unapplied_hooks
+
+    site = dataclasses.replace(
+        PLATFORMS["npu"], env={"HCCL_BUFFSIZE": "200"}, pod_labels={"ring-controller.atlas": "ascend-910b"},
+        pod_annotations={"k8s.v1.cni.cncf.io/networks": "roce"}, host_paths={"/etc/hccn.conf": "/etc/hccn.conf"},
+        extra_resources={"rdma/hca_shared_devices_a": "1"}, scheduler="volcano")
+    with caplog.at_level("WARNING"):
+        _, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", settings=PipelineSettings(platform=site)))
+    [warning] = [r.getMessage() for r in caplog.records if "KFP cannot put" in r.getMessage()]
+    for hook in ("host_paths (hostPath volumes)", "accelerator_device_gid=1000 (supplementalGroups)",
+                 "scheduler='volcano' (schedulerName)", "extra_resources (extended resources)", "--worker-backend kubernetes"):
+        assert hook in warning
+    for name in ("exec-train", "exec-evaluate"):  # the pods that hold the accelerators
+        env = {e.name: e.value for e in deployment.executors[name].container.env}
+        assert env["HCCL_BUFFSIZE"] == "200", name
+        assert k8s[name].pod_metadata.labels["ring-controller.atlas"] == "ascend-910b", name
+        assert k8s[name].pod_metadata.annotations["k8s.v1.cni.cncf.io/networks"] == "roce", name
+    assert "ring-controller.atlas" not in k8s["exec-export-model"].pod_metadata.labels
+    # the kubernetes backend's worker pods get every hook (tests/launch): nothing to warn about
+    assert kfp_unapplied_hooks(PipelineSettings(platform=site, worker_backend="kubernetes")) == []
+    assert kfp_unapplied_hooks(PipelineSettings(platform=PLATFORMS["gpu"])) == []
 
 
 @pytest.mark.parametrize("platform, worker_backend", [(p, b) for p in ("npu", "gpu", "cpu") for b in ("local", "kubernetes")])
