@@ -86,10 +86,12 @@ def jobset_name(run_id: str) -> str:
     return f"dockrl-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
 
 
-def secret_name(run_id: str, owner_uid: str = "") -> str:
+def secret_name(run_id: str, owner_uid: str = "", attempt: int = 0) -> str:
     """The Secret of run ``run_id`` (the values of the groups' ``secret_env``) created by the
-    launcher pod of uid ``owner_uid`` ('': a launcher outside a pod)."""
-    return f"{jobset_name(run_id)}-secrets" + (f"-{owner_uid[:8]}" if owner_uid else "")
+    launcher pod of uid ``owner_uid`` ('': a launcher outside a pod) for its ``attempt``-th JobSet
+    (after a preemption the same launcher starts the run again, with new tokens, and may not
+    change or delete its first Secret)."""
+    return f"{jobset_name(run_id)}-secrets" + (f"-{owner_uid[:8]}" if owner_uid else "") + (f"-{attempt}" if attempt else "")
 
 
 def member_host(run_id: str, group: str, replica: int, namespace: str) -> str:
@@ -121,13 +123,14 @@ def _secret_keys(groups: Sequence[WorkerGroup]) -> dict[str, str]:
 
 
 def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str, platform: Platform,
-                  owner: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  owner: dict[str, Any] | None = None, attempt: int = 0) -> list[dict[str, Any]]:
     """The API objects of a run's workers, in creation order: the Secret, the NetworkPolicy, the
     PodGroup (with ``scheduler=volcano``), the JobSet.
 
     Args:
         groups: the run's worker groups (distinct names).
         owner: owner reference of every object (the launcher pod), or None.
+        attempt: how many JobSets of the run this launcher started before (``secret_name``).
 
     Raises:
         ValueError: ``run_id`` not a label value, no group, duplicate group names, more groups
@@ -146,7 +149,7 @@ def render_jobset(groups: Sequence[WorkerGroup], *, run_id: str, namespace: str,
     meta: dict[str, Any] = {"namespace": namespace, "labels": run_labels(run_id)}
     if owner is not None:
         meta["ownerReferences"] = [owner]
-    secret = secret_name(run_id, owner["uid"] if owner else "")
+    secret = secret_name(run_id, owner["uid"] if owner else "", attempt)
     objects: list[dict[str, Any]] = [{
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": {"name": secret, **meta}, "stringData": _secret_keys(groups),

@@ -113,6 +113,7 @@ class KubernetesBackend:
         # scheduled and pulls its image on its own clock
         self.start_spread_s = float(platform.schedule_timeout_s + platform.image_pull_timeout_s)
         self._expected: dict[str, int] = {}  # group -> pods
+        self._attempts = 0  # JobSets this backend started: a resumed run's Secret is a new one
         self._watch = self._new_watch()
         self._last_look = -math.inf
         self.preempted: WorkersSuspended | None = None
@@ -196,7 +197,7 @@ class KubernetesBackend:
     def render(self, groups: Sequence[WorkerGroup]) -> list[dict[str, Any]]:
         """The run's objects in creation order (``jobset.render_jobset``)."""
         return render_jobset(groups, run_id=self.run_id, namespace=self.namespace, platform=self.platform,
-                             owner=self.owner.reference() if self.owner else None)
+                             owner=self.owner.reference() if self.owner else None, attempt=self._attempts)
 
     # ---- start ----
 
@@ -211,6 +212,7 @@ class KubernetesBackend:
             raise RuntimeError(f"kubernetes backend: run {self.run_id!r} started already; a run is one JobSet, "
                                "so start takes every group at once")
         objects = self.render(groups)
+        self._attempts += 1  # a JobSet after a preemption gets a Secret of its own
         self._watch, self._last_look, self.preempted = self._new_watch(), -math.inf, None  # a resumed run's JobSet: seen afresh
         created: dict[str, dict[str, Any]] = {}
         for obj in objects:

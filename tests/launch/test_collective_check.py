@@ -61,9 +61,9 @@ def test_the_smoke_jobset_has_a_nodes_devices_per_pod_and_every_site_hook(valida
         env={"HCCL_BUFFSIZE": "200"}, extra_resources={"rdma/hca_shared_devices_a": "1"},
         pod_labels={"ring-controller.atlas": "ascend-910b"}, scheduler="volcano")
     objects = smoke_objects(site, pods=2, namespace=NS)
-    assert [o["kind"] for o in objects] == ["Secret", "PodGroup", "JobSet"]
+    assert [o["kind"] for o in objects] == ["Secret", "NetworkPolicy", "PodGroup", "JobSet"]
     validate_strict(objects[0])
-    validate_jobset(objects[2])
+    validate_jobset(objects[3])
     job, pod = _pod(objects)
     assert (job["completions"], job["activeDeadlineSeconds"]) == (2, 3600)
     spec = pod["spec"]
