@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> str:
         work = Path(tmp)
         model = args.model
         if not model:
-            from dockrl.models import build_tiny_model
+            from dockrl.run.models import build_tiny_model
 
             model = str(build_tiny_model(work / "model"))
         for r in range(args.repeats):

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from dockrl.config import DEFAULT_SYSTEM_PROMPT
-from dockrl.data import generate_problems, prompt_token_ids
 from dockrl.engines import hf_logprobs, micro_batching
 from dockrl.engines.hf_train import HFTrainEngine
-from dockrl.models import build_tiny_model
+from dockrl.run.data import generate_problems, prompt_token_ids
+from dockrl.run.models import build_tiny_model
 
 pack_rows = getattr(hf_logprobs, "pack_rows", None)  # absent in versions that right-pad every micro-batch
 micro_batches = getattr(micro_batching, "micro_batches", None)  # absent in versions that cut micro-batches of consecutive rows

@@ -1,6 +1,6 @@
 """KFP component: greedy accuracy of a Model on the test split of a Dataset, as Metrics.
 
-The work is ``dockrl.launch.tasks.evaluate_model``. ``device`` is compiled in: ``auto`` where the
+The work is ``dockrl.kubeflow.steps.evaluate_model``. ``device`` is compiled in: ``auto`` where the
 pipeline gives the step the platform's image and one accelerator (the rollout engine the config
 resolves for it: vLLM where it runs there), ``cpu`` on a platform without accelerators.
 """
@@ -22,7 +22,7 @@ def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: Lis
     from dockrl.launch.image_env import enter_image_environment
 
     enter_image_environment()  # first, before torch loads: on the NPU image CANN's environment, which KFP's command bypasses
-    from dockrl.launch.tasks import evaluate_model
+    from dockrl.kubeflow.steps import evaluate_model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name, value in evaluate_model(model.path, dataset.path, config_overrides, device=device).items():

@@ -1,6 +1,6 @@
 """KFP component: export the trained checkpoint as a self-contained HF safetensors Model.
 
-The work is ``dockrl.launch.tasks.export_model``.
+The work is ``dockrl.kubeflow.steps.export_model``.
 """
 
 from kfp import dsl
@@ -15,7 +15,7 @@ def export_model(checkpoint: Input[Model], dtype: str, model: Output[Model]):
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
-    from dockrl.launch.tasks import export_model as export
+    from dockrl.kubeflow.steps import export_model as export
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model.metadata.update(export(checkpoint.path, model.path, dtype))

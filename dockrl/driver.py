@@ -5,15 +5,15 @@
 The driver never moves payload between stages: it opens an iteration, puts its prompt rows into
 the dock, and each stage claims what it needs and puts its columns back. Where the stages run
 is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcessStages``
-(``dockrl/workers/inprocess.py``, every stage in this process) or ``ProcessStages``
+(``dockrl/stages/inprocess.py``, every stage in this process) or ``ProcessStages``
 (``dockrl/launch/distributed.py``, every stage a process reporting through the dock). A run (``train`` → ``drive``): plan it
-(``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
+(``dockrl.run.setup``), start the stages, evaluate, then per iteration open it with its prompts,
 collect the stages' metrics, close (with ``run.keep_rollouts`` the shards
-keep its rows: ``dockrl.rollouts``), log and checkpoint when due (``dockrl/resume.py``; older
-ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint_pruning.py``); then the final checkpoint, the evaluation after
+keep its rows: ``dockrl.rollouts.keep``), log and checkpoint when due (``dockrl/checkpoint/resume.py``; older
+ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint/pruning.py``); then the final checkpoint, the evaluation after
 training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
-(``dockrl.workers.rollout_process.sync_target`` bounds their staleness).
+(``dockrl.stages.rollout_process.sync_target`` bounds their staleness).
 """
 
 from __future__ import annotations
@@ -25,17 +25,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
-from dockrl.checkpoint_pruning import prune_checkpoints
-from dockrl.config import Config
-from dockrl.config.run_sections import keep_fraction
-from dockrl.data import Prompt
-from dockrl.dock import Dock
-from dockrl.launch.distributed import start_processes
-from dockrl.launch.run_records import recorded_run
-from dockrl.lifeline import sigterm_as_exit
-from dockrl.metrics import MetricsWriter, plot_metrics
-from dockrl.progress import Progress
-from dockrl.resume import (
+from dockrl.checkpoint.pruning import prune_checkpoints
+from dockrl.checkpoint.resume import (
     CheckpointInProgress,
     checkpoint_dir,
     checkpoint_due,
@@ -44,10 +35,19 @@ from dockrl.resume import (
     write_driver_state,
     write_final_state,
 )
-from dockrl.rollouts import keep_spec, write_dataset_meta
-from dockrl.run_lock import RunLock
-from dockrl.run_setup import RunPlan, plan_run, prompt_batches
-from dockrl.stage_loop import Report
+from dockrl.config import Config
+from dockrl.config.run_sections import keep_fraction
+from dockrl.dock import Dock
+from dockrl.launch.distributed import start_processes
+from dockrl.launch.run_records import recorded_run
+from dockrl.process.lifeline import sigterm_as_exit
+from dockrl.rollouts.keep import keep_spec, write_dataset_meta
+from dockrl.run.data import Prompt
+from dockrl.run.lock import RunLock
+from dockrl.run.metrics import MetricsWriter, plot_metrics
+from dockrl.run.progress import Progress
+from dockrl.run.setup import RunPlan, plan_run, prompt_batches
+from dockrl.stages.loop import Report
 
 if TYPE_CHECKING:
     from dockrl.launch.backend import WorkerBackend
@@ -102,7 +102,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format), with ``run.keep_rollouts`` ``rollouts/``
     (written by the dock shards, docs/rollouts.md) and, distributed, ``logs/``.
     Nothing of the run folder is written before the run is accepted, and the folder is locked
-    for the run's lifetime (``dockrl.run_lock``). A checkpoint whose write an error, Ctrl-C or
+    for the run's lifetime (``dockrl.run.lock``). A checkpoint whose write an error, Ctrl-C or
     SIGTERM cut short is removed once the stages stopped (``CheckpointInProgress``). While it
     runs, ``dockrl runs`` lists the run: distributed, from the launcher's record; in-process,
     from a record of its own (``dockrl.launch.run_records.recorded_run``).
@@ -119,7 +119,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         if cfg.dock.mode == "distributed":
             runner: StageRunner = start_processes(plan, backend)  # its backend records the run
         else:
-            from dockrl.workers.inprocess import InProcessStages  # lazy: the engines (transformers, ~2 s); distributed mode needs none here
+            from dockrl.stages.inprocess import InProcessStages  # lazy: the engines (transformers, ~2 s); distributed mode needs none here
 
             run = f"dockrl-{secrets.token_hex(6)}"
             stack.enter_context(recorded_run(run, cfg.run.output_dir))
@@ -243,7 +243,7 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
     ``announce=False`` leaves it unannounced to the stages (a checkpoint snapshots it first).
     ``gate`` (dynamic sampling: ``trainer.global_batch``): only the first ``gate`` prompts, the
     first round, get the ``released`` gate; the advantage stage releases the later rounds
-    (``dockrl.workers.dynamic_sampling``).
+    (``dockrl.stages.dynamic_sampling``).
     """
     dock.open_iteration(iteration, len(picked) * n, n, announce=announce)
     dock.put(range(len(picked) * n), {

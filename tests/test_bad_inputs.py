@@ -242,8 +242,8 @@ def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model
 
 
 def test_a_stopped_run_says_whether_a_checkpoint_resumes_it(tmp_path):
+    from dockrl.checkpoint.resume import FORMAT, STATE_FILE
     from dockrl.cli import resume_hint
-    from dockrl.resume import FORMAT, STATE_FILE
 
     run = tmp_path / "run"
     # stopped before it was accepted: the folders it made are gone again, and nothing stands in the way
@@ -273,7 +273,7 @@ OTHER_ROWS = [  # checked by the tests named, which need more than a command lin
      "iteration <i>: dock shard 0 at grpc://<host:port> did not answer within <s> s while its process runs",
      "tests/launch/test_local_backend.py"),
     ("run", "a second run into a folder in use", 2, "run.output_dir: <path> is in use by another dockrl run (pid <pid> on <host>, since <time>)",
-     "tests/test_run_lock.py"),
+     "tests/run/test_run_lock.py"),
 ]
 
 

@@ -156,7 +156,7 @@ class RewardModelPathConfig:
 @dataclass(frozen=True, kw_only=True)
 class RewardModelConfig:
     """verl's ``reward_model:`` section: a learned scorer next to the rule verifier. Its stage
-    (``dockrl/workers/reward_model.py``) writes ``rm_model_score``; the reward stage writes
+    (``dockrl/stages/reward_model.py``) writes ``rm_model_score``; the reward stage writes
     ``rm_score = rule_weight · rule + model_weight · model``."""
 
     enable: bool = False

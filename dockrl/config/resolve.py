@@ -1,7 +1,7 @@
 """The one step that turns a config's ``auto`` fields into this machine's answer: ``resolve_auto``.
 
 Loading a config (``dockrl.config.loading``) probes nothing and keeps ``auto``; each process that
-needs the answer resolves here, where it runs: the run's set-up (``dockrl.run_setup.plan_run``),
+needs the answer resolves here, where it runs: the run's set-up (``dockrl.run.setup.plan_run``),
 every stage process (``dockrl worker``), the pipeline's evaluate step. A portable dump
 (``dump_config(portable=True)``) writes ``auto`` again, so a stage pod on another node resolves
 for its own device and the packages of its own image.

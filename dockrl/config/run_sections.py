@@ -71,7 +71,7 @@ class RunConfig:
     """torch intra-op threads (0: torch's default)."""
     resume: str = ""
     """Resume from a checkpoint: '' (a fresh run), 'latest' (the newest complete one under
-    output_dir/checkpoints) or a checkpoint folder (``dockrl.resume``)."""
+    output_dir/checkpoints) or a checkpoint folder (``dockrl.checkpoint.resume``)."""
     fork_server: bool = True
     """A local distributed run (``dock.mode=distributed`` on this machine) forks its stage processes from one
     process that has imported their code, torch and transformers (``dockrl/launch/fork_server.py``): a run
@@ -79,7 +79,7 @@ class RunConfig:
     starts an interpreter of its own. The pipeline's stage pods (its ``worker_backend=kubernetes``) always start their own."""
     driver_timeout_s: float = 60.0
     """Workers and dock shards of a distributed run stop when the driver has not renewed its
-    lease on the dock for this long, seconds (``dockrl.lifeline``; a local worker also stops at
+    lease on the dock for this long, seconds (``dockrl.process.lifeline``; a local worker also stops at
     once when the driver process dies)."""
     keep_rollouts: str | float | bool = "off"
     """Keep each iteration's rows as a Parquet dataset ``<output_dir>/rollouts/iteration=<N>/shard-<S>.parquet``,

@@ -206,7 +206,7 @@ class TrainerConfig:
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     """The critic of PPO (``algorithm.adv_estimator=gae``): a value model V(s_t) per response token,
-    trained in the same iteration as the actor on the GAE returns (``dockrl/workers/critic.py``).
+    trained in the same iteration as the actor on the GAE returns (``dockrl/stages/critic.py``).
     Names follow verl's ``critic`` section (``trainer.critic_warmup`` is ``warmup_iterations`` here).
     It trains with transformers (the ``hf`` engine) whatever ``trainer.engine`` the actor uses."""
 

@@ -13,7 +13,7 @@ from dockrl.config.sections import RolloutConfig, TrainerConfig
 
 
 def multi_turn(env: EnvConfig) -> bool:
-    """Whether the rollout runs the multi-turn loop (``dockrl.workers.multi_turn``): the run has an
+    """Whether the rollout runs the multi-turn loop (``dockrl.stages.multi_turn``): the run has an
     environment (``env.name``); its rows then carry ``loss_mask`` and the turn columns."""
     return bool(env.name)
 

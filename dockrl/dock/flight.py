@@ -52,7 +52,7 @@ import time
 from dockrl.dock.flight_server import DockShardServer
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard_requests import Payload
-from dockrl.lifeline import driver_pid_from_env, watch_driver
+from dockrl.process.lifeline import driver_pid_from_env, watch_driver
 
 logger = logging.getLogger(__name__)
 

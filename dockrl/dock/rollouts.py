@@ -36,7 +36,7 @@ SCHEMA_VERSION = 1
 """Version of the kept rollouts' layout and columns (docs/rollouts.md); stored in every file and in ``_meta.json``."""
 QUEUE = 2
 """Closed iterations a shard's writer holds at most: a close waits while it is this many behind."""
-META_KEY = b"dockrl.rollouts"
+META_KEY = b"dockrl.rollouts.keep"
 """The Parquet key-value metadata of every file: its lineage as JSON (``KeepSpec.meta`` and the file's own)."""
 LEADING = ("iteration", "row", "shard", "weight_version", "prompt_length", "response_length")
 """The columns of a kept row before the dock's own (the schema's columns but its rewritable carry-over ones)."""

@@ -42,7 +42,7 @@ Requests (``action(name, body)``; every body and result is JSON-compatible):
   {stage: metrics}, ``finish`` {}; ``timeout_s`` null waits without limit.
 * warehouse payload (``payload="store"`` only): ``commit`` {iteration, rows, objects:
   {column: {key, offsets}}, ack?} and ``locate`` {iteration, columns, rows} → {column: Located}.
-* the driver's lease (``dockrl.lifeline``): ``driver_beat`` {}, ``driver_quiet`` {} → {quiet_s}.
+* the driver's lease (``dockrl.process.lifeline``): ``driver_beat`` {}, ``driver_quiet`` {} → {quiet_s}.
 
 Payload (``payload="memory"`` only): ``put(body, table)`` with body {iteration, ack?} and a
 table of an int64 ``row`` column (global row indexes) plus data columns; ``get`` {iteration,

@@ -1,7 +1,7 @@
 """Build the engines a run's config asks for: ``rollout.engine`` and ``trainer.engine``.
 
 Shared by the in-process stages (``dockrl/driver.py``), the stage processes
-(``dockrl/workers/``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
+(``dockrl/stages/``) and the hybrid actor (``dockrl/stages/hybrid.py``). vLLM and
 megatron-core are imported only when chosen. Every engine is placed on this process's device,
 which its entry point chose once with the process's ranks (``process_ranks``).
 """

@@ -39,7 +39,7 @@ from dockrl.engines.hf_load import load_tokenizer, warn_foreign_sampling
 from dockrl.engines.rollout_engine import Sample
 from dockrl.engines.vllm_lora import VLLMAdapters, max_lora_rank
 from dockrl.engines.vllm_setup import _hide_unscannable_modules, _model_generation_config, check_platform, checkpoint_layout, layer_groups
-from dockrl.memory import release_pages
+from dockrl.process.memory import release_pages
 
 CPU = torch.device("cpu")
 
@@ -182,7 +182,7 @@ class VLLMRolloutEngine:
         Each request is seeded (vLLM's per-request ``SamplingParams.seed``) from torch's global
         generator, one draw per prompt in order, mixed with the engine's ``seed``: every stage
         reseeds that generator per iteration from ``(trainer.seed, iteration)``
-        (``dockrl.seeding.seed_iteration``), so the same prompts in the same order draw the same
+        (``dockrl.process.seeding.seed_iteration``), so the same prompts in the same order draw the same
         responses whatever the engine sampled before (a resumed run repeats the uninterrupted
         one, as with the HF engine). Greedy decoding draws no seeds.
         Log-probs are vLLM's ``processed_logprobs`` of the sampled token: the log-softmax of
@@ -312,7 +312,7 @@ class VLLMRolloutEngine:
 
     def release_kv_cache(self) -> int:
         """Hand the KV cache's memory back to the kernel between rollouts, on the CPU (vLLM's CPU
-        worker has no sleep mode): its whole pages are released (``dockrl.memory.release_pages``)
+        worker has no sleep mode): its whole pages are released (``dockrl.process.memory.release_pages``)
         and read as zeros when the next rollout writes them; the prefix cache is reset, so that no
         block is read before it is written again. Elsewhere (device memory, or sleep mode) nothing.
 
@@ -338,7 +338,7 @@ class VLLMRolloutEngine:
         vLLM's CPU linear layers keep their weights packed for their kernels (a oneDNN handler, or a
         packed tensor, in the layer's ``cpu_linear``; the parameter itself is emptied): each layer's
         ``cpu_linear`` is dropped, which frees its packed copy, and the pages of every other parameter
-        (embedding, norms, biases) are released (``dockrl.memory.release_pages``). ``load_weights``
+        (embedding, norms, biases) are released (``dockrl.process.memory.release_pages``). ``load_weights``
         rebuilds a layer's kernel once its tensors arrive (vLLM's layerwise reload); ``generate``
         raises until every tensor has been loaded again. Elsewhere (device memory, sleep mode), or
         with LoRA adapters, nothing.

@@ -20,7 +20,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from dockrl.envs.base import EnvironmentFailure, Episode, Step
-from dockrl.lifeline import guard_pool_worker
+from dockrl.process.lifeline import guard_pool_worker
 from dockrl.rewards.guard import START_TIMEOUT_S, import_scorer
 
 

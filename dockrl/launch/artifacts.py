@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.dock.rollouts import SCHEMA_VERSION
-from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
+from dockrl.rollouts.keep import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
 
 DATASET_MANIFEST = "dataset.json"
 CHECKPOINT_POINTER = "dockrl-checkpoint.json"

@@ -4,13 +4,13 @@
 ``RUN/logs/``; or ``KubernetesBackend``, one JobSet per run), every group at once:
 ``dock.shards`` dock shards (``dockrl dock-shard``, a bearer token generated for the run and
 passed as a secret) and one group per stage process (``dockrl worker``,
-``dockrl.stages.stage_processes``). Rollout and actor meet on the weight channel, whose
+``dockrl.stages.table.stage_processes``). Rollout and actor meet on the weight channel, whose
 ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
 × dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
 (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
 be ones the members see. ``ProcessStages`` is then the driver's stage runner
-(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stage_loop.Report``),
+(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stages.loop.Report``),
 waited for in short slices that check the workers in between (``wait_reports``).
 """
 
@@ -32,15 +32,15 @@ from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client import DockClient
 from dockrl.dock.flight import is_loopback
 from dockrl.dock.warehouse_stores import make_warehouse
-from dockrl.driver_lease import DriverLease, wait_for_shards
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
-from dockrl.process_env import CONFIG_ENV, TOKEN_ENV
-from dockrl.run_setup import RunPlan
-from dockrl.stage_loop import Report, final_report
-from dockrl.stages import checkpoint_reports, iteration_reports, stage_processes
-from dockrl.stages import stage as stage_row
+from dockrl.process.env import CONFIG_ENV, TOKEN_ENV
+from dockrl.run.driver_lease import DriverLease, wait_for_shards
+from dockrl.run.setup import RunPlan
+from dockrl.stages.loop import Report, final_report
+from dockrl.stages.table import checkpoint_reports, iteration_reports, stage_processes
+from dockrl.stages.table import stage as stage_row
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def member_devices(cfg: Config, stage: str) -> int:
     The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
     dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each
     for the rollout, actor, reference and critic processes of a non-hybrid run, and one for the reward model
-    (the rows of ``dockrl.stages.STAGES`` with ``devices``).
+    (the rows of ``dockrl.stages.table.STAGES`` with ``devices``).
     """
     return 1 if stage_row(stage).devices else 0
 
@@ -70,7 +70,7 @@ def stage_members(layout: ParallelLayout, stage: str) -> tuple[int, int]:
     actor is one member per rank of the layout (``tp × pp × dp``), and its tensor-parallel groups
     (training TP, inference TP': ``lcm(tp, infer_tp)`` consecutive ranks, as ranks are numbered
     TP fastest) share a node, since their collectives run on every layer; every other stage is one
-    member (the rows of ``dockrl.stages.STAGES`` with ``layout``)."""
+    member (the rows of ``dockrl.stages.table.STAGES`` with ``layout``)."""
     if stage_row(stage).layout:
         return layout.world_size, math.lcm(layout.tp, layout.infer_tp)
     return 1, 1
@@ -241,7 +241,7 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
 class ProcessStages:
     """The ``StageRunner`` of ``dock.mode=distributed`` (``dockrl/driver.py``): the stages run as
     processes (``start_processes``) and their metrics arrive as reports through ``dock``
-    (``dockrl.stage_loop.Report``). Every wait watches the processes (``wait_reports``), so a dead
+    (``dockrl.stages.loop.Report``). Every wait watches the processes (``wait_reports``), so a dead
     one fails the run within a second with ``WorkerFailed``.
 
     Args:

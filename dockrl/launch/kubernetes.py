@@ -6,7 +6,7 @@ client, all groups at once (``kubernetes_objects.py``: create, list, delete). Ev
 ``dockrl.io/group``); the Secret and the PodGroup are owned by the JobSet, the JobSet by the
 launcher pod. ``teardown`` (the driver's ``finally`` and the pipeline's exit handler) deletes
 them by label; the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
-the dock (``dockrl.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
+the dock (``dockrl.process.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
 the shards and the stages exit) bound what a lost launcher leaves behind.
 
 How a run's stages find what they need, in pods that cannot see the launcher's files:

@@ -5,12 +5,12 @@ a child process (``spawn``) and calls its ``score`` there, so a scorer that hang
 ``algorithm.reward_timeout_s`` per sample of the batch: past that, the child is killed, the
 batch scores 0 and counts as timed out, and the next batch starts a fresh child. A scorer that
 raises fails the run with its traceback, naming ``algorithm.scorer``. The child exits with
-its owner, even when the owner is SIGKILLed (``dockrl.lifeline.guard_pool_worker``).
+its owner, even when the owner is SIGKILLed (``dockrl.process.lifeline.guard_pool_worker``).
 
 ``check_rewards`` turns what a scorer returned into one float per response: a value that is
 not a finite real number (NaN, inf, a string, None), and every value of a result that is not
 a sequence of the right length, becomes 0.0 and is counted as bad, with the reason. The reward
-stage (``dockrl.workers.reward``) fails the run once more than ``algorithm.max_bad_reward_frac``
+stage (``dockrl.stages.reward``) fails the run once more than ``algorithm.max_bad_reward_frac``
 of an iteration's rewards were bad (timed out, failed, or not finite numbers).
 """
 
@@ -29,7 +29,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
-from dockrl.lifeline import guard_pool_worker
+from dockrl.process.lifeline import guard_pool_worker
 from dockrl.rewards.scorer import RewardScorer
 
 logger = logging.getLogger(__name__)

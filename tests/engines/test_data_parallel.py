@@ -76,7 +76,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _engine_step(actor, part: dict, loss_agg: str):
     """The megatron engine's gradient of ``part`` after the data-parallel reduction, and its metrics."""
-    from dockrl.workers.actor import accumulate_mini_batch
+    from dockrl.stages.actor import accumulate_mini_batch
 
     actor.start_training()
     engine = actor.train_engine
@@ -93,8 +93,8 @@ def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     """The hybrid update stage on this rank's dock; the gradient is read before the sync."""
     from dockrl.config import DockConfig
     from dockrl.dock import GRPO_SCHEMA, open_dock
-    from dockrl.workers.actor import ActorWorker
-    from dockrl.workers.hybrid import UpdateThenSync
+    from dockrl.stages.actor import ActorWorker
+    from dockrl.stages.hybrid import UpdateThenSync
 
     trainer = TrainerConfig(global_batch=2, mini_batch=2, micro_batch=4)
     worker = ActorWorker(actor.train_engine, trainer=trainer, algo=AlgorithmConfig(loss_agg_mode=loss_agg),

@@ -18,7 +18,7 @@ from dockrl.config import AlgorithmConfig
 from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.engines.megatron_convert import GPTArch
 from dockrl.engines.megatron_model import transformer_config
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.stages.actor import accumulate_mini_batch
 
 
 @pytest.fixture(scope="module", params=["qwen2-attention_dropout", "gpt2-pdrop"])

@@ -29,8 +29,8 @@ from dockrl.parallel.ranks import join_groups  # noqa: E402
 from dockrl.resharding.allgather_swap import Phase, PhaseError  # noqa: E402
 from dockrl.resharding.buckets import bucket_checksum, plan_buckets  # noqa: E402
 from dockrl.resharding.spec import infer_state_dict  # noqa: E402
-from dockrl.workers.actor import accumulate_mini_batch  # noqa: E402
-from dockrl.workers.hybrid import UpdateThenSync  # noqa: E402
+from dockrl.stages.actor import accumulate_mini_batch  # noqa: E402
+from dockrl.stages.hybrid import UpdateThenSync  # noqa: E402
 
 BUCKET_BYTES = 96 << 10
 

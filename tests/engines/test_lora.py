@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dockrl.checkpoint.optimizer_state import save_optimizer
 from dockrl.config import LoraConfig, load_config
 from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
 from dockrl.engines.hf_lora import ADAPTER_DIR, adapter_numel
 from dockrl.engines.hf_rollout import HFRolloutEngine
 from dockrl.engines.hf_train import AdaptersDisabled, HFTrainEngine
-from dockrl.optimizer_state import save_optimizer
 from dockrl.parallel.ranks import ProcessRanks
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

@@ -23,7 +23,7 @@ from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_to_hf
 from dockrl.engines.train_engine import TrainEngine
 from dockrl.parallel.cpu_device import CudaFactoriesOnCpu
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.stages.actor import accumulate_mini_batch
 
 LR = 1e-3
 TEMPERATURE = 0.7

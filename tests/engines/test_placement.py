@@ -18,8 +18,8 @@ from dockrl.engines.hf_logprobs import response_log_probs
 from dockrl.engines.hf_rollout import HFRolloutEngine
 from dockrl.engines.hf_train import HFTrainEngine
 from dockrl.parallel import ranks as ranks_module
-from dockrl.workers import actor
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.stages import actor
+from dockrl.stages.actor import accumulate_mini_batch
 
 META = torch.device("meta")
 

@@ -24,7 +24,7 @@ from dockrl.engines.hf_train import HFTrainEngine  # noqa: E402
 from dockrl.engines.rollout_engine import RolloutEngine  # noqa: E402
 from dockrl.engines.vllm import _PARTIAL_RELOAD_WARNINGS, VLLMRolloutEngine  # noqa: E402
 from dockrl.engines.vllm_setup import layer_groups  # noqa: E402
-from dockrl.memory import resident_bytes  # noqa: E402
+from dockrl.process.memory import resident_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
 @pytest.mark.slow  # three short in-process runs, each starting vLLM: ~2-4 min on one core
 def test_an_interrupted_vllm_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path):
     """A run with vLLM cut in iteration 2 and resumed from the checkpoint after iteration 1 samples
-    what the uninterrupted run samples (tests/test_resume.py's run, with vLLM): its samples come
+    what the uninterrupted run samples (tests/runs/test_resume.py's run, with vLLM): its samples come
     from the generator every process reseeds per iteration, not from state of the engine."""
     from test_resume import Interrupt, read_rows, same_rows, tiny_run
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory

@@ -12,7 +12,7 @@ import pytest
 from dockrl.config import DockConfig, load_config
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.rewards.guard import ScorerError, ScorerProcess, check_rewards
-from dockrl.workers.reward import RewardWorker
+from dockrl.stages.reward import RewardWorker
 
 FAKES = str(Path(__file__).parents[1])  # tests/fake_scorers.py
 
