@@ -148,7 +148,7 @@ def length_line(model: str, args: argparse.Namespace) -> str:
     import torch
 
     from dockrl.config import load_config
-    from dockrl.engines.hf_rollout import HFRolloutEngine
+    from dockrl.engines.hf.rollout import HFRolloutEngine
     from dockrl.run.data import generate_problems, prompt_token_ids
 
     system = load_config(None, []).data.system_prompt

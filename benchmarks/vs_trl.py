@@ -209,7 +209,7 @@ def model_sizes(spec: dict[str, Any]) -> dict[str, float]:
     trainable = params
     if spec["lora_rank"]:
         from dockrl.config import LoraConfig
-        from dockrl.engines.hf_lora import adapter_shapes
+        from dockrl.engines.hf.lora import adapter_shapes
 
         lora = LoraConfig(rank=spec["lora_rank"], alpha=2 * spec["lora_rank"])
         trainable = sum(shape.numel() for _, shape in adapter_shapes(spec["model"], lora))

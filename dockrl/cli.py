@@ -5,7 +5,7 @@
     dockrl train --print-config rollout.n=16       # the config as YAML (auto fields stay auto), nothing run
     dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/kubeflow/pipeline_cli.py)
     dockrl worker -h                               # one stage of a distributed run (dockrl/stages/main.py)
-    dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
+    dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight/shards.py)
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl runs                                    # local runs and their live processes
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(argv[1:])
     if argv[:1] == ["dock-shard"]:
-        from dockrl.dock.flight import serve_shard  # lazy: pyarrow.flight, needed in a shard process only
+        from dockrl.dock.flight.shards import serve_shard  # lazy: pyarrow.flight, needed in a shard process only
 
         return serve_shard(argv[1:])
     if argv[:1] == ["fork-server"]:

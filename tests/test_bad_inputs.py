@@ -208,7 +208,7 @@ def test_a_missing_model_path_is_named_before_transformers_models_are_imported(t
     missing = tmp_path / "no-model"
     code = ("import sys; from dockrl.cli import main; "
             f"rc = main(['train', 'model.path={missing}', 'run.output_dir={tmp_path / 'run'}', 'run.cache_dir={tmp_path / 'cache'}']); "
-            "print(rc, 'dockrl.engines.hf_load' in sys.modules)")
+            "print(rc, 'dockrl.engines.hf.load' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["2", "False"], proc.stderr
     assert f"dockrl: config error: model.path: got '{missing}'; expected a local HF model folder" in proc.stderr

@@ -105,7 +105,7 @@ def auto_rollout_engine(device: str, *, hybrid: bool) -> tuple[Literal["hf", "vl
 
     The one place that decides: the hybrid actor generates with vLLM; else ``$DOCKRL_AUTO_ROLLOUT_ENGINE``
     when set; else vLLM where a vLLM build for ``device`` is installed and can run
-    (``dockrl.engines.vllm_support.vllm_support``), as it generates several times faster than
+    (``dockrl.engines.vllm.support.vllm_support``), as it generates several times faster than
     transformers' ``generate`` (docs/engines.md), and HF otherwise.
 
     Raises:
@@ -118,7 +118,7 @@ def auto_rollout_engine(device: str, *, hybrid: bool) -> tuple[Literal["hf", "vl
         if pinned not in ("hf", "vllm"):
             raise _fail(AUTO_ENGINE_ENV, pinned, "expected 'hf' or 'vllm' (what rollout.engine=auto resolves to), or unset")
         return ("hf" if pinned == "hf" else "vllm"), f"{AUTO_ENGINE_ENV}={pinned} in the environment"
-    from dockrl.engines.vllm_support import vllm_support  # the engines sit above the config: only where auto is probed
+    from dockrl.engines.vllm.support import vllm_support  # the engines sit above the config: only where auto is probed
 
     support = vllm_support(device)
     return ("vllm" if support.ok else "hf"), support.reason

@@ -261,7 +261,7 @@ def _check_engines(c: Config) -> None:
 
 
 VLLM_MAX_LORA_RANK = 512
-"""The largest adapter rank vLLM 0.32 serves (its ``max_lora_rank`` choices; ``dockrl.engines.vllm_lora``)."""
+"""The largest adapter rank vLLM 0.32 serves (its ``max_lora_rank`` choices; ``dockrl.engines.vllm.lora``)."""
 
 
 def _check_lora(c: Config) -> None:

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dockrl.config import Config
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.engines.rollout_engine import RolloutEngine
 from dockrl.engines.train_engine import ScoringEngine, TrainEngine
-from dockrl.engines.vllm import VLLMRolloutEngine
+from dockrl.engines.vllm.engine import VLLMRolloutEngine
 from dockrl.parallel.ranks import ProcessRanks, join_groups
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
     sampler with ``trainer.seed + ranks.rank``, so that they draw apart.
 
     With LoRA (``trainer.lora``) and ``adapter_sync`` the engine holds the base weights of
-    ``model_path`` and the adapters (HF: ``hf_lora.add_rollout_adapters``; vLLM: ``vllm_lora``); a
+    ``model_path`` and the adapters (HF: ``hf.lora.add_rollout_adapters``; vLLM: ``vllm.lora``); a
     resumed run (``run.resume``) loads the checkpoint's adapter, or with ``sync=merged`` starts from
     the checkpoint's merged weights.
 
@@ -80,7 +80,7 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
         model_path = Path(cfg.run.resume)  # a merged-weights rollout starts from the checkpoint's merged weights
     engine = _rollout_engine(cfg, model_path, ranks, actor)
     if adapter_sync(cfg) and cfg.run.resume and not (actor is not None and shares_actor_module(cfg, actor)):
-        from dockrl.engines.hf_lora import checkpoint_adapter  # lazy: peft loads only for a LoRA run
+        from dockrl.engines.hf.lora import checkpoint_adapter  # lazy: peft loads only for a LoRA run
 
         engine.load_weights(checkpoint_adapter(Path(cfg.run.resume)))  # the resumed policy: base weights + its adapter
     return engine
@@ -180,7 +180,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
     """
     t = cfg.trainer
     if t.engine == "megatron":
-        from dockrl.engines.megatron import MegatronTrainEngine  # lazy: it imports megatron-core, an optional extra
+        from dockrl.engines.megatron.engine import MegatronTrainEngine  # lazy: it imports megatron-core, an optional extra
 
         if t.autocast_bf16 is True:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
@@ -196,12 +196,12 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
         lora=t.lora, gradient_checkpointing=t.gradient_checkpointing,
     )
     if t.lora.enabled and cfg.run.resume:
-        from dockrl.engines.hf_lora import load_checkpoint_adapter  # lazy: peft loads only for a LoRA actor
+        from dockrl.engines.hf.lora import load_checkpoint_adapter  # lazy: peft loads only for a LoRA actor
 
         assert engine.peft is not None
         load_checkpoint_adapter(engine.peft, Path(cfg.run.resume))  # over the base weights of model.path (weights_path)
     if t.lora.enabled and t.lora.sync == "merged":
-        from dockrl.engines.hf_lora import adapter_numel  # lazy: peft loads only for a LoRA actor
+        from dockrl.engines.hf.lora import adapter_numel  # lazy: peft loads only for a LoRA actor
 
         adapters, total = adapter_numel(engine.model), sum(p.numel() for p in engine.model.parameters())
         logger.warning("trainer.lora.sync=merged: each weight sync sends all %d merged weights instead of the %d adapter "
@@ -223,7 +223,7 @@ def receive_params(engine: RolloutEngine, cfg: Config, model_path: Path) -> list
     if model is not None:
         return [(n, p) for n, p in model.named_parameters() if not adapter_sync(cfg) or ".lora_" in n]
     if adapter_sync(cfg):
-        from dockrl.engines.hf_lora import adapter_shapes  # lazy: peft loads only for a LoRA run
+        from dockrl.engines.hf.lora import adapter_shapes  # lazy: peft loads only for a LoRA run
 
         return [(n, torch.empty(shape, dtype=torch.float32, device="meta"))
                 for n, shape in adapter_shapes(model_path, cfg.trainer.lora, cfg.model.trust_remote_code)]

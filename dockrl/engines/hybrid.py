@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from dockrl.engines.layer_loader import WholeLayerLoader
-from dockrl.engines.megatron_state import MegatronTrainState
+from dockrl.engines.megatron.state import MegatronTrainState
 from dockrl.parallel import device as devices
 from dockrl.parallel.layout import ModelShape
 from dockrl.parallel.ranks import ProcessRanks, leave_groups

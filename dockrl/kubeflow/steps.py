@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import yaml
 
 from dockrl.config import Config, dump_config, load_config, resolve_auto
-from dockrl.engines.vllm_support import vllm_support
+from dockrl.engines.vllm.support import vllm_support
 from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, resolve_checkpoint
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
@@ -146,7 +146,7 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
 def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     """The evaluate step's engine on this process's device (``parallel.device``, which
     ``evaluate_model`` sets to where the pipeline placed the step; ``cfg`` as ``resolve_auto`` returns it): ``VLLMRolloutEngine`` where
-    the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm_support``),
+    the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm.support``),
     else ``HFRolloutEngine`` (with a warning when the config asked for vLLM); ``rollout.dtype`` weights.
 
     Raises:
@@ -159,12 +159,12 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     if r.engine == "vllm":
         support = vllm_support(kind)
         if support.ok:
-            from dockrl.engines.vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
+            from dockrl.engines.vllm.engine import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
             return VLLMRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                      seed=cfg.trainer.seed, device=device)
         logger.warning("evaluate: rollout.engine=vllm cannot run here (%s); evaluating with HF on %s", support.reason, device)
-    from dockrl.engines.hf_rollout import HFRolloutEngine  # lazy: imports torch and transformers
+    from dockrl.engines.hf.rollout import HFRolloutEngine  # lazy: imports torch and transformers
 
     return HFRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
 

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dockrl.dock.rollouts import SCHEMA_VERSION
+from dockrl.dock.shard.kept_rollouts import SCHEMA_VERSION
 from dockrl.rollouts.keep import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
 
 DATASET_MANIFEST = "dataset.json"

@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import is_loopback
-from dockrl.dock.warehouse_stores import make_warehouse
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import is_loopback
+from dockrl.dock.warehouse.stores import make_warehouse
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout

@@ -2,7 +2,7 @@
 dataset's ``_meta.json``, where a run's or a pipeline artifact's kept rollouts are (``kept_rollouts``), reading them (``read_rollouts``) and
 ``dockrl rollouts show`` (``show_table``; the command line is ``dockrl.rollouts.cli``).
 
-The dock shards write the rows (``dockrl.dock.rollouts``); the driver only names where, with the lineage
+The dock shards write the rows (``dockrl.dock.shard.kept_rollouts``); the driver only names where, with the lineage
 (``keep_spec``), and writes the dataset-level ``<run>/rollouts/_meta.json`` (``write_dataset_meta``) once per
 run start: no payload passes through it.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from dockrl.config import Config, dump_config, load_config, pyarrow_s3_query
 from dockrl.config.run_sections import keep_fraction
-from dockrl.dock.rollouts import SCHEMA_VERSION, KeepSpec
+from dockrl.dock.shard.kept_rollouts import SCHEMA_VERSION, KeepSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -25,9 +25,9 @@ import pyarrow as pa
 from dockrl.checkpoint.optimizer_state import load_optimizer
 from dockrl.checkpoint.resume import checkpoint_dir, read_state
 from dockrl.config import Config
-from dockrl.dock.client import open_dock
-from dockrl.dock.rollouts import LEADING
+from dockrl.dock.client.dock_client import open_dock
 from dockrl.dock.schema import GRPO_SCHEMA
+from dockrl.dock.shard.kept_rollouts import LEADING
 from dockrl.engines.factory import build_train_engine, process_ranks
 from dockrl.process.seeding import seed_iteration
 from dockrl.rollouts.keep import KeptRollouts, read_rollouts

@@ -70,7 +70,7 @@ def plan_run(cfg: Config) -> RunPlan:
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)
     train_file, test_file = resolve_data(cfg)
-    from dockrl.engines.hf_load import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
+    from dockrl.engines.hf.load import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
     from dockrl.envs.registry import environment_tools  # lazy: the rewards it imports need math_verify; the actor does not
 
     tools = environment_tools(cfg)  # the prompts show the environment's tools; a user's environment that fails to build fails here

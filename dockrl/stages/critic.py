@@ -31,7 +31,7 @@ from dockrl.checkpoint.resume import checkpoint_dir, checkpoint_due, critic_dir,
 from dockrl.config import Config, CriticConfig, critic_batches, multi_turn
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.critic import HFCriticEngine
-from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.hf.load import load_tokenizer
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.run.setup import resolve_model
 from dockrl.stages.inprocess import InProcessContext, InProcessParts

@@ -26,7 +26,7 @@ from dockrl.engines.factory import (
     shares_actor_module,
     weights_to_send,
 )
-from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.hf.load import load_tokenizer
 from dockrl.envs.registry import build_environment
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.process.memory import GB, stage_memory

@@ -24,8 +24,8 @@ import torch
 
 from dockrl.config import load_config, load_config_text, resolve_auto
 from dockrl.dock import GRPO_SCHEMA
-from dockrl.dock.client import DockClient
-from dockrl.dock.warehouse_stores import make_warehouse
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.warehouse.stores import make_warehouse
 from dockrl.engines.factory import process_ranks
 from dockrl.process.env import CONFIG_ENV, TOKEN_ENV, local_rank, replica
 from dockrl.process.lifeline import driver_pid_from_env, watch_driver

@@ -15,7 +15,7 @@ import torch
 from dockrl.algorithms.dapo import overlong_penalty
 from dockrl.config import AlgorithmConfig, Config, OverlongBufferConfig, RewardModelConfig, multi_turn
 from dockrl.dock import Dock, StageDock
-from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.hf.load import load_tokenizer
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.rewards.guard import Scorer, ScorerError, build_scorer, check_rewards
 from dockrl.run.setup import resolve_model

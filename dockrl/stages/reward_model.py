@@ -11,7 +11,7 @@ import time
 
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
-from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.hf.load import load_tokenizer
 from dockrl.engines.reward_model import HFRewardModel, build_reward_model
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.run.setup import resolve_model, resolve_reward_model

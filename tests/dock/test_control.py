@@ -13,8 +13,8 @@ import pytest
 
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, DockError, DockTimeoutError, open_dock
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
 
 TOKEN = "control-token"
 
@@ -178,7 +178,7 @@ def test_an_iteration_is_handed_out_only_once_open_on_every_shard():
 
 
 def test_a_shard_process_stops_at_once_on_sigterm_while_calls_block_in_it():
-    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0"]
+    cmd = [sys.executable, "-m", "dockrl.dock.flight.shards", "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(60.0, proc.kill)  # a hung shard fails the test instead of hanging it
     watchdog.start()

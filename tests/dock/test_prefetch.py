@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.shard_transport import LocalTransport, local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
+from dockrl.dock.shard.transport import LocalTransport, local_shards
 
 ROWS = 16
 
@@ -251,8 +251,8 @@ def test_a_restore_forgets_what_puts_took_and_those_rows_are_claimed_again(shard
 def test_the_shard_refuses_a_carried_claim_that_waits_or_is_for_another_iteration():
     import pyarrow as pa
 
-    from dockrl.dock.shard import ShardService
-    from dockrl.dock.shard_requests import ClaimRequest
+    from dockrl.dock.shard.requests import ClaimRequest
+    from dockrl.dock.shard.service import ShardService
 
     svc = ShardService(GRPO_SCHEMA, name="local://shard-0", timeout_s=5.0)
     dock = DockClient([LocalTransport(svc)], GRPO_SCHEMA)

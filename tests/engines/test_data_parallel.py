@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dockrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.train import HFTrainEngine
 
 TEMPERATURE = 0.7
 N = 6  # samples per prompt; one group per replica
@@ -121,9 +121,9 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        from dockrl.engines.hf_rollout import HFRolloutEngine
+        from dockrl.engines.hf.rollout import HFRolloutEngine
         from dockrl.engines.hybrid import HybridActor
-        from dockrl.engines.megatron import MegatronTrainEngine
+        from dockrl.engines.megatron.engine import MegatronTrainEngine
         from dockrl.parallel.layout import ParallelLayout
         from dockrl.parallel.ranks import join_groups
 

@@ -22,8 +22,8 @@ from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_pref
 
 from dockrl.config import AlgorithmConfig  # noqa: E402
 from dockrl.engines.hybrid import HybridActor  # noqa: E402
-from dockrl.engines.megatron import MegatronTrainEngine  # noqa: E402
-from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from dockrl.engines.megatron.engine import MegatronTrainEngine  # noqa: E402
+from dockrl.engines.vllm.engine import VLLMRolloutEngine  # noqa: E402
 from dockrl.parallel.layout import ParallelLayout  # noqa: E402
 from dockrl.parallel.ranks import join_groups  # noqa: E402
 from dockrl.resharding.allgather_swap import Phase, PhaseError  # noqa: E402

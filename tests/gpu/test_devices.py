@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dockrl.config import AlgorithmConfig, load_config, resolve_auto
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.parallel import device as devices
 from dockrl.parallel.layout import ModelShape, ParallelLayout
 from dockrl.parallel.ranks import join_groups, leave_groups

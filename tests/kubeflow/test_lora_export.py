@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from dockrl.cli import main
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.train import HFTrainEngine
 
 
 def test_export_merge_writes_the_adapter_and_merged_weights_that_reload_equal(tiny_model_dir, tmp_path, capsys):

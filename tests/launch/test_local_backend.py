@@ -196,7 +196,7 @@ def test_a_frozen_dock_shard_fails_the_wait_in_its_rpc_timeout_naming_it(tmp_pat
     import signal as sig
 
     from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
-    from dockrl.dock.client import DockClient
+    from dockrl.dock.client.dock_client import DockClient
     from dockrl.launch.distributed import wait_reports
     from dockrl.launch.local import free_ports
     from dockrl.run.driver_lease import wait_for_shards

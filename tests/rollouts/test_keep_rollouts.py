@@ -14,9 +14,9 @@ import pytest
 from dockrl import driver
 from dockrl.cli import main
 from dockrl.config import ConfigError, load_config
-from dockrl.dock.client import open_dock
-from dockrl.dock.rollouts import META_KEY, SCHEMA_VERSION, KeepSpec, kept, kept_columns
+from dockrl.dock.client.dock_client import open_dock
 from dockrl.dock.schema import GRPO_SCHEMA
+from dockrl.dock.shard.kept_rollouts import META_KEY, SCHEMA_VERSION, KeepSpec, kept, kept_columns
 from dockrl.rollouts.keep import read_rollouts
 
 SHORT = ["run.progress=false", "trainer.iterations=2", "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4",

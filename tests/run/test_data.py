@@ -235,7 +235,7 @@ def plain_model_dir(tiny_model_dir, tmp_path_factory):
 
 def test_a_tokenizer_without_chat_template_is_refused_naming_model_path(tmp_path, plain_model_dir):
     from dockrl.config import ConfigError, load_config
-    from dockrl.engines.hf_load import load_tokenizer
+    from dockrl.engines.hf.load import load_tokenizer
     from dockrl.run.setup import load_run_prompts
 
     path = write_jsonl(GOOD[:2], tmp_path / "two.jsonl")
@@ -249,7 +249,7 @@ def test_a_tokenizer_without_chat_template_is_refused_naming_model_path(tmp_path
 
 def test_plain_prompts_without_chat_template(tmp_path, plain_model_dir):
     from dockrl.config import load_config
-    from dockrl.engines.hf_rollout import HFRolloutEngine
+    from dockrl.engines.hf.rollout import HFRolloutEngine
     from dockrl.run.data import PLAIN_PROMPT
     from dockrl.run.setup import load_run_prompts
 

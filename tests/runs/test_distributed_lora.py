@@ -10,7 +10,7 @@ from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers 
 from test_distributed_resume import read_rows, run_config
 
 from dockrl import driver
-from dockrl.engines.hf_lora import ADAPTER_DIR
+from dockrl.engines.hf.lora import ADAPTER_DIR
 from dockrl.checkpoint.resume import final_dir
 
 LORA = ("trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.engine=hf", "algorithm.scorer=fake_scorers:FakeHashScorer",

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from test_resume import FAKES, Interrupt, read_rows, same_rows, tiny_run
 
 from dockrl import driver
-from dockrl.engines.hf_lora import ADAPTER_DIR
+from dockrl.engines.hf.lora import ADAPTER_DIR
 from dockrl.checkpoint.resume import checkpoint_dir, final_dir
 
 LORA = ("trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.engine=hf", "rollout.dtype=bfloat16")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from dockrl import driver
 from dockrl.config import load_config
-from dockrl.engines.hf_lora import ADAPTER_DIR
+from dockrl.engines.hf.lora import ADAPTER_DIR
 
 
 @pytest.mark.slow  # one short run of the tiny model

@@ -6,8 +6,8 @@ import torch
 
 from dockrl.algorithms import policy_loss
 from dockrl.config import AlgorithmConfig
-from dockrl.engines.hf_logprobs import response_log_probs
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.logprobs import response_log_probs
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.stages.actor import accumulate_mini_batch, rollout_log_prob_diff, rollout_mismatch
 
 

@@ -18,8 +18,8 @@ import pytest
 
 from dockrl.config import AlgorithmConfig, DockConfig, FilterGroupsConfig, RolloutConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, open_dock
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
 from dockrl.driver import open_with_prompts
 from dockrl.engines.rollout_engine import Sample
 from dockrl.run.data import Prompt

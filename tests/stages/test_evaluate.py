@@ -7,7 +7,7 @@ import pytest
 from fake_envs import FakeScriptedToolEnvironment, ending_model
 
 from dockrl.config import load_config
-from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.hf.rollout import HFRolloutEngine
 from dockrl.run.data import Prompt
 from dockrl.stages.evaluate import evaluate, multi_turn_accuracy
 from dockrl.stages.multi_turn import TurnLimits

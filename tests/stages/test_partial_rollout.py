@@ -11,9 +11,9 @@ import torch
 
 from dockrl.config import RolloutConfig
 from dockrl.dock import GRPO_SCHEMA, DockError
-from dockrl.dock.client import DockClient
-from dockrl.dock.shard_transport import LocalTransport, local_shards
-from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.shard.transport import LocalTransport, local_shards
+from dockrl.engines.hf.rollout import HFRolloutEngine
 from dockrl.engines.rollout_engine import Sample
 from dockrl.stages.rollout import RolloutWorker
 

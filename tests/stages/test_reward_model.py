@@ -13,7 +13,7 @@ from fake_scorers import FakeRandomScorer
 from dockrl import driver
 from dockrl.config import AlgorithmConfig, ConfigError, DockConfig, RewardModelConfig, load_config
 from dockrl.dock import GRPO_SCHEMA, open_dock
-from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.hf.load import load_tokenizer
 from dockrl.engines.reward_model import HFRewardModel
 from dockrl.rewards import guard
 from dockrl.run.models import build_tiny_model, build_tiny_reward_model

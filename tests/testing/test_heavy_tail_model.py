@@ -67,7 +67,7 @@ def test_each_class_ends_at_its_rate(heavy_model):
 @pytest.mark.slow  # 192 samples of up to 48 tokens: ~5 s on one core
 def test_sampled_lengths_are_heavy_tailed(heavy_model):
     """The rollout engine's samples, fixed seed: a short median, the tail at the limit."""
-    from dockrl.engines.hf_rollout import HFRolloutEngine
+    from dockrl.engines.hf.rollout import HFRolloutEngine
     from dockrl.run.data import generate_problems, prompt_token_ids
 
     engine = HFRolloutEngine(heavy_model, dtype="float32")
