@@ -22,14 +22,14 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dockrl.dock.client.core import _ClientCore
+from dockrl.dock.client.core import ClientCore
 from dockrl.dock.errors import DockError
 from dockrl.dock.shard.layout import ShardLayout
 from dockrl.dock.shard.requests import ROW
 from dockrl.dock.warehouse.base import Located, Warehouse, delete_quietly, new_key, read_cells, write_arrays
 
 
-def _part(array: pa.Array, pos: np.ndarray) -> pa.Array:
+def part(array: pa.Array, pos: np.ndarray) -> pa.Array:
     """``array[pos]`` (``pos`` ascending, distinct): the array itself or a zero-copy slice when ``pos`` is
     one contiguous run (the usual put), else a take."""
     if len(pos) == len(array):
@@ -46,36 +46,39 @@ def _one_chunk(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
-class _Cells(_ClientCore):
-    """``DockClient``'s cells: put batches and objects, gathers and reads (``get``)."""
+class Cells:
+    """``DockClient``'s cells: put batches and objects, gathers and reads (``get``), over ``core``."""
 
-    def _put_schema(self, names: tuple[str, ...]) -> pa.Schema:
+    def __init__(self, core: ClientCore) -> None:
+        self.core = core
+
+    def put_schema(self, names: tuple[str, ...]) -> pa.Schema:
         """The schema of a put batch of ``names`` (checked columns): the int64 row column, then theirs (one
         object per column list: a stream of a schema seen before costs less)."""
-        schema = self._put_schemas.get(names)
+        schema = self.core.put_schemas.get(names)
         if schema is None:
-            schema = self._put_schemas[names] = pa.schema(
-                [pa.field(ROW, pa.int64()), *(pa.field(n, self.schema.column(n).type) for n in names)])
+            schema = self.core.put_schemas[names] = pa.schema(
+                [pa.field(ROW, pa.int64()), *(pa.field(n, self.core.schema.column(n).type) for n in names)])
         return schema
 
-    def _put_objects(
+    def put_objects(
         self, warehouse: Warehouse, layout: ShardLayout, rows: np.ndarray, arrays: dict[str, pa.Array], extra: dict[str, Any],
     ) -> None:
         """A put through the warehouse: every object first, then one ``commit`` per owning shard (with ``extra``)."""
         parts = layout.split(rows)
         keys = {(s, name): new_key(layout.iteration, name, int(rows[pos].min())) for s, pos in parts.items() for name in arrays}
-        objects = [(keys[s, name], name, _part(array, pos)) for s, pos in parts.items() for name, array in arrays.items()]
+        objects = [(keys[s, name], name, part(array, pos)) for s, pos in parts.items() for name, array in arrays.items()]
         nbytes = write_arrays(warehouse, objects)  # all or none
-        with self._lock:
-            self.store["dock/store_bytes_written"] += nbytes
-            self.store["dock/store_objects_written"] += len(objects)
+        with self.core.lock:
+            self.core.store["dock/store_bytes_written"] += nbytes
+            self.core.store["dock/store_objects_written"] += len(objects)
         committed: list[int] = []
         unknown = None
         try:
             for s, pos in parts.items():
                 refs = {name: {"key": keys[s, name], "offsets": list(range(len(pos)))} for name in arrays}
                 try:
-                    self._action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs} | extra)
+                    self.core.action(s, "commit", {"iteration": layout.iteration, "rows": rows[pos].tolist(), "objects": refs} | extra)
                 except DockError:
                     raise  # refused: the shard recorded nothing of this part
                 except BaseException:
@@ -85,40 +88,40 @@ class _Cells(_ClientCore):
         finally:  # objects of the parts no shard recorded are referenced by nobody
             delete_quietly(warehouse, [keys[s, name] for s in parts if s not in committed and s != unknown for name in arrays])
 
-    def _gather(self, layout: ShardLayout, columns: list[str], parts: dict[int, list[int]]) -> list[pa.Table]:
+    def gather(self, layout: ShardLayout, columns: list[str], parts: dict[int, list[int]]) -> list[pa.Table]:
         """The cells of ``parts`` (shard → rows), one table per shard in memory mode, one in all with a warehouse."""
         parts = {s: rows for s, rows in parts.items() if rows}
-        if self.warehouse is None:
-            return [self._read(layout, s, columns, rows) for s, rows in parts.items()]
+        if self.core.warehouse is None:
+            return [self.read(layout, s, columns, rows) for s, rows in parts.items()]
         located = [
-            self._action(s, "locate", {"iteration": layout.iteration, "columns": columns, "rows": rows}) for s, rows in parts.items()
+            self.core.action(s, "locate", {"iteration": layout.iteration, "columns": columns, "rows": rows}) for s, rows in parts.items()
         ]
         merged = {name: Located.concat([Located.from_json(loc[name]) for loc in located]) for name in columns}
-        batch, objects, nbytes = read_cells(self.warehouse, self.schema, columns, merged)
-        with self._lock:
-            self.store["dock/store_bytes_read"] += nbytes
-            self.store["dock/store_objects_read"] += objects
+        batch, objects, nbytes = read_cells(self.core.warehouse, self.core.schema, columns, merged)
+        with self.core.lock:
+            self.core.store["dock/store_bytes_read"] += nbytes
+            self.core.store["dock/store_objects_read"] += objects
         return [pa.Table.from_batches([batch])]
 
-    def _read(self, layout: ShardLayout, s: int, columns: list[str], rows: list[int]) -> pa.Table:
-        return self.transports[s].get({"iteration": layout.iteration, "columns": columns, "rows": rows}, self.rpc_timeout_s)
+    def read(self, layout: ShardLayout, s: int, columns: list[str], rows: list[int]) -> pa.Table:
+        return self.core.transports[s].get({"iteration": layout.iteration, "columns": columns, "rows": rows}, self.core.rpc_timeout_s)
 
-    def _arrow_schema(self, columns: list[str], what: str) -> pa.Schema:
+    def arrow_schema(self, columns: list[str], what: str) -> pa.Schema:
         key = tuple(columns)
-        schema = self._arrow_schemas.get(key)
+        schema = self.core.arrow_schemas.get(key)
         if schema is None:
             try:
-                schema = self._arrow_schemas[key] = self.schema.arrow_schema(columns)
+                schema = self.core.arrow_schemas[key] = self.core.schema.arrow_schema(columns)
             except KeyError as e:
                 raise DockError(f"{what}: {e.args[0]}") from None
         return schema
 
-    def _batch(self, tables: Sequence[pa.Table | pa.RecordBatch], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
+    def batch(self, tables: Sequence[pa.Table | pa.RecordBatch], columns: list[str], order: np.ndarray | None = None) -> pa.RecordBatch:
         """One record batch of ``tables`` stacked, rows reordered so that row ``order[k]`` comes k-th.
 
         Copies nothing when the cells already come in order in one chunk per column (a claim
         from one shard in one call, the usual case)."""
-        schema = self._arrow_schema(columns, "get")
+        schema = self.arrow_schema(columns, "get")
         if len(tables) == 1 and order is None and isinstance(tables[0], pa.RecordBatch):
             return tables[0]  # one batch of a shard: its schema is this one (same schema version)
         if len(tables) == 1:
@@ -139,10 +142,10 @@ class _Cells(_ClientCore):
         """
         columns = list(columns)
         rows_arr = np.asarray(rows, dtype=np.int64)
-        layout = self._layout_for("get", iteration)
+        layout = self.core.layout_for("get", iteration)
         if not len(rows_arr):  # no shard is asked: check the columns here
-            return pa.RecordBatch.from_pylist([], schema=self._arrow_schema(columns, "get"))
+            return pa.RecordBatch.from_pylist([], schema=self.arrow_schema(columns, "get"))
         parts = layout.split(rows_arr)
-        tables = self._gather(layout, columns, {s: rows_arr[pos].tolist() for s, pos in parts.items()})
-        return self._batch(tables, columns, np.concatenate([np.zeros(0, np.int64), *parts.values()]))
+        tables = self.gather(layout, columns, {s: rows_arr[pos].tolist() for s, pos in parts.items()})
+        return self.batch(tables, columns, np.concatenate([np.zeros(0, np.int64), *parts.values()]))
 

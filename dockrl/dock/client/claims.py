@@ -29,15 +29,19 @@ import numpy as np
 import pyarrow as pa
 
 from dockrl.dock.api import Claim
-from dockrl.dock.client.core import _Prefetched
-from dockrl.dock.client.puts import _Puts
+from dockrl.dock.client.cells import Cells
+from dockrl.dock.client.core import ClientCore, Prefetched
+from dockrl.dock.client.puts import Puts
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.shard.layout import ShardLayout
 from dockrl.dock.shard.requests import ClaimRequest
 
 
-class _Claims(_Puts):
+class Claims:
     """``DockClient``'s claims (which start from the rows a put took for them) and drops."""
+
+    def __init__(self, core: ClientCore, cells: Cells, puts: Puts) -> None:
+        self.core, self.cells, self.puts = core, cells, puts
 
     # --- claims -------------------------------------------------------------------------------
     def claim(
@@ -55,35 +59,35 @@ class _Claims(_Puts):
         """
         columns = list(columns)
         what = f"claim by {consumer!r}"
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.core.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        layout = self._layout_for(what)
-        shape = (tuple(columns), int(count), bool(whole_groups)) if self.prefetch else None
-        taken = self._prefetched_for(consumer, shape, layout) if shape is not None and self._prefetched else None
+        layout = self.core.layout_for(what)
+        shape = (tuple(columns), int(count), bool(whole_groups)) if self.core.prefetch else None
+        taken = self.puts.prefetched_for(consumer, shape, layout) if shape is not None and self.core.prefetched else None
         try:
             claim = self._claim(layout, consumer, columns, count, whole_groups, timeout, deadline, taken, shape)
         except DockError as e:
-            open_now = [] if isinstance(e, DockTimeoutError) or layout.iteration == self._confirmed else \
-                [m["iteration"] for m in self._describe_all(0)]
+            open_now = [] if isinstance(e, DockTimeoutError) or layout.iteration == self.core.confirmed else \
+                [m["iteration"] for m in self.core.describe_all(0)]
             # closed (maybe still closing), still open, or the one this client opened or waited for: never another's rows
             if not open_now or layout.iteration in open_now:
                 raise
             # the iteration this client knew was closed and another opened: claim from that one
-            claim = self._claim(self._layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline,
+            claim = self._claim(self.core.layout_for(what, fresh=True), consumer, columns, count, whole_groups, timeout, deadline,
                                 None, shape)
         return claim  # held (renewed) since its first rows were taken
 
     def _claim(
         self, layout: ShardLayout, consumer: str, columns: list[str], count: int, whole_groups: bool,
-        timeout: float, deadline: float, prefetched: _Prefetched | None = None,
+        timeout: float, deadline: float, prefetched: Prefetched | None = None,
         shape: tuple[tuple[str, ...], int, bool] | None = None,
     ) -> Claim:
         unit = layout.group_size if whole_groups else 1
         active = layout.active
-        with self._lock:
-            first, self._next = self._next % len(active), self._next + 1
+        with self.core.lock:
+            first, self.core.next_shard = self.core.next_shard % len(active), self.core.next_shard + 1
         order = active[first:] + active[:first]
-        local = self.local_shard if self.local_shard in active else None
+        local = self.core.local_shard if self.core.local_shard in active else None
         if local is not None:  # the co-located shard first: the others are swept (stolen from) only for what it lacks
             order.remove(local)
             order.insert(0, local)
@@ -103,18 +107,18 @@ class _Claims(_Puts):
             nonlocal got
             finite = math.isfinite(wait_s)
             req = ClaimRequest(layout.iteration, consumer, names, int(limit), at_least, whole_groups, wait_s if finite else None,
-                               self.owner, lease, self.lease_s, wait_held)
-            rpc = wait_s + self.rpc_timeout_s if finite else None
-            if self.warehouse is None:  # claim and read in one call
-                rows, pending[s], held[s], table = self.transports[s].claim_cells(req, rpc)
+                               self.core.owner, lease, self.core.lease_s, wait_held)
+            rpc = wait_s + self.core.rpc_timeout_s if finite else None
+            if self.core.warehouse is None:  # claim and read in one call
+                rows, pending[s], held[s], table = self.core.transports[s].claim_cells(req, rpc)
                 cells.setdefault(s, []).append(table)
             else:
-                res = self._action(s, "claim", req.to_json(), timeout=rpc)
+                res = self.core.action(s, "claim", req.to_json(), timeout=rpc)
                 rows, pending[s], held[s] = np.asarray(res["rows"], dtype=np.int64), res["pending"], res.get("held", 0)
             taken.setdefault(s, []).append(rows)
             if len(rows):  # renewed from now on: the claim may still wait on other shards for longer than a term
                 got += len(rows)
-                self._hold(lease, layout.iteration)
+                self.core.hold(lease, layout.iteration)
 
         try:
             if local is not None:  # the co-located shard alone while it has rows left for the consumer, ready or not
@@ -160,14 +164,14 @@ class _Claims(_Puts):
             # shards hold ascending ranges, and one take's rows come ascending: rows come out ascending
             shards = [s for s in sorted(taken) if any(len(r) for r in taken[s])]
             parts = [taken[s][0] if len(taken[s]) == 1 else np.sort(np.concatenate(taken[s])) for s in shards]
-            if self.warehouse is None:
-                batches = [self._batch(cells[s], columns, None if len(cells[s]) == 1 else np.concatenate(taken[s])) for s in shards]
-                batch = batches[0] if len(batches) == 1 else self._batch([pa.Table.from_batches([b]) for b in batches], columns)
+            if self.core.warehouse is None:
+                batches = [self.cells.batch(cells[s], columns, None if len(cells[s]) == 1 else np.concatenate(taken[s])) for s in shards]
+                batch = batches[0] if len(batches) == 1 else self.cells.batch([pa.Table.from_batches([b]) for b in batches], columns)
             else:
-                batch = self._batch(self._gather(layout, columns, {s: r.tolist() for s, r in zip(shards, parts)}), columns)
+                batch = self.cells.batch(self.cells.gather(layout, columns, {s: r.tolist() for s, r in zip(shards, parts)}), columns)
         except BaseException:
-            self._release(layout.iteration, consumer, {s: np.concatenate(r).tolist() for s, r in taken.items()}, lease)
-            self.heartbeat.drop(lease)
+            self.core.release(layout.iteration, consumer, {s: np.concatenate(r).tolist() for s, r in taken.items()}, lease)
+            self.core.heartbeat.drop(lease)
             raise
         row_array = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, dtype=np.int64), *parts])
         claimed = row_array.tolist()
@@ -181,9 +185,9 @@ class _Claims(_Puts):
         """The timeout error of a claim, with the columns each shard still lacks for ``consumer``."""
         missing = {}
         for s in sorted(t for t, n in pending.items() if n):
-            lacking = self._action(s, "missing", {"iteration": layout.iteration, "consumer": consumer, "columns": columns})
+            lacking = self.core.action(s, "missing", {"iteration": layout.iteration, "consumer": consumer, "columns": columns})
             if lacking:
-                missing[f"shard {s} at {self.locations[s]}"] = lacking
+                missing[f"shard {s} at {self.core.locations[s]}"] = lacking
         held_note = (
             f"; {sum(held.values())} rows are leased by other owners and not yet acked (they come back if their "
             "leases expire or are released)" if sum(held.values()) else ""
@@ -202,7 +206,7 @@ class _Claims(_Puts):
             DockError: row out of range or repeated, no open iteration, or another one open.
         """
         rows_arr = np.asarray(rows, dtype=np.int64)
-        layout = self._layout_for("drop", iteration)
+        layout = self.core.layout_for("drop", iteration)
         for s, pos in layout.split(rows_arr).items():
             if len(pos):
-                self._action(s, "drop", {"iteration": layout.iteration, "rows": rows_arr[pos].tolist()})
+                self.core.action(s, "drop", {"iteration": layout.iteration, "rows": rows_arr[pos].tolist()})

@@ -1,4 +1,4 @@
-"""What every part of ``DockClient`` (``dockrl.dock.client.dock_client``) builds on: its state, the calls to its
+"""The state every part of ``DockClient`` (``dockrl.dock.client.dock_client``) is given: ``ClientCore``, the calls to its
 shards, the row layout of the iterations open on them, and leases.
 
 **Rows → shards.** An iteration of G prompt groups of n rows is split into contiguous runs
@@ -49,7 +49,7 @@ def _one(layouts: list[dict[str, int]]) -> list[dict[str, int]] | dict[str, int]
     return None if not layouts else layouts[0] if len(layouts) == 1 else layouts
 
 
-class _Prefetched(NamedTuple):
+class Prefetched(NamedTuple):
     """Rows a put took for the consumer's next claim (``dockrl.dock.client.puts``: "Claims ride on puts")."""
 
     shape: tuple[tuple[str, ...], int, bool]
@@ -64,8 +64,9 @@ class _Prefetched(NamedTuple):
     cells: pa.RecordBatch
 
 
-class _ClientCore:
-    """``DockClient``'s state and its links to the shards: calls, layouts, leases (the other parts build on it).
+class ClientCore:
+    """``DockClient``'s state and its links to the shards: calls, layouts, leases. One object per client;
+    its parts (``Cells``, ``Puts``, ``Claims``, ``Snapshots``) are each given it.
 
     ``__init__`` takes the arguments ``DockClient`` documents, and raises as it says.
     """
@@ -86,24 +87,24 @@ class _ClientCore:
         self.locations, self.schema = [t.location for t in self.transports], schema
         self.timeout_s, self.rpc_timeout_s, self.lease_s = timeout_s, rpc_timeout_s, lease_s
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.heartbeat = LeaseHeartbeat(self.owner, lease_s, len(self.transports), lambda s: self._action(s, "renew", {"owner": self.owner}))
-        self._closed = False
-        self._lock = threading.Lock()
-        self._layout: ShardLayout | None = None  # this client's current iteration (opened or waited for last), else the shards' newest
-        self._confirmed: int | None = None  # the iteration of _layout when this client opened it or waited for it
-        self._known: dict[int, ShardLayout] = {}  # layouts of open iterations seen, by iteration
+        self.heartbeat = LeaseHeartbeat(self.owner, lease_s, len(self.transports), lambda s: self.action(s, "renew", {"owner": self.owner}))
+        self.closed = False
+        self.lock = threading.Lock()
+        self.layout: ShardLayout | None = None  # this client's current iteration (opened or waited for last), else the shards' newest
+        self.confirmed: int | None = None  # the iteration of _layout when this client opened it or waited for it
+        self.known: dict[int, ShardLayout] = {}  # layouts of open iterations seen, by iteration
         self.max_inflight = max_inflight
-        self._arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
-        self._put_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the put batches (row + columns) sent so far
-        self._next = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
+        self.arrow_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the column lists read so far
+        self.put_schemas: dict[tuple[str, ...], pa.Schema] = {}  # of the put batches (row + columns) sent so far
+        self.next_shard = random.randrange(len(self.transports)) if first_shard is None else int(first_shard)
         self.warehouse = warehouse
         self.prefetch = prefetch and warehouse is None
-        self._prefetched: dict[str, _Prefetched] = {}  # by consumer: what its last put took for its next claim
+        self.prefetched: dict[str, Prefetched] = {}  # by consumer: what its last put took for its next claim
         self.store = {"dock/store_bytes_written": 0, "dock/store_bytes_read": 0,
                       "dock/store_objects_written": 0, "dock/store_objects_read": 0}
 
     # --- calls --------------------------------------------------------------------------------
-    def _action(self, shard: int, name: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+    def action(self, shard: int, name: str, body: dict[str, Any], timeout: float | None = None) -> Any:
         return self.transports[shard].action(name, body, self.rpc_timeout_s if timeout is None else timeout)
 
     @property
@@ -117,14 +118,14 @@ class _ClientCore:
         return self.transports[0].mode
 
     # --- layout -------------------------------------------------------------------------------
-    def _describe(self, shard: int) -> dict[str, int] | None:
+    def describe(self, shard: int) -> dict[str, int] | None:
         """Shard ``shard``'s layout of its newest open iteration (None: none is open)."""
-        layouts = self._describe_all(shard)
+        layouts = self.describe_all(shard)
         return layouts[-1] if layouts else None
 
-    def _describe_all(self, shard: int) -> list[dict[str, int]]:
+    def describe_all(self, shard: int) -> list[dict[str, int]]:
         """Shard ``shard``'s layouts of its open iterations, oldest first."""
-        desc = self._action(shard, "describe", {})
+        desc = self.action(shard, "describe", {})
         names = [c.name for c in self.schema.columns]
         if desc["schema_version"] != self.schema.version or desc["columns"] != names:
             raise DockError(
@@ -132,7 +133,7 @@ class _ClientCore:
                 f"{desc['columns']}; this client has v{self.schema.version} {names}"
             )
         payload = desc.get("payload", "memory")
-        if payload != self._payload:
+        if payload != self.payload:
             mine = "has no warehouse" if self.warehouse is None else f"has the warehouse {self.warehouse.url}"
             raise DockError(
                 f"dock shard {shard} at {self.locations[shard]} runs with payload={payload!r} but this client {mine}; "
@@ -141,9 +142,9 @@ class _ClientCore:
             )
         return desc.get("layouts", [desc["layout"]] if desc["layout"] is not None else [])
 
-    def _fetch_layouts(self) -> list[ShardLayout]:
+    def fetch_layouts(self) -> list[ShardLayout]:
         """The layouts of the iterations open on the shards, oldest first (``_known`` is set to them)."""
-        raw = [self._describe_all(s) for s in range(len(self.locations))]
+        raw = [self.describe_all(s) for s in range(len(self.locations))]
         layouts = [ShardLayout(m["iteration"], m["num_rows"], m["group_size"], len(raw)) for m in raw[0]]
         for s, got in enumerate(raw):
             want = [layout.shard_meta(s) for layout in layouts]
@@ -152,11 +153,11 @@ class _ClientCore:
                     f"dock shards disagree: shard {s} at {self.locations[s]} has layout {_one(got)}, expected {_one(want)} "
                     "from shard 0; pass every shard, in the order the iteration was opened with, and do not open it concurrently"
                 )
-        with self._lock:
-            self._known = {layout.iteration: layout for layout in layouts}
+        with self.lock:
+            self.known = {layout.iteration: layout for layout in layouts}
         return layouts
 
-    def _layout_for(self, what: str, iteration: int | None = None, *, fresh: bool = False) -> ShardLayout:
+    def layout_for(self, what: str, iteration: int | None = None, *, fresh: bool = False) -> ShardLayout:
         """The layout of the open iteration: the one this client knows, or (``fresh``) the shards'.
 
         With ``iteration``: that iteration's, asking the shards when the known one is another.
@@ -164,16 +165,16 @@ class _ClientCore:
         Raises:
             DockError: no iteration is open, or ``iteration`` is not the open one.
         """
-        with self._lock:
-            layout = None if fresh else self._layout if iteration is None else self._known.get(iteration)
+        with self.lock:
+            layout = None if fresh else self.layout if iteration is None else self.known.get(iteration)
         if layout is not None and (iteration is None or layout.iteration == iteration):
             return layout
-        layouts = self._fetch_layouts()
+        layouts = self.fetch_layouts()
         if not layouts:
             raise DockError(f"{what}: no iteration is open (call open_iteration first, or it was closed)")
         if iteration is None:
-            with self._lock:
-                self._layout = layouts[-1]
+            with self.lock:
+                self.layout = layouts[-1]
             return layouts[-1]
         found = [layout for layout in layouts if layout.iteration == iteration]
         if not found:
@@ -182,32 +183,32 @@ class _ClientCore:
             raise DockError(f"{what}: iteration {iteration} is not open; {open_now}")
         return found[0]
 
-    def _open_layout(self, what: str) -> ShardLayout:
+    def open_layout(self, what: str) -> ShardLayout:
         """The layout of the iteration open on the shards now (one ``describe`` when it is the known one)."""
-        shard0, known = self._describe(0), self._layout
-        return self._layout_for(what, fresh=shard0 is None or known is None or known.iteration != shard0["iteration"])
+        shard0, known = self.describe(0), self.layout
+        return self.layout_for(what, fresh=shard0 is None or known is None or known.iteration != shard0["iteration"])
 
-    def _sizes(self, what: str) -> ShardLayout:
+    def sizes(self, what: str) -> ShardLayout:
         """The layout this client opened or waited for (``wait_iteration``) last, else the shards' (a round trip)."""
-        with self._lock:
-            layout = self._layout
-            if layout is not None and layout.iteration == self._confirmed:
+        with self.lock:
+            layout = self.layout
+            if layout is not None and layout.iteration == self.confirmed:
                 return layout
-        return self._open_layout(what)
+        return self.open_layout(what)
 
     @property
     def num_rows(self) -> int:
         """Rows of the open iteration, all shards together: the one this client opened or last
         got from ``wait_iteration`` (no round trip), else the one open on the shards; ``DockError`` if none is open."""
-        return self._sizes("num_rows").num_rows
+        return self.sizes("num_rows").num_rows
 
     @property
     def group_size(self) -> int:
         """Rows per prompt group of the open iteration (as ``num_rows``); ``DockError`` if none is open."""
-        return self._sizes("group_size").group_size
+        return self.sizes("group_size").group_size
 
     @property
-    def _payload(self) -> str:
+    def payload(self) -> str:
         """Where the shards hold the cells: ``memory`` or ``store`` (a warehouse)."""
         return "memory" if self.warehouse is None else "store"
 
@@ -225,14 +226,14 @@ class _ClientCore:
             return
         what = f"ack by {claim.consumer!r}"
         try:
-            layout = self._layout_for(what, claim.iteration)
+            layout = self.layout_for(what, claim.iteration)
             rows = np.asarray(claim.rows, dtype=np.int64)
             errors = []
             for s, pos in layout.split(rows).items():
                 body = {"iteration": claim.iteration, "consumer": claim.consumer, "lease": claim.lease,
                         "rows": rows[pos].tolist()}
                 try:
-                    self._action(s, "ack", body)
+                    self.action(s, "ack", body)
                 except DockError as e:
                     errors.append(f"shard {s}: {e}" if len(self.locations) > 1 else str(e))
             if errors:
@@ -248,7 +249,7 @@ class _ClientCore:
         return sum(self._renew(owner or self.owner)[0])
 
     def _renew(self, owner: str) -> tuple[list[int], int | None]:
-        results = [self._action(s, "renew", {"owner": owner}) for s in range(len(self.locations))]
+        results = [self.action(s, "renew", {"owner": owner}) for s in range(len(self.locations))]
         return [r["leases"] for r in results], results[0]["iteration"]
 
     def release_owner(self, owner: str) -> int:
@@ -257,21 +258,21 @@ class _ClientCore:
 
         Returns the number of rows returned, over all shards.
         """
-        return sum(self._action(s, "release_owner", {"owner": owner})["rows"] for s in range(len(self.locations)))
+        return sum(self.action(s, "release_owner", {"owner": owner})["rows"] for s in range(len(self.locations)))
 
-    def _hold(self, lease: str, iteration: int) -> None:
+    def hold(self, lease: str, iteration: int) -> None:
         """Renew an un-acked lease from the heartbeat (``dockrl.dock.client.heartbeat``) until it is acked or handed back."""
-        if not self._closed:
+        if not self.closed:
             self.heartbeat.hold(lease, iteration)
 
-    def _release(
+    def release(
         self, iteration: int, consumer: str, taken: dict[int, list[int]], lease: str, timeout: float | None = None,
     ) -> None:
         """Hand the rows of ``taken`` (shard → rows) that are still held under ``lease`` back to their shards (best effort)."""
         for s, rows in taken.items():
             if rows:
                 try:
-                    self._action(s, "release", {"iteration": iteration, "consumer": consumer, "rows": rows, "lease": lease}, timeout)
+                    self.action(s, "release", {"iteration": iteration, "consumer": consumer, "rows": rows, "lease": lease}, timeout)
                 except Exception as e:  # noqa: BLE001 - best effort: the claim's own error is what the caller needs
                     logger.warning("could not release %d rows of %r on dock shard %d: %s", len(rows), consumer, s, e)
 

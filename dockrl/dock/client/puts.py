@@ -23,8 +23,8 @@ import pyarrow as pa
 
 from dockrl.dock.api import Claim, Columns
 from dockrl.dock.cells import arrow_columns
-from dockrl.dock.client.cells import _Cells, _part
-from dockrl.dock.client.core import _Prefetched
+from dockrl.dock.client.cells import Cells, part
+from dockrl.dock.client.core import ClientCore, Prefetched
 from dockrl.dock.errors import DockError
 from dockrl.dock.shard.layout import ShardLayout
 from dockrl.dock.shard.requests import ClaimRequest
@@ -37,8 +37,11 @@ _RELEASE_TIMEOUT_S = 10.0
 must not hang on a shard that is gone: the rows' lease ends at its term anyway)."""
 
 
-class _Puts(_Cells):
+class Puts:
     """``DockClient``'s puts, and the rows a put takes for the consumer's next claim."""
+
+    def __init__(self, core: ClientCore, cells: Cells) -> None:
+        self.core, self.cells = core, cells
 
     # --- writes ----------------------------------------------------------------------------------
     def put(self, rows: Sequence[int], columns: Columns, *, iteration: int | None = None, ack: Claim | None = None) -> None:
@@ -55,46 +58,46 @@ class _Puts(_Cells):
         """
         kept = ack.row_array if ack is not None and rows is ack.rows else None  # put(claim.rows, ..., ack=claim)
         rows_arr = kept if kept is not None and len(kept) == len(rows) else np.asarray(rows, dtype=np.int64)
-        arrays = arrow_columns(self.schema, columns, len(rows_arr))
-        layout = self._layout_for("put", iteration)
+        arrays = arrow_columns(self.core.schema, columns, len(rows_arr))
+        layout = self.core.layout_for("put", iteration)
         fused = (ack is not None and len(ack.rows) > 0 and ack.iteration == layout.iteration
                  and (rows is ack.rows or np.array_equal(rows_arr, ack.rows)
                       or np.array_equal(np.sort(rows_arr), np.sort(np.asarray(ack.rows, dtype=np.int64)))))
         lease = ack.lease if ack is not None else ""
         extra = {"ack": {"consumer": ack.consumer, "lease": lease}} if fused and ack is not None else {}
         try:
-            if self.warehouse is not None:
-                self._put_objects(self.warehouse, layout, rows_arr, arrays, extra)
+            if self.core.warehouse is not None:
+                self.cells.put_objects(self.core.warehouse, layout, rows_arr, arrays, extra)
             else:
-                schema = self._put_schema(tuple(arrays))
+                schema = self.cells.put_schema(tuple(arrays))
                 parts: dict[int, np.ndarray | None] = {}  # no rows: no call
                 if len(rows_arr):  # positions each shard owns; None: every row (one shard: no split)
                     parts = {0: None} if layout.num_shards == 1 else dict(layout.split(rows_arr))
                 # the shard whose put carries the next claim: with a locality hint the local one only (a claim
                 # steals from the others only for what the local one lacks), else the last one the put goes to
                 carrier = None
-                if fused and self.prefetch and ack is not None and ack.shape is not None and parts and layout.iteration == self._confirmed:
-                    carrier = list(parts)[-1] if self.local_shard is None else self.local_shard if self.local_shard in parts else None
+                if fused and self.core.prefetch and ack is not None and ack.shape is not None and parts and layout.iteration == self.core.confirmed:
+                    carrier = list(parts)[-1] if self.core.local_shard is None else self.core.local_shard if self.core.local_shard in parts else None
                 if carrier is not None:
                     parts[carrier] = parts.pop(carrier)  # last: a put refused by another shard carries no claim
                 for s, pos in parts.items():
                     if pos is None or len(pos) == len(rows_arr):  # one shard owns every row: the arrays as they are
                         columns_out = [pa.array(rows_arr), *arrays.values()]
                     else:
-                        columns_out = [pa.array(rows_arr[pos]), *(_part(a, pos) for a in arrays.values())]
+                        columns_out = [pa.array(rows_arr[pos]), *(part(a, pos) for a in arrays.values())]
                     batch = pa.RecordBatch.from_arrays(columns_out, schema=schema)
                     body = {"iteration": layout.iteration} | extra
                     if s == carrier and ack is not None and ack.shape is not None:
-                        self._put_claim(s, body, batch, layout, ack.consumer, ack.shape)
+                        self.put_claim(s, body, batch, layout, ack.consumer, ack.shape)
                     else:
-                        self.transports[s].put(body, batch, self.rpc_timeout_s)
+                        self.core.transports[s].put(body, batch, self.core.rpc_timeout_s)
         finally:
             if fused:  # acked with the put (or failed as an ack fails): stop renewing its lease
-                self.heartbeat.drop(lease)
+                self.core.heartbeat.drop(lease)
         if ack is not None and not fused:
-            self.ack(ack)
+            self.core.ack(ack)
 
-    def _put_claim(
+    def put_claim(
         self, s: int, body: dict[str, Any], batch: pa.RecordBatch, layout: ShardLayout, consumer: str,
         shape: tuple[tuple[str, ...], int, bool],
     ) -> None:
@@ -105,13 +108,13 @@ class _Puts(_Cells):
         """
         names, count, whole_groups = shape
         iteration, lease = layout.iteration, os.urandom(16).hex()
-        req = ClaimRequest(iteration, consumer, names, count, 0, whole_groups, 0.0, self.owner, lease, self.lease_s, False)
+        req = ClaimRequest(iteration, consumer, names, count, 0, whole_groups, 0.0, self.core.owner, lease, self.core.lease_s, False)
 
         def give_back() -> None:  # rows the claim took that this client does not know of: all of the shard's under the lease
-            self._release(iteration, consumer, {s: list(range(*layout.ranges[s]))}, lease, min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
+            self.core.release(iteration, consumer, {s: list(range(*layout.ranges[s]))}, lease, min(self.core.rpc_timeout_s, _RELEASE_TIMEOUT_S))
 
         try:
-            result = self.transports[s].put_claim(body, batch, req, self.rpc_timeout_s)
+            result = self.core.transports[s].put_claim(body, batch, req, self.core.rpc_timeout_s)
         except BaseException:  # the put did not land, or its answer was lost after it did
             give_back()
             raise
@@ -120,41 +123,41 @@ class _Puts(_Cells):
             give_back()
             return
         rows, pending, held, cells = result
-        taken = _Prefetched(shape, iteration, s, lease, rows, pending, held, cells)
+        taken = Prefetched(shape, iteration, s, lease, rows, pending, held, cells)
         if len(rows):
-            self._hold(lease, iteration)
-        with self._lock:
-            left = [self._prefetched.pop(consumer, None)]  # put twice without a claim between: the older rows go back
-            if self._closed:  # closed meanwhile: these too
+            self.core.hold(lease, iteration)
+        with self.core.lock:
+            left = [self.core.prefetched.pop(consumer, None)]  # put twice without a claim between: the older rows go back
+            if self.core.closed:  # closed meanwhile: these too
                 left.append(taken)
             else:
-                self._prefetched[consumer] = taken
+                self.core.prefetched[consumer] = taken
         for t in left:
             if t is not None:
-                self._drop_prefetched(consumer, t)
+                self.drop_prefetched(consumer, t)
 
-    def _prefetched_for(self, consumer: str, shape: tuple[tuple[str, ...], int, bool], layout: ShardLayout) -> _Prefetched | None:
+    def prefetched_for(self, consumer: str, shape: tuple[tuple[str, ...], int, bool], layout: ShardLayout) -> Prefetched | None:
         """The rows a put took for ``consumer``'s claim of ``shape`` in ``layout``'s iteration, if any: only in the
         iteration this client opened or waited for (another may have opened since); other rows go back."""
-        with self._lock:
-            taken = self._prefetched.pop(consumer, None)
-        if taken is not None and (taken.shape != shape or taken.iteration != layout.iteration or layout.iteration != self._confirmed):
-            self._drop_prefetched(consumer, taken)
+        with self.core.lock:
+            taken = self.core.prefetched.pop(consumer, None)
+        if taken is not None and (taken.shape != shape or taken.iteration != layout.iteration or layout.iteration != self.core.confirmed):
+            self.drop_prefetched(consumer, taken)
             taken = None
         return taken
 
-    def _drop_prefetched(self, consumer: str, taken: _Prefetched) -> None:
+    def drop_prefetched(self, consumer: str, taken: Prefetched) -> None:
         """Hand rows a put took for a claim that will not use them back to their shard (best effort: else at lease expiry)."""
-        self.heartbeat.drop(taken.lease)
+        self.core.heartbeat.drop(taken.lease)
         if len(taken.rows):
-            self._release(taken.iteration, consumer, {taken.shard: taken.rows.tolist()}, taken.lease,
-                          min(self.rpc_timeout_s, _RELEASE_TIMEOUT_S))
+            self.core.release(taken.iteration, consumer, {taken.shard: taken.rows.tolist()}, taken.lease,
+                          min(self.core.rpc_timeout_s, _RELEASE_TIMEOUT_S))
 
-    def _forget_prefetched(self, iteration: int | None) -> None:
+    def forget_prefetched(self, iteration: int | None) -> None:
         """Forget what puts took in ``iteration`` (None: in every one): it was closed or replaced, its leases are gone."""
-        with self._lock:
-            gone = {c: t for c, t in self._prefetched.items() if iteration is None or t.iteration == iteration}
+        with self.core.lock:
+            gone = {c: t for c, t in self.core.prefetched.items() if iteration is None or t.iteration == iteration}
             for c in gone:
-                del self._prefetched[c]
-        self.heartbeat.drop(*(t.lease for t in gone.values()))
+                del self.core.prefetched[c]
+        self.core.heartbeat.drop(*(t.lease for t in gone.values()))
 

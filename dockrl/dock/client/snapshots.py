@@ -14,7 +14,8 @@ restored open iteration is not announced: the driver calls ``announce``.
 
 from __future__ import annotations
 
-from dockrl.dock.client.puts import _Puts
+from dockrl.dock.client.core import ClientCore
+from dockrl.dock.client.puts import Puts
 from dockrl.dock.errors import DockError
 from dockrl.dock.shard.layout import ShardLayout
 from dockrl.dock.snapshot import (
@@ -31,8 +32,11 @@ from dockrl.dock.snapshot import (
 )
 
 
-class _Snapshots(_Puts):
+class Snapshots:
     """``DockClient``'s ``snapshot``, ``restore`` and ``stats``."""
+
+    def __init__(self, core: ClientCore, puts: Puts) -> None:
+        self.core, self.puts = core, puts
 
     # --- snapshots ----------------------------------------------------------------------------
     def snapshot(self, uri: str) -> None:
@@ -41,19 +45,19 @@ class _Snapshots(_Puts):
         Raises:
             DockError: the shards disagree on the layout, or a shard's filesystem refused a write.
         """
-        layouts = self._fetch_layouts()
+        layouts = self.core.fetch_layouts()
         layout, more = (layouts[0], layouts[1:]) if layouts else (None, [])
         sid = new_id()
-        shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.locations))]
+        shards = [f"{sid}/shard-{s:05d}" for s in range(len(self.core.locations))]
         for s, name in enumerate(shards):
-            self._action(s, "snapshot", {"uri": join_uri(uri, name)})
+            self.core.action(s, "snapshot", {"uri": join_uri(uri, name)})
         keys = object_keys(uri, shards, "snapshot")
         if keys:  # payload in a warehouse: copy the objects, which die with their iteration, into the snapshot
-            assert self.warehouse is not None  # shards refer to objects only with payload "store"
+            assert self.core.warehouse is not None  # shards refer to objects only with payload "store"
             for key in keys:
-                write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.warehouse.read(key))
-        meta = {"kind": CLIENT_SNAPSHOT_KIND, "schema_version": self.schema.version, "num_shards": len(self.locations),
-                "mode": self.mode, "payload": self._payload, "layout": None if layout is None else layout.shard_meta(0),
+                write_blob(uri, f"{sid}/{OBJECTS_DIR}/{key}", self.core.warehouse.read(key))
+        meta = {"kind": CLIENT_SNAPSHOT_KIND, "schema_version": self.core.schema.version, "num_shards": len(self.core.locations),
+                "mode": self.core.mode, "payload": self.core.payload, "layout": None if layout is None else layout.shard_meta(0),
                 "shards": shards, "objects": keys} | ({"more": [m.shard_meta(0) for m in more]} if more else {})
         write_snapshot(uri, meta, {}, snapshot_id=sid)
 
@@ -70,33 +74,33 @@ class _Snapshots(_Puts):
                 ``dock.warehouse``), or an iteration open on a shard (checked before any
                 shard is touched).
         """
-        self._forget_prefetched(None)  # the shards hold no iteration: what puts took is gone with it
+        self.puts.forget_prefetched(None)  # the shards hold no iteration: what puts took is gone with it
         meta = read_meta(uri)
         what = f"restore from {uri!r}"
-        check_client_snapshot(meta, what, schema_version=self.schema.version, num_shards=len(self.locations), mode=self.mode,
-                              payload=self._payload)
+        check_client_snapshot(meta, what, schema_version=self.core.schema.version, num_shards=len(self.core.locations), mode=self.core.mode,
+                              payload=self.core.payload)
         first = meta["layout"]
         layout = None
         if first is not None:
-            layout = ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(self.locations))
-        more = [ShardLayout(m["iteration"], m["num_rows"], m["group_size"], len(self.locations)) for m in meta.get("more", [])]
-        for s in range(len(self.locations)):
-            open_now = self._describe(s)
+            layout = ShardLayout(first["iteration"], first["num_rows"], first["group_size"], len(self.core.locations))
+        more = [ShardLayout(m["iteration"], m["num_rows"], m["group_size"], len(self.core.locations)) for m in meta.get("more", [])]
+        for s in range(len(self.core.locations)):
+            open_now = self.core.describe(s)
             if open_now is not None:
                 raise DockError(
-                    f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.locations[s]}; close it first"
+                    f"{what}: iteration {open_now['iteration']} is open on dock shard {s} at {self.core.locations[s]}; close it first"
                 )
         keys = meta.get("objects", [])
         for key in keys:
             # the snapshot's copies of the objects, back into this run's warehouse
-            assert self.warehouse is not None  # a snapshot with objects has payload "store", as this dock (checked above)
-            self.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
+            assert self.core.warehouse is not None  # a snapshot with objects has payload "store", as this dock (checked above)
+            self.core.warehouse.write(key, read_blob(uri, f"{meta['id']}/{OBJECTS_DIR}/{key}", what))
         for s, name in enumerate(meta["shards"]):
-            self._action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)}
+            self.core.action(s, "restore", {"uri": join_uri(uri, name), "layout": None if layout is None else layout.shard_meta(s)}
                          | ({"more": [m.shard_meta(s) for m in more]} if more else {}))
-        with self._lock:
-            self._layout = layout
-            self._known = {x.iteration: x for x in ([layout] if layout else []) + more}
+        with self.core.lock:
+            self.core.layout = layout
+            self.core.known = {x.iteration: x for x in ([layout] if layout else []) + more}
 
     def stats(self) -> dict[str, float]:
         """Counters summed over shards: ``dock/bytes_put``, ``dock/bytes_read`` (payload bytes
@@ -105,9 +109,9 @@ class _Snapshots(_Puts):
         ``dock/store_bytes_written``, ``dock/store_bytes_read`` (Arrow IPC bytes),
         ``dock/store_objects_written``, ``dock/store_objects_read``."""
         total: dict[str, float] = {}
-        for s in range(len(self.locations)):
-            for key, value in self._action(s, "stats", {}).items():
+        for s in range(len(self.core.locations)):
+            for key, value in self.core.action(s, "stats", {}).items():
                 total[key] = total.get(key, 0) + value
-        with self._lock:
-            store = dict(self.store) if self.warehouse is not None else {}
-        return total | store | {"dock/shards": len(self.locations)}
+        with self.core.lock:
+            store = dict(self.core.store) if self.core.warehouse is not None else {}
+        return total | store | {"dock/shards": len(self.core.locations)}
