@@ -9,7 +9,7 @@ import os
 import re
 from typing import Mapping
 
-from dockrl.config.errors import _fail
+from dockrl.config.errors import fail
 from dockrl.config.run_sections import DockConfig, keep_fraction
 
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
@@ -28,10 +28,10 @@ def s3_endpoint(value: str, secure: bool, where: str) -> tuple[str, bool]:
     scheme, sep, rest = value.partition("://")
     if sep:
         if scheme not in ("http", "https"):
-            raise _fail(where, value, "expected host:port or an http:// or https:// URL")
+            raise fail(where, value, "expected host:port or an http:// or https:// URL")
         endpoint, secure = rest.rstrip("/"), scheme == "https"
     if not _HOST_PORT.fullmatch(endpoint):
-        raise _fail(where, value, "expected host:port of the S3 endpoint, e.g. minio.kubeflow:9000 (no path)")
+        raise fail(where, value, "expected host:port of the S3 endpoint, e.g. minio.kubeflow:9000 (no path)")
     return endpoint, secure
 
 
@@ -60,35 +60,35 @@ def check_rollouts_uri(uri: str, k: DockConfig) -> None:
         return
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     if not uri.startswith("s3://") or "?" in uri:
-        raise _fail("run.rollouts_uri", uri, "expected '' (the run folder) or s3://<bucket>/<key> (the endpoint, scheme and "
+        raise fail("run.rollouts_uri", uri, "expected '' (the run folder) or s3://<bucket>/<key> (the endpoint, scheme and "
                                              "region come from the dock section)")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-        raise _fail("run.rollouts_uri", uri, f"bucket {bucket!r}: expected 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
+        raise fail("run.rollouts_uri", uri, f"bucket {bucket!r}: expected 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
     if not _PREFIX.fullmatch(key.strip("/")) or any(p in (".", "..") for p in key.split("/")):
-        raise _fail("run.rollouts_uri", uri, f"key {key!r}: expected '/'-separated names of A-Za-z0-9 . _ - (no '.' or '..')")
+        raise fail("run.rollouts_uri", uri, f"key {key!r}: expected '/'-separated names of A-Za-z0-9 . _ - (no '.' or '..')")
     for where, name, default in (("dock.access_key_env", k.access_key_env, "AWS_ACCESS_KEY_ID"),
                                  ("dock.secret_key_env", k.secret_key_env, "AWS_SECRET_ACCESS_KEY")):
         if name != default:
-            raise _fail(where, name, f"expected {default} with run.rollouts_uri={uri!r}: the shards write the rollouts with "
+            raise fail(where, name, f"expected {default} with run.rollouts_uri={uri!r}: the shards write the rollouts with "
                                      f"pyarrow, which reads the S3 keys from {default}")
     if k.endpoint:
         s3_endpoint(k.endpoint, k.secure, "dock.endpoint")
 
 
-def _check_dock(k: DockConfig) -> None:
+def check_dock(k: DockConfig) -> None:
     if k.warehouse == "directory" and not k.directory.strip():
-        raise _fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
+        raise fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
     if k.warehouse != "s3":
         return
     if k.endpoint:
         s3_endpoint(k.endpoint, k.secure, "dock.endpoint")
     if not _BUCKET.fullmatch(k.bucket) or ".." in k.bucket:
-        raise _fail("dock.bucket", k.bucket, "expected an S3 bucket name: 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
+        raise fail("dock.bucket", k.bucket, "expected an S3 bucket name: 3-63 of a-z 0-9 . -, starting and ending alphanumeric")
     if not _PREFIX.fullmatch(k.prefix.strip("/")) or any(p in (".", "..") for p in k.prefix.split("/")):
-        raise _fail("dock.prefix", k.prefix, "expected '/'-separated names of A-Za-z0-9 . _ - (no empty, '.' or '..' parts)")
+        raise fail("dock.prefix", k.prefix, "expected '/'-separated names of A-Za-z0-9 . _ - (no empty, '.' or '..' parts)")
     for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
         if not _ENV_NAME.fullmatch(name):
-            raise _fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
+            raise fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
 
 
 def check_keep_rollouts(warehouse: str, keep_rollouts: str | float | bool) -> None:
@@ -98,5 +98,5 @@ def check_keep_rollouts(warehouse: str, keep_rollouts: str | float | bool) -> No
         ConfigError: rollouts kept with a ``dock.warehouse`` other than ``memory``.
     """
     if keep_fraction(keep_rollouts) > 0 and warehouse != "memory":
-        raise _fail("run.keep_rollouts", keep_rollouts, f"needs dock.warehouse=memory (got {warehouse!r}): the dock shards "
+        raise fail("run.keep_rollouts", keep_rollouts, f"needs dock.warehouse=memory (got {warehouse!r}): the dock shards "
                     "write the kept rows from their memory; set run.keep_rollouts=off or dock.warehouse=memory")

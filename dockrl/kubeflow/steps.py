@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import yaml
 
 from dockrl.config import Config, dump_config, load_config, resolve_auto
-from dockrl.engines.vllm.support import vllm_support
 from dockrl.launch.artifacts import DATASET_MANIFEST, dataset_files, resolve_checkpoint
 from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.local import LocalBackend
 from dockrl.launch.platform import Platform
+from dockrl.process.vllm_support import vllm_support
 from dockrl.run.data import load_prompts
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def export_model(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "
 def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     """The evaluate step's engine on this process's device (``parallel.device``, which
     ``evaluate_model`` sets to where the pipeline placed the step; ``cfg`` as ``resolve_auto`` returns it): ``VLLMRolloutEngine`` where
-    the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm.support``),
+    the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm_support``),
     else ``HFRolloutEngine`` (with a warning when the config asked for vLLM); ``rollout.dtype`` weights.
 
     Raises:

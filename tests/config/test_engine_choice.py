@@ -17,7 +17,7 @@ import yaml
 
 from dockrl.config import AUTO_ENGINE_ENV, ConfigError, dump_config, load_config, resolve_auto, save_config
 from dockrl.config import resolve as resolving
-from dockrl.engines.vllm import support
+from dockrl.process import vllm_support as support
 
 
 @pytest.fixture

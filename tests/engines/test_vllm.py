@@ -269,7 +269,7 @@ def test_modules_that_break_vllms_startup_scan_are_hidden_only_during_it(monkeyp
     import sys
     import types
 
-    from dockrl.engines.vllm.setup import _hide_unscannable_modules
+    from dockrl.engines.vllm.setup import hide_unscannable_modules
 
     class FakeLocalProxy:
         """Fake of werkzeug's LocalProxy outside an app context: any attribute look-up raises RuntimeError."""
@@ -280,6 +280,6 @@ def test_modules_that_break_vllms_startup_scan_are_hidden_only_during_it(monkeyp
     module = types.ModuleType("fake_flask_globals")
     module.request = FakeLocalProxy()
     monkeypatch.setitem(sys.modules, "fake_flask_globals", module)
-    with _hide_unscannable_modules():
+    with hide_unscannable_modules():
         assert "fake_flask_globals" not in sys.modules and "torch" in sys.modules
     assert sys.modules["fake_flask_globals"] is module

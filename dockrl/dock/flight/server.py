@@ -19,14 +19,14 @@ import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError
 from dockrl.dock.flight.wire import (
-    _CLAIM_MAGIC,
-    _version_error,
+    CLAIM_MAGIC,
     decode_claim,
     decode_exchange,
     decode_put,
     dock_error_to_flight,
     encode_claim_failed,
     encode_claim_result,
+    version_error,
 )
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard.controller import ShardController
@@ -165,13 +165,13 @@ class DockShardServer(flight.FlightServerBase):
         """A read (JSON ticket ``{iteration, columns, rows}``), or with a binary claim ticket
         (``encode_claim``) a claim and the read of its rows in one round trip (``ShardService.claim_cells``)."""
         data = ticket.ticket
-        if data[:3] == _CLAIM_MAGIC:
+        if data[:3] == CLAIM_MAGIC:
             return _guard("claim", lambda: self._claim_stream(data, context))
 
         def get() -> pa.Table:
             req = json.loads(data)
             if "claim" in req:  # the JSON claim ticket of wire version 1
-                raise _version_error("claim", 1)
+                raise version_error("claim", 1)
             batch = self.service.get(req)
             return pa.Table.from_batches([batch], schema=batch.schema)
 

@@ -16,15 +16,15 @@ import pyarrow.flight as flight
 
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.flight.wire import (
-    _CLAIM_FAILED,
-    _SAME_RELEASE,
-    _version_error,
+    CLAIM_FAILED,
+    SAME_RELEASE,
     claim_fixed_part,
     decode_claim_result,
     encode_claim,
     encode_exchange,
     encode_put,
     raise_dock_error,
+    version_error,
 )
 from dockrl.dock.shard.requests import WIRE_VERSION, ClaimRequest, ack_of
 
@@ -101,7 +101,7 @@ class FlightTransport:
                 return  # the shard cannot say: the call's own error tells more
             self._shard_wire = desc.get("wire_version", 1) if isinstance(desc, dict) else None
         if self._shard_wire != WIRE_VERSION:
-            raise _version_error(what, self._shard_wire, self.location) from error
+            raise version_error(what, self._shard_wire, self.location) from error
 
     def action(self, name: str, body: dict[str, Any], timeout: float | None) -> Any:
         data = json.dumps(body).encode()
@@ -149,7 +149,7 @@ class FlightTransport:
             chunk = _one_batch(self._client.do_get(flight.Ticket(data), self._options(timeout)), self.location)
             if chunk.app_metadata is None:
                 raise DockError(f"claim: the dock shard at {self.location} answered without the claim's result: "
-                                f"{_SAME_RELEASE} (wire version {WIRE_VERSION})")
+                                f"{SAME_RELEASE} (wire version {WIRE_VERSION})")
             meta = chunk.app_metadata.to_pybytes()
             self._count(len(data) + len(meta))
             return (*decode_claim_result(meta, self.location), chunk.data)
@@ -173,7 +173,7 @@ class FlightTransport:
         meta = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
         self._count(len(command) + len(meta))
         what = f"claim carried by a put to the dock shard at {self.location}"
-        if meta[:1] == bytes([_CLAIM_FAILED]):
+        if meta[:1] == bytes([CLAIM_FAILED]):
             return DockError(f"{what}: {meta[1:].decode(errors='replace')}")
         try:  # the put landed: what is wrong from here on concerns the claim alone
             rows, pending, held = decode_claim_result(meta, self.location)

@@ -31,7 +31,7 @@ _ERRORS: dict[str, type[DockError]] = {"DockError": DockError, "DockTimeoutError
 # --- the claim cycle's binary messages ---------------------------------------------------------
 # A claim ticket: header, then the lease id, then the request's fixed part (JSON [consumer, owner,
 # columns]: the same bytes claim after claim, parsed once per shard). Little-endian throughout.
-_CLAIM_MAGIC, _PUT_MAGIC = b"dkc", b"dkp"
+CLAIM_MAGIC, _PUT_MAGIC = b"dkc", b"dkp"
 _CLAIM_HEAD = struct.Struct("<3sBqqqddBHH")
 """magic, version, iteration, count, at_least, timeout_s (NaN: none), lease_s (NaN: the shard's), flags, len(lease), len(fixed part)."""
 _WHOLE_GROUPS, _WAIT_HELD = 1, 2
@@ -44,7 +44,7 @@ _PUT_ACK = 1
 _EXCHANGE_MAGIC = b"dkx"
 _EXCHANGE_HEAD = struct.Struct("<3sBI")
 """magic, version, len(put descriptor); then the put descriptor (``encode_put``), then the claim ticket (``encode_claim``)."""
-_CLAIM_FAILED = 0
+CLAIM_FAILED = 0
 """First byte of the ``app_metadata`` of an exchange whose put landed and whose claim failed (no wire version is 0)."""
 _MAX_PREPARED = 1024
 """Fixed parts of claim tickets a shard keeps parsed (cleared when full)."""
@@ -60,16 +60,16 @@ def encode_claim(req: ClaimRequest, fixed: bytes) -> bytes:
     lease = (req.lease or "").encode()
     flags = (_WHOLE_GROUPS if req.whole_groups else 0) | (_WAIT_HELD if req.wait_held else 0)
     head = _CLAIM_HEAD.pack(
-        _CLAIM_MAGIC, WIRE_VERSION, req.iteration, req.limit, req.at_least, math.nan if req.timeout_s is None else req.timeout_s,
+        CLAIM_MAGIC, WIRE_VERSION, req.iteration, req.limit, req.at_least, math.nan if req.timeout_s is None else req.timeout_s,
         math.nan if req.lease_s is None else req.lease_s, flags, len(lease), len(fixed),
     )
     return head + lease + fixed
 
 
-_SAME_RELEASE = "run clients and shards of the same dockrl release"
+SAME_RELEASE = "run clients and shards of the same dockrl release"
 
 
-def _version_error(what: str, version: object, location: str | None = None) -> DockError:
+def version_error(what: str, version: object, location: str | None = None) -> DockError:
     """The refusal of a message of another wire version, naming both versions.
 
     ``location`` None: raised by the shard, ``version`` the client's; else raised by the client,
@@ -77,9 +77,9 @@ def _version_error(what: str, version: object, location: str | None = None) -> D
     """
     if location is None:
         return DockError(f"{what}: the client speaks dock wire version {version}; this shard speaks {WIRE_VERSION}: "
-                         f"{_SAME_RELEASE}")
+                         f"{SAME_RELEASE}")
     return DockError(f"{what}: the dock shard at {location} speaks wire version {version}; this client speaks "
-                     f"{WIRE_VERSION}: {_SAME_RELEASE}")
+                     f"{WIRE_VERSION}: {SAME_RELEASE}")
 
 
 def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str, ...]]]) -> ClaimRequest:
@@ -89,7 +89,7 @@ def decode_claim(data: bytes, fixed_parts: dict[bytes, tuple[str, str, tuple[str
         DockError: another wire version, or a malformed ticket.
     """
     if len(data) > 3 and data[3] != WIRE_VERSION:  # the version first: another version may have another header
-        raise _version_error("claim", data[3])
+        raise version_error("claim", data[3])
     if len(data) < _CLAIM_HEAD.size:
         raise DockError(f"dock shard: malformed claim ticket ({len(data)} bytes)")
     _, _, iteration, count, at_least, timeout_s, lease_s, flags, n_lease, n_fixed = _CLAIM_HEAD.unpack_from(data)
@@ -131,7 +131,7 @@ def decode_claim_result(meta: bytes, location: str = "(unknown)") -> tuple[np.nd
     if not meta or meta[0] != WIRE_VERSION:  # the version first: another version may have another layout
         if not meta:
             raise DockError(f"claim: malformed answer of the dock shard at {location} (0 bytes)")
-        raise _version_error("claim", meta[0], location)
+        raise version_error("claim", meta[0], location)
     if len(meta) < _RESULT_HEAD.size:
         raise DockError(f"claim: malformed answer of the dock shard at {location} ({len(meta)} bytes)")
     _, pending, held, n = _RESULT_HEAD.unpack_from(meta)
@@ -164,7 +164,7 @@ def decode_put(command: bytes) -> tuple[int, tuple[str, str] | None]:
         req = json.loads(command)
         return req["iteration"], (req["ack"]["consumer"], req["ack"]["lease"]) if "ack" in req else None
     if len(command) > 3 and command[3] != WIRE_VERSION:  # the version first: another version may have another header
-        raise _version_error("put", command[3])
+        raise version_error("put", command[3])
     if len(command) < _PUT_HEAD.size:
         raise DockError(f"dock shard: malformed put descriptor ({len(command)} bytes)")
     _, _, iteration, flags, n_consumer, n_lease = _PUT_HEAD.unpack_from(command)
@@ -188,7 +188,7 @@ def decode_exchange(command: bytes) -> tuple[bytes, bytes]:
         DockError: another wire version, or a malformed command.
     """
     if len(command) > 3 and command[3] != WIRE_VERSION:  # the version first: another version may have another header
-        raise _version_error("put", command[3])
+        raise version_error("put", command[3])
     if command[:3] != _EXCHANGE_MAGIC or len(command) < _EXCHANGE_HEAD.size:
         raise DockError(f"dock shard: malformed exchange descriptor ({len(command)} bytes; expected a put that carries a claim)")
     (n_put,) = _EXCHANGE_HEAD.unpack_from(command)[2:]
@@ -200,7 +200,7 @@ def decode_exchange(command: bytes) -> tuple[bytes, bytes]:
 
 def encode_claim_failed(e: DockError) -> bytes:
     """The ``app_metadata`` of an exchange whose put landed and whose claim failed with ``e``."""
-    return bytes([_CLAIM_FAILED]) + f"{type(e).__name__}: {e}".encode()
+    return bytes([CLAIM_FAILED]) + f"{type(e).__name__}: {e}".encode()
 
 
 def dock_error_to_flight(e: DockError) -> flight.FlightServerError:

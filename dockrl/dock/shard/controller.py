@@ -37,7 +37,7 @@ from dockrl.dock.cells import arrow_columns
 from dockrl.dock.errors import DockError
 from dockrl.dock.rows import one_run
 from dockrl.dock.shard import leases
-from dockrl.dock.shard.controller_core import _ControllerCore
+from dockrl.dock.shard.controller_core import ControllerCore
 from dockrl.dock.shard.iteration import IterationTable
 from dockrl.dock.shard.records import Taken
 from dockrl.dock.shard.waiters import Waiter, can_take, timeout_error
@@ -47,7 +47,7 @@ DEFAULT_OWNER = "local"
 """Lease owner of claims made without one (the stages of one process share it)."""
 
 
-class ShardController(_ControllerCore):
+class ShardController(ControllerCore):
     """The rows of one shard of the experience table, one iteration at a time.
 
     Args:

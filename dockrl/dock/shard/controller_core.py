@@ -29,7 +29,7 @@ from dockrl.dock.shard.waiters import Waiters
 from dockrl.dock.snapshot import read_meta, write_snapshot
 
 
-class _ControllerCore:
+class ControllerCore:
     """``ShardController``'s state, iteration lifecycle, leases, snapshots and counters (its arguments are documented there)."""
 
     def __init__(self, schema: Schema, *, timeout_s: float = 600.0, lease_s: float = 300.0) -> None:

@@ -38,7 +38,7 @@ from dockrl.config import LoraConfig
 from dockrl.engines.hf.load import load_tokenizer, warn_foreign_sampling
 from dockrl.engines.rollout_engine import Sample
 from dockrl.engines.vllm.lora import VLLMAdapters, max_lora_rank
-from dockrl.engines.vllm.setup import _hide_unscannable_modules, _model_generation_config, check_platform, checkpoint_layout, layer_groups
+from dockrl.engines.vllm.setup import check_platform, checkpoint_layout, hide_unscannable_modules, layer_groups, model_generation_config
 from dockrl.process.memory import release_pages
 
 CPU = torch.device("cpu")
@@ -123,7 +123,7 @@ class VLLMRolloutEngine:
         # trains in this process, so the function and the thread count are restored.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            with _hide_unscannable_modules():
+            with hide_unscannable_modules():
                 self.llm = vllm.LLM(
                     str(model_path),
                     dtype=dtype,  # type: ignore[arg-type]  # one of _DTYPES, checked above
@@ -150,7 +150,7 @@ class VLLMRolloutEngine:
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
-        self.ignored_sampling = warn_foreign_sampling(model_path, _model_generation_config(model_path), "vllm")
+        self.ignored_sampling = warn_foreign_sampling(model_path, model_generation_config(model_path), "vllm")
         packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
         self._groups = layer_groups(names, packed)
         self._members: dict[str, set[str]] = {}

@@ -77,7 +77,7 @@ def check_platform(platform_kind: str, device: torch.device) -> None:
         )
 
 
-def _model_generation_config(model_path: str | Path):
+def model_generation_config(model_path: str | Path):
     """The model's ``generation_config.json`` as a ``GenerationConfig`` (an empty one when it has none)."""
     if (Path(model_path) / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(model_path)
@@ -85,7 +85,7 @@ def _model_generation_config(model_path: str | Path):
 
 
 @contextlib.contextmanager
-def _hide_unscannable_modules() -> Iterator[None]:
+def hide_unscannable_modules() -> Iterator[None]:
     """Take modules out of ``sys.modules`` that vLLM's start-up scan would crash on, for the scope.
 
     vLLM 0.32's CPU worker rebinds Triton kernels by walking every module namespace and calling

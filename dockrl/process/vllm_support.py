@@ -1,6 +1,6 @@
 """Whether vLLM can generate in this environment, found without importing it.
 
-``rollout.engine=auto`` (``dockrl.config.resolve_auto``) asks ``vllm.support(device_kind)`` where
+``rollout.engine=auto`` (``dockrl.config.resolve_auto``) asks ``vllm_support(device_kind)`` where
 the config's ``auto`` fields are resolved, in every process that runs with it: importing vLLM to ask its platform
 (``vllm.platforms.current_platform``) takes 4–5 s on a CPU, so the answer comes from the
 installed distributions' metadata (``importlib.metadata``) and the CPU's instruction sets, in
