@@ -244,7 +244,7 @@ def test_shard_refuses_a_snapshot_of_another_layout(two_docks, tmp_path):
     meta = json.loads((tmp_path / "dock" / "meta.json").read_text())
     swapped = DockClient([second[1], second[0], second[2]], GRPO_SCHEMA, token=TOKEN)
     with pytest.raises(DockError, match="snapshot was taken with"):
-        swapped._action(0, "restore", {"uri": join_uri(uri, meta["shards"][1]), "layout": {"shard": 0}})
+        swapped.core.action(0, "restore", {"uri": join_uri(uri, meta["shards"][1]), "layout": {"shard": 0}})
     swapped.close()
 
 
