@@ -11,6 +11,7 @@ from typing import Any
 
 from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
 from dockrl.config.errors import fail
+from dockrl.config.estimators import ESTIMATORS, estimator_names
 from dockrl.config.run_sections import DockConfig
 from dockrl.config.sections import CriticConfig, RolloutConfig
 
@@ -61,9 +62,11 @@ def check_algorithm(a: AlgorithmConfig, critic: CriticConfig) -> None:
     for where, x in {"algorithm.gamma": a.gamma, "algorithm.lam": a.lam}.items():
         if not (0 <= x <= 1):
             raise fail(where, x, "expected a number from 0 to 1")
-    if a.adv_estimator == "gae" and not critic.enable:  # PPO's values come from the critic stage
-        raise fail("algorithm.adv_estimator", a.adv_estimator, "GAE needs the critic's values: set critic.enable=true, "
-                    "or use 'grpo', 'rloo', 'reinforce_plus_plus' or 'dr_grpo'")
+    estimator = ESTIMATORS[a.adv_estimator]
+    if estimator.needs_values and not critic.enable:  # PPO's values come from the critic stage
+        what = "GAE" if a.adv_estimator == "gae" else f"algorithm.adv_estimator={a.adv_estimator!r}"
+        raise fail("algorithm.adv_estimator", a.adv_estimator, f"{what} needs the critic's values: set critic.enable=true, "
+                   f"or use {estimator_names(needs_values=False)}")
     if a.adv_estimator == "dr_grpo" and a.loss_agg_mode != "seq-mean-token-sum-norm":
         raise fail("algorithm.loss_agg_mode", a.loss_agg_mode, "algorithm.adv_estimator='dr_grpo' pairs its unnormalized "
                     "advantages with the constant normalizer: set algorithm.loss_agg_mode='seq-mean-token-sum-norm' (or use "
@@ -71,10 +74,10 @@ def check_algorithm(a: AlgorithmConfig, critic: CriticConfig) -> None:
     if not a.norm_adv_by_std_in_grpo and a.adv_estimator != "grpo":
         raise fail("algorithm.norm_adv_by_std_in_grpo", a.norm_adv_by_std_in_grpo,
                     f"applies to adv_estimator='grpo' only (got algorithm.adv_estimator={a.adv_estimator!r}): remove it")
-    if a.kl_in_reward_coef > 0 and a.adv_estimator not in ("gae", "reinforce_plus_plus"):
+    if a.kl_in_reward_coef > 0 and not estimator.token_rewards:
         raise fail("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, f"algorithm.adv_estimator={a.adv_estimator!r} scores "
                     "whole responses and has no per-token rewards to subtract a KL penalty from: use algorithm.kl_loss_coef "
-                    "(KL in the loss, as GRPO), or adv_estimator 'reinforce_plus_plus' or 'gae'")
+                   f"(KL in the loss, as GRPO), or adv_estimator {estimator_names(token_rewards=True)}")
 
 
 def _check_rollout_correction(a: AlgorithmConfig) -> None:

@@ -7,7 +7,9 @@ Their rules are in ``dockrl.config.algorithm_rules``; ``Config`` (``dockrl.confi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from dockrl.config.estimators import ESTIMATORS, AdvEstimator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +59,7 @@ class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy loss, KL terms and the reward. Names follow
     verl's where it has the concept (docs/algorithms.md maps each verl name to its field here)."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae", "dr_grpo"] = "grpo"
+    adv_estimator: Annotated[AdvEstimator, ESTIMATORS] = "grpo"
     """Advantage estimator (``dockrl.algorithms.compute_advantages``): group-normalized (GRPO),
     leave-one-out (RLOO), batch-whitened discounted returns (REINFORCE++), GAE with a critic (PPO),
     or group-centered without the std (Dr. GRPO)."""

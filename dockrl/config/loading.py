@@ -13,7 +13,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import yaml
 
@@ -26,6 +26,10 @@ from dockrl.parallel.layout import LayoutError
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
+    if origin is Annotated and isinstance(registry := typing.get_args(tp)[1], dict):  # a name in a registry (ESTIMATORS)
+        if not (isinstance(value, str) and value in registry):
+            raise fail(where, value, f"expected one of {', '.join(repr(x) for x in registry)}")
+        return value
     if origin is Literal:
         allowed = typing.get_args(tp)
         # by type too: 1 == True, and YAML's 1 is no boolean
@@ -71,7 +75,7 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     if not isinstance(values, dict):
         raise fail(where, values, "expected a mapping of fields")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names, key=str)  # a YAML key may be a number
     if unknown:

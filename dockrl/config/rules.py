@@ -24,6 +24,7 @@ from dockrl.config.dock_rules import check_dock, check_keep_rollouts, check_roll
 from dockrl.config.env_rules import check_env
 from dockrl.config.env_sections import EnvConfig
 from dockrl.config.errors import ConfigError, fail
+from dockrl.config.estimators import ESTIMATORS, estimator_names
 from dockrl.config.run_sections import DockConfig, RunConfig
 from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from dockrl.config.turn_rules import check_turns
@@ -82,9 +83,9 @@ def check_rules(c: Config) -> None:
         raise fail("trainer.micro_batch_tokens", t.micro_batch_tokens, "expected an integer >= 0 (0: off, micro_batch sequences)")
     if r.n < 1:
         raise fail("rollout.n", r.n, "expected a positive integer")
-    if r.n < 2 and a.adv_estimator in ("grpo", "dr_grpo", "rloo"):  # gae and reinforce_plus_plus need no group (verl's PPO)
+    if r.n < 2 and ESTIMATORS[a.adv_estimator].grouped:  # gae and reinforce_plus_plus need no group (verl's PPO)
         raise fail("rollout.n", r.n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the responses to one prompt: "
-                    "it needs a group of at least 2 samples per prompt (or 'reinforce_plus_plus' or 'gae', which do not)")
+                   f"it needs a group of at least 2 samples per prompt (or {estimator_names(grouped=False)}, which do not)")
     if r.n < 2 and a.filter_groups.enable:
         raise fail("rollout.n", r.n, "algorithm.filter_groups.enable keeps the groups whose responses differ: it needs "
                     "a group of at least 2 samples per prompt")
@@ -208,9 +209,9 @@ def _check_critic(c: Config) -> None:
         raise fail("critic.mini_batch", k.mini_batch, f"must divide trainer.global_batch={t.global_batch} (0: trainer.mini_batch)")
     if (mini * n) % micro:
         raise fail("critic.micro_batch", k.micro_batch, f"must divide the critic's mini-batch × rollout.n = {mini * n} sequences")
-    if k.enable and c.algorithm.adv_estimator != "gae":  # only GAE reads values; no other estimator puts returns to train on
-        raise fail("critic.enable", k.enable, f"the critic serves algorithm.adv_estimator='gae' only (got "
-                    f"{c.algorithm.adv_estimator!r}, which does not use values): set algorithm.adv_estimator=gae, or critic.enable=false")
+    if k.enable and not ESTIMATORS[c.algorithm.adv_estimator].needs_values:  # no other estimator puts returns to train on
+        raise fail("critic.enable", k.enable, f"the critic serves algorithm.adv_estimator={estimator_names(needs_values=True)} only (got "
+                   f"{c.algorithm.adv_estimator!r}, which does not use values): set algorithm.adv_estimator=gae, or critic.enable=false")
     if k.enable and k.warmup_iterations >= t.iterations:
         raise fail("critic.warmup_iterations", k.warmup_iterations, f"must be below trainer.iterations={t.iterations}: "
                     "the actor trains only after the warm-up")

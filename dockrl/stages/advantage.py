@@ -19,6 +19,7 @@ import torch
 
 from dockrl.algorithms import compute_advantages, kl_penalty, mixed_groups, response_mask, right_pad
 from dockrl.config import AlgorithmConfig
+from dockrl.config.estimators import ESTIMATORS
 from dockrl.dock import Dock
 from dockrl.stages.dynamic_sampling import DynamicSampler
 
@@ -30,9 +31,9 @@ class AdvantageWorker:
 
     def __init__(self, cfg: AlgorithmConfig, *, multi_turn: bool = False) -> None:
         self.cfg, self.multi_turn = cfg, multi_turn
-        kl_in_reward, gae = cfg.kl_in_reward_coef > 0, cfg.adv_estimator == "gae"
+        kl_in_reward, self.needs_values = cfg.kl_in_reward_coef > 0, ESTIMATORS[cfg.adv_estimator].needs_values
         self.columns = (["rm_score", "response_ids"] + (["rollout_log_prob", "ref_log_prob"] if kl_in_reward else [])
-                        + (["values"] if gae else []) + (["loss_mask"] if multi_turn else []))
+                        + (["values"] if self.needs_values else []) + (["loss_mask"] if multi_turn else []))
 
     def run_iteration(self, dock: Dock) -> dict[str, float]:
         """Compute the advantages of every row; returns ``rollout/frac_zero_std_groups`` (groups of
@@ -64,8 +65,7 @@ class AdvantageWorker:
         if self.cfg.kl_in_reward_coef > 0:
             policy, ref = (right_pad(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "ref_log_prob"))
             kl = kl_penalty(policy, ref, self.cfg.kl_penalty) * mask
-        gae = self.cfg.adv_estimator == "gae"
-        values = right_pad(batch.column("values").to_pylist(), T) if gae else None
+        values = right_pad(batch.column("values").to_pylist(), T) if self.needs_values else None
         adv, returns = compute_advantages(self.cfg, scores, mask, group_size=n, values=values, kl=kl)
         return {"advantages": [row[:k] for row, k in zip(adv.tolist(), lengths)],
                 "returns": [row[:k] for row, k in zip(returns.tolist(), lengths)]}
