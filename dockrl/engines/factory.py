@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dockrl.config import Config
+from dockrl.config import Config, LoraConfig
 from dockrl.engines.hf.rollout import HFRolloutEngine
 from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.engines.rollout_engine import RolloutEngine
@@ -116,18 +116,33 @@ def kv_cache_size(cfg: Config, model_path: Path) -> tuple[float, int | None]:
     return r.batch_size * blocks * KV_BLOCK_TOKENS * per_token / 2**30, length
 
 
+def hf_rollout_engine(cfg: Config, model_path: Path, device: torch.device, *, seed: int, lora: LoraConfig | None,
+                      sized: bool) -> RolloutEngine:
+    """``HFRolloutEngine`` with ``rollout.dtype`` weights (``seed`` and ``sized`` are vLLM's: HF samples with torch's generator)."""
+    return HFRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device, lora=lora)
+
+
+def vllm_rollout_engine(cfg: Config, model_path: Path, device: torch.device, *, seed: int, lora: LoraConfig | None,
+                        sized: bool) -> RolloutEngine:
+    """``VLLMRolloutEngine`` with ``rollout.dtype`` weights, its sampler seeded with ``seed``; ``sized``: its KV cache
+    sized to the run (``kv_cache_size``), else vLLM's default."""
+    sizes = dict(zip(("kv_cache_gib", "max_model_len"), kv_cache_size(cfg, model_path))) if sized else {}
+    return VLLMRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=seed,
+                             device=device, lora=lora, **sizes)  # type: ignore[arg-type]  # the sizes' own types
+
+
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": hf_rollout_engine, "vllm": vllm_rollout_engine}
+"""Every rollout engine by its ``rollout.engine`` name (``auto`` resolves to one of them): the one factory of the
+rollout stage, the hybrid actor and the evaluate step. ``tests/engines/test_placement.py`` keeps the config's
+``Literal`` equal to these names and ``auto``."""
+
+
 def _rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, actor: TrainEngine | None) -> RolloutEngine:
-    r, device = cfg.rollout, ranks.device
-    if r.engine == "vllm":
-        kv_cache_gib, max_model_len = kv_cache_size(cfg, model_path)
-        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
-                                 device=device, lora=cfg.trainer.lora if adapter_sync(cfg) else None,
-                                 kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
-    if actor is not None and shares_actor_module(cfg, actor):
+    if cfg.rollout.engine == "hf" and actor is not None and shares_actor_module(cfg, actor):
         assert isinstance(actor, HFTrainEngine), "shares_actor_module: an HFTrainEngine"
         return HFRolloutEngine.sharing(actor.model, actor.tokenizer, model_path)
-    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device,
-                           lora=cfg.trainer.lora if adapter_sync(cfg) else None)
+    return ROLLOUT_ENGINES[cfg.rollout.engine](cfg, model_path, ranks.device, seed=cfg.trainer.seed + ranks.rank,
+                                               lora=cfg.trainer.lora if adapter_sync(cfg) else None, sized=True)
 
 
 def adapter_sync(cfg: Config) -> bool:

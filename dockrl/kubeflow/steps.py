@@ -147,26 +147,22 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     """The evaluate step's engine on this process's device (``parallel.device``, which
     ``evaluate_model`` sets to where the pipeline placed the step; ``cfg`` as ``resolve_auto`` returns it): ``VLLMRolloutEngine`` where
     the resolved ``rollout.engine`` is ``vllm`` and vLLM runs on that device (``vllm_support``),
-    else ``HFRolloutEngine`` (with a warning when the config asked for vLLM); ``rollout.dtype`` weights.
+    else ``HFRolloutEngine`` (with a warning when the config asked for vLLM); ``rollout.dtype`` weights. Built by the
+    rollout stage's factory (``dockrl.engines.factory.ROLLOUT_ENGINES``), without LoRA and with vLLM's default KV cache.
 
     Raises:
         RuntimeError: no device of ``parallel.device`` is visible (``torch_device``).
     """
+    from dockrl.engines.factory import ROLLOUT_ENGINES  # lazy: imports torch and transformers
     from dockrl.parallel.device import torch_device  # lazy: dockrl.parallel.device imports torch
 
     r, kind = cfg.rollout, cfg.parallel.device
     device = torch_device(kind)  # one device: the step's pod holds one accelerator, or none
-    if r.engine == "vllm":
-        support = vllm_support(kind)
-        if support.ok:
-            from dockrl.engines.vllm.engine import VLLMRolloutEngine  # lazy: vllm is an optional extra
-
-            return VLLMRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                     seed=cfg.trainer.seed, device=device)
+    name = r.engine
+    if name == "vllm" and not (support := vllm_support(kind)).ok:
         logger.warning("evaluate: rollout.engine=vllm cannot run here (%s); evaluating with HF on %s", support.reason, device)
-    from dockrl.engines.hf.rollout import HFRolloutEngine  # lazy: imports torch and transformers
-
-    return HFRolloutEngine(model_dir, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device)
+        name = "hf"
+    return ROLLOUT_ENGINES[name](cfg, model_dir, device, seed=cfg.trainer.seed, lora=None, sized=False)
 
 
 def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str], *,
