@@ -25,18 +25,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
-from dockrl.checkpoint.pruning import prune_checkpoints
-from dockrl.checkpoint.resume import (
-    CheckpointInProgress,
-    checkpoint_dir,
-    checkpoint_due,
-    dock_snapshot_uri,
-    final_dir,
-    write_driver_state,
-    write_final_state,
-)
+from dockrl.checkpoint.resume import CheckpointInProgress
+from dockrl.checkpoint.writer import CheckpointWriter
 from dockrl.config import Config
-from dockrl.config.run_sections import keep_fraction
 from dockrl.dock import Dock
 from dockrl.launch.distributed import start_processes
 from dockrl.launch.run_records import recorded_run
@@ -139,10 +130,9 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
           checkpoint: CheckpointInProgress | None = None, stop: sigterm_as_exit | None = None) -> dict[str, float]:
     """The iteration loop of a planned run over started stages; returns the run summary.
 
-    A checkpoint after iteration ``k`` (when ``checkpoint_due``): the stages write the actor's
-    weights and optimizer, then the driver opens iteration ``k+1`` with its prompts without
-    announcing it, snapshots the dock and writes its state last; the loop then announces
-    ``k+1`` instead of opening it, as a run resumed from that checkpoint does.
+    A checkpoint after iteration ``k`` (when ``checkpoint_due``) is written by the loop's
+    ``CheckpointWriter`` (``dockrl.checkpoint.writer``): it opens iteration ``k+1`` unannounced,
+    and the loop then announces ``k+1`` instead of opening it, as a run resumed from that checkpoint does.
 
     With ``dock.max_inflight`` = m > 1 the driver keeps iterations ``k`` … ``k+m-1`` open while
     it waits for ``k``'s reports, and closes ``k`` once they are in. A checkpoint after ``k``
@@ -160,9 +150,10 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     cfg, point, dock = plan.cfg, plan.resume, runner.dock
     t, n = cfg.trainer, cfg.rollout.n
     run_dir = Path(cfg.run.output_dir)
-    checkpoint = checkpoint or CheckpointInProgress()
     summary: dict[str, float] = {"eval/test_prompts": len(plan.test_prompts), "data/train_prompts": len(plan.train_prompts)}
     summary |= point.summary if point else {}
+    checkpoints = CheckpointWriter(cfg, plan.fingerprint, runner, snapshot_report=Report.SNAPSHOT,
+                                   in_progress=checkpoint or CheckpointInProgress(), summary=summary)
     rounds = cfg.algorithm.filter_groups.rounds  # dynamic sampling: prompts for every rollout round it may sample
     batches = list(prompt_batches(plan.train_prompts, t, rounds=rounds))
     gate = t.global_batch if cfg.algorithm.filter_groups.enable else 0
@@ -178,7 +169,7 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                 dock.report(it, stage, stage_metrics)
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
     # run.keep_rollouts: the dataset's _meta.json here, the rows by the shards at each close, with this lineage
-    kept = write_dataset_meta(cfg, point.checkpoint if point else None) if keep_fraction(cfg.run.keep_rollouts) > 0 else None
+    kept = write_dataset_meta(cfg, point.checkpoint if point else None) if cfg.run.keep_fraction > 0 else None
     with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
         check_stop = stop.raise_if_stopped if stop is not None else lambda: None  # a SIGTERM or Ctrl-C a finalizer swallowed
@@ -191,8 +182,7 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             for ready in unannounced:  # opened and filled before a checkpoint's snapshot: the stages may start now
                 dock.announce(ready)
             unannounced = []
-            # the stages write a due checkpoint once they are done with `it`, maybe before the driver hears of it
-            checkpoint.folder = checkpoint_dir(run_dir, it + 1) if checkpoint_due(t, it) else None
+            checkpoints.begin(it)
             while opened < min(it + inflight, t.iterations):  # up to dock.max_inflight iterations open
                 open_with_prompts(dock, opened, batches[opened], n, gate=gate)
                 opened += 1
@@ -206,30 +196,12 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                         "perf/response_tokens_per_s": metrics["rollout/response_length_mean"] * responses / seconds}
             writer.log(it, metrics)
             progress.update(metrics)
-            if checkpoint_due(t, it):
-                folder = checkpoint_dir(run_dir, it + 1)
-                runner.save_checkpoint(it, folder)
-                ahead = range(it + 1, opened)  # in flight: the rollout took update `it` after generating them
-                generated = runner.generated(ahead) if len(ahead) else {}
-                if opened < min(it + 1 + inflight, t.iterations):
-                    open_with_prompts(dock, opened, batches[opened], n, announce=False, gate=gate)
-                    unannounced, opened = [opened], opened + 1
-                uri = dock_snapshot_uri(cfg, folder, runner.run)
-                dock.snapshot(uri)
-                write_driver_state(folder, cfg, next_iteration=it + 1, dock_uri=uri, open_iteration=it + 1, summary=summary,
-                                   prompts=plan.fingerprint, open_iterations=range(it + 1, opened), reports=generated,
-                                   generated_through=max(generated, default=it))
-                dock.report(it, Report.SNAPSHOT, {})  # the stages that wait for it may take rows of the open iterations now
-                checkpoint.folder = None
-                logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
-                prune_checkpoints(run_dir, t.keep_checkpoints, folder)  # after a newer one is complete, as verl's max_actor_ckpt_to_keep
+            if checkpoints.due(it):
+                following = checkpoints.write(it, opened, lambda k: open_with_prompts(dock, k, batches[k], n, announce=False, gate=gate))
+                unannounced, opened = list(range(opened, following)), following
         if kept is not None:  # every kept iteration written before the run reports
             summary |= dock.flush_rollouts()
-        checkpoint.folder = final_dir(run_dir)
-        runner.finish()
-        write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here
-        checkpoint.folder = None
-        prune_checkpoints(run_dir, t.keep_checkpoints, final_dir(run_dir))  # final is kept besides the newest K
+        checkpoints.finish()
         if t.eval_after:
             summary |= runner.evaluate("after")
         summary["run/seconds"] = time.perf_counter() - t0

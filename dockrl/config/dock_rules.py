@@ -10,7 +10,7 @@ import re
 from typing import Mapping
 
 from dockrl.config.errors import fail
-from dockrl.config.run_sections import DockConfig, keep_fraction
+from dockrl.config.run_sections import DockConfig, RunConfig
 
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -91,12 +91,12 @@ def check_dock(k: DockConfig) -> None:
             raise fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
 
 
-def check_keep_rollouts(warehouse: str, keep_rollouts: str | float | bool) -> None:
+def check_keep_rollouts(warehouse: str, run: RunConfig) -> None:
     """``run.keep_rollouts`` needs the payload in the dock shards' memory (the shards write the kept rows).
 
     Raises:
         ConfigError: rollouts kept with a ``dock.warehouse`` other than ``memory``.
     """
-    if keep_fraction(keep_rollouts) > 0 and warehouse != "memory":
-        raise fail("run.keep_rollouts", keep_rollouts, f"needs dock.warehouse=memory (got {warehouse!r}): the dock shards "
+    if run.keep_fraction > 0 and warehouse != "memory":
+        raise fail("run.keep_rollouts", run.keep_rollouts, f"needs dock.warehouse=memory (got {warehouse!r}): the dock shards "
                     "write the kept rows from their memory; set run.keep_rollouts=off or dock.warehouse=memory")

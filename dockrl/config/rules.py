@@ -135,7 +135,7 @@ def check_rules(c: Config) -> None:
     _check_inflight(c)
     _check_partial(c)
     check_dock(c.dock)
-    check_keep_rollouts(c.dock.warehouse, c.run.keep_rollouts)
+    check_keep_rollouts(c.dock.warehouse, c.run)
     check_rollouts_uri(c.run.rollouts_uri, c.dock)
     check_reward_model(c.reward_model)
     check_dapo(c.algorithm, c.rollout, c.dock, c.critic)

@@ -6,6 +6,7 @@ The dock's rules are in ``dockrl.config.dock_rules``; ``Config`` (``dockrl.confi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -94,7 +95,12 @@ class RunConfig:
     The run folder's ``rollouts/_meta.json`` names it either way (docs/rollouts.md)."""
 
     def __post_init__(self) -> None:
-        keep_fraction(self.keep_rollouts)  # a bad value fails when the config is built
+        self.keep_fraction  # noqa: B018 - parsed once, here: a bad value fails when the config is built
+
+    @functools.cached_property
+    def keep_fraction(self) -> float:
+        """The fraction of rows ``keep_rollouts`` keeps: 0.0 (``off``), 1.0 (``all``) or the fraction in (0, 1)."""
+        return keep_fraction(self.keep_rollouts)
 
 
 def keep_fraction(value: str | float | bool) -> float:

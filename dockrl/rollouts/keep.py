@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from dockrl.config import Config, dump_config, load_config, pyarrow_s3_query
-from dockrl.config.run_sections import keep_fraction
 from dockrl.dock.shard.kept_rollouts import SCHEMA_VERSION, KeepSpec
 
 if TYPE_CHECKING:
@@ -129,7 +128,7 @@ def write_dataset_meta(cfg: Config, resumed_from: Path | str | None) -> dict[str
     root = rollouts_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     run = lineage(cfg, resumed_from)
-    meta = {"schema_version": SCHEMA_VERSION, "keep_rollouts": cfg.run.keep_rollouts, "fraction": keep_fraction(cfg.run.keep_rollouts),
+    meta = {"schema_version": SCHEMA_VERSION, "keep_rollouts": cfg.run.keep_rollouts, "fraction": cfg.run.keep_fraction,
             "seed": cfg.trainer.seed, "partitioning": "hive: iteration=<N>/shard-<S>.parquet", "uri": cfg.run.rollouts_uri} | run
     text = json.dumps(meta, indent=2) + "\n"
     path = root / "_meta.json"
@@ -158,7 +157,7 @@ def keep_spec(cfg: Config, iteration: int, metrics: Mapping[str, float], meta: d
     the version kept is the one of the pass that finished it.
     """
     version = metrics.get("rollout/policy_version")
-    return KeepSpec(uri=rows_uri(cfg, rollouts_root(cfg)), fraction=keep_fraction(cfg.run.keep_rollouts), seed=cfg.trainer.seed,
+    return KeepSpec(uri=rows_uri(cfg, rollouts_root(cfg)), fraction=cfg.run.keep_fraction, seed=cfg.trainer.seed,
                     weight_version=iteration if version is None else int(version) + 1, meta=meta)
 
 
