@@ -14,7 +14,7 @@ from typing import Literal
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
-    """Limits of one program run in the sandbox (``dockrl.envs.sandbox``): a tool call of the
+    """Limits of one program run in the sandbox (``dockrl.isolation.sandbox``): a tool call of the
     ``python`` environment, or a response's program under the code-execution reward."""
 
     cpu_s: int = 5

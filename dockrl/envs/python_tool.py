@@ -1,5 +1,5 @@
 """The ``python`` environment: the model calls a ``python`` tool with a program, which runs in the
-sandbox (``dockrl.envs.sandbox``, under ``env.sandbox.*``); what it prints is the next turn.
+sandbox (``dockrl.isolation.sandbox``, under ``env.sandbox.*``); what it prints is the next turn.
 
 Every call starts a fresh interpreter in a fresh folder: nothing (variables, files) carries over
 from one call to the next, as the tool's description tells the model.
@@ -8,9 +8,9 @@ from one call to the next, as the tool's description tells the model.
 from __future__ import annotations
 
 from dockrl.config.env_sections import SandboxConfig
-from dockrl.envs.sandbox import SandboxResult, run_python
 from dockrl.envs.tool_calls import ToolCall, ToolParser
 from dockrl.envs.tool_episode import ToolEpisode, tool_schema
+from dockrl.isolation.sandbox import SandboxResult, run_python
 
 
 def describe_result(result: SandboxResult, limits: SandboxConfig) -> str:

@@ -7,7 +7,7 @@ from dockrl.envs.base import Environment
 from dockrl.envs.calculator import CalculatorEnvironment
 from dockrl.envs.python_tool import PythonEnvironment
 from dockrl.envs.user import UserEnvironment
-from dockrl.rewards.guard import import_scorer
+from dockrl.isolation.user_code import import_object
 
 
 def build_environment(cfg: Config) -> Environment | None:
@@ -29,7 +29,7 @@ def build_environment(cfg: Config) -> Environment | None:
     if e.name == "calculator":
         return CalculatorEnvironment(e.tool_parser, e.tool_call_reward)
     try:
-        import_scorer(e.name)  # here, so a typo fails before any process starts
+        import_object(e.name)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"env.name: got {e.name!r}, which does not import ({type(err).__name__}: {err}); "
                           "expected 'package.module:Class' importable here (PYTHONPATH)") from err

@@ -1,7 +1,7 @@
 """A user's environment (``env.name=package.module:Class``) in a process of its own, under ``env.timeout_s``.
 
-As a custom scorer (``dockrl.rewards.guard.ScorerProcess``, whose import of ``module:Class`` and
-lifeline this reuses), the class is built with no arguments in a child process (``spawn``) that
+As a custom scorer (``dockrl.rewards.guard.ScorerProcess``; both import ``module:Class`` with
+``dockrl.isolation.user_code`` and arm the lifeline), the class is built with no arguments in a child process (``spawn``) that
 exits with its owner; every call (``open``, ``step``, an episode's ``close``) is a request over a
 pipe answered within ``env.timeout_s``. An environment that raises, dies, or does not answer in
 time fails the rollout with ``EnvironmentFailure`` naming ``env.name`` and what it waited for.
@@ -20,15 +20,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from dockrl.envs.base import EnvironmentFailure, Episode, Step
+from dockrl.isolation.user_code import START_TIMEOUT_S, import_object
 from dockrl.process.lifeline import guard_pool_worker
-from dockrl.rewards.guard import START_TIMEOUT_S, import_scorer
 
 
 def _serve(conn: Connection, path: str, owner: int) -> None:
     """The child: build the environment, send its tools, then answer requests until ``close`` or EOF."""
     guard_pool_worker(owner)
     try:
-        env = import_scorer(path)()
+        env = import_object(path)()
         conn.send(("ok", list(env.tools)))
     except BaseException:  # noqa: BLE001 - reported to the owner, which fails the run
         conn.send(("error", traceback.format_exc()))

@@ -16,7 +16,6 @@ of an iteration's rewards were bad (timed out, failed, or not finite numbers).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import multiprocessing
@@ -29,37 +28,21 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
+from dockrl.isolation.user_code import START_TIMEOUT_S, import_object
 from dockrl.process.lifeline import guard_pool_worker
 from dockrl.rewards.scorer import RewardScorer
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 120.0
-"""Longest a scorer's process may take to start and build the scorer, seconds."""
-
-
 class ScorerError(RuntimeError):
     """The reward scorer failed the run (raised, or gave too many bad rewards); names ``algorithm.scorer``."""
-
-
-def import_scorer(path: str) -> type:
-    """The class ``module:Class`` names (nested names with dots).
-
-    Raises:
-        ImportError, AttributeError: it does not import.
-    """
-    module, _, name = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _serve(conn, path: str, kwargs: dict, owner: int) -> None:
     """The child: build the scorer, then answer ``(op, args)`` requests until ``close`` or EOF."""
     guard_pool_worker(owner)
     try:
-        scorer = import_scorer(path)(**kwargs)
+        scorer = import_object(path)(**kwargs)
     except BaseException:  # noqa: BLE001 - reported to the owner, which fails the run
         conn.send(("error", traceback.format_exc()))
         return
@@ -247,7 +230,7 @@ def build_scorer(a: AlgorithmConfig) -> Scorer:
     if not a.scorer:
         return RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     try:
-        import_scorer(a.scorer)  # here, so a typo fails before any process starts
+        import_object(a.scorer)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
                           "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e

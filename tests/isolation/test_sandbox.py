@@ -1,4 +1,4 @@
-"""The sandbox (dockrl.envs.sandbox): each hostile program ends within its limit with the limit named,
+"""The sandbox (dockrl.isolation.sandbox): each hostile program ends within its limit with the limit named,
 and nothing it started is left running, nor its folder or cgroup."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from dockrl.config.env_sections import SandboxConfig
-from dockrl.envs.sandbox import run_python
+from dockrl.isolation.sandbox import run_python
 
 LIMITS = SandboxConfig(cpu_s=1, wall_s=3.0, memory_mb=256, output_bytes=1000, max_processes=12)
 
