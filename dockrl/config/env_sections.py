@@ -2,14 +2,19 @@
 model calls tools in, and the sandbox that runs model-written code; frozen, keyword-only
 dataclasses, one docstring per field.
 
-The section's rules are in ``dockrl.config.env_rules``; ``Config`` (``dockrl.config.rules``) holds it.
+The section's rules (a built-in environment or an import path, the sandbox's ranges) are beside it, below;
+``Config`` (``dockrl.config.config``) holds it.
 The environments themselves are ``dockrl.envs`` (docs/agents.md).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+from dockrl.config.errors import fail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,3 +58,31 @@ class EnvConfig:
     close), seconds; past it the rollout fails naming the environment."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the sandbox that runs the ``python`` environment's tool calls (``env.sandbox.*``)."""
+
+
+BUILT_IN_ENVIRONMENTS = ("python", "calculator")
+"""The environments ``env.name`` may name without an import path."""
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def check_env(e: EnvConfig) -> None:
+    """The ``env`` section's ranges and names.
+
+    Raises:
+        ConfigError: names the field (``env.name``, ``env.timeout_s``, ``env.sandbox.*``), its value and the rule.
+    """
+    if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not _IMPORT_PATH.match(e.name):
+        raise fail("env.name", e.name, f"expected '' (single-turn), one of {', '.join(repr(n) for n in BUILT_IN_ENVIRONMENTS)}, "
+                    "or an import path 'package.module:Class' of a user environment")
+    if not (0 < e.timeout_s < math.inf):
+        raise fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
+    s = e.sandbox
+    if not (0 < s.wall_s < math.inf):
+        raise fail("env.sandbox.wall_s", s.wall_s, "expected a finite number of seconds > 0")
+    for where, v, low in (("env.sandbox.cpu_s", s.cpu_s, 1), ("env.sandbox.memory_mb", s.memory_mb, 64),
+                          ("env.sandbox.output_bytes", s.output_bytes, 1), ("env.sandbox.file_mb", s.file_mb, 1),
+                          ("env.sandbox.max_processes", s.max_processes, 1)):
+        if v < low:
+            why = " (the Python interpreter itself needs about that much address space)" if where.endswith("memory_mb") else ""
+            raise fail(where, v, f"expected an integer >= {low}{why}")

@@ -8,7 +8,7 @@ import dataclasses
 import re
 from typing import Any, Iterable
 
-from dockrl.config.rules import Config
+from dockrl.config.config import Config
 
 
 def explain_error(message: str, source: str, in_text: dict[str, Any], overridden: dict[str, Any]) -> str:

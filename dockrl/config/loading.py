@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal, Sequence
 
 import yaml
 
+from dockrl.config.config import Config
 from dockrl.config.errors import ConfigError, fail
 from dockrl.config.explain import explain_error
 from dockrl.config.resolve import FROM_AUTO
-from dockrl.config.rules import Config
 from dockrl.parallel.layout import LayoutError
 
 

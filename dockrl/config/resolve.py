@@ -14,8 +14,8 @@ import logging
 import os
 from typing import Any, Literal
 
+from dockrl.config.config import Config
 from dockrl.config.errors import fail
-from dockrl.config.rules import Config
 
 _logger = logging.getLogger(__name__)
 

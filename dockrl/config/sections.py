@@ -3,7 +3,7 @@ keyword-only dataclasses, one docstring per field.
 
 The algorithm's sections (``algorithm``, ``reward_model``) are in ``dockrl.config.algorithm_sections``,
 the dock's and the run's (``dock``, ``run``) in ``dockrl.config.run_sections``; ``parallel`` is
-``dockrl.parallel.layout.ParallelLayout``. ``Config`` (``dockrl.config.rules``) holds one of each
+``dockrl.parallel.layout.ParallelLayout``. ``Config`` (``dockrl.config.config``) holds one of each
 and checks the cross-field rules when built.
 Fields that may be ``auto`` (``parallel.device``, ``rollout.engine``, ``rollout.dtype``,
 ``trainer.autocast_bf16``) keep ``auto`` here; ``dockrl.config.resolve.resolve_auto`` replaces it.

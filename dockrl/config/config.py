@@ -3,8 +3,9 @@
 ``Config`` lives beside its rules, above the sections (``dockrl.config.sections``,
 ``dockrl.config.algorithm_sections``, ``dockrl.config.run_sections``): building one runs
 ``check_rules``, also by ``dataclasses.replace``; ``auto`` fields stay ``auto`` (``dockrl.config.resolve``).
-The rules of one section group are beside it: the algorithm's in ``dockrl.config.algorithm_rules``,
-the dock's in ``dockrl.config.dock_rules``; those across sections are here.
+The rules of one section group are beside its classes (``algorithm_sections``, ``run_sections``,
+``env_sections``); those across sections, and the multi-turn rollout's (``rollout.max_turns``,
+``rollout.max_total_tokens``, what runs with an environment; ``multi_turn``), are here.
 Each error names the field, the value, the rule and the fix (docs/bad-inputs.md). The rules read
 nothing of the machine but a local model directory's ``config.json`` (``_check_parallel``).
 """
@@ -18,16 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dockrl.config.algorithm_rules import check_algorithm, check_dapo, check_reward_model
-from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig
-from dockrl.config.dock_rules import check_dock, check_keep_rollouts, check_rollouts_uri
-from dockrl.config.env_rules import check_env
-from dockrl.config.env_sections import EnvConfig
+from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig, check_algorithm, check_dapo, check_reward_model
+from dockrl.config.env_sections import BUILT_IN_ENVIRONMENTS, EnvConfig, check_env
 from dockrl.config.errors import ConfigError, fail
 from dockrl.config.estimators import ESTIMATORS, estimator_names
-from dockrl.config.run_sections import DockConfig, RunConfig
+from dockrl.config.run_sections import DockConfig, RunConfig, check_dock, check_keep_rollouts, check_rollouts_uri
 from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
-from dockrl.config.turn_rules import check_turns
 from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 
 
@@ -304,3 +301,51 @@ def _check_parallel(c: Config) -> None:
             p.check_model(ModelShape.from_model_dir(c.model.path))
         except LayoutError as e:
             raise ConfigError(str(e)) from e
+
+
+def multi_turn(env: EnvConfig) -> bool:
+    """Whether the rollout runs the multi-turn loop (``dockrl.stages.multi_turn``): the run has an
+    environment (``env.name``); its rows then carry ``loss_mask`` and the turn columns."""
+    return bool(env.name)
+
+
+def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: AlgorithmConfig) -> None:
+    """``rollout.max_turns`` and ``rollout.max_total_tokens``: their ranges, read only with an
+    environment, and the features a multi-turn rollout does not run with.
+
+    Raises:
+        ConfigError: names the field, its value, the rule and the fix.
+    """
+    if r.max_turns < 1:
+        raise fail("rollout.max_turns", r.max_turns, "expected a positive integer (1: one model turn)")
+    if r.max_total_tokens < 0:
+        raise fail("rollout.max_total_tokens", r.max_total_tokens, "expected an integer >= 0 (0: no limit but the turns')")
+    if not (0 <= env.tool_call_reward < math.inf):
+        raise fail("env.tool_call_reward", env.tool_call_reward, "expected a finite number >= 0")
+    if env.tool_call_reward and env.name not in BUILT_IN_ENVIRONMENTS:
+        raise fail("env.tool_call_reward", env.tool_call_reward, f"only the built-in environments "
+                    f"({', '.join(BUILT_IN_ENVIRONMENTS)}) give it; env.name={env.name!r} "
+                    + ("is none" if not env.name else "gives its own rewards (Step.reward)") + ": set env.tool_call_reward=0")
+    if env.tool_call_reward * r.max_turns >= a.correct_reward:
+        raise fail("env.tool_call_reward", env.tool_call_reward, f"the most a trajectory can earn from tool calls "
+                    f"(× rollout.max_turns={r.max_turns}) must stay below algorithm.correct_reward={a.correct_reward:g}, "
+                    "so a right answer outweighs any number of calls")
+    if not multi_turn(env):
+        if r.max_turns != 1:
+            raise fail("rollout.max_turns", r.max_turns, "a turn after the first follows an environment's observation, and "
+                        "env.name is empty (no environment): set env.name, or rollout.max_turns=1")
+        if r.max_total_tokens:
+            raise fail("rollout.max_total_tokens", r.max_total_tokens, "only read by a multi-turn rollout (env.name set): "
+                        "set env.name, or leave it 0")
+        return
+    refused = {
+        "rollout.partial_tokens": (r.partial_tokens, r.partial_tokens > 0, "a trajectory is generated in one pass", 0),
+        "trainer.hybrid": (t.hybrid, t.hybrid, "the hybrid actor's rollout generates single turns", False),
+        "algorithm.overlong_buffer.enable": (a.overlong_buffer.enable, a.overlong_buffer.enable,
+                                             "a trajectory's length counts observations, not rollout.max_response_length's tokens",
+                                             False),
+    }
+    for where, (value, bad, why, off) in refused.items():
+        if bad:
+            raise fail(where, value, f"not supported with an environment (env.name={env.name!r}: a multi-turn rollout; {why}); "
+                        f"set {where}={str(off).lower()}, or env.name=''")
