@@ -18,18 +18,12 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
 import numbers
-import os
-import traceback
 from collections import Counter
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
-from dockrl.isolation.user_code import START_TIMEOUT_S, import_object
-from dockrl.process.lifeline import guard_pool_worker
+from dockrl.isolation.user_code import START_TIMEOUT_S, ChildDied, ChildRaised, UserProcess, import_object
 from dockrl.rewards.scorer import RewardScorer
 
 logger = logging.getLogger(__name__)
@@ -38,32 +32,25 @@ class ScorerError(RuntimeError):
     """The reward scorer failed the run (raised, or gave too many bad rewards); names ``algorithm.scorer``."""
 
 
-def _serve(conn, path: str, kwargs: dict, owner: int) -> None:
-    """The child: build the scorer, then answer ``(op, args)`` requests until ``close`` or EOF."""
-    guard_pool_worker(owner)
-    try:
-        scorer = import_object(path)(**kwargs)
-    except BaseException:  # noqa: BLE001 - reported to the owner, which fails the run
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ok", None))
-    while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            if op == "score":
-                out = scorer.score(*args)
-                conn.send(("ok", list(out) if isinstance(out, (list, tuple)) else out))
-            elif op == "counters":
-                conn.send(("ok", dict(scorer.counters())))
-            else:
-                scorer.close()
-                conn.send(("ok", None))
-                return
-        except BaseException:  # noqa: BLE001 - a raising scorer, or a result that does not pickle
-            conn.send(("error", traceback.format_exc()))
+class _ScorerServer:
+    """The child's side: the scorer."""
+
+    def __init__(self, scorer: Any) -> None:
+        self.scorer = scorer
+
+    def hello(self) -> None:
+        return None
+
+    def handle(self, op: str, args: tuple) -> Any:
+        if op == "score":
+            out = self.scorer.score(*args)
+            return list(out) if isinstance(out, (list, tuple)) else out
+        if op == "counters":
+            return dict(self.scorer.counters())
+        raise ValueError(f"unknown request {op!r}")
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 class ScorerProcess:
@@ -81,8 +68,7 @@ class ScorerProcess:
 
     def __init__(self, path: str, kwargs: dict, *, timeout_s: float) -> None:
         self.path, self.kwargs, self.timeout_s = path, dict(kwargs), float(timeout_s)
-        self._proc: BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._child: UserProcess | None = None  # None: not started, or killed (the next score starts a fresh one)
         self._timeouts = 0
         self._last_counters: dict[str, int] = {}
 
@@ -92,42 +78,30 @@ class ScorerProcess:
         Raises:
             ScorerError: the scorer does not build (its traceback in the message) within ``START_TIMEOUT_S``.
         """
-        if self._proc is None:
+        if self._child is None:
             self._start()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = proc = ctx.Process(target=_serve, args=(child, self.path, self.kwargs, os.getpid()), daemon=True,
-                                        name=f"dockrl-scorer {self.path}")
-        proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(START_TIMEOUT_S):
+        self._child = child = UserProcess(self.path, self.kwargs, _ScorerServer, name=f"dockrl-scorer {self.path}")
+        if not child.wait(START_TIMEOUT_S):
             self._kill()
             raise ScorerError(f"algorithm.scorer={self.path!r}: its process did not build the scorer within {START_TIMEOUT_S:.0f} s")
         self._answer("start")
 
     def _answer(self, what: str) -> Any:
-        assert self._conn is not None, "the scorer's process runs"
+        assert self._child is not None, "the scorer's process runs"
         try:
-            status, value = self._conn.recv()
-        except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
-            self._kill()
-            raise ScorerError(f"algorithm.scorer={self.path!r}: its process died during {what} (exit code {code})") from None
-        if status == "error":
-            raise ScorerError(f"algorithm.scorer={self.path!r} raised during {what}:\n{value.rstrip()}")
-        return value
+            return self._child.answer()
+        except ChildDied as e:
+            self._child = None  # killed: the next score starts a fresh one
+            raise ScorerError(f"algorithm.scorer={self.path!r}: its process died during {what} (exit code {e.args[0]})") from None
+        except ChildRaised as e:
+            raise ScorerError(f"algorithm.scorer={self.path!r} raised during {what}:\n{e.args[0]}") from None
 
     def _kill(self) -> None:
-        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
-        if proc is not None and proc.is_alive():
-            proc.kill()
-        if proc is not None:
-            proc.join(timeout=5)
-        if conn is not None:
-            conn.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> Any:
         """What the scorer returns for the batch (checked by ``check_rewards``), or ``[0.0] * n``
@@ -141,9 +115,9 @@ class ScorerProcess:
             return []
         self.start()
         limit = self.timeout_s * max(1, n)
-        assert self._conn is not None, "started above"
-        self._conn.send(("score", (list(responses), list(ground_truths))))
-        if not self._conn.poll(limit):
+        assert self._child is not None, "started above"
+        self._child.request("score", (list(responses), list(ground_truths)))
+        if not self._child.wait(limit):
             self._kill()
             self._timeouts += n
             logger.warning("algorithm.scorer=%r: a batch of %d responses took longer than %.0f s (algorithm.reward_timeout_s="
@@ -153,8 +127,8 @@ class ScorerProcess:
 
     def counters(self) -> dict[str, int]:
         """The scorer's counters (as last read, when its process was restarted) plus this process's ``timeouts``."""
-        if self._conn is not None:
-            self._conn.send(("counters", ()))
+        if self._child is not None:
+            self._child.request("counters", ())
             self._last_counters = {k: int(v) for k, v in self._answer("counters").items()}
         out = {"timeouts": 0, "errors": 0, "scored": 0} | self._last_counters
         out["timeouts"] += self._timeouts
@@ -162,14 +136,9 @@ class ScorerProcess:
 
     def close(self) -> None:
         """Close the scorer and stop its process. Safe to call twice."""
-        if self._conn is not None:
-            try:
-                self._conn.send(("close", ()))
-                if self._conn.poll(10):
-                    self._conn.recv()
-            except (EOFError, OSError):
-                pass
-        self._kill()
+        child, self._child = self._child, None
+        if child is not None:
+            child.close(10)
 
 
 def _real(value: Any) -> float | None:

@@ -228,7 +228,7 @@ def test_stages_that_fail_half_built_close_the_environment_they_started(model_di
     with pytest.raises(OSError, match="fake: the dock does not open"):
         driver.train(cfg)
     [env] = started
-    assert env._proc is None and env._conn is None  # closed: its process stopped, its pipe closed
+    assert env._child.proc is None and env._child.conn is None  # closed: its process stopped, its pipe closed
 
 
 @pytest.mark.slow  # the stages as processes: tens of seconds
