@@ -60,8 +60,13 @@ class EnvConfig:
     """Limits of the sandbox that runs the ``python`` environment's tool calls (``env.sandbox.*``)."""
 
 
-BUILT_IN_ENVIRONMENTS = ("python", "calculator")
-"""The environments ``env.name`` may name without an import path."""
+BUILT_IN_ENVIRONMENTS: dict[str, str] = {
+    "python": "dockrl.envs.python_tool:PythonEnvironment.from_config",
+    "calculator": "dockrl.envs.calculator:CalculatorEnvironment.from_config",
+}
+"""The environments ``env.name`` may name without an import path, each with the import path of its builder
+``(EnvConfig) -> Environment`` (``dockrl.envs.registry.build_environment`` imports it where the rollout runs): adding
+one is its class and one entry here."""
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 

@@ -7,7 +7,7 @@ from one call to the next, as the tool's description tells the model.
 
 from __future__ import annotations
 
-from dockrl.config.env_sections import SandboxConfig
+from dockrl.config.env_sections import EnvConfig, SandboxConfig
 from dockrl.envs.tool_calls import ToolCall, ToolParser
 from dockrl.envs.tool_episode import ToolEpisode, tool_schema
 from dockrl.isolation.sandbox import SandboxResult, run_python
@@ -45,6 +45,11 @@ class PythonEnvironment:
         tool_parser: ``env.tool_parser``; with ``fenced``, a ```` ```python ```` block's text is the program.
         call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
     """
+
+    @classmethod
+    def from_config(cls, e: EnvConfig) -> PythonEnvironment:
+        """``env.name=python`` (``BUILT_IN_ENVIRONMENTS``): the sandbox's limits, the tool-call format and reward of ``env.*``."""
+        return cls(e.sandbox, e.tool_parser, e.tool_call_reward)
 
     def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
         self.limits, self.tool_parser, self.call_reward = limits, tool_parser, call_reward

@@ -1,10 +1,10 @@
 """A user's environment (``env.name=package.module:Class``) in a process of its own, under ``env.timeout_s``.
 
 As a custom scorer (``dockrl.rewards.guard.ScorerProcess``; both run in a ``dockrl.isolation.user_code.UserProcess``),
-the class is built with no arguments in a child process (``spawn``) that exits with its owner; every call (``open``, ``step``, an episode's ``close``) is a request over a
-pipe answered within ``env.timeout_s``. An environment that raises, dies, or does not answer in
-time fails the rollout with ``EnvironmentFailure`` naming ``env.name`` and what it waited for.
-Requests from several threads are answered one at a time.
+the class is built with no arguments in a child process (``spawn``) that exits with its owner; every call (``open``,
+``step``, an episode's ``close``) is a request over a pipe answered within ``env.timeout_s``. An environment that
+raises, dies, or does not answer in time fails the rollout with ``EnvironmentFailure`` naming ``env.name`` and what
+it waited for. Requests from several threads are answered one at a time.
 """
 
 from __future__ import annotations
