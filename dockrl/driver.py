@@ -9,7 +9,7 @@ is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcess
 (``dockrl/launch/distributed.py``, every stage a process reporting through the dock). A run (``train`` → ``drive``): plan it
 (``dockrl.run.setup``), start the stages, evaluate, then per iteration open it with its prompts,
 collect the stages' metrics, close (with ``run.keep_rollouts`` the shards
-keep its rows: ``dockrl.rollouts.keep``), log and checkpoint when due (``dockrl/checkpoint/resume.py``; older
+keep its rows: ``dockrl.rollouts.keep``), log and checkpoint when due (``dockrl/checkpoint/writer.py``; older
 ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint/pruning.py``); then the final checkpoint, the evaluation after
 training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
