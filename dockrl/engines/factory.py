@@ -133,7 +133,7 @@ def vllm_rollout_engine(cfg: Config, model_path: Path, device: torch.device, *, 
 
 ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": hf_rollout_engine, "vllm": vllm_rollout_engine}
 """Every rollout engine by its ``rollout.engine`` name (``auto`` resolves to one of them): the one factory of the
-rollout stage, the hybrid actor and the evaluate step. ``tests/engines/test_placement.py`` keeps the config's
+rollout stage, the hybrid actor and the evaluate step. ``tests/engines/test_factory.py`` keeps the config's
 ``Literal`` equal to these names and ``auto``."""
 
 
