@@ -69,7 +69,7 @@ def budget_overrides(args: argparse.Namespace, model: str) -> list[str]:
 def availability(algorithm: str, overrides: list[str]) -> str:
     """'' when this build can run ``algorithm`` with ``overrides``, else why not (the config error, a missing stage)."""
     from dockrl.config import ConfigError, load_config
-    from dockrl.stages import stage_processes
+    from dockrl.stages.table import stage_processes
 
     try:
         cfg = load_config(None, overrides)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> str:
     with tempfile.TemporaryDirectory(prefix="algorithms-") as work:
         model = args.model or "smollm2-135m"
         if args.quick and not args.model:
-            from dockrl.models import build_tiny_model
+            from dockrl.run.models import build_tiny_model
 
             model = str(build_tiny_model(Path(work) / "tiny-model"))
         budget = budget_overrides(args, model)

@@ -19,7 +19,7 @@ loopback, bearer-token auth on every call), so the comparison is about topology,
   per stage it scatters contiguous whole-group slices of the stage's input columns to the
   stage's workers (``do_put``, all workers at once from a thread pool) and gathers their
   outputs (``do_get``); stages run one after the other. Every payload byte crosses the driver.
-* **dock** — ``S`` dock shards (``python -m dockrl.dock.flight``, separate processes); the
+* **dock** — ``S`` dock shards (``python -m dockrl.dock.flight.shards``, separate processes); the
   driver opens the iteration and puts the prompts; every worker claims, reads and puts
   directly against the shards (``DockClient``), all stages at once. Only metadata (the
   shards' ``do_action`` bodies and results: claims, row indexes, layout) crosses a controller.
@@ -68,10 +68,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight_server import BearerTokenMiddlewareFactory
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.server import BearerTokenMiddlewareFactory
 from dockrl.dock.schema import GRPO_SCHEMA
-from dockrl.dock.shard_layout import shard_ranges
+from dockrl.dock.shard.layout import shard_ranges
 
 logger = logging.getLogger("benchmarks.dock")
 
@@ -283,7 +283,7 @@ class ProcessPool:
 
     def __init__(self, targets: list[tuple[Callable[..., None], tuple]], names: list[str], timeout_s: float) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["numpy", "pyarrow.flight", "dockrl.dock.client"])
+        ctx.set_forkserver_preload(["numpy", "pyarrow.flight", "dockrl.dock.client.dock_client"])
         self.timeout_s = timeout_s
         self.names = names
         self.conns: list[Connection] = []
@@ -443,7 +443,7 @@ def start_shards(n: int, token: str, timeout_s: float, log: IO[str]) -> tuple[li
         RuntimeError: a shard exited before printing its location.
     """
     env = {**os.environ, TOKEN_ENV: token}
-    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--port", "0", "--token-env", TOKEN_ENV, "--timeout-s", str(timeout_s)]
+    cmd = [sys.executable, "-m", "dockrl.dock.flight.shards", "--port", "0", "--token-env", TOKEN_ENV, "--timeout-s", str(timeout_s)]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True) for _ in range(n)]
     return procs, shard_locations(procs, timeout_s, log)
 

@@ -3,7 +3,7 @@
 Three tables (medians; the machine is shared, so the ratios are the result, not the times):
 
 * **(a) claim + put cycle** over Arrow Flight on loopback: one dock shard in its own process
-  (``python -m dockrl.dock.flight``) and a ``DockClient`` in this one claim ``--claim-rows`` rows
+  (``python -m dockrl.dock.flight.shards``) and a ``DockClient`` in this one claim ``--claim-rows`` rows
   of ``response_ids`` (``--tokens`` tokens each) for the ``reference`` consumer and put the same
   rows' ``ref_log_prob`` with the ack (``put(..., ack=claim)``), twice: with the next claim riding
   on the put (one round trip per cycle, the default) and with ``prefetch=False`` (two). The
@@ -53,10 +53,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dockrl.dock.client import DockClient
+from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.errors import DockError
 from dockrl.dock.schema import GRPO_SCHEMA
-from dockrl.dock.shard import ShardService
+from dockrl.dock.shard.service import ShardService
 from dockrl.dock.tls import RunCertificates
 
 GROUP = 16
@@ -148,9 +148,9 @@ def cycle_table(claim_rows: int, tokens: int, cycles: int, repeats: int) -> list
     dock's cycle with the claim riding on the put (``one_ms``) and without (``two_ms``); the cycles' ratios to the raw pair;
     the claim-on-the-put cycle against a shard over mutual TLS (``tls_ms``) and its ratio to the plain one."""
     raw = start_child([__file__, "--raw-server", "--claim-rows", str(claim_rows), "--tokens", str(tokens)])
-    shard = start_child(["-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0"])
+    shard = start_child(["-m", "dockrl.dock.flight.shards", "--host", "127.0.0.1", "--port", "0"])
     certs = RunCertificates.generate(["127.0.0.1"], run="bench")
-    secure = start_child(["-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0", "--tls"], env=certs.server.env("server"))
+    secure = start_child(["-m", "dockrl.dock.flight.shards", "--host", "127.0.0.1", "--port", "0", "--tls"], env=certs.server.env("server"))
     out = []
     try:
         conn = flight.connect(raw.location)

@@ -3,7 +3,7 @@
 ``benchmarks/dock.py`` runs the two topologies on one machine's loopback, where a process's
 bytes cost CPU only and the centralized driver's one link costs nothing. This benchmark runs
 the same workload and the same two sides (``dock.py``'s ``Cells``, ``StageServer``,
-``Centralized`` and ``dock_stage``; real ``python -m dockrl.dock.flight`` shard processes and
+``Centralized`` and ``dock_stage``; real ``python -m dockrl.dock.flight.shards`` shard processes and
 ``DockClient``) on emulated nodes:
 
 * one Linux network namespace per node, a driver node and K worker nodes, each joined to a
@@ -73,7 +73,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dock.py, beside this file, also when imported by the tests
 import dock as flow  # noqa: E402 - after the path
 
-from dockrl.dock.client import DockClient  # noqa: E402
+from dockrl.dock.client.dock_client import DockClient  # noqa: E402
 from dockrl.dock.schema import GRPO_SCHEMA  # noqa: E402
 
 MAX_NODES = 16
@@ -524,7 +524,7 @@ def start_shards(net: Network, n: int, token: str, timeout_s: float, log: IO[str
     env = {**os.environ, flow.TOKEN_ENV: token}
     procs = []
     for k in range(n):
-        cmd = ["ip", "netns", "exec", net.nodes[k + 1], sys.executable, "-m", "dockrl.dock.flight", "--host",
+        cmd = ["ip", "netns", "exec", net.nodes[k + 1], sys.executable, "-m", "dockrl.dock.flight.shards", "--host",
                net.address(k + 1), "--port", "0", "--token-env", flow.TOKEN_ENV, "--timeout-s", str(timeout_s)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True))
     return procs, flow.shard_locations(procs, timeout_s, log)
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         net.create()
         shards, locations = start_shards(net, max(args.nodes), token, args.timeout_s, log)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["numpy", "pyarrow.flight", "dockrl.dock.client"])
+        ctx.set_forkserver_preload(["numpy", "pyarrow.flight", "dockrl.dock.client.dock_client"])
         parent, child = ctx.Pipe()
         driver = ctx.Process(target=driver_main, args=(child, args, prefix, locations, [p.pid for p in shards], token))
         driver.start()

@@ -1,7 +1,7 @@
 """The dock under load: many client processes, 4 shards, killed clients, a shard restored from a snapshot.
 
 ``--clients`` client processes claim, put and ack through ``--shards`` dock shard processes
-(``python -m dockrl.dock.flight``) for ``--iterations`` iterations of ``--rows`` rows in prompt
+(``python -m dockrl.dock.flight.shards``) for ``--iterations`` iterations of ``--rows`` rows in prompt
 groups of ``--group-size``. Each client serves one consumer of the GRPO schema per iteration
 (drawn per iteration, in proportion to the bytes each moves), with a random claim size per
 claim (up to ``--max-claim`` rows; whole groups for rollout, advantage and actor)::
@@ -70,10 +70,10 @@ import psutil
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dockrl.dock.client import DockClient
+from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import GRPO_SCHEMA
-from dockrl.dock.shard_layout import ShardLayout
+from dockrl.dock.shard.layout import ShardLayout
 
 logger = logging.getLogger("benchmarks.dock_stress")
 
@@ -301,7 +301,7 @@ def client_main(conn: Connection, spec: ClientSpec) -> None:
 
 def start_shard(token: str, lease_s: float, timeout_s: float, log: IO[str], port: int = 0) -> subprocess.Popen:
     env = {**os.environ, TOKEN_ENV: token}
-    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--port", str(port), "--token-env", TOKEN_ENV,
+    cmd = [sys.executable, "-m", "dockrl.dock.flight.shards", "--port", str(port), "--token-env", TOKEN_ENV,
            "--lease-s", str(lease_s), "--timeout-s", str(timeout_s)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
 
@@ -322,7 +322,7 @@ def shard_location(proc: subprocess.Popen, s: int, timeout_s: float, log: IO[str
 
 
 def shard_action(location: str, token: str, name: str, body: dict[str, Any], timeout_s: float) -> Any:
-    """One ``do_action`` on one shard (the protocol of ``dockrl.dock.flight``)."""
+    """One ``do_action`` on one shard (the protocol of ``dockrl.dock.flight.shards``)."""
     client = flight.connect(location)
     try:
         opts = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())], timeout=timeout_s)
@@ -392,7 +392,7 @@ class Stress:
         self.pids: dict[int, float] = {}  # every process started: pid -> create time
         self.clients: dict[int, Client] = {}
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["numpy", "pyarrow", "pyarrow.flight", "dockrl.dock.client"])
+        self.ctx.set_forkserver_preload(["numpy", "pyarrow", "pyarrow.flight", "dockrl.dock.client.dock_client"])
         self.pause_id = 0
         self.pausing = False
         self.driver: DockClient | None = None

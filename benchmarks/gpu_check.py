@@ -124,7 +124,7 @@ def build_model(shape: Shape, folder: Path, device: torch.device, seed: int = 0)
     """A randomly initialized Qwen2 model of ``shape`` saved in bf16, with the test model's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from dockrl.models import build_tiny_model
+    from dockrl.run.models import build_tiny_model
 
     build_tiny_model(folder, vocab_size=512)  # tokenizer files (and a tiny model, replaced below)
     tok_cfg = json.loads((folder / "config.json").read_text())
@@ -160,13 +160,13 @@ class SyntheticRewardWorker:
 def run_grpo(shape: Shape, args, device_kind: str, work: Path, peak_tflops: float) -> dict:
     """GRPO iterations of ``shape`` through the HF engines on the device; the last iteration's figures."""
     from dockrl.config import load_config, resolve_auto
-    from dockrl.data import generate_problems
     from dockrl.dock import GRPO_SCHEMA, open_dock
     from dockrl.engines.factory import build_rollout_engine, build_train_engine, process_ranks
     from dockrl.parallel import device as devices
-    from dockrl.workers.actor import ActorWorker
-    from dockrl.workers.advantage import AdvantageWorker
-    from dockrl.workers.rollout import RolloutWorker, rollout_metrics
+    from dockrl.run.data import generate_problems
+    from dockrl.stages.actor import ActorWorker
+    from dockrl.stages.advantage import AdvantageWorker
+    from dockrl.stages.rollout import RolloutWorker, rollout_metrics
 
     build_start = time.perf_counter()
     dev = devices.process_device(device_kind, 0)

@@ -7,7 +7,7 @@ iterations' wall clock: ``1 - Σ (timing_s/actor - timing_s/actor_claim) / Σ ti
 waits for every rollout; with two the rollout of iteration k+1 runs while the actor updates on k
 (verl's one-step-off-policy recipe; MindSpeed RL, arXiv 2507.19017).
 
-Length blocks: ``heavy``, the tiny model of ``dockrl.heavy_tail_model.build_heavy_tail_model`` (a mixture
+Length blocks: ``heavy``, the tiny model of ``dockrl.testing.heavy_tail_model.build_heavy_tail_model`` (a mixture
 of geometric lengths: most responses short, a tail cut at ``--max-tokens``); ``uniform``, the
 tiny random model of ``build_tiny_model`` (it almost never emits EOS: every response is about
 ``--max-tokens`` long). With ``--model`` one block, that model's own lengths. Each block first
@@ -148,8 +148,8 @@ def length_line(model: str, args: argparse.Namespace) -> str:
     import torch
 
     from dockrl.config import load_config
-    from dockrl.data import generate_problems, prompt_token_ids
-    from dockrl.engines.hf_rollout import HFRolloutEngine
+    from dockrl.engines.hf.rollout import HFRolloutEngine
+    from dockrl.run.data import generate_problems, prompt_token_ids
 
     system = load_config(None, []).data.system_prompt
     engine = HFRolloutEngine(model, dtype="float32")
@@ -164,7 +164,7 @@ def length_line(model: str, args: argparse.Namespace) -> str:
             f"cut at the limit {sum(s.truncated for s in samples) / len(samples):.1%}")
     spec = json.loads((Path(model) / "dockrl_tiny.json").read_text()) if (Path(model) / "dockrl_tiny.json").is_file() else {}
     if "heavy_tail" in spec:
-        from dockrl.heavy_tail_model import heavy_tail_length_pmf
+        from dockrl.testing.heavy_tail_model import heavy_tail_length_pmf
 
         pmf = heavy_tail_length_pmf(args.max_tokens, spec["heavy_tail"]["rates"], spec["heavy_tail"]["weights"])
         cdf = [sum(pmf[: i + 1]) for i in range(len(pmf))]
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> str:
         work = Path(tmp)
         blocks = {"model": args.model} if args.model else {}
         for name in [] if args.model else args.lengths:
-            from dockrl.heavy_tail_model import build_heavy_tail_model
-            from dockrl.models import build_tiny_model
+            from dockrl.run.models import build_tiny_model
+            from dockrl.testing.heavy_tail_model import build_heavy_tail_model
 
             build = build_heavy_tail_model if name == "heavy" else build_tiny_model
             blocks[name] = str(build(work / f"{name}-model"))

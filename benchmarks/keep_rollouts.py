@@ -4,8 +4,8 @@ Runs the same GRPO run once per side and repeat (the sides alternate: off, all, 
 so a drift of the machine's speed hits both alike) and prints one table: seconds per iteration
 (``timing_s/iteration``, the driver's loop time; no checkpoints, no evaluation) over the iterations
 after ``--warmup``, the rows and bytes kept, the time closes waited for a writer that was
-``dockrl.dock.rollouts.QUEUE`` iterations behind (``rollouts/wait_s``), and the ratio all/off. The
-shards write in the background (``dockrl.dock.rollouts.RolloutWriter``): the ratio is the price of
+``dockrl.dock.shard.kept_rollouts.QUEUE`` iterations behind (``rollouts/wait_s``), and the ratio all/off. The
+shards write in the background (``dockrl.dock.shard.kept_rollouts.RolloutWriter``): the ratio is the price of
 that thread and its Parquet encoding competing for the cores, which issue 28 bounds at 5%.
 
 Run::
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> str:
         work = Path(tmp)
         model = args.model
         if not model:
-            from dockrl.models import build_tiny_model
+            from dockrl.run.models import build_tiny_model
 
             model = str(build_tiny_model(work / "model"))
         for r in range(args.repeats):

@@ -32,7 +32,7 @@ from pathlib import Path
 from dockrl import driver
 from dockrl.config import load_config
 from dockrl.launch.procfs import live_processes, process_environ
-from dockrl.models import build_tiny_model
+from dockrl.run.models import build_tiny_model
 
 SIDES = ("popen", "fork")
 MARK_ENV = "DOCKRL_BENCH_LOCAL_START"

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        from dockrl.memory import process_peak_bytes
+        from dockrl.process.memory import process_peak_bytes
 
         result = run_side(json.loads(args.child))
         result["self_peak_rss_gb"] = process_peak_bytes() / 2**30  # across the stages' resets of the kernel's peak

@@ -10,7 +10,7 @@ default, gradient checkpointing on both sides by default as TRL has it) and runs
 in a process of its own. Prints two tables (medians over the runs of a side):
 
 * **by stage**: each stage's peak resident GiB in the run's process (``memory/peak_rss_gb/<stage>``:
-  Linux's ``VmHWM`` reset at the stage's start, ``dockrl.memory``; the largest over the run's
+  Linux's ``VmHWM`` reset at the stage's start, ``dockrl.process.memory``; the largest over the run's
   iterations). dockrl: rollout, reward, advantage, actor (the update); TRL: its generation
   (``_generate_and_score_completions``: sampling, reward, the log-probs) and its update (the rest
   of the step). Then the whole process tree's peak (``vs_trl.tree_peak_rss``: with the reward

@@ -20,10 +20,10 @@ import time
 import torch
 
 from dockrl.config import DEFAULT_SYSTEM_PROMPT
-from dockrl.data import generate_problems
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.vllm import VLLMRolloutEngine
-from dockrl.models import build_tiny_model
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.vllm.engine import VLLMRolloutEngine
+from dockrl.run.data import generate_problems
+from dockrl.run.models import build_tiny_model
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ to watch (target ≤ 1.5).
     python benchmarks/update.py --model ... --bf16   # bf16 autocast against the bf16 matmul rate
 
 Prints one table: tokens (prompt + response); the tokens computed by micro-batches of consecutive
-rows right-padded ("padded") and packed (``dockrl.engines.hf_logprobs.pack_rows``, "packed"), and by the
+rows right-padded ("padded") and packed (``dockrl.engines.hf.logprobs.pack_rows``, "packed"), and by the
 micro-batches the engine forms ("now", ``dockrl.engines.micro_batching.micro_batches`` with
 ``--micro-batch-tokens`` as ``trainer.micro_batch_tokens``: by default 0, consecutive rows as
 "packed"; with a budget, rows sorted by length, at most that many tokens each); FLOPs, matmul rate, update seconds
@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from dockrl.config import DEFAULT_SYSTEM_PROMPT
-from dockrl.data import generate_problems, prompt_token_ids
-from dockrl.engines import hf_logprobs, micro_batching
-from dockrl.engines.hf_train import HFTrainEngine
-from dockrl.models import build_tiny_model
+from dockrl.engines import micro_batching
+from dockrl.engines.hf import logprobs as hf_logprobs
+from dockrl.engines.hf.train import HFTrainEngine
+from dockrl.run.data import generate_problems, prompt_token_ids
+from dockrl.run.models import build_tiny_model
 
 pack_rows = getattr(hf_logprobs, "pack_rows", None)  # absent in versions that right-pad every micro-batch
 micro_batches = getattr(micro_batching, "micro_batches", None)  # absent in versions that cut micro-batches of consecutive rows

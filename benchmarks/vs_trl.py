@@ -39,7 +39,7 @@ engine core runs in the run's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, but
 would start one). ``ru_maxrss`` of ``RUSAGE_SELF`` misses those, and ``RUSAGE_CHILDREN`` is no fix: it
 gives the largest single waited-for descendant, not a sum over processes alive together. The
 column is the run process's own peak (``ru_maxrss``, exact; dockrl's stages reset it at each start,
-so its largest reading is kept, ``dockrl.memory.process_peak_bytes``) plus the largest sum, over the
+so its largest reading is kept, ``dockrl.process.memory.process_peak_bytes``) plus the largest sum, over the
 descendants alive together at one sample (every ``RSS_SAMPLE_S``), of each one's own peak (Linux
 ``VmHWM``): an upper bound of the tree's peak, exact when the descendants' memory is flat while the run
 process peaks (the verifier's is). Descendants that never ran together are not added up: torch's
@@ -55,7 +55,7 @@ where TRL is installed without it (``run_trl``: ~0.17 GB less resident at import
 adds TRL as it runs in this environment, its precision column ending with "vLLM imported".
 
 Each side also reports its peak resident memory by stage (``memory/peak_rss_gb/<stage>``, the largest
-over the run's iterations, ``dockrl.memory``): dockrl's stages in its process, TRL's generation
+over the run's iterations, ``dockrl.process.memory``): dockrl's stages in its process, TRL's generation
 (``_generate_and_score_completions``) and its update (the rest of the step); ``benchmarks/memory.py``
 tabulates them.
 
@@ -94,7 +94,7 @@ def _tokens_per_s(tokens: list[float], seconds: list[float]) -> float:
 
 def _result(steps: list[dict[str, float]]) -> dict[str, float]:
     """The counted iterations (the first, a warm-up, dropped) of one run → its row values."""
-    from dockrl.memory import process_peak_bytes  # lazy: the child's, after its run
+    from dockrl.process.memory import process_peak_bytes  # lazy: the child's, after its run
 
     counted = steps[1:] if len(steps) > 1 else steps
     tokens = [s["tokens"] for s in counted]
@@ -104,7 +104,7 @@ def _result(steps: list[dict[str, float]]) -> dict[str, float]:
         "tokens_per_s": _tokens_per_s(tokens, [s["seconds"] for s in counted]),
         "rollout_tokens_per_s": _tokens_per_s(tokens, [s["rollout_s"] for s in counted]),
         "update_tokens_per_s": _tokens_per_s(tokens, [s["update_s"] for s in counted]),
-        # Linux: KiB; the stages reset the kernel's peak (dockrl.memory.reset_peak), which keeps the process's
+        # Linux: KiB; the stages reset the kernel's peak (dockrl.process.memory.reset_peak), which keeps the process's
         "self_peak_rss_gb": max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, process_peak_bytes() / 2**30),
     } | {k: max(s.get(k, 0.0) for s in steps) for k in sorted({k for s in steps for k in s if k.startswith("memory/")})}
 
@@ -124,9 +124,9 @@ def run_trl(spec: dict[str, Any], *, import_vllm: bool = False) -> dict[str, flo
     from trl import GRPOConfig, GRPOTrainer
 
     from dockrl.config import load_config
-    from dockrl.data import prompt_token_ids
-    from dockrl.memory import reset_peak, stage_memory
+    from dockrl.process.memory import reset_peak, stage_memory
     from dockrl.rewards.guard import build_scorer
+    from dockrl.run.data import prompt_token_ids
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
@@ -209,7 +209,7 @@ def model_sizes(spec: dict[str, Any]) -> dict[str, float]:
     trainable = params
     if spec["lora_rank"]:
         from dockrl.config import LoraConfig
-        from dockrl.engines.hf_lora import adapter_shapes
+        from dockrl.engines.hf.lora import adapter_shapes
 
         lora = LoraConfig(rank=spec["lora_rank"], alpha=2 * spec["lora_rank"])
         trainable = sum(shape.numel() for _, shape in adapter_shapes(spec["model"], lora))
@@ -219,7 +219,7 @@ def model_sizes(spec: dict[str, Any]) -> dict[str, float]:
 
 def read_peak(stage: str, into: dict[str, float]) -> None:
     """``memory/peak_rss_gb/<stage>``: this process's peak resident GiB since the last ``reset_peak``."""
-    from dockrl.memory import GB, resident_bytes
+    from dockrl.process.memory import GB, resident_bytes
 
     if (now := resident_bytes()) is not None:
         into[f"memory/peak_rss_gb/{stage}"] = now[1] / GB
@@ -437,12 +437,12 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[di
     """Run every side ``args.repeats`` times, alternating, on one prompts file (and the tiny model
     without ``--model``); returns the run's spec (``model`` the folder, gone after the call) and
     each side's results (``_result`` plus ``peak_rss_gb``, ``precision``)."""
-    from dockrl.data import generate_problems, write_jsonl
+    from dockrl.run.data import generate_problems, write_jsonl
 
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as work:
         model = args.model
         if not model:
-            from dockrl.models import build_tiny_model
+            from dockrl.run.models import build_tiny_model
 
             model = str(build_tiny_model(Path(work) / "tiny-model"))
         data = write_jsonl(generate_problems(args.prompts * args.iterations * 4, seed=0), Path(work) / "prompts.jsonl")

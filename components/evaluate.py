@@ -1,6 +1,6 @@
 """KFP component: greedy accuracy of a Model on the test split of a Dataset, as Metrics.
 
-The work is ``dockrl.launch.tasks.evaluate_model``. ``device`` is compiled in: ``auto`` where the
+The work is ``dockrl.kubeflow.steps.evaluate_model``. ``device`` is compiled in: ``auto`` where the
 pipeline gives the step the platform's image and one accelerator (the rollout engine the config
 resolves for it: vLLM where it runs there), ``cpu`` on a platform without accelerators. With the
 ``kubernetes`` worker backend (``worker_backend``, ``run_id`` and ``platform`` compiled in, as for
@@ -28,7 +28,7 @@ def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: Lis
     enter_image_environment()  # first, before torch loads: on the NPU image CANN's environment, which KFP's command bypasses
     from dockrl.launch.kubernetes import KubernetesBackend
     from dockrl.launch.platform import Platform
-    from dockrl.launch.tasks import TEARDOWN_WAIT_S, evaluate_model, evaluate_on_cluster, evaluate_run_id
+    from dockrl.kubeflow.steps import TEARDOWN_WAIT_S, evaluate_model, evaluate_on_cluster, evaluate_run_id
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if worker_backend == "kubernetes":

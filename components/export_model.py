@@ -1,6 +1,6 @@
 """KFP component: export the trained checkpoint as a self-contained HF safetensors Model.
 
-The work is ``dockrl.launch.tasks.export_model_artifact``: the model goes to the run folder on the shared
+The work is ``dockrl.kubeflow.steps.export_model_artifact``: the model goes to the run folder on the shared
 volume, or to ``uri`` (``s3://``, the store of the run's ``dock`` settings), and the artifact names it (its
 metadata: where, how big, dtype, parameters); with ``copy`` the artifact holds the model itself (uploaded
 to KFP's artifact store).
@@ -20,7 +20,7 @@ def export_model(checkpoint: Input[Model], dtype: str, copy: bool, uri: str, con
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
-    from dockrl.launch.tasks import export_model_artifact
+    from dockrl.kubeflow.steps import export_model_artifact
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model.metadata.update(export_model_artifact(checkpoint.path, model.path, dtype, copy=copy, uri=uri, overrides=config_overrides))

@@ -1,6 +1,6 @@
 """KFP component: write the run's train and test prompt files into a Dataset artifact.
 
-The work is ``dockrl.launch.tasks.prepare_dataset`` (seeded generated problems, or the files
+The work is ``dockrl.kubeflow.steps.prepare_dataset`` (seeded generated problems, or the files
 named by ``data.train_path`` / ``data.test_path``).
 """
 
@@ -18,7 +18,7 @@ def prepare_dataset(config_overrides: List[str], dataset: Output[Dataset]):
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
-    from dockrl.launch.tasks import prepare_dataset as prepare
+    from dockrl.kubeflow.steps import prepare_dataset as prepare
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dataset.metadata.update(prepare(config_overrides, dataset.path))

@@ -1,6 +1,6 @@
 """KFP component: a new reward over a train task's kept rollouts, beside the one the run trained with.
 
-The work is ``dockrl.rollouts_rescore.rescore_artifact``: ``rollouts`` is a train task's ``rollouts``
+The work is ``dockrl.rollouts.rescore.rescore_artifact``: ``rollouts`` is a train task's ``rollouts``
 Dataset (brought into the rescore pipeline by an importer), ``scorer`` a ``module:Class`` reward
 importable in the task's image. ``rescored`` holds ``rescored.parquet`` (iteration, row, old, new,
 new_bad) and ``rescore.json``; ``metrics`` each iteration's mean old and new reward.
@@ -18,7 +18,7 @@ def rescore_rollouts(rollouts: Input[Dataset], scorer: str, rescored: Output[Dat
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
-    from dockrl.rollouts_rescore import rescore_artifact
+    from dockrl.rollouts.rescore import rescore_artifact
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     meta, values = rescore_artifact(rollouts.path, scorer, rescored.path)

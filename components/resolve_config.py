@@ -1,9 +1,9 @@
 """KFP component: the run's config overrides from the UI's run parameters, checked before anything starts,
 and the size of the train task's pod for that config.
 
-The work is ``dockrl.launch.tasks.resolve_overrides``: the parameters that differ from their
+The work is ``dockrl.kubeflow.steps.resolve_overrides``: the parameters that differ from their
 defaults become ``section.field=value`` overrides, then ``config_overrides`` (which win); and
-``dockrl.launch.tasks.local_run_resources``: the accelerators, CPU and memory of a train pod that
+``dockrl.kubeflow.steps.local_run_resources``: the accelerators, CPU and memory of a train pod that
 runs the whole job (``worker_backend=local``) on ``platform`` (the JSON of ``Platform.to_json``).
 The sizes are strings because KFP's driver reads a task's resources from string values only.
 The outputs are declared in KFP's functional ``NamedTuple(...)`` form, which mypy does not read
@@ -40,8 +40,8 @@ def resolve_config(
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
+    from dockrl.kubeflow.steps import local_run_resources, resolve_overrides
     from dockrl.launch.platform import Platform
-    from dockrl.launch.tasks import local_run_resources, resolve_overrides
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = {"iterations": iterations, "global_batch": global_batch, "mini_batch": mini_batch, "group_size": group_size,

@@ -1,6 +1,6 @@
 """KFP component: the exit handler's task. Tears down a run's workers, whatever happened.
 
-The work is ``dockrl.launch.tasks.teardown_run``; with the local backend and nothing
+The work is ``dockrl.kubeflow.steps.teardown_run``; with the local backend and nothing
 registered it removes nothing and still succeeds. The workers live in the run's own namespace
 (the pod's, ``POD_NAMESPACE``).
 """
@@ -16,7 +16,7 @@ def teardown_workers(run_id: str, worker_backend: str, status: dsl.PipelineTaskF
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
-    from dockrl.launch.tasks import teardown_run
+    from dockrl.kubeflow.steps import teardown_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("teardown").info("run %s ended %s %s", run_id, status.state, status.error_message or "")

@@ -1,14 +1,14 @@
 """KFP component: the launcher. Trains with GRPO and outputs the checkpoint, metrics, curves and run folder.
 
-The work is ``dockrl.train_task.run_training``. Per-iteration metrics land in the Metrics
+The work is ``dockrl.kubeflow.train_task.run_training``. Per-iteration metrics land in the Metrics
 artifact as ``<key>/iter_<NNNN>``; ``curves`` is an HTML page of the run's curves and a table
-of every metric (``dockrl.metrics.metrics_report_html``), shown in the run's Visualizations;
+of every metric (``dockrl.run.metrics.metrics_report_html``), shown in the run's Visualizations;
 the run folder (metrics.jsonl, TensorBoard, plot, resolved config) is the ``run_dir``
 artifact. ``rollouts`` is the Dataset of the rollouts the run kept (``run.keep_rollouts``; empty when
 off): Parquet by iteration with the run's config and tokenizer, its metadata the run id, iterations,
 rows and schema version (``dockrl.launch.artifacts.rollouts_metadata``), an input for later
 pipelines (``dockrl.pipelines.rescore``; docs/rollouts.md); ``rollouts_page`` its HTML page (reward per
-iteration, length histograms, best and worst responses: ``dockrl.rollouts_page``), a second
+iteration, length histograms, best and worst responses: ``dockrl.rollouts.page``), a second
 Visualization. ``worker_backend`` and ``platform`` (the JSON of ``Platform.to_json``) are compiled in;
 ``run_id`` labels the workers (the pipeline passes its run's id). The workers run in the launcher
 pod's own namespace: its owner reference, Role, NetworkPolicy, shared volume and
@@ -47,11 +47,11 @@ def train(
     # first, before torch (and with it torch_npu) loads: on the NPU image, CANN's environment,
     # which KFP's own command bypasses (the process starts again through the image's entry point)
     enter_image_environment()
+    from dockrl.kubeflow.train_task import run_training
     from dockrl.launch.artifacts import model_location, rollouts_metadata
     from dockrl.launch.platform import Platform
-    from dockrl.metrics import metrics_report_html
-    from dockrl.rollouts_page import rollouts_page_of_folder
-    from dockrl.train_task import run_training
+    from dockrl.rollouts.page import rollouts_page_of_folder
+    from dockrl.run.metrics import metrics_report_html
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_training(config_overrides, dataset.path, model.path, run_dir.path, log_metric=metrics.log_metric,

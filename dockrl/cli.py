@@ -4,9 +4,9 @@ ranks | smoke | evaluate``.
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
     dockrl train --print-config rollout.n=16       # the config as YAML (auto fields stay auto), nothing run
-    dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/pipeline_cli.py)
-    dockrl worker -h                               # one stage of a distributed run (dockrl/workers/main.py)
-    dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight.py)
+    dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/kubeflow/pipeline_cli.py)
+    dockrl worker -h                               # one stage of a distributed run (dockrl/stages/main.py)
+    dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight/shards.py)
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl smoke --namespace team-rl | kubectl apply -f -   # an all-reduce across two pods, its bandwidth
@@ -44,15 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     where, without a traceback unless ``--debug`` is given (anywhere on the line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pipeline"]:
-        from dockrl.pipeline_cli import main as pipeline_main  # lazy: kfp (an optional extra) takes a second to import
+        from dockrl.kubeflow.pipeline_cli import main as pipeline_main  # lazy: kfp (an optional extra) takes a second to import
 
         return pipeline_main(argv[1:])
     if argv[:1] == ["worker"]:
-        from dockrl.workers.main import main as worker_main  # lazy: a stage worker imports torch and its engine
+        from dockrl.stages.main import main as worker_main  # lazy: a stage worker imports torch and its engine
 
         return worker_main(argv[1:])
     if argv[:1] == ["dock-shard"]:
-        from dockrl.dock.flight import serve_shard  # lazy: pyarrow.flight, needed in a shard process only
+        from dockrl.dock.flight.shards import serve_shard  # lazy: pyarrow.flight, needed in a shard process only
 
         return serve_shard(argv[1:])
     if argv[:1] == ["fork-server"]:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return smoke_main(argv[1:])
     if argv[:1] == ["rollouts"]:
-        from dockrl.rollouts_cli import main as rollouts_main  # lazy: pyarrow.dataset, torch, and transformers for the tokenizer
+        from dockrl.rollouts.cli import main as rollouts_main  # lazy: pyarrow.dataset, torch, and transformers for the tokenizer
 
         return rollouts_main(argv[1:])
     if argv[:1] == ["export"]:
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg, portable=True), end="")  # auto stays auto: the file fits the machine it runs on
             return 0
         run_dir = cfg.run.output_dir
-        from dockrl import driver, run_setup  # heavy imports after the config is known to be valid
+        from dockrl import driver  # heavy imports after the config is known to be valid
+        from dockrl.run import setup as run_setup
 
         if args.command == "prepare-model":
             print(run_setup.resolve_model(cfg))
@@ -172,7 +173,7 @@ def resume_hint(run_dir: str | None) -> str:
     """How a stopped run goes on: from its newest complete checkpoint, or (with none) started again."""
     if run_dir is None:
         return "nothing was started"
-    from dockrl.resume import latest_checkpoint  # lazy: dockrl.resume imports torch
+    from dockrl.checkpoint.resume import latest_checkpoint  # lazy: dockrl.checkpoint.resume imports torch
 
     if not Path(run_dir).is_dir():  # stopped before it was accepted: the folders it made are gone again
         return f"nothing of the run was written ({run_dir} does not exist): the same command starts it again"
@@ -257,7 +258,7 @@ def runs_main(argv: list[str]) -> int:
         return 0
     try:
         if args.backend == "kubernetes":
-            from dockrl.launch.tasks import teardown_run  # lazy: only `dockrl teardown --backend kubernetes` needs it
+            from dockrl.kubeflow.steps import teardown_run  # lazy: only `dockrl teardown --backend kubernetes` needs it
 
             print(json.dumps({"removed": teardown_run("kubernetes", args.run, namespace=args.namespace)}))
         else:
@@ -292,7 +293,7 @@ def sandbox_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    """``dockrl export CHECKPOINT OUT [--dtype D] [--merge]``: ``dockrl.launch.tasks.export_model``. A LoRA
+    """``dockrl export CHECKPOINT OUT [--dtype D] [--merge]``: ``dockrl.kubeflow.steps.export_model``. A LoRA
     run's checkpoint gives its adapter folder (``OUT/adapter``), and with ``--merge`` also the merged HF
     weights; any other checkpoint gives its full weights."""
     parser = argparse.ArgumentParser(prog="dockrl export", description=export_main.__doc__)
@@ -302,8 +303,8 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--merge", action="store_true", help="a LoRA checkpoint: also the merged HF weights W + (alpha/rank)·B·A")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dockrl.kubeflow.steps import export_model  # lazy: as resolve_checkpoint
     from dockrl.launch.artifacts import resolve_checkpoint  # lazy: the export step's modules, only for this command
-    from dockrl.launch.tasks import export_model  # lazy: as resolve_checkpoint
 
     try:
         has_adapter = (resolve_checkpoint(args.checkpoint) / "adapter" / "adapter_config.json").is_file()

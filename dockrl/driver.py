@@ -5,15 +5,15 @@
 The driver never moves payload between stages: it opens an iteration, puts its prompt rows into
 the dock, and each stage claims what it needs and puts its columns back. Where the stages run
 is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcessStages``
-(``dockrl/workers/inprocess.py``, every stage in this process) or ``ProcessStages``
+(``dockrl/stages/inprocess.py``, every stage in this process) or ``ProcessStages``
 (``dockrl/launch/distributed.py``, every stage a process reporting through the dock). A run (``train`` → ``drive``): plan it
-(``dockrl.run_setup``), start the stages, evaluate, then per iteration open it with its prompts,
+(``dockrl.run.setup``), start the stages, evaluate, then per iteration open it with its prompts,
 collect the stages' metrics, close (with ``run.keep_rollouts`` the shards
-keep its rows: ``dockrl.rollouts``), log and checkpoint when due (``dockrl/resume.py``; older
-ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint_pruning.py``); then the final checkpoint, the evaluation after
+keep its rows: ``dockrl.rollouts.keep``), log and checkpoint when due (``dockrl/checkpoint/writer.py``; older
+ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint/pruning.py``); then the final checkpoint, the evaluation after
 training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
-(``dockrl.workers.rollout_process.sync_target`` bounds their staleness).
+(``dockrl.stages.rollout_process.sync_target`` bounds their staleness).
 """
 
 from __future__ import annotations
@@ -25,29 +25,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
-from dockrl.checkpoint_pruning import prune_checkpoints
+from dockrl.checkpoint.resume import CheckpointInProgress
+from dockrl.checkpoint.writer import CheckpointWriter
 from dockrl.config import Config
-from dockrl.config.run_sections import keep_fraction
-from dockrl.data import Prompt
 from dockrl.dock import Dock
 from dockrl.launch.distributed import start_processes
 from dockrl.launch.run_records import recorded_run
-from dockrl.lifeline import sigterm_as_exit
-from dockrl.metrics import MetricsWriter, plot_metrics
-from dockrl.progress import Progress
-from dockrl.resume import (
-    CheckpointInProgress,
-    checkpoint_dir,
-    checkpoint_due,
-    dock_snapshot_uri,
-    final_dir,
-    write_driver_state,
-    write_final_state,
-)
-from dockrl.rollouts import keep_spec, write_dataset_meta
-from dockrl.run_lock import RunLock
-from dockrl.run_setup import RunPlan, plan_run, prompt_batches
-from dockrl.stage_loop import Report
+from dockrl.process.lifeline import sigterm_as_exit
+from dockrl.rollouts.keep import keep_spec, write_dataset_meta
+from dockrl.run.data import Prompt
+from dockrl.run.lock import RunLock
+from dockrl.run.metrics import MetricsWriter, plot_metrics
+from dockrl.run.progress import Progress
+from dockrl.run.setup import RunPlan, plan_run, prompt_batches
+from dockrl.stages.loop import Report
 
 if TYPE_CHECKING:
     from dockrl.launch.backend import WorkerBackend
@@ -102,7 +93,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format), with ``run.keep_rollouts`` ``rollouts/``
     (written by the dock shards, docs/rollouts.md) and, distributed, ``logs/``.
     Nothing of the run folder is written before the run is accepted, and the folder is locked
-    for the run's lifetime (``dockrl.run_lock``). A checkpoint whose write an error, Ctrl-C or
+    for the run's lifetime (``dockrl.run.lock``). A checkpoint whose write an error, Ctrl-C or
     SIGTERM cut short is removed once the stages stopped (``CheckpointInProgress``). While it
     runs, ``dockrl runs`` lists the run: distributed, from the launcher's record; in-process,
     from a record of its own (``dockrl.launch.run_records.recorded_run``).
@@ -120,7 +111,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
         if cfg.dock.mode == "distributed":
             runner: StageRunner = start_processes(plan, backend)  # its backend records the run
         else:
-            from dockrl.workers.inprocess import InProcessStages  # lazy: the engines (transformers, ~2 s); distributed mode needs none here
+            from dockrl.stages.inprocess import InProcessStages  # lazy: the engines (transformers, ~2 s); distributed mode needs none here
 
             run = f"dockrl-{secrets.token_hex(6)}"
             stack.enter_context(recorded_run(run, cfg.run.output_dir))
@@ -140,10 +131,9 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
           checkpoint: CheckpointInProgress | None = None, stop: sigterm_as_exit | None = None) -> dict[str, float]:
     """The iteration loop of a planned run over started stages; returns the run summary.
 
-    A checkpoint after iteration ``k`` (when ``checkpoint_due``): the stages write the actor's
-    weights and optimizer, then the driver opens iteration ``k+1`` with its prompts without
-    announcing it, snapshots the dock and writes its state last; the loop then announces
-    ``k+1`` instead of opening it, as a run resumed from that checkpoint does.
+    A checkpoint after iteration ``k`` (when ``checkpoint_due``) is written by the loop's
+    ``CheckpointWriter`` (``dockrl.checkpoint.writer``): it opens iteration ``k+1`` unannounced,
+    and the loop then announces ``k+1`` instead of opening it, as a run resumed from that checkpoint does.
 
     With ``dock.max_inflight`` = m > 1 the driver keeps iterations ``k`` … ``k+m-1`` open while
     it waits for ``k``'s reports, and closes ``k`` once they are in. A checkpoint after ``k``
@@ -161,9 +151,10 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     cfg, point, dock = plan.cfg, plan.resume, runner.dock
     t, n = cfg.trainer, cfg.rollout.n
     run_dir = Path(cfg.run.output_dir)
-    checkpoint = checkpoint or CheckpointInProgress()
     summary: dict[str, float] = {"eval/test_prompts": len(plan.test_prompts), "data/train_prompts": len(plan.train_prompts)}
     summary |= point.summary if point else {}
+    checkpoints = CheckpointWriter(cfg, plan.fingerprint, runner, snapshot_report=Report.SNAPSHOT,
+                                   in_progress=checkpoint or CheckpointInProgress(), summary=summary)
     rounds = cfg.algorithm.filter_groups.rounds  # dynamic sampling: prompts for every rollout round it may sample
     batches = list(prompt_batches(plan.train_prompts, t, rounds=rounds))
     gate = t.global_batch if cfg.algorithm.filter_groups.enable else 0
@@ -179,7 +170,7 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                 dock.report(it, stage, stage_metrics)
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
     # run.keep_rollouts: the dataset's _meta.json here, the rows by the shards at each close, with this lineage
-    kept = write_dataset_meta(cfg, point.checkpoint if point else None) if keep_fraction(cfg.run.keep_rollouts) > 0 else None
+    kept = write_dataset_meta(cfg, point.checkpoint if point else None) if cfg.run.keep_fraction > 0 else None
     with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
         check_stop = stop.raise_if_stopped if stop is not None else lambda: None  # a SIGTERM or Ctrl-C a finalizer swallowed
@@ -192,8 +183,7 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
             for ready in unannounced:  # opened and filled before a checkpoint's snapshot: the stages may start now
                 dock.announce(ready)
             unannounced = []
-            # the stages write a due checkpoint once they are done with `it`, maybe before the driver hears of it
-            checkpoint.folder = checkpoint_dir(run_dir, it + 1) if checkpoint_due(t, it) else None
+            checkpoints.begin(it)
             while opened < min(it + inflight, t.iterations):  # up to dock.max_inflight iterations open
                 open_with_prompts(dock, opened, batches[opened], n, gate=gate)
                 opened += 1
@@ -207,30 +197,12 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
                         "perf/response_tokens_per_s": metrics["rollout/response_length_mean"] * responses / seconds}
             writer.log(it, metrics)
             progress.update(metrics)
-            if checkpoint_due(t, it):
-                folder = checkpoint_dir(run_dir, it + 1)
-                runner.save_checkpoint(it, folder)
-                ahead = range(it + 1, opened)  # in flight: the rollout took update `it` after generating them
-                generated = runner.generated(ahead) if len(ahead) else {}
-                if opened < min(it + 1 + inflight, t.iterations):
-                    open_with_prompts(dock, opened, batches[opened], n, announce=False, gate=gate)
-                    unannounced, opened = [opened], opened + 1
-                uri = dock_snapshot_uri(cfg, folder, runner.run)
-                dock.snapshot(uri)
-                write_driver_state(folder, cfg, next_iteration=it + 1, dock_uri=uri, open_iteration=it + 1, summary=summary,
-                                   prompts=plan.fingerprint, open_iterations=range(it + 1, opened), reports=generated,
-                                   generated_through=max(generated, default=it))
-                dock.report(it, Report.SNAPSHOT, {})  # the stages that wait for it may take rows of the open iterations now
-                checkpoint.folder = None
-                logger.info("checkpoint %s written; iteration %d resumes from it", folder, it + 1)
-                prune_checkpoints(run_dir, t.keep_checkpoints, folder)  # after a newer one is complete, as verl's max_actor_ckpt_to_keep
+            if checkpoints.due(it):
+                following = checkpoints.write(it, opened, lambda k: open_with_prompts(dock, k, batches[k], n, announce=False, gate=gate))
+                unannounced, opened = list(range(opened, following)), following
         if kept is not None:  # every kept iteration written before the run reports
             summary |= dock.flush_rollouts()
-        checkpoint.folder = final_dir(run_dir)
-        runner.finish()
-        write_final_state(final_dir(run_dir), cfg, summary=summary, prompts=plan.fingerprint)  # a finished run continues from here
-        checkpoint.folder = None
-        prune_checkpoints(run_dir, t.keep_checkpoints, final_dir(run_dir))  # final is kept besides the newest K
+        checkpoints.finish()
         if t.eval_after:
             summary |= runner.evaluate("after")
         summary["run/seconds"] = time.perf_counter() - t0
@@ -244,7 +216,7 @@ def open_with_prompts(dock: Dock, iteration: int, picked: list[Prompt], n: int, 
     ``announce=False`` leaves it unannounced to the stages (a checkpoint snapshots it first).
     ``gate`` (dynamic sampling: ``trainer.global_batch``): only the first ``gate`` prompts, the
     first round, get the ``released`` gate; the advantage stage releases the later rounds
-    (``dockrl.workers.dynamic_sampling``).
+    (``dockrl.stages.dynamic_sampling``).
     """
     dock.open_iteration(iteration, len(picked) * n, n, announce=announce)
     dock.put(range(len(picked) * n), {

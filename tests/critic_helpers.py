@@ -7,7 +7,7 @@ import random
 import torch
 
 from dockrl.engines.critic import HFCriticEngine
-from dockrl.engines.hf_load import load_tokenizer
+from dockrl.engines.hf.load import load_tokenizer
 
 
 def engine_of(tiny_model_dir, lr: float = 1e-3, random_head: bool = True) -> HFCriticEngine:

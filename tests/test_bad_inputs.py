@@ -208,7 +208,7 @@ def test_a_missing_model_path_is_named_before_transformers_models_are_imported(t
     missing = tmp_path / "no-model"
     code = ("import sys; from dockrl.cli import main; "
             f"rc = main(['train', 'model.path={missing}', 'run.output_dir={tmp_path / 'run'}', 'run.cache_dir={tmp_path / 'cache'}']); "
-            "print(rc, 'dockrl.engines.hf_load' in sys.modules)")
+            "print(rc, 'dockrl.engines.hf.load' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["2", "False"], proc.stderr
     assert f"dockrl: config error: model.path: got '{missing}'; expected a local HF model folder" in proc.stderr
@@ -242,8 +242,8 @@ def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model
 
 
 def test_a_stopped_run_says_whether_a_checkpoint_resumes_it(tmp_path):
+    from dockrl.checkpoint.resume import FORMAT, STATE_FILE
     from dockrl.cli import resume_hint
-    from dockrl.resume import FORMAT, STATE_FILE
 
     run = tmp_path / "run"
     # stopped before it was accepted: the folders it made are gone again, and nothing stands in the way
@@ -273,7 +273,7 @@ OTHER_ROWS = [  # checked by the tests named, which need more than a command lin
      "iteration <i>: dock shard 0 at grpc://<host:port> did not answer within <s> s while its process runs",
      "tests/launch/test_local_backend.py"),
     ("run", "a second run into a folder in use", 2, "run.output_dir: <path> is in use by another dockrl run (pid <pid> on <host>, since <time>)",
-     "tests/test_run_lock.py"),
+     "tests/run/test_run_lock.py"),
 ]
 
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from dockrl.checkpoint.resume import checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint
+from dockrl.checkpoint.resume_point import find_resume, prompts_fingerprint
 from dockrl.config import load_config
-from dockrl.data import Prompt
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.driver import drive
 from dockrl.launch.distributed import ProcessStages
-from dockrl.resume import checkpoint_dir, checkpoint_due, final_dir, prepare_checkpoint
-from dockrl.resume_point import find_resume, prompts_fingerprint
-from dockrl.run_setup import RunPlan, prompt_batches
-from dockrl.stage_loop import Report, final_report, serve_iterations
+from dockrl.run.data import Prompt
+from dockrl.run.setup import RunPlan, prompt_batches
+from dockrl.stages.loop import Report, final_report, serve_iterations
 
 PROMPTS = [Prompt(index=i, question=f"q{i}", ground_truth=str(i), prompt_ids=[1, 2 + i]) for i in range(7)]
 TESTS = PROMPTS[:2]

@@ -48,10 +48,10 @@ def test_dockrl_has_no_import_circle() -> None:
 
 
 def test_stages_and_backends_do_not_import_the_driver() -> None:
-    """The stage processes (``dockrl.workers``) and the worker backends (``dockrl.launch``) sit below
+    """The stage processes (``dockrl.stages``) and the worker backends (``dockrl.launch``) sit below
     the driver: none of them imports it, directly or through another module."""
     graph = grimp.build_graph("dockrl", cache_dir=None)
-    above = {m for m in graph.modules if m in ("dockrl.workers", "dockrl.launch") or m.startswith(("dockrl.workers.", "dockrl.launch."))}
+    above = {m for m in graph.modules if m in ("dockrl.stages", "dockrl.launch") or m.startswith(("dockrl.stages.", "dockrl.launch."))}
     assert above
     for module in sorted(above):
         assert not graph.chain_exists(importer=module, imported="dockrl.driver"), graph.find_shortest_chain(module, "dockrl.driver")

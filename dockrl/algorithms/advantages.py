@@ -9,10 +9,13 @@ padding; outcome estimators repeat the response's value over its tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dockrl.algorithms.dapo import mixed_groups
 from dockrl.config import AlgorithmConfig
+from dockrl.config.estimators import ESTIMATORS
 
 
 def _groups(scores: torch.Tensor, group_size: int, who: str) -> torch.Tensor:
@@ -180,6 +183,55 @@ def gae(
     return adv * m, (adv + v) * m
 
 
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator (``dockrl.config.estimators.ESTIMATORS``) is given: one iteration's whole groups."""
+
+    scores: torch.Tensor
+    """``(B,)`` outcome rewards, whole groups of ``group_size``."""
+    mask: torch.Tensor
+    """``(B, T)`` float response mask."""
+    group_size: int
+    rewards: torch.Tensor | None = None
+    """``(B, T)`` token rewards (``token_rewards`` estimators): the outcome at the last token minus the KL penalty."""
+    values: torch.Tensor | None = None
+    """``(B, T)`` critic values (``needs_values`` estimators)."""
+
+
+def _outcome(per_seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An outcome estimator's per-sequence advantages on every response token; its returns are the advantages."""
+    adv = per_seq.unsqueeze(1) * mask
+    return adv, adv
+
+
+def grpo_estimator(cfg: AlgorithmConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: the group-normalized outcome (``grpo_advantages``; by the std unless ``norm_adv_by_std_in_grpo=false``)."""
+    return _outcome(grpo_advantages(x.scores, x.group_size, eps=cfg.adv_eps, norm_by_std=cfg.norm_adv_by_std_in_grpo), x.mask)
+
+
+def dr_grpo_estimator(cfg: AlgorithmConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO: the group's mean subtracted, no std division (``grpo_advantages(norm_by_std=False)``)."""
+    return _outcome(grpo_advantages(x.scores, x.group_size, eps=cfg.adv_eps, norm_by_std=False), x.mask)
+
+
+def rloo_estimator(cfg: AlgorithmConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: the leave-one-out baseline of the group (``rloo_advantages``)."""
+    return _outcome(rloo_advantages(x.scores, x.group_size), x.mask)
+
+
+def reinforce_plus_plus_estimator(cfg: AlgorithmConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: whitened discounted returns of the token rewards (``reinforce_plus_plus_advantages``)."""
+    assert x.rewards is not None  # a token_rewards estimator
+    return reinforce_plus_plus_advantages(x.rewards, x.mask, gamma=cfg.gamma, eps=cfg.adv_eps)
+
+
+def gae_estimator(cfg: AlgorithmConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's GAE over the token rewards and the critic's values, the advantages whitened (``gae``, ``masked_whiten``)."""
+    assert x.rewards is not None and x.values is not None  # token_rewards, needs_values
+    adv, returns = gae(x.rewards, x.values, x.mask, cfg.gamma, cfg.lam)
+    return masked_whiten(adv, x.mask, cfg.adv_eps), returns
+
+
 def compute_advantages(
     cfg: AlgorithmConfig,
     scores: torch.Tensor,
@@ -189,7 +241,7 @@ def compute_advantages(
     values: torch.Tensor | None = None,
     kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The advantages of ``cfg.adv_estimator`` for one whole iteration's batch.
+    """The advantages of ``cfg.adv_estimator`` (its entry of ``ESTIMATORS``) for one whole iteration's batch.
 
     Args:
         scores: ``(B,)`` outcome rewards, whole groups of ``group_size``.
@@ -206,22 +258,11 @@ def compute_advantages(
     Raises:
         ValueError: an unknown estimator, ``gae`` without ``values``, bad group sizes.
     """
-    est, m = cfg.adv_estimator, mask.float()
-    if est in ("grpo", "dr_grpo", "rloo"):
-        if est == "rloo":
-            per_seq = rloo_advantages(scores, group_size)
-        else:
-            norm = cfg.norm_adv_by_std_in_grpo and est == "grpo"
-            per_seq = grpo_advantages(scores, group_size, eps=cfg.adv_eps, norm_by_std=norm)
-        adv = per_seq.unsqueeze(1) * m
-        return adv, adv
-    rewards = token_rewards(scores, m, kl, cfg.kl_in_reward_coef)
-    if est == "reinforce_plus_plus":
-        return reinforce_plus_plus_advantages(rewards, m, gamma=cfg.gamma, eps=cfg.adv_eps)
-    elif est == "gae":
-        if values is None:
-            raise ValueError("compute_advantages: algorithm.adv_estimator='gae' needs the critic's values")
-        adv, returns = gae(rewards, values, m, cfg.gamma, cfg.lam)
-        return masked_whiten(adv, m, cfg.adv_eps), returns
-    else:
-        raise ValueError(f"algorithm.adv_estimator: got {est!r}; expected one of 'grpo', 'rloo', 'reinforce_plus_plus', 'gae', 'dr_grpo'")
+    est = ESTIMATORS.get(cfg.adv_estimator)
+    if est is None:
+        raise ValueError(f"algorithm.adv_estimator: got {cfg.adv_estimator!r}; expected one of {', '.join(map(repr, ESTIMATORS))}")
+    if est.needs_values and values is None:
+        raise ValueError(f"compute_advantages: algorithm.adv_estimator={cfg.adv_estimator!r} needs the critic's values")
+    m = mask.float()
+    rewards = token_rewards(scores, m, kl, cfg.kl_in_reward_coef) if est.token_rewards else None
+    return est.load()(cfg, AdvantageInputs(scores, m, group_size, rewards, values))

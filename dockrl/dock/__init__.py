@@ -1,7 +1,7 @@
 """The transfer dock: the experience table through which stages exchange columns (docs/design.md §2)."""
 
 from dockrl.dock.api import Claim, Dock, StageDock
-from dockrl.dock.client import open_dock
+from dockrl.dock.client.dock_client import open_dock
 from dockrl.dock.errors import DockError, DockTimeoutError
 from dockrl.dock.schema import GRPO_SCHEMA, Column, Schema
 

@@ -1,6 +1,6 @@
 """The dock API every stage, ``ReplicaDock`` and the driver are written against (docs/design.md §2).
 
-``Dock`` is the one protocol; ``dockrl.dock.client.open_dock`` builds the in-process dock of
+``Dock`` is the one protocol; ``dockrl.dock.client.dock_client.open_dock`` builds the in-process dock of
 a run from its ``dock`` config. Rows are indexed ``0 .. num_rows-1`` within an iteration; prompt ``i`` owns
 rows ``[i·n, (i+1)·n)`` (n = group size). A stage loops ``claim`` → compute → ``put(...,
 ack=claim)``; the driver ``open_iteration`` → fills the inputs → waits → ``close_iteration``.
@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 if TYPE_CHECKING:
-    from dockrl.dock.rollouts import KeepSpec
+    from dockrl.dock.shard.kept_rollouts import KeepSpec
 
 Columns: TypeAlias = Mapping[str, Sequence[Any] | pa.Array] | pa.RecordBatch
 """The cells of a put: per column name, one value (or Arrow array element) per row."""
@@ -102,7 +102,7 @@ class Dock(StageDock, Protocol):
 
     def close_iteration(self, iteration: int | None = None, *, keep: KeepSpec | None = None) -> None:
         """Drop ``iteration`` (default: every open one); claims blocked on it fail with ``DockError``. With ``keep``
-        (``run.keep_rollouts``) the shards write their rows of it as Parquet in the background (``dockrl.dock.rollouts``)."""
+        (``run.keep_rollouts``) the shards write their rows of it as Parquet in the background (``dockrl.dock.shard.kept_rollouts``)."""
 
     def flush_rollouts(self, timeout_s: float | None = None) -> dict[str, float]:
         """Block until the shards wrote every iteration closed with ``keep``; the ``rollouts/*`` counters (docs/rollouts.md)."""

@@ -1,7 +1,7 @@
 """Row indexes of the dock as int64 numpy arrays: runs of consecutive rows, and distinct values.
 
 A claim usually takes consecutive rows, so the controller, the shard and the Flight wire
-(``dockrl.dock.flight_wire``) handle a run ``[start, stop)`` in O(1) instead of row by row
+(``dockrl.dock.flight.wire``) handle a run ``[start, stop)`` in O(1) instead of row by row
 (``one_run``), and send several runs as an ``(k, 2)`` array (``row_runs``, ``runs_rows``).
 """
 

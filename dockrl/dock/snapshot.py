@@ -12,7 +12,7 @@ snapshot's ``<old id>/`` deleted. A reader trusts ``meta.json`` alone, so a snap
 at any point is never read as complete: the reader sees the previous snapshot or none.
 
 A shard controller's snapshot (``dock_snapshot``, ``check_dock_snapshot``, ``load_iteration``, in
-``dockrl.dock.controller_snapshot``) stores the open iteration's metadata (layout, readiness, consumed and acked bits) and payload;
+``dockrl.dock.shard.controller_snapshot``) stores the open iteration's metadata (layout, readiness, consumed and acked bits) and payload;
 a restore ends its un-acked leases (their holders belong to the old run).
 
 URIs are what ``pyarrow.fs.FileSystem.from_uri`` accepts: an absolute path, ``file:///…``, or

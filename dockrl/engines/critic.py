@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from dockrl.engines.hf_load import autocast, model_device
-from dockrl.engines.hf_logprobs import model_inputs, packing_works
+from dockrl.engines.hf.load import autocast, model_device
+from dockrl.engines.hf.logprobs import model_inputs, packing_works
 from dockrl.engines.micro_batching import adamw, backward_per_micro_batch, clipped_step, forward_per_micro_batch
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,8 @@ def response_values(model: PreTrainedModel, prompts: Sequence[Sequence[int]], re
     ``V_t = head(h_{P+t-1})``: the value of response token ``t`` is read at the position that
     predicts it, the state ``(q, o_<t)`` before the token is chosen (verl's
     ``values[:, -R-1:-1]``; the same positions as the actor's log-probs). The sequences are packed
-    into as few rows as the longest allows (``dockrl.engines.hf_logprobs.pack_rows``) when that saves rows
-    and ``pack`` allows it (``dockrl.engines.hf_logprobs.packing_works``), else right-padded (``pack_sequences``).
+    into as few rows as the longest allows (``dockrl.engines.hf.logprobs.pack_rows``) when that saves rows
+    and ``pack`` allows it (``dockrl.engines.hf.logprobs.packing_works``), else right-padded (``pack_sequences``).
 
     Returns:
         ``values (B, T)`` fp32 (differentiable if grad is enabled; 0 on padding) and ``mask (B, T)``,

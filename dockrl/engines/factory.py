@@ -1,7 +1,7 @@
 """Build the engines a run's config asks for: ``rollout.engine`` and ``trainer.engine``.
 
 Shared by the in-process stages (``dockrl/driver.py``), the stage processes
-(``dockrl/workers/``) and the hybrid actor (``dockrl/workers/hybrid.py``). vLLM and
+(``dockrl/stages/``) and the hybrid actor (``dockrl/stages/hybrid.py``). vLLM and
 megatron-core are imported only when chosen. Every engine is placed on this process's device,
 which its entry point chose once with the process's ranks (``process_ranks``).
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dockrl.config import Config
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.config import Config, LoraConfig
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.engines.rollout_engine import RolloutEngine
 from dockrl.engines.train_engine import ScoringEngine, TrainEngine
-from dockrl.engines.vllm import VLLMRolloutEngine
+from dockrl.engines.vllm.engine import VLLMRolloutEngine
 from dockrl.parallel.ranks import ProcessRanks, join_groups
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
     sampler with ``trainer.seed + ranks.rank``, so that they draw apart.
 
     With LoRA (``trainer.lora``) and ``adapter_sync`` the engine holds the base weights of
-    ``model_path`` and the adapters (HF: ``hf_lora.add_rollout_adapters``; vLLM: ``vllm_lora``); a
+    ``model_path`` and the adapters (HF: ``hf.lora.add_rollout_adapters``; vLLM: ``vllm.lora``); a
     resumed run (``run.resume``) loads the checkpoint's adapter, or with ``sync=merged`` starts from
     the checkpoint's merged weights.
 
@@ -80,7 +80,7 @@ def build_rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *, 
         model_path = Path(cfg.run.resume)  # a merged-weights rollout starts from the checkpoint's merged weights
     engine = _rollout_engine(cfg, model_path, ranks, actor)
     if adapter_sync(cfg) and cfg.run.resume and not (actor is not None and shares_actor_module(cfg, actor)):
-        from dockrl.engines.hf_lora import checkpoint_adapter  # lazy: peft loads only for a LoRA run
+        from dockrl.engines.hf.lora import checkpoint_adapter  # lazy: peft loads only for a LoRA run
 
         engine.load_weights(checkpoint_adapter(Path(cfg.run.resume)))  # the resumed policy: base weights + its adapter
     return engine
@@ -116,18 +116,33 @@ def kv_cache_size(cfg: Config, model_path: Path) -> tuple[float, int | None]:
     return r.batch_size * blocks * KV_BLOCK_TOKENS * per_token / 2**30, length
 
 
+def hf_rollout_engine(cfg: Config, model_path: Path, device: torch.device, *, seed: int, lora: LoraConfig | None,
+                      sized: bool) -> RolloutEngine:
+    """``HFRolloutEngine`` with ``rollout.dtype`` weights (``seed`` and ``sized`` are vLLM's: HF samples with torch's generator)."""
+    return HFRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device, lora=lora)
+
+
+def vllm_rollout_engine(cfg: Config, model_path: Path, device: torch.device, *, seed: int, lora: LoraConfig | None,
+                        sized: bool) -> RolloutEngine:
+    """``VLLMRolloutEngine`` with ``rollout.dtype`` weights, its sampler seeded with ``seed``; ``sized``: its KV cache
+    sized to the run (``kv_cache_size``), else vLLM's default."""
+    sizes = dict(zip(("kv_cache_gib", "max_model_len"), kv_cache_size(cfg, model_path))) if sized else {}
+    return VLLMRolloutEngine(model_path, dtype=cfg.rollout.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=seed,
+                             device=device, lora=lora, **sizes)  # type: ignore[arg-type]  # the sizes' own types
+
+
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": hf_rollout_engine, "vllm": vllm_rollout_engine}
+"""Every rollout engine by its ``rollout.engine`` name (``auto`` resolves to one of them): the one factory of the
+rollout stage, the hybrid actor and the evaluate step. ``tests/engines/test_factory.py`` keeps the config's
+``Literal`` equal to these names and ``auto``."""
+
+
 def _rollout_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, actor: TrainEngine | None) -> RolloutEngine:
-    r, device = cfg.rollout, ranks.device
-    if r.engine == "vllm":
-        kv_cache_gib, max_model_len = kv_cache_size(cfg, model_path)
-        return VLLMRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, seed=cfg.trainer.seed + ranks.rank,
-                                 device=device, lora=cfg.trainer.lora if adapter_sync(cfg) else None,
-                                 kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
-    if actor is not None and shares_actor_module(cfg, actor):
+    if cfg.rollout.engine == "hf" and actor is not None and shares_actor_module(cfg, actor):
         assert isinstance(actor, HFTrainEngine), "shares_actor_module: an HFTrainEngine"
         return HFRolloutEngine.sharing(actor.model, actor.tokenizer, model_path)
-    return HFRolloutEngine(model_path, dtype=r.dtype, trust_remote_code=cfg.model.trust_remote_code, device=device,
-                           lora=cfg.trainer.lora if adapter_sync(cfg) else None)
+    return ROLLOUT_ENGINES[cfg.rollout.engine](cfg, model_path, ranks.device, seed=cfg.trainer.seed + ranks.rank,
+                                               lora=cfg.trainer.lora if adapter_sync(cfg) else None, sized=True)
 
 
 def adapter_sync(cfg: Config) -> bool:
@@ -180,7 +195,7 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
     """
     t = cfg.trainer
     if t.engine == "megatron":
-        from dockrl.engines.megatron import MegatronTrainEngine  # lazy: it imports megatron-core, an optional extra
+        from dockrl.engines.megatron.engine import MegatronTrainEngine  # lazy: it imports megatron-core, an optional extra
 
         if t.autocast_bf16 is True:
             logger.warning("trainer.autocast_bf16=true is ignored by trainer.engine=megatron: it trains in fp32")
@@ -196,12 +211,12 @@ def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> Tr
         lora=t.lora, gradient_checkpointing=t.gradient_checkpointing,
     )
     if t.lora.enabled and cfg.run.resume:
-        from dockrl.engines.hf_lora import load_checkpoint_adapter  # lazy: peft loads only for a LoRA actor
+        from dockrl.engines.hf.lora import load_checkpoint_adapter  # lazy: peft loads only for a LoRA actor
 
         assert engine.peft is not None
         load_checkpoint_adapter(engine.peft, Path(cfg.run.resume))  # over the base weights of model.path (weights_path)
     if t.lora.enabled and t.lora.sync == "merged":
-        from dockrl.engines.hf_lora import adapter_numel  # lazy: peft loads only for a LoRA actor
+        from dockrl.engines.hf.lora import adapter_numel  # lazy: peft loads only for a LoRA actor
 
         adapters, total = adapter_numel(engine.model), sum(p.numel() for p in engine.model.parameters())
         logger.warning("trainer.lora.sync=merged: each weight sync sends all %d merged weights instead of the %d adapter "
@@ -223,7 +238,7 @@ def receive_params(engine: RolloutEngine, cfg: Config, model_path: Path) -> list
     if model is not None:
         return [(n, p) for n, p in model.named_parameters() if not adapter_sync(cfg) or ".lora_" in n]
     if adapter_sync(cfg):
-        from dockrl.engines.hf_lora import adapter_shapes  # lazy: peft loads only for a LoRA run
+        from dockrl.engines.hf.lora import adapter_shapes  # lazy: peft loads only for a LoRA run
 
         return [(n, torch.empty(shape, dtype=torch.float32, device="meta"))
                 for n, shape in adapter_shapes(model_path, cfg.trainer.lora, cfg.model.trust_remote_code)]

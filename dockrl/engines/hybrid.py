@@ -19,11 +19,11 @@ training state leaves the device, returns the freed memory to the allocator
 ``rollout_engine`` and ``train_engine`` are the two engines behind phase guards: generating
 while training, or a forward/backward or optimizer step while generating, raises
 ``PhaseError`` instead of silently using stale or swapped-out weights. The stage loop is
-``dockrl/workers/hybrid.py``.
+``dockrl/stages/hybrid.py``.
 
 Every step is driven by the process's ranks (``ProcessRanks``: the layout and megatron's TP/PP
 groups, made once by ``join_groups``), so a TP/PP > 1 group runs the same code on every rank (one process per rank, ``run_hybrid`` in
-``dockrl/workers/hybrid.py``); each rank's vLLM holds a full copy (TP' = 1). On CPU host and
+``dockrl/stages/hybrid.py``); each rank's vLLM holds a full copy (TP' = 1). On CPU host and
 device are the same memory, so the swap moves only the accounting (``reshard/*``).
 """
 
@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from dockrl.engines.layer_loader import WholeLayerLoader
-from dockrl.engines.megatron_state import MegatronTrainState
+from dockrl.engines.megatron.state import MegatronTrainState
 from dockrl.parallel import device as devices
 from dockrl.parallel.layout import ModelShape
 from dockrl.parallel.ranks import ProcessRanks, leave_groups
@@ -138,7 +138,7 @@ class HybridActor:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        """The training engine's optimizer (checkpointed by ``dockrl.optimizer_state.save_optimizer``)."""
+        """The training engine's optimizer (checkpointed by ``dockrl.checkpoint.optimizer_state.save_optimizer``)."""
         return self.train.optimizer
 
     def save(self, path: str | Path) -> Path:

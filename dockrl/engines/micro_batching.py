@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dockrl.engines.hf_load import model_device
+from dockrl.engines.hf.load import model_device
 
 logger = logging.getLogger(__name__)
 

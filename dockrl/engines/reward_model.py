@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from dockrl.config import Config, ConfigError
-from dockrl.engines.hf_load import autocast, load_tokenizer
+from dockrl.engines.hf.load import autocast, load_tokenizer
 from dockrl.engines.micro_batching import to_host_rows
 from dockrl.parallel.ranks import ProcessRanks
 

@@ -21,14 +21,14 @@ outputs (the hf engine's ``dockrl.engines.micro_batching.micro_batches``: consec
 token budget rows sorted by length); ``log_prob (b, T)``
 (fp32, differentiable), ``mask (b, T)`` and ``entropy (b, T)`` (no grad unless the engine was
 asked for ``entropy_grad``) are as returned by
-``dockrl.engines.hf_logprobs.response_log_probs``. ``loss`` is a scalar the engine back-propagates
+``dockrl.engines.hf.logprobs.response_log_probs``. ``loss`` is a scalar the engine back-propagates
 unchanged (normalize it by mini-batch totals); ``aux`` is any picklable value handed back.
 """
 
 
 class ScoringEngine(Protocol):
     """What the reference stage needs: ``TrainEngine.log_probs`` alone (a ``TrainEngine``, or a LoRA
-    actor's module with its adapters disabled: ``dockrl.engines.hf_train.AdaptersDisabled``)."""
+    actor's module with its adapters disabled: ``dockrl.engines.hf.train.AdaptersDisabled``)."""
 
     def log_probs(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, temperature: float, micro_batch: int,

@@ -35,7 +35,7 @@ class Episode(Protocol):
 
     An episode may also define ``calls_end(turn: str) -> int | None``, the offset in a turn's text just after
     its tool calls (None without a complete one): the rollout then ends a turn that went on past its calls
-    there (``dockrl.workers.multi_turn``). The built-in tool episodes do (``dockrl.envs.tool_calls.calls_end``).
+    there (``dockrl.stages.multi_turn``). The built-in tool episodes do (``dockrl.envs.tool_calls.calls_end``).
     """
 
     def step(self, turn: str) -> Step:

@@ -14,6 +14,7 @@ import math
 import operator
 from typing import Any, Callable
 
+from dockrl.config.env_sections import EnvConfig
 from dockrl.envs.tool_calls import ToolCall, ToolParser
 from dockrl.envs.tool_episode import ToolEpisode, tool_schema
 
@@ -93,6 +94,11 @@ class CalculatorEnvironment:
         tool_parser: ``env.tool_parser``; with ``fenced``, a fenced block's text is the expression.
         call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
     """
+
+    @classmethod
+    def from_config(cls, e: EnvConfig) -> CalculatorEnvironment:
+        """``env.name=calculator`` (``BUILT_IN_ENVIRONMENTS``): the tool-call format and reward of ``env.*``."""
+        return cls(e.tool_parser, e.tool_call_reward)
 
     def __init__(self, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
         self.tool_parser, self.call_reward = tool_parser, call_reward

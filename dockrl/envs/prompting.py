@@ -20,7 +20,7 @@ _PROBE = [{"role": "user", "content": "1"}]
 
 @dataclass(frozen=True)
 class ToolPrompt:
-    """What the prompts of a run with tools are built from (``dockrl.data.prompt_token_ids``)."""
+    """What the prompts of a run with tools are built from (``dockrl.run.data.prompt_token_ids``)."""
 
     tools: list[dict] | None
     """The schemas given to the chat template (``tools=``); None when the system prompt describes them."""

@@ -1,5 +1,5 @@
 """The ``python`` environment: the model calls a ``python`` tool with a program, which runs in the
-sandbox (``dockrl.envs.sandbox``, under ``env.sandbox.*``); what it prints is the next turn.
+sandbox (``dockrl.isolation.sandbox``, under ``env.sandbox.*``); what it prints is the next turn.
 
 Every call starts a fresh interpreter in a fresh folder: nothing (variables, files) carries over
 from one call to the next, as the tool's description tells the model.
@@ -7,10 +7,10 @@ from one call to the next, as the tool's description tells the model.
 
 from __future__ import annotations
 
-from dockrl.config.env_sections import SandboxConfig
-from dockrl.envs.sandbox import SandboxResult, require_layers, run_python
+from dockrl.config.env_sections import EnvConfig, SandboxConfig
 from dockrl.envs.tool_calls import ToolCall, ToolParser
 from dockrl.envs.tool_episode import ToolEpisode, tool_schema
+from dockrl.isolation.sandbox import SandboxResult, require_layers, run_python
 
 
 def describe_result(result: SandboxResult, limits: SandboxConfig) -> str:
@@ -46,6 +46,11 @@ class PythonEnvironment:
         tool_parser: ``env.tool_parser``; with ``fenced``, a ```` ```python ```` block's text is the program.
         call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
     """
+
+    @classmethod
+    def from_config(cls, e: EnvConfig) -> PythonEnvironment:
+        """``env.name=python`` (``BUILT_IN_ENVIRONMENTS``): the sandbox's limits, the tool-call format and reward of ``env.*``."""
+        return cls(e.sandbox, e.tool_parser, e.tool_call_reward)
 
     def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
         """Raises:

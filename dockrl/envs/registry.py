@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from dockrl.config import Config, ConfigError
+from dockrl.config.env_sections import BUILT_IN_ENVIRONMENTS
 from dockrl.envs.base import Environment
-from dockrl.envs.calculator import CalculatorEnvironment
-from dockrl.envs.python_tool import PythonEnvironment
 from dockrl.envs.user import UserEnvironment
-from dockrl.rewards.guard import import_scorer
+from dockrl.isolation.user_code import import_object
 
 
 def build_environment(cfg: Config) -> Environment | None:
     """The environment ``env.name`` names, built once per run in the rollout's process (close it at the end).
 
     Returns:
-        None when ``env.name`` is empty (single-turn rollouts); else the ``python`` or ``calculator``
-        environment, or the user's class running in a process of its own (``UserEnvironment``).
+        None when ``env.name`` is empty (single-turn rollouts); else a built-in environment
+        (``BUILT_IN_ENVIRONMENTS``: ``python``, ``calculator``), or the user's class running in a process of its own (``UserEnvironment``).
 
     Raises:
         ConfigError: ``env.name`` is an import path that does not import here (the import's error appended).
@@ -24,12 +23,10 @@ def build_environment(cfg: Config) -> Environment | None:
     e = cfg.env
     if not e.name:
         return None
-    if e.name == "python":
-        return PythonEnvironment(e.sandbox, e.tool_parser, e.tool_call_reward)
-    if e.name == "calculator":
-        return CalculatorEnvironment(e.tool_parser, e.tool_call_reward)
+    if e.name in BUILT_IN_ENVIRONMENTS:
+        return import_object(BUILT_IN_ENVIRONMENTS[e.name])(e)
     try:
-        import_scorer(e.name)  # here, so a typo fails before any process starts
+        import_object(e.name)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"env.name: got {e.name!r}, which does not import ({type(err).__name__}: {err}); "
                           "expected 'package.module:Class' importable here (PYTHONPATH)") from err

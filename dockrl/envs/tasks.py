@@ -1,5 +1,5 @@
 """Bundled tasks of the environments, as package data in GSM8K format (``question``, ``answer``
-ending in ``#### <number>``) that ``dockrl.data.load_prompts`` reads:
+ending in ``#### <number>``) that ``dockrl.run.data.load_prompts`` reads:
 
 * ``TOOL_TRAIN`` / ``TOOL_TEST``: arithmetic on numbers of several digits (``generate_tool_problems``,
   seeds 1 and 2), which a 135M model cannot do in its head and the ``python`` or ``calculator``

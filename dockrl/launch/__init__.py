@@ -1,10 +1,9 @@
-"""Launching runs: the pipeline steps' library functions and the worker backends.
+"""Launching runs: the worker backends, and the folders the pipeline steps hand on.
 
-The train step's job (``dockrl/train_task.py``) sits above the driver, so outside this package:
+The train step's job (``dockrl/kubeflow/train_task.py``) sits above the driver, so outside this package:
 nothing here imports the driver.
 
-* ``tasks.py``     prepare the dataset, export the model, evaluate it, tear a run's workers down (short pipeline steps)
-* ``artifacts.py`` the dataset and model folders those steps hand on
+* ``artifacts.py`` the dataset and model folders the pipeline steps (``dockrl/kubeflow/steps.py``) hand on
 * ``task_mounts.py`` a local pipeline run shaped like the cluster: each task sees only the volumes it mounts
 * ``distributed.py`` the stage runner of ``dock.mode=distributed``: dock shards and stages as worker groups
 * ``backend.py``   worker groups, the backend protocol and its names (imports nothing of dockrl)

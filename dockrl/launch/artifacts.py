@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dockrl.config import pyarrow_s3_query
-from dockrl.dock.rollouts import SCHEMA_VERSION
-from dockrl.rollouts import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
+from dockrl.dock.shard.kept_rollouts import SCHEMA_VERSION
+from dockrl.rollouts.keep import ROLLOUTS_CONFIG, ROLLOUTS_TOKENIZER, has_rows, kept_rollouts, rollouts_dataset
 
 if TYPE_CHECKING:
     from dockrl.config.run_sections import DockConfig

@@ -6,13 +6,13 @@
 passed as secrets: the driver's, which only this process and the shards hold, and the stages',
 which may not call the driver's actions nor snapshot outside the run's places; ``dockrl.dock.roles``;
 mutual TLS with certificates made for the run, ``dockrl.dock.tls``) and one group per stage process
-(``dockrl worker``, ``dockrl.stages.stage_processes``). Rollout and actor meet on the weight
+(``dockrl worker``, ``dockrl.stages.table.stage_processes``). Rollout and actor meet on the weight
 channel, whose ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
 × dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
 (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
 be ones the members see. ``ProcessStages`` is then the driver's stage runner
-(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stage_loop.Report``),
+(``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stages.loop.Report``),
 waited for in short slices that check the workers in between (``wait_reports``).
 """
 
@@ -29,21 +29,21 @@ import pyarrow.flight as flight
 
 from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import is_loopback
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import is_loopback
 from dockrl.dock.tls import RunCertificates, scheme
-from dockrl.dock.warehouse_stores import make_warehouse
-from dockrl.driver_lease import DriverLease, wait_for_shards
+from dockrl.dock.warehouse.stores import make_warehouse
+from dockrl.run.driver_lease import DriverLease, wait_for_shards
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
 from dockrl.parallel.ranks import serve_store
-from dockrl.process_env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
-from dockrl.resume import dock_snapshot_places
-from dockrl.run_setup import RunPlan
-from dockrl.stage_loop import Report, final_report
-from dockrl.stages import checkpoint_reports, iteration_reports, stage_processes
-from dockrl.stages import stage as stage_row
+from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.checkpoint.resume import dock_snapshot_places
+from dockrl.run.setup import RunPlan
+from dockrl.stages.loop import Report, final_report
+from dockrl.stages.table import checkpoint_reports, iteration_reports, stage_processes
+from dockrl.stages.table import stage as stage_row
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def member_devices(cfg: Config, stage: str) -> int:
     The layout sets how many such members there are: the hybrid actor is ``parallel.tp × pp ×
     dp`` members (``worker_groups``), so a run asks for that many devices for it, plus one each
     for the rollout, actor, reference and critic processes of a non-hybrid run, and one for the reward model
-    (the rows of ``dockrl.stages.STAGES`` with ``devices``).
+    (the rows of ``dockrl.stages.table.STAGES`` with ``devices``).
     """
     return 1 if stage_row(stage).devices else 0
 
@@ -78,7 +78,7 @@ def stage_members(layout: ParallelLayout, stage: str) -> tuple[int, int]:
     actor is one member per rank of the layout (``tp × pp × dp``), and its tensor-parallel groups
     (training TP, inference TP': ``lcm(tp, infer_tp)`` consecutive ranks, as ranks are numbered
     TP fastest) share a node, since their collectives run on every layer; every other stage is one
-    member (the rows of ``dockrl.stages.STAGES`` with ``layout``)."""
+    member (the rows of ``dockrl.stages.table.STAGES`` with ``layout``)."""
     if stage_row(stage).layout:
         return layout.world_size, math.lcm(layout.tp, layout.infer_tp)
     return 1, 1
@@ -267,7 +267,7 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
 class ProcessStages:
     """The ``StageRunner`` of ``dock.mode=distributed`` (``dockrl/driver.py``): the stages run as
     processes (``start_processes``) and their metrics arrive as reports through ``dock``
-    (``dockrl.stage_loop.Report``). Every wait watches the processes (``wait_reports``), so a dead
+    (``dockrl.stages.loop.Report``). Every wait watches the processes (``wait_reports``), so a dead
     one fails the run within a second with ``WorkerFailed``.
 
     Args:

@@ -15,7 +15,7 @@ stdin is ``/dev/null``, its stdout and stderr go to its log, its environment is 
 ``dockrl.__main__`` with the command's exit code, so the interpreter exits as that process would
 (non-daemon threads joined, ``atexit`` run, an uncaught exception printed with exit code 1). Its
 ``DRIVER_PID_ENV`` names the server, its parent: the server dies with the driver (the parent death
-signal, SIGKILL) and the members with the server (``dockrl.lifeline.watch_driver``).
+signal, SIGKILL) and the members with the server (``dockrl.process.lifeline.watch_driver``).
 
 Protocol, one line each way per event: the driver writes ``{"argv": [...], "env": {...}, "log": path}``
 as JSON on the server's stdin (``argv``: the arguments of ``dockrl worker``); the server answers
@@ -33,15 +33,15 @@ import select
 import signal
 import sys
 
-from dockrl.lifeline import DRIVER_PID_ENV, die_with_parent
+from dockrl.process.lifeline import DRIVER_PID_ENV, die_with_parent
 
 
 def preload() -> None:
     """Import what a stage process imports before it runs: ``dockrl worker``'s module (torch, transformers)
-    and every stage's process body (``dockrl.stages.STAGES``); an engine's own package (vLLM, megatron-core)
+    and every stage's process body (``dockrl.stages.table.STAGES``); an engine's own package (vLLM, megatron-core)
     is imported by the member that builds it."""
-    import dockrl.workers.main  # noqa: F401 - the point: imported here, once
-    from dockrl.stages import STAGES, load
+    import dockrl.stages.main  # noqa: F401 - the point: imported here, once
+    from dockrl.stages.table import STAGES, load
 
     for row in STAGES:
         if row.process:
@@ -81,7 +81,7 @@ def _become_member(request: dict, server_fds: tuple[int, ...]) -> int:
     os.environ.update(request["env"])
     os.environ[DRIVER_PID_ENV] = str(os.getppid())
     sys.argv = [sys.argv[0], "worker", *request["argv"]]
-    from dockrl.workers.main import main
+    from dockrl.stages.main import main
 
     return main(request["argv"])
 

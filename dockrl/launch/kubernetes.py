@@ -7,7 +7,7 @@ client, all groups at once (``kubernetes_objects.py``: create, list, delete). Ev
 launcher pod. ``teardown`` (the driver's ``finally`` and the pipeline's exit handler) deletes
 the JobSet and the PodGroup by label, the Secret goes with the launcher pod (the launcher may
 create Secrets but not delete one); the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
-the dock (``dockrl.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
+the dock (``dockrl.process.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
 the shards and the stages exit) bound what a lost launcher leaves behind.
 
 How a run's stages find what they need, in pods that cannot see the launcher's files:

@@ -37,8 +37,8 @@ from typing import Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.procfs import group_members, pgid, run_processes, start_time
-from dockrl.lifeline import DRIVER_PID_ENV
-from dockrl.process_env import REPLICA_ENV, REPLICAS_ENV
+from dockrl.process.env import REPLICA_ENV, REPLICAS_ENV
+from dockrl.process.lifeline import DRIVER_PID_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Indexed Job's completion index), the node count ``DOCKRL_REPLICAS`` (the group's
 launchers of the group's pods meet at pod 0 (``MASTER_ADDR``, ``MASTER_PORT``: its name in the
 JobSet's DNS) and start their processes together.
 
-The rank processes read their place from torchrun's variables (``dockrl.process_env.replica``,
+The rank processes read their place from torchrun's variables (``dockrl.process.env.replica``,
 ``local_rank``) because this command marks them (``NODE_PROCS_ENV``); they still build their
 process groups at the run launcher's ``TCPStore`` (``--weight-sync``), as a member in a pod of
 its own does.
@@ -43,7 +43,7 @@ from typing import Any
 
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.parallel.layout import ParallelLayout
-from dockrl.process_env import NODE_PROCS_ENV, local_rank, replica
+from dockrl.process.env import NODE_PROCS_ENV, local_rank, replica
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.node import RDZV_PORT
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform
-from dockrl.process_env import REPLICA_ENV, REPLICAS_ENV
+from dockrl.process.env import REPLICA_ENV, REPLICAS_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Iterator
 # these records always agree on it (tests move it with one monkeypatch of local.default_state_dir)
 from dockrl.launch import local
 from dockrl.launch.procfs import run_processes, start_time
-from dockrl.run_lock import lock_holder
+from dockrl.run.lock import lock_holder
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def recorded_run(run_id: str, run_dir: str | Path, *, state_dir: str | Path | No
 def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s: float = 5.0) -> dict:
     """Stop what a local run left running: ``target`` is a run folder (``run.output_dir``) or a run id.
 
-    For a run folder: the driver that still holds its lock (``dockrl.run_lock``; SIGTERM, which
+    For a run folder: the driver that still holds its lock (``dockrl.run.lock``; SIGTERM, which
     tears its workers down, then SIGKILL after ``grace_s``) and the workers of every run recorded
     for that folder; for a run id: that run's driver while it runs (as recorded: an in-process
     run has no workers, ``recorded_run``) and its workers. Workers are found by the backend's record

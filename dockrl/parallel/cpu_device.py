@@ -11,7 +11,7 @@ CPU equivalents while it is active and restores every original on exit:
 
 The list was found by running GPTModel forward/backward with TP=2 and PP=2, megatron's
 pipeline schedules and its RNG tracker on a CPU-only torch build (what
-``dockrl.engines.megatron`` uses). Not covered: megatron's own DDP wrapper, its optimizer and
+``dockrl.engines.megatron.engine`` uses). Not covered: megatron's own DDP wrapper, its optimizer and
 dist-checkpointing, which call more of ``torch.cuda`` (``current_stream``, ``Stream``, ...).
 
 The attribute redirections apply to the whole process while a scope is active: keep scopes

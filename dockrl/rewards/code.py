@@ -3,7 +3,7 @@
 ``algorithm.scorer=dockrl.rewards.code:CodeScorer`` with ``data.train_path`` and ``data.test_path`` the
 bundled programming problems (``dockrl.envs.tasks.CODE_PROBLEMS``; the ground truth of a row is its
 ``task_id``). For each response the last ```` ```python ```` block is the program; it runs once in the
-sandbox (``dockrl.envs.sandbox``) followed by a harness that runs each ``assert`` test in turn and
+sandbox (``dockrl.isolation.sandbox``) followed by a harness that runs each ``assert`` test in turn and
 reports each result on stdout, marked with a random nonce so that the program's own prints cannot
 pose as results. The reward is
 
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Sequence
 
 from dockrl.config.env_sections import SANDBOX_LAYERS, SandboxConfig
-from dockrl.envs.sandbox import require_layers, run_python
 from dockrl.envs.tasks import CODE_PROBLEMS, load_code_problems
 from dockrl.envs.tool_calls import ToolCall, parse_tool_calls
+from dockrl.isolation.sandbox import require_layers, run_python
 
 _HARNESS = """
 import io as _io, sys as _sys

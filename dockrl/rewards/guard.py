@@ -5,82 +5,52 @@ a child process (``spawn``) and calls its ``score`` there, so a scorer that hang
 ``algorithm.reward_timeout_s`` per sample of the batch: past that, the child is killed, the
 batch scores 0 and counts as timed out, and the next batch starts a fresh child. A scorer that
 raises fails the run with its traceback, naming ``algorithm.scorer``. The child exits with
-its owner, even when the owner is SIGKILLed (``dockrl.lifeline.guard_pool_worker``).
+its owner, even when the owner is SIGKILLed (``dockrl.process.lifeline.guard_pool_worker``).
 
 ``check_rewards`` turns what a scorer returned into one float per response: a value that is
 not a finite real number (NaN, inf, a string, None), and every value of a result that is not
 a sequence of the right length, becomes 0.0 and is counted as bad, with the reason. The reward
-stage (``dockrl.workers.reward``) fails the run once more than ``algorithm.max_bad_reward_frac``
+stage (``dockrl.stages.reward``) fails the run once more than ``algorithm.max_bad_reward_frac``
 of an iteration's rewards were bad (timed out, failed, or not finite numbers).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
-import multiprocessing
 import numbers
-import os
-import traceback
 from collections import Counter
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
-from dockrl.lifeline import guard_pool_worker
+from dockrl.isolation.user_code import START_TIMEOUT_S, ChildDied, ChildRaised, UserProcess, import_object
 from dockrl.rewards.scorer import RewardScorer
 
 logger = logging.getLogger(__name__)
-
-START_TIMEOUT_S = 120.0
-"""Longest a scorer's process may take to start and build the scorer, seconds."""
-
 
 class ScorerError(RuntimeError):
     """The reward scorer failed the run (raised, or gave too many bad rewards); names ``algorithm.scorer``."""
 
 
-def import_scorer(path: str) -> type:
-    """The class ``module:Class`` names (nested names with dots).
+class _ScorerServer:
+    """The child's side: the scorer."""
 
-    Raises:
-        ImportError, AttributeError: it does not import.
-    """
-    module, _, name = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    def __init__(self, scorer: Any) -> None:
+        self.scorer = scorer
 
+    def hello(self) -> None:
+        return None
 
-def _serve(conn, path: str, kwargs: dict, owner: int) -> None:
-    """The child: build the scorer, then answer ``(op, args)`` requests until ``close`` or EOF."""
-    guard_pool_worker(owner)
-    try:
-        scorer = import_scorer(path)(**kwargs)
-    except BaseException:  # noqa: BLE001 - reported to the owner, which fails the run
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ok", None))
-    while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            if op == "score":
-                out = scorer.score(*args)
-                conn.send(("ok", list(out) if isinstance(out, (list, tuple)) else out))
-            elif op == "counters":
-                conn.send(("ok", dict(scorer.counters())))
-            else:
-                scorer.close()
-                conn.send(("ok", None))
-                return
-        except BaseException:  # noqa: BLE001 - a raising scorer, or a result that does not pickle
-            conn.send(("error", traceback.format_exc()))
+    def handle(self, op: str, args: tuple) -> Any:
+        if op == "score":
+            out = self.scorer.score(*args)
+            return list(out) if isinstance(out, (list, tuple)) else out
+        if op == "counters":
+            return dict(self.scorer.counters())
+        raise ValueError(f"unknown request {op!r}")
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 class ScorerProcess:
@@ -98,8 +68,7 @@ class ScorerProcess:
 
     def __init__(self, path: str, kwargs: dict, *, timeout_s: float) -> None:
         self.path, self.kwargs, self.timeout_s = path, dict(kwargs), float(timeout_s)
-        self._proc: BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._child: UserProcess | None = None  # None: not started, or killed (the next score starts a fresh one)
         self._timeouts = 0
         self._last_counters: dict[str, int] = {}
 
@@ -109,42 +78,30 @@ class ScorerProcess:
         Raises:
             ScorerError: the scorer does not build (its traceback in the message) within ``START_TIMEOUT_S``.
         """
-        if self._proc is None:
+        if self._child is None:
             self._start()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = proc = ctx.Process(target=_serve, args=(child, self.path, self.kwargs, os.getpid()), daemon=True,
-                                        name=f"dockrl-scorer {self.path}")
-        proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(START_TIMEOUT_S):
+        self._child = child = UserProcess(self.path, self.kwargs, _ScorerServer, name=f"dockrl-scorer {self.path}")
+        if not child.wait(START_TIMEOUT_S):
             self._kill()
             raise ScorerError(f"algorithm.scorer={self.path!r}: its process did not build the scorer within {START_TIMEOUT_S:.0f} s")
         self._answer("start")
 
     def _answer(self, what: str) -> Any:
-        assert self._conn is not None, "the scorer's process runs"
+        assert self._child is not None, "the scorer's process runs"
         try:
-            status, value = self._conn.recv()
-        except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
-            self._kill()
-            raise ScorerError(f"algorithm.scorer={self.path!r}: its process died during {what} (exit code {code})") from None
-        if status == "error":
-            raise ScorerError(f"algorithm.scorer={self.path!r} raised during {what}:\n{value.rstrip()}")
-        return value
+            return self._child.answer()
+        except ChildDied as e:
+            self._child = None  # killed: the next score starts a fresh one
+            raise ScorerError(f"algorithm.scorer={self.path!r}: its process died during {what} (exit code {e.args[0]})") from None
+        except ChildRaised as e:
+            raise ScorerError(f"algorithm.scorer={self.path!r} raised during {what}:\n{e.args[0]}") from None
 
     def _kill(self) -> None:
-        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
-        if proc is not None and proc.is_alive():
-            proc.kill()
-        if proc is not None:
-            proc.join(timeout=5)
-        if conn is not None:
-            conn.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> Any:
         """What the scorer returns for the batch (checked by ``check_rewards``), or ``[0.0] * n``
@@ -158,9 +115,9 @@ class ScorerProcess:
             return []
         self.start()
         limit = self.timeout_s * max(1, n)
-        assert self._conn is not None, "started above"
-        self._conn.send(("score", (list(responses), list(ground_truths))))
-        if not self._conn.poll(limit):
+        assert self._child is not None, "started above"
+        self._child.request("score", (list(responses), list(ground_truths)))
+        if not self._child.wait(limit):
             self._kill()
             self._timeouts += n
             logger.warning("algorithm.scorer=%r: a batch of %d responses took longer than %.0f s (algorithm.reward_timeout_s="
@@ -170,8 +127,8 @@ class ScorerProcess:
 
     def counters(self) -> dict[str, int]:
         """The scorer's counters (as last read, when its process was restarted) plus this process's ``timeouts``."""
-        if self._conn is not None:
-            self._conn.send(("counters", ()))
+        if self._child is not None:
+            self._child.request("counters", ())
             self._last_counters = {k: int(v) for k, v in self._answer("counters").items()}
         out = {"timeouts": 0, "errors": 0, "scored": 0} | self._last_counters
         out["timeouts"] += self._timeouts
@@ -179,14 +136,9 @@ class ScorerProcess:
 
     def close(self) -> None:
         """Close the scorer and stop its process. Safe to call twice."""
-        if self._conn is not None:
-            try:
-                self._conn.send(("close", ()))
-                if self._conn.poll(10):
-                    self._conn.recv()
-            except (EOFError, OSError):
-                pass
-        self._kill()
+        child, self._child = self._child, None
+        if child is not None:
+            child.close(10)
 
 
 def _real(value: Any) -> float | None:
@@ -247,7 +199,7 @@ def build_scorer(a: AlgorithmConfig) -> Scorer:
     if not a.scorer:
         return RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     try:
-        import_scorer(a.scorer)  # here, so a typo fails before any process starts
+        import_object(a.scorer)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
                           "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e

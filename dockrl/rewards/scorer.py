@@ -15,7 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from types import TracebackType
 
-from dockrl.lifeline import guard_pool_worker
+from dockrl.process.lifeline import guard_pool_worker
 from dockrl.rewards.math_verifier import score_response
 
 # longest a fresh verifier worker may take to start (an interpreter, sympy imports), seconds: generous, a

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dockrl.dock.warehouse_s3 import S3Warehouse
+from dockrl.dock.warehouse.s3 import S3Warehouse
 
 REGION = "us-east-1"
 

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from dockrl.dock import GRPO_SCHEMA
-from dockrl.dock.client import DockClient
+from dockrl.dock.client.dock_client import DockClient
 
 INPUTS = {"reward": ["prompt_ids"], "advantage": ["rm_score"], "reference": ["prompt_ids"]}
 OUTPUTS = {"reward": ["rm_score", "correct"], "advantage": ["advantages"], "reference": ["ref_log_prob"]}
@@ -115,8 +115,8 @@ def worker_main(jobs, events: Connection) -> None:
 
 
 def start_shards(n: int, token: str, lease_s: float) -> list[subprocess.Popen]:
-    """``n`` shard processes (``python -m dockrl.dock.flight``), started together; read ``.location`` after."""
+    """``n`` shard processes (``python -m dockrl.dock.flight.shards``), started together; read ``.location`` after."""
     env = {**os.environ, "DOCKRL_TEST_SHARD_TOKEN": token}
-    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--port", "0", "--token-env", "DOCKRL_TEST_SHARD_TOKEN",
+    cmd = [sys.executable, "-m", "dockrl.dock.flight.shards", "--port", "0", "--token-env", "DOCKRL_TEST_SHARD_TOKEN",
            "--lease-s", str(lease_s)]
     return [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(n)]

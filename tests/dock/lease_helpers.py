@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from dockrl.dock import Claim
-from dockrl.dock.shard_controller import DEFAULT_OWNER, ShardController
+from dockrl.dock.shard.controller import DEFAULT_OWNER, ShardController
 
 
 def claim(

@@ -13,8 +13,8 @@ import pytest
 
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, DockError, DockTimeoutError, open_dock
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
 
 TOKEN = "control-token"
 
@@ -163,7 +163,7 @@ def test_an_iteration_is_handed_out_only_once_open_on_every_shard():
     try:
         with DockClient(locations, GRPO_SCHEMA, timeout_s=5.0) as driver, DockClient(locations, GRPO_SCHEMA, timeout_s=5.0) as stage:
             # shard 0 (the control shard) alone opened, as midway through the driver's open_iteration
-            driver._action(0, "open_iteration", {"iteration": 0, "num_rows": 4, "group_size": 2, "first_row": 0,
+            driver.core.action(0, "open_iteration", {"iteration": 0, "num_rows": 4, "group_size": 2, "first_row": 0,
                                                  "stop_row": 2, "shard": 0, "num_shards": 2})
             with pytest.raises(DockTimeoutError):
                 stage.wait_iteration(-1, timeout_s=0.2)
@@ -171,14 +171,14 @@ def test_an_iteration_is_handed_out_only_once_open_on_every_shard():
             driver.open_iteration(0, 4, 2)
             assert stage.wait_iteration(-1) == 0 and stage.num_rows == 4  # every shard agrees on the layout
             with pytest.raises(DockError, match=r"announce\(3\): iteration 0 is open"):
-                driver._action(0, "announce_iteration", {"iteration": 3})
+                driver.core.action(0, "announce_iteration", {"iteration": 3})
     finally:
         for server in servers:
             server.close()
 
 
 def test_a_shard_process_stops_at_once_on_sigterm_while_calls_block_in_it():
-    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0"]
+    cmd = [sys.executable, "-m", "dockrl.dock.flight.shards", "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(60.0, proc.kill)  # a hung shard fails the test instead of hanging it
     watchdog.start()

@@ -13,8 +13,8 @@ import pytest
 
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, DockError, open_dock
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
 
 
 @pytest.fixture(params=["inprocess", "inprocess-2shards", "flight-2shards"])

@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Claim, DockError, DockTimeoutError, open_dock
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import serve_shard, start_local_shards
-from dockrl.dock.flight_server import DockShardServer
-from dockrl.dock.flight_transport import FlightTransport
-from dockrl.dock.flight_wire import (
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.server import DockShardServer
+from dockrl.dock.flight.shards import serve_shard, start_local_shards
+from dockrl.dock.flight.transport import FlightTransport
+from dockrl.dock.flight.wire import (
     claim_fixed_part,
     decode_claim,
     decode_claim_result,
@@ -42,10 +42,10 @@ from dockrl.dock.flight_wire import (
     encode_put,
     raise_dock_error,
 )
-from dockrl.dock.shard_layout import shard_ranges
-from dockrl.dock.shard_requests import WIRE_VERSION, ClaimRequest
-from dockrl.dock.warehouse import Warehouse
-from dockrl.dock.warehouse_stores import DirectoryWarehouse
+from dockrl.dock.shard.layout import shard_ranges
+from dockrl.dock.shard.requests import WIRE_VERSION, ClaimRequest
+from dockrl.dock.warehouse.base import Warehouse
+from dockrl.dock.warehouse.stores import DirectoryWarehouse
 
 TOKEN = "test-token"
 TOKENS = pa.list_(pa.int32())
@@ -551,7 +551,7 @@ def test_calls_without_the_right_token_are_rejected(shards, token):
 
 
 def test_shard_without_token_accepts_every_call(caplog):
-    with caplog.at_level("WARNING", logger="dockrl.dock.flight_server"):
+    with caplog.at_level("WARNING", logger="dockrl.dock.flight.server"):
         servers, locations = start_local_shards(1, GRPO_SCHEMA)
     assert "WITHOUT authentication" in caplog.text and "--token-env DOCKRL_DOCK_TOKEN" in caplog.text
     try:
@@ -666,7 +666,7 @@ def test_property_every_consumer_gets_every_row_once(shards, store_shards, tmp_p
 
 def test_shard_runs_as_a_separate_process(shards):
     env = {**os.environ, "DOCKRL_DOCK_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "dockrl.dock.flight", "--host", "127.0.0.1", "--port", "0", "--token-env", "DOCKRL_DOCK_TOKEN"]
+    cmd = [sys.executable, "-m", "dockrl.dock.flight.shards", "--host", "127.0.0.1", "--port", "0", "--token-env", "DOCKRL_DOCK_TOKEN"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(30.0, proc.kill)  # a hung start fails the test instead of hanging it
     watchdog.start()
@@ -709,7 +709,7 @@ def test_cli_refuses_a_bind_beyond_loopback_without_a_token(host, capsys):
 def test_a_put_table_chunked_unevenly_writes_every_row():
     """A shard's put of a table whose columns are chunked differently writes all its rows, not the first batch's."""
     from dockrl.dock.rows import row_runs, runs_rows
-    from dockrl.dock.shard import ShardService
+    from dockrl.dock.shard.service import ShardService
 
     svc = ShardService(GRPO_SCHEMA, name="local://test")
     svc.action("open_iteration", {"iteration": 0, "num_rows": 8, "group_size": 4, "first_row": 0, "stop_row": 8,

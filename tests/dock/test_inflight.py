@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA, DockError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.shard_transport import LocalTransport, local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
+from dockrl.dock.shard.transport import LocalTransport, local_shards
 
 TOKEN = "inflight-token"
 ROWS, GROUP = 8, 2

@@ -6,7 +6,7 @@ under an existing lease id), acks (of whole claims, parts of them, rows never le
 leases), releases, ``release_owner``, ``renew``, clock steps past lease expiries, and a
 snapshot restored into a fresh dock. After every step the dock's consumed and acked bits, its
 leases (id, owner, rows) and its counters must equal those of ``Model``, which is written from
-the documented rules (``dockrl.dock.leases``), not from the implementation:
+the documented rules (``dockrl.dock.shard.leases``), not from the implementation:
 
 * a claim takes the first ``count`` ready rows not consumed by the consumer (whole groups when
   asked), or fails when fewer than ``min(count, rows not taken)`` are ready; with nothing left
@@ -36,11 +36,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
-import dockrl.dock.controller_core as controller_core
-import dockrl.dock.leases as leases
-import dockrl.dock.shard_controller as controller
+import dockrl.dock.shard.controller as controller
+import dockrl.dock.shard.controller_core as controller_core
+import dockrl.dock.shard.leases as leases
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.shard_controller import ShardController
+from dockrl.dock.shard.controller import ShardController
 
 OWNERS = ("a", "b", "c")
 INPUTS = {"reward": ["prompt_ids"], "advantage": ["rm_score"]}
@@ -57,8 +57,8 @@ TERMS = (1.0, 2.5)
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside ``dockrl.dock.shard_controller`` and ``dockrl.dock.controller_core`` (they hand
-    the time to ``dockrl.dock.leases``): ``monotonic()`` moves only when told."""
+    """Stands in for the ``time`` module inside ``dockrl.dock.shard.controller`` and ``dockrl.dock.shard.controller_core`` (they hand
+    the time to ``dockrl.dock.shard.leases``): ``monotonic()`` moves only when told."""
 
     def __init__(self) -> None:
         self.now = 1000.0

@@ -11,10 +11,10 @@ import lease_helpers as lh
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.flight_server import DockShardServer
-from dockrl.dock.shard_controller import ShardController
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.server import DockShardServer
+from dockrl.dock.flight.shards import start_local_shards
+from dockrl.dock.shard.controller import ShardController
 
 TOKEN = "lease-token"
 
@@ -422,7 +422,7 @@ def test_heartbeat_thread_stops_on_close(opened, shards):
 
 
 def test_shard_cli_refuses_a_bad_lease_term(capsys):
-    from dockrl.dock.flight import serve_shard
+    from dockrl.dock.flight.shards import serve_shard
 
     with pytest.raises(SystemExit):
         serve_shard(["--lease-s", "0"])

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
-from dockrl.dock.client import DockClient
-from dockrl.dock.shard import ShardService
-from dockrl.dock.shard_transport import LocalTransport, local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.shard.service import ShardService
+from dockrl.dock.shard.transport import LocalTransport, local_shards
 
 SHARDS, ROWS = 3, 12  # groups of 1: shard s owns rows 4s .. 4s+3
 

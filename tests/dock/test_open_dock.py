@@ -9,7 +9,7 @@ import pytest
 
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, open_dock
-from dockrl.dock.client import DockClient
+from dockrl.dock.client.dock_client import DockClient
 
 
 @pytest.fixture

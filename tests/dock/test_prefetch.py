@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA, DockError, DockTimeoutError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.shard_transport import LocalTransport, local_shards
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
+from dockrl.dock.shard.transport import LocalTransport, local_shards
 
 ROWS = 16
 
@@ -217,7 +217,7 @@ def test_a_client_that_did_not_learn_the_iteration_carries_no_claim(shards):
 
 def held_by_puts(dock: DockClient) -> list[str]:
     """The leases of rows ``dock``'s puts took and no claim used yet (what it renews and would hand back)."""
-    return [t.lease for t in dock._prefetched.values() if t.lease in dock.heartbeat.held]
+    return [t.lease for t in dock.core.prefetched.values() if t.lease in dock.heartbeat.held]
 
 
 def test_a_client_that_closes_its_iteration_forgets_what_its_puts_took_and_claims_from_the_next(shards):
@@ -226,7 +226,7 @@ def test_a_client_that_closes_its_iteration_forgets_what_its_puts_took_and_claim
     cycle(dock, 2)
     assert len(held_by_puts(dock)) == 1  # its put took two more rows of iteration 0
     dock.close_iteration(0)
-    assert dock._prefetched == {} and dock.heartbeat.held == {}  # nothing left to renew or hand back
+    assert dock.core.prefetched == {} and dock.heartbeat.held == {}  # nothing left to renew or hand back
     open_with_prompts(dock, 1)
     claim = dock.claim("reward", ["prompt_ids"], 2)
     assert claim.iteration == 1 and [c[0] for c in claim.batch.column(0).to_pylist()] == [1, 1]
@@ -240,7 +240,7 @@ def test_a_restore_forgets_what_puts_took_and_those_rows_are_claimed_again(shard
     dock.snapshot(str(tmp_path / "snap"))
     driver.close_iteration()  # another client closes it: this one still holds what its put took
     dock.restore(str(tmp_path / "snap"))  # un-acked leases end: rows 2, 3 are back in the pool
-    assert dock._prefetched == {} and dock.heartbeat.held == {}
+    assert dock.core.prefetched == {} and dock.heartbeat.held == {}
     dock.announce(0)  # the restored iteration is this client's: its puts carry claims again
     counted = CountingCalls(dock)
     while rows := cycle(dock, 2):
@@ -251,8 +251,8 @@ def test_a_restore_forgets_what_puts_took_and_those_rows_are_claimed_again(shard
 def test_the_shard_refuses_a_carried_claim_that_waits_or_is_for_another_iteration():
     import pyarrow as pa
 
-    from dockrl.dock.shard import ShardService
-    from dockrl.dock.shard_requests import ClaimRequest
+    from dockrl.dock.shard.requests import ClaimRequest
+    from dockrl.dock.shard.service import ShardService
 
     svc = ShardService(GRPO_SCHEMA, name="local://shard-0", timeout_s=5.0)
     dock = DockClient([LocalTransport(svc)], GRPO_SCHEMA)
@@ -293,7 +293,7 @@ def test_rows_the_claim_took_go_back_when_the_answer_of_the_put_is_lost(shards):
     transport.put_claim = lost_answer
     with pytest.raises(ConnectionError):
         dock.put(claim.rows, {"rm_score": [1.0, 2.0]}, ack=claim)
-    assert dock._prefetched == {} and dock.heartbeat.held == {}
+    assert dock.core.prefetched == {} and dock.heartbeat.held == {}
     other = stage(shards)
     rest = other.claim("reward", ["prompt_ids"], ROWS, timeout_s=2.0)  # at once: nothing is left leased to the first client
     assert sorted(rest.rows) == list(range(2, ROWS))

@@ -1,6 +1,6 @@
 """Property tests of the distributed dock: shard processes, worker processes, SIGKILLs, snapshots.
 
-Shards run as ``python -m dockrl.dock.flight`` processes; stage-like workers (``dock_workers``)
+Shards run as ``python -m dockrl.dock.flight.shards`` processes; stage-like workers (``dock_workers``)
 run as spawned processes doing claim → put → ack loops for two consumers (reward: two
 workers; advantage: one, whole groups, on reward's output). Hypothesis draws the shard count,
 the table, the batch sizes, when prompts arrive, which workers are SIGKILLed at which point
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dockrl.dock import GRPO_SCHEMA
-from dockrl.dock.client import DockClient
+from dockrl.dock.client.dock_client import DockClient
 
 TOKEN = "property-token"
 LEASE_S = 1.5  # short, so dead workers' rows come back fast; long enough for a loaded machine's heartbeats

@@ -13,7 +13,7 @@ from dockrl import driver
 from dockrl.cli import main
 from dockrl.config import ConfigError, load_config
 from dockrl.launch.artifacts import place_rollouts, rollouts_metadata
-from dockrl.rollouts import has_rows, kept_rollouts, read_rollouts
+from dockrl.rollouts.keep import has_rows, kept_rollouts, read_rollouts
 
 SHORT = ["run.progress=false", "trainer.iterations=2", "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4",
          "rollout.n=4", "rollout.max_response_length=8", "rollout.dtype=float32", "trainer.autocast_bf16=false",

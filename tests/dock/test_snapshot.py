@@ -11,9 +11,9 @@ import pytest
 
 from dockrl.config import DockConfig
 from dockrl.dock import GRPO_SCHEMA, Dock, DockError, Schema, open_dock
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.shard_controller import ShardController
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.shards import start_local_shards
+from dockrl.dock.shard.controller import ShardController
 from dockrl.dock.snapshot import join_uri
 
 TOKEN = "snap-token"
@@ -244,7 +244,7 @@ def test_shard_refuses_a_snapshot_of_another_layout(two_docks, tmp_path):
     meta = json.loads((tmp_path / "dock" / "meta.json").read_text())
     swapped = DockClient([second[1], second[0], second[2]], GRPO_SCHEMA, token=TOKEN)
     with pytest.raises(DockError, match="snapshot was taken with"):
-        swapped._action(0, "restore", {"uri": join_uri(uri, meta["shards"][1]), "layout": {"shard": 0}})
+        swapped.core.action(0, "restore", {"uri": join_uri(uri, meta["shards"][1]), "layout": {"shard": 0}})
     swapped.close()
 
 
@@ -298,7 +298,7 @@ def test_a_snapshot_of_another_payload_place_is_refused_naming_dock_warehouse(tm
 
 def test_a_store_mode_snapshot_outlives_its_iterations_objects(tmp_path):
     """Objects die with their iteration: the snapshot keeps copies and restores them into the new run's store."""
-    from dockrl.dock.warehouse_stores import DirectoryWarehouse
+    from dockrl.dock.warehouse.stores import DirectoryWarehouse
 
     servers, locations = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, payload="store")
     more, fresh = start_local_shards(2, GRPO_SCHEMA, token=TOKEN, timeout_s=2.0, payload="store")

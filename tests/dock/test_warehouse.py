@@ -21,11 +21,11 @@ import pytest
 
 from dockrl.config import ConfigError, DockConfig
 from dockrl.dock import GRPO_SCHEMA, DockError
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight import start_local_shards
-from dockrl.dock.flight_server import DockShardServer
-from dockrl.dock.shard_controller import ShardController
-from dockrl.dock.warehouse import (
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.server import DockShardServer
+from dockrl.dock.flight.shards import start_local_shards
+from dockrl.dock.shard.controller import ShardController
+from dockrl.dock.warehouse.base import (
     Located,
     Warehouse,
     WarehouseError,
@@ -33,8 +33,8 @@ from dockrl.dock.warehouse import (
     read_cells,
     write_arrays,
 )
-from dockrl.dock.warehouse_s3 import S3Warehouse
-from dockrl.dock.warehouse_stores import DirectoryWarehouse, make_warehouse
+from dockrl.dock.warehouse.s3 import S3Warehouse
+from dockrl.dock.warehouse.stores import DirectoryWarehouse, make_warehouse
 
 TOKEN = "warehouse-test"
 TOKENS = pa.list_(pa.int32())

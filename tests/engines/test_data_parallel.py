@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dockrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.train import HFTrainEngine
 
 TEMPERATURE = 0.7
 N = 6  # samples per prompt; one group per replica
@@ -76,7 +76,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _engine_step(actor, part: dict, loss_agg: str):
     """The megatron engine's gradient of ``part`` after the data-parallel reduction, and its metrics."""
-    from dockrl.workers.actor import accumulate_mini_batch
+    from dockrl.stages.actor import accumulate_mini_batch
 
     actor.start_training()
     engine = actor.train_engine
@@ -93,8 +93,8 @@ def _hybrid_step(actor, batch: dict, rank: int, world: int, loss_agg: str):
     """The hybrid update stage on this rank's dock; the gradient is read before the sync."""
     from dockrl.config import DockConfig
     from dockrl.dock import GRPO_SCHEMA, open_dock
-    from dockrl.workers.actor import ActorWorker
-    from dockrl.workers.hybrid import UpdateThenSync
+    from dockrl.stages.actor import ActorWorker
+    from dockrl.stages.hybrid import UpdateThenSync
 
     trainer = TrainerConfig(global_batch=2, mini_batch=2, micro_batch=4)
     worker = ActorWorker(actor.train_engine, trainer=trainer, algo=AlgorithmConfig(loss_agg_mode=loss_agg),
@@ -121,9 +121,9 @@ def _rank_main(index: int, ports: tuple[int, int], model_dir: str, batch: dict, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        from dockrl.engines.hf_rollout import HFRolloutEngine
+        from dockrl.engines.hf.rollout import HFRolloutEngine
         from dockrl.engines.hybrid import HybridActor
-        from dockrl.engines.megatron import MegatronTrainEngine
+        from dockrl.engines.megatron.engine import MegatronTrainEngine
         from dockrl.parallel.layout import ParallelLayout
         from dockrl.parallel.ranks import join_groups
 

@@ -15,10 +15,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from dockrl.config import AlgorithmConfig
-from dockrl.engines.hf_train import HFTrainEngine
-from dockrl.engines.megatron_convert import GPTArch
-from dockrl.engines.megatron_model import transformer_config
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.engines.hf.train import HFTrainEngine
+from dockrl.engines.megatron.convert import GPTArch
+from dockrl.engines.megatron.model import transformer_config
+from dockrl.stages.actor import accumulate_mini_batch
 
 
 @pytest.fixture(scope="module", params=["qwen2-attention_dropout", "gpt2-pdrop"])

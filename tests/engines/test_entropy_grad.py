@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dockrl.algorithms import entropy_from_logits
-from dockrl.engines.hf_logprobs import response_log_probs
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.logprobs import response_log_probs
+from dockrl.engines.hf.train import HFTrainEngine
 
 VOCAB = 8
 
@@ -46,7 +46,7 @@ def _free_port() -> int:
 def _rank_main(rank: int, port: int, out: str) -> None:
     from megatron.core import parallel_state
 
-    from dockrl.engines.megatron_model import vocab_parallel_log_probs
+    from dockrl.engines.megatron.model import vocab_parallel_log_probs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from dockrl.algorithms import entropy_from_logits
-from dockrl.engines.hf_logprobs import pack_rows, pack_sequences, response_log_probs
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.logprobs import pack_rows, pack_sequences, response_log_probs
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.engines.micro_batching import micro_batches
 
 
@@ -171,14 +171,14 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_lay
 
 
 def test_gradient_checkpointing_refuses_a_model_without_checkpointable_layers():
-    from dockrl.engines.hf_train import checkpoint_layers
+    from dockrl.engines.hf.train import checkpoint_layers
 
     with pytest.raises(ValueError, match="trainer.gradient_checkpointing=true: the model at remote/model \\(Linear\\)"):
         checkpoint_layers(torch.nn.Linear(2, 2), "remote/model")  # no decoder layers transformers knows
 
 
 def test_checkpointed_head_in_chunks_equals_the_whole_head_with_its_gradient():
-    from dockrl.engines.hf_logprobs import head_log_probs
+    from dockrl.engines.hf.logprobs import head_log_probs
 
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 11, bias=False)

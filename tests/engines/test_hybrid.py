@@ -22,15 +22,15 @@ from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_pref
 
 from dockrl.config import AlgorithmConfig  # noqa: E402
 from dockrl.engines.hybrid import HybridActor  # noqa: E402
-from dockrl.engines.megatron import MegatronTrainEngine  # noqa: E402
-from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from dockrl.engines.megatron.engine import MegatronTrainEngine  # noqa: E402
+from dockrl.engines.vllm.engine import VLLMRolloutEngine  # noqa: E402
 from dockrl.parallel.layout import ParallelLayout  # noqa: E402
 from dockrl.parallel.ranks import join_groups  # noqa: E402
 from dockrl.resharding.allgather_swap import Phase, PhaseError  # noqa: E402
 from dockrl.resharding.buckets import bucket_checksum, plan_buckets  # noqa: E402
 from dockrl.resharding.spec import infer_state_dict  # noqa: E402
-from dockrl.workers.actor import accumulate_mini_batch  # noqa: E402
-from dockrl.workers.hybrid import UpdateThenSync  # noqa: E402
+from dockrl.stages.actor import accumulate_mini_batch  # noqa: E402
+from dockrl.stages.hybrid import UpdateThenSync  # noqa: E402
 
 BUCKET_BYTES = 96 << 10
 

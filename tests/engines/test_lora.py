@@ -1,4 +1,4 @@
-"""LoRA on the hf engine (``trainer.lora``; ``dockrl.engines.hf_lora``): adapters only train, the
+"""LoRA on the hf engine (``trainer.lora``; ``dockrl.engines.hf.lora``): adapters only train, the
 reference is the base model exactly, the rollout gets the current policy, checkpoints are merged
 HF weights plus the adapter."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dockrl.checkpoint.optimizer_state import save_optimizer
 from dockrl.config import LoraConfig, load_config
 from dockrl.engines.factory import build_reference_engine, build_rollout_engine, build_train_engine
-from dockrl.engines.hf_lora import ADAPTER_DIR, adapter_numel
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.hf_train import AdaptersDisabled, HFTrainEngine
-from dockrl.optimizer_state import save_optimizer
+from dockrl.engines.hf.lora import ADAPTER_DIR, adapter_numel
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.hf.train import AdaptersDisabled, HFTrainEngine
 from dockrl.parallel.ranks import ProcessRanks
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

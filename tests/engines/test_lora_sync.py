@@ -12,8 +12,8 @@ from test_lora import LORA, PROMPTS, logits, lora_engine, update
 
 from dockrl.config import ConfigError, LoraConfig, load_config
 from dockrl.engines.factory import build_rollout_engine, build_train_engine, receive_params, weights_to_send
-from dockrl.engines.hf_lora import adapter_numel
-from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.hf.lora import adapter_numel
+from dockrl.engines.hf.rollout import HFRolloutEngine
 from dockrl.parallel.ranks import ProcessRanks
 
 

@@ -19,11 +19,11 @@ import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dockrl.config import AlgorithmConfig
-from dockrl.engines.hf_train import HFTrainEngine
-from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron, megatron_to_hf
+from dockrl.engines.hf.train import HFTrainEngine
+from dockrl.engines.megatron.convert import GPTArch, hf_param_names, hf_to_megatron, megatron_to_hf
 from dockrl.engines.train_engine import TrainEngine
 from dockrl.parallel.cpu_device import CudaFactoriesOnCpu
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.stages.actor import accumulate_mini_batch
 
 LR = 1e-3
 TEMPERATURE = 0.7
@@ -172,7 +172,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, batch: dict, ou
     try:
         from megatron.core import parallel_state
 
-        from dockrl.engines.megatron import MegatronTrainEngine
+        from dockrl.engines.megatron.engine import MegatronTrainEngine
         from dockrl.parallel.cpu_device import REDIRECTIONS
         from dockrl.parallel.layout import ParallelLayout
         from dockrl.parallel.ranks import join_groups

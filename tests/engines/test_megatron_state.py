@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dockrl.engines.megatron_convert import GPTArch, hf_param_names, hf_to_megatron
-from dockrl.engines.megatron_state import hf_sources
+from dockrl.engines.megatron.convert import GPTArch, hf_param_names, hf_to_megatron
+from dockrl.engines.megatron.state import hf_sources
 from dockrl.parallel.layout import ModelShape, ParallelLayout
 from dockrl.resharding.spec import cut, model_spec
 

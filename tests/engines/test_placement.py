@@ -14,12 +14,12 @@ import torch
 
 from dockrl.config import AlgorithmConfig, load_config, resolve_auto
 from dockrl.engines import factory
-from dockrl.engines.hf_logprobs import response_log_probs
-from dockrl.engines.hf_rollout import HFRolloutEngine
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.logprobs import response_log_probs
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.parallel import ranks as ranks_module
-from dockrl.workers import actor
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.stages import actor
+from dockrl.stages.actor import accumulate_mini_batch
 
 META = torch.device("meta")
 
@@ -133,7 +133,7 @@ def test_asking_for_a_gpu_where_there_is_none_fails_naming_the_field(tiny_model_
 
 
 def test_a_vllm_build_for_another_device_kind_is_refused():
-    from dockrl.engines.vllm_setup import check_platform
+    from dockrl.engines.vllm.setup import check_platform
 
     check_platform("cpu", torch.device("cpu"))
     with pytest.raises(RuntimeError, match=r"installed vLLM runs on 'cpu'.*parallel.device='cuda'.*install vllm on this node"):

@@ -23,8 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from dockrl.engines.hf_load import foreign_sampling_settings
-from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.hf.load import foreign_sampling_settings
+from dockrl.engines.hf.rollout import HFRolloutEngine
 
 TEMPERATURE = 0.7
 PENALTY = 1.5
@@ -84,7 +84,7 @@ def check_first_tokens(samples, policies) -> float:
 
 
 def test_hf_rollout_samples_the_configured_policy(penalized_dir, policies, caplog):
-    with caplog.at_level(logging.WARNING, logger="dockrl.engines.hf_load"):
+    with caplog.at_level(logging.WARNING, logger="dockrl.engines.hf.load"):
         engine = HFRolloutEngine(penalized_dir, dtype="float32")
     assert "repetition_penalty=1.5" in caplog.text and engine.ignored_sampling == {"repetition_penalty": PENALTY}
     torch.manual_seed(0)
@@ -94,9 +94,9 @@ def test_hf_rollout_samples_the_configured_policy(penalized_dir, policies, caplo
 
 def test_vllm_rollout_samples_the_configured_policy(penalized_dir, policies, caplog):
     _need_vllm()
-    from dockrl.engines.vllm import VLLMRolloutEngine
+    from dockrl.engines.vllm.engine import VLLMRolloutEngine
 
-    with caplog.at_level(logging.WARNING, logger="dockrl.engines.hf_load"):
+    with caplog.at_level(logging.WARNING, logger="dockrl.engines.hf.load"):
         engine = VLLMRolloutEngine(penalized_dir, dtype="float32", seed=0, kv_cache_gib=0.25)
     try:
         assert "repetition_penalty=1.5" in caplog.text and engine.ignored_sampling == {"repetition_penalty": PENALTY}

@@ -7,7 +7,7 @@ import torch
 
 from dockrl.config import load_config, resolve_auto
 from dockrl.engines import factory
-from dockrl.engines.hf_rollout import HFRolloutEngine
+from dockrl.engines.hf.rollout import HFRolloutEngine
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 
@@ -79,7 +79,7 @@ def test_after_an_update_generation_samples_the_new_weights_without_a_copy(tiny_
 
 
 def test_sharing_builds_no_second_model(tiny_model_dir, monkeypatch):
-    from dockrl.engines import hf_rollout
+    from dockrl.engines.hf import rollout as hf_rollout
 
     _, actor, _ = engines(tiny_model_dir, "rollout.dtype=float32")
     loads = []

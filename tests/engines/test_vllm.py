@@ -19,12 +19,12 @@ if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vl
 
 from vllm_checks import assert_log_probs_close, check_sync_reaches_head_and_prefix_cache  # noqa: E402
 
-from dockrl.engines.hf_rollout import HFRolloutEngine  # noqa: E402
-from dockrl.engines.hf_train import HFTrainEngine  # noqa: E402
+from dockrl.engines.hf.rollout import HFRolloutEngine  # noqa: E402
+from dockrl.engines.hf.train import HFTrainEngine  # noqa: E402
 from dockrl.engines.rollout_engine import RolloutEngine  # noqa: E402
-from dockrl.engines.vllm import _PARTIAL_RELOAD_WARNINGS, VLLMRolloutEngine  # noqa: E402
-from dockrl.engines.vllm_setup import layer_groups  # noqa: E402
-from dockrl.memory import resident_bytes  # noqa: E402
+from dockrl.engines.vllm.engine import _PARTIAL_RELOAD_WARNINGS, VLLMRolloutEngine  # noqa: E402
+from dockrl.engines.vllm.setup import layer_groups  # noqa: E402
+from dockrl.process.memory import resident_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +269,7 @@ def test_modules_that_break_vllms_startup_scan_are_hidden_only_during_it(monkeyp
     import sys
     import types
 
-    from dockrl.engines.vllm_setup import _hide_unscannable_modules
+    from dockrl.engines.vllm.setup import hide_unscannable_modules
 
     class FakeLocalProxy:
         """Fake of werkzeug's LocalProxy outside an app context: any attribute look-up raises RuntimeError."""
@@ -280,6 +280,6 @@ def test_modules_that_break_vllms_startup_scan_are_hidden_only_during_it(monkeyp
     module = types.ModuleType("fake_flask_globals")
     module.request = FakeLocalProxy()
     monkeypatch.setitem(sys.modules, "fake_flask_globals", module)
-    with _hide_unscannable_modules():
+    with hide_unscannable_modules():
         assert "fake_flask_globals" not in sys.modules and "torch" in sys.modules
     assert sys.modules["fake_flask_globals"] is module

@@ -1,4 +1,4 @@
-"""The vLLM rollout with the actor's LoRA adapter (``dockrl.engines.vllm_lora``): each adapter-only sync
+"""The vLLM rollout with the actor's LoRA adapter (``dockrl.engines.vllm.lora``): each adapter-only sync
 is a new adapter folder and id, and vLLM's log-probs then equal the LoRA actor's (fp32, vLLM's 1e-4).
 
 vLLM runs in-process; like tests/engines/test_vllm.py these run or fail where ``DOCKRL_REQUIRE_VLLM=1``.
@@ -19,10 +19,10 @@ if os.environ.get("DOCKRL_REQUIRE_VLLM") != "1" and importlib.util.find_spec("vl
 from test_lora import LORA, lora_engine, update  # noqa: E402
 from vllm_checks import assert_log_probs_close  # noqa: E402
 
-from dockrl.engines.hf_lora import adapter_numel  # noqa: E402
+from dockrl.engines.hf.lora import adapter_numel  # noqa: E402
 from dockrl.engines.layer_loader import WholeLayerLoader  # noqa: E402
-from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
-from dockrl.engines.vllm_lora import max_lora_rank, peft_key  # noqa: E402
+from dockrl.engines.vllm.engine import VLLMRolloutEngine  # noqa: E402
+from dockrl.engines.vllm.lora import max_lora_rank, peft_key  # noqa: E402
 
 
 @pytest.mark.slow  # starts vLLM (seconds) and loads an adapter per update

@@ -24,8 +24,8 @@ from fake_scorers import FakeRandomScorer  # noqa: E402
 
 from dockrl import driver  # noqa: E402
 from dockrl.config import load_config, resolve_auto  # noqa: E402
-from dockrl.engines.hf_train import HFTrainEngine  # noqa: E402
-from dockrl.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from dockrl.engines.hf.train import HFTrainEngine  # noqa: E402
+from dockrl.engines.vllm.engine import VLLMRolloutEngine  # noqa: E402
 from dockrl.rewards import guard  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
         "data.generate_train=20", "data.generate_test=4", "data.eval_size=4",
     ])
     try:
-        with caplog.at_level(logging.INFO, logger="dockrl.engines.vllm"):
+        with caplog.at_level(logging.INFO, logger="dockrl.engines.vllm.engine"):
             driver.train(cfg)
     finally:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -94,7 +94,7 @@ def test_trainer_runs_grpo_with_the_vllm_engine(tiny_model_dir, tmp_path, monkey
 @pytest.mark.slow  # three short in-process runs, each starting vLLM: ~2-4 min on one core
 def test_an_interrupted_vllm_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path):
     """A run with vLLM cut in iteration 2 and resumed from the checkpoint after iteration 1 samples
-    what the uninterrupted run samples (tests/test_resume.py's run, with vLLM): its samples come
+    what the uninterrupted run samples (tests/runs/test_resume.py's run, with vLLM): its samples come
     from the generator every process reseeds per iteration, not from state of the engine."""
     from test_resume import Interrupt, read_rows, same_rows, tiny_run
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory

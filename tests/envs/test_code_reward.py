@@ -9,10 +9,10 @@ import pytest
 
 from dockrl.config import Config
 from dockrl.config.algorithm_sections import AlgorithmConfig
-from dockrl.data import load_prompts
 from dockrl.envs.tasks import CODE_PROBLEMS, TOOL_SEEDS, generate_tool_problems, load_code_problems
 from dockrl.rewards.code import CodeScorer, extract_program, reference_solutions
 from dockrl.rewards.guard import build_scorer, check_rewards
+from dockrl.run.data import load_prompts
 
 
 @pytest.fixture(scope="module")

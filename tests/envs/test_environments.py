@@ -142,7 +142,7 @@ def test_a_user_environment_runs_in_its_own_process():
 
 def test_a_user_environment_that_hangs_fails_naming_it_and_the_wait():
     env = UserEnvironment("fake_user_envs:FakeEchoEnvironment", timeout_s=1.0)
-    child = env._proc.pid
+    child = env._child.proc.pid
     episode = env.open("1")
     start = time.monotonic()
     with pytest.raises(EnvironmentFailure, match=r"env.name='fake_user_envs:FakeEchoEnvironment': no answer to a step within 1 s"):

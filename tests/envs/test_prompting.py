@@ -8,13 +8,13 @@ from transformers import AutoTokenizer
 
 from dockrl.config import load_config
 from dockrl.config.env_sections import SandboxConfig
-from dockrl.data import generate_problems, prompt_token_ids, write_jsonl
 from dockrl.envs.calculator import CalculatorEnvironment
 from dockrl.envs.prompting import describe_tools, template_renders_tools, tool_prompt
 from dockrl.envs.python_tool import PythonEnvironment
 from dockrl.envs.registry import environment_tools
 from dockrl.envs.tool_calls import ToolCall, parse_tool_calls
-from dockrl.run_setup import load_run_prompts
+from dockrl.run.data import generate_problems, prompt_token_ids, write_jsonl
+from dockrl.run.setup import load_run_prompts
 
 TOOLS = PythonEnvironment(SandboxConfig()).tools
 TOOLS_TEMPLATE = (  # a ChatML template that renders tools, as Qwen2.5's does (shortened)

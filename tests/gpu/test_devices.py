@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 from dockrl.config import AlgorithmConfig, load_config, resolve_auto
-from dockrl.engines.hf_train import HFTrainEngine
+from dockrl.engines.hf.train import HFTrainEngine
 from dockrl.parallel import device as devices
 from dockrl.parallel.layout import ModelShape, ParallelLayout
 from dockrl.parallel.ranks import join_groups, leave_groups
 from dockrl.resharding.allgather_swap import AllGatherSwap
 from dockrl.resharding.host_swap import ParamTrainState
 from dockrl.resharding.spec import model_spec
-from dockrl.workers.actor import accumulate_mini_batch
+from dockrl.stages.actor import accumulate_mini_batch
 
 NO_GPU = "needs a CUDA GPU: run `make gpu-check` (benchmarks/gpu_check.sh) on a machine with one"
 KINDS = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)])]

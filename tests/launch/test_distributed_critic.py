@@ -13,11 +13,11 @@ from test_ppo_runs import ppo_run
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from dockrl import driver
+from dockrl.checkpoint.resume import checkpoint_dir, critic_dir, final_dir
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.local import LocalBackend
-from dockrl.resume import checkpoint_dir, critic_dir, final_dir
-from dockrl.stage_loop import Report
-from dockrl.stages import iteration_reports
+from dockrl.stages.loop import Report
+from dockrl.stages.table import iteration_reports
 
 FAKES = Path(__file__).parents[1]  # tests/fake_scorers.py
 

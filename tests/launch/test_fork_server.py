@@ -13,7 +13,7 @@ import pytest
 from dockrl.config import dump_config, load_config
 from dockrl.launch.local import ForkServer, free_ports
 from dockrl.launch.procfs import pgid, process_run_id
-from dockrl.lifeline import DRIVER_PID_ENV
+from dockrl.process.lifeline import DRIVER_PID_ENV
 
 RUN_ID = "fork-server-test"
 CONFIG_ENV = "FORK_TEST_CONFIG"

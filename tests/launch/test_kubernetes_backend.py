@@ -13,13 +13,13 @@ import time
 import pytest
 from test_manifests import admits
 
+from dockrl.kubeflow.steps import teardown_run
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.jobset import jobset_name, member_host, render_jobset, secret_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
 from dockrl.launch.pod_spec import pod_shape
-from dockrl.launch.tasks import teardown_run
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dockrl import train_task
 from dockrl.config import load_config, load_config_text
+from dockrl.kubeflow import train_task
+from dockrl.kubeflow.steps import prepare_dataset
 from dockrl.dock.tls import RunCertificates
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
@@ -24,8 +25,7 @@ from dockrl.launch.jobset import jobset_name
 from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.tasks import prepare_dataset
-from dockrl.process_env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
@@ -85,7 +85,7 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     assert c["args"][:9] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", DRIVER_TOKEN_ENV,
                              "--stage-token-env", TOKEN_ENV]
     args = " ".join(c["args"])
-    assert f"--driver-timeout-s {cfg.run.driver_timeout_s}" in args  # the liveness tie (dockrl.lifeline)
+    assert f"--driver-timeout-s {cfg.run.driver_timeout_s}" in args  # the liveness tie (dockrl.process.lifeline)
     assert f"--snapshot-place {backend.shared_dir / 'runs' / RUN}" in args and c["args"][-1] == "--tls"
     assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
     assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)

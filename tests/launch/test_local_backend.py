@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from dockrl.kubeflow.steps import teardown_run
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.local import LocalBackend
-from dockrl.launch.tasks import teardown_run
 
 PY = sys.executable
 
@@ -184,7 +184,7 @@ def test_dockrl_teardown_of_a_run_folder_stops_what_a_killed_driver_left(tmp_pat
 def test_dockrl_teardown_stops_the_driver_that_holds_the_run_folder(tmp_path, capsys):
     from dockrl.cli import main
 
-    hold = "import sys, time; from dockrl.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
+    hold = "import sys, time; from dockrl.run.lock import RunLock; RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
     driver = __import__("subprocess").Popen([PY, "-c", hold, str(tmp_path)], stdout=-1, text=True)
     assert driver.stdout.readline().strip() == "locked"
     assert main(["teardown", str(tmp_path), "--grace-s", "1"]) == 0
@@ -211,10 +211,10 @@ def test_a_frozen_dock_shard_fails_the_wait_in_its_rpc_timeout_naming_it(tmp_pat
     import signal as sig
 
     from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
-    from dockrl.dock.client import DockClient
-    from dockrl.driver_lease import wait_for_shards
+    from dockrl.dock.client.dock_client import DockClient
     from dockrl.launch.distributed import wait_reports
     from dockrl.launch.local import free_ports
+    from dockrl.run.driver_lease import wait_for_shards
 
     port = free_ports(1)[0]
     backend = LocalBackend("run-frozen", state_dir=tmp_path)

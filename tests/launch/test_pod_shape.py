@@ -219,7 +219,7 @@ def test_a_platform_field_of_the_wrong_kind_is_refused_naming_it(change, message
 
 def test_a_config_for_another_device_than_the_platforms_is_refused():
     from dockrl.config import load_config
-    from dockrl.train_task import check_platform_device
+    from dockrl.kubeflow.train_task import check_platform_device
 
     check_platform_device(load_config(None, []), PLATFORMS["npu"])  # auto: the pods' own
     check_platform_device(load_config(None, ["parallel.device=cpu"]), PLATFORMS["cpu"])

@@ -1,4 +1,4 @@
-"""A retried train task (KFP's retry of the launcher, same run id) continues its run (dockrl/train_task.py, dockrl/train_retry.py).
+"""A retried train task (KFP's retry of the launcher, same run id) continues its run (dockrl/kubeflow/train_task.py, dockrl/kubeflow/train_retry.py).
 
 The run folder of a pipeline run lies on the shared volume, keyed by the run id: a retry that
 finds a complete checkpoint there resumes from the newest, one that finds none sets the failed
@@ -19,15 +19,16 @@ from test_distributed import workers_path  # noqa: F401 - fixture: fake scorers 
 from test_distributed_resume import ROWS_PER_ITERATION, read_rows
 from test_kubernetes_run import LAUNCHER_IP, NS, RUN, npu_platform, small_config, use_fake_cluster
 
-from dockrl import driver, train_retry, train_task
+from dockrl import driver
+from dockrl.checkpoint.resume import STATE_FILE, checkpoint_dir, final_dir, prepare_checkpoint, write_driver_state, write_final_state
+from dockrl.kubeflow import train_retry, train_task
+from dockrl.kubeflow.steps import prepare_dataset
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import worker_groups
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.tasks import prepare_dataset
-from dockrl.resume import STATE_FILE, checkpoint_dir, final_dir, prepare_checkpoint, write_driver_state, write_final_state
 
 RUN_SETTINGS = [
     "run.progress=false", "dock.shards=2", "dock.timeout_s=120", "trainer.iterations=3", "trainer.global_batch=4",

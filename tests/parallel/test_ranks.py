@@ -83,8 +83,8 @@ RANK_READS = {
 }
 ALLOWED = {
     "dockrl/parallel/ranks.py": {"megatron's globals", "the default group's rank or size"},  # builds the ranks object
-    "dockrl/process_env.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
-    "dockrl/workers/main.py": {"the launcher's member index"},  # the stage processes' entry point: reads it once
+    "dockrl/process/env.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
+    "dockrl/stages/main.py": {"the launcher's member index"},  # the stage processes' entry point: reads it once
     "dockrl/launch/node.py": {"the launcher's member index"},  # `dockrl node` / `dockrl ranks`: entry points, read it once
     "dockrl/dock/flight.py": {"the launcher's member index"},  # `dockrl dock-shard`, the shards' entry point: its index, once
 }

@@ -18,9 +18,9 @@ from google.protobuf import json_format
 from kfp.kubernetes.kubernetes_executor_config_pb2 import KubernetesExecutorConfig
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
+from dockrl.kubeflow.steps import RUN_PARAMETERS, run_parameter_defaults
 from dockrl.launch.platform import CPU_IMAGE, PLATFORMS, Platform
 from dockrl.launch.platform_files import with_images
-from dockrl.launch.tasks import RUN_PARAMETERS, run_parameter_defaults
 
 GOLDEN = Path(__file__).parent / "golden"
 STEPS = ["resolve-config", "prepare-dataset", "train", "export-model", "evaluate"]
@@ -384,7 +384,7 @@ def test_matches_golden(golden, fixture, request):
 
 
 def test_cli_compile_takes_the_images_from_an_overlay_and_the_options(tmp_path, capsys):
-    from dockrl import pipeline_cli
+    from dockrl.kubeflow import pipeline_cli
 
     overlay = tmp_path / "site"
     overlay.mkdir()

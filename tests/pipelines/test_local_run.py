@@ -91,7 +91,7 @@ def check_rollouts_artifact(run: Path, out: dict, rows: int) -> None:
     """The train task's ``rollouts`` Dataset: every trained row, readable without the run folder, its lineage in the metadata."""
     import pyarrow.dataset as ds
 
-    from dockrl.dock.rollouts import SCHEMA_VERSION
+    from dockrl.dock.shard.kept_rollouts import SCHEMA_VERSION
     from dockrl.pipelines.grpo import task_metadata
 
     folder = run / "train" / "rollouts"

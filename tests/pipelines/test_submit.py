@@ -9,7 +9,7 @@ import time
 import pytest
 import yaml
 
-from dockrl import pipeline_cli
+from dockrl.kubeflow import pipeline_cli
 from dockrl.pipelines.submit import PipelineError, check_host, schedule, submit, validate_cron
 
 OVERRIDES = ["trainer.iterations=3", "trainer.lr=5e-6"]

@@ -12,7 +12,7 @@ import pytest
 from dockrl.config import DockConfig, load_config
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.rewards.guard import ScorerError, ScorerProcess, check_rewards
-from dockrl.workers.reward import RewardWorker
+from dockrl.stages.reward import RewardWorker
 
 FAKES = str(Path(__file__).parents[1])  # tests/fake_scorers.py
 
@@ -48,7 +48,7 @@ def test_a_hanging_scorer_costs_its_timeout_and_is_restarted():
     scorer = ScorerProcess("fake_scorers:FakeHangingScorer", {}, timeout_s=0.3)
     try:
         scorer.start()  # not timed: a process start and the scorer's imports
-        pid = scorer._proc.pid
+        pid = scorer._child.proc.pid
         start = time.monotonic()
         assert scorer.score(["a", "b"], ["1", "2"]) == [0.0, 0.0]
         assert 0.5 < time.monotonic() - start < 5  # 2 × 0.3 s, plus the kill

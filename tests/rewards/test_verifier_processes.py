@@ -11,7 +11,7 @@ import pytest
 
 OWNER = """
 import os, time
-from dockrl.lifeline import sigterm_as_exit
+from dockrl.process.lifeline import sigterm_as_exit
 from dockrl.rewards import RewardScorer
 if __name__ == "__main__":
     with sigterm_as_exit():
@@ -71,7 +71,7 @@ def test_no_verifier_process_outlives_its_owner(tmp_path, sig):
 
 @pytest.mark.slow
 def test_an_inprocess_run_stopped_by_sigterm_leaves_nothing(tiny_model_dir, tmp_path):
-    from dockrl.run_lock import lock_holder
+    from dockrl.run.lock import lock_holder
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "dockrl", "train", f"model.path={tiny_model_dir}", f"run.output_dir={run}",

@@ -1,0 +1,269 @@
+"""Run metrics: a JSONL + TensorBoard writer, a summary file, a reader, a plot and an HTML report.
+
+Each training iteration produces a flat dict of namespaced scalars (``reward/mean``,
+``actor/kl``, ``timing_s/rollout``, ``perf/tokens_per_s``, ...). ``MetricsWriter`` appends it
+as one JSON line to ``<run_dir>/metrics.jsonl`` and mirrors it to TensorBoard under
+``<run_dir>/tensorboard``; run-level numbers (eval accuracy before/after, wall time) go to
+``<run_dir>/summary.json``. ``read_metrics`` and ``plot_metrics`` read the JSONL back, and
+``metrics_report_html`` makes a page of them for the Kubeflow UI; ``dockrl.run.progress.Progress``
+shows an ETA bar with a few of the metrics.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+import math
+import numbers
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLOT_KEYS = ("reward/mean", "reward/accuracy", "rollout/response_length_mean", "actor/kl")
+
+
+def _to_number(key: str, value: Any) -> float | int:
+    """Return ``value`` as a Python int/float; accepts numpy scalars and one-element tensors."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (str, bytes)):
+        try:
+            return _to_number(key, item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}: {value!r}")
+
+
+def _clean(metrics: Mapping[str, Any], where: str) -> tuple[dict[str, float | int], dict[str, float | int | None]]:
+    """Validate ``metrics``; return (numbers for TensorBoard, JSON-safe values with nan/inf -> None)."""
+    numeric: dict[str, float | int] = {}
+    json_safe: dict[str, float | int | None] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metric key {key!r} must be a str, got {type(key).__name__}")
+        number = _to_number(key, value)
+        numeric[key] = number
+        if isinstance(number, float) and not math.isfinite(number):
+            logger.warning("Metric %r is %s %s; written as null", key, number, where)
+            json_safe[key] = None
+        else:
+            json_safe[key] = number
+    return numeric, json_safe
+
+
+def _iteration_of(line: str, path: Path) -> float:
+    """The iteration of one metrics.jsonl line; ``inf`` (dropped) for a line cut short by a crash."""
+    try:
+        return int(json.loads(line)["iteration"]) if line.endswith("\n") else math.inf
+    except (ValueError, KeyError, TypeError):
+        logger.warning("%s: dropping an unreadable line %r", path, line[:80])
+        return math.inf
+
+
+class MetricsWriter:
+    """Per-iteration metrics of a run: one JSON line per iteration plus TensorBoard scalars.
+
+    ``log(i, metrics)`` appends ``{"iteration": i, **metrics}`` to ``<run_dir>/metrics.jsonl``
+    (flushed after every line, so a crash keeps what was written; an existing file is appended
+    to, so a resumed run continues it) and writes each value as a TensorBoard scalar at step
+    ``i`` in ``<run_dir>/tensorboard``. Non-finite floats become ``null`` in the JSONL, with one
+    warning per value naming the key; non-numeric values raise ``TypeError`` naming the key and
+    nothing of that iteration is written. ``on_log(i, metrics)``, when given, is called after
+    each line is written (the pipeline's launcher streams the metrics to its KFP artifact).
+
+    ``resume_from=k`` (a run resumed at iteration ``k``) first drops the lines of iterations
+    ``>= k`` that an interrupted run wrote after its checkpoint, and has TensorBoard purge its
+    steps ``>= k``, so every iteration is logged once.
+    """
+
+    def __init__(
+        self, run_dir: str | Path, on_log: Callable[[int, dict[str, float]], None] | None = None, *, resume_from: int | None = None,
+    ):
+        from torch.utils.tensorboard import SummaryWriter  # lazy: it imports torch; reading and plotting metrics do not need it
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.summary_path = self.run_dir / "summary.json"
+        self.tensorboard_dir = self.run_dir / "tensorboard"
+        if resume_from is not None and self.metrics_path.exists():
+            kept = [line for line in self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if _iteration_of(line, self.metrics_path) < resume_from]
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.metrics_path)
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=resume_from)
+        self._closed = False
+        self._on_log = on_log
+
+    def log(self, iteration: int, metrics: Mapping[str, float | int]) -> None:
+        """Append one iteration's metrics to the JSONL file and TensorBoard."""
+        if self._closed:
+            raise RuntimeError("MetricsWriter is closed")
+        if "iteration" in metrics:
+            raise ValueError("metric key 'iteration' is reserved")
+        iteration = int(iteration)
+        numeric, json_safe = _clean(metrics, f"at iteration {iteration}")
+        line = json.dumps({"iteration": iteration, **json_safe}, allow_nan=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+        for key, value in numeric.items():
+            self._tb.add_scalar(key, value, global_step=iteration)
+        self._tb.flush()
+        if self._on_log is not None:
+            self._on_log(iteration, dict(metrics))
+
+    def log_summary(self, metrics: Mapping[str, float | int]) -> None:
+        """Merge ``metrics`` into ``<run_dir>/summary.json`` (new values win), written atomically."""
+        _, json_safe = _clean(metrics, "in summary")
+        summary: dict[str, Any] = {}
+        if self.summary_path.exists():
+            try:
+                loaded = json.loads(self.summary_path.read_text(encoding="utf-8"))
+                if isinstance(loaded, dict):
+                    summary = loaded
+                else:
+                    logger.warning("%s does not hold a JSON object; replacing it", self.summary_path)
+            except json.JSONDecodeError as exc:
+                logger.warning("%s is not valid JSON (%s); replacing it", self.summary_path, exc)
+        summary.update(json_safe)
+        tmp = self.summary_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, self.summary_path)
+
+    def close(self) -> None:
+        """Flush and close the JSONL file and TensorBoard writer; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._file.close()
+        self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Parse a metrics.jsonl file into a list of dicts (``null`` values come back as None).
+
+    Blank lines are skipped. A malformed *last* line (a write cut short by a crash) is skipped
+    with a warning; a malformed line elsewhere raises ``ValueError`` with its line number.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    rows: list[dict] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+        except ValueError as exc:
+            if i == last:
+                logger.warning("%s line %d is malformed (%s); skipped as a truncated write", path, i + 1, exc)
+                continue
+            raise ValueError(f"{path} line {i + 1}: {exc}") from exc
+        rows.append(row)
+    return rows
+
+
+def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> Path:
+    """PNG with one subplot per key against iteration (2 columns; 2x2 for 4 keys).
+
+    Missing or null values are skipped; a key absent from every line gets an empty subplot
+    titled ``'<key> (no data)'``. Returns the path of the PNG.
+    """
+    import matplotlib  # lazy: half a second to import with pyplot, and only a plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg") (no display in a pod)
+
+    rows = read_metrics(metrics_path)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = max(len(keys), 1)
+    ncols = 1 if n == 1 else 2
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.5 * nrows), squeeze=False)
+    try:
+        flat = list(axes.flat)
+        for ax, key in zip(flat, keys):
+            points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None and "iteration" in r]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3)
+                ax.set_title(key)
+            else:
+                ax.set_title(f"{key} (no data)")
+            ax.set_xlabel("iteration")
+            ax.grid(True, alpha=0.3)
+        for ax in flat[len(keys):]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> str:
+    """A self-contained HTML page of a run's curves, for the Kubeflow UI (an ``HTML`` artifact).
+
+    It holds ``<run_dir>/metrics.png`` inline (base64; redrawn from ``metrics.jsonl`` if
+    missing), a table with each numeric key's first, last, min and max over the iterations, and
+    ``summary.json``'s run-level numbers. Nothing is fetched when the page is viewed. A run
+    without ``metrics.jsonl`` (no iteration ran) gets a page that says so.
+    """
+    run = Path(run_dir)
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>dockrl run</title></head><body>"
+                f"<p>No metrics: {html.escape(metrics.name)} was not written (no iteration ran).</p></body></html>\n")
+    rows = read_metrics(metrics)
+    png = run / "metrics.png"
+    if not png.is_file():
+        plot_metrics(metrics, png, keys)
+    image = base64.b64encode(png.read_bytes()).decode("ascii")
+    series: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                series.setdefault(key, []).append(float(value))
+
+    def cells(values: Sequence[object]) -> str:
+        return "".join(f"<td>{html.escape(v if isinstance(v, str) else f'{v:.4g}')}</td>" for v in values)
+
+    lines = [
+        "<!DOCTYPE html>", '<html><head><meta charset="utf-8"><title>dockrl run</title>',
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:2px 6px;text-align:right}td:first-child{text-align:left}</style></head><body>",
+        f"<h2>dockrl run: {len(rows)} iteration(s)</h2>",
+        f'<img alt="curves of {html.escape(", ".join(keys))}" src="data:image/png;base64,{image}">',
+    ]
+    summary = run / "summary.json"
+    if summary.is_file():
+        data = json.loads(summary.read_text())
+        numbers_ = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers_:
+            lines.append("<h3>Run</h3><table><tr><th>metric</th><th>value</th></tr>")
+            lines += [f"<tr>{cells([k, float(v)])}</tr>" for k, v in sorted(numbers_.items())]
+            lines.append("</table>")
+    lines.append("<h3>Per iteration</h3><table><tr><th>metric</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>")
+    lines += [f"<tr>{cells([k, v[0], v[-1], min(v), max(v)])}</tr>" for k, v in sorted(series.items())]
+    lines.append("</table></body></html>")
+    return "\n".join(lines) + "\n"

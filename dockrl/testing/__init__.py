@@ -1,0 +1,1 @@
+"""Models only the tests and benchmarks use."""
