@@ -5,7 +5,7 @@ pipeline gives the step the platform's image and one accelerator (the rollout en
 resolves for it: vLLM where it runs there), ``cpu`` on a platform without accelerators. With the
 ``kubernetes`` worker backend (``worker_backend``, ``run_id`` and ``platform`` compiled in, as for
 the train task) the step only drives: the evaluation runs in a worker group of the run, a pod
-rendered with every hook of the platform (``dockrl.launch.tasks.evaluate_on_cluster``).
+rendered with every hook of the platform (``dockrl.kubeflow.steps.evaluate_on_cluster``).
 """
 
 from typing import List
@@ -26,9 +26,9 @@ def evaluate(model: Input[Model], dataset: Input[Dataset], config_overrides: Lis
     from dockrl.launch.image_env import enter_image_environment
 
     enter_image_environment()  # first, before torch loads: on the NPU image CANN's environment, which KFP's command bypasses
+    from dockrl.kubeflow.steps import TEARDOWN_WAIT_S, evaluate_model, evaluate_on_cluster, evaluate_run_id
     from dockrl.launch.kubernetes import KubernetesBackend
     from dockrl.launch.platform import Platform
-    from dockrl.kubeflow.steps import TEARDOWN_WAIT_S, evaluate_model, evaluate_on_cluster, evaluate_run_id
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if worker_backend == "kubernetes":

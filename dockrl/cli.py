@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ranks_main(argv[1:])
     if argv[:1] == ["evaluate"]:
-        from dockrl.launch.tasks import evaluate_main  # lazy: torch and the engines load when it evaluates
+        from dockrl.kubeflow.steps import evaluate_main  # lazy: torch and the engines load when it evaluates
 
         return evaluate_main(argv[1:])
     if argv[:1] == ["smoke"]:
@@ -217,7 +217,7 @@ def prune_main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from dockrl.checkpoint_pruning import prune_runs  # lazy: pyarrow
+    from dockrl.checkpoint.pruning import prune_runs  # lazy: pyarrow
 
     try:
         removed = prune_runs(args.runs_dir, older_than_days=args.older_than_days, keep=args.keep, dry_run=args.dry_run)
@@ -280,7 +280,7 @@ def sandbox_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dockrl sandbox", description=sandbox_main.__doc__)
     parser.add_argument("overrides", nargs="*", help="env.sandbox.FIELD=VALUE, e.g. env.sandbox.require=network,writes")
     args = parser.parse_args(argv)
-    from dockrl.envs.sandbox import require_layers  # lazy: only this command runs the sandbox here
+    from dockrl.isolation.sandbox import require_layers  # lazy: only this command runs the sandbox here
 
     try:
         limits = load_config(None, args.overrides).env.sandbox

@@ -33,7 +33,7 @@ the object-store Secret as optional: only a run with the S3 warehouse or ``s3://
 (``tests/pipelines/test_task_inputs.py`` holds every compiled task to this). On a platform
 with accelerators evaluate runs on the platform's image with one accelerator and the config's
 rollout engine; with ``kubernetes`` evaluate drives too: its work runs in a JobSet of its own, a
-worker group of the run (``dockrl.launch.tasks.evaluate_on_cluster``) whose pod has every hook
+worker group of the run (``dockrl.kubeflow.steps.evaluate_on_cluster``) whose pod has every hook
 of the platform. KFP 2.17 can put on its own pods the platform's ``env``, ``pod_labels`` and
 ``pod_annotations`` (the tasks that hold accelerators get them), but no hostPath volume,
 supplemental group, scheduler name or extended resource besides the one accelerator: compiling
@@ -72,7 +72,6 @@ from dockrl.kubeflow.steps import run_parameter_defaults
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
 from dockrl.launch.task_mounts import can_isolate, isolate_volumes
-from dockrl.kubeflow.steps import run_parameter_defaults
 
 logger = logging.getLogger(__name__)
 

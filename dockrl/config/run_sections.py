@@ -87,7 +87,7 @@ class RunConfig:
     once when the driver process dies)."""
     lock_wait_s: float = 300.0
     """How long a run waits, seconds, for its run folder's lock when a process of another host
-    holds it before it refuses (``dockrl.run_lock``): a lost node's lock on NFS or CephFS lasts
+    holds it before it refuses (``dockrl.run.lock``): a lost node's lock on NFS or CephFS lasts
     until the file system's lease expires (NFSv4 90 s, CephFS ``mds_session_autoclose`` 300 s by
     default), and a retried pipeline task starts within that time. A live holder on this host is
     refused at once. 0: never wait."""

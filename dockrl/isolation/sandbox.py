@@ -2,7 +2,7 @@
 
 ``run_python(code, limits)`` writes ``code`` to ``main.py`` in a throwaway folder and runs it as
 ``python -I -S -B`` (isolated: no site-packages, no ``PYTHON*`` variables, no user folder on the path;
-the standard library only) through ``dockrl.envs.sandbox_boot``, which confines the process first:
+the standard library only) through ``dockrl.isolation.sandbox_boot``, which confines the process first:
 
 * ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_FSIZE`` (``file_mb``),
   ``RLIMIT_NPROC`` (``max_processes``; not applied by the kernel to root), no core files;

@@ -1,6 +1,6 @@
 """The sandbox's first program: confines its own process, then becomes the program it guards.
 
-``dockrl.envs.sandbox`` starts it as ``python -I -S sandbox_boot.py SPEC STATUS_FD`` in a new
+``dockrl.isolation.sandbox`` starts it as ``python -I -S sandbox_boot.py SPEC STATUS_FD`` in a new
 session, in the program's working folder. It joins the run's pids cgroup, sets the resource
 limits, leaves the network and the file system's shared folders (new network and mount
 namespaces, in a new user namespace where the kernel allows: ``/tmp``, ``/var/tmp``, ``/dev/shm``

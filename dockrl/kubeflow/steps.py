@@ -36,8 +36,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import yaml
 
 from dockrl.config import Config, ConfigError, dump_config, load_config, resolve_auto
-from dockrl.run.data import load_prompts
-from dockrl.process.vllm_support import vllm_support
 from dockrl.launch.artifacts import (
     DATASET_MANIFEST,
     dataset_files,
@@ -276,7 +274,6 @@ def _evaluate(cfg: Config, model_dir: Path, test_file: Path) -> dict[str, float]
     """``evaluate_model`` on the model folder ``model_dir``."""
     from dockrl.envs.prompting import tool_prompt  # lazy: as dockrl.stages.evaluate below
     from dockrl.envs.registry import build_environment  # lazy: as dockrl.stages.evaluate below
-    from dockrl.stages.evaluate import greedy_accuracy, multi_turn_accuracy  # lazy: imports torch and transformers
     from dockrl.rewards import RewardScorer  # lazy: the math verifier imports sympy (half a second)
     from dockrl.stages.evaluate import greedy_accuracy, multi_turn_accuracy  # lazy: imports torch and transformers
     from dockrl.stages.multi_turn import TurnLimits  # lazy: as dockrl.stages.evaluate above

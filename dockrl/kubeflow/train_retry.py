@@ -16,8 +16,6 @@ from pathlib import Path
 from dockrl.checkpoint.resume import checkpoint_resumes_at, latest_checkpoint
 from dockrl.kubeflow.steps import TEARDOWN_WAIT_S
 from dockrl.launch.kubernetes import KubernetesBackend
-from dockrl.kubeflow.steps import TEARDOWN_WAIT_S
-from dockrl.checkpoint.resume import checkpoint_resumes_at, latest_checkpoint
 from dockrl.run.lock import RunLock, lock_holder
 
 logger = logging.getLogger(__name__)
@@ -31,7 +29,7 @@ def prepare_retry(out: Path, run_id: str, *, resume_given: bool = False, lock_wa
     * No folder, or an empty one: nothing to do, None.
     * A folder whose lock a process of another host holds (the failed attempt's, on a node that
       was lost: its lock lasts until the file system's lease expires): waits up to
-      ``lock_wait_s`` seconds for it to go (``run.lock_wait_s``, ``dockrl.run_lock``), then goes on;
+      ``lock_wait_s`` seconds for it to go (``run.lock_wait_s``, ``dockrl.run.lock``), then goes on;
       one a live process of this host holds, or still held after the wait: ``RunLockedError``
       naming the holder.
     * A complete checkpoint (``latest_checkpoint``): it is returned and logged, ``retry of run

@@ -58,8 +58,6 @@ from dockrl import driver
 from dockrl.checkpoint.resume import FINAL_DIR, checkpoint_resumes_at
 from dockrl.config import Config, load_config
 from dockrl.kubeflow.train_retry import clear_failed_attempt, prepare_retry
-from dockrl.launch.artifacts import dataset_files, place_rollouts, write_checkpoint_pointer
-from dockrl.launch.backend import worker_backend_name
 from dockrl.launch.artifacts import dataset_files, fetch_s3, is_s3, place_rollouts, write_checkpoint_pointer
 from dockrl.launch.backend import WorkersSuspended, worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend

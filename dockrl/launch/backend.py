@@ -136,7 +136,7 @@ class WorkerFailed(RuntimeError):
 class WorkersSuspended(WorkerFailed):
     """The cluster took a run's workers away to run them later: Kueue preempted the run (it
     suspended the JobSet, whose pods go away). A pause, not a failure: the launcher keeps the run
-    and resumes it from its newest checkpoint once it is admitted again (``dockrl.train_task``)."""
+    and resumes it from its newest checkpoint once it is admitted again (``dockrl.kubeflow.train_task``)."""
 
     def __init__(self, group: str, member: str, reason: str, log_tail: str = ""):
         super().__init__(group, member, reason, log_tail)

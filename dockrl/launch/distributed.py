@@ -27,19 +27,19 @@ from typing import Callable, Literal, Sequence
 
 import pyarrow.flight as flight
 
+from dockrl.checkpoint.resume import dock_snapshot_places
 from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.flight.shards import is_loopback
 from dockrl.dock.tls import RunCertificates, scheme
 from dockrl.dock.warehouse.stores import make_warehouse
-from dockrl.run.driver_lease import DriverLease, wait_for_shards
 from dockrl.launch.backend import WorkerBackend, WorkerGroup
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
 from dockrl.parallel.ranks import serve_store
 from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
-from dockrl.checkpoint.resume import dock_snapshot_places
+from dockrl.run.driver_lease import DriverLease, wait_for_shards
 from dockrl.run.setup import RunPlan
 from dockrl.stages.loop import Report, final_report
 from dockrl.stages.table import checkpoint_reports, iteration_reports, stage_processes

@@ -31,7 +31,7 @@ timeouts), and when the JobSet itself failed (its deadline, its failure policy) 
 A JobSet Kueue suspends after admitting it was preempted: ``check`` raises ``WorkersSuspended``
 instead, and ``preempted`` keeps it (``teardown`` looks once more before it deletes the JobSet, for
 a run that noticed the preemption first as a shard that stopped answering), so the launcher resumes
-the run instead of failing it (``dockrl.train_task``).
+the run instead of failing it (``dockrl.kubeflow.train_task``).
 """
 
 from __future__ import annotations

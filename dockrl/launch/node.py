@@ -43,12 +43,9 @@ from typing import Any
 
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.parallel.layout import ParallelLayout
-from dockrl.process.env import NODE_PROCS_ENV, local_rank, replica
+from dockrl.process.env import NODE_PROCS_ENV, RDZV_PORT, local_rank, replica
 
 logger = logging.getLogger(__name__)
-
-RDZV_PORT = 29400
-"""Port of the node launchers' rendezvous on pod 0 of a group (torchrun's customary port)."""
 
 
 def torchrun_args(*, nproc: int, nnodes: int, node_rank: int, master_addr: str, master_port: int, timeout_s: int,
@@ -216,8 +213,8 @@ def smoke_objects(platform: Platform, *, pods: int, namespace: str, size_mib: fl
     Raises:
         ValueError: ``pods`` < 1, or what ``render_jobset`` refuses.
     """
-    from dockrl.launch.backend import WorkerGroup  # lazy: the pod spec imports this module's RDZV_PORT
-    from dockrl.launch.jobset import member_host, render_jobset
+    from dockrl.launch.backend import WorkerGroup  # lazy: only `dockrl smoke` renders a JobSet
+    from dockrl.launch.jobset import member_host, render_jobset  # lazy: as WorkerGroup
 
     if pods < 1:
         raise ValueError(f"smoke check: pods={pods}; expected >= 1")

@@ -20,9 +20,8 @@ import logging
 from typing import Any, NamedTuple, Sequence
 
 from dockrl.launch.backend import WorkerGroup
-from dockrl.launch.node import RDZV_PORT
 from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform
-from dockrl.process.env import REPLICA_ENV, REPLICAS_ENV
+from dockrl.process.env import RDZV_PORT, REPLICA_ENV, REPLICAS_ENV
 
 logger = logging.getLogger(__name__)
 

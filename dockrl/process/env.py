@@ -16,6 +16,8 @@ REPLICA_ENV = "DOCKRL_REPLICA"
 """Environment variable with a process's index in its worker group (every worker backend sets it)."""
 REPLICAS_ENV = "DOCKRL_REPLICAS"
 """Environment variable with the number of members of a process's worker group."""
+RDZV_PORT = 29400
+"""Port of the node launchers' rendezvous on pod 0 of a group (torchrun's customary port): set as MASTER_PORT."""
 NODE_PROCS_ENV = "DOCKRL_NODE_PROCS"
 """Set by ``dockrl node`` (``dockrl/launch/node.py``) for the rank processes it starts: their
 index and count are torchrun's ``RANK`` and ``WORLD_SIZE``, their device index ``LOCAL_RANK``."""

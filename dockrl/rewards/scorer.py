@@ -31,7 +31,7 @@ class RewardScorer:
     they never inherit the trainer's CUDA context or thread locks, as ``fork`` would, and no
     socket listens for them. Not ``forkserver``: before Python 3.14 its server unpickles
     whatever reaches its Unix socket in the temporary folder, and a program of the same user
-    (a model-written one in the sandbox, ``dockrl.envs.sandbox``) could run code through it.
+    (a model-written one in the sandbox, ``dockrl.isolation.sandbox``) could run code through it.
     A script that creates a scorer needs an ``if __name__ == "__main__":`` guard.
 
     A sample whose verifier runs longer than ``timeout_s`` seconds scores 0.0 and counts in

@@ -27,7 +27,6 @@ from dockrl.dock import GRPO_SCHEMA
 from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse.stores import make_warehouse
-from dockrl.run.driver_lease import shard_lease_quiet, wait_for_shards
 from dockrl.engines.factory import process_ranks
 from dockrl.process.env import CONFIG_ENV, TOKEN_ENV, local_rank, replica
 from dockrl.process.lifeline import driver_pid_from_env, watch_driver

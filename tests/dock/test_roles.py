@@ -16,8 +16,8 @@ import pyarrow.flight as flight
 import pytest
 
 from dockrl.dock import GRPO_SCHEMA
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight_server import DockShardServer
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.server import DockShardServer
 from dockrl.dock.roles import DRIVER_ACTIONS, AccessDenied, ShardAccess
 
 DRIVER, STAGE = "driver-token", "stage-token"

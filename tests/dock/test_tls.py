@@ -8,8 +8,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from dockrl.dock import GRPO_SCHEMA
-from dockrl.dock.client import DockClient
-from dockrl.dock.flight_server import DockShardServer
+from dockrl.dock.client.dock_client import DockClient
+from dockrl.dock.flight.server import DockShardServer
 from dockrl.dock.tls import CA_ENV, DockTLS, RunCertificates, connect
 
 TOKEN = "driver-token"

@@ -12,8 +12,6 @@ from dock.conftest import s3_server  # noqa: F401 - the fixture: moto's S3 serve
 
 from dockrl.config import ConfigError, load_config
 from dockrl.kubeflow import train_task
-from dockrl.run.data import generate_problems, write_jsonl
-from dockrl.launch.artifacts import dataset_files, fetch_s3, resolve_checkpoint, write_checkpoint_pointer
 from dockrl.kubeflow.steps import (
     RUN_PARAMETERS,
     config_defaults,
@@ -26,7 +24,7 @@ from dockrl.kubeflow.steps import (
     resolve_overrides,
     run_parameter_defaults,
 )
-from dockrl.launch.artifacts import dataset_files, write_checkpoint_pointer
+from dockrl.launch.artifacts import dataset_files, fetch_s3, resolve_checkpoint, write_checkpoint_pointer
 from dockrl.run.data import generate_problems, write_jsonl
 
 SMALL = ["data.generate_train=30", "data.generate_test=6"]

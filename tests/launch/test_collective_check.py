@@ -19,8 +19,9 @@ import yaml
 
 from dockrl.cli import main as cli_main
 from dockrl.launch.jobset import member_host
-from dockrl.launch.node import RDZV_PORT, SMOKE_RUN_ID, smoke_objects
+from dockrl.launch.node import SMOKE_RUN_ID, smoke_objects
 from dockrl.launch.platform import PLATFORMS
+from dockrl.process.env import RDZV_PORT
 
 NS = "team-rl"
 

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from dockrl.config import load_config, load_config_text
+from dockrl.dock.tls import RunCertificates
 from dockrl.kubeflow import train_task
 from dockrl.kubeflow.steps import prepare_dataset
-from dockrl.dock.tls import RunCertificates
 from dockrl.launch.artifacts import resolve_checkpoint
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.distributed import shard_locations, worker_groups

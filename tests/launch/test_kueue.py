@@ -25,7 +25,7 @@ from dockrl.launch.distributed import SHARDS_GROUP, worker_groups
 from dockrl.launch.jobset import KUEUE_MAX_PODSETS, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, render_jobset
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import PLATFORMS
-from dockrl.stages import STAGES
+from dockrl.stages.table import STAGES
 
 KUEUE = {"scheduler": "kueue", "queue": "team-rl", "priority_class": "rl-batch"}
 

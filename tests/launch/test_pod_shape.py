@@ -22,10 +22,10 @@ import pytest
 from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.distributed import stage_members
 from dockrl.launch.jobset import member_host, render_jobset
-from dockrl.launch.node import RDZV_PORT
 from dockrl.launch.platform import PLATFORMS, Platform, Toleration
 from dockrl.launch.pod_spec import pod_shape
 from dockrl.parallel.layout import ParallelLayout
+from dockrl.process.env import RDZV_PORT
 
 RUN = "5d0c9a1e-2b3f-4c5d-8e9f-0a1b2c3d4e5f"
 NS = "team-rl"

@@ -1,4 +1,4 @@
-"""Preemption is a pause, not a failure (dockrl/train_task.py, dockrl/launch/kubernetes_watch.py).
+"""Preemption is a pause, not a failure (dockrl/kubeflow/train_task.py, dockrl/launch/kubernetes_watch.py).
 
 Kueue preempts a run by suspending its JobSet; the JobSet controller deletes its Jobs, so every
 worker pod goes away. The launcher tells that from a failure, keeps the run, tears the suspended
@@ -33,12 +33,12 @@ from test_kubernetes_backend import AT_ONCE_S, RUNNING
 from test_kubernetes_run import NS, RUN, use_fake_cluster
 from test_retry import RUN_SETTINGS, cpu_platform
 
-from dockrl import train_task
+from dockrl.checkpoint.resume import checkpoint_dir
+from dockrl.kubeflow import train_task
+from dockrl.kubeflow.steps import prepare_dataset
 from dockrl.launch.backend import WorkerFailed, WorkersSuspended
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.local import HOST, free_ports
-from dockrl.launch.tasks import prepare_dataset
-from dockrl.resume import checkpoint_dir
 
 GRACE_S = 5.0
 """How long a preempted pod's process has after SIGTERM before SIGKILL (a pod's grace period, shortened)."""

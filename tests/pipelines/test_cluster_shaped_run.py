@@ -91,7 +91,7 @@ def test_the_grpo_pipeline_hides_the_volume_from_the_exit_task_alone(tmp_path):
 def test_the_runbooks_step_5_with_s3_model_and_data(s3_server, tiny_model_dir, tmp_path):  # noqa: F811 - the fixture
     import pyarrow.fs as pafs
 
-    from dockrl.data import generate_problems, write_jsonl
+    from dockrl.run.data import generate_problems, write_jsonl
 
     store = pafs.S3FileSystem(endpoint_override=f"http://{s3_server.endpoint}", scheme="http", region="us-east-1",
                               access_key=s3_server.access_key, secret_key=s3_server.secret_key, allow_bucket_creation=True)

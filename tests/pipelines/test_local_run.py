@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     """The runbook's step 5: the user's own model and data in a folder of the shared volume. As root (CI) each task
     sees that folder only where the compiled pipeline mounts the volume (``dockrl.launch.task_mounts``)."""
-    from dockrl.data import generate_problems, write_jsonl
+    from dockrl.run.data import generate_problems, write_jsonl
 
     shared = tmp_path / "shared"
     model = Path(shutil.copytree(tiny_model_dir, shared / "models" / "tiny"))

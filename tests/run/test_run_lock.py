@@ -16,9 +16,8 @@ import pytest
 from dockrl import driver
 from dockrl.checkpoint.resume import CheckpointInProgress, checkpoint_dir, latest_checkpoint, write_driver_state
 from dockrl.config import ConfigError, load_config, save_config
-from dockrl.checkpoint.resume import CheckpointInProgress, checkpoint_dir, latest_checkpoint, write_driver_state
-from dockrl.run.lock import LOCK_FILE, RunLock, RunLockedError, lock_holder
 from dockrl.kubeflow.train_retry import prepare_retry
+from dockrl.run.lock import LOCK_FILE, RunLock, RunLockedError, lock_holder
 
 HOLD = "import sys, time; from dockrl.run.lock import RunLock; RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
 
@@ -50,7 +49,7 @@ def test_a_second_run_is_refused_until_the_holder_dies_even_by_sigkill(tmp_path)
 
 
 # a holder on another host: the process names its host as a lost node would have (a fake host name)
-HOLD_ELSEWHERE = ("import socket, sys, time; socket.gethostname = lambda: 'fake-lost-node'; from dockrl.run_lock import RunLock; "
+HOLD_ELSEWHERE = ("import socket, sys, time; socket.gethostname = lambda: 'fake-lost-node'; from dockrl.run.lock import RunLock; "
                   "RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(float(sys.argv[2]))")
 
 

@@ -48,6 +48,7 @@ from dockrl.dock.shard.kept_rollouts import KeepSpec
 from dockrl.dock.shard.layout import ShardLayout
 from dockrl.dock.shard.requests import Payload
 from dockrl.dock.shard.transport import LocalTransport, ShardTransport, local_shards
+from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse.base import Warehouse, WarehouseError, delete_iteration
 from dockrl.dock.warehouse.stores import make_warehouse
 
@@ -96,11 +97,12 @@ class DockClient:
         self, shards: Sequence[str | ShardTransport], schema: Schema, *, token: str | None = None, timeout_s: float = 600.0,
         rpc_timeout_s: float = 60.0, warehouse: Warehouse | None = None, lease_s: float = 300.0, owner: str | None = None,
         first_shard: int | None = None, local_shard: int | None = None, max_inflight: int = 1, prefetch: bool = True,
+        tls: DockTLS | None = None,
     ) -> None:
         # one state object; each part is given it (and the parts it builds on), none holds state of the others
         self.core = core = ClientCore(shards, schema, token=token, timeout_s=timeout_s, rpc_timeout_s=rpc_timeout_s,
                                       warehouse=warehouse, lease_s=lease_s, owner=owner, first_shard=first_shard,
-                                      local_shard=local_shard, max_inflight=max_inflight, prefetch=prefetch)
+                                      local_shard=local_shard, max_inflight=max_inflight, prefetch=prefetch, tls=tls)
         self.cells = Cells(core)
         self.puts = Puts(core, self.cells)
         self.claims = Claims(core, self.cells, self.puts)

@@ -30,9 +30,9 @@ from dockrl.dock.flight.wire import (
 )
 from dockrl.dock.roles import AccessDenied, Role, ShardAccess
 from dockrl.dock.schema import Schema
-from dockrl.dock.shard.service import ShardService
 from dockrl.dock.shard.controller import ShardController
 from dockrl.dock.shard.requests import Payload
+from dockrl.dock.shard.service import ShardService
 from dockrl.dock.tls import DockTLS, scheme
 
 logger = logging.getLogger(__name__)

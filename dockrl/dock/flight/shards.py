@@ -53,8 +53,8 @@ from dockrl.dock.flight.server import DockShardServer
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard.requests import Payload
 from dockrl.dock.tls import CA_ENV, DockTLS
-from dockrl.process.lifeline import driver_pid_from_env, watch_driver
 from dockrl.process.env import REPLICAS_ENV, replica
+from dockrl.process.lifeline import driver_pid_from_env, watch_driver
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from dockrl.config import load_config
+from dockrl.kubeflow.steps import EVALUATE_GROUP, evaluate_group, evaluate_on_cluster, evaluate_run_id, prepare_dataset
 from dockrl.launch.backend import WorkerFailed
 from dockrl.launch.jobset import KUEUE_QUEUE_LABEL, jobset_name, render_jobset
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.tasks import EVALUATE_GROUP, evaluate_group, evaluate_on_cluster, evaluate_run_id, prepare_dataset
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"

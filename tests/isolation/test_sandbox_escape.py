@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from dockrl.config.env_sections import SandboxConfig
-from dockrl.envs.sandbox import run_python
+from dockrl.isolation.sandbox import run_python
 from dockrl.rewards.scorer import RewardScorer
 
 LIMITS = SandboxConfig(cpu_s=5, wall_s=10.0, memory_mb=512, output_bytes=20_000, max_processes=12)

@@ -46,7 +46,7 @@ POD = textwrap.dedent("""
         threading.Thread(target=stop.wait, daemon=True).start()
     from dockrl.config.env_sections import SandboxConfig
     from dockrl.envs.python_tool import PythonEnvironment
-    from dockrl.envs.sandbox import SandboxUnavailable, run_python
+    from dockrl.isolation.sandbox import SandboxUnavailable, run_python
 
     limits = SandboxConfig(require=tuple(require.split(",")) if require else (), max_processes=8, wall_s=10.0)
     try:

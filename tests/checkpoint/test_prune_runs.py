@@ -1,4 +1,4 @@
-"""Run folder retention on the shared volume: ``dockrl runs prune`` (``dockrl.checkpoint_pruning.prune_runs``)."""
+"""Run folder retention on the shared volume: ``dockrl runs prune`` (``dockrl.checkpoint.pruning.prune_runs``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from dockrl.checkpoint_pruning import prune_runs
+from dockrl.checkpoint.pruning import prune_runs
 from dockrl.cli import main
-from dockrl.run_lock import RunLock
+from dockrl.run.lock import RunLock
 
 DAY = 86400.0
 
