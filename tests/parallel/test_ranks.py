@@ -86,7 +86,7 @@ ALLOWED = {
     "dockrl/process/env.py": {"a rank variable of the environment", "the launcher's member index"},  # defines replica()
     "dockrl/stages/main.py": {"the launcher's member index"},  # the stage processes' entry point: reads it once
     "dockrl/launch/node.py": {"the launcher's member index"},  # `dockrl node` / `dockrl ranks`: entry points, read it once
-    "dockrl/dock/flight.py": {"the launcher's member index"},  # `dockrl dock-shard`, the shards' entry point: its index, once
+    "dockrl/dock/flight/shards.py": {"the launcher's member index"},  # `dockrl dock-shard`, the shards' entry point: its index, once
 }
 
 
