@@ -25,7 +25,7 @@ import resource
 import sys
 
 _CLONE_NEWUSER, _CLONE_NEWNET, _CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 1, 1 << 2, 1 << 12, 1 << 14, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 1 << 1, 1 << 2, 1 << 5, 1 << 12, 1 << 14, 1 << 18
 # where processes of the same user leave Unix sockets (multiprocessing's forkserver, ZeroMQ's ipc://,
 # the container runtime's and service account's files under /run): replaced by empty folders inside
 _HIDDEN_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -122,12 +122,20 @@ def _hide_shared_folders(libc: ctypes.CDLL, folder: str, disk_mb: int) -> str:
     if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:  # nothing below propagates back out
         return fail("mount --make-rprivate /")
     keep = os.open(folder, os.O_PATH | os.O_CLOEXEC)
+    # the interpreter the program runs on stays visible where it lives under a hidden folder (a checkout in /tmp)
+    interpreter = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in _interpreter_folders()}
     try:
         hidden: list[str] = []
         for path in dict.fromkeys(os.path.realpath(p) for p in _HIDDEN_FOLDERS):
             if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=1777") != 0:
                 return fail(f"tmpfs on {path}")
             hidden.append(path)
+        for path, fd in interpreter.items():
+            if any(path.startswith(h + "/") for h in hidden):
+                os.makedirs(path, exist_ok=True)
+                if (libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None) != 0
+                        or libc.mount(None, path.encode(), None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY, None) != 0):
+                    return fail(f"bind {path} read-only")
         with open(os.path.join(f"/proc/self/fd/{keep}", "main.py"), "rb") as f:
             program = f.read()
         os.makedirs(folder, mode=0o700, exist_ok=True)  # under a hidden folder: its empty tmpfs
@@ -137,8 +145,22 @@ def _hide_shared_folders(libc: ctypes.CDLL, folder: str, disk_mb: int) -> str:
             out.write(program)
         os.chdir(folder)
     finally:
-        os.close(keep)
+        for fd in (keep, *interpreter.values()):
+            os.close(fd)
     return "mountns"
+
+
+def _base_interpreter() -> str:
+    """The interpreter the program runs on: this one's base installation (a virtual environment's own ``python``
+    is only a link or copy, and the program runs with ``-I -S``, the standard library only)."""
+    return os.path.realpath(getattr(sys, "_base_executable", "") or sys.executable)
+
+
+def _interpreter_folders() -> list[str]:
+    """The folders the program's interpreter needs: its binary's and its standard library's (``sys.base_prefix``),
+    a folder inside another left out."""
+    folders = sorted({os.path.dirname(_base_interpreter()), os.path.realpath(sys.base_prefix)})
+    return [f for f in folders if not any(f.startswith(o + "/") for o in folders if o != f)]
 
 
 def _landlock(libc: ctypes.CDLL, folder: str) -> tuple[int, str]:
@@ -183,7 +205,8 @@ def main(argv: list[str]) -> None:
     status["processes"] = _set_limits(spec, status["network"] == "userns+netns")  # last: the steps above must not count against them
     os.write(status_fd, (json.dumps(status) + "\n").encode())
     os.close(status_fd)
-    os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", "-X", "utf8", spec["main"]])
+    python = _base_interpreter()
+    os.execv(python, [python, "-I", "-S", "-B", "-X", "utf8", spec["main"]])
 
 
 if __name__ == "__main__":

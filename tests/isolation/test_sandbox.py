@@ -125,8 +125,12 @@ def test_a_network_connect_fails(no_leftovers):
 def test_a_write_outside_its_folder_fails(no_leftovers):
     if "landlock-fs" not in isolation():
         pytest.skip("Landlock is not available on this kernel")
-    # a folder the sandbox sees (not under /tmp, which its mount namespace replaces): Landlock refuses the write
-    outside = Path(tempfile.mkdtemp(prefix=".dockrl-sandbox-test-", dir=Path.cwd()))
+    # a folder the sandbox sees (not under /tmp and the others its mount namespace replaces): Landlock refuses the write
+    hidden = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+    visible = [d for d in (Path.home(), Path.cwd()) if not str(d.resolve()).startswith(hidden) and os.access(d, os.W_OK)]
+    if not visible:
+        pytest.skip(f"neither the home folder nor {Path.cwd()} lies outside the folders the sandbox hides")
+    outside = Path(tempfile.mkdtemp(prefix=".dockrl-sandbox-test-", dir=visible[0]))
     try:
         target = outside / "outside.txt"
         r = run_python(f"open({str(target)!r}, 'w').write('escaped')", LIMITS)
