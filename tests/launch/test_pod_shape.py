@@ -38,8 +38,7 @@ def hybrid_group(layout: ParallelLayout) -> WorkerGroup:
 
 def rendered(layout: ParallelLayout, platform: Platform) -> dict:
     groups = [WorkerGroup(name="dock-shard-0", command=("dock-shard",), port=8815), hybrid_group(layout)]
-    [_, jobset] = render_jobset(groups, run_id=RUN, namespace=NS, platform=platform)
-    return jobset
+    return render_jobset(groups, run_id=RUN, namespace=NS, platform=platform)[-1]  # after the Secret and the NetworkPolicy
 
 
 def hybrid_job(jobset: dict) -> dict:
