@@ -35,8 +35,8 @@ class PipelineError(RuntimeError):
     """A pipeline package, host or schedule is unusable; the message says what to change."""
 
 
-class CronError(PipelineError, ValueError):
-    """A cron expression KFP would not take: the user's input (``dockrl pipeline schedule`` exits 2)."""
+class PipelineInputError(PipelineError, ValueError):
+    """A cron expression or pipeline package KFP would not take: the user's input (``dockrl pipeline`` exits 2)."""
 
 
 # ---- cron (robfig/cron with seconds, as KFP's scheduled workflows read it) ----
@@ -74,19 +74,19 @@ def validate_cron(expr: str) -> str:
     ``@every <duration>`` (``@every 1h30m``).
 
     Raises:
-        CronError: naming the expression, the field and the rule; a 5-field (Unix)
+        PipelineInputError: naming the expression, the field and the rule; a 5-field (Unix)
             expression gets the 6-field version to use.
     """
     e = " ".join(expr.split())
     if e.startswith("@"):
         if e in _DESCRIPTORS or (e.startswith("@every ") and _DURATION.match(e[len("@every "):])):
             return e
-        raise CronError(f"cron {expr!r}: unknown descriptor; expected one of {', '.join(sorted(_DESCRIPTORS))} "
+        raise PipelineInputError(f"cron {expr!r}: unknown descriptor; expected one of {', '.join(sorted(_DESCRIPTORS))} "
                             "or '@every <duration>' (e.g. '@every 6h')")
     fields = e.split(" ") if e else []
     if len(fields) != 6:
         hint = f"; as a 5-field Unix cron this is '0 {e}' in KFP" if len(fields) == 5 else ""
-        raise CronError(f"cron {expr!r}: has {len(fields)} field(s); KFP cron needs {CRON_HELP}{hint}")
+        raise PipelineInputError(f"cron {expr!r}: has {len(fields)} field(s); KFP cron needs {CRON_HELP}{hint}")
     for text, (name, lo, hi, names, question) in zip(fields, _FIELDS):
         where = f"cron {expr!r}, {name} field {text!r}"
         try:
@@ -103,7 +103,7 @@ def validate_cron(expr: str) -> str:
                 if dash and a > _cron_value(last, lo, hi, names, where):
                     raise ValueError(f"{where}: range {base!r} runs backwards")
         except ValueError as err:
-            raise CronError(f"{err}; KFP cron needs {CRON_HELP}") from None
+            raise PipelineInputError(f"{err}; KFP cron needs {CRON_HELP}") from None
     return e
 
 
@@ -264,9 +264,9 @@ def check_params(package: str | Path, params: dict[str, Any]) -> None:
 def _package(package: str | Path) -> str:
     path = Path(package)
     if not path.is_file():
-        raise PipelineError(f"pipeline package {path} does not exist; create it with `dockrl pipeline compile {path}`")
+        raise PipelineInputError(f"pipeline package {path} does not exist; create it with `dockrl pipeline compile {path}`")
     if path.suffix not in (".yaml", ".yml", ".json", ".zip", ".gz", ".tgz"):
-        raise PipelineError(f"pipeline package {path}: expected a compiled .yaml (from `dockrl pipeline compile`)")
+        raise PipelineInputError(f"pipeline package {path}: expected a compiled .yaml (from `dockrl pipeline compile`)")
     return str(path)
 
 

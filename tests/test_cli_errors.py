@@ -15,6 +15,7 @@ CASES = [
     (["prepare-model", "model.path={tmp}/no-model"], "no-model"),
     (["pipeline", "schedule", "--host", "http://127.0.0.1:9", "--cron", "0 3 * * *"], "has 5 field(s)"),
     (["pipeline", "compile", "{tmp}/pipeline.txt"], "expected a .yaml or .json file name"),
+    (["pipeline", "submit", "--host", "http://127.0.0.1:9", "--package", "{tmp}/nope.yaml"], "nope.yaml does not exist"),
     (["pipeline", "run", "--local", "trainer.lr=abc"], "trainer.lr: got 'abc'"),
     (["rollouts", "show", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
     (["rollouts", "replay", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
