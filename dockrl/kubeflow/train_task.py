@@ -135,7 +135,6 @@ def run_training(
         out = shared / "runs" / run_id
     resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
     lock_wait_s = load_config(None, list(overrides)).run.lock_wait_s
-    model_copy = fetch_model(overrides, out / MODEL_COPY)
     skipped: list[str] = []
 
     def stream(it: int, metrics: dict[str, float]) -> None:
@@ -145,6 +144,7 @@ def run_training(
     paused: WorkersSuspended | None = None
     while True:  # once, or again after each preemption of the workers (a pause: the run resumes)
         found = prepare_retry(out, run_id, resume_given=resume_given and paused is None, lock_wait_s=lock_wait_s) if out != run else None
+        model_copy = fetch_model(overrides, out / MODEL_COPY)  # after the retry's clean-up of the folder; kept when there
         data = _copy_into([train_file, test_file], out / "data") if backend is not None else [train_file, test_file]
         latest = ["run.resume=latest"] if found else []
         cfg = load_config(None, [
