@@ -70,6 +70,7 @@ import pyarrow.flight as flight
 
 from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.flight.server import BearerTokenMiddlewareFactory
+from dockrl.dock.roles import ShardAccess
 from dockrl.dock.schema import GRPO_SCHEMA
 from dockrl.dock.shard.layout import shard_ranges
 
@@ -203,7 +204,9 @@ class StageServer(flight.FlightServerBase):
     """
 
     def __init__(self, cells: Cells, token: str, host: str = "127.0.0.1") -> None:
-        super().__init__(f"grpc://{host}:0", middleware={"auth": BearerTokenMiddlewareFactory(token)})
+        # the shards' own bearer-token check, one token (the driver's role): the same auth on every call as the dock's
+        access = ShardAccess(token, None, GRPO_SCHEMA)
+        super().__init__(f"grpc://{host}:0", middleware={"auth": BearerTokenMiddlewareFactory(access)})
         self.cells, self.location = cells, f"grpc://{host}:{self.port}"
         self._outputs: dict[str, pa.Table] = {}
         self._lock = threading.Lock()
