@@ -353,24 +353,17 @@ def _isolation(status: dict, cgroup: bool) -> tuple[str, ...]:
                    "are bounded by nothing while running as root; its process group is still killed at the end")
     if status.get("processes") == "userns-nproc":
         applied.append("userns-nproc")
-    network = str(status.get("network", "none"))
-    if network.startswith("none"):
-        _warn_once("network", f"sandbox: no new network namespace ({network}): programs can reach the network "
-                   "unless Landlock (ABI 4+) refuses their TCP connects")
-    else:
-        applied.append(network)
-    mounts = str(status.get("mounts", "none"))
-    if mounts.startswith("none"):
-        _warn_once("mounts", f"sandbox: no mount namespace ({mounts}): programs can reach the Unix sockets other processes "
-                   "of this user left in /tmp, /dev/shm and /run")
-    else:
-        applied.append(mounts)
-    landlock = str(status.get("landlock", "none"))
-    if landlock.startswith("none"):
-        _warn_once("landlock", f"sandbox: Landlock unavailable ({landlock}): programs can write outside their folder "
-                   "wherever their user may")
-    else:
-        applied.extend(landlock.split(","))
+    missing = {  # the boot's status key -> what a program can do without that layer
+        "network": "programs can reach the network unless Landlock (ABI 4+) refuses their TCP connects",
+        "mounts": "programs can reach the Unix sockets other processes of this user left in /tmp, /dev/shm and /run",
+        "landlock": "programs can write outside their folder wherever their user may",
+    }
+    for key, risk in missing.items():
+        said = str(status.get(key, "none"))
+        if said.startswith("none"):
+            _warn_once(key, f"sandbox: no {key} layer ({said}): {risk}")
+        else:
+            applied.extend(said.split(","))  # landlock reports its parts comma-separated
     return tuple(applied)
 
 
