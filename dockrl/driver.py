@@ -11,7 +11,8 @@ is a ``StageRunner``, chosen by ``dock.mode``; nothing else differs: ``InProcess
 collect the stages' metrics, close (with ``run.keep_rollouts`` the shards
 keep its rows: ``dockrl.rollouts.keep``), log and checkpoint when due (``dockrl/checkpoint/writer.py``; older
 ones pruned with ``trainer.keep_checkpoints``, ``dockrl/checkpoint/pruning.py``); then the final checkpoint, the evaluation after
-training and the summary. With ``dock.max_inflight`` = m (distributed) up to m iterations are
+training and the summary. The metrics go to ``metrics.jsonl`` and, live, to the run's trackers (``run.trackers``,
+``dockrl/run/trackers/``), which never fail the run. With ``dock.max_inflight`` = m (distributed) up to m iterations are
 open at once: the rollout generates the next ones while this one trains
 (``dockrl.stages.rollout_process.sync_target`` bounds their staleness).
 """
@@ -35,9 +36,10 @@ from dockrl.process.lifeline import sigterm_as_exit
 from dockrl.rollouts.keep import keep_spec, write_dataset_meta
 from dockrl.run.data import Prompt
 from dockrl.run.lock import RunLock
-from dockrl.run.metrics import MetricsWriter, plot_metrics
+from dockrl.run.metrics import MetricsWriter, plot_metrics, run_report
 from dockrl.run.progress import Progress
 from dockrl.run.setup import RunPlan, plan_run, prompt_batches
+from dockrl.run.trackers import TrackerSet, run_info
 from dockrl.stages.loop import Report
 
 if TYPE_CHECKING:
@@ -89,9 +91,10 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     come from it; ``metrics.jsonl`` keeps the iterations before it. ``backend`` is where
     ``dock.mode=distributed`` starts the stage processes (default: local processes).
 
-    Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
+    Writes to ``run.output_dir``: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/`` (the ``tensorboard`` tracker),
     ``metrics.png``, ``summary.json``, ``checkpoints/`` (HF format), with ``run.keep_rollouts`` ``rollouts/``
-    (written by the dock shards, docs/rollouts.md) and, distributed, ``logs/``.
+    (written by the dock shards, docs/rollouts.md), distributed, ``logs/``, with MLflow or W&B ``trackers.json`` (their
+    run ids) and the report files they keep (``metrics.html``, ``rollouts.html``), with W&B offline ``wandb/``.
     Nothing of the run folder is written before the run is accepted, and the folder is locked
     for the run's lifetime (``dockrl.run.lock``). A checkpoint whose write an error, Ctrl-C or
     SIGTERM cut short is removed once the stages stopped (``CheckpointInProgress``). While it
@@ -107,6 +110,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
     # `kill` runs the clean-up below (verifier pool, workers, the run's record, lock)
     with RunLock(cfg.run.output_dir, wait_s=cfg.run.lock_wait_s) as lock, sigterm_as_exit() as stop, contextlib.ExitStack() as stack:
         plan = plan_run(cfg)
+        trackers = TrackerSet.open(cfg.run.trackers, run_info(cfg, plan.resume))  # a tracker's missing settings fail here
         lock.accept()  # from here the lock file keeps this run's pid (a refused run puts back what it found)
         if cfg.dock.mode == "distributed":
             runner: StageRunner = start_processes(plan, backend)  # its backend records the run
@@ -118,7 +122,7 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
             runner = InProcessStages(plan, run=run)
         checkpoint = CheckpointInProgress()
         try:
-            summary = drive(plan, runner, on_iteration=on_iteration, checkpoint=checkpoint, stop=stop)
+            summary = drive(plan, runner, on_iteration=on_iteration, checkpoint=checkpoint, stop=stop, trackers=trackers)
         finally:
             runner.close()  # first: no stage writes into a checkpoint any more
             checkpoint.remove()  # one cut short (an error, Ctrl-C, SIGTERM): incomplete, never resumed from
@@ -128,7 +132,8 @@ def train(cfg: Config, *, on_iteration: OnIteration | None = None, backend: Work
 
 
 def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | None = None,
-          checkpoint: CheckpointInProgress | None = None, stop: sigterm_as_exit | None = None) -> dict[str, float]:
+          checkpoint: CheckpointInProgress | None = None, stop: sigterm_as_exit | None = None,
+          trackers: TrackerSet | None = None) -> dict[str, float]:
     """The iteration loop of a planned run over started stages; returns the run summary.
 
     A checkpoint after iteration ``k`` (when ``checkpoint_due``) is written by the loop's
@@ -146,6 +151,8 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
     (``CheckpointInProgress.remove``) once the stages stopped when the loop is cut short.
     ``stop`` (the caller's ``sigterm_as_exit``) raises, before the first evaluation and at the start
     of each iteration, a SIGTERM or Ctrl-C whose exception was lost in a finalizer.
+    ``trackers`` (default: ``run.trackers`` opened here) get every iteration's metrics, then the summary and, where
+    they keep files, ``run_report``'s; the summary gets their failure counts.
     """
     t0 = time.perf_counter()
     cfg, point, dock = plan.cfg, plan.resume, runner.dock
@@ -171,7 +178,9 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
         logger.info("resuming at iteration %d from %s", first, point.checkpoint)
     # run.keep_rollouts: the dataset's _meta.json here, the rows by the shards at each close, with this lineage
     kept = write_dataset_meta(cfg, point.checkpoint if point else None) if cfg.run.keep_fraction > 0 else None
-    with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None) as writer, \
+    if trackers is None:
+        trackers = TrackerSet.open(cfg.run.trackers, run_info(cfg, point))
+    with MetricsWriter(run_dir, on_log=on_iteration, resume_from=first if point else None, trackers=trackers) as writer, \
             Progress(t.iterations - first, "GRPO", enable=cfg.run.progress) as progress:
         check_stop = stop.raise_if_stopped if stop is not None else lambda: None  # a SIGTERM or Ctrl-C a finalizer swallowed
         check_stop()  # one received while the stages loaded their models
@@ -206,6 +215,7 @@ def drive(plan: RunPlan, runner: StageRunner, *, on_iteration: OnIteration | Non
         if t.eval_after:
             summary |= runner.evaluate("after")
         summary["run/seconds"] = time.perf_counter() - t0
+        summary |= writer.finish(summary, run_report(run_dir) if trackers.artifacts else ())
         writer.log_summary(summary)
     return summary
 

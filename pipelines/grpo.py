@@ -70,8 +70,9 @@ from dockrl.components.train import train
 from dockrl.config import load_config
 from dockrl.kubeflow.steps import run_parameter_defaults
 from dockrl.launch.backend import WORKER_BACKENDS, WorkerBackendName, worker_backend_name
-from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, Platform, get_platform
+from dockrl.launch.platform import ARCH_LABEL, OBJECT_STORE_KEYS, TRACKER_KEYS, Platform, get_platform
 from dockrl.launch.task_mounts import can_isolate, isolate_volumes
+from dockrl.run.trackers.tracker import IMAGE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,12 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
         task.set_retry(num_retries=settings.train_retries, backoff_duration="60s")
     for env, path in POD_FIELDS_AS_ENV.items():
         kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
+    # the driver's trackers (run.trackers): their lineage names the image, their server and keys come from a
+    # Secret as the object store's do, optional as that one is: a run without MLflow or W&B needs none
+    task.set_env_variable(IMAGE_ENV, platform.image_of(settings.image_of("train")))
+    if platform.tracker_secret:
+        kubernetes.use_secret_as_env(task, secret_name=platform.tracker_secret,
+                                     secret_key_to_env={k: k for k in TRACKER_KEYS}, optional=True)
 
 
 def _configure_evaluate(task: dsl.PipelineTask, settings: PipelineSettings) -> None:

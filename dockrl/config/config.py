@@ -23,7 +23,7 @@ from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig,
 from dockrl.config.env_sections import BUILT_IN_ENVIRONMENTS, EnvConfig, check_env
 from dockrl.config.errors import ConfigError, fail
 from dockrl.config.estimators import ESTIMATORS, estimator_names
-from dockrl.config.run_sections import DockConfig, RunConfig, check_dock, check_keep_rollouts, check_rollouts_uri
+from dockrl.config.run_sections import DockConfig, RunConfig, check_dock, check_keep_rollouts, check_rollouts_uri, check_trackers
 from dockrl.config.sections import CriticConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 
@@ -134,6 +134,7 @@ def check_rules(c: Config) -> None:
     check_dock(c.dock)
     check_keep_rollouts(c.dock.warehouse, c.run)
     check_rollouts_uri(c.run.rollouts_uri, c.dock)
+    check_trackers(c.run)
     check_reward_model(c.reward_model)
     check_dapo(c.algorithm, c.rollout, c.dock, c.critic)
     _check_parallel(c)

@@ -12,9 +12,10 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Annotated, Literal, Mapping
 
 from dockrl.config.errors import fail
+from dockrl.config.trackers import TRACKERS, TrackerName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,17 @@ class RunConfig:
     object store of the ``dock`` section's S3 settings (``dock.endpoint`` or ``$AWS_ENDPOINT_URL``, ``dock.secure``,
     ``dock.region``; keys from ``$AWS_ACCESS_KEY_ID`` and ``$AWS_SECRET_ACCESS_KEY``), the bucket created if missing.
     The run folder's ``rollouts/_meta.json`` names it either way (docs/rollouts.md)."""
+    trackers: tuple[Annotated[TrackerName, TRACKERS], ...] = ("tensorboard",)
+    """Experiment trackers the driver logs to as each iteration ends (``dockrl/run/trackers/``, docs/kubeflow.md
+    "Experiment trackers"): every iteration's metrics, the config and the run's lineage; ``tensorboard`` (event files in
+    ``<output_dir>/tensorboard``), ``mlflow`` (a tracking server: ``$MLFLOW_TRACKING_URI``, credentials from MLflow's
+    environment variables) and ``wandb`` (W&B, ``run.wandb_mode``). A tracker that fails mid-run never fails the run:
+    it is counted (``tracker/<name>/failures``) and retried with backoff. A YAML list, or comma-separated; ``[]``: none."""
+    tracker_project: str = "dockrl"
+    """The MLflow experiment and the W&B project the run is logged under."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """W&B: ``online`` streams to the server (``$WANDB_BASE_URL``, key ``$WANDB_API_KEY``); ``offline`` writes the
+    run under ``<output_dir>/wandb`` only, for ``wandb sync`` later (a cluster without a way out)."""
 
     def __post_init__(self) -> None:
         self.keep_fraction  # noqa: B018 - parsed once, here: a bad value fails when the config is built
@@ -206,6 +218,18 @@ def check_dock(k: DockConfig) -> None:
     for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
         if not _ENV_NAME.fullmatch(name):
             raise fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
+
+
+def check_trackers(run: RunConfig) -> None:
+    """``run.trackers``: each at most once, and a project name for them.
+
+    Raises:
+        ConfigError: naming ``run.trackers`` (a name twice) or ``run.tracker_project`` (empty).
+    """
+    if len(set(run.trackers)) != len(run.trackers):
+        raise fail("run.trackers", list(run.trackers), "expected each tracker at most once")
+    if not run.tracker_project.strip():
+        raise fail("run.tracker_project", run.tracker_project, "expected the MLflow experiment / W&B project name, e.g. dockrl")
 
 
 def check_keep_rollouts(warehouse: str, run: RunConfig) -> None:

@@ -43,6 +43,14 @@ OBJECT_STORE_SECRET = "dockrl-object-store"
 OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")
 """Keys of that Secret; each becomes the environment variable of the same name."""
 
+TRACKER_SECRET = "dockrl-trackers"
+"""Secret with the experiment trackers' settings and credentials (``manifests/components/trackers/``), needed only
+with ``run.trackers`` naming ``mlflow`` or ``wandb``."""
+TRACKER_KEYS = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                "WANDB_API_KEY", "WANDB_BASE_URL")
+"""Keys of that Secret, each optional; each becomes the environment variable of the same name in the train task,
+whose driver logs to the trackers (``dockrl.run.trackers``)."""
+
 SHARED_VOLUME_CLAIM = "dockrl-shared"
 """PersistentVolumeClaim (ReadWriteMany) shared by the launcher and the worker pods."""
 SHARED_MOUNT_PATH = "/mnt/dockrl"
@@ -97,6 +105,8 @@ class Platform:
     """Taints of accelerator nodes that accelerator pods tolerate."""
     object_store_secret: str = OBJECT_STORE_SECRET
     """Secret whose ``OBJECT_STORE_KEYS`` become environment variables ("" for none)."""
+    tracker_secret: str = TRACKER_SECRET
+    """Secret whose ``TRACKER_KEYS`` become environment variables of the train task ("" for none)."""
     image_repository: str = IMAGE_REPOSITORY
     """Registry path and name prefix of the images (``<repository>-<name>:<tag>``)."""
     image_tag: str = IMAGE_TAG

@@ -1,11 +1,13 @@
-"""Run metrics: a JSONL + TensorBoard writer, a summary file, a reader, a plot and an HTML report.
+"""Run metrics: a JSONL writer that feeds the run's trackers, a summary file, a reader, a plot and an HTML report.
 
 Each training iteration produces a flat dict of namespaced scalars (``reward/mean``,
 ``actor/kl``, ``timing_s/rollout``, ``perf/tokens_per_s``, ...). ``MetricsWriter`` appends it
-as one JSON line to ``<run_dir>/metrics.jsonl`` and mirrors it to TensorBoard under
-``<run_dir>/tensorboard``; run-level numbers (eval accuracy before/after, wall time) go to
+as one JSON line to ``<run_dir>/metrics.jsonl`` and hands it to the run's experiment trackers
+(``dockrl.run.trackers``: TensorBoard under ``<run_dir>/tensorboard`` by default, MLflow, W&B);
+run-level numbers (eval accuracy before/after, wall time) go to
 ``<run_dir>/summary.json``. ``read_metrics`` and ``plot_metrics`` read the JSONL back, and
-``metrics_report_html`` makes a page of them for the Kubeflow UI; ``dockrl.run.progress.Progress``
+``metrics_report_html`` makes a page of them for the Kubeflow UI (``run_report`` writes it, the plot and the
+rollouts page for the trackers that keep files); ``dockrl.run.progress.Progress``
 shows an ETA bar with a few of the metrics.
 """
 
@@ -20,7 +22,10 @@ import numbers
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from dockrl.run.trackers import TrackerSet
 
 logger = logging.getLogger(__name__)
 
@@ -71,58 +76,66 @@ def _iteration_of(line: str, path: Path) -> float:
 
 
 class MetricsWriter:
-    """Per-iteration metrics of a run: one JSON line per iteration plus TensorBoard scalars.
+    """Per-iteration metrics of a run: one JSON line per iteration, handed to the run's trackers.
 
     ``log(i, metrics)`` appends ``{"iteration": i, **metrics}`` to ``<run_dir>/metrics.jsonl``
     (flushed after every line, so a crash keeps what was written; an existing file is appended
-    to, so a resumed run continues it) and writes each value as a TensorBoard scalar at step
-    ``i`` in ``<run_dir>/tensorboard``. Non-finite floats become ``null`` in the JSONL, with one
-    warning per value naming the key; non-numeric values raise ``TypeError`` naming the key and
-    nothing of that iteration is written. ``on_log(i, metrics)``, when given, is called after
+    to, so a resumed run continues it) and hands the values to ``trackers`` (``dockrl.run.trackers.TrackerSet``;
+    default: TensorBoard scalars at step ``i`` in ``<run_dir>/tensorboard``), whose failures never fail the run:
+    from a tracker's first failure on, the line carries ``tracker/<name>/failures``. Non-finite floats become
+    ``null`` in the JSONL, with one warning per value naming the key; non-numeric values raise ``TypeError`` naming
+    the key and nothing of that iteration is written. ``on_log(i, metrics)``, when given, is called after
     each line is written (the pipeline's launcher streams the metrics to its KFP artifact).
 
     ``resume_from=k`` (a run resumed at iteration ``k``) first drops the lines of iterations
-    ``>= k`` that an interrupted run wrote after its checkpoint, and has TensorBoard purge its
-    steps ``>= k``, so every iteration is logged once.
+    ``>= k`` that an interrupted run wrote after its checkpoint (TensorBoard purges its steps ``>= k``: the run's
+    ``RunInfo.resume_from``), so every iteration is logged once. ``finish`` ends the trackers' runs as finished;
+    ``close`` without it, as failed.
     """
 
     def __init__(
         self, run_dir: str | Path, on_log: Callable[[int, dict[str, float]], None] | None = None, *, resume_from: int | None = None,
+        trackers: TrackerSet | None = None,
     ):
-        from torch.utils.tensorboard import SummaryWriter  # lazy: it imports torch; reading and plotting metrics do not need it
+        from dockrl.run.trackers import RunInfo, TrackerSet  # lazy: the trackers import the config, which reading metrics needs not
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.summary_path = self.run_dir / "summary.json"
-        self.tensorboard_dir = self.run_dir / "tensorboard"
         if resume_from is not None and self.metrics_path.exists():
             kept = [line for line in self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
                     if _iteration_of(line, self.metrics_path) < resume_from]
             tmp = self.metrics_path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept), encoding="utf-8")
             os.replace(tmp, self.metrics_path)
+        self.trackers = trackers if trackers is not None else \
+            TrackerSet.open(("tensorboard",), RunInfo(run_dir=self.run_dir, resume_from=resume_from))
         self._file = open(self.metrics_path, "a", encoding="utf-8")
-        self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=resume_from)
-        self._closed = False
+        self._closed = self._finished = False
         self._on_log = on_log
 
     def log(self, iteration: int, metrics: Mapping[str, float | int]) -> None:
-        """Append one iteration's metrics to the JSONL file and TensorBoard."""
+        """Append one iteration's metrics to the JSONL file and hand them to the trackers."""
         if self._closed:
             raise RuntimeError("MetricsWriter is closed")
         if "iteration" in metrics:
             raise ValueError("metric key 'iteration' is reserved")
         iteration = int(iteration)
         numeric, json_safe = _clean(metrics, f"at iteration {iteration}")
-        line = json.dumps({"iteration": iteration, **json_safe}, allow_nan=False)
+        self.trackers.log(iteration, numeric)
+        counted = self.trackers.counters()
+        line = json.dumps({"iteration": iteration, **json_safe, **counted}, allow_nan=False)
         self._file.write(line + "\n")
         self._file.flush()
-        for key, value in numeric.items():
-            self._tb.add_scalar(key, value, global_step=iteration)
-        self._tb.flush()
         if self._on_log is not None:
-            self._on_log(iteration, dict(metrics))
+            self._on_log(iteration, dict(metrics) | counted)
+
+    def finish(self, summary: Mapping[str, float], artifacts: Sequence[Path] = ()) -> dict[str, float]:
+        """End the trackers' runs as finished, with ``summary`` and ``artifacts`` (``run_report``); returns
+        ``tracker/<name>/failures`` and ``tracker/<name>/unsent`` of every tracker, for the summary."""
+        self._finished = True
+        return self.trackers.finish(summary, artifacts)
 
     def log_summary(self, metrics: Mapping[str, float | int]) -> None:
         """Merge ``metrics`` into ``<run_dir>/summary.json`` (new values win), written atomically."""
@@ -143,12 +156,13 @@ class MetricsWriter:
         os.replace(tmp, self.summary_path)
 
     def close(self) -> None:
-        """Flush and close the JSONL file and TensorBoard writer; safe to call twice."""
+        """Close the JSONL file and end the trackers' runs (as failed unless ``finish`` came first); safe to call twice."""
         if self._closed:
             return
         self._closed = True
         self._file.close()
-        self._tb.close()
+        if not self._finished:
+            self.trackers.finish({}, failed=True)
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -267,3 +281,30 @@ def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_
     lines += [f"<tr>{cells([k, v[0], v[-1], min(v), max(v)])}</tr>" for k, v in sorted(series.items())]
     lines.append("</table></body></html>")
     return "\n".join(lines) + "\n"
+
+
+def run_report(run_dir: str | Path) -> list[Path]:
+    """Write and return the report files of a run, which the trackers with artifacts keep: ``metrics.png``
+    (``plot_metrics``), ``metrics.html`` (``metrics_report_html``, the curves page the pipeline shows) and, with kept
+    rollouts, ``rollouts.html`` (``dockrl.rollouts.page``). A rollouts page that cannot be made (its store
+    unreachable) is left out with a warning: the report never fails a run that trained."""
+    from dockrl.rollouts.keep import has_rows, kept_rollouts  # lazy: pyarrow's datasets, only with kept rollouts
+    from dockrl.rollouts.page import rollouts_page_html
+
+    run = Path(run_dir)
+    files: list[Path] = []
+    if (run / "metrics.jsonl").is_file():
+        files.append(plot_metrics(run / "metrics.jsonl", run / "metrics.png"))
+        curves = run / "metrics.html"
+        curves.write_text(metrics_report_html(run), encoding="utf-8")
+        files.append(curves)
+    if (run / "rollouts").is_dir():
+        try:
+            kept = kept_rollouts(run)
+            if has_rows(kept.rows):
+                page = run / "rollouts.html"
+                page.write_text(rollouts_page_html(kept, title=f"dockrl rollouts of {run.name}"), encoding="utf-8")
+                files.append(page)
+        except (OSError, ValueError) as exc:
+            logger.warning("the rollouts page of %s is left out of the trackers' artifacts: %s", run, exc)
+    return files

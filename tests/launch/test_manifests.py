@@ -189,6 +189,18 @@ def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_pat
     assert secret["metadata"]["labels"] == {"app.kubernetes.io/part-of": "dockrl", "dockrl.io/platform": "npu"}
 
 
+def test_the_trackers_secret_is_a_component_with_every_key_the_train_task_reads(tmp_path, validate_strict):
+    from dockrl.launch.platform import TRACKER_KEYS, TRACKER_SECRET
+
+    manifests = site_copy(tmp_path)
+    kustomization = manifests / "overlays" / "npu" / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/trackers\n")
+    [secret] = [o for o in build(manifests, "npu") if o["kind"] == "Secret"]
+    validate_strict(secret)
+    # the template holds every key but the token (MLflow takes a user and password, or a token instead)
+    assert secret["metadata"]["name"] == TRACKER_SECRET and set(secret["stringData"]) == set(TRACKER_KEYS) - {"MLFLOW_TRACKING_TOKEN"}
+
+
 @pytest.fixture(scope="module")
 def with_minio(built, tmp_path_factory) -> dict[str, list[dict]]:
     """Every overlay with the standalone MinIO: the cpu overlay as shipped, the site overlays with the
