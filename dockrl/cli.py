@@ -1,5 +1,5 @@
 """Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node |
-ranks | smoke | evaluate``.
+ranks | smoke | trainer-runtime | from-env | evaluate``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
@@ -10,6 +10,7 @@ ranks | smoke | evaluate``.
     dockrl node -h                                 # several rank processes in one pod (dockrl/launch/node.py)
     dockrl ranks parallel.tp=2                     # where this process sits in a layout (under dockrl node: a node check)
     dockrl smoke --namespace team-rl | kubectl apply -f -   # an all-reduce across two pods, its bandwidth
+    dockrl trainer-runtime parallel.tp=2 parallel.dp=4 trainer.hybrid=true   # a ClusterTrainingRuntime (YAML)
     dockrl runs                                    # local runs and their live processes
     dockrl runs prune /mnt/dockrl/runs --older-than-days 30 --keep 5   # old run folders of the shared volume
     dockrl rollouts show runs/demo --iteration 3   # the rollouts a run kept (run.keep_rollouts); rescore, replay, page
@@ -85,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         return sandbox_main(argv[1:])
     if argv[:1] in (["runs"], ["teardown"]):
         return runs_main(argv)
+    if argv[:1] == ["from-env"]:  # a TrainJob's member: its arguments in one variable (dockrl/launch/trainjob.py)
+        from dockrl.launch.trainjob import args_from_env
+
+        return main(args_from_env(argv[1:]))
+    if argv[:1] == ["trainer-runtime"]:
+        from dockrl.launch.kubernetes import trainer_runtime_main  # lazy: as node
+
+        return trainer_runtime_main(argv[1:])
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(prog="dockrl", description="RL post-training of LLMs through a transfer dock")
@@ -112,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                    "an all-reduce's bandwidth (dockrl ranks -h)")
     sub.add_parser("evaluate", help="greedy accuracy of a model on a dataset folder's test split, as JSON (dockrl evaluate -h)")
     sub.add_parser("smoke", help="a JobSet of pods that all-reduce across nodes before a first run (dockrl smoke -h)")
+    sub.add_parser("trainer-runtime", help="the Kubeflow Trainer ClusterTrainingRuntime of a config's runs, as YAML "
+                   "(dockrl trainer-runtime -h)")
+    sub.add_parser("from-env", help="run the arguments a variable holds as a JSON list (a TrainJob's member)")
     sub.add_parser("runs", help="list the local runs and their live processes")
     sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): show, rescore, replay, page (dockrl rollouts -h)")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")

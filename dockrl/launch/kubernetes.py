@@ -1,4 +1,4 @@
-"""Kubernetes worker backend: a run's workers as one JobSet, watched until the run ends.
+"""Kubernetes worker backend: a run's workers as one JobSet (or one Kubeflow Trainer TrainJob), watched until the run ends.
 
 The launcher (the pipeline's train pod) renders the run's objects (``jobset.py``: a Secret,
 the JobSet, a Volcano PodGroup if asked for) and creates them through the ``kubernetes``
@@ -9,6 +9,11 @@ the JobSet and the PodGroup by label, the Secret goes with the launcher pod (the
 create Secrets but not delete one); the Jobs' ``activeDeadlineSeconds``, the JobSet's TTL and the driver's lease on
 the dock (``dockrl.process.lifeline``: when the launcher stops renewing it for ``run.driver_timeout_s``
 the shards and the stages exit) bound what a lost launcher leaves behind.
+
+With ``Platform.workload='trainjob'`` the launcher creates a TrainJob instead of the JobSet (``trainjob.py``): it
+references the site's ClusterTrainingRuntime (``trainer_runtime_main``, ``dockrl trainer-runtime``, renders one for
+a config's shape), the Trainer makes the JobSet of the same name from it, and everything below holds as it is;
+teardown deletes the TrainJob (its JobSet goes with it).
 
 How a run's stages find what they need, in pods that cannot see the launcher's files:
 
@@ -60,6 +65,7 @@ from dockrl.launch.kubernetes_watch import RunWatch, get_field, running_members
 from dockrl.launch.launcher_pod import OwnerPod, launcher_namespace
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.launch.pod_spec import pod_shape
+from dockrl.launch.trainjob import render_trainjob
 
 logger = logging.getLogger(__name__)
 
@@ -195,18 +201,20 @@ class KubernetesBackend:
                    custom_api=client.CustomObjectsApi(), owner=owner, **kwargs)
 
     def render(self, groups: Sequence[WorkerGroup]) -> list[dict[str, Any]]:
-        """The run's objects in creation order (``jobset.render_jobset``)."""
-        return render_jobset(groups, run_id=self.run_id, namespace=self.namespace, platform=self.platform,
-                             owner=self.owner.reference() if self.owner else None, attempt=self._attempts)
+        """The run's objects in creation order (``jobset.render_jobset``, or ``trainjob.render_trainjob``)."""
+        render = render_trainjob if self.platform.workload == "trainjob" else render_jobset
+        return render(groups, run_id=self.run_id, namespace=self.namespace, platform=self.platform,
+                      owner=self.owner.reference() if self.owner else None, attempt=self._attempts)
 
     # ---- start ----
 
     def start(self, groups: Sequence[WorkerGroup]) -> None:
-        """Create the run's Secret, PodGroup (Volcano) and JobSet: every group at once.
+        """Create the run's Secret, PodGroup (Volcano) and JobSet, or its TrainJob: every group at once.
 
         Raises:
             RuntimeError: the run's objects exist already (started before), the launcher may
-                not create them (RBAC), or the JobSet or PodGroup API is not installed.
+                not create them (RBAC), the JobSet, PodGroup or TrainJob API is not installed, or the
+                Trainer refused the TrainJob (its ClusterTrainingRuntime missing).
         """
         if self._expected:
             raise RuntimeError(f"kubernetes backend: run {self.run_id!r} started already; a run is one JobSet, "
@@ -218,6 +226,10 @@ class KubernetesBackend:
         for obj in objects:
             created[obj["kind"]] = create_object(self.core, self.custom, obj, namespace=self.namespace, run_id=self.run_id)
         self._expected = {g.name: pod_shape(g, self.platform).pods for g in groups}
+        if "TrainJob" in created:  # the Trainer makes the JobSet, and a PodGroup of the runtime's podGroupPolicy
+            logger.info("created TrainJob %s/%s of ClusterTrainingRuntime %s: %s", self.namespace, self.name,
+                        self.platform.training_runtime, ", ".join(_describe(g, self.platform) for g in groups))
+            return
         # what only the run uses goes with its JobSet (TTL, teardown, garbage collection)
         jobset = created["JobSet"]
         owned = [{"apiVersion": jobset["apiVersion"], "kind": "JobSet", "name": self.name, "uid": get_field(jobset, "metadata", "uid")}]
@@ -268,7 +280,7 @@ class KubernetesBackend:
         worker pods (a retried launcher finds the failed attempt's, which it tears down and waits for
         before it creates its own under the same names)."""
         return run_objects(self.core, self.custom, namespace=self.namespace, selector=self.selector,
-                           scheduler=self.platform.scheduler)
+                           scheduler=self.platform.scheduler, workload=self.platform.workload)
 
     def teardown(self) -> int:
         """Delete the run's JobSet (its Jobs and pods go with it) and PodGroup; returns
@@ -279,7 +291,7 @@ class KubernetesBackend:
             with contextlib.suppress(WorkerFailed):  # a Workload deactivated by hand: a stop, nothing to resume
                 self.preempted = self._watch.preemption()
         removed = delete_run_objects(self.custom, namespace=self.namespace, selector=self.selector,
-                                     scheduler=self.platform.scheduler)
+                                     scheduler=self.platform.scheduler, workload=self.platform.workload)
         deadline = self.clock() + self.teardown_wait_s
         left = self.core.list_namespaced_pod(namespace=self.namespace, label_selector=self.selector).items
         while left and self.clock() < deadline:
@@ -291,3 +303,33 @@ class KubernetesBackend:
         logger.info("kubernetes teardown of run %s in %s: %d object(s) deleted", self.run_id, self.namespace, removed)
         self._expected = {}
         return removed
+
+
+def trainer_runtime_main(argv: list[str] | None = None) -> int:
+    """``dockrl trainer-runtime``: print the ClusterTrainingRuntime (YAML) of the runs of a config's shape on a platform,
+    for a site administrator to review and apply (``trainjob.render_training_runtime``)."""
+    import argparse
+
+    import yaml
+
+    from dockrl.config import load_config
+    from dockrl.launch.distributed import worker_groups  # lazy: the driver's side of a run, only to know its groups
+    from dockrl.launch.platform_files import platform_from_file
+    from dockrl.launch.trainjob import render_training_runtime
+
+    parser = argparse.ArgumentParser(prog="dockrl trainer-runtime", description=trainer_runtime_main.__doc__)
+    parser.add_argument("--platform", default="npu", help="preset: npu, gpu or cpu (default npu)")
+    parser.add_argument("--platform-config", help="YAML file of the site's platform fields (as `dockrl pipeline compile`)")
+    parser.add_argument("--name", default="dockrl-hybrid", help="the runtime's name (Platform.training_runtime)")
+    parser.add_argument("--config", help="the runs' config file; the groups and pods follow its layout and stages")
+    parser.add_argument("overrides", nargs="*", help="section.field=value, e.g. parallel.tp=2 parallel.dp=4")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    platform = get_platform(args.platform)
+    if args.platform_config:
+        platform = platform_from_file(platform, args.platform_config)
+    # the shape alone matters: what addresses, tokens and the run's name give is patched in by each TrainJob
+    backend = KubernetesBackend("runtime", namespace="default", platform=platform, core_api=None, custom_api=None)
+    groups = worker_groups(cfg, backend, backend.serve_ports(cfg.dock.shards), "launcher:29500", "token", "runtime")
+    print(yaml.safe_dump(render_training_runtime(groups, name=args.name, platform=platform), sort_keys=False), end="")
+    return 0

@@ -1,13 +1,13 @@
 """A Kubernetes run's objects in the API: create one, list what is left, delete them.
 
 The objects are those ``jobset.render_jobset`` renders (a Secret, a NetworkPolicy, a Volcano
-PodGroup if asked for, the JobSet), found again by the run's label selector (``dockrl.io/run=<run_id>``).
+PodGroup if asked for, the JobSet) or ``trainjob.render_trainjob`` (a Secret, a NetworkPolicy, a TrainJob), found again by the run's label selector (``dockrl.io/run=<run_id>``).
 ``KubernetesBackend`` (``kubernetes.py``) calls these with its ``CoreV1Api`` and
 ``CustomObjectsApi`` (or the tests' fakes):
 
 * ``create_object``: create one, with the API's refusals explained (exists, RBAC, no such resource);
 * ``run_objects``: what of a run exists, as ``Kind/name`` (a retried launcher's check);
-* ``delete_run_objects``: delete a run's NetworkPolicy, PodGroup and JobSet (its Jobs and pods go with it).
+* ``delete_run_objects``: delete a run's NetworkPolicy, PodGroup, TrainJob and JobSet (its Jobs and pods go with it).
 
 The NetworkPolicy (``networking.k8s.io/v1``) goes through the ``CustomObjectsApi`` as the
 JobSet does: its generic calls serve any resource of a named API group.
@@ -32,6 +32,7 @@ from dockrl.launch.jobset import (
     VOLCANO_VERSION,
 )
 from dockrl.launch.kubernetes_watch import api_exception
+from dockrl.launch.trainjob import TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL
 
 
 def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str, run_id: str) -> dict[str, Any]:
@@ -48,7 +49,7 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
             core.create_namespaced_secret(namespace=namespace, body=obj)
             return obj
         group, version = obj["apiVersion"].split("/")
-        plural = {"JobSet": JOBSET_PLURAL, "NetworkPolicy": POLICY_PLURAL}.get(kind, VOLCANO_PLURAL)
+        plural = {"JobSet": JOBSET_PLURAL, "NetworkPolicy": POLICY_PLURAL, "TrainJob": TRAINJOB_PLURAL}.get(kind, VOLCANO_PLURAL)
         return custom.create_namespaced_custom_object(group, version, namespace, plural, obj)
     except ApiException as err:
         if err.status == 409:
@@ -57,38 +58,48 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
         if err.status == 403:
             raise RuntimeError(f"not allowed to create {kind} in namespace {namespace!r}: apply manifests/base "
                                "(its Role dockrl-launcher adds these rights to KFP's pipeline-runner account)") from None
-        if err.status == 404 and kind in ("JobSet", "PodGroup"):
-            needs = "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)" if kind == "JobSet" else \
-                "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'"
+        if err.status == 404 and kind in ("JobSet", "PodGroup", "TrainJob"):
+            needs = {"JobSet": "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)",
+                     "PodGroup": "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'",
+                     "TrainJob": "Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1), or platform workload='jobset'"}[kind]
             raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs} (docs/kubernetes.md)") from None
+        if err.status in (400, 422) and kind == "TrainJob":  # the Trainer's webhook: its runtime first of all
+            runtime = obj["spec"]["runtimeRef"]["name"]
+            raise RuntimeError(f"TrainJob {namespace}/{name} refused ({err.reason}: {str(err.body)[:500]}): does the "
+                               f"ClusterTrainingRuntime {runtime!r} exist (kubectl get clustertrainingruntime {runtime}; "
+                               "`dockrl trainer-runtime` renders one, docs/kubeflow.md)?") from None
         raise
 
 
-def run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str) -> list[str]:
-    """What of the run labelled ``selector`` exists in ``namespace``, as ``Kind/name``: its
-    NetworkPolicy, PodGroup (with the ``volcano`` scheduler), JobSet and worker pods."""
-    left: list[str] = []
+def _kinds(scheduler: str, workload: str) -> list[tuple[str, str, str, str]]:
+    """The run's kinds the launcher lists and deletes, what a kind owns after it: the NetworkPolicy; the PodGroup
+    (``volcano``, a JobSet run: a TrainJob's is the Trainer's); the TrainJob (a ``trainjob`` run); the JobSet."""
     kinds = [("NetworkPolicy", POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)]
-    if scheduler == "volcano":
+    if scheduler == "volcano" and workload == "jobset":
         kinds.append(("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
-    for kind, group, version, plural in [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]:
+    if workload == "trainjob":
+        kinds.append(("TrainJob", TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL))
+    return [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]
+
+
+def run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str, workload: str = "jobset") -> list[str]:
+    """What of the run labelled ``selector`` exists in ``namespace``, as ``Kind/name``: its
+    NetworkPolicy, PodGroup (with the ``volcano`` scheduler), TrainJob (``workload='trainjob'``), JobSet and worker pods."""
+    left: list[str] = []
+    for kind, group, version, plural in _kinds(scheduler, workload):
         items = custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
         left += [f"{kind}/{obj['metadata']['name']}" for obj in items.get("items", [])]
     pods = core.list_namespaced_pod(namespace=namespace, label_selector=selector).items
     return left + [f"Pod/{p.metadata.name}" for p in pods]
 
 
-def delete_run_objects(custom: Any, *, namespace: str, selector: str, scheduler: str) -> int:
-    """Delete the NetworkPolicy, PodGroup (with the ``volcano`` scheduler) and JobSet of the run labelled
-    ``selector`` (in the background: the JobSet's Jobs and pods go with it, on their own time);
-    returns how many objects were deleted. What is already gone is skipped: safe to call twice."""
+def delete_run_objects(custom: Any, *, namespace: str, selector: str, scheduler: str, workload: str = "jobset") -> int:
+    """Delete the NetworkPolicy, PodGroup (with the ``volcano`` scheduler), TrainJob (``workload='trainjob'``) and
+    JobSet of the run labelled ``selector`` (in the background: the JobSet's Jobs and pods go with it, on their own
+    time); returns how many objects were deleted. What is already gone is skipped: safe to call twice."""
     ApiException = api_exception()
     removed = 0
-    kinds = [(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)]  # what the JobSet owns before it, so each is counted once
-    if scheduler == "volcano":
-        kinds.append((VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
-    kinds.append((JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL))
-    for group, version, plural in kinds:
+    for _, group, version, plural in _kinds(scheduler, workload):  # what went with an owner deleted before is not listed
         for obj in custom.list_namespaced_custom_object(group, version, namespace, plural,
                                                         label_selector=selector).get("items", []):
             try:

@@ -30,6 +30,12 @@ no Workload appears for it (Kueue down, its JobSet integration off), or its Work
 ``Inadmissible`` (its LocalQueue missing or stopped; a JobSet without a queue name where Kueue
 manages the namespace) or asks for more than any flavor of the queue can ever hold. ``RunWatch`` looks; the backend decides when (``check``:
 at most every ``poll_s``; ``wait_ready``: until every member runs).
+
+A ``trainjob`` run (``Platform.workload``): Kueue queues, suspends and evicts the TrainJob, so admission and
+preemption are read there (its Workload found by the TrainJob's uid); the Trainer makes the JobSet once the TrainJob
+runs, and a run whose JobSet has not appeared within ``Platform.admission_timeout_s`` of an unsuspended TrainJob
+fails, naming the TrainJob's conditions (no Trainer running, its runtime missing); a TrainJob that failed or is gone
+fails the run as a JobSet does.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from dockrl.launch.backend import WorkerFailed, WorkersSuspended
 from dockrl.launch.jobset import GROUP_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, VOLCANO_GROUP, VOLCANO_PLURAL, VOLCANO_VERSION
 from dockrl.launch.platform import Platform
 from dockrl.launch.pod_spec import COMPLETION_INDEX, CONTAINER
+from dockrl.launch.trainjob import TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +142,24 @@ class RunWatch:
                 return None
             raise
 
+    def trainjob(self) -> dict[str, Any] | None:
+        ApiException = api_exception()
+        try:
+            return self.custom.get_namespaced_custom_object(TRAINER_GROUP, TRAINER_VERSION, self.namespace, TRAINJOB_PLURAL, self.name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    @property
+    def kind(self) -> str:
+        """What Kueue queues and the run is made of: ``TrainJob`` (``Platform.workload='trainjob'``) or ``JobSet``."""
+        return "TrainJob" if self.platform.workload == "trainjob" else "JobSet"
+
+    def queued(self) -> dict[str, Any] | None:
+        """The object Kueue queues, suspends and evicts: the run's TrainJob or JobSet; None once it is gone."""
+        return self.trainjob() if self.kind == "TrainJob" else self.jobset()
+
     def podgroup(self) -> dict[str, Any] | None:
         """The run's Volcano PodGroup while Volcano has not admitted it (its phase ``Pending``), else None."""
         if self.platform.scheduler != "volcano":
@@ -149,7 +174,7 @@ class RunWatch:
         return group if get_field(group, "status", "phase") in (None, "Pending") else None
 
     def workload(self, jobset: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        """The Kueue Workload of ``jobset`` (None if there is none) and, when it cannot be read, why."""
+        """The Kueue Workload of ``jobset`` (the run's ``queued`` object; None if there is none) and, when it cannot be read, why."""
         ApiException = api_exception()
         selector = f"{KUEUE_JOB_UID_LABEL}={get_field(jobset, 'metadata', 'uid')}"
         try:
@@ -203,7 +228,7 @@ class RunWatch:
         Raises:
             WorkerFailed: the Workload was deactivated by hand (``InactiveWorkload``): a stop, not a pause.
         """
-        jobset = jobset if jobset is not None else self.jobset() if self.admitted else None
+        jobset = jobset if jobset is not None else self.queued() if self.admitted else None
         if jobset is None or not self.admitted or not get_field(jobset, "spec", "suspend"):
             return None
         workload, unread = self.workload(jobset)
@@ -285,18 +310,28 @@ class RunWatch:
     def look(self, now: float) -> list[Any]:
         """One look at the JobSet and its pods; raises on a failure, returns the pods."""
         jobset = self.jobset()
-        if jobset is None:
-            raise WorkerFailed("jobset", self.name, "the run's JobSet is gone (deleted by hand, or by its TTL)")
-        paused = self.preemption(jobset)
+        queued_obj = self.queued() if self.kind == "TrainJob" else jobset
+        if queued_obj is None:
+            raise WorkerFailed("jobset", self.name, f"the run's {self.kind} is gone (deleted by hand, or by its TTL)")
+        paused = self.preemption(queued_obj)
         if paused is not None:  # before what its pods say: they go away because of it
             raise paused
-        suspended = bool(get_field(jobset, "spec", "suspend"))
-        podgroup = None if suspended else self.podgroup()
+        suspended = bool(get_field(queued_obj, "spec", "suspend"))
+        if jobset is None and not suspended:  # a TrainJob the Trainer has not made its JobSet of yet
+            self.trainjob_failure(queued_obj)
+            waited = now - self.first_seen(self.name, "made", now)
+            if waited > self.platform.admission_timeout_s:
+                raise WorkerFailed("jobset", self.name, f"TrainJob {self.namespace}/{self.name}: no JobSet made of it after "
+                                   f"{waited:.0f} s (Platform.admission_timeout_s={self.platform.admission_timeout_s}): check that "
+                                   f"Kubeflow Trainer runs and its ClusterTrainingRuntime {self.platform.training_runtime!r} exists; "
+                                   f"the TrainJob's conditions: {self.conditions(queued_obj) or 'none'}")
+            return []
+        podgroup = None if suspended or self.kind == "TrainJob" else self.podgroup()
         queued = suspended or podgroup is not None
         if queued:
             since = self.first_seen(self.name, "queued", now)
             if suspended:
-                what = self.admission(jobset, now, since)
+                what = self.admission(queued_obj, now, since)
             else:
                 said = [f"{c.get('type')} ({c.get('reason')}: {c.get('message')})" for c in get_field(podgroup, "status", "conditions") or []]
                 what = f"Volcano PodGroup {self.name} Pending" + (f": {'; '.join(said)}" if said else "")
@@ -319,9 +354,21 @@ class RunWatch:
         if state == "Failed" or failed:  # before pods that vanished with it (its deadline, its failure policy)
             why = "; ".join(f"{c.get('reason')}: {c.get('message')}" for c in failed) or "terminal state Failed"
             raise WorkerFailed("jobset", self.name, f"JobSet failed ({why})")
+        if self.kind == "TrainJob":
+            self.trainjob_failure(queued_obj)
         if first is not None:
             raise first[1]
         return pods
+
+    @staticmethod
+    def conditions(obj: dict[str, Any]) -> str:
+        return "; ".join(f"{c.get('type')}={c.get('status')} ({c.get('reason')}: {c.get('message')})"
+                         for c in get_field(obj, "status", "conditions") or [])
+
+    def trainjob_failure(self, trainjob: dict[str, Any]) -> None:
+        """Raise ``WorkerFailed`` when ``trainjob`` has the condition ``Failed`` (the Trainer refused it, its JobSet failed)."""
+        if any(c.get("type") == "Failed" and c.get("status") == "True" for c in get_field(trainjob, "status", "conditions") or []):
+            raise WorkerFailed("jobset", self.name, f"TrainJob failed ({self.conditions(trainjob)})")
 
     def replaced(self, pods: Sequence[Any]) -> list[tuple[int, WorkerFailed]]:
         """Pods of a member (group, index) other than the first seen, and members whose pod vanished."""

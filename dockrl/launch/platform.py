@@ -14,6 +14,7 @@ checkpoints, metrics) lives there, so the launcher and the stage pods see the sa
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -55,6 +56,9 @@ SHARED_VOLUME_CLAIM = "dockrl-shared"
 """PersistentVolumeClaim (ReadWriteMany) shared by the launcher and the worker pods."""
 SHARED_MOUNT_PATH = "/mnt/dockrl"
 """Where it is mounted, in the launcher and in every worker pod."""
+
+RUNTIME_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A ClusterTrainingRuntime's name (an RFC 1035 label, as the Trainer's webhook wants TrainJob names)."""
 
 ASCEND_RESOURCE = "huawei.com/Ascend910"
 NVIDIA_RESOURCE = "nvidia.com/gpu"
@@ -146,6 +150,14 @@ class Platform:
     queue: str = ""
     """Kueue LocalQueue (required with ``scheduler=kueue``) or Volcano queue ("" for Volcano's
     ``default``) of a run's workers."""
+    workload: Literal["jobset", "trainjob"] = "jobset"
+    """What the Kubernetes worker backend creates for a run's workers: ``jobset``, one JobSet that dockrl renders
+    whole (``jobset.py``), or ``trainjob``, one Kubeflow Trainer TrainJob that references the ClusterTrainingRuntime
+    ``training_runtime`` and patches the run into it (``trainjob.py``): the Trainer makes the JobSet, so the site's
+    runtime (placement, RDMA, scheduling, Kueue through the TrainJob) applies. docs/kubeflow.md says when to use which."""
+    training_runtime: str = "dockrl-hybrid"
+    """The ClusterTrainingRuntime a ``trainjob`` run references (``dockrl trainer-runtime`` renders one for a
+    config's shape; a site administrator applies it)."""
     worker_deadline_s: int = 7 * 24 * 3600
     """Longest a run's workers may live, seconds (``activeDeadlineSeconds`` of their Jobs): a
     bound on what a lost launcher can leave running."""
@@ -235,6 +247,9 @@ class Platform:
         if self.scheduler == "kueue" and not self.queue:
             raise ValueError(f"platform {self.name!r}: scheduler='kueue' needs queue (the LocalQueue of the workers' "
                              "namespace, e.g. queue='team-rl')")
+        if self.workload == "trainjob" and not RUNTIME_NAME.match(self.training_runtime):
+            raise ValueError(f"platform {self.name!r}: training_runtime={self.training_runtime!r}; expected the name of a "
+                             "ClusterTrainingRuntime (lower case, digits, '-'; starting with a letter), e.g. 'dockrl-hybrid'")
         if self.priority_class and not K8S_NAME_PATTERN.match(self.priority_class):
             raise ValueError(f"platform {self.name!r}: priority_class={self.priority_class!r}; expected the name of a "
                              "Kueue WorkloadPriorityClass (lower case, digits, '-', '.')")

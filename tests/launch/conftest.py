@@ -1,6 +1,7 @@
 """A fake Kubernetes API (FakeKubernetesApi: the CoreV1Api / CustomObjectsApi calls the worker
-backend makes), and offline validators: kubernetes-validate for core objects, the JobSet CRD's
-OpenAPI schema (tests/launch/reference/) for JobSets.
+backend makes, and a fake Kubeflow Trainer controller that makes a TrainJob's JobSet from its
+ClusterTrainingRuntime), and offline validators: kubernetes-validate for core objects, the JobSet
+and Trainer CRDs' OpenAPI schemas (tests/launch/reference/) for JobSets, TrainJobs and runtimes.
 
 Objects are kept as API dicts; core list calls answer real ``kubernetes.client`` model objects
 (deserialized as the real client does), so the backend is tested against the real types. What
@@ -53,6 +54,8 @@ class FakeKubernetesApi:
         # group -> (pod status, log): what the JobSet controller and the kubelet report for every
         # member of that replicated job as soon as the JobSet is created
         self.pods_on_create: dict[str, tuple[dict, str]] = {}
+        # ClusterTrainingRuntimes by name, as a site administrator applied them (cluster-scoped)
+        self.runtimes: dict[str, dict] = {}
         self._client = ApiClient()
         self._suffix = itertools.count()
 
@@ -69,6 +72,8 @@ class FakeKubernetesApi:
         obj = copy.deepcopy(body)
         obj["metadata"]["uid"] = str(uuid.uuid4())
         self.objects[key] = obj
+        if kind == "TrainJob" and body["spec"]["runtimeRef"]["name"] in self.runtimes:
+            self.create("JobSet", namespace, self.trainer_jobset(obj))
         if kind == "JobSet":
             obj["status"] = {}
             for rjob in obj["spec"]["replicatedJobs"]:
@@ -99,12 +104,19 @@ class FakeKubernetesApi:
         obj = self.objects.pop((kind, namespace, name), None)
         if obj is None:
             raise ApiException(status=404, reason="NotFound")
+        self._collect(kind, name, obj)
+
+    def _collect(self, kind: str, name: str, obj: dict) -> None:
+        """The garbage collector: what the object owned goes with it, and what that owned."""
         uid = obj["metadata"]["uid"]
-        for key, other in list(self.objects.items()):  # the garbage collector: what the object owned goes with it
+        for key, other in list(self.objects.items()):
+            if key not in self.objects:
+                continue
             owners = other["metadata"].get("ownerReferences") or []
             owned_pod = kind == "JobSet" and key[0] == "Pod" and other["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name
             if owned_pod or any(o.get("uid") == uid for o in owners):
                 del self.objects[key]
+                self._collect(key[0], key[2], other)
 
     def core(self) -> FakeCoreV1Api:
         return FakeCoreV1Api(self)
@@ -112,7 +124,37 @@ class FakeKubernetesApi:
     def custom(self) -> FakeCustomObjectsApi:
         return FakeCustomObjectsApi(self)
 
-    # ---- what the JobSet controller, the scheduler and the kubelet would do ----
+    # ---- what the Trainer, the JobSet controller, the scheduler and the kubelet would do ----
+
+    def trainer_jobset(self, trainjob: dict) -> dict:
+        """The JobSet a Trainer makes of ``trainjob``: its runtime's template, named and owned as the TrainJob, with the
+        TrainJob's ``runtimePatches`` applied (labels merged, each container's env merged by name)."""
+        runtime = self.runtimes[trainjob["spec"]["runtimeRef"]["name"]]
+        template = copy.deepcopy(runtime["spec"]["template"])
+        meta = trainjob["metadata"]
+        labels = dict(template.get("metadata", {}).get("labels", {}))
+        jobs = {r["name"]: r for r in template["spec"]["replicatedJobs"]}
+        for patch in trainjob["spec"].get("runtimePatches", []):
+            tpl = patch["trainingRuntimeSpec"]["template"]
+            labels |= tpl.get("metadata", {}).get("labels", {})
+            for rpatch in tpl["spec"]["replicatedJobs"]:
+                job = jobs[rpatch["name"]]["template"]
+                job["metadata"]["labels"] |= rpatch["template"]["metadata"]["labels"]
+                pod = job["spec"]["template"]
+                pod["metadata"]["labels"] |= rpatch["template"]["spec"]["template"]["metadata"]["labels"]
+                containers = {c["name"]: c for c in pod["spec"]["containers"]}
+                for cpatch in rpatch["template"]["spec"]["template"]["spec"]["containers"]:
+                    env = {e["name"]: e for e in containers[cpatch["name"]].get("env", [])} | {e["name"]: e for e in cpatch["env"]}
+                    containers[cpatch["name"]]["env"] = list(env.values())
+        owner = {"apiVersion": trainjob["apiVersion"], "kind": "TrainJob", "name": meta["name"], "uid": meta["uid"],
+                 "controller": True}
+        return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": labels, "ownerReferences": [owner]},
+                "spec": template["spec"]}
+
+    def set_trainjob(self, namespace: str, **fields: Any) -> None:
+        [trainjob] = [o for (k, ns, _), o in self.objects.items() if k == "TrainJob" and ns == namespace]
+        trainjob.update(copy.deepcopy(fields))
 
     def jobset(self, namespace: str) -> dict:
         [obj] = [o for (k, ns, _), o in self.objects.items() if k == "JobSet" and ns == namespace]
@@ -207,7 +249,7 @@ class FakeCoreV1Api:
         return "".join(deque(lines, maxlen=tail_lines) if tail_lines else lines)
 
 
-_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("scheduling.volcano.sh", "podgroups"): "PodGroup",
+_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("trainer.kubeflow.org", "trainjobs"): "TrainJob", ("scheduling.volcano.sh", "podgroups"): "PodGroup",
           ("kueue.x-k8s.io", "workloads"): "Workload", ("networking.k8s.io", "networkpolicies"): "NetworkPolicy"}
 
 
@@ -270,6 +312,33 @@ def validate_jobset():
                 f"  {'/'.join(map(str, e.path)) or '<root>'}: {e.message[:300]}" for e in errors[:10]))
 
     return check
+
+
+def _validator(crd_file: str, kind: str, version: str):
+    """``check(obj)``: the OpenAPI v3 schema of ``crd_file``'s ``version`` with ``jsonschema``, unknown fields refused."""
+    import jsonschema
+
+    crd = yaml.safe_load((REFERENCE / crd_file).read_text())
+    [served] = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    validator = jsonschema.Draft202012Validator(_strict(served["schema"]["openAPIV3Schema"]))
+
+    def check(obj: dict) -> None:
+        assert obj["apiVersion"] == f"{crd['spec']['group']}/{version}" and obj["kind"] == kind
+        errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
+        if errors:
+            pytest.fail(f"{kind} invalid against {crd_file}:\n" + "\n".join(
+                f"  {'/'.join(map(str, e.path)) or '<root>'}: {e.message[:300]}" for e in errors[:10]))
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def validate_trainer():
+    """``validate_trainer(obj)``: a TrainJob or ClusterTrainingRuntime against Kubeflow Trainer's CRDs
+    (trainer.kubeflow.org/v1alpha1, tests/launch/reference/), unknown fields refused."""
+    checks = {kind: _validator(f"kubeflow-trainer-8c0f505-{plural}-crd.yaml", kind, "v1alpha1")
+              for kind, plural in (("TrainJob", "trainjobs"), ("ClusterTrainingRuntime", "clustertrainingruntimes"))}
+    return lambda obj: checks[obj["kind"]](obj)
 
 
 K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest with the pod-index label the workers read, and the newest schema

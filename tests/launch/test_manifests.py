@@ -90,6 +90,7 @@ def test_launcher_role_adds_exactly_what_the_backend_does_to_kfps_runner_account
     rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert rules == {
         ("jobset.x-k8s.io", "jobsets"): {"create", "get", "list", "watch", "delete"},
+        ("trainer.kubeflow.org", "trainjobs"): {"create", "get", "list", "delete"},
         ("", "pods"): {"get", "list", "watch"},
         ("", "pods/log"): {"get"},
         ("", "events"): {"list", "watch"},
