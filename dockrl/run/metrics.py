@@ -133,7 +133,7 @@ class MetricsWriter:
 
     def finish(self, summary: Mapping[str, float], artifacts: Sequence[Path] = ()) -> dict[str, float]:
         """End the trackers' runs as finished, with ``summary`` and ``artifacts`` (``run_report``); returns
-        ``tracker/<name>/failures`` and ``tracker/<name>/unsent`` of every tracker, for the summary."""
+        ``tracker/<name>/failures`` and ``tracker/<name>/unsent`` of the trackers that failed, for the summary."""
         self._finished = True
         return self.trackers.finish(summary, artifacts)
 
@@ -305,6 +305,6 @@ def run_report(run_dir: str | Path) -> list[Path]:
                 page = run / "rollouts.html"
                 page.write_text(rollouts_page_html(kept, title=f"dockrl rollouts of {run.name}"), encoding="utf-8")
                 files.append(page)
-        except (OSError, ValueError) as exc:
-            logger.warning("the rollouts page of %s is left out of the trackers' artifacts: %s", run, exc)
+        except Exception as exc:  # noqa: BLE001 - a page for the trackers never fails a run that trained
+            logger.warning("the rollouts page of %s is left out of the trackers' artifacts (%s: %s)", run, type(exc).__name__, exc)
     return files

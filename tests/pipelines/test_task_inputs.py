@@ -50,3 +50,18 @@ def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(platform, w
     # the exit task reads nothing of the run's: it neither mounts nor needs the Secret
     assert not k8s["exec-teardown-workers"].pvc_mount and "exec-teardown-workers" not in readers
 
+
+
+@pytest.mark.parametrize("worker_backend", ["local", "kubernetes"])
+def test_the_train_task_reads_the_trackers_secret_as_optional_and_names_its_image(worker_backend, tmp_path):
+    """The driver's trackers (run.trackers): their server and keys from the trackers' Secret (optional, as a run with
+    TensorBoard alone has none), their lineage's image from the task's own image."""
+    from dockrl.launch.platform import TRACKER_KEYS, TRACKER_SECRET
+    from dockrl.pipelines.grpo import compile_pipeline
+
+    spec, deployment, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform="npu", worker_backend=worker_backend))
+    [trackers] = [s for s in k8s["exec-train"].secret_as_env if s.secret_name == TRACKER_SECRET]
+    assert {k.secret_key: k.env_var for k in trackers.key_to_env} == {k: k for k in TRACKER_KEYS} and trackers.optional
+    train = deployment.executors["exec-train"].container
+    assert {e.name: e.value for e in train.env}["DOCKRL_IMAGE"] == train.image
+    assert all(s.secret_name != TRACKER_SECRET for name, c in k8s.items() if name != "exec-train" for s in c.secret_as_env)

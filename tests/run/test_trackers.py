@@ -98,8 +98,7 @@ def test_a_failing_tracker_is_counted_warned_once_retried_with_backoff_and_sent_
     fake.down, now[0] = False, 16.0  # back, and the backoff (5, then 10 s) has passed
     trackers.log(8, {"reward/mean": 8.0})
     assert [i for i, _ in fake.logged] == list(range(9)) and fake.started == 1  # every iteration, in order, once
-    assert trackers.finish({"run/seconds": 3.0}, [Path("metrics.png")]) == {
-        "tracker/fake/failures": 2, "tracker/fake/unsent": 0, "tracker/healthy/failures": 0, "tracker/healthy/unsent": 0}
+    assert trackers.finish({"run/seconds": 3.0}, [Path("metrics.png")]) == {"tracker/fake/failures": 2, "tracker/fake/unsent": 0}
     assert fake.finished == ({"run/seconds": 3.0}, False) and fake.files == [Path("metrics.png")]
 
 
@@ -206,10 +205,13 @@ def read_wandb_history(run_file: Path) -> tuple[list[dict], dict]:
             chunk = b""
     rows, config = [], {}
     for record in records:
-        if record.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item})
-        elif record.WhichOneof("record_type") == "config":
-            config |= {item.key: json.loads(item.value_json) for item in record.config.update}
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
+            rows.append({"_step": record.history.step.num} | row)
+        elif kind in ("run", "config"):  # the config comes with the run record, and its updates after
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config |= {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in updates}
     return rows, config
 
 
@@ -228,8 +230,7 @@ def test_a_run_logs_every_iteration_config_lineage_and_report_to_mlflow_and_wand
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1, 2] and not any(k.startswith("tracker/") for x in lines for k in x)
-    assert summary["tracker/mlflow/failures"] == summary["tracker/wandb/failures"] == 0
-    assert summary["tracker/mlflow/unsent"] == summary["tracker/wandb/unsent"] == 0
+    assert not any(k.startswith("tracker/") for k in summary)  # no tracker failed
     ids = json.loads((run / "trackers.json").read_text())
 
     client = MlflowClient(mlflow_server.uri)
@@ -253,8 +254,8 @@ def test_a_run_logs_every_iteration_config_lineage_and_report_to_mlflow_and_wand
     rows, config = read_wandb_history(run_file)
     assert [r["_step"] for r in rows] == [0, 1, 2]
     assert [r["reward/mean"] for r in rows] == [pytest.approx(x["reward/mean"]) for x in lines]
-    assert config["trainer"]["value"]["iterations"] == 3
-    assert config["lineage"]["value"]["config_sha256"] == config_hash(cfg)
+    assert config["trainer"]["iterations"] == 3
+    assert config["lineage"]["config_sha256"] == config_hash(cfg)
     assert any((run / "tensorboard").iterdir())
 
 

@@ -9,7 +9,8 @@ interval, never one per iteration. (Giving up after the first failure would lose
 restart of a few seconds.) ``finish`` tries once more whatever the backoff, then ends each tracker's run.
 
 Each failure adds to ``tracker/<name>/failures``, which the run's metrics carry from the first failure on, and the
-summary carries with ``tracker/<name>/unsent`` (iterations that never reached the tracker).
+summary carries with ``tracker/<name>/unsent`` (iterations that never reached the tracker); a run whose trackers
+never failed has neither.
 """
 
 from __future__ import annotations
@@ -119,19 +120,21 @@ class TrackerSet:
                 g.dropped += 1
             self._attempt(name, g, f"at iteration {iteration}", lambda g=g: self._send(g))
 
-    def counters(self, every: bool = False) -> dict[str, float]:
-        """``tracker/<name>/failures`` of the trackers that failed so far (``every``: of all, and their ``unsent``)."""
+    def counters(self, final: bool = False) -> dict[str, float]:
+        """``tracker/<name>/failures`` of the trackers that failed so far; ``final``: with ``tracker/<name>/unsent``
+        (iterations that never reached it), of those that failed or missed any. A run without failures has none."""
         out: dict[str, float] = {}
         for name, g in self._guarded.items():
-            if every or g.failures:
+            unsent = len(g.backlog) + g.dropped
+            if g.failures or (final and unsent):
                 out[f"tracker/{name}/failures"] = g.failures
-            if every:
-                out[f"tracker/{name}/unsent"] = len(g.backlog) + g.dropped
+                if final:
+                    out[f"tracker/{name}/unsent"] = unsent
         return out
 
     def finish(self, summary: Mapping[str, float], artifacts: Sequence[Path] = (), *, failed: bool = False) -> dict[str, float]:
         """Send what is held, ``artifacts`` and ``summary``, and end every tracker's run (as failed with ``failed``),
-        each tried once more whatever its backoff; returns ``counters(every=True)``. Never raises."""
+        each tried once more whatever its backoff; returns ``counters(final=True)``. Never raises."""
         for name, g in self._guarded.items():
             def close(g: _Guarded = g) -> None:
                 self._send(g)
@@ -141,4 +144,4 @@ class TrackerSet:
 
             if g.started or g.backlog or not failed:  # a run that failed before its first iteration opens no tracker run
                 self._attempt(name, g, "at the end of the run", close, force=True)
-        return self.counters(every=True)
+        return self.counters(final=True)
