@@ -108,7 +108,7 @@ class RunConfig:
     "Experiment trackers"): every iteration's metrics, the config and the run's lineage; ``tensorboard`` (event files in
     ``<output_dir>/tensorboard``), ``mlflow`` (a tracking server: ``$MLFLOW_TRACKING_URI``, credentials from MLflow's
     environment variables) and ``wandb`` (W&B, ``run.wandb_mode``). A tracker that fails mid-run never fails the run:
-    it is counted (``tracker/<name>/failures``) and retried with backoff. A YAML list, or comma-separated; ``[]``: none."""
+    it is counted (``tracker/<name>/failures``) and retried with backoff. A YAML list, or comma-separated; ``[]`` (in a config file): none."""
     tracker_project: str = "dockrl"
     """The MLflow experiment and the W&B project the run is logged under."""
     wandb_mode: Literal["online", "offline"] = "online"

@@ -1,7 +1,8 @@
 """A Kubernetes run's objects in the API: create one, list what is left, delete them.
 
 The objects are those ``jobset.render_jobset`` renders (a Secret, a NetworkPolicy, a Volcano
-PodGroup if asked for, the JobSet) or ``trainjob.render_trainjob`` (a Secret, a NetworkPolicy, a TrainJob), found again by the run's label selector (``dockrl.io/run=<run_id>``).
+PodGroup if asked for, the JobSet) or ``trainjob.render_trainjob`` (a Secret, a NetworkPolicy, a
+TrainJob), found again by the run's label selector (``dockrl.io/run=<run_id>``).
 ``KubernetesBackend`` (``kubernetes.py``) calls these with its ``CoreV1Api`` and
 ``CustomObjectsApi`` (or the tests' fakes):
 

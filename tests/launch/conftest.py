@@ -249,8 +249,9 @@ class FakeCoreV1Api:
         return "".join(deque(lines, maxlen=tail_lines) if tail_lines else lines)
 
 
-_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("trainer.kubeflow.org", "trainjobs"): "TrainJob", ("scheduling.volcano.sh", "podgroups"): "PodGroup",
-          ("kueue.x-k8s.io", "workloads"): "Workload", ("networking.k8s.io", "networkpolicies"): "NetworkPolicy"}
+_KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("trainer.kubeflow.org", "trainjobs"): "TrainJob",
+          ("scheduling.volcano.sh", "podgroups"): "PodGroup", ("kueue.x-k8s.io", "workloads"): "Workload",
+          ("networking.k8s.io", "networkpolicies"): "NetworkPolicy"}
 
 
 class FakeCustomObjectsApi:

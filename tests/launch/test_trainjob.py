@@ -12,7 +12,7 @@ import re
 
 import pytest
 import yaml
-from test_kubernetes_backend import GROUPS, NS, OWNER, RUN, RUNNING, _running, _watch
+from test_kubernetes_backend import GROUPS, NS, OWNER, RUN, _running, _watch
 from test_kubernetes_run import LAUNCHER_IP, npu_platform, small_config
 
 from dockrl.launch.backend import WorkerFailed
@@ -20,7 +20,7 @@ from dockrl.launch.distributed import worker_groups
 from dockrl.launch.jobset import jobset_name, render_jobset, secret_name
 from dockrl.launch.kubernetes import KubernetesBackend, trainer_runtime_main
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.launch.trainjob import ANCESTOR_LABEL, ARGS_ENV, args_from_env, render_trainjob, render_training_runtime
+from dockrl.launch.trainjob import ANCESTOR_LABEL, ARGS_ENV, args_from_env, render_training_runtime, render_trainjob
 
 TRAINJOB = dataclasses.replace(PLATFORMS["npu"], workload="trainjob")
 TOKEN = "dock-token-of-this-run"

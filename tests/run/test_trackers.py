@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dockrl import driver
-from dockrl.config import ConfigError, load_config
+from dockrl.config import ConfigError, load_config, load_config_text
 from dockrl.config.trackers import TRACKERS, TrackerName
 from dockrl.rollouts.keep import config_hash
 from dockrl.run.trackers import RunInfo, TrackerSet
@@ -36,7 +36,7 @@ def test_the_literal_is_the_registry():
 def test_run_trackers_is_checked_at_load():
     assert load_config(None, []).run.trackers == ("tensorboard",)
     assert load_config(None, ["run.trackers=tensorboard,mlflow"]).run.trackers == ("tensorboard", "mlflow")
-    assert load_config(None, ["run.trackers=[]"]).run.trackers == ()
+    assert load_config_text("run:\n  trackers: []\n", "a file").run.trackers == ()
     with pytest.raises(ConfigError, match=r"run.trackers\[1\]: got 'mlfow'; expected one of 'tensorboard', 'mlflow', 'wandb'"):
         load_config(None, ["run.trackers=tensorboard,mlfow"])
     with pytest.raises(ConfigError, match="run.trackers: got .*expected each tracker at most once"):

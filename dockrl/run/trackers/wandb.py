@@ -10,6 +10,7 @@ code. A resumed run continues the same W&B run (its id in ``trackers.json``; W&B
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,7 +28,7 @@ class WandbTracker:
     def start(self) -> None:
         import wandb  # lazy: the wandb extra; the core needs none
 
-        run_id = self.run_id or wandb.util.generate_id()
+        run_id = self.run_id or secrets.token_hex(4)  # W&B's ids: short, of lower-case letters and digits
         remember_id(self.run, "wandb", run_id)  # before init: a run cut short in init is continued, not duplicated
         self.run.run_dir.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
