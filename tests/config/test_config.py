@@ -48,6 +48,8 @@ def test_defaults_load():
                 assert v in typing.get_args(tp), f"{section.name}.{f.name}"
             elif isinstance(tp, types.UnionType):  # run.keep_rollouts: str | float | bool
                 assert type(v) in typing.get_args(tp), f"{section.name}.{f.name}"
+            elif typing.get_origin(tp) is tuple:  # run.trackers: tuple[a registry's name, ...]
+                assert type(v) is tuple and all(type(x) is str for x in v), f"{section.name}.{f.name}"
             else:
                 assert type(v) is tp, f"{section.name}.{f.name}: {v!r} is not {tp.__name__}"
 

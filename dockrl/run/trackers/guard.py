@@ -15,6 +15,7 @@ never failed has neither.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import math
@@ -118,7 +119,7 @@ class TrackerSet:
             if len(g.backlog) > BACKLOG:
                 g.backlog.popleft()
                 g.dropped += 1
-            self._attempt(name, g, f"at iteration {iteration}", lambda g=g: self._send(g))
+            self._attempt(name, g, f"at iteration {iteration}", functools.partial(self._send, g))
 
     def counters(self, final: bool = False) -> dict[str, float]:
         """``tracker/<name>/failures`` of the trackers that failed so far; ``final``: with ``tracker/<name>/unsent``

@@ -12,7 +12,7 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
     from dockrl.checkpoint.resume_point import ResumePoint
@@ -60,7 +60,7 @@ class RunInfo:
     """The first iteration of a resumed run (None: a fresh run); TensorBoard purges its steps from it."""
     project: str = "dockrl"
     """``run.tracker_project``: the MLflow experiment, the W&B project."""
-    wandb_mode: str = "online"
+    wandb_mode: Literal["online", "offline"] = "online"
     """``run.wandb_mode``."""
 
     @property
