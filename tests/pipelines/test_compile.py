@@ -88,8 +88,9 @@ def test_local_backend_the_train_task_carries_the_accelerators_and_the_run_folde
     assert (pvc.constant, pvc.mount_path) == (npu.shared_volume_claim, npu.shared_mount_path)
     assert not spec.components["comp-exit-handler-1"].dag.tasks["train"].HasField("retry_policy")  # retries: train_retries
     # the object-store Secret only for the S3 warehouse or s3:// inputs: optional
-    [secret] = cfg.secret_as_env
+    [secret, trackers] = cfg.secret_as_env  # the trackers' Secret: tests/pipelines/test_task_inputs.py
     assert secret.secret_name == "dockrl-object-store" and secret.HasField("optional") and secret.optional
+    assert trackers.secret_name == "dockrl-trackers" and trackers.optional
     assert {name for name, c in k8s.items() if c.secret_as_env} == EXECUTORS - {"exec-teardown-workers"}
     assert {(f.name, f.field_path) for f in cfg.field_path_as_env} == {
         ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_UID", "metadata.uid"),
@@ -197,7 +198,7 @@ def test_kubernetes_backend_the_launcher_drives_with_the_volume_and_secret_but_n
     assert (train.resources.resource_cpu_request, train.resources.resource_memory_request) == ("2", "8Gi")
     cfg = k8s["exec-train"]
     assert not cfg.node_selector.labels and not cfg.tolerations and not cfg.empty_dir_mounts
-    [secret] = cfg.secret_as_env
+    [secret, _] = cfg.secret_as_env  # and the trackers' Secret (tests/pipelines/test_task_inputs.py)
     # optional: a run with the default in-memory warehouse starts without the Secret (manifests/components/object-store)
     assert secret.secret_name == "dockrl-object-store" and secret.HasField("optional") and secret.optional
     assert {(k.secret_key, k.env_var) for k in secret.key_to_env} == {
