@@ -5,11 +5,12 @@
 ``dock.shards`` dock shards (``dockrl dock-shard``, two bearer tokens generated for the run and
 passed as secrets: the driver's, which only this process and the shards hold, and the stages',
 which may not call the driver's actions nor snapshot outside the run's places; ``dockrl.dock.roles``;
-mutual TLS with certificates made for the run, ``dockrl.dock.tls``) and one group per stage process
-(``dockrl worker``, ``dockrl.stages.table.stage_processes``). Rollout and actor meet on the weight
-channel, whose ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
-× dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
-(``first_wait_s``). Addresses come from the backend and the config travels as YAML in
+mutual TLS with certificates made for the run, ``dockrl.dock.tls``), one group per stage process
+(``dockrl worker``, ``dockrl.stages.table.stage_processes``) and, with ``env.sandbox.backend=pod``, a sandbox
+executor per stage that runs model-written programs (``dockrl sandbox serve`` with a secret of its own,
+``executor_group``). Rollout and actor meet on the weight channel, whose ``TCPStore`` this process hosts (with
+``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp × dp`` ranks meet there). The rollout evaluates
+first; the others load their models meanwhile (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
 be ones the members see. ``ProcessStages`` is then the driver's stage runner
 (``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stages.loop.Report``),
@@ -34,11 +35,11 @@ from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.flight.shards import is_loopback
 from dockrl.dock.tls import RunCertificates, scheme
 from dockrl.dock.warehouse.stores import make_warehouse
-from dockrl.launch.backend import WorkerBackend, WorkerGroup
+from dockrl.launch.backend import WorkerBackend, WorkerGroup, sandbox_group
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
 from dockrl.parallel.ranks import serve_store
-from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, SANDBOX_SECRET_ENV, SANDBOX_URL_ENV, SANDBOX_WAIT_ENV, TOKEN_ENV
 from dockrl.run.driver_lease import DriverLease, wait_for_shards
 from dockrl.run.setup import RunPlan
 from dockrl.stages.loop import Report, final_report
@@ -99,11 +100,42 @@ def eval_batches(cfg: Config, test_prompts: int) -> int:
     return math.ceil(test_prompts / cfg.rollout.batch_size)
 
 
+def program_stages(cfg: Config) -> list[str]:
+    """The stage processes that get a sandbox executor of their own: with ``env.sandbox.backend=pod``, those that run
+    model-written programs (the rows of ``dockrl.stages.table.STAGES`` with ``programs``); else none."""
+    if cfg.env.sandbox.backend != "pod":
+        return []
+    return [stage for stage in stage_processes(cfg) if stage_row(stage).programs]
+
+
+EXECUTOR_MEMORY_MB = 512
+"""Memory of a sandbox executor's server beside its programs', MiB."""
+EXECUTOR_DISK_MB = 256
+"""Disk of a sandbox executor's pod beside its programs' folders (its log), MiB."""
+
+
+def executor_group(cfg: Config, backend: WorkerBackend, stage: str, port: int, secret: str) -> WorkerGroup:
+    """The sandbox executor of ``stage`` (``dockrl sandbox serve``, ``dockrl.isolation.executor``) on ``port``, holding
+    ``secret`` and no other credential: room for ``env.sandbox.pod_slots`` programs of ``env.sandbox``'s limits at
+    once (a core, ``memory_mb`` and ``disk_mb`` each) and its server. Why one per stage, not one per member nor one
+    for the run: a ``Sandbox`` is one pod, so one per member would multiply the run's pods by its data-parallel
+    size; one for the run would put the tool calls (whose output the model sees and steers) beside the programs that
+    decide its rewards, where a pod gives no layer inside to keep them apart."""
+    s = cfg.env.sandbox
+    sized = [f"env.sandbox.{name}={getattr(s, name)}" for name in ("memory_mb", "disk_mb", "file_mb", "max_processes", "pod_slots")]
+    return WorkerGroup(name=sandbox_group(stage), port=port, secret_env={SANDBOX_SECRET_ENV: secret}, cpu=str(s.pod_slots),
+                       memory=f"{s.pod_slots * s.memory_mb + EXECUTOR_MEMORY_MB}Mi",
+                       ephemeral_storage=f"{s.pod_slots * s.disk_mb + EXECUTOR_DISK_MB}Mi",
+                       command=(*backend.program(), "sandbox", "serve", "--host", backend.bind_host, "--port", str(port), *sized))
+
+
 def worker_groups(
     cfg: Config, backend: WorkerBackend, ports: Sequence[int], weight_address: str, token: str, run: str = "run",
     first_wait: float | None = None, *, driver_token: str = "", restore: str = "", tls: RunCertificates | None = None,
+    executor_ports: Sequence[int] = (), sandbox_secret: str = "",
 ) -> list[WorkerGroup]:
-    """The dock shards' group (one member per shard, member ``s`` serving on ``ports[s]``) and the stage groups of a run.
+    """The dock shards' group (one member per shard, member ``s`` serving on ``ports[s]``), the stage groups of a run,
+    and with ``env.sandbox.backend=pod`` a sandbox executor per stage that runs programs (``program_stages``).
 
     Args:
         backend: gives the members' program, bind interface and addresses.
@@ -123,6 +155,11 @@ def worker_groups(
             places, ``dock_snapshot_places``).
         tls: the run's certificates: the shards serve mutual TLS (``grpc+tls://``), each end's
             part a secret of its members; None: plain gRPC.
+        executor_ports: the sandbox executors' ports, one per ``program_stages(cfg)``.
+        sandbox_secret: the run's secret of its sandbox executors, a secret of them and of the stages they serve only.
+
+    Raises:
+        ValueError: ``executor_ports`` or ``sandbox_secret`` missing where ``program_stages`` asks for executors.
 
     The config travels as YAML in ``CONFIG_ENV``. With ``dock.warehouse`` other than
     ``memory`` the shards keep metadata only (``--payload store``) and every stage reads and
@@ -156,15 +193,26 @@ def worker_groups(
     replicas = {stage: stage_members(cfg.parallel, stage)[0] for stage in stages}
     # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
     local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
+    served = program_stages(cfg)
+    if len(executor_ports) != len(served) or (served and not sandbox_secret):
+        raise ValueError(f"sandbox executors of {served}: got {len(executor_ports)} port(s) and "
+                         f"{'a' if sandbox_secret else 'no'} secret; expected one port each and the run's secret")
+    executors = {stage: executor_group(cfg, backend, stage, port, sandbox_secret) for stage, port in zip(served, executor_ports)}
+    config_yaml = dump_config(cfg, portable=True)  # portable: each stage resolves `auto` (device, dtypes) where it runs
+    env = {stage: {CONFIG_ENV: config_yaml} for stage in stages}
+    secret_env = {stage: dict(stage_secrets) for stage in stages}
+    for stage, group in executors.items():  # a stage that runs programs reaches its executor, and only it holds its secret
+        env[stage] |= {SANDBOX_URL_ENV: f"http://{backend.address(group.name, 0, group.port)}",
+                       SANDBOX_WAIT_ENV: f"{first_wait or cfg.dock.timeout_s:g}"}
+        secret_env[stage][SANDBOX_SECRET_ENV] = sandbox_secret
     return [shards] + [
-        # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
-        WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env=stage_secrets, devices=member_devices(cfg, stage),
+        WorkerGroup(name=stage, env=env[stage], secret_env=secret_env[stage], devices=member_devices(cfg, stage),
                     replicas=replicas[stage], colocate=stage_members(cfg.parallel, stage)[1], object_store=s3, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
         ))
         for stage in stages
-    ]
+    ] + list(executors.values())
 
 
 def wait_reports(
@@ -229,13 +277,15 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
     # on the backend's bind host only (loopback for a local run); members connect to launcher_host
     weight_store = serve_store(backend.bind_host, timeout_s=cfg.dock.timeout_s)
-    ports = backend.serve_ports(cfg.dock.shards)
+    ports = backend.serve_ports(cfg.dock.shards + len(program_stages(cfg)))  # the shards', then the sandbox executors'
+    ports, executor_ports = ports[:cfg.dock.shards], ports[cfg.dock.shards:]
     hosts = [backend.address(SHARDS_GROUP, s, port).rsplit(":", 1)[0] for s, port in enumerate(ports)]
     tls = RunCertificates.generate(hosts, run=backend.run_id)  # the run's own: no other run can talk to its shards
     locations = shard_locations(backend, ports, scheme(tls.server))
     groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, backend.run_id,
                            first_wait=first_wait_s(cfg, len(plan.test_prompts)) + backend.start_spread_s,
-                           driver_token=driver_token, restore=plan.resume.dock_uri if plan.resume else "", tls=tls)
+                           driver_token=driver_token, restore=plan.resume.dock_uri if plan.resume else "", tls=tls,
+                           executor_ports=executor_ports, sandbox_secret=secrets.token_urlsafe(32))
     lease: DriverLease | None = None
     dock: DockClient | None = None
     alive = [weight_store]  # until stop(): the members' rendezvous

@@ -1,13 +1,15 @@
 """A Kubernetes run's objects in the API: create one, list what is left, delete them.
 
 The objects are those ``jobset.render_jobset`` renders (a Secret, a NetworkPolicy, a Volcano
-PodGroup if asked for, the JobSet), found again by the run's label selector (``dockrl.io/run=<run_id>``).
+PodGroup if asked for, the JobSet) and, with ``env.sandbox.backend=pod``, ``sandbox_pod.render_sandboxes``
+(a NetworkPolicy and an agent-sandbox Sandbox per executor), found again by the run's label selector
+(``dockrl.io/run=<run_id>``). A cluster without agent-sandbox has no Sandbox resource: listing them there finds none.
 ``KubernetesBackend`` (``kubernetes.py``) calls these with its ``CoreV1Api`` and
 ``CustomObjectsApi`` (or the tests' fakes):
 
 * ``create_object``: create one, with the API's refusals explained (exists, RBAC, no such resource);
 * ``run_objects``: what of a run exists, as ``Kind/name`` (a retried launcher's check);
-* ``delete_run_objects``: delete a run's NetworkPolicy, PodGroup and JobSet (its Jobs and pods go with it).
+* ``delete_run_objects``: delete a run's NetworkPolicies, Sandboxes, PodGroup and JobSet (their pods go with them).
 
 The NetworkPolicy (``networking.k8s.io/v1``) goes through the ``CustomObjectsApi`` as the
 JobSet does: its generic calls serve any resource of a named API group.
@@ -32,6 +34,10 @@ from dockrl.launch.jobset import (
     VOLCANO_VERSION,
 )
 from dockrl.launch.kubernetes_watch import api_exception
+from dockrl.launch.sandbox_pod import SANDBOX_GROUP, SANDBOX_PLURAL, SANDBOX_VERSION
+
+PLURALS = {"JobSet": JOBSET_PLURAL, "NetworkPolicy": POLICY_PLURAL, "PodGroup": VOLCANO_PLURAL, "Sandbox": SANDBOX_PLURAL}
+"""The resource (plural) of each kind the backend creates through the ``CustomObjectsApi``."""
 
 
 def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str, run_id: str) -> dict[str, Any]:
@@ -48,8 +54,7 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
             core.create_namespaced_secret(namespace=namespace, body=obj)
             return obj
         group, version = obj["apiVersion"].split("/")
-        plural = {"JobSet": JOBSET_PLURAL, "NetworkPolicy": POLICY_PLURAL}.get(kind, VOLCANO_PLURAL)
-        return custom.create_namespaced_custom_object(group, version, namespace, plural, obj)
+        return custom.create_namespaced_custom_object(group, version, namespace, PLURALS[kind], obj)
     except ApiException as err:
         if err.status == 409:
             raise RuntimeError(f"{kind} {namespace}/{name} already exists: run {run_id!r} was started "
@@ -57,40 +62,51 @@ def create_object(core: Any, custom: Any, obj: dict[str, Any], *, namespace: str
         if err.status == 403:
             raise RuntimeError(f"not allowed to create {kind} in namespace {namespace!r}: apply manifests/base "
                                "(its Role dockrl-launcher adds these rights to KFP's pipeline-runner account)") from None
-        if err.status == 404 and kind in ("JobSet", "PodGroup"):
-            needs = "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)" if kind == "JobSet" else \
-                "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'"
-            raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs} (docs/kubernetes.md)") from None
+        needs = {"JobSet": "the JobSet controller (jobset.x-k8s.io/v1alpha2, v0.9 or later)",
+                 "PodGroup": "Volcano (scheduling.volcano.sh/v1beta1), or platform scheduler='default'",
+                 "Sandbox": "kubernetes-sigs/agent-sandbox (agents.x-k8s.io/v1beta1), or env.sandbox.backend=local"}
+        if err.status == 404 and kind in needs:
+            raise RuntimeError(f"{kind} is not a resource of this cluster: install {needs[kind]} (docs/kubernetes.md)") from None
+        raise
+
+
+def _kinds(scheduler: str) -> list[tuple[str, str, str, str]]:
+    """(kind, group, version, plural) of a run's objects the ``CustomObjectsApi`` serves, the JobSet last (what it owns,
+    the PodGroup, is deleted before it, so each is counted once)."""
+    kinds = [("NetworkPolicy", POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL), ("Sandbox", SANDBOX_GROUP, SANDBOX_VERSION, SANDBOX_PLURAL)]
+    if scheduler == "volcano":
+        kinds.append(("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
+    return kinds + [("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]
+
+
+def list_run_objects(custom: Any, group: str, version: str, namespace: str, plural: str, selector: str) -> list[dict[str, Any]]:
+    """The run's objects of one resource; none where the cluster has no such resource (agent-sandbox not installed)."""
+    try:
+        return custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector).get("items", [])
+    except api_exception() as err:
+        if err.status == 404 and plural == SANDBOX_PLURAL:
+            return []
         raise
 
 
 def run_objects(core: Any, custom: Any, *, namespace: str, selector: str, scheduler: str) -> list[str]:
     """What of the run labelled ``selector`` exists in ``namespace``, as ``Kind/name``: its
-    NetworkPolicy, PodGroup (with the ``volcano`` scheduler), JobSet and worker pods."""
+    NetworkPolicies, Sandboxes, PodGroup (with the ``volcano`` scheduler), JobSet and pods."""
     left: list[str] = []
-    kinds = [("NetworkPolicy", POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)]
-    if scheduler == "volcano":
-        kinds.append(("PodGroup", VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
-    for kind, group, version, plural in [*kinds, ("JobSet", JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)]:
-        items = custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
-        left += [f"{kind}/{obj['metadata']['name']}" for obj in items.get("items", [])]
+    for kind, group, version, plural in _kinds(scheduler):
+        left += [f"{kind}/{obj['metadata']['name']}" for obj in list_run_objects(custom, group, version, namespace, plural, selector)]
     pods = core.list_namespaced_pod(namespace=namespace, label_selector=selector).items
     return left + [f"Pod/{p.metadata.name}" for p in pods]
 
 
 def delete_run_objects(custom: Any, *, namespace: str, selector: str, scheduler: str) -> int:
-    """Delete the NetworkPolicy, PodGroup (with the ``volcano`` scheduler) and JobSet of the run labelled
-    ``selector`` (in the background: the JobSet's Jobs and pods go with it, on their own time);
+    """Delete the NetworkPolicies, Sandboxes, PodGroup (with the ``volcano`` scheduler) and JobSet of the run labelled
+    ``selector`` (in the background: their Jobs and pods go with them, on their own time);
     returns how many objects were deleted. What is already gone is skipped: safe to call twice."""
     ApiException = api_exception()
     removed = 0
-    kinds = [(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)]  # what the JobSet owns before it, so each is counted once
-    if scheduler == "volcano":
-        kinds.append((VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL))
-    kinds.append((JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL))
-    for group, version, plural in kinds:
-        for obj in custom.list_namespaced_custom_object(group, version, namespace, plural,
-                                                        label_selector=selector).get("items", []):
+    for _, group, version, plural in _kinds(scheduler):
+        for obj in list_run_objects(custom, group, version, namespace, plural, selector):
             try:
                 custom.delete_namespaced_custom_object(group, version, namespace, plural, obj["metadata"]["name"],
                                                        propagation_policy="Background")

@@ -16,6 +16,15 @@ REPLICA_ENV = "DOCKRL_REPLICA"
 """Environment variable with a process's index in its worker group (every worker backend sets it)."""
 REPLICAS_ENV = "DOCKRL_REPLICAS"
 """Environment variable with the number of members of a process's worker group."""
+SANDBOX_URL_ENV = "DOCKRL_SANDBOX_URL"
+"""Environment variable with the ``http://host:port`` of the sandbox executor a stage sends its programs to
+(``env.sandbox.backend=pod``; ``dockrl.isolation.runner``)."""
+SANDBOX_SECRET_ENV = "DOCKRL_SANDBOX_SECRET"
+"""Environment variable with the run's secret of its sandbox executors: the one credential an executor's pod holds,
+never the dock's token."""
+SANDBOX_WAIT_ENV = "DOCKRL_SANDBOX_WAIT_S"
+"""Environment variable with how long a stage waits for its sandbox executor to answer first, seconds (its pod may
+start after the stage's)."""
 RDZV_PORT = 29400
 """Port of the node launchers' rendezvous on pod 0 of a group (torchrun's customary port): set as MASTER_PORT."""
 NODE_PROCS_ENV = "DOCKRL_NODE_PROCS"

@@ -144,7 +144,7 @@ class InProcessStages:
             stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment),
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
                                   multi_turn=multi_turn(cfg.env)))
-        self.scorer = build_scorer(a)
+        self.scorer = build_scorer(a, cfg.env.sandbox.backend)
         built.callback(self.scorer.close)
         context = InProcessContext(plan=plan, ranks=ranks, tokenizer=load_tokenizer(plan.model_path, cfg.model.trust_remote_code),
                                    scorer=self.scorer, resume=optimizer, actor=self.actor)

@@ -51,6 +51,9 @@ class Stage:
     """It meets the others on the launcher's ``TCPStore`` (the weight channel, the hybrid ranks' rendezvous)."""
     layout: bool = False
     """One member per rank of the parallel layout (``tp × pp × dp``), else one member."""
+    programs: bool = False
+    """It runs model-written programs (the ``python`` environment's tool calls, a scorer such as the code scorer): with
+    ``env.sandbox.backend=pod`` a distributed run gives its process a sandbox executor of its own."""
     reports: tuple[str, ...] = ()
     """The reports the driver waits for every iteration (``Report`` values, their wire names)."""
     checkpoint_report: str = ""
@@ -65,13 +68,13 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     # in dataflow order: the driver waits for their reports in this order (each may take dock.timeout_s after the one before)
     Stage(name="rollout", kind="hybrid-part", claims=("prompt_ids", "released"), writes=("response_ids", "truncated", "rollout_log_prob"),
-          devices=True, weight_sync=True, reports=(Report.ROLLOUT,), process="dockrl.stages.rollout_process:run_rollout"),
-    Stage(name="hybrid", kind="process", when="trainer.hybrid", devices=True, trains=True, weight_sync=True, layout=True,
+          devices=True, weight_sync=True, programs=True, reports=(Report.ROLLOUT,), process="dockrl.stages.rollout_process:run_rollout"),
+    Stage(name="hybrid", kind="process", when="trainer.hybrid", devices=True, trains=True, weight_sync=True, layout=True, programs=True,
           process="dockrl.stages.hybrid:run_hybrid"),  # its reports are those of its parts, rollout and actor
     Stage(name="reward-model", kind="process", when="reward_model.enable", claims=("prompt_ids", "response_ids"),
           writes=("rm_model_score",), devices=True, reports=(Report.REWARD_MODEL,),
           process="dockrl.stages.reward_model:run_reward_model", inprocess="dockrl.stages.reward_model:inprocess_parts"),
-    Stage(name="reward", kind="process", claims=("response_ids", "ground_truth"), writes=("rm_score", "correct"),
+    Stage(name="reward", kind="process", claims=("response_ids", "ground_truth"), writes=("rm_score", "correct"), programs=True,
           reports=(Report.REWARD,), process="dockrl.stages.reward:run_reward", inprocess="dockrl.stages.reward:inprocess_parts"),
     Stage(name="reference", kind="process", when="algorithm.uses_reference", claims=("prompt_ids", "response_ids"),
           writes=("ref_log_prob",), devices=True, reports=(Report.REFERENCE,), process="dockrl.stages.reference:run_reference",
