@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from dockrl.config import ConfigError
 from dockrl.config.env_sections import SANDBOX_LAYERS, SandboxConfig
 from dockrl.envs.python_tool import PythonEnvironment
 from dockrl.isolation import runner
@@ -142,7 +143,7 @@ def test_an_executor_that_does_not_answer_is_an_error_naming_it_within_its_wait(
 
 def test_a_stage_with_backend_pod_and_no_executor_configured_fails_at_start_naming_the_variable(monkeypatch):
     monkeypatch.delenv(SANDBOX_URL_ENV, raising=False)
-    with pytest.raises(Exception, match=f"env.sandbox.backend=pod: {SANDBOX_URL_ENV} is unset"):
+    with pytest.raises(ConfigError, match=f"env.sandbox.backend=pod: {SANDBOX_URL_ENV} is unset"):
         PythonEnvironment(POD)
 
 

@@ -184,9 +184,11 @@ class FakeKubernetesApi:
         template says) running, and its ``Ready`` condition (pod ready, Service made) ``ready``."""
         box = self.objects[("Sandbox", namespace, name)]
         template = box["spec"]["podTemplate"]
+        pod = self.objects.get(("Pod", namespace, name))
         self.objects[("Pod", namespace, name)] = {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()), "labels": dict(template["metadata"]["labels"]),
+            "metadata": {"name": name, "namespace": namespace, "uid": pod["metadata"]["uid"] if pod else str(uuid.uuid4()),
+                         "labels": dict(template["metadata"]["labels"]),
                          "annotations": dict(template["metadata"].get("annotations", {}))},
             "spec": {"containers": [{"name": c["name"], "image": c["image"]} for c in template["spec"]["containers"]]},
             "status": {"phase": "Running", "containerStatuses": [{"name": "worker", "image": "x", "imageID": "", "ready": ready,

@@ -97,7 +97,7 @@ def test_launcher_role_adds_exactly_what_the_backend_does_to_kfps_runner_account
         ("", "secrets"): {"create"},  # no other Secret of the namespace can be read, changed or deleted
         ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "patch", "delete"},
         ("kueue.x-k8s.io", "workloads"): {"get", "list"},
-        ("agents.x-k8s.io", "sandboxes"): {"create", "get", "list", "delete"},
+        ("agents.x-k8s.io", "sandboxes"): {"create", "list", "delete"},
     }
     [binding] = [o for o in built["npu"] if o["kind"] == "RoleBinding"]
     # KFP's own accounts (single-user: pipeline-runner; multi-user: default-editor), in the binding's namespace

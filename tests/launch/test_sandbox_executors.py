@@ -11,12 +11,13 @@ import re
 import pytest
 from test_kubernetes_backend import RUNNING
 from test_kubernetes_run import LAUNCHER_IP, NS, OWNER, RUN, env_of, npu_platform, small_config
-from test_manifests import admits
+from test_manifests import admits, built  # noqa: F401 (a fixture)
 
 from dockrl.launch.backend import WorkerGroup
 from dockrl.launch.distributed import program_stages, worker_groups
 from dockrl.launch.jobset import JOBSET_NAME_LABEL, jobset_name, run_labels
 from dockrl.launch.kubernetes import SHARD_PORT, KubernetesBackend
+from dockrl.launch.kubernetes_objects import PLURALS
 from dockrl.launch.sandbox_pod import render_sandboxes, sandbox_name
 from dockrl.process.env import DRIVER_TOKEN_ENV, SANDBOX_SECRET_ENV, SANDBOX_URL_ENV, SANDBOX_WAIT_ENV, TOKEN_ENV
 
@@ -163,3 +164,16 @@ def test_a_cluster_without_agent_sandbox_is_named_and_still_tears_down(cluster, 
         backend.start(groups)
     assert backend.teardown() == 2  # the run's NetworkPolicy and the first executor's, created before the refusal
     assert backend.remains() == []
+
+
+def test_the_launchers_role_lets_it_create_list_and_delete_what_it_renders_and_no_more(pod_run, built):  # noqa: F811
+    backend, groups = pod_run
+    for overlay, objects in built.items():
+        [role] = [o for o in objects if o["kind"] == "Role"]
+        verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+        for obj in backend.render(groups):
+            if obj["kind"] == "Secret":
+                assert verbs[("", "secrets")] == {"create"}, overlay  # never read, changed or deleted
+            else:
+                assert {"create", "list", "delete"} <= verbs[(obj["apiVersion"].rpartition("/")[0], PLURALS[obj["kind"]])], obj["kind"]
+        assert verbs[("agents.x-k8s.io", "sandboxes")] == {"create", "list", "delete"}, overlay
