@@ -26,6 +26,8 @@ CASES = [
     (["worker", "--bogus"], "the following arguments are required"),
     (["dock-shard", "--bogus"], "unrecognized arguments: --bogus"),
     (["sandbox", "env.sandbox.require=disks"], "env.sandbox.require: got ['disks']"),
+    (["sandbox", "env.sandbox.backend=pod"], "env.sandbox.backend=pod: DOCKRL_SANDBOX_URL is unset"),
+    (["sandbox", "serve", "env.sandbox.pod_slots=0"], "env.sandbox.pod_slots: got 0"),
 ]
 
 

@@ -256,8 +256,6 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="env.sandbox.FIELD=VALUE: the largest limits and pod_slots")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # a program runs as this process's user: without this it could read the secret in /proc/<pid>/environ
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
         limits = load_config(None, args.overrides).env.sandbox
         problems = pod_problems(environ=os.environ) if args.pod else []
@@ -268,6 +266,8 @@ def serve_main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:  # ConfigError among them; OSError: the port is taken
         print(f"dockrl sandbox serve: {e}", file=sys.stderr)
         return 2
+    # a program runs as this process's user: without this it could read the secret in /proc/<pid>/environ
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     # SIGTERM (a pod deleted, a run torn down): the programs in flight end within their wall limit and are killed with
     # everything they started, instead of dying with their server and leaving their sessions behind
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
