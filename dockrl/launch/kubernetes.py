@@ -257,11 +257,13 @@ class KubernetesBackend:
         self._look(now)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until every member's container runs (queued, scheduled, pulled, started).
+        """Block until every member's container runs (queued, scheduled, pulled, started), and every Sandbox of the
+        run is ``Ready`` (its pod ready, its Service made).
 
         Raises:
             WorkerFailed: a worker failed or cannot start (``check``'s reasons and timeouts).
-            TimeoutError: not every member runs after ``timeout_s``; names the groups short of members.
+            TimeoutError: not every member runs after ``timeout_s``; names the groups short of members and the
+                Sandboxes not Ready, with their ``Ready`` condition's reason.
         """
         deadline = self.clock() + timeout_s
         while True:
@@ -269,12 +271,13 @@ class KubernetesBackend:
             self._last_look = now
             running = running_members(self._look(now))
             short = {g: f"{running[g]}/{n}" for g, n in self._expected.items() if running[g] < n}
-            short |= self._sandboxes_not_ready()
-            if not short:
+            not_ready = self._sandboxes_not_ready()
+            if not short and not not_ready:
                 return
             if now > deadline:
                 raise TimeoutError(f"workers of run {self.run_id!r} (JobSet {self.namespace}/{self.name}) not running "
-                                   f"after {timeout_s:.0f} s: running/expected per group, and Sandboxes not Ready {short}")
+                                   f"after {timeout_s:.0f} s: running/expected per group {short}"
+                                   + (f"; Sandboxes not Ready: {not_ready}" if not_ready else ""))
             time.sleep(self.poll_s)
 
     def _sandboxes_not_ready(self) -> dict[str, str]:

@@ -29,7 +29,7 @@ each Sandbox's ``Ready`` condition (its pod ready, its Service made).
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Sequence
 
 from dockrl.launch.backend import WorkerGroup, served_stage
@@ -107,7 +107,7 @@ def render_sandboxes(executors: Sequence[WorkerGroup], *, run_id: str, namespace
     meta: dict[str, Any] = {"namespace": namespace, "labels": run_labels(run_id)}
     if owner is not None:
         meta["ownerReferences"] = [owner]
-    shutdown = datetime.fromtimestamp((time.time() if now is None else now) + platform.worker_deadline_s, timezone.utc)
+    shutdown = datetime.fromtimestamp((time.time() if now is None else now) + platform.worker_deadline_s, UTC)
     objects: list[dict[str, Any]] = []
     for group in executors:
         stage = served_stage(group.name)

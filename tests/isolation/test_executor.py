@@ -56,7 +56,7 @@ def test_a_program_gives_the_same_result_here_and_through_the_executor(code, std
 def test_the_code_scorers_rewards_are_the_same_through_the_executor(sandbox_pod_env):
     references = reference_solutions()
     wrong = {task: answer.replace("return", "return 1 + ", 1) for task, answer in references.items()}
-    responses = [f"```python\n{a}\n```" for a in [*references.values(), *wrong.values()]] + ["no program"]
+    responses = [*references.values(), *wrong.values(), "no program"]
     tasks = [*references, *wrong, next(iter(references))]
     local, pod = CodeScorer(timeout_s=3.0), CodeScorer(timeout_s=3.0, sandbox_backend="pod")
     rewards = local.score(responses, tasks)

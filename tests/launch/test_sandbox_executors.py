@@ -144,7 +144,7 @@ def test_the_launcher_creates_the_sandboxes_before_the_jobset_waits_for_them_rea
     assert created == ["create Secret", "create NetworkPolicy", "create NetworkPolicy", "create Sandbox", "create NetworkPolicy",
                        "create Sandbox", "create JobSet"]
     names = [sandbox_name(RUN, f"sandbox-{stage}") for stage in ("rollout", "reward")]
-    with pytest.raises(TimeoutError, match=rf"'sandbox-rollout': '0/1'.*'Sandbox/{names[0]}': 'no Ready condition yet'"):
+    with pytest.raises(TimeoutError, match=rf"'sandbox-rollout': '0/1'.*; Sandboxes not Ready: .*'Sandbox/{names[0]}': 'no Ready condition yet'"):
         backend.wait_ready(0.2)
     cluster.sandbox_ready(NS, names[0])
     cluster.sandbox_ready(NS, names[1], ready=False)
