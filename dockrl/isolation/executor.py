@@ -134,7 +134,7 @@ class ExecutorServer(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(ceiling.pod_slots)
         self.closing = threading.Event()
         isolation = run_python("pass", ceiling).isolation
-        self.largest = {k: getattr(ceiling, k) if k in POD_SIZED else SANDBOX_MAX[k] for k in RUN_LIMITS}
+        self.largest: dict[str, float] = {k: getattr(ceiling, k) if k in POD_SIZED else SANDBOX_MAX[k] for k in RUN_LIMITS}
         self.info = {"layers": list(SANDBOX_LAYERS) if pod else layers_met(isolation), "isolation": list(isolation),
                      "limits": self.largest, "slots": ceiling.pod_slots, "slot_wait_s": slot_wait_s, "pod": pod}
         super().__init__(address, _Handler)
@@ -163,13 +163,13 @@ class ExecutorServer(ThreadingHTTPServer):
         if not isinstance(asked, dict) or set(asked) != set(RUN_LIMITS):
             raise ValueError(f"limits: expected an object with exactly {', '.join(RUN_LIMITS)}")
         for name, value in asked.items():
-            numeric: tuple[type, ...] = (int, float) if name == "wall_s" else (int,)
-            if isinstance(value, bool) or not isinstance(value, numeric):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (name != "wall_s" and not isinstance(value, int)):
                 raise ValueError(f"limits.{name}: got {value!r}; expected {'a number' if name == 'wall_s' else 'an integer'}")
             if name in POD_SIZED and value > self.largest[name]:
                 raise ValueError(f"env.sandbox.{name}: got {value}; this executor runs programs of at most "
                                  f"{self.largest[name]} (its pod is sized for them)")
-        limits = dataclasses.replace(self.ceiling, **{k: float(v) if k == "wall_s" else v for k, v in asked.items()})
+        changes: dict[str, Any] = {k: float(v) if k == "wall_s" else v for k, v in asked.items()}
+        limits = dataclasses.replace(self.ceiling, **changes)
         check_env(EnvConfig(sandbox=limits))  # ConfigError is a ValueError
         return limits
 
@@ -271,8 +271,8 @@ def serve_main(argv: list[str]) -> int:
     # SIGTERM (a pod deleted, a run torn down): the programs in flight end within their wall limit and are killed with
     # everything they started, instead of dying with their server and leaving their sessions behind
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
-    host, port = server.server_address[:2]
-    print(json.dumps({"url": f"http://{host}:{port}", "layers": server.info["layers"], "isolation": server.info["isolation"]}), flush=True)
+    said = {"url": f"http://{args.host}:{server.server_port}", "layers": server.info["layers"], "isolation": server.info["isolation"]}
+    print(json.dumps(said), flush=True)
     try:
         server.serve_forever()
     finally:

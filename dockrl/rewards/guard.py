@@ -198,7 +198,7 @@ def build_scorer(a: AlgorithmConfig, sandbox_backend: str = "local") -> Scorer:
     Raises:
         ConfigError: ``algorithm.scorer`` names no importable class (the import's error appended).
     """
-    kwargs = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    kwargs: dict[str, Any] = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     if not a.scorer:
         return RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     try:
