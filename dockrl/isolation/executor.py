@@ -51,7 +51,7 @@ from typing import Any, Mapping
 from dockrl.config import ConfigError, load_config
 from dockrl.config.env_sections import SANDBOX_LAYERS, SANDBOX_MAX, EnvConfig, SandboxConfig, check_env
 from dockrl.isolation.sandbox import LAYERS, run_python
-from dockrl.process.env import DRIVER_TOKEN_ENV, SANDBOX_SECRET_ENV, TOKEN_ENV
+from dockrl.process.env import SANDBOX_SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,9 @@ POD_SIZED = ("memory_mb", "disk_mb", "file_mb", "max_processes")
 output (``wall_s``, ``cpu_s``, ``output_bytes``) size nothing and go up to ``env.sandbox``'s bounds (``SANDBOX_MAX``):
 the code scorer asks for its own (``algorithm.reward_timeout_s``, 64 KiB of test reports)."""
 MIN_SECRET_CHARS = 16
-CREDENTIAL_ENV = (TOKEN_ENV, DRIVER_TOKEN_ENV, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-"""Variables that hold a credential of the run (the dock's tokens, object-store keys): none may be in an executor pod."""
+CREDENTIAL_PREFIXES = ("DOCKRL_DOCK_", "AWS_")
+"""Names of the variables that hold a credential of the run: the dock's (its tokens, ``DOCKRL_DOCK_TOKEN``,
+``DOCKRL_DOCK_DRIVER_TOKEN``, and its TLS keys) and the object store's keys: none may be in an executor pod."""
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 _PR_SET_DUMPABLE = 4
 
@@ -93,7 +94,7 @@ def pod_problems(*, environ: Mapping[str, str], root: str = "/", token: Path = S
         problems.append(f"its root file system {root} is writable (readOnlyRootFilesystem: true)")
     if token.exists():
         problems.append(f"a service-account token is mounted at {token.parent} (automountServiceAccountToken: false)")
-    held = [name for name in CREDENTIAL_ENV if name in environ]
+    held = sorted(name for name in environ if name.startswith(CREDENTIAL_PREFIXES))
     if held:
         problems.append(f"it holds the run's credentials {held} in its environment")
     host, port = environ.get("KUBERNETES_SERVICE_HOST", ""), environ.get("KUBERNETES_SERVICE_PORT", "")

@@ -169,7 +169,7 @@ def test_pod_problems_name_each_way_a_pod_is_no_sandbox_pod(tmp_path):
         said = "\n".join(pod_problems(environ=environ, root=str(tmp_path), token=token))
     assert f"its root file system {tmp_path} is writable" in said
     assert "a service-account token is mounted" in said
-    assert "credentials ['DOCKRL_DOCK_TOKEN', 'AWS_SECRET_ACCESS_KEY']" in said
+    assert "credentials ['AWS_SECRET_ACCESS_KEY', 'DOCKRL_DOCK_TOKEN']" in said
     assert "egress is open" in said
     closed = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": environ["KUBERNETES_SERVICE_PORT"]}  # as no egress
     said = "\n".join(pod_problems(environ=closed, root=str(tmp_path), token=tmp_path / "none"))

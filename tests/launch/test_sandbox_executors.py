@@ -32,8 +32,8 @@ def pod_run(cluster, tiny_model_dir, tmp_path):
     cfg = small_config(tiny_model_dir, backend.shared_dir / "runs" / RUN, "env.sandbox.backend=pod", "env.sandbox.pod_slots=2")
     assert program_stages(cfg) == ["rollout", "reward"]
     ports = backend.serve_ports(4)
-    groups = worker_groups(cfg, backend, ports[:2], f"{LAUNCHER_IP}:29500", "stage-token", RUN, first_wait=1234.0,
-                           driver_token="driver-token", executor_ports=ports[2:], sandbox_secret=EXECUTOR_SECRET)
+    groups = worker_groups(cfg, backend, ports[:2], f"{LAUNCHER_IP}:29500", "dock-token", RUN, first_wait=1234.0,
+                           executor_ports=ports[2:], sandbox_secret=EXECUTOR_SECRET)
     return backend, groups
 
 
@@ -64,7 +64,7 @@ def test_each_program_stage_gets_a_sandbox_valid_against_the_crd_and_kubernetes(
         # the one credential: its own secret, one key of the run's Secret; no dock token, no object-store keys
         assert env_of(c) == {SANDBOX_SECRET_ENV: {"secretKeyRef": {"name": secret["metadata"]["name"], "key": SANDBOX_SECRET_ENV}}}
         text = json.dumps(box)
-        assert not [v for v in ("stage-token", "driver-token", TOKEN_ENV, DRIVER_TOKEN_ENV, "AWS_", EXECUTOR_SECRET) if v in text]
+        assert not [v for v in ("dock-token", TOKEN_ENV, DRIVER_TOKEN_ENV, "DOCKRL_DOCK_", "AWS_", EXECUTOR_SECRET) if v in text]
         # 2 slots of 512 MiB, 64 MiB of files and a core each, and the server's own 512 MiB and 256 MiB
         sized = {"cpu": "2", "memory": "1536Mi", "ephemeral-storage": "384Mi"}
         assert c["resources"] == {"requests": sized, "limits": sized}
