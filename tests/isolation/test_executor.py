@@ -175,3 +175,12 @@ def test_pod_problems_name_each_way_a_pod_is_no_sandbox_pod(tmp_path):
     said = "\n".join(pod_problems(environ=closed, root=str(tmp_path), token=tmp_path / "none"))
     assert "egress" not in said and "token" not in said and "credentials" not in said
     assert "not in a Kubernetes pod" in "\n".join(pod_problems(environ={}, root=str(tmp_path), token=tmp_path / "none"))
+
+
+def test_a_program_cannot_read_the_executors_secret_from_its_server(sandbox_pod_env):
+    """The program's parent is the executor's server, whose environment holds the secret: its ``/proc/<pid>/environ`` is
+    refused. In a pod without layers the program shares the server's uid, user namespace and (no) capabilities, and the
+    server's not being dumpable refuses it; on this machine Landlock's domain and the server's capabilities do too."""
+    code = "import os\ntry:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept OSError as e:\n    print('refused', e.errno)"
+    result = run_program(code, POD)
+    assert result.stdout == "refused 13\n" and sandbox_pod_env.secret not in result.stdout + result.stderr
