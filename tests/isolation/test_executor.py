@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from test_sandbox_pod import BECOME_A_POD
 
 from dockrl.config import ConfigError
 from dockrl.config.env_sections import SANDBOX_LAYERS, SandboxConfig
@@ -177,10 +178,39 @@ def test_pod_problems_name_each_way_a_pod_is_no_sandbox_pod(tmp_path):
     assert "not in a Kubernetes pod" in "\n".join(pod_problems(environ={}, root=str(tmp_path), token=tmp_path / "none"))
 
 
+READ_THE_SERVERS_ENVIRONMENT = ("import os\ntry:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\n"
+                                "except OSError as e:\n    print('refused', e.errno)")
+"""A program that reads its parent's environment: the executor's server, whose environment holds the secret."""
+
+
 def test_a_program_cannot_read_the_executors_secret_from_its_server(sandbox_pod_env):
-    """The program's parent is the executor's server, whose environment holds the secret: its ``/proc/<pid>/environ`` is
-    refused. In a pod without layers the program shares the server's uid, user namespace and (no) capabilities, and the
-    server's not being dumpable refuses it; on this machine Landlock's domain and the server's capabilities do too."""
-    code = "import os\ntry:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept OSError as e:\n    print('refused', e.errno)"
-    result = run_program(code, POD)
+    """Here Landlock's domain and the server's capabilities refuse it (below: a pod without them)."""
+    result = run_program(READ_THE_SERVERS_ENVIRONMENT, POD)
     assert result.stdout == "refused 13\n" and sandbox_pod_env.secret not in result.stdout + result.stderr
+
+
+def test_in_a_pod_without_layers_a_program_cannot_read_the_secret_either():
+    """The executor as a pod whose runtime gives no layer inside (uid 10001, no capabilities, seccomp refusing ``unshare``
+    and Landlock): its programs share its uid, user namespace and (no) capabilities; the server's not being dumpable is
+    what keeps its ``/proc/<pid>/environ`` from them."""
+    if os.geteuid() != 0:
+        pytest.skip("simulating a pod's uid 10001 needs root (CI runs as root)")
+    secret = "executor-secret-of-a-pod-without-layers"
+    script = BECOME_A_POD + ("become_a_pod(sys.argv[1])\n"
+                             "os.execv(sys.executable, [sys.executable, '-m', 'dockrl', 'sandbox', 'serve', '--port', '0'])\n")
+    env = {**os.environ, SANDBOX_SECRET_ENV: secret, "TMPDIR": "/tmp",  # the pod's user reads the repository, writes /tmp
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p)}
+    proc = subprocess.Popen([sys.executable, "-c", script, "unshare,landlock_create_ruleset"], env=env, cwd="/", text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(timeout=30)
+            pytest.fail(f"the executor did not start: {proc.stderr.read()}")
+        result = ExecutorClient(json.loads(line)["url"], secret).run(READ_THE_SERVERS_ENVIRONMENT, dataclasses.replace(LIMITS, require=()))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not {"landlock-fs", "userns+netns", "netns"} & set(result.isolation), result.isolation  # no layer inside: the pod's case
+    assert result.stdout == "refused 13\n" and secret not in result.stdout + result.stderr, result
