@@ -97,7 +97,8 @@ def test_each_stage_token_claims_and_puts_its_own_columns_only(shard_process):
                                                               "at_least": 0, "whole_groups": False, "timeout_s": 1.0})
         advantages = reward.claim("advantage", ["rm_score", "response_ids"], 4, whole_groups=True)  # in the reward's process
         reward.put(advantages.rows, {"advantages": [[0.5]] * 4, "returns": [[0.5]] * 4}, ack=advantages)
-        assert driver.get(["rm_score", "advantages"], [0]).to_pylist() == [{"rm_score": 1.0, "advantages": [0.5]}]
+        cells = driver.get(["rm_score", "advantages"], [0])
+        assert (cells.column("rm_score").to_pylist(), cells.column("advantages").to_pylist()) == ([1.0], [[0.5]])
     finally:
         for c in (rollout, reward, driver):
             c.close()

@@ -53,6 +53,14 @@ def site_copy(root: Path, env: str | None = f"SHARED_STORAGE_CLASS={SITE_CLASS}\
     return copy
 
 
+def add_component(overlay: Path, component: str) -> None:
+    """List ``components/<component>`` under the overlay's ``components:``, as a site does."""
+    kustomization = overlay / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("\ncomponents:\n") == 1, kustomization
+    kustomization.write_text(text.replace("\ncomponents:\n", f"\ncomponents:\n  - ../../components/{component}\n"))
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, list[dict]]:
     manifests = site_copy(tmp_path_factory.mktemp("site"))
@@ -246,8 +254,7 @@ def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_pat
     assert secret["metadata"]["name"] == OBJECT_STORE_SECRET and set(secret["stringData"]) == set(OBJECT_STORE_KEYS)
     # a site with S3 adds the component to its overlay
     manifests = site_copy(tmp_path)
-    kustomization = manifests / "overlays" / "npu" / "kustomization.yaml"
-    kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/object-store\n")
+    add_component(manifests / "overlays" / "npu", "object-store")
     objects = build(manifests, "npu")
     [secret] = [o for o in objects if o["kind"] == "Secret"]
     validate_strict(secret)
@@ -261,8 +268,7 @@ def with_minio(built, tmp_path_factory) -> dict[str, list[dict]]:
     component added as their README says."""
     manifests = site_copy(tmp_path_factory.mktemp("minio"))
     for overlay in SITE_OVERLAYS:
-        kustomization = manifests / "overlays" / overlay / "kustomization.yaml"
-        kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/minio-standalone\n")
+        add_component(manifests / "overlays" / overlay, "minio-standalone")
     return {overlay: built[overlay] if overlay not in SITE_OVERLAYS else build(manifests, overlay) for overlay in OVERLAYS}
 
 
