@@ -10,11 +10,10 @@ The environments themselves are ``dockrl.envs`` (docs/agents.md).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dockrl.config.errors import fail
+from dockrl.config.errors import IMPORT_PATH, fail, require_finite
 
 SANDBOX_LAYERS = ("network", "mounts", "writes", "processes")
 """What the sandbox's layers keep from a program (``env.sandbox.require``): the network, the files and Unix
@@ -90,7 +89,6 @@ BUILT_IN_ENVIRONMENTS: dict[str, str] = {
 ``(EnvConfig) -> Environment`` (``dockrl.envs.registry.build_environment`` imports it where the rollout runs): adding
 one is its class and one entry here."""
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 SANDBOX_MAX: dict[str, float] = {"wall_s": 3600.0, "cpu_s": 3600, "memory_mb": 65536, "output_bytes": 1 << 20, "file_mb": 1024,
                                  "disk_mb": 16384, "max_processes": 1024, "pod_slots": 64}
@@ -105,11 +103,12 @@ def check_env(e: EnvConfig) -> None:
     Raises:
         ConfigError: names the field (``env.name``, ``env.timeout_s``, ``env.sandbox.*``), its value and the rule.
     """
-    if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not _IMPORT_PATH.match(e.name):
+    if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not IMPORT_PATH.match(e.name):
         raise fail("env.name", e.name, f"expected '' (single-turn), one of {', '.join(repr(n) for n in BUILT_IN_ENVIRONMENTS)}, "
                     "or an import path 'package.module:Class' of a user environment")
     if not (0 < e.timeout_s < math.inf):
         raise fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
+    require_finite({"env.tool_call_reward": e.tool_call_reward}, zero=True)
     s = e.sandbox
     if not (0 < s.wall_s <= SANDBOX_MAX["wall_s"]):
         raise fail("env.sandbox.wall_s", s.wall_s, f"expected seconds > 0 and <= {SANDBOX_MAX['wall_s']:g}")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from dockrl.config.errors import fail
+from dockrl.config.errors import fail, require_finite, require_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +193,17 @@ def check_rollouts_uri(uri: str, k: DockConfig) -> None:
 
 
 def check_dock(k: DockConfig) -> None:
+    """The ``dock`` section's ranges, and its store's names (``dock.warehouse=s3``).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_finite({"dock.timeout_s": k.timeout_s, "dock.store_timeout_s": k.store_timeout_s, "dock.lease_s": k.lease_s}, zero=False)
+    if not 0 <= k.store_retries <= 10:
+        raise fail("dock.store_retries", k.store_retries, "expected an integer from 0 to 10")
+    require_positive({"dock.shards": k.shards})
+    if not 1 <= k.max_inflight <= 8:
+        raise fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
     if k.warehouse == "directory" and not k.directory.strip():
         raise fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
     if k.warehouse != "s3":
@@ -206,6 +217,18 @@ def check_dock(k: DockConfig) -> None:
     for where, name in (("dock.access_key_env", k.access_key_env), ("dock.secret_key_env", k.secret_key_env)):
         if not _ENV_NAME.fullmatch(name):
             raise fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
+
+
+def check_run(run: RunConfig) -> None:
+    """The ``run`` section's ranges (``run.keep_rollouts`` was parsed when the section was built).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    if run.num_threads < 0:
+        raise fail("run.num_threads", run.num_threads, "expected an integer >= 0 (0: torch's default)")
+    require_finite({"run.driver_timeout_s": run.driver_timeout_s}, zero=False)
+    require_finite({"run.lock_wait_s": run.lock_wait_s}, zero=True)
 
 
 def check_keep_rollouts(warehouse: str, run: RunConfig) -> None:

@@ -95,7 +95,7 @@ class WorkerGroup:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of every member."""
     secret_env: dict[str, str] = field(default_factory=dict)
-    """Environment of every member whose values are secrets (the dock's bearer token): a
+    """Environment of every member whose values are secrets (the dock's bearer tokens): a
     Kubernetes backend keeps them in a Secret of the run (``secretKeyRef``), never in a pod spec."""
 
     @property

@@ -24,7 +24,7 @@ How a run's stages find what they need, in pods that cannot see the launcher's f
   train task sets it): the store lives exactly as long as the launcher's process;
 * files: every pod mounts the platform's shared volume at ``shared_mount_path``, the launcher
   too; the launcher puts the run's folder (data, checkpoints) under ``shared_dir``;
-* secrets: the dock's bearer token is in the run's Secret, read through ``secretKeyRef``.
+* secrets: the dock's bearer tokens are in the run's Secret, each pod reading its group's through ``secretKeyRef``.
 
 ``check`` (called every half second by the driver; it asks the API at most every ``poll_s``)
 fails the run with ``WorkerFailed`` naming the pod, the reason and its log tail when a

@@ -323,11 +323,12 @@ K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest with the pod-index label the w
 
 @pytest.fixture(scope="session")
 def validate_strict():
-    """``validate_strict(obj)``: kubernetes-validate --strict against K8S_VERSIONS, failing with a short message."""
+    """``validate_strict(obj, versions=None)``: kubernetes-validate --strict against each of ``versions`` (None: K8S_VERSIONS),
+    failing with a short message."""
     import kubernetes_validate
 
-    def check(obj: dict) -> None:
-        for version in K8S_VERSIONS:
+    def check(obj: dict, versions: tuple[str, ...] | None = None) -> None:
+        for version in versions or K8S_VERSIONS:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as err:
