@@ -353,7 +353,7 @@ def run_summary_markdown(run_dir: str | Path) -> str:
     about = [*_config_lines(run), ("iterations", str(len(rows)))]
     if seconds is not None:
         about.append(("wall time", f"{seconds / 60:.1f} min ({seconds:.0f} s)"))
-    lines = ["# dockrl run", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in about), ""]
+    lines = ["# dockrl run", "", "| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in about), ""]
     if not rows:
         lines.append("No iteration ran: `metrics.jsonl` was not written.")
     else:

@@ -193,7 +193,7 @@ def test_the_runs_summary_is_a_few_named_numbers_whatever_the_iterations(tmp_pat
         for it in range(50):
             w.log(it, {"reward/mean": it / 100, "reward/accuracy": 0.5 if it == 7 else 0.25, "actor/kl": 0.01 * (it % 5),
                        "perf/response_tokens_per_s": 100.0 + it, "actor/loss": float("nan") if it == 49 else 1.0, "other": it})
-        w.log_summary({"eval/accuracy_before": 0.07, "run/seconds": 12.5, "eval/accuracy_after": None})
+        w.log_summary({"eval/accuracy_before": 0.07, "run/seconds": 12.5, "eval/accuracy_after": float("nan")})  # written as null
     summary = run_summary(tmp_path)
     assert summary == {
         "run/iterations": 50.0, "reward/accuracy/final": 0.25, "reward/accuracy/best": 0.5, "reward/mean/final": 0.49,
