@@ -53,7 +53,7 @@ PLATFORM_CHOICES = ("npu", "gpu", "cpu")
 
 COMPILE_OPTIONS = ("platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "request", "platform_config",
                    "train_retries", "ttl_after_finished")
-"""Options of ``compile`` (and of ``submit``/``schedule`` without ``--package``): compile-time settings."""
+"""Options of ``compile`` (and of ``upload``/``submit``/``schedule`` without ``--package``): compile-time settings."""
 
 
 def _params(args: argparse.Namespace) -> dict:
