@@ -221,14 +221,14 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
     use_fake_cluster(cluster, monkeypatch)
     seen = {}
 
-    def fake_train(cfg, *, on_iteration, backend):
+    def fake_train(cfg, *, backend):
         seen["cfg"], seen["backend"] = cfg, backend
         out = Path(cfg.run.output_dir)
         assert Path(cfg.data.train_path).read_text() == (tmp_path / "ds" / "train.jsonl").read_text()
         (out / "checkpoints" / "final").mkdir(parents=True)
         (out / "checkpoints" / "final" / "config.json").write_text("{}")
-        (out / "metrics.jsonl").write_text("{}\n")
-        on_iteration(0, {"reward/mean": 0.5})
+        (out / "metrics.jsonl").write_text('{"iteration": 0, "reward/mean": 0.5}\n')
+        (out / "summary.json").write_text('{"run/seconds": 1.0, "eval/accuracy_after": null}')  # NaN is written as null
         return {"run/seconds": 1.0, "eval/accuracy_after": math.nan}
 
     monkeypatch.setattr(driver, "train", fake_train)
@@ -242,7 +242,8 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
     assert backend.platform.image == PLATFORMS["npu"].image
     shared_run = tmp_path / "shared" / "runs" / RUN
     assert cfg.run.output_dir == str(shared_run) and cfg.data.test_path == str(shared_run / "data" / "test.jsonl")
-    assert summary["run/seconds"] == 1.0 and logged == {"reward/mean/iter_0000": 0.5, "run/seconds": 1.0}
+    assert summary["run/seconds"] == 1.0
+    assert logged == {"run/iterations": 1.0, "reward/mean/final": 0.5, "reward/mean/best": 0.5, "run/seconds": 1.0}
     # the checkpoint stays on the shared volume: the model artifact names it, nothing copied into the pod
     assert resolve_checkpoint(tmp_path / "model") == shared_run / "checkpoints" / "final"
     assert not (tmp_path / "model" / "config.json").exists()
