@@ -205,7 +205,7 @@ class StageServer(flight.FlightServerBase):
 
     def __init__(self, cells: Cells, token: str, host: str = "127.0.0.1") -> None:
         # the shards' own bearer-token check, one token (the driver's role): the same auth on every call as the dock's
-        access = ShardAccess(token, None, GRPO_SCHEMA)
+        access = ShardAccess(token, GRPO_SCHEMA)
         super().__init__(f"grpc://{host}:0", middleware={"auth": BearerTokenMiddlewareFactory(access)})
         self.cells, self.location = cells, f"grpc://{host}:{self.port}"
         self._outputs: dict[str, pa.Table] = {}

@@ -2,7 +2,9 @@
 and the size of the train task's pod for that config.
 
 The work is ``dockrl.kubeflow.steps.resolve_overrides``: the parameters that differ from their
-defaults become ``section.field=value`` overrides, then ``config_overrides`` (which win); and
+defaults become ``section.field=value`` overrides, then the lines of ``config_overrides`` (a text, one
+override per line: ``dockrl.config.parse_override_lines``), which win, all checked as the command line's
+are (a bad one fails the step with the command line's error); and
 ``dockrl.kubeflow.steps.local_run_resources``: the accelerators, CPU and memory of a train pod that
 runs the whole job (``worker_backend=local``) on ``platform`` (the JSON of ``Platform.to_json``).
 The sizes are strings because KFP's driver reads a task's resources from string values only.
@@ -32,7 +34,7 @@ def resolve_config(
     train_data: str,
     test_data: str,
     keep_checkpoints: int,
-    config_overrides: List[str],
+    config_overrides: str,
     platform: str,
 ) -> NamedTuple("Outputs", [("overrides", List[str]), ("devices", str), ("cpu", str), ("memory", str)]):  # type: ignore[valid-type]
     """The overrides every later step of the run reads (a config error fails this step), and the
@@ -40,6 +42,7 @@ def resolve_config(
     # imported here, not at the top: KFP ships only this function's source to the task's pod
     import logging
 
+    from dockrl.config import parse_override_lines
     from dockrl.kubeflow.steps import local_run_resources, resolve_overrides
     from dockrl.launch.platform import Platform
 
@@ -48,6 +51,6 @@ def resolve_config(
               "learning_rate": learning_rate, "kl_loss_coef": kl_loss_coef, "max_response_length": max_response_length,
               "adv_estimator": adv_estimator, "model_path": model_path, "train_data": train_data, "test_data": test_data,
               "keep_checkpoints": keep_checkpoints}
-    overrides = resolve_overrides(params, config_overrides)
+    overrides = resolve_overrides(params, parse_override_lines(config_overrides))
     size = local_run_resources(overrides, Platform.from_json(platform))
     return overrides, size["devices"], size["cpu"], size["memory"]  # in the order of the outputs

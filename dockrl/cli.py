@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("runs", help="list the local runs and their live processes")
     sub.add_parser("rollouts", help="a run's kept rollouts (run.keep_rollouts): show, rescore, replay, page (dockrl rollouts -h)")
     sub.add_parser("teardown", help="stop what a run left running (dockrl teardown -h)")
-    sub.add_parser("sandbox", help="check that this machine (a worker pod) gives the sandbox the layers env.sandbox.require asks for")
+    sub.add_parser("sandbox", help="check that this machine (a worker pod) gives the sandbox the layers env.sandbox.require asks for; "
+                   "`dockrl sandbox serve`: the sandbox executor of env.sandbox.backend=pod")
     sub.add_parser("export", help="a checkpoint as a self-contained HF folder; a LoRA run's adapter, merged with --merge (dockrl export -h)")
     args, rest = parser.parse_known_args(argv)
     for extra in rest:  # overrides may stand on both sides of --config: argparse leaves those after it here
@@ -288,11 +289,17 @@ if __name__ == "__main__":
 def sandbox_main(argv: list[str]) -> int:
     """``dockrl sandbox [env.sandbox.FIELD=VALUE ...]``: runs an empty program in the sandbox of this machine (run it
     in a worker pod of the site: the same image, user and security context) and prints the layers in force; exit 2,
-    with what is missing and how to get it, when a layer of ``env.sandbox.require`` is not."""
+    with what is missing and how to get it, when a layer of ``env.sandbox.require`` is not. With
+    ``env.sandbox.backend=pod`` it asks the sandbox executor at ``DOCKRL_SANDBOX_URL`` instead (run it in a stage's pod).
+    ``dockrl sandbox serve -h``: the executor (``dockrl.isolation.executor``)."""
+    if argv[:1] == ["serve"]:
+        from dockrl.isolation.executor import serve_main  # lazy: only this command serves
+
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dockrl sandbox", description=sandbox_main.__doc__)
     parser.add_argument("overrides", nargs="*", help="env.sandbox.FIELD=VALUE, e.g. env.sandbox.require=network,writes")
     args = parser.parse_args(argv)
-    from dockrl.isolation.sandbox import require_layers  # lazy: only this command runs the sandbox here
+    from dockrl.isolation.runner import require_layers  # lazy: only this command runs the sandbox here
 
     try:
         limits = load_config(None, args.overrides).env.sandbox

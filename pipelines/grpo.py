@@ -7,12 +7,14 @@
 
 Compile-time (settings of the package, ``PipelineSettings``): the worker backend, the platform
 (image registry, tag or digests, pull secret, accelerators, node selector, tolerations,
-architectures) and the tasks' CPU and memory requests. Run-time (the pipeline's parameters,
+architectures), the tasks' CPU and memory requests and how long the cluster keeps a finished
+run's workflow (``ttl_after_finished_s``, a ``dsl.PipelineConfig``). Run-time (the pipeline's parameters,
 what a user changes per run in the UI): ``dockrl.kubeflow.steps.RUN_PARAMETERS`` (iterations,
 batch sizes, group size, learning rate, KL coefficient, response length, algorithm, model and
-data paths) with the config's defaults, ``config_overrides`` (``section.field=value`` strings,
-for any other config field; they win over a parameter), ``export_dtype``, ``copy_model`` and ``export_uri``. A pipeline
-run keeps the newest ``keep_checkpoints`` = 2 checkpoints and the final one (the config keeps all). The
+data paths) with the config's defaults, ``config_overrides`` (a text of ``section.field=value`` lines,
+for any other config field; they win over a parameter), ``export_dtype``, ``copy_model`` and ``export_uri``;
+each has a description in the compiled package (the pipeline function's docstring), which the UI shows
+beside it. A pipeline run keeps the newest ``keep_checkpoints`` = 2 checkpoints and the final one (the config keeps all). The
 model artifacts (train's and export-model's) name the model's folder on the shared volume, with its
 metadata; ``export_uri`` (``s3://<bucket>/<key>``) puts the exported model in the object store instead and
 its artifact names that URI; the weights go through KFP's artifact store only with ``copy_model``.
@@ -132,6 +134,11 @@ class PipelineSettings:
     that exits non-zero (a worker pod failed, was evicted or lost: the launcher fails the run) is
     retried; a launcher pod that is itself deleted, evicted or on a lost node is not, unless the
     cluster's workflow controller sets a default retry policy (docs/kubeflow.md, Retries)."""
+    ttl_after_finished_s: int = 0
+    """Seconds the cluster keeps the run's Argo Workflow, and with it its pods and their logs, after the
+    run finished, succeeded or failed (``dsl.PipelineConfig(ttl_seconds_after_finished=...)``, Argo's
+    ``ttlStrategy.secondsAfterCompletion``); the run's record, artifacts and metrics stay in KFP. 0: the
+    cluster's own clean-up (KFP's persistence agent, ``TTL_SECONDS_AFTER_WORKFLOW_FINISH``)."""
     requests: dict[str, Requests] = field(default_factory=dict)
     """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
     defaults to the size of a pod holding the devices its run uses: ``Platform.pod_requests``;
@@ -141,6 +148,8 @@ class PipelineSettings:
         worker_backend_name(self.worker_backend)
         if self.train_retries < 0:
             raise ValueError(f"train_retries={self.train_retries}: expected a count >= 0")
+        if not 0 <= self.ttl_after_finished_s <= 2**31 - 1:
+            raise ValueError(f"ttl_after_finished_s={self.ttl_after_finished_s}: expected seconds in 0-{2**31 - 1} (0: the cluster's default)")
         unknown = sorted(set(self.requests) - set(STEPS))
         if unknown:
             raise ValueError(f"requests for {unknown}: no such task; expected some of {', '.join(STEPS)}")
@@ -301,7 +310,9 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
                        "hold the accelerators; they run without. Compile with --worker-backend kubernetes (every worker "
                        "pod gets every hook), or make the nodes work without them", s.platform.name, ", ".join(unapplied))
 
-    @dsl.pipeline(name=PIPELINE_NAME,
+    config = dsl.PipelineConfig(ttl_seconds_after_finished=s.ttl_after_finished_s or None)
+
+    @dsl.pipeline(name=PIPELINE_NAME, pipeline_config=config,
                   description=f"GRPO post-training through the transfer dock ({s.platform.name}, {s.worker_backend} workers)")
     def grpo(
         iterations: int = p["iterations"],
@@ -316,11 +327,41 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         train_data: str = p["train_data"],
         test_data: str = p["test_data"],
         keep_checkpoints: int = p["keep_checkpoints"],
-        config_overrides: list[str] = [],  # noqa: B006 - KFP writes the default into the pipeline spec; never mutated
+        config_overrides: str = "",
         export_dtype: str = "bfloat16",
         copy_model: bool = False,
         export_uri: str = "",
     ):
+        """GRPO post-training through the transfer dock.
+
+        Args:
+            iterations: RL iterations, one global batch of prompts each (trainer.iterations).
+            global_batch: Prompts per iteration; each is answered group_size times (trainer.global_batch).
+            mini_batch: Prompts per optimizer step; divides global_batch (trainer.mini_batch).
+            group_size: Responses sampled per prompt: the group whose rewards are compared (rollout.n).
+            learning_rate: AdamW learning rate of the policy (trainer.lr).
+            kl_loss_coef: Weight of the KL penalty to the reference model in the loss; 0: none (algorithm.kl_loss_coef).
+            max_response_length: Most generated tokens per response; a longer one is cut and flagged truncated
+                (rollout.max_response_length).
+            adv_estimator: Advantage estimator: grpo, rloo, reinforce_plus_plus, gae (PPO, with a critic) or dr_grpo
+                (algorithm.adv_estimator).
+            model_path: The model training starts from: a folder on the shared volume, an s3:// URI, or smollm2-135m,
+                the model every image holds (model.path).
+            train_data: Training prompts in GSM8K format (JSONL or Parquet): a path on the shared volume or an s3:// URI;
+                empty: seeded generated problems (data.train_path).
+            test_data: Evaluation prompts, as train_data; empty: a seeded held-out split; champ: the CHAMP problems
+                (data.test_path).
+            keep_checkpoints: Newest intermediate checkpoints kept on the shared volume besides the final one; 0 keeps
+                all (trainer.keep_checkpoints).
+            config_overrides: Any other config field, one section.field=value per line, e.g. trainer.save_every=10;
+                empty lines and lines starting with # are skipped; they win over the parameters above. The
+                resolve-config step checks them and fails naming the field.
+            export_dtype: dtype of the exported model: bfloat16, float16 or float32.
+            copy_model: Also put the exported model's weights into KFP's artifact store; false: they stay on the
+                shared volume (or at export_uri) and the artifact names them.
+            export_uri: s3://<bucket>/<key> to put the exported model in the object store; empty: the run's folder on
+                the shared volume.
+        """
         teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
         teardown.set_caching_options(False)
         _common(teardown, "teardown-workers", s)
@@ -336,6 +377,9 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
             _reads_run_inputs(resolved, s.platform)  # the model's shape is checked against the layout
             overrides = resolved.outputs["overrides"]
             data = prepare_dataset(config_overrides=overrides)
+            # never from the cache: its key is the overrides, which name a data file by its path, so a file changed
+            # at the same path would give yesterday's data (docs/kubeflow.md, What a run keeps, and what is never cached)
+            data.set_caching_options(False)
             _common(data, "prepare-dataset", s)
             _reads_run_inputs(data, s.platform)
             trained = train(config_overrides=overrides, dataset=data.outputs["dataset"], worker_backend=s.worker_backend,
@@ -430,7 +474,7 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
         isolate_volumes(pipeline, {platform.shared_volume_claim: shared})
     before = set(root.glob(f"{PIPELINE_NAME}-*"))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    pipeline(**{"config_overrides": list(overrides), "export_dtype": export_dtype, **(parameters or {})})
+    pipeline(**{"config_overrides": "\n".join(overrides), "export_dtype": export_dtype, **(parameters or {})})
     new = sorted(set(root.glob(f"{PIPELINE_NAME}-*")) - before)
     if len(new) != 1:
         raise RuntimeError(f"expected one new run folder under {root}, found {[p.name for p in new]}")

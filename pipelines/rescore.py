@@ -28,6 +28,14 @@ def build_rescore_pipeline():
 
     @dsl.pipeline(name=RESCORE_PIPELINE_NAME, description="A new reward over a GRPO run's kept rollouts, old and new side by side")
     def rescore(rollouts_uri: str, scorer: str):
+        """A new reward over a GRPO run's kept rollouts.
+
+        Args:
+            rollouts_uri: URI of a GRPO run's rollouts: its train task's rollouts artifact, as that artifact's page
+                in the Kubeflow UI shows it (e.g. minio://mlpipeline/v2/artifacts/.../train/rollouts).
+            scorer: The new reward, as module:Class importable in the task's image (a dockrl reward or one of
+                your own installed there), e.g. mypkg.rewards:Strict.
+        """
         imported = dsl.importer(artifact_uri=rollouts_uri, artifact_class=dsl.Dataset, reimport=False)
         task = rescore_rollouts(rollouts=imported.output, scorer=scorer)
         task.set_cpu_request("1").set_memory_request("4Gi")

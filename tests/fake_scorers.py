@@ -15,6 +15,9 @@ import signal
 import time
 import zlib
 
+from dockrl.config.env_sections import SandboxConfig
+from dockrl.isolation.runner import run_program
+
 
 class FakeRandomScorer:
     """Fake: seeded random rewards from {0, 0.1, 1.1}, so every group is likely to carry signal."""
@@ -40,6 +43,24 @@ class FakeDigitScorer(FakeRandomScorer):
 
     def score(self, responses, ground_truths):
         return [sum(c.isdigit() for c in r) / len(r) if r else 0.0 for r in responses]
+
+
+class FakeProgramDigitScorer(FakeRandomScorer):
+    """Fake: ``FakeDigitScorer``'s reward, computed by a program run in the sandbox for each response (the response its
+    stdin), where ``env.sandbox.backend`` says (``dockrl.isolation.runner.run_program``): a run's rewards, and so what it
+    learns, depend on every program's result coming back whole from wherever it ran."""
+
+    PROGRAM = "import sys\ntext = sys.stdin.buffer.read().decode()\nprint(repr(sum(c.isdigit() for c in text) / len(text) if text else 0.0))"
+
+    def __init__(self, sandbox_backend="local", **_):
+        super().__init__()
+        self.limits = SandboxConfig(backend=sandbox_backend, wall_s=30.0)
+
+    def score(self, responses, ground_truths):
+        results = [run_program(self.PROGRAM, self.limits, stdin=r) for r in responses]
+        bad = [r for r in results if not r.ok]
+        assert not bad, f"a program of the fake scorer failed: {bad[0]}"
+        return [float(r.stdout) for r in results]
 
 
 class FakeCrashingScorer(FakeRandomScorer):

@@ -16,6 +16,9 @@ CASES = [
     (["pipeline", "schedule", "--host", "http://127.0.0.1:9", "--cron", "0 3 * * *"], "has 5 field(s)"),
     (["pipeline", "compile", "{tmp}/pipeline.txt"], "expected a .yaml or .json file name"),
     (["pipeline", "submit", "--host", "http://127.0.0.1:9", "--package", "{tmp}/nope.yaml"], "nope.yaml does not exist"),
+    (["pipeline", "upload", "--host", "http://127.0.0.1:9", "--package", "{tmp}/nope.yaml"], "nope.yaml does not exist"),
+    (["pipeline", "submit", "--host", "http://127.0.0.1:9", "--package", "{tmp}/nope.yaml", "--version", "1"],
+     "give the package or the version of a registered pipeline, not both"),
     (["pipeline", "run", "--local", "trainer.lr=abc"], "trainer.lr: got 'abc'"),
     (["rollouts", "show", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
     (["rollouts", "replay", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
@@ -26,6 +29,8 @@ CASES = [
     (["worker", "--bogus"], "the following arguments are required"),
     (["dock-shard", "--bogus"], "unrecognized arguments: --bogus"),
     (["sandbox", "env.sandbox.require=disks"], "env.sandbox.require: got ['disks']"),
+    (["sandbox", "env.sandbox.backend=pod"], "env.sandbox.backend=pod: DOCKRL_SANDBOX_URL is unset"),
+    (["sandbox", "serve", "env.sandbox.pod_slots=0"], "env.sandbox.pod_slots: got 0"),
 ]
 
 

@@ -20,7 +20,7 @@ from dockrl.config.algorithm_sections import (
 )
 from dockrl.config.config import Config, check_rules, critic_batches, multi_turn
 from dockrl.config.errors import ConfigError
-from dockrl.config.loading import dump_config, load_config, load_config_text, parse_overrides, save_config
+from dockrl.config.loading import dump_config, load_config, load_config_text, parse_override_lines, parse_overrides, save_config
 from dockrl.config.resolve import AUTO_ENGINE_ENV, auto_rollout_engine, resolve_auto
 from dockrl.config.run_sections import DockConfig, RunConfig, pyarrow_s3_query, s3_endpoint
 from dockrl.config.sections import (
@@ -37,5 +37,6 @@ __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "DockConfig", "FilterGroupsConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config",
-    "load_config", "load_config_text", "multi_turn", "parse_overrides", "pyarrow_s3_query", "resolve_auto", "s3_endpoint", "save_config",
+    "load_config", "load_config_text", "multi_turn", "parse_override_lines", "parse_overrides", "pyarrow_s3_query", "resolve_auto",
+    "s3_endpoint", "save_config",
 ]

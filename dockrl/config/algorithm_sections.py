@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from dockrl.config.errors import fail
+from dockrl.config.errors import IMPORT_PATH, fail, require_finite
 from dockrl.config.estimators import ESTIMATORS, AdvEstimator, estimator_names
 from dockrl.config.run_sections import DockConfig
 from dockrl.config.sections import CriticConfig, RolloutConfig
@@ -212,6 +212,17 @@ def check_reward_model(m: RewardModelConfig) -> None:
 
 def check_algorithm(a: AlgorithmConfig, critic: CriticConfig) -> None:
     """The algorithm's ranges and the combinations it can run; each error names the fields and the fix."""
+    require_finite({"algorithm.reward_timeout_s": a.reward_timeout_s}, zero=False)
+    require_finite({"algorithm.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_in_reward_coef": a.kl_in_reward_coef,
+                    "algorithm.adv_eps": a.adv_eps, "algorithm.clip_ratio_high": a.clip_ratio_high,
+                    "algorithm.entropy_coeff": a.entropy_coeff, "algorithm.correct_reward": a.correct_reward,
+                    "algorithm.format_reward": a.format_reward}, zero=True)
+    if not a.correct_reward > a.format_reward:
+        raise fail("algorithm.correct_reward", a.correct_reward, f"must exceed algorithm.format_reward={a.format_reward}")
+    if not (0 <= a.max_bad_reward_frac <= 1):
+        raise fail("algorithm.max_bad_reward_frac", a.max_bad_reward_frac, "expected a fraction from 0 to 1")
+    if a.scorer and not IMPORT_PATH.match(a.scorer):
+        raise fail("algorithm.scorer", a.scorer, "expected an import path 'package.module:Class', or '' for the built-in verifier")
     if not (0 <= a.clip_ratio_low < 1):
         raise fail("algorithm.clip_ratio_low", a.clip_ratio_low, "expected 0 <= clip_ratio_low < 1")
     if not (a.clip_ratio_c == 0 or 1 < a.clip_ratio_c < math.inf):

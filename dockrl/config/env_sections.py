@@ -10,11 +10,10 @@ The environments themselves are ``dockrl.envs`` (docs/agents.md).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dockrl.config.errors import fail
+from dockrl.config.errors import IMPORT_PATH, fail, require_finite
 
 SANDBOX_LAYERS = ("network", "mounts", "writes", "processes")
 """What the sandbox's layers keep from a program (``env.sandbox.require``): the network, the files and Unix
@@ -48,6 +47,15 @@ class SandboxConfig:
     ``writes``, ``processes``): the environment and the code scorer refuse to start without them, naming what is
     missing and how a pod gets it (docs/agents.md). ``[]`` runs programs with whatever the machine gives:
     for trusted code only, and said loudly in the log."""
+    backend: Literal["local", "pod"] = "local"
+    """Where programs run: ``local``, in a child process of the stage that asks (the layers above, as this machine
+    gives them); ``pod``, in a sandbox executor of its own (``dockrl sandbox serve``, ``dockrl.isolation.executor``) that
+    the stage reaches over HTTP at ``DOCKRL_SANDBOX_URL`` with the run's secret ``DOCKRL_SANDBOX_SECRET``: on Kubernetes
+    an agent-sandbox ``Sandbox`` pod per stage that runs programs, with no credential, no egress and a read-only root, for
+    pods that cannot give the layers themselves (docs/reliability.md); ``require`` is then checked against that executor."""
+    pod_slots: int = 4
+    """Programs one sandbox executor runs at once (``backend=pod``); more wait for a free slot. Its pod's cpu, memory and
+    disk limits are this many programs' (``cpu_s``'s one core, ``memory_mb``, ``disk_mb``) plus the server's own."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,12 +89,12 @@ BUILT_IN_ENVIRONMENTS: dict[str, str] = {
 ``(EnvConfig) -> Environment`` (``dockrl.envs.registry.build_environment`` imports it where the rollout runs): adding
 one is its class and one entry here."""
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 SANDBOX_MAX: dict[str, float] = {"wall_s": 3600.0, "cpu_s": 3600, "memory_mb": 65536, "output_bytes": 1 << 20, "file_mb": 1024,
-                                 "disk_mb": 16384, "max_processes": 1024}
+                                 "disk_mb": 16384, "max_processes": 1024, "pod_slots": 64}
 """Upper bounds of ``env.sandbox.*``: no program of a rollout gets more than an hour, 64 GiB, a 1 GiB file,
-16 GiB of files, 1,024 processes or 1 MiB of output (which the trainer keeps and tokenizes)."""
+16 GiB of files, 1,024 processes or 1 MiB of output (which the trainer keeps and tokenizes); no executor pod runs more than
+64 programs at once."""
 
 
 def check_env(e: EnvConfig) -> None:
@@ -95,11 +103,12 @@ def check_env(e: EnvConfig) -> None:
     Raises:
         ConfigError: names the field (``env.name``, ``env.timeout_s``, ``env.sandbox.*``), its value and the rule.
     """
-    if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not _IMPORT_PATH.match(e.name):
+    if e.name and e.name not in BUILT_IN_ENVIRONMENTS and not IMPORT_PATH.match(e.name):
         raise fail("env.name", e.name, f"expected '' (single-turn), one of {', '.join(repr(n) for n in BUILT_IN_ENVIRONMENTS)}, "
                     "or an import path 'package.module:Class' of a user environment")
     if not (0 < e.timeout_s < math.inf):
         raise fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
+    require_finite({"env.tool_call_reward": e.tool_call_reward}, zero=True)
     s = e.sandbox
     if not (0 < s.wall_s <= SANDBOX_MAX["wall_s"]):
         raise fail("env.sandbox.wall_s", s.wall_s, f"expected seconds > 0 and <= {SANDBOX_MAX['wall_s']:g}")
@@ -107,7 +116,8 @@ def check_env(e: EnvConfig) -> None:
     if unknown or len(set(s.require)) != len(s.require):
         raise fail("env.sandbox.require", list(s.require), f"expected distinct names among {', '.join(SANDBOX_LAYERS)} "
                    "([] for none: trusted code only)")
-    for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("disk_mb", 1), ("max_processes", 1)):
+    for name, low in (("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1), ("file_mb", 1), ("disk_mb", 1), ("max_processes", 1),
+                      ("pod_slots", 1)):
         v, high = getattr(s, name), SANDBOX_MAX[name]
         if not low <= v <= high:
             why = " (the Python interpreter itself needs about that much address space)" if name == "memory_mb" and v < low else ""

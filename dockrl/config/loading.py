@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -166,6 +167,30 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
                                   "earlier override; a section takes fields, not a value")
         node[name] = value
     return tree
+
+
+def parse_override_lines(text: str | Sequence[str]) -> list[str]:
+    """The ``section.field=value`` overrides of a text, one per line: the pipeline's ``config_overrides``
+    parameter, a single text field in the Kubeflow UI. Blanks around a line are stripped; empty lines and
+    lines starting with ``#`` are skipped. A JSON list of strings (that parameter's form before it was a
+    text) is read as its items, and a list is taken as it is. Each override is then checked by
+    ``load_config`` exactly as on the command line (``parse_overrides``).
+
+    Raises:
+        ConfigError: a text starting with ``[`` that is not a JSON list of strings.
+    """
+    if not isinstance(text, str):
+        return [str(item) for item in text]
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as err:
+            raise ConfigError(f"overrides {text[:60]!r}: not a JSON list ({err}); give one section.field=value per line") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(f"overrides {text[:60]!r}: a JSON list of section.field=value strings expected")
+        return items
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def _merge(data: dict[str, Any], fields: dict[str, Any], cls: Any, where: str = "") -> None:

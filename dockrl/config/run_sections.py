@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal, Mapping
 
-from dockrl.config.errors import fail
+from dockrl.config.errors import fail, require_finite, require_positive
 from dockrl.config.trackers import TRACKERS, TrackerName
 
 
@@ -205,6 +205,17 @@ def check_rollouts_uri(uri: str, k: DockConfig) -> None:
 
 
 def check_dock(k: DockConfig) -> None:
+    """The ``dock`` section's ranges, and its store's names (``dock.warehouse=s3``).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_finite({"dock.timeout_s": k.timeout_s, "dock.store_timeout_s": k.store_timeout_s, "dock.lease_s": k.lease_s}, zero=False)
+    if not 0 <= k.store_retries <= 10:
+        raise fail("dock.store_retries", k.store_retries, "expected an integer from 0 to 10")
+    require_positive({"dock.shards": k.shards})
+    if not 1 <= k.max_inflight <= 8:
+        raise fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
     if k.warehouse == "directory" and not k.directory.strip():
         raise fail("dock.directory", k.directory, "expected a directory for warehouse 'directory'")
     if k.warehouse != "s3":
@@ -220,12 +231,17 @@ def check_dock(k: DockConfig) -> None:
             raise fail(where, name, "expected the name of an environment variable, e.g. AWS_ACCESS_KEY_ID")
 
 
-def check_trackers(run: RunConfig) -> None:
-    """``run.trackers``: each at most once, and a project name for them.
+def check_run(run: RunConfig) -> None:
+    """The ``run`` section's ranges (``run.keep_rollouts`` was parsed when the section was built), its trackers each at
+    most once, and a project name for them.
 
     Raises:
-        ConfigError: naming ``run.trackers`` (a name twice) or ``run.tracker_project`` (empty).
+        ConfigError: names the field, its value and the rule (``run.trackers``: a name twice; ``run.tracker_project``: empty).
     """
+    if run.num_threads < 0:
+        raise fail("run.num_threads", run.num_threads, "expected an integer >= 0 (0: torch's default)")
+    require_finite({"run.driver_timeout_s": run.driver_timeout_s}, zero=False)
+    require_finite({"run.lock_wait_s": run.lock_wait_s}, zero=True)
     if len(set(run.trackers)) != len(run.trackers):
         raise fail("run.trackers", list(run.trackers), "expected each tracker at most once")
     if not run.tracker_project.strip():

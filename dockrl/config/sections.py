@@ -3,16 +3,20 @@ keyword-only dataclasses, one docstring per field.
 
 The algorithm's sections (``algorithm``, ``reward_model``) are in ``dockrl.config.algorithm_sections``,
 the dock's and the run's (``dock``, ``run``) in ``dockrl.config.run_sections``; ``parallel`` is
-``dockrl.parallel.layout.ParallelLayout``. ``Config`` (``dockrl.config.config``) holds one of each
-and checks the cross-field rules when built.
+``dockrl.parallel.layout.ParallelLayout``. Each section's own rules (ranges, fields read only when
+another field of it is set) are the ``check_*`` function beside its class; ``Config``
+(``dockrl.config.config``) holds one of each and runs them, then the rules across sections, when built.
 Fields that may be ``auto`` (``parallel.device``, ``rollout.engine``, ``rollout.dtype``,
 ``trainer.autocast_bf16``) keep ``auto`` here; ``dockrl.config.resolve.resolve_auto`` replaces it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+from dockrl.config.errors import fail, require_finite, require_positive
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. Then write the final answer as '#### <number>'."
@@ -54,6 +58,20 @@ class DataConfig:
     """Longest prompt in tokens; longer rows are dropped and reported."""
     eval_size: int = 200
     """Test prompts used for greedy accuracy (0: all)."""
+
+
+def check_data(d: DataConfig) -> None:
+    """The ``data`` section's ranges.
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_positive({"data.max_prompt_length": d.max_prompt_length, "data.min_steps": d.min_steps,
+                      "data.max_number": d.max_number, "data.generate_train": d.generate_train, "data.generate_test": d.generate_test})
+    if d.eval_size < 0:
+        raise fail("data.eval_size", d.eval_size, "expected an integer >= 0 (0: all test prompts)")
+    if d.max_steps < d.min_steps:
+        raise fail("data.max_steps", d.max_steps, f"expected >= data.min_steps={d.min_steps}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +118,23 @@ class RolloutConfig:
     ``max_turns`` turns of ``max_response_length`` tokens each (observations uncapped)."""
 
 
+def check_rollout(r: RolloutConfig) -> None:
+    """The ``rollout`` section's ranges (those that depend on the dock or an environment are ``Config``'s).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_positive({"rollout.max_response_length": r.max_response_length, "rollout.batch_size": r.batch_size, "rollout.n": r.n})
+    if not 0.0 < r.temperature:
+        raise fail("rollout.temperature", r.temperature, "expected > 0")
+    if not 0.0 < r.top_p <= 1.0:
+        raise fail("rollout.top_p", r.top_p, "expected 0 < top_p <= 1")
+    if r.max_turns < 1:
+        raise fail("rollout.max_turns", r.max_turns, "expected a positive integer (1: one model turn)")
+    if r.max_total_tokens < 0:
+        raise fail("rollout.max_total_tokens", r.max_total_tokens, "expected an integer >= 0 (0: no limit but the turns')")
+
+
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of a Llama/Qwen2-style decoder layer: ``trainer.lora.target_modules``'s default."""
 
@@ -132,6 +167,27 @@ class LoraConfig:
     def enabled(self) -> bool:
         """Whether the actor trains adapters (``rank`` > 0)."""
         return self.rank > 0
+
+
+def check_lora(lo: LoraConfig) -> None:
+    """``trainer.lora``'s ranges, and its fields only with ``rank`` > 0 (what LoRA runs with is ``Config``'s rule).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    if lo.rank < 0:
+        raise fail("trainer.lora.rank", lo.rank, "expected an integer >= 0 (0: off, full fine-tuning)")
+    if not lo.enabled:
+        for name in ("alpha", "target_modules", "sync"):
+            if getattr(lo, name) != getattr(LoraConfig(), name):
+                raise fail(f"trainer.lora.{name}", getattr(lo, name), "is set but trainer.lora.rank is 0 (LoRA off): "
+                            "set trainer.lora.rank > 0 or leave the field unset")
+        return
+    if not (0 < lo.alpha < math.inf):
+        raise fail("trainer.lora.alpha", lo.alpha, "expected a finite number > 0 (the update is scaled by alpha / rank)")
+    if not lo.target_modules or not all(m.strip() for m in lo.target_modules):
+        raise fail("trainer.lora.target_modules", list(lo.target_modules), "expected one or more module names, e.g. "
+                    "q_proj,v_proj (a linear module is targeted when its name ends with one)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +259,27 @@ class TrainerConfig:
     """LoRA adapters on the actor instead of full fine-tuning (``trainer.lora.*``; off by default)."""
 
 
+def check_trainer(t: TrainerConfig) -> None:
+    """The ``trainer`` section's ranges and batch sizes (the micro-batch against ``rollout.n`` is ``Config``'s rule).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_positive({"trainer.iterations": t.iterations, "trainer.global_batch": t.global_batch, "trainer.mini_batch": t.mini_batch,
+                      "trainer.micro_batch": t.micro_batch, "trainer.ppo_epochs": t.ppo_epochs,
+                      "trainer.eval_batch_size": t.eval_batch_size})
+    if t.keep_checkpoints < 0:
+        raise fail("trainer.keep_checkpoints", t.keep_checkpoints, "expected an integer >= 0 (0: keep all)")
+    if t.micro_batch_tokens < 0:
+        raise fail("trainer.micro_batch_tokens", t.micro_batch_tokens, "expected an integer >= 0 (0: off, micro_batch sequences)")
+    if t.global_batch % t.mini_batch:
+        raise fail("trainer.mini_batch", t.mini_batch, f"must divide trainer.global_batch={t.global_batch}")
+    # trainer.lr=0: the standard check of drift between rollout and trainer log-probs
+    require_finite({"trainer.lr": t.lr, "trainer.weight_decay": t.weight_decay, "trainer.grad_clip": t.grad_clip,
+                    "trainer.save_every": t.save_every}, zero=True)
+    check_lora(t.lora)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     """The critic of PPO (``algorithm.adv_estimator=gae``): a value model V(s_t) per response token,
@@ -233,3 +310,24 @@ class CriticConfig:
     warmup_iterations: int = 0
     """First iterations in which only the critic trains: the actor acks its rows without a forward
     pass or a step (verl's ``trainer.critic_warmup``); below ``trainer.iterations``."""
+
+
+def check_critic(k: CriticConfig) -> None:
+    """The ``critic`` section's ranges, and its fields only with ``enable`` (its batches against the actor's and
+    the estimator it serves are ``Config``'s rules).
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_finite({"critic.lr": k.lr, "critic.weight_decay": k.weight_decay, "critic.grad_clip": k.grad_clip}, zero=True)
+    require_finite({"critic.cliprange_value": k.cliprange_value}, zero=False)
+    require_positive({"critic.ppo_epochs": k.ppo_epochs})
+    for where, v in {"critic.mini_batch": k.mini_batch, "critic.micro_batch": k.micro_batch, "critic.warmup_iterations": k.warmup_iterations}.items():
+        if v < 0:
+            raise fail(where, v, "expected an integer >= 0 (0: as the actor / no warm-up)")
+    if not k.enable:
+        if k.model_path:
+            raise fail("critic.model_path", k.model_path, "is set but critic.enable is false: enable the critic or leave it empty")
+        if k.warmup_iterations:
+            raise fail("critic.warmup_iterations", k.warmup_iterations, "warms up a critic, but critic.enable is false: "
+                        "enable the critic or use 0")

@@ -1,5 +1,6 @@
 """The ``python`` environment: the model calls a ``python`` tool with a program, which runs in the
-sandbox (``dockrl.isolation.sandbox``, under ``env.sandbox.*``); what it prints is the next turn.
+sandbox (``dockrl.isolation.sandbox``, under ``env.sandbox.*``; here or in a sandbox executor's pod,
+``env.sandbox.backend``, ``dockrl.isolation.runner``); what it prints is the next turn.
 
 Every call starts a fresh interpreter in a fresh folder: nothing (variables, files) carries over
 from one call to the next, as the tool's description tells the model.
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dockrl.config.env_sections import EnvConfig, SandboxConfig
 from dockrl.envs.tool_calls import ToolCall, ToolParser
 from dockrl.envs.tool_episode import ToolEpisode, tool_schema
-from dockrl.isolation.sandbox import SandboxResult, require_layers, run_python
+from dockrl.isolation.runner import require_layers, run_program
+from dockrl.isolation.sandbox import SandboxResult
 
 
 def describe_result(result: SandboxResult, limits: SandboxConfig) -> str:
@@ -54,7 +56,7 @@ class PythonEnvironment:
 
     def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
         """Raises:
-            SandboxUnavailable: a layer of ``limits.require`` is not in force here (``require_layers``)."""
+            SandboxUnavailable: a layer of ``limits.require`` is not in force where programs run (``runner.require_layers``)."""
         require_layers(limits)  # fail closed: before the first program of the model
         self.limits, self.tool_parser, self.call_reward = limits, tool_parser, call_reward
         self.tools = [tool_schema(
@@ -70,7 +72,7 @@ class PythonEnvironment:
         code = call.arguments.get("code")
         if not isinstance(code, str):
             return "Error: python takes one string argument 'code'.", True
-        result = run_python(code, self.limits)
+        result = run_program(code, self.limits)
         return describe_result(result, self.limits), not result.ok
 
     def close(self) -> None:

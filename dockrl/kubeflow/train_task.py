@@ -40,16 +40,16 @@ position: docs/resume.md) in a new JobSet, which Kueue queues until it admits th
 Unless the overrides say otherwise, the train step skips the evaluation after training
 (``trainer.eval_after=false``): the pipeline's ``evaluate`` step measures the exported model.
 
-Per-iteration metrics stream to ``log_metric`` as each iteration ends, as
-``<key>/iter_<NNNN>`` (``reward/mean/iter_0003``); run-level numbers
-(``eval/accuracy_before``, ``run/seconds``, ...) follow under their own names.
+At the end the run's summary goes to ``log_metric``, once per number (``dockrl.run.metrics.run_summary``:
+final and best reward and accuracy, KL, tokens/s, the wall time, ...; from the run folder's
+``metrics.jsonl``, which holds every iteration once, those of a failed attempt a retry resumed from
+included). Every iteration's metrics stay in ``metrics.jsonl`` and TensorBoard (the ``run_dir`` artifact).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 from pathlib import Path
 from typing import Callable, Sequence
@@ -63,16 +63,10 @@ from dockrl.launch.backend import WorkersSuspended, worker_backend_name
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.rollouts.keep import ROLLOUTS_DIR
+from dockrl.run.metrics import run_summary
 from dockrl.run.setup import PACKAGED_MODEL
 
 logger = logging.getLogger(__name__)
-
-
-def _log_finite(log_metric: Callable[[str, float], None], name: str, value: object, skipped: list[str]) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        skipped.append(name)
-        return
-    log_metric(name, float(value))
 
 
 def run_training(
@@ -99,7 +93,7 @@ def run_training(
         run_dir: receives the rest of the run folder (config.yaml, metrics.jsonl,
             tensorboard/, metrics.png, summary.json; the intermediate checkpoints unless the
             run folder is on the shared volume, where they stay).
-        log_metric: called once per (name, value); non-finite values are skipped with a warning.
+        log_metric: called once per number of the run's summary (``run_summary``: finite values only), at the end.
         worker_backend: ``local`` or ``kubernetes``: where the stage workers start.
         run_id: the pipeline run's id (labels the pods; names the shared run folder); needed
             for ``kubernetes``.
@@ -135,12 +129,6 @@ def run_training(
         out = shared / "runs" / run_id
     resume_given = any(o.split("=", 1)[0].strip() == "run.resume" for o in overrides)
     lock_wait_s = load_config(None, list(overrides)).run.lock_wait_s
-    skipped: list[str] = []
-
-    def stream(it: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            _log_finite(log_metric, f"{key}/iter_{it:04d}", value, skipped)
-
     paused: WorkersSuspended | None = None
     while True:  # once, or again after each preemption of the workers (a pause: the run resumes)
         found = prepare_retry(out, run_id, resume_given=resume_given and paused is None, lock_wait_s=lock_wait_s) if out != run else None
@@ -158,8 +146,6 @@ def run_training(
             check_shared_config(cfg, backend.shared_dir)
             check_platform_device(cfg, backend.platform)
         start = checkpoint_resumes_at(found) if found and (paused is not None or not resume_given) else None
-        if start is not None and paused is None:  # this attempt's metrics artifact gets the iterations the failed one ran too
-            _replay_metrics(out / "metrics.jsonl", start, stream)
         if found is not None and found.name == FINAL_DIR and start is not None and start >= cfg.trainer.iterations:
             # the failed attempt trained to the end and failed handing over: nothing is left to run
             logger.info("retry of run %s: all %d iterations were done (%s): handing over its final checkpoint", run_id, start, found)
@@ -168,7 +154,7 @@ def run_training(
         if backend is not None:
             backend.preempted = None  # an error before this attempt's workers start is no preemption
         try:
-            summary = driver.train(cfg, on_iteration=stream, backend=backend)
+            summary = driver.train(cfg, backend=backend)
             break
         except Exception:
             paused = backend.preempted if backend is not None else None
@@ -203,10 +189,8 @@ def run_training(
     if rollouts_dir is not None:  # the train task's Dataset artifact (docs/rollouts.md)
         place_rollouts(out / ROLLOUTS_DIR, rollouts_dir, checkpoint=dst, config=out / "config.yaml", move=out == run)
 
-    for key, value in summary.items():
-        _log_finite(log_metric, key, value, skipped)
-    if skipped:
-        logger.warning("%d metric values were null or non-finite and not logged, e.g. %s", len(skipped), skipped[:5])
+    for key, value in run_summary(out).items():
+        log_metric(key, value)
     return summary
 
 
@@ -239,19 +223,6 @@ def shared_mount(platform: str | Platform) -> Path | None:
     if p.shared_volume_claim and Path(p.shared_mount_path).is_dir():
         return Path(p.shared_mount_path)
     return None
-
-
-def _replay_metrics(path: Path, below: int, stream: Callable[[int, dict[str, float]], None]) -> None:
-    """Hand the lines of ``metrics.jsonl`` before iteration ``below`` to ``stream`` (a line cut short by a kill is skipped)."""
-    if not path.is_file():
-        return
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < below:
-            stream(row["iteration"], {k: v for k, v in row.items() if k != "iteration"})
 
 
 def _read_summary(path: Path) -> dict[str, float]:

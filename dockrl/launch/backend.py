@@ -45,13 +45,28 @@ def worker_backend_name(value: str, where: str = "worker_backend") -> WorkerBack
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 
+SANDBOX_GROUP_PREFIX = "sandbox-"
+"""Name prefix of a sandbox executor's group (``env.sandbox.backend=pod``): ``sandbox-<stage>`` serves the members of
+group ``<stage>``. A backend runs it as any other group, except that ``KubernetesBackend`` makes it an agent-sandbox
+``Sandbox`` pod of its own (``sandbox_pod.py``) instead of a replicated job of the JobSet."""
+
+
+def sandbox_group(stage: str) -> str:
+    """The group of the sandbox executor of stage group ``stage``."""
+    return SANDBOX_GROUP_PREFIX + stage
+
+
+def served_stage(group: str) -> str:
+    """The stage group whose sandbox executor ``group`` is; '' for a group that is no sandbox executor."""
+    return group.removeprefix(SANDBOX_GROUP_PREFIX) if group.startswith(SANDBOX_GROUP_PREFIX) else ""
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerGroup:
     """One group of identical stage workers (a replicated job of the run's JobSet, or N local processes)."""
 
     name: str
-    """Group name (``actor``, ``reference``, ``reward``, ``dock-shard``): DNS label, ≤ 32 chars."""
+    """Group name (``actor``, ``reference``, ``reward``, ``dock-shard``, ``sandbox-reward``): DNS label, ≤ 32 chars."""
     command: tuple[str, ...]
     """Program and arguments of every member (``("dockrl", "worker", "reward")``)."""
     replicas: int = 1
@@ -80,7 +95,7 @@ class WorkerGroup:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of every member."""
     secret_env: dict[str, str] = field(default_factory=dict)
-    """Environment of every member whose values are secrets (the dock's bearer token): a
+    """Environment of every member whose values are secrets (the dock's bearer tokens): a
     Kubernetes backend keeps them in a Secret of the run (``secretKeyRef``), never in a pod spec."""
 
     @property

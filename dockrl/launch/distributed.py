@@ -2,14 +2,16 @@
 
 ``start_processes`` starts, through a worker backend (``LocalBackend`` by default, logs in
 ``RUN/logs/``; or ``KubernetesBackend``, one JobSet per run), every group at once:
-``dock.shards`` dock shards (``dockrl dock-shard``, two bearer tokens generated for the run and
-passed as secrets: the driver's, which only this process and the shards hold, and the stages',
-which may not call the driver's actions nor snapshot outside the run's places; ``dockrl.dock.roles``;
-mutual TLS with certificates made for the run, ``dockrl.dock.tls``) and one group per stage process
-(``dockrl worker``, ``dockrl.stages.table.stage_processes``). Rollout and actor meet on the weight
-channel, whose ``TCPStore`` this process hosts (with ``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp
-× dp`` ranks meet there). The rollout evaluates first; the others load their models meanwhile
-(``first_wait_s``). Addresses come from the backend and the config travels as YAML in
+``dock.shards`` dock shards (``dockrl dock-shard``, bearer tokens generated for the run and
+passed as secrets: the driver's, which only this process and the shards hold, and one per stage
+process, which may not call the driver's actions nor snapshot outside the run's places, and may
+claim and put only its own stages' columns, ``stage_rights``; ``dockrl.dock.roles``; mutual TLS
+with certificates made for the run, ``dockrl.dock.tls``), one group per stage process
+(``dockrl worker``, ``dockrl.stages.table.stage_processes``) and, with ``env.sandbox.backend=pod``, a sandbox
+executor per stage that runs model-written programs (``dockrl sandbox serve`` with a secret of its own,
+``executor_group``). Rollout and actor meet on the weight channel, whose ``TCPStore`` this process hosts (with
+``trainer.hybrid``: the hybrid actor's ``parallel.tp × pp × dp`` ranks meet there). The rollout evaluates
+first; the others load their models meanwhile (``first_wait_s``). Addresses come from the backend and the config travels as YAML in
 ``CONFIG_ENV``, so the same groups run as local processes and as pods; paths in the config must
 be ones the members see. ``ProcessStages`` is then the driver's stage runner
 (``dockrl/driver.py``): the stages' metrics arrive as reports (``dockrl.stages.loop.Report``),
@@ -32,17 +34,18 @@ from dockrl.config import Config, dump_config
 from dockrl.dock import GRPO_SCHEMA, DockTimeoutError
 from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.flight.shards import is_loopback
+from dockrl.dock.roles import StageRights
 from dockrl.dock.tls import RunCertificates, scheme
 from dockrl.dock.warehouse.stores import make_warehouse
-from dockrl.launch.backend import WorkerBackend, WorkerGroup
+from dockrl.launch.backend import WorkerBackend, WorkerGroup, sandbox_group
 from dockrl.launch.local import LocalBackend, keep_earlier_logs
 from dockrl.parallel.layout import ParallelLayout
 from dockrl.parallel.ranks import serve_store
-from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, SANDBOX_SECRET_ENV, SANDBOX_URL_ENV, SANDBOX_WAIT_ENV, stage_token_env
 from dockrl.run.driver_lease import DriverLease, wait_for_shards
 from dockrl.run.setup import RunPlan
 from dockrl.stages.loop import Report, final_report
-from dockrl.stages.table import checkpoint_reports, iteration_reports, stage_processes
+from dockrl.stages.table import checkpoint_reports, iteration_reports, process_rows, stage_processes
 from dockrl.stages.table import stage as stage_row
 
 logger = logging.getLogger(__name__)
@@ -99,11 +102,54 @@ def eval_batches(cfg: Config, test_prompts: int) -> int:
     return math.ceil(test_prompts / cfg.rollout.batch_size)
 
 
+def program_stages(cfg: Config) -> list[str]:
+    """The stage processes that get a sandbox executor of their own: with ``env.sandbox.backend=pod``, those that run
+    model-written programs (the rows of ``dockrl.stages.table.STAGES`` with ``programs``); else none."""
+    if cfg.env.sandbox.backend != "pod":
+        return []
+    return [stage for stage in stage_processes(cfg) if stage_row(stage).programs]
+
+
+EXECUTOR_MEMORY_MB = 512
+"""Memory of a sandbox executor's server beside its programs', MiB."""
+EXECUTOR_DISK_MB = 256
+"""Disk of a sandbox executor's pod beside its programs' folders (its log), MiB."""
+
+
+def executor_group(cfg: Config, backend: WorkerBackend, stage: str, port: int, secret: str) -> WorkerGroup:
+    """The sandbox executor of ``stage`` (``dockrl sandbox serve``, ``dockrl.isolation.executor``) on ``port``, holding
+    ``secret`` and no other credential: room for ``env.sandbox.pod_slots`` programs of ``env.sandbox``'s limits at
+    once (a core, ``memory_mb`` and ``disk_mb`` each) and its server. Why one per stage, not one per member nor one
+    for the run: a ``Sandbox`` is one pod, so one per member would multiply the run's pods by its data-parallel
+    size; one for the run would put the tool calls (whose output the model sees and steers) beside the programs that
+    decide its rewards, where a pod gives no layer inside to keep them apart."""
+    s = cfg.env.sandbox
+    sized = [f"env.sandbox.{name}={getattr(s, name)}" for name in ("memory_mb", "disk_mb", "file_mb", "max_processes", "pod_slots")]
+    return WorkerGroup(name=sandbox_group(stage), port=port, secret_env={SANDBOX_SECRET_ENV: secret}, cpu=str(s.pod_slots),
+                       memory=f"{s.pod_slots * s.memory_mb + EXECUTOR_MEMORY_MB}Mi",
+                       ephemeral_storage=f"{s.pod_slots * s.disk_mb + EXECUTOR_DISK_MB}Mi",
+                       command=(*backend.program(), "sandbox", "serve", "--host", backend.bind_host, "--port", str(port), *sized))
+
+
+def stage_rights(cfg: Config, process: str) -> StageRights:
+    """What the token of stage process ``process`` may do on the dock shards: act as the consumers of
+    the stage table's rows it runs (``process_rows``), claim and read the columns they claim or write,
+    put the columns they write; with dynamic sampling the row that ends each round (the advantage
+    stage, in the reward's process) also drops rows and writes the round gate (``sampling_writes``)."""
+    rows, sampling = process_rows(process), cfg.algorithm.filter_groups.enable
+    writes = frozenset(c for row in rows for c in row.writes + (row.sampling_writes if sampling else ()))
+    return StageRights(stage=process, consumers=frozenset(c for row in rows for c in row.consumers),
+                       reads=frozenset(c for row in rows for c in row.claims) | writes, writes=writes,
+                       drop=sampling and any(row.sampling_writes for row in rows))
+
+
 def worker_groups(
     cfg: Config, backend: WorkerBackend, ports: Sequence[int], weight_address: str, token: str, run: str = "run",
-    first_wait: float | None = None, *, driver_token: str = "", restore: str = "", tls: RunCertificates | None = None,
+    first_wait: float | None = None, *, restore: str = "", tls: RunCertificates | None = None,
+    executor_ports: Sequence[int] = (), sandbox_secret: str = "",
 ) -> list[WorkerGroup]:
-    """The dock shards' group (one member per shard, member ``s`` serving on ``ports[s]``) and the stage groups of a run.
+    """The dock shards' group (one member per shard, member ``s`` serving on ``ports[s]``), the stage groups of a run,
+    and with ``env.sandbox.backend=pod`` a sandbox executor per stage that runs programs (``program_stages``).
 
     Args:
         backend: gives the members' program, bind interface and addresses.
@@ -111,10 +157,9 @@ def worker_groups(
         weight_address: ``host:port`` of the launcher's ``TCPStore`` as the members reach it: the
             weight channel's rendezvous, or with ``trainer.hybrid`` that of the hybrid actor's
             ranks (one member each, ``parallel.tp × pp × dp``).
-        token: the stages' bearer token; travels as a secret (``WorkerGroup.secret_env``,
-            ``TOKEN_ENV``) only.
-        driver_token: the driver's bearer token, a secret of the shards only (``DRIVER_TOKEN_ENV``);
-            '' leaves ``token`` the only one, with every right.
+        token: the driver's bearer token, a secret of the shards only (``DRIVER_TOKEN_ENV``). Each
+            stage process gets a token of its own, made here, with its ``stage_rights``: a secret
+            (``WorkerGroup.secret_env``) of its members (``stage_token_env``) and of the shards.
         run: the run's name (lease owners, the warehouse objects' root).
         first_wait: longest wait of the stages for the shards to answer and for the first
             iteration (``first_wait_s``; the rollout evaluates first and uses it for the shards
@@ -123,6 +168,11 @@ def worker_groups(
             places, ``dock_snapshot_places``).
         tls: the run's certificates: the shards serve mutual TLS (``grpc+tls://``), each end's
             part a secret of its members; None: plain gRPC.
+        executor_ports: the sandbox executors' ports, one per ``program_stages(cfg)``.
+        sandbox_secret: the run's secret of its sandbox executors, a secret of them and of the stages they serve only.
+
+    Raises:
+        ValueError: ``executor_ports`` or ``sandbox_secret`` missing where ``program_stages`` asks for executors.
 
     The config travels as YAML in ``CONFIG_ENV``. With ``dock.warehouse`` other than
     ``memory`` the shards keep metadata only (``--payload store``) and every stage reads and
@@ -132,39 +182,50 @@ def worker_groups(
     payload = "memory" if cfg.dock.warehouse == "memory" else "store"
     s3 = cfg.dock.warehouse == "s3"  # only then do the members need the object store's credentials
     shard_s3 = s3 or bool(cfg.run.rollouts_uri)  # and the shards, which write the kept rollouts there
-    tokens = ["--token-env", DRIVER_TOKEN_ENV, "--stage-token-env", TOKEN_ENV] if driver_token else ["--token-env", TOKEN_ENV]
-    access = ["--stages-sample"] if cfg.algorithm.filter_groups.enable else []  # its advantage stage drops rows
+    stages = stage_processes(cfg)
+    tokens = {stage: secrets.token_urlsafe(24) for stage in stages}  # one per stage process
+    access = [arg for stage in stages for arg in ("--stage-rights", stage_rights(cfg, stage).to_arg(stage_token_env(stage)))]
     for place in dock_snapshot_places(cfg, run, restore):
         access += ["--snapshot-place", place]
-    shard_secrets = {TOKEN_ENV: token, **({DRIVER_TOKEN_ENV: driver_token} if driver_token else {})}
-    stage_secrets = {TOKEN_ENV: token}
+    shard_secrets = {DRIVER_TOKEN_ENV: token, **{stage_token_env(stage): t for stage, t in tokens.items()}}
+    client: dict[str, str] = {}  # the stages' part of the TLS
     if tls:
         access.append("--tls")
         shard_secrets |= tls.server.env("server")
-        stage_secrets |= tls.client.env("client")
+        client = tls.client.env("client")
     # one command for every shard: a member takes its port by its index (DOCKRL_REPLICA, on Kubernetes
     # the pod's completion index); in pods every shard serves on the same port
     port_arg = str(ports[0]) if len(set(ports)) == 1 else ",".join(map(str, ports))
     shards = WorkerGroup(name=SHARDS_GROUP, replicas=len(ports), secret_env=shard_secrets, port=ports[0], object_store=shard_s3, command=(
         *program, "dock-shard", "--host", backend.bind_host, "--port", port_arg,
-        *tokens, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
+        "--token-env", DRIVER_TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
         "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s), *access,
     ))
     dock = ",".join(shard_locations(backend, ports, scheme(tls.server if tls else None)))
-    stages = stage_processes(cfg)
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
     replicas = {stage: stage_members(cfg.parallel, stage)[0] for stage in stages}
     # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
     local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
+    served = program_stages(cfg)
+    if len(executor_ports) != len(served) or (served and not sandbox_secret):
+        raise ValueError(f"sandbox executors of {served}: got {len(executor_ports)} port(s) and "
+                         f"{'a' if sandbox_secret else 'no'} secret; expected one port each and the run's secret")
+    executors = {stage: executor_group(cfg, backend, stage, port, sandbox_secret) for stage, port in zip(served, executor_ports)}
+    config_yaml = dump_config(cfg, portable=True)  # portable: each stage resolves `auto` (device, dtypes) where it runs
+    env = {stage: {CONFIG_ENV: config_yaml} for stage in stages}
+    secret_env = {stage: {stage_token_env(stage): tokens[stage], **client} for stage in stages}
+    for stage, group in executors.items():  # a stage that runs programs reaches its executor, and only it holds its secret
+        env[stage] |= {SANDBOX_URL_ENV: f"http://{backend.address(group.name, 0, group.port)}",
+                       SANDBOX_WAIT_ENV: f"{first_wait or cfg.dock.timeout_s:g}"}
+        secret_env[stage][SANDBOX_SECRET_ENV] = sandbox_secret
     return [shards] + [
-        # the config is portable: each stage resolves `auto` (device, dtypes) where it runs
-        WorkerGroup(name=stage, env={CONFIG_ENV: dump_config(cfg, portable=True)}, secret_env=stage_secrets, devices=member_devices(cfg, stage),
+        WorkerGroup(name=stage, env=env[stage], secret_env=secret_env[stage], devices=member_devices(cfg, stage),
                     replicas=replicas[stage], colocate=stage_members(cfg.parallel, stage)[1], object_store=s3, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
         ))
         for stage in stages
-    ]
+    ] + list(executors.values())
 
 
 def wait_reports(
@@ -225,17 +286,19 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     backend = backend or LocalBackend(f"dockrl-{secrets.token_hex(6)}", log_dir=run_dir / "logs", run_dir=run_dir,
                                       fork_server=cfg.run.fork_server)
     warehouse = make_warehouse(cfg.dock, backend.run_id)  # checked here once, before any worker starts
-    token, driver_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)  # the stages', the driver's
+    driver_token = secrets.token_urlsafe(24)  # the stages' own tokens are made with their groups
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
     # on the backend's bind host only (loopback for a local run); members connect to launcher_host
     weight_store = serve_store(backend.bind_host, timeout_s=cfg.dock.timeout_s)
-    ports = backend.serve_ports(cfg.dock.shards)
+    ports = backend.serve_ports(cfg.dock.shards + len(program_stages(cfg)))  # the shards', then the sandbox executors'
+    ports, executor_ports = ports[:cfg.dock.shards], ports[cfg.dock.shards:]
     hosts = [backend.address(SHARDS_GROUP, s, port).rsplit(":", 1)[0] for s, port in enumerate(ports)]
     tls = RunCertificates.generate(hosts, run=backend.run_id)  # the run's own: no other run can talk to its shards
     locations = shard_locations(backend, ports, scheme(tls.server))
-    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", token, backend.run_id,
+    groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", driver_token, backend.run_id,
                            first_wait=first_wait_s(cfg, len(plan.test_prompts)) + backend.start_spread_s,
-                           driver_token=driver_token, restore=plan.resume.dock_uri if plan.resume else "", tls=tls)
+                           restore=plan.resume.dock_uri if plan.resume else "", tls=tls,
+                           executor_ports=executor_ports, sandbox_secret=secrets.token_urlsafe(32))
     lease: DriverLease | None = None
     dock: DockClient | None = None
     alive = [weight_store]  # until stop(): the members' rendezvous

@@ -4,10 +4,11 @@
 backend (``kubernetes.py``) creates, as dicts:
 
 * one **Secret** ``<jobset>-secrets-<launcher pod's uid>`` with the values of the groups'
-  ``secret_env`` (the dock's bearer token); containers read them through ``secretKeyRef``, never
-  as a plain value. It is owned by the launcher pod from its creation and goes with it (garbage
-  collection): the launcher may create Secrets, never read, change or delete one
-  (``manifests/base/rbac.yaml``), so a retried launcher (a pod of its own) creates a Secret of its own;
+  ``secret_env`` (the dock's bearer tokens, one key per stage, and certificates); a container reads
+  the keys of its group's ``secret_env`` only, through ``secretKeyRef``, never as a plain value. It
+  is owned by the launcher pod from its creation and goes with it (garbage collection): the launcher
+  may create Secrets, never read, change or delete one (``manifests/base/rbac.yaml``), so a retried
+  launcher (a pod of its own) creates a Secret of its own;
 * one **NetworkPolicy** named as the JobSet: the run's worker pods (the JobSet name label
   ``jobset.sigs.k8s.io/jobset-name``, which the JobSet controller puts on the pods it creates)
   take connections only from each other and from the pods of the run's pipeline (KFP's label

@@ -21,13 +21,15 @@ How a run's stages find what they need, in pods that cannot see the launcher's f
   are ``worker ...`` / ``dock-shard ...`` (``program`` is empty), or ``node ...`` for a pod that
   holds several rank processes (``pod_spec.pod_shape``);
 * addresses: member ``i`` of group ``g`` is ``<jobset>-<g>-0-<i>.<jobset>.<namespace>.svc``
-  through the JobSet's headless Service; a dock shard binds ``0.0.0.0`` on ``SHARD_PORT``;
+  through the JobSet's headless Service; a dock shard binds ``0.0.0.0`` on ``SHARD_PORT``; a sandbox
+  executor (``env.sandbox.backend=pod``) is an agent-sandbox Sandbox of its own (``sandbox_pod.py``), at
+  ``<jobset>-sandbox-<stage>.<namespace>.svc`` through the Sandbox's headless Service;
 * the launcher: members reach servers of the launcher's process (the weight channel's
   ``TCPStore``) at the launcher pod's IP, ``POD_IP`` from the downward API (the pipeline's
   train task sets it): the store lives exactly as long as the launcher's process;
 * files: every pod mounts the platform's shared volume at ``shared_mount_path``, the launcher
   too; the launcher puts the run's folder (data, checkpoints) under ``shared_dir``;
-* secrets: the dock's bearer token is in the run's Secret, read through ``secretKeyRef``.
+* secrets: the dock's bearer tokens are in the run's Secret, each pod reading its group's through ``secretKeyRef``.
 
 ``check`` (called every half second by the driver; it asks the API at most every ``poll_s``)
 fails the run with ``WorkerFailed`` naming the pod, the reason and its log tail when a
@@ -49,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dockrl.launch.backend import WorkerFailed, WorkerGroup, WorkersSuspended
+from dockrl.launch.backend import WorkerFailed, WorkerGroup, WorkersSuspended, served_stage
 from dockrl.launch.jobset import (
     RUN_LABEL,
     VOLCANO_GROUP,
@@ -60,11 +62,12 @@ from dockrl.launch.jobset import (
     member_host,
     render_jobset,
 )
-from dockrl.launch.kubernetes_objects import create_object, delete_run_objects, run_objects
+from dockrl.launch.kubernetes_objects import create_object, delete_run_objects, list_run_objects, run_objects
 from dockrl.launch.kubernetes_watch import RunWatch, get_field, running_members
 from dockrl.launch.launcher_pod import OwnerPod, launcher_namespace
 from dockrl.launch.platform import Platform, get_platform
 from dockrl.launch.pod_spec import pod_shape
+from dockrl.launch.sandbox_pod import SANDBOX_GROUP, SANDBOX_PLURAL, SANDBOX_VERSION, render_sandboxes, sandbox_host
 from dockrl.launch.trainjob import render_trainjob
 
 logger = logging.getLogger(__name__)
@@ -168,6 +171,8 @@ class KubernetesBackend:
         return [SHARD_PORT] * n
 
     def address(self, group: str, replica: int, port: int) -> str:
+        if served_stage(group):  # a sandbox executor: its Sandbox's Service (sandbox_pod.py)
+            return f"{sandbox_host(self.run_id, group, self.namespace)}:{port}"
         return f"{member_host(self.run_id, group, replica, self.namespace)}:{port}"
 
     @classmethod
@@ -201,15 +206,26 @@ class KubernetesBackend:
                    custom_api=client.CustomObjectsApi(), owner=owner, **kwargs)
 
     def render(self, groups: Sequence[WorkerGroup]) -> list[dict[str, Any]]:
-        """The run's objects in creation order (``jobset.render_jobset``, or ``trainjob.render_trainjob``)."""
+        """The run's objects in creation order: the workload's (``jobset.render_jobset``, or ``trainjob.render_trainjob``
+        with ``platform.workload='trainjob'``), and before the JobSet or TrainJob, whose stages call them, the sandbox
+        executors' NetworkPolicies and Sandboxes (``sandbox_pod.render_sandboxes``)."""
+        owner = self.owner.reference() if self.owner else None
         render = render_trainjob if self.platform.workload == "trainjob" else render_jobset
-        return render(groups, run_id=self.run_id, namespace=self.namespace, platform=self.platform,
-                      owner=self.owner.reference() if self.owner else None, attempt=self._attempts)
+        executors = [g for g in groups if served_stage(g.name)]
+        objects = render([g for g in groups if not served_stage(g.name)], run_id=self.run_id, namespace=self.namespace,
+                         platform=self.platform, owner=owner, attempt=self._attempts)
+        if not executors:
+            return objects
+        [secret] = [obj for obj in objects if obj["kind"] == "Secret"]
+        sandboxes = render_sandboxes(executors, run_id=self.run_id, namespace=self.namespace, platform=self.platform, secret=secret,
+                                     owner=owner)
+        return objects[:-1] + sandboxes + objects[-1:]
 
     # ---- start ----
 
     def start(self, groups: Sequence[WorkerGroup]) -> None:
-        """Create the run's Secret, PodGroup (Volcano) and JobSet, or its TrainJob: every group at once.
+        """Create the run's Secret, NetworkPolicies, sandbox executors' Sandboxes (``env.sandbox.backend=pod``), PodGroup
+        (Volcano) and JobSet, or its TrainJob: every group at once.
 
         Raises:
             RuntimeError: the run's objects exist already (started before), the launcher may
@@ -254,11 +270,13 @@ class KubernetesBackend:
         self._look(now)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until every member's container runs (queued, scheduled, pulled, started).
+        """Block until every member's container runs (queued, scheduled, pulled, started), and every Sandbox of the
+        run is ``Ready`` (its pod ready, its Service made).
 
         Raises:
             WorkerFailed: a worker failed or cannot start (``check``'s reasons and timeouts).
-            TimeoutError: not every member runs after ``timeout_s``; names the groups short of members.
+            TimeoutError: not every member runs after ``timeout_s``; names the groups short of members and the
+                Sandboxes not Ready, with their ``Ready`` condition's reason.
         """
         deadline = self.clock() + timeout_s
         while True:
@@ -266,12 +284,26 @@ class KubernetesBackend:
             self._last_look = now
             running = running_members(self._look(now))
             short = {g: f"{running[g]}/{n}" for g, n in self._expected.items() if running[g] < n}
-            if not short:
+            not_ready = self._sandboxes_not_ready()
+            if not short and not not_ready:
                 return
             if now > deadline:
                 raise TimeoutError(f"workers of run {self.run_id!r} (JobSet {self.namespace}/{self.name}) not running "
-                                   f"after {timeout_s:.0f} s: running/expected per group {short}")
+                                   f"after {timeout_s:.0f} s: running/expected per group {short}"
+                                   + (f"; Sandboxes not Ready: {not_ready}" if not_ready else ""))
             time.sleep(self.poll_s)
+
+    def _sandboxes_not_ready(self) -> dict[str, str]:
+        """``Sandbox/<name>`` → its ``Ready`` condition's reason and message, for each of the run's Sandboxes not Ready."""
+        if not any(served_stage(g) for g in self._expected):
+            return {}
+        short: dict[str, str] = {}
+        for box in list_run_objects(self.custom, SANDBOX_GROUP, SANDBOX_VERSION, self.namespace, SANDBOX_PLURAL, self.selector):
+            ready = [c for c in get_field(box, "status", "conditions") or [] if c.get("type") == "Ready"]
+            if not ready or ready[0].get("status") != "True":
+                said = f"{ready[0].get('reason')}: {ready[0].get('message')}" if ready else "no Ready condition yet"
+                short[f"Sandbox/{box['metadata']['name']}"] = said
+        return short
 
     # ---- teardown ----
 

@@ -10,8 +10,9 @@ teardown``) is ``dockrl.launch.run_records``.
 
 Addressing: members run this interpreter's ``dockrl`` (``sys.executable -m dockrl``), serve on
 free loopback ports and reach the launcher on loopback; every path is shared. Their process
-groups' own sockets (gloo's pairs, NCCL's bootstrap) listen on the loopback interface too
-(``LOOPBACK_COMMUNICATORS``): nothing of a local run is reachable from another machine.
+groups' own sockets (gloo's pairs, NCCL's bootstrap) listen on the loopback interface too, and
+vLLM takes loopback for its own address (``dockrl.process.env.SINGLE_MACHINE_ENV``): nothing of a
+local run is reachable from another machine.
 
 Stage processes (``dockrl worker``) are forked by the start's fork server (``dockrl.launch.fork_server``:
 one import of torch and transformers per start instead of one per process); with ``fork_server=False``,
@@ -37,7 +38,7 @@ from typing import Sequence
 
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.procfs import group_members, pgid, run_processes, start_time
-from dockrl.process.env import REPLICA_ENV, REPLICAS_ENV
+from dockrl.process.env import REPLICA_ENV, REPLICAS_ENV, SINGLE_MACHINE_ENV
 from dockrl.process.lifeline import DRIVER_PID_ENV
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,6 @@ logger = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
 HOST = "127.0.0.1"
 """Every member of a local run listens on loopback only."""
-LOOPBACK_COMMUNICATORS = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-"""The interface (Linux's loopback) the members' gloo and NCCL communicators listen on; without it
-they listen on the address the machine's hostname resolves to."""
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
@@ -244,7 +242,7 @@ class LocalBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         program = self.program()
-        run_env = {**os.environ, **LOOPBACK_COMMUNICATORS, "DOCKRL_RUN_ID": self.run_id, DRIVER_PID_ENV: str(os.getpid())}
+        run_env = {**os.environ, **SINGLE_MACHINE_ENV, "DOCKRL_RUN_ID": self.run_id, DRIVER_PID_ENV: str(os.getpid())}
         server: ForkServer | None = None
         try:
             for g in groups:

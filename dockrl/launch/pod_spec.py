@@ -149,7 +149,8 @@ def pod_args(group: WorkerGroup, platform: Platform, shape: PodShape) -> list[st
     return ["node", "--nproc-per-node", str(shape.members), "--rdzv-timeout-s", str(wait), "--", *group.command]
 
 
-def _arch_affinity(archs: Sequence[str]) -> dict[str, Any]:
+def arch_affinity(archs: Sequence[str]) -> dict[str, Any]:
+    """A pod's node affinity: nodes of one of the CPU architectures ``archs`` (those its image is built for)."""
     term = {"matchExpressions": [{"key": ARCH_LABEL, "operator": "In", "values": list(archs)}]}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
@@ -192,7 +193,7 @@ def pod_spec(run_id: str, group: WorkerGroup, platform: Platform, *, secret: str
         "enableServiceLinks": False,
         "securityContext": security,
         "terminationGracePeriodSeconds": 30,
-        "affinity": _arch_affinity(platform.architectures_of(image_name)),
+        "affinity": arch_affinity(platform.architectures_of(image_name)),
         "containers": [container],
         "volumes": volumes,
     }

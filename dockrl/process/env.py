@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 
 TOKEN_ENV = "DOCKRL_DOCK_TOKEN"
-"""Environment variable with the dock shards' bearer token of the stages (``dockrl.dock.roles``)."""
+"""Environment variable with a dock shard's one bearer token (``dockrl dock-shard --token-env``), which
+``dockrl worker`` reads when its stage's own (``stage_token_env``) is unset."""
 DRIVER_TOKEN_ENV = "DOCKRL_DOCK_DRIVER_TOKEN"
 """Environment variable with the driver's bearer token, set for the dock shards only (the driver holds it in memory)."""
 CONFIG_ENV = "DOCKRL_CONFIG_YAML"
@@ -16,11 +17,32 @@ REPLICA_ENV = "DOCKRL_REPLICA"
 """Environment variable with a process's index in its worker group (every worker backend sets it)."""
 REPLICAS_ENV = "DOCKRL_REPLICAS"
 """Environment variable with the number of members of a process's worker group."""
+SANDBOX_URL_ENV = "DOCKRL_SANDBOX_URL"
+"""Environment variable with the ``http://host:port`` of the sandbox executor a stage sends its programs to
+(``env.sandbox.backend=pod``; ``dockrl.isolation.runner``)."""
+SANDBOX_SECRET_ENV = "DOCKRL_SANDBOX_SECRET"
+"""Environment variable with the run's secret of its sandbox executors: the one credential an executor's pod holds,
+never the dock's token."""
+SANDBOX_WAIT_ENV = "DOCKRL_SANDBOX_WAIT_S"
+"""Environment variable with how long a stage waits for its sandbox executor to answer first, seconds (its pod may
+start after the stage's)."""
 RDZV_PORT = 29400
 """Port of the node launchers' rendezvous on pod 0 of a group (torchrun's customary port): set as MASTER_PORT."""
 NODE_PROCS_ENV = "DOCKRL_NODE_PROCS"
 """Set by ``dockrl node`` (``dockrl/launch/node.py``) for the rank processes it starts: their
 index and count are torchrun's ``RANK`` and ``WORLD_SIZE``, their device index ``LOCAL_RANK``."""
+SINGLE_MACHINE_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+"""Environment of the processes of a run on one machine (a local backend's members, an in-process
+run): gloo's pairs and NCCL's bootstrap listen on Linux's loopback interface, and vLLM's address for
+itself (``vllm.utils.network_utils.get_ip``: the rendezvous of a TCP store, ZeroMQ's ``tcp://``
+sockets) is loopback. Without them they take the address the machine's hostname resolves to, or
+the interface of the default route, reachable from other machines."""
+
+
+def stage_token_env(stage: str) -> str:
+    """Environment variable with the bearer token of stage process ``stage`` (``DOCKRL_DOCK_TOKEN_REWARD_MODEL``
+    for ``reward-model``): each stage process is given its own only; the dock shards all of them."""
+    return f"{TOKEN_ENV}_{stage.upper().replace('-', '_')}"
 
 
 def replica() -> tuple[int, int]:

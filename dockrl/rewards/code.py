@@ -3,9 +3,9 @@
 ``algorithm.scorer=dockrl.rewards.code:CodeScorer`` with ``data.train_path`` and ``data.test_path`` the
 bundled programming problems (``dockrl.envs.tasks.CODE_PROBLEMS``; the ground truth of a row is its
 ``task_id``). For each response the last ```` ```python ```` block is the program; it runs once in the
-sandbox (``dockrl.isolation.sandbox``) followed by a harness that runs each ``assert`` test in turn and
-reports each result on stdout, marked with a random nonce so that the program's own prints cannot
-pose as results. The reward is
+sandbox (``dockrl.isolation.sandbox``; here or in a sandbox executor's pod, ``env.sandbox.backend``)
+followed by a harness that runs each ``assert`` test in turn and reports each result on stdout, marked
+with a random nonce so that the program's own prints cannot pose as results. The reward is
 
     correct_reward × (tests passed / tests) + format_reward when the response holds a program, else 0,
 
@@ -26,12 +26,12 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from dockrl.config.env_sections import SANDBOX_LAYERS, SandboxConfig
 from dockrl.envs.tasks import CODE_PROBLEMS, load_code_problems
 from dockrl.envs.tool_calls import ToolCall, parse_tool_calls
-from dockrl.isolation.sandbox import require_layers, run_python
+from dockrl.isolation.runner import require_layers, run_program
 
 _HARNESS = """
 import io as _io, sys as _sys
@@ -69,6 +69,8 @@ class CodeScorer:
         correct_reward, format_reward: the reward's scale and the bonus for holding a program.
         problems: a JSONL of problems with ``task_id`` and ``tests`` (default the bundled ones).
         workers: sandboxes run at once (default the CPUs, at most 8).
+        sandbox_backend: ``env.sandbox.backend`` (``build_scorer`` passes it): ``pod`` sends each program to the
+            stage's sandbox executor (``dockrl.isolation.runner``).
 
     Counters: ``scored`` responses, ``errors`` (no program in the response), ``timeouts`` (a run
     stopped at a limit), ``tests_passed`` and ``tests_run``.
@@ -82,11 +84,11 @@ class CodeScorer:
     """The sandbox's layers that must be in force (``env.sandbox.require``'s names)."""
 
     def __init__(self, *, timeout_s: float = 5.0, correct_reward: float = 1.0, format_reward: float = 0.0,
-                 problems: str | Path = CODE_PROBLEMS, workers: int = 0) -> None:
+                 problems: str | Path = CODE_PROBLEMS, workers: int = 0, sandbox_backend: Literal["local", "pod"] = "local") -> None:
         self.tests = load_code_problems(problems)
         self.correct_reward, self.format_reward = float(correct_reward), float(format_reward)
         self.limits = SandboxConfig(wall_s=float(timeout_s), cpu_s=max(1, math.ceil(timeout_s)), output_bytes=65536,
-                                    require=tuple(self.require))
+                                    require=tuple(self.require), backend=sandbox_backend)
         require_layers(self.limits)  # fail closed: before the first program of the model
         self.workers = workers or min(8, os.cpu_count() or 1)
         self._counts = {"scored": 0, "errors": 0, "timeouts": 0, "tests_passed": 0, "tests_run": 0}
@@ -128,7 +130,7 @@ class CodeScorer:
             self._count(errors=1)
             return None, len(tests)
         nonce = secrets.token_hex(16)
-        result = run_python(_HARNESS.format(nonce=nonce, program=program, tests=tests), self.limits)
+        result = run_program(_HARNESS.format(nonce=nonce, program=program, tests=tests), self.limits)
         passed = set()
         for line in result.stdout.splitlines():
             mark, _, rest = line.partition(" ")

@@ -16,6 +16,7 @@ of an iteration's rewards were bad (timed out, failed, or not finite numbers).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -186,21 +187,32 @@ class Scorer(Protocol):
     def close(self) -> None: ...
 
 
-def build_scorer(a: AlgorithmConfig) -> Scorer:
+def build_scorer(a: AlgorithmConfig, sandbox_backend: str = "local") -> Scorer:
     """The reward scorer: ``algorithm.scorer`` (``module:Class``) if set, else the GSM8K rule verifier.
 
     A custom scorer runs in a process of its own under ``algorithm.reward_timeout_s`` per
-    sample (``ScorerProcess``); the built-in verifier times each sample itself.
+    sample (``ScorerProcess``); the built-in verifier times each sample itself. A scorer whose class takes
+    ``sandbox_backend`` (one that runs programs, as ``dockrl.rewards.code.CodeScorer``) is built with
+    ``sandbox_backend`` (``env.sandbox.backend``).
 
     Raises:
         ConfigError: ``algorithm.scorer`` names no importable class (the import's error appended).
     """
-    kwargs = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
+    kwargs: dict[str, Any] = dict(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     if not a.scorer:
         return RewardScorer(timeout_s=a.reward_timeout_s, correct_reward=a.correct_reward, format_reward=a.format_reward)
     try:
-        import_object(a.scorer)  # here, so a typo fails before any process starts
+        cls = import_object(a.scorer)  # here, so a typo fails before any process starts
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"algorithm.scorer: got {a.scorer!r}, which does not import ({type(e).__name__}: {e}); "
                           "expected 'package.module:Class' importable here (and in every worker: PYTHONPATH)") from e
+    try:
+        takes_backend = "sandbox_backend" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a class whose signature Python cannot read takes the three arguments only
+        takes_backend = False
+    if takes_backend:
+        kwargs["sandbox_backend"] = sandbox_backend
+    elif sandbox_backend != "local":
+        logger.warning("env.sandbox.backend=%s: algorithm.scorer=%r takes no sandbox_backend, so whatever it runs runs its own way",
+                       sandbox_backend, a.scorer)
     return ScorerProcess(a.scorer, kwargs, timeout_s=a.reward_timeout_s)

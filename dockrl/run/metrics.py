@@ -5,10 +5,11 @@ Each training iteration produces a flat dict of namespaced scalars (``reward/mea
 as one JSON line to ``<run_dir>/metrics.jsonl`` and hands it to the run's experiment trackers
 (``dockrl.run.trackers``: TensorBoard under ``<run_dir>/tensorboard`` by default, MLflow, W&B);
 run-level numbers (eval accuracy before/after, wall time) go to
-``<run_dir>/summary.json``. ``read_metrics`` and ``plot_metrics`` read the JSONL back, and
+``<run_dir>/summary.json``. ``read_metrics`` and ``plot_metrics`` read the JSONL back;
 ``metrics_report_html`` makes a page of them for the Kubeflow UI (``run_report`` writes it, the plot and the
-rollouts page for the trackers that keep files); ``dockrl.run.progress.Progress``
-shows an ETA bar with a few of the metrics.
+rollouts page for the trackers that keep files), ``run_summary`` and ``run_summary_markdown`` the run's summary
+(the pipeline's KFP Metrics and its Markdown page); ``dockrl.run.progress.Progress`` shows an ETA bar with a few
+of the metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import yaml
 
 if TYPE_CHECKING:
     from dockrl.run.trackers import TrackerSet
@@ -253,11 +256,7 @@ def metrics_report_html(run_dir: str | Path, keys: Sequence[str] = DEFAULT_PLOT_
     if not png.is_file():
         plot_metrics(metrics, png, keys)
     image = base64.b64encode(png.read_bytes()).decode("ascii")
-    series: dict[str, list[float]] = {}
-    for row in rows:
-        for key, value in row.items():
-            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                series.setdefault(key, []).append(float(value))
+    series = _series(rows)
 
     def cells(values: Sequence[object]) -> str:
         return "".join(f"<td>{html.escape(v if isinstance(v, str) else f'{v:.4g}')}</td>" for v in values)
@@ -308,3 +307,103 @@ def run_report(run_dir: str | Path) -> list[Path]:
         except Exception as exc:  # noqa: BLE001 - a page for the trackers never fails a run that trained
             logger.warning("the rollouts page of %s is left out of the trackers' artifacts (%s: %s)", run, type(exc).__name__, exc)
     return files
+SUMMARY_SERIES: dict[str, tuple[str, ...]] = {
+    "reward/accuracy": ("final", "best"),
+    "reward/mean": ("final", "best"),
+    "actor/kl": ("final", "max"),
+    "perf/response_tokens_per_s": ("mean",),
+    "perf/rollout_tokens_per_s": ("mean",),
+    "rollout/response_length_mean": ("final",),
+    "timing_s/iteration": ("mean",),
+}
+"""The per-iteration metrics a run's summary keeps, and how each is reduced over the iterations:
+``final`` (the last iteration's value), ``best`` and ``max`` (the highest), ``mean``."""
+
+_REDUCE: dict[str, Callable[[list[float]], float]] = {
+    "final": lambda v: v[-1], "best": max, "max": max, "mean": lambda v: sum(v) / len(v),
+}
+
+
+def _series(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Each key's finite numbers over ``rows``, in iteration order."""
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out.setdefault(key, []).append(float(value))
+    return out
+
+
+def _run_numbers(run: Path) -> dict[str, float]:
+    """``summary.json``'s finite numbers (none where it is missing)."""
+    path = run / "summary.json"
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def run_summary(run_dir: str | Path) -> dict[str, float]:
+    """A run's summary as named scalars: what the pipeline's KFP ``Metrics`` artifact holds, so that
+    the UI's compare-runs table has one row per number, not one per number and iteration.
+
+    ``run/iterations`` (iterations in ``metrics.jsonl``), each ``SUMMARY_SERIES`` key present as
+    ``<key>/<reduction>`` (``reward/accuracy/best``, ``actor/kl/final``, ``perf/response_tokens_per_s/mean``),
+    and the run-level numbers of ``summary.json`` as they are (``eval/accuracy_before``, ``run/seconds``:
+    the wall time, ...). Non-finite values are left out. The curves stay in ``metrics.jsonl``,
+    TensorBoard and ``metrics_report_html``.
+    """
+    run = Path(run_dir)
+    rows = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    series = _series(rows)
+    out = {"run/iterations": float(len(rows))}
+    for key, reductions in SUMMARY_SERIES.items():
+        if series.get(key):
+            out |= {f"{key}/{how}": float(_REDUCE[how](series[key])) for how in reductions}
+    return out | _run_numbers(run)
+
+
+def _config_lines(run: Path) -> list[tuple[str, str]]:
+    """What a reader of the summary asks first about a run, from its ``config.yaml``."""
+    path = run / "config.yaml"
+    cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if not isinstance(cfg, dict):
+        return []
+
+    def get(where: str) -> object:
+        section, key = where.split(".")
+        return (cfg.get(section) or {}).get(key, "?")
+
+    return [("algorithm", f"{get('algorithm.adv_estimator')} (KL coefficient {get('algorithm.kl_loss_coef')})"),
+            ("model", str(get("model.path"))),
+            ("batch", f"{get('trainer.global_batch')} prompts × {get('rollout.n')} responses per iteration"),
+            ("learning rate", str(get("trainer.lr")))]
+
+
+def run_summary_markdown(run_dir: str | Path) -> str:
+    """A Markdown page of a run's summary, for the Kubeflow UI (a ``Markdown`` artifact, shown in the
+    run's Visualizations): the run (algorithm, model, batch, learning rate, iterations, wall time),
+    a table of the ``SUMMARY_SERIES`` metrics (first, final, best or max, mean over the iterations)
+    and ``summary.json``'s run-level numbers. A run without ``metrics.jsonl`` gets a page that says so.
+    """
+    run = Path(run_dir)
+    rows = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    series, numbers_ = _series(rows), _run_numbers(run)
+    seconds = numbers_.get("run/seconds")
+    about = [*_config_lines(run), ("iterations", str(len(rows)))]
+    if seconds is not None:
+        about.append(("wall time", f"{seconds / 60:.1f} min ({seconds:.0f} s)"))
+    lines = ["# dockrl run", "", "| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in about), ""]
+    if not rows:
+        lines.append("No iteration ran: `metrics.jsonl` was not written.")
+    else:
+        lines += ["## Training", "", "| metric | first | final | best / max | mean |", "|---|---:|---:|---:|---:|"]
+        for key in SUMMARY_SERIES:
+            if v := series.get(key):
+                lines.append(f"| {key} | {v[0]:.4g} | {v[-1]:.4g} | {max(v):.4g} | {sum(v) / len(v):.4g} |")
+    shown = {"run/seconds"}
+    rest = {k: v for k, v in sorted(numbers_.items()) if k not in shown}
+    if rest:
+        lines += ["", "## Run", "", "| metric | value |", "|---|---:|", *(f"| {k} | {v:.4g} |" for k, v in rest.items())]
+    lines += ["", "Every metric of every iteration: the curves page beside this one, TensorBoard (the run folder's "
+              "`tensorboard/`) and `metrics.jsonl` in the run_dir artifact."]
+    return "\n".join(lines) + "\n"

@@ -221,7 +221,7 @@ def run_hybrid(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     hybrid = build_hybrid_worker(cfg, weights_path(cfg, model_path), ranks, optimizer_from=resume)
     engine = hybrid.actor.rollout_engine
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file, tools=[])  # the config refuses an environment here
-    scorer = build_scorer(cfg.algorithm)
+    scorer = build_scorer(cfg.algorithm, cfg.env.sandbox.backend)
     t = cfg.trainer
     update_dock: StageDock = dock
     if cfg.parallel.tp * cfg.parallel.pp > 1:  # the ranks of one model replica train on the same rows

@@ -9,6 +9,7 @@ row of the stage table (``dockrl.stages.table.STAGES``, its ``inprocess`` builde
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from dockrl.engines.factory import (
 from dockrl.engines.hf.load import load_tokenizer
 from dockrl.envs.registry import build_environment
 from dockrl.parallel.ranks import ProcessRanks
+from dockrl.process.env import SINGLE_MACHINE_ENV
 from dockrl.process.memory import GB, stage_memory
 from dockrl.process.seeding import seed_iteration
 from dockrl.rewards.guard import Scorer, build_scorer
@@ -113,6 +115,7 @@ class InProcessStages:
         """The stages, with each thing that needs closing pushed onto ``built`` as it is made (closed in reverse)."""
         cfg, plan = self.cfg, self.plan
         t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+        os.environ.update(SINGLE_MACHINE_ENV)  # before any engine: their process groups and vLLM's rendezvous stay on loopback
         optimizer, weights = (plan.resume.checkpoint if plan.resume else None), weights_path(cfg, plan.model_path)
         ranks = process_ranks(cfg, trains=True)  # every stage in this process: one device, a megatron actor's groups
         self.sync: Callable[[], int] | None = None
@@ -144,7 +147,7 @@ class InProcessStages:
             stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment),
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
                                   multi_turn=multi_turn(cfg.env)))
-        self.scorer = build_scorer(a)
+        self.scorer = build_scorer(a, cfg.env.sandbox.backend)
         built.callback(self.scorer.close)
         context = InProcessContext(plan=plan, ranks=ranks, tokenizer=load_tokenizer(plan.model_path, cfg.model.trust_remote_code),
                                    scorer=self.scorer, resume=optimizer, actor=self.actor)

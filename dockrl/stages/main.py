@@ -1,7 +1,10 @@
 """Entry point of one stage process of a distributed run (``dock.mode=distributed``).
 
-    DOCKRL_DOCK_TOKEN=... dockrl worker --stage rollout --config RUN/config.yaml \\
+    DOCKRL_DOCK_TOKEN_ROLLOUT=... dockrl worker --stage rollout --config RUN/config.yaml \\
         --dock grpc://127.0.0.1:5001,grpc://127.0.0.1:5002 --weight-sync 127.0.0.1:29500
+
+(its stage's own token, ``dockrl.process.env.stage_token_env``; a shard started with one token
+for everything takes ``DOCKRL_DOCK_TOKEN``.)
 
 (``python -m dockrl.stages.main`` is the same.) The driver's process runner
 (``dockrl/launch/distributed.py``) starts one per stage process of the run
@@ -28,7 +31,7 @@ from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse.stores import make_warehouse
 from dockrl.engines.factory import process_ranks
-from dockrl.process.env import CONFIG_ENV, TOKEN_ENV, local_rank, replica
+from dockrl.process.env import CONFIG_ENV, TOKEN_ENV, local_rank, replica, stage_token_env
 from dockrl.process.lifeline import driver_pid_from_env, watch_driver
 from dockrl.run.driver_lease import shard_lease_quiet, wait_for_shards
 from dockrl.run.setup import seed_everything
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
-    token = os.environ.get(TOKEN_ENV) or None
+    token = os.environ.get(stage_token_env(args.stage)) or os.environ.get(TOKEN_ENV) or None  # its own, else a shard's one token
     try:
         tls = DockTLS.from_env(os.environ, "client")  # the run's certificates, when its shards serve over TLS
     except ValueError as e:

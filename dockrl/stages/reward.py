@@ -136,7 +136,7 @@ class RewardWorker:
 def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reward`` stage process: score and compute the advantages of every iteration (``REWARD``)."""
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
-    scorer = build_scorer(cfg.algorithm)
+    scorer = build_scorer(cfg.algorithm, cfg.env.sandbox.backend)
     reward = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model, cfg)
     advantage = AdvantageWorker(cfg.algorithm, multi_turn=multi_turn(cfg.env))
     side_by_side = None  # the advantage stage releases the rounds the reward scores: side by side, threads kept for the run

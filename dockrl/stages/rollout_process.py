@@ -56,7 +56,7 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     engine = build_rollout_engine(cfg, weights_path(cfg, model_path), ranks)
     environment = build_environment(cfg)  # None: single-turn
     _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file, tools=environment.tools if environment else [])
-    scorer = build_scorer(cfg.algorithm)
+    scorer = build_scorer(cfg.algorithm, cfg.env.sandbox.backend)
     params = receive_params(engine, cfg, model_path)
     worker = RolloutWorker(engine, cfg.rollout, round_groups=groups_per_round(cfg), environment=environment)
     channel: WeightChannel | None = None

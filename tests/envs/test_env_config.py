@@ -12,6 +12,8 @@ def test_default_is_single_turn_with_sane_sandbox_limits():
     assert c.env.name == "" and c.env.tool_parser == "hermes"
     s = c.env.sandbox
     assert (s.cpu_s, s.wall_s, s.memory_mb, s.output_bytes, s.max_processes) == (5, 10.0, 512, 4096, 16)
+    assert (s.backend, s.pod_slots) == ("local", 4)  # programs run in the stage's own sandbox unless a pod is asked for
+    assert load_config_text("", "test.yaml", ["env.sandbox.backend=pod", "env.sandbox.pod_slots=8"]).env.sandbox.backend == "pod"
 
 
 def test_env_loads_from_yaml_and_overrides():
@@ -40,6 +42,9 @@ def test_env_loads_from_yaml_and_overrides():
     ("env.sandbox.file_mb=0", "env.sandbox.file_mb: got 0"),
     ("env.sandbox.max_processes=0", "env.sandbox.max_processes: got 0"),
     ("env.sandbox.gpu_mb=5", r"env.sandbox: unknown field\(s\) \['gpu_mb'\]"),
+    ("env.sandbox.backend=docker", "env.sandbox.backend: got 'docker'; expected one of 'local', 'pod'"),
+    ("env.sandbox.pod_slots=0", "env.sandbox.pod_slots: got 0; expected an integer >= 1 and <= 64"),
+    ("env.sandbox.pod_slots=65", "env.sandbox.pod_slots: got 65; expected an integer >= 1 and <= 64"),
     ("env.tool_call_reward=-0.1", "env.tool_call_reward: got -0.1; expected a finite number >= 0"),
     ("env.tool_call_reward=0.2", r"env.tool_call_reward: got 0.2; only the built-in environments \(python, calculator\) give it; "
                                  r"env.name='' is none"),

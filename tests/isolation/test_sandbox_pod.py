@@ -16,31 +16,41 @@ import textwrap
 
 import pytest
 
-POD = textwrap.dedent("""
-    import ctypes, errno, json, os, sys, threading, time
+BECOME_A_POD = textwrap.dedent("""
+    import ctypes, errno, os, sys
     import pyseccomp as seccomp
 
+    def become_a_pod(refused):
+        \"\"\"This process as dockrl's pods run: uid 10001, no capabilities, the system calls ``refused`` (comma-separated)
+        refused as a seccomp profile refuses them.\"\"\"
+        # the interpreter may live under a folder only root may enter (pyenv's under /root): in a mount namespace
+        # of this process's own, such a folder becomes a searchable tmpfs with the one entry on the way bound back
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.unshare(0x00020000) == 0 and libc.mount(b"none", b"/", None, (1 << 14) | (1 << 18), None) == 0
+        parts = [p for p in os.path.realpath(sys.base_prefix).split("/") if p]
+        for depth in range(len(parts) - 1):
+            folder, entry = "/" + "/".join(parts[:depth + 1]), parts[depth + 1]
+            if not os.stat(folder).st_mode & 0o001:
+                keep = os.open(folder, os.O_PATH)
+                assert libc.mount(b"tmpfs", folder.encode(), b"tmpfs", 0, b"mode=0755") == 0
+                os.mkdir(f"{folder}/{entry}")
+                assert libc.mount(f"/proc/self/fd/{keep}/{entry}".encode(), f"{folder}/{entry}".encode(), None, 4096 | (1 << 14), None) == 0
+        if refused:
+            rules = seccomp.SyscallFilter(seccomp.ALLOW)
+            for name in refused.split(","):
+                rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
+            rules.load()
+        os.setgroups([])
+        os.setgid(10001)
+        os.setuid(10001)  # dockrl's worker images run as 10001, with no capabilities
+""")
+"""Defines ``become_a_pod(refused)``; a script that starts with it calls it first."""
+
+POD = BECOME_A_POD + textwrap.dedent("""
+    import json, threading, time
+
     refused, threads, program, require = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    # the interpreter may live under a folder only root may enter (pyenv's under /root): in a mount namespace
-    # of this process's own, such a folder becomes a searchable tmpfs with the one entry on the way bound back
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.unshare(0x00020000) == 0 and libc.mount(b"none", b"/", None, (1 << 14) | (1 << 18), None) == 0
-    parts = [p for p in os.path.realpath(sys.base_prefix).split("/") if p]
-    for depth in range(len(parts) - 1):
-        folder, entry = "/" + "/".join(parts[:depth + 1]), parts[depth + 1]
-        if not os.stat(folder).st_mode & 0o001:
-            keep = os.open(folder, os.O_PATH)
-            assert libc.mount(b"tmpfs", folder.encode(), b"tmpfs", 0, b"mode=0755") == 0
-            os.mkdir(f"{folder}/{entry}")
-            assert libc.mount(f"/proc/self/fd/{keep}/{entry}".encode(), f"{folder}/{entry}".encode(), None, 4096 | (1 << 14), None) == 0
-    if refused:
-        rules = seccomp.SyscallFilter(seccomp.ALLOW)
-        for name in refused.split(","):
-            rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
-        rules.load()
-    os.setgroups([])
-    os.setgid(10001)
-    os.setuid(10001)  # dockrl's worker images run as 10001, with no capabilities
+    become_a_pod(refused)
     stop = threading.Event()
     for _ in range(threads):  # a worker's threads (torch, pyarrow, the dock client): the uid's tasks
         threading.Thread(target=stop.wait, daemon=True).start()

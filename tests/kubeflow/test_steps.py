@@ -143,6 +143,30 @@ def test_run_parameters_become_overrides_only_when_changed_and_lose_to_explicit_
         resolve_overrides({"epochs": 2}, [])
 
 
+def test_the_ui_text_of_overrides_is_read_and_checked_as_the_command_line_is(capsys):
+    """config_overrides is one text field in the UI: a line per override, blank lines and # comments skipped; the
+    resolve-config component checks them with the command line's own errors (a JSON list, its earlier form, still reads)."""
+    from dockrl.components.resolve_config import resolve_config
+    from dockrl.config import parse_override_lines
+    from dockrl.kubeflow import pipeline_cli
+    from dockrl.launch.platform import PLATFORMS
+
+    text = "# a shorter run\n  trainer.iterations=3\n\ntrainer.lr=5e-6  \n"
+    assert parse_override_lines(text) == ["trainer.iterations=3", "trainer.lr=5e-6"]
+    assert parse_override_lines('["trainer.iterations=3", "trainer.lr=5e-6"]') == ["trainer.iterations=3", "trainer.lr=5e-6"]
+    assert parse_override_lines(["rollout.n=4"]) == ["rollout.n=4"] and parse_override_lines("") == []
+    with pytest.raises(ConfigError, match="a JSON list of section.field=value strings expected"):
+        parse_override_lines('[1, 2]')
+    step = {**run_parameter_defaults(), "platform": PLATFORMS["cpu"].to_json()}
+    outputs = resolve_config.python_func(**step, config_overrides=text)
+    assert outputs[0] == ["trainer.keep_checkpoints=2", "trainer.iterations=3", "trainer.lr=5e-6"]
+    for bad in ("trainer.lr=fast", "trainer.iterations", "trainer.epochs=2"):
+        with pytest.raises(ConfigError) as in_step:
+            resolve_config.python_func(**step, config_overrides=f"# ok\ntrainer.iterations=3\n{bad}\n")
+        assert pipeline_cli.main(["run", "--local", "trainer.iterations=3", bad]) == 2  # refused before anything runs
+        assert f"config error: {in_step.value}" in capsys.readouterr().err, bad  # the command line's error, word for word
+
+
 def test_export_model_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="export dtype: got 'int8'"):
         export_model(tiny_model_dir, tmp_path / "out", "int8")
@@ -245,18 +269,19 @@ def test_evaluate_model_on_the_resolved_engine_matches_hf(tiny_model_dir, tmp_pa
     assert stated == ["HFRolloutEngine)", "VLLMRolloutEngine)"]  # each evaluation ran on the engine its config named
 
 
-def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, monkeypatch):
-    """The launcher's reporting, with the trainer replaced by one that writes a two-iteration run."""
+def test_run_training_moves_the_checkpoint_and_logs_the_runs_summary(tmp_path, monkeypatch):
+    """The launcher's reporting, with the trainer replaced by one that writes a two-iteration run folder."""
     seen = {}
 
-    def fake_train(cfg, *, on_iteration, backend=None):
+    def fake_train(cfg, *, backend=None):
         seen["cfg"] = cfg
-        on_iteration(0, {"reward/mean": 0.5, "actor/loss": 1.0})
-        seen["streamed"] = dict(logged)  # logged while training runs, not after
-        on_iteration(1, {"reward/mean": 0.75, "actor/loss": math.nan})
         run = Path(cfg.run.output_dir)
         (run / "checkpoints" / "final").mkdir(parents=True)
         (run / "checkpoints" / "final" / "config.json").write_text("{}")
+        rows = [{"iteration": 0, "reward/mean": 0.5, "actor/kl": 0.0, "actor/loss": 1.0},
+                {"iteration": 1, "reward/mean": 0.25, "actor/kl": 0.25, "actor/loss": None}]  # NaN is written as null
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "summary.json").write_text(json.dumps({"eval/accuracy_after": 0.25, "run/seconds": None}))
         return {"eval/accuracy_after": 0.25, "run/seconds": math.nan}
 
     from dockrl import driver
@@ -272,10 +297,10 @@ def test_run_training_moves_the_checkpoint_and_logs_every_iteration(tmp_path, mo
     assert cfg.trainer.lr == 1e-4 and cfg.run.output_dir == str(tmp_path / "run") and not cfg.run.progress
     assert cfg.dock.mode == "distributed"  # stages as processes unless the overrides say otherwise
     assert not cfg.trainer.eval_after  # the pipeline's evaluate step measures the exported model
-    assert seen["streamed"] == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0}
     assert (tmp_path / "model" / "config.json").is_file() and not (tmp_path / "run" / "checkpoints" / "final").exists()
-    assert logged == {"reward/mean/iter_0000": 0.5, "actor/loss/iter_0000": 1.0, "reward/mean/iter_0001": 0.75,
-                      "eval/accuracy_after": 0.25}
+    # the run's summary only, once per number: no metric per iteration, nothing non-finite
+    assert logged == {"run/iterations": 2.0, "reward/mean/final": 0.25, "reward/mean/best": 0.5, "actor/kl/final": 0.25,
+                      "actor/kl/max": 0.25, "eval/accuracy_after": 0.25}
 
 
 def test_run_training_rejects_an_unknown_backend(tmp_path):

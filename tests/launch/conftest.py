@@ -1,7 +1,8 @@
 """A fake Kubernetes API (FakeKubernetesApi: the CoreV1Api / CustomObjectsApi calls the worker
 backend makes, and a fake Kubeflow Trainer controller that makes a TrainJob's JobSet from its
-ClusterTrainingRuntime), and offline validators: kubernetes-validate for core objects, the JobSet
-and Trainer CRDs' OpenAPI schemas (tests/launch/reference/) for JobSets, TrainJobs and runtimes.
+ClusterTrainingRuntime), and offline validators: kubernetes-validate for core objects, the JobSet,
+agent-sandbox Sandbox and Trainer CRDs' OpenAPI schemas (tests/launch/reference/) for JobSets,
+Sandboxes, TrainJobs and runtimes.
 
 Objects are kept as API dicts; core list calls answer real ``kubernetes.client`` model objects
 (deserialized as the real client does), so the backend is tested against the real types. What
@@ -51,6 +52,7 @@ class FakeKubernetesApi:
         self.calls: list[tuple[str, dict]] = []
         self.created: list[dict] = []  # every body created, as sent
         self.fail_create: dict[str, int] = {}  # kind -> HTTP status to answer create with
+        self.not_installed: set[str] = set()  # kinds whose API the cluster lacks (a CRD not installed): 404 to every call
         # group -> (pod status, log): what the JobSet controller and the kubelet report for every
         # member of that replicated job as soon as the JobSet is created
         self.pods_on_create: dict[str, tuple[dict, str]] = {}
@@ -63,6 +65,8 @@ class FakeKubernetesApi:
 
     def create(self, kind: str, namespace: str, body: dict) -> dict:
         self.calls.append((f"create {kind}", {"namespace": namespace, "name": body["metadata"]["name"]}))
+        if kind in self.not_installed:
+            raise ApiException(status=404, reason="NotFound")
         if kind in self.fail_create:
             raise ApiException(status=self.fail_create[kind], reason="Refused")
         key = (kind, namespace, body["metadata"]["name"])
@@ -95,6 +99,8 @@ class FakeKubernetesApi:
         return copy.deepcopy(obj)
 
     def listed(self, kind: str, namespace: str, selector: str | None, model: str | None = None) -> Any:
+        if kind in self.not_installed:
+            raise ApiException(status=404, reason="NotFound")
         items = [copy.deepcopy(o) for (k, ns, _), o in self.objects.items() if k == kind and ns == namespace and _matches(o, selector)]
         data = {"items": items, "metadata": {}}
         return self._client.deserialize(_Response(data), model) if model else data
@@ -216,6 +222,25 @@ class FakeKubernetesApi:
         }
         return name
 
+    def sandbox_ready(self, namespace: str, name: str, *, ready: bool = True) -> None:
+        """What the agent-sandbox controller and the kubelet do for Sandbox ``name``: its pod (named and labelled as its
+        template says) running, and its ``Ready`` condition (pod ready, Service made) ``ready``."""
+        box = self.objects[("Sandbox", namespace, name)]
+        template = box["spec"]["podTemplate"]
+        pod = self.objects.get(("Pod", namespace, name))
+        self.objects[("Pod", namespace, name)] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "uid": pod["metadata"]["uid"] if pod else str(uuid.uuid4()),
+                         "labels": dict(template["metadata"]["labels"]),
+                         "annotations": dict(template["metadata"].get("annotations", {}))},
+            "spec": {"containers": [{"name": c["name"], "image": c["image"]} for c in template["spec"]["containers"]]},
+            "status": {"phase": "Running", "containerStatuses": [{"name": "worker", "image": "x", "imageID": "", "ready": ready,
+                                                                  "restartCount": 0, "state": {"running": {}}}]},
+        }
+        box["status"] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": "2026-01-01T00:00:00Z",
+                                         "reason": "DependenciesReady" if ready else "DependenciesNotReady",
+                                         "message": "Pod is Ready; Service Exists" if ready else "Pod is Running but not Ready"}]}
+
     def set_jobset(self, namespace: str, *, status: dict | None = None, suspend: bool | None = None) -> None:
         jobset = self.jobset(namespace)
         if status is not None:
@@ -251,7 +276,7 @@ class FakeCoreV1Api:
 
 _KINDS = {("jobset.x-k8s.io", "jobsets"): "JobSet", ("trainer.kubeflow.org", "trainjobs"): "TrainJob",
           ("scheduling.volcano.sh", "podgroups"): "PodGroup", ("kueue.x-k8s.io", "workloads"): "Workload",
-          ("networking.k8s.io", "networkpolicies"): "NetworkPolicy"}
+          ("networking.k8s.io", "networkpolicies"): "NetworkPolicy", ("agents.x-k8s.io", "sandboxes"): "Sandbox"}
 
 
 class FakeCustomObjectsApi:
@@ -316,12 +341,14 @@ def validate_jobset():
 
 
 def _validator(crd_file: str, kind: str, version: str):
-    """``check(obj)``: the OpenAPI v3 schema of ``crd_file``'s ``version`` with ``jsonschema``, unknown fields refused."""
+    """``check(obj)``: the OpenAPI v3 schema of ``crd_file``'s ``version`` with ``jsonschema``, unknown fields refused,
+    failing with the path and message."""
     import jsonschema
 
     crd = yaml.safe_load((REFERENCE / crd_file).read_text())
     [served] = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    validator = jsonschema.Draft202012Validator(_strict(served["schema"]["openAPIV3Schema"]))
+    validator = jsonschema.Draft202012Validator(_strict(served["schema"]["openAPIV3Schema"]),
+                                                format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
     def check(obj: dict) -> None:
         assert obj["apiVersion"] == f"{crd['spec']['group']}/{version}" and obj["kind"] == kind
@@ -331,6 +358,12 @@ def _validator(crd_file: str, kind: str, version: str):
                 f"  {'/'.join(map(str, e.path)) or '<root>'}: {e.message[:300]}" for e in errors[:10]))
 
     return check
+
+
+@pytest.fixture(scope="session")
+def validate_sandbox():
+    """``validate_sandbox(obj)``: the agent-sandbox Sandbox CRD's OpenAPI v3 schema (v1beta1), unknown fields refused."""
+    return _validator("agent-sandbox-sandboxes-crd.yaml", "Sandbox", "v1beta1")
 
 
 @pytest.fixture(scope="session")
@@ -347,11 +380,12 @@ K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest with the pod-index label the w
 
 @pytest.fixture(scope="session")
 def validate_strict():
-    """``validate_strict(obj)``: kubernetes-validate --strict against K8S_VERSIONS, failing with a short message."""
+    """``validate_strict(obj, versions=None)``: kubernetes-validate --strict against each of ``versions`` (None: K8S_VERSIONS),
+    failing with a short message."""
     import kubernetes_validate
 
-    def check(obj: dict) -> None:
-        for version in K8S_VERSIONS:
+    def check(obj: dict, versions: tuple[str, ...] | None = None) -> None:
+        for version in versions or K8S_VERSIONS:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as err:

@@ -25,7 +25,7 @@ from dockrl.launch.jobset import jobset_name
 from dockrl.launch.kubernetes import ENTRY_POINT, SHARD_PORT, KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
-from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, stage_token_env
 
 RUN = "3f2b1c9e-7a44-4c1e-9d0b-5e6f7a8b9c0d"  # a KFP run id
 NS = "team-rl"
@@ -61,12 +61,13 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
     name = jobset_name(RUN)
     hosts = [f"{name}-dock-shard-0-{s}.{name}.{NS}.svc" for s in (0, 1)]  # pod s of the shards' one Job
     certs = RunCertificates.generate(hosts)  # as the launcher makes them: for the shards' pod DNS names
-    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "secret-token", RUN, first_wait=1234.0,
-                           driver_token="driver-token", tls=certs)
+    groups = worker_groups(cfg, backend, ports, f"{backend.launcher_host}:29500", "driver-token", RUN, first_wait=1234.0, tls=certs)
     secret, _, jobset = backend.render(groups)
     validate_jobset(jobset)
-    assert secret["stringData"] == {TOKEN_ENV: "secret-token", DRIVER_TOKEN_ENV: "driver-token", **certs.server.env("server"),
-                                    **certs.client.env("client")}
+    stages = ("rollout", "reward", "reference", "actor")
+    tokens = {stage_token_env(stage): secret["stringData"][stage_token_env(stage)] for stage in stages}  # one key per stage
+    assert secret["stringData"] == {DRIVER_TOKEN_ENV: "driver-token", **tokens, **certs.server.env("server"), **certs.client.env("client")}
+    assert len(set(tokens.values())) == len(stages)
     rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
     assert list(rjobs) == ["dock-shard", "rollout", "reward", "reference", "actor"]  # the shards: one replicated job
     assert rjobs["dock-shard"]["template"]["spec"] | {"template": None} == {
@@ -78,24 +79,27 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
 
     locations = [f"grpc+tls://{host}:{SHARD_PORT}" for host in hosts]
     assert shard_locations(backend, ports, "grpc+tls") == locations  # where the launcher connects, too
-    secret_ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": TOKEN_ENV}}
+
+    def secret_ref(key: str) -> dict:
+        return {"secretKeyRef": {"name": secret["metadata"]["name"], "key": key}}
+
     [c] = pod("dock-shard")["containers"]
     # arguments only: the image's entry point is dockrl (on the NPU image after CANN's set_env.sh)
     assert "command" not in c
-    assert c["args"][:9] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", DRIVER_TOKEN_ENV,
-                             "--stage-token-env", TOKEN_ENV]
+    assert c["args"][:7] == ["dock-shard", "--host", "0.0.0.0", "--port", str(SHARD_PORT), "--token-env", DRIVER_TOKEN_ENV]
+    assert [json.loads(c["args"][i + 1])["stage"] for i, arg in enumerate(c["args"]) if arg == "--stage-rights"] == list(stages)
     args = " ".join(c["args"])
     assert f"--driver-timeout-s {cfg.run.driver_timeout_s}" in args  # the liveness tie (dockrl.process.lifeline)
     assert f"--snapshot-place {backend.shared_dir / 'runs' / RUN}" in args and c["args"][-1] == "--tls"
     assert c["ports"] == [{"name": "rpc", "containerPort": SHARD_PORT, "protocol": "TCP"}]
-    assert env_of(c)[TOKEN_ENV] == secret_ref and CONFIG_ENV not in env_of(c)
+    assert all(env_of(c)[key] == secret_ref(key) for key in tokens) and CONFIG_ENV not in env_of(c)
     assert set(env_of(c)) >= {DRIVER_TOKEN_ENV, *certs.server.env("server")}  # by secretKeyRef
     # each shard's index is its pod's completion index
     assert env_of(c)["DOCKRL_REPLICA"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     text = json.dumps(jobset)
-    assert not [v for v in ("secret-token", "driver-token", "PRIVATE KEY", "CERTIFICATE") if v in text]
+    assert not [v for v in ("driver-token", *tokens.values(), "PRIVATE KEY", "CERTIFICATE") if v in text]
 
-    for stage in ("rollout", "reward", "reference", "actor"):
+    for stage in stages:
         spec = pod(stage)
         [c] = spec["containers"]
         cmd = c["args"]
@@ -106,7 +110,9 @@ def test_a_distributed_run_renders_one_valid_jobset_with_cluster_addresses(clust
         # every stage starts at once: the others wait through the rollout's evaluation (and all for the shards)
         assert cmd[-2:] == ["--first-wait-s", "1234"]
         env = env_of(c)
-        assert env[TOKEN_ENV] == secret_ref and DRIVER_TOKEN_ENV not in env  # the driver's token: the shards' only
+        # its own token only: the driver's is the shards', another stage's its own
+        assert {k: v for k, v in env.items() if k.startswith("DOCKRL_DOCK_TOKEN") or k == DRIVER_TOKEN_ENV} == {
+            stage_token_env(stage): secret_ref(stage_token_env(stage))}
         assert set(certs.client.env("client")) <= set(env) and not set(env) & {"DOCKRL_DOCK_TLS_SERVER_KEY"}
         assert load_config_text(env[CONFIG_ENV], "env") == cfg  # the whole config, no file of the launcher
         # the shared volume, where the run folder (data, checkpoints) is, at the same path as in the launcher
@@ -215,14 +221,14 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
     use_fake_cluster(cluster, monkeypatch)
     seen = {}
 
-    def fake_train(cfg, *, on_iteration, backend):
+    def fake_train(cfg, *, backend):
         seen["cfg"], seen["backend"] = cfg, backend
         out = Path(cfg.run.output_dir)
         assert Path(cfg.data.train_path).read_text() == (tmp_path / "ds" / "train.jsonl").read_text()
         (out / "checkpoints" / "final").mkdir(parents=True)
         (out / "checkpoints" / "final" / "config.json").write_text("{}")
-        (out / "metrics.jsonl").write_text("{}\n")
-        on_iteration(0, {"reward/mean": 0.5})
+        (out / "metrics.jsonl").write_text('{"iteration": 0, "reward/mean": 0.5}\n')
+        (out / "summary.json").write_text('{"run/seconds": 1.0, "eval/accuracy_after": null}')  # NaN is written as null
         return {"run/seconds": 1.0, "eval/accuracy_after": math.nan}
 
     monkeypatch.setattr(driver, "train", fake_train)
@@ -236,7 +242,8 @@ def test_run_training_on_kubernetes_keeps_the_run_on_the_shared_volume_then_hand
     assert backend.platform.image == PLATFORMS["npu"].image
     shared_run = tmp_path / "shared" / "runs" / RUN
     assert cfg.run.output_dir == str(shared_run) and cfg.data.test_path == str(shared_run / "data" / "test.jsonl")
-    assert summary["run/seconds"] == 1.0 and logged == {"reward/mean/iter_0000": 0.5, "run/seconds": 1.0}
+    assert summary["run/seconds"] == 1.0
+    assert logged == {"run/iterations": 1.0, "reward/mean/final": 0.5, "reward/mean/best": 0.5, "run/seconds": 1.0}
     # the checkpoint stays on the shared volume: the model artifact names it, nothing copied into the pod
     assert resolve_checkpoint(tmp_path / "model") == shared_run / "checkpoints" / "final"
     assert not (tmp_path / "model" / "config.json").exists()

@@ -12,6 +12,7 @@ import pytest
 from dockrl.kubeflow.steps import teardown_run
 from dockrl.launch.backend import WorkerFailed, WorkerGroup
 from dockrl.launch.local import LocalBackend
+from dockrl.process.env import SINGLE_MACHINE_ENV
 
 PY = sys.executable
 
@@ -36,6 +37,21 @@ def test_groups_get_their_identity_and_finish(tmp_path):
     state = json.loads(backend.state_file.read_text())
     assert [w["member"] for w in state["workers"]] == ["reward-0", "reward-1", "dock-shard-0"]
     assert backend.teardown() == 0 and not backend.state_file.exists()
+
+
+def test_members_keep_their_process_groups_and_vllm_on_loopback(tmp_path, monkeypatch):
+    """Whatever the launcher's environment says, a local member's gloo and NCCL sockets listen on ``lo`` and vLLM's
+    address for itself (its rendezvous, ZeroMQ's ``tcp://``) is 127.0.0.1: nothing is reachable from another machine."""
+    for name in SINGLE_MACHINE_ENV:  # as a node of a cluster might have them
+        monkeypatch.setenv(name, "eth0" if name.endswith("IFNAME") else "10.1.2.3")
+    names = sorted(SINGLE_MACHINE_ENV)
+    code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
+    backend = LocalBackend("run-env", state_dir=tmp_path)
+    backend.start([WorkerGroup(name="rollout", command=(PY, "-c", code))])
+    backend.wait(timeout_s=20)
+    assert json.loads((tmp_path / "run-env" / "rollout-0.log").read_text()) == {
+        "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+    assert backend.teardown() == 0
 
 
 def test_a_failing_worker_fails_fast_with_its_log_tail(tmp_path):
@@ -145,6 +161,7 @@ def test_teardown_run_errors():
 ORPHAN_DRIVER = """
 import sys, time
 from dockrl.launch.local import LocalBackend
+from dockrl.process.env import SINGLE_MACHINE_ENV
 from dockrl.launch.backend import WorkerGroup
 code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
 b = LocalBackend('run-orphans', state_dir=sys.argv[1], run_dir=sys.argv[2])

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cel
 import pytest
 import yaml
 
@@ -52,6 +53,14 @@ def site_copy(root: Path, env: str | None = f"SHARED_STORAGE_CLASS={SITE_CLASS}\
     return copy
 
 
+def add_component(overlay: Path, component: str) -> None:
+    """List ``components/<component>`` under the overlay's ``components:``, as a site does."""
+    kustomization = overlay / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("\ncomponents:\n") == 1, kustomization
+    kustomization.write_text(text.replace("\ncomponents:\n", f"\ncomponents:\n  - ../../components/{component}\n"))
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, list[dict]]:
     manifests = site_copy(tmp_path_factory.mktemp("site"))
@@ -62,17 +71,22 @@ def test_the_three_overlays_exist():
     assert OVERLAYS == ["cpu", "gpu", "npu"]
 
 
+ADMISSION_VERSIONS = ("1.30.0", "1.37.0")
+"""Kubernetes versions with admissionregistration.k8s.io/v1's ValidatingAdmissionPolicy (GA in 1.30)."""
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_builds_and_validates_strictly(overlay, built, validate_strict):
     objects = built[overlay]
     for obj in objects:
-        validate_strict(obj)
+        validate_strict(obj, ADMISSION_VERSIONS if obj["kind"].startswith("ValidatingAdmissionPolicy") else None)
         assert obj["metadata"]["namespace"] == "kubeflow"
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "dockrl"
         assert obj["metadata"]["labels"]["dockrl.io/platform"] == overlay
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert {("Role", "dockrl-launcher"), ("RoleBinding", "dockrl-launcher"), ("NetworkPolicy", "dockrl-run-ports"),
-            ("PersistentVolumeClaim", "dockrl-shared")} <= kinds
+            ("PersistentVolumeClaim", "dockrl-shared"), ("ValidatingAdmissionPolicy", "dockrl-jobset-label"),
+            ("ValidatingAdmissionPolicyBinding", "dockrl-jobset-label")} <= kinds
     assert not any(o["kind"] in ("ServiceAccount", "ConfigMap") for o in objects)  # KFP's own account; site.env is local
 
 
@@ -98,6 +112,7 @@ def test_launcher_role_adds_exactly_what_the_backend_does_to_kfps_runner_account
         ("", "secrets"): {"create"},  # no other Secret of the namespace can be read, changed or deleted
         ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "patch", "delete"},
         ("kueue.x-k8s.io", "workloads"): {"get", "list"},
+        ("agents.x-k8s.io", "sandboxes"): {"create", "list", "delete"},
     }
     [binding] = [o for o in built["npu"] if o["kind"] == "RoleBinding"]
     # KFP's own accounts (single-user: pipeline-runner; multi-user: default-editor), in the binding's namespace
@@ -170,6 +185,66 @@ def test_the_launchers_ports_take_connections_from_worker_pods_only(built):
         assert not admits(policies, LAUNCHER_POD, port=29500, source=worker, source_namespace="other"), overlay
 
 
+JOB_CONTROLLER = "system:serviceaccount:kube-system:job-controller"
+
+
+def admission(policy: dict, operation: str, user: str, labels: dict[str, str] | None, old: dict[str, str] | None = None,
+              resource: str = "pods") -> str | None:
+    """What the API server answers a request for a pod with ``labels`` (None: no labels at all; ``old``: the pod before an
+    UPDATE) under ValidatingAdmissionPolicy ``policy``: None when admitted, else its message. Its CEL expressions
+    (match conditions, variables, validations, message) are evaluated by a CEL implementation, as Kubernetes does."""
+    spec = policy["spec"]
+    if not any(operation in rule["operations"] and resource in rule["resources"] for rule in spec["matchConstraints"]["resourceRules"]):
+        return None
+
+    def pod(pod_labels: dict[str, str] | None) -> dict:
+        return {"metadata": {"name": "p", "namespace": "kubeflow", **({} if pod_labels is None else {"labels": pod_labels})}}
+
+    context: dict = {"object": pod(labels), "oldObject": pod(old) if operation == "UPDATE" else None,
+                     "request": {"operation": operation, "userInfo": {"username": user}}}
+    if not all(cel.evaluate(c["expression"], context) for c in spec.get("matchConditions", [])):
+        return None
+    context["variables"] = {}
+    for variable in spec.get("variables", []):  # in order: each may read those before it
+        context["variables"] = context["variables"] | {variable["name"]: cel.evaluate(variable["expression"], context)}
+    for check in spec["validations"]:
+        if not cel.evaluate(check["expression"], context):
+            return cel.evaluate(check["messageExpression"], context)
+    return None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_job_controller_gives_a_pod_the_jobset_label(overlay, built):
+    from dockrl.launch.jobset import JOBSET_NAME_LABEL
+
+    objects = {o["kind"]: o for o in built[overlay]}
+    policy, binding = objects["ValidatingAdmissionPolicy"], objects["ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}  # every namespace
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    # the label it guards is the one the run's NetworkPolicies trust
+    [run_ports] = [o for o in built[overlay] if o["metadata"]["name"] == "dockrl-run-ports"]
+    assert run_ports["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["key"] == JOBSET_NAME_LABEL
+    assert f"'{JOBSET_NAME_LABEL}' in object.metadata.labels" in policy["spec"]["matchConditions"][0]["expression"]
+
+    run, other = {JOBSET_NAME_LABEL: "dockrl-0a1b2c3d"}, {JOBSET_NAME_LABEL: "dockrl-99999999"}
+    attacker = "system:serviceaccount:kubeflow:pipeline-runner"  # every pipeline task of the namespace
+    for user in (JOB_CONTROLLER, "system:kube-controller-manager"):  # with or without --use-service-account-credentials
+        assert admission(policy, "CREATE", user, run) is None
+        assert admission(policy, "UPDATE", user, run, old={}) is None
+    refused = admission(policy, "CREATE", attacker, run | {"app.kubernetes.io/part-of": "dockrl"})
+    assert refused and "is set by the Job controller" in refused and attacker in refused
+    assert admission(policy, "UPDATE", attacker, run, old={"app": "x"})  # added later
+    assert admission(policy, "UPDATE", attacker, run, old=None)  # a pod without labels gains it
+    assert admission(policy, "UPDATE", attacker, run, old=other)  # moved to another run
+    assert admission(policy, "UPDATE", attacker, run, old={"app": "x"}, resource="pods/status")  # the same through the status
+    assert admission(policy, "CREATE", "system:serviceaccount:kube-system:jobset-controller", run)  # JobSet's makes Jobs, not pods
+    # what passes: pods without it, updates that keep it (the kubelet's status, finalizers), removing it
+    assert admission(policy, "CREATE", attacker, {"app": "x"}) is None and admission(policy, "CREATE", attacker, None) is None
+    assert admission(policy, "UPDATE", "system:node:node-1", run, old=run, resource="pods/status") is None
+    assert admission(policy, "UPDATE", attacker, run | {"x": "y"}, old=run) is None
+    assert admission(policy, "UPDATE", attacker, {"app": "x"}, old=run) is None
+
+
 def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_path, validate_strict):
     from dockrl.launch.platform import OBJECT_STORE_KEYS, OBJECT_STORE_SECRET
 
@@ -181,8 +256,7 @@ def test_the_object_store_secret_is_a_component_only_s3_runs_need(built, tmp_pat
     assert secret["metadata"]["name"] == OBJECT_STORE_SECRET and set(secret["stringData"]) == set(OBJECT_STORE_KEYS)
     # a site with S3 adds the component to its overlay
     manifests = site_copy(tmp_path)
-    kustomization = manifests / "overlays" / "npu" / "kustomization.yaml"
-    kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/object-store\n")
+    add_component(manifests / "overlays" / "npu", "object-store")
     objects = build(manifests, "npu")
     [secret] = [o for o in objects if o["kind"] == "Secret"]
     validate_strict(secret)
@@ -208,8 +282,7 @@ def with_minio(built, tmp_path_factory) -> dict[str, list[dict]]:
     component added as their README says."""
     manifests = site_copy(tmp_path_factory.mktemp("minio"))
     for overlay in SITE_OVERLAYS:
-        kustomization = manifests / "overlays" / overlay / "kustomization.yaml"
-        kustomization.write_text(kustomization.read_text() + "components:\n  - ../../components/minio-standalone\n")
+        add_component(manifests / "overlays" / overlay, "minio-standalone")
     return {overlay: built[overlay] if overlay not in SITE_OVERLAYS else build(manifests, overlay) for overlay in OVERLAYS}
 
 

@@ -33,6 +33,7 @@ from test_kubernetes_backend import AT_ONCE_S, RUNNING
 from test_kubernetes_run import NS, RUN, use_fake_cluster
 from test_retry import RUN_SETTINGS, cpu_platform
 
+from dockrl import driver
 from dockrl.checkpoint.resume import checkpoint_dir
 from dockrl.kubeflow import train_task
 from dockrl.kubeflow.steps import prepare_dataset
@@ -212,13 +213,14 @@ def test_a_run_kueue_preempts_pauses_and_resumes_to_the_uninterrupted_result(
     monkeypatch.setattr(train_task, "KubernetesBackend", LoopbackKubernetesBackend)
     logged: dict[str, float] = {}
 
-    def log_metric(key: str, value: float) -> None:
-        if key == "actor/loss/iter_0001" and not kueue_cluster.preempted:  # iteration 1 done: a workload of higher priority comes
+    def preempt_after_iteration_1(iteration: int, metrics: dict) -> None:
+        if iteration == 1 and not kueue_cluster.preempted:  # iteration 1 done: a workload of higher priority comes
             kueue_cluster.preempt(NS, queued_reads=3)
-        logged[key] = value
 
+    train = driver.train
+    monkeypatch.setattr(driver, "train", lambda cfg, backend=None: train(cfg, backend=backend, on_iteration=preempt_after_iteration_1))
     with caplog.at_level(logging.INFO):
-        summary = train_task.run_training(overrides, tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=log_metric,
+        summary = train_task.run_training(overrides, tmp_path / "ds", tmp_path / "model", tmp_path / "run", log_metric=logged.__setitem__,
                                           worker_backend="kubernetes", run_id=RUN, platform=cpu_platform(tmp_path / "shared"))
     shared_run = tmp_path / "shared" / "runs" / RUN
     paused = [r for r in caplog.records if r.getMessage().startswith(f"run {RUN} paused")]
@@ -232,7 +234,7 @@ def test_a_run_kueue_preempts_pauses_and_resumes_to_the_uninterrupted_result(
     rows = read_rows(shared_run)
     assert [x["iteration"] for x in rows] == [0, 1, 2]
     same_rows(rows, read_rows(tmp_path / "straight" / "run"))  # from the resume on as if never preempted (fp32, CPU)
-    assert logged["actor/loss/iter_0002"] == pytest.approx(rows[2]["actor/loss"])
+    assert logged["run/iterations"] == 3 and logged["reward/mean/final"] == pytest.approx(rows[2]["reward/mean"])
     assert (tmp_path / "run" / "metrics.jsonl").is_file() and json.loads((shared_run / "summary.json").read_text())
 
 

@@ -29,6 +29,7 @@ from dockrl.launch.distributed import worker_groups
 from dockrl.launch.kubernetes import KubernetesBackend
 from dockrl.launch.launcher_pod import OwnerPod
 from dockrl.launch.platform import PLATFORMS, Platform
+from dockrl.run.metrics import MetricsWriter
 
 RUN_SETTINGS = [
     "run.progress=false", "dock.shards=2", "dock.timeout_s=120", "trainer.iterations=3", "trainer.global_batch=4",
@@ -46,15 +47,11 @@ def cpu_platform(shared: Path) -> Platform:
 
 def attempt(overrides, tmp_path: Path, n: int, platform: Platform, **kw) -> tuple[dict[str, float], dict[str, float]]:
     """One attempt of the train task: a fresh pod's own artifact folders, the same run id. Returns
-    (summary, the metrics it logged)."""
+    (summary, the metrics it logged: the run's summary, for its KFP Metrics artifact)."""
     logged: dict[str, float] = {}
     summary = train_task.run_training(overrides, tmp_path / "ds", tmp_path / f"attempt-{n}" / "model", tmp_path / f"attempt-{n}" / "run",
                                     log_metric=logged.__setitem__, run_id=RUN, platform=platform, **kw)
     return summary, logged
-
-
-def logged_iterations(logged: dict[str, float], key: str = "actor/loss") -> list[int]:
-    return sorted(int(k.rsplit("_", 1)[1]) for k in logged if k.startswith(f"{key}/iter_"))
 
 
 @pytest.mark.slow  # two distributed runs of the tiny model (3 iterations, one cut in iteration 2): ~30-60 s on 2 cores
@@ -81,8 +78,9 @@ def test_a_retried_train_task_resumes_from_its_newest_checkpoint(tiny_model_dir,
     assert f"retry of run {RUN}: resuming at iteration 2 from {checkpoint_dir(shared_run, 2)}" in caplog.text
     rows = read_rows(shared_run)
     assert [x["iteration"] for x in rows] == [0, 1, 2]
-    assert logged_iterations(logged) == [0, 1, 2]  # this attempt's metrics artifact: the failed attempt's iterations too
-    assert logged["actor/loss/iter_0001"] == pytest.approx(rows[1]["actor/loss"])
+    # this attempt's metrics artifact summarizes the whole run: the failed attempt's iterations too
+    assert logged["run/iterations"] == 3 and logged["reward/mean/final"] == pytest.approx(rows[2]["reward/mean"])
+    assert logged["reward/mean/best"] == pytest.approx(max(x["reward/mean"] for x in rows))
     assert all(math.isfinite(x["actor/loss"]) for x in rows) and summary["run/seconds"] > 0
     state = json.loads((final_dir(shared_run) / STATE_FILE).read_text())
     assert state["next_iteration"] == 3
@@ -106,12 +104,15 @@ def test_a_retried_train_task_without_a_checkpoint_sets_the_attempt_aside_and_st
     platform = cpu_platform(tmp_path / "shared")
     shared_run = tmp_path / "shared" / "runs" / RUN
 
-    def dies(name: str, value: float) -> None:
+    def dies(iteration: int, metrics: dict) -> None:
         raise RuntimeError("the pod was evicted")
 
+    train = driver.train
+    monkeypatch.setattr(driver, "train", lambda cfg, backend=None: train(cfg, backend=backend, on_iteration=dies))
     with pytest.raises(RuntimeError, match="evicted"):
         train_task.run_training(overrides, tmp_path / "ds", tmp_path / "attempt-1" / "model", tmp_path / "attempt-1" / "run",
-                              log_metric=dies, run_id=RUN, platform=platform)
+                              log_metric=print, run_id=RUN, platform=platform)
+    monkeypatch.setattr(driver, "train", train)
     assert [x["iteration"] for x in read_rows(shared_run)] == [0] and not list(shared_run.glob("checkpoints/*"))
     (shared_run / "checkpoints" / "iter_000001").mkdir(parents=True)  # as a SIGKILL mid-write leaves one: incomplete
     with caplog.at_level(logging.INFO):
@@ -119,20 +120,24 @@ def test_a_retried_train_task_without_a_checkpoint_sets_the_attempt_aside_and_st
     aside = shared_run.with_name(f"{RUN}.attempt-1")
     assert f"its folder (logs, metrics) is kept in {aside}, the run starts fresh" in caplog.text
     assert [x["iteration"] for x in read_rows(aside)] == [0] and not (aside / "checkpoints").exists()
-    assert [x["iteration"] for x in read_rows(shared_run)] == [0, 1] and logged_iterations(logged) == [0, 1]
+    assert [x["iteration"] for x in read_rows(shared_run)] == [0, 1] and logged["run/iterations"] == 2
     assert (resolve_checkpoint(tmp_path / "attempt-2" / "model") / "config.json").is_file()
 
 
 def fake_training(seen: dict, *, fail: bool = False):
-    """A fake ``driver.train``: records its config, writes a one-iteration run folder with a final checkpoint."""
-    def train(cfg, *, on_iteration, backend=None):
+    """A fake ``driver.train``: records its config, writes iteration 2 of a run resumed there (its metrics,
+    as the driver's ``MetricsWriter`` does: a failed attempt's lines from iteration 2 on dropped) and a final
+    checkpoint."""
+    def train(cfg, *, backend=None):
         if fail:
             raise AssertionError("a finished run was trained again")
         seen["cfg"] = cfg
         out = Path(cfg.run.output_dir)
         (out / "checkpoints" / "final").mkdir(parents=True, exist_ok=True)
         (out / "checkpoints" / "final" / "config.json").write_text("{}")
-        on_iteration(2, {"reward/mean": 0.5})
+        with MetricsWriter(out, resume_from=2) as writer:
+            writer.log(2, {"reward/mean": 0.5})
+            writer.log_summary({"run/seconds": 1.0})
         return {"run/seconds": 1.0}
 
     return train
@@ -160,14 +165,16 @@ def test_a_retry_on_kubernetes_tears_down_the_failed_attempts_jobset_then_resume
     left = old.remains()
     assert {x.split("/")[0] for x in left} == {"NetworkPolicy", "JobSet", "Pod"}  # its Secret goes with its launcher pod
     ckpt = completed(cfg, shared_run, 2)
-    (shared_run / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "reward/mean": i / 10}) + "\n" for i in (0, 1, 2)))
+    # the failed attempt's metrics: iteration 2 was cut short after the checkpoint it resumes from
+    (shared_run / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "reward/mean": r}) + "\n"
+                                                      for i, r in ((0, 0.0), (1, 0.1), (2, 0.9))))
 
     seen: dict = {}
     train = fake_training(seen)
 
-    def fake_train_watching_the_cluster(cfg, *, on_iteration, backend=None):
+    def fake_train_watching_the_cluster(cfg, *, backend=None):
         seen["at start"] = sorted({k[0] for k in cluster.objects})  # what exists when the new JobSet would be created
-        return train(cfg, on_iteration=on_iteration, backend=backend)
+        return train(cfg, backend=backend)
 
     monkeypatch.setattr(driver, "train", fake_train_watching_the_cluster)
     prepare_dataset(["data.generate_train=12", "data.generate_test=4", "data.max_steps=2"], tmp_path / "ds")
@@ -177,9 +184,8 @@ def test_a_retry_on_kubernetes_tears_down_the_failed_attempts_jobset_then_resume
     # failed launcher pod's Secret (garbage collection removes it with that pod; the new attempt creates its own)
     assert f"the failed attempt's workers are still there ({', '.join(left)}); tearing them down" in caplog.text
     assert seen["cfg"].run.resume == "latest" and f"retry of run {RUN}: resuming at iteration 2 from {ckpt}" in caplog.text
-    # iterations 0 and 1 replayed from metrics.jsonl (not 2: the checkpoint resumes there), 2 streamed by the new attempt
-    assert {k: v for k, v in logged.items() if k.startswith("reward/mean/")} == {
-        "reward/mean/iter_0000": 0.0, "reward/mean/iter_0001": 0.1, "reward/mean/iter_0002": 0.5}
+    # the summary of iterations 0 and 1 of the failed attempt (not its 2: the checkpoint resumes there) and 2 of this one
+    assert logged == {"run/iterations": 3.0, "reward/mean/final": 0.5, "reward/mean/best": 0.5, "run/seconds": 1.0}
     assert resolve_checkpoint(tmp_path / "attempt-2" / "model") == final_dir(shared_run)
 
 
@@ -208,7 +214,7 @@ def test_a_retry_of_a_finished_run_hands_it_over_without_training_again(tiny_mod
     with caplog.at_level(logging.INFO):
         summary, logged = attempt(["trainer.iterations=2"], tmp_path, 2, platform)
     assert f"retry of run {RUN}: all 2 iterations were done ({final}): handing over its final checkpoint" in caplog.text
-    assert logged == {"reward/mean/iter_0000": 1.0, "reward/mean/iter_0001": 1.0, "run/seconds": 12.0}
+    assert logged == {"run/iterations": 2.0, "reward/mean/final": 1.0, "reward/mean/best": 1.0, "run/seconds": 12.0}
     assert summary["run/seconds"] == 12.0 and resolve_checkpoint(tmp_path / "attempt-2" / "model") == final
     assert (final / STATE_FILE).is_file()  # kept on the shared volume: run.resume continues it with more iterations
 

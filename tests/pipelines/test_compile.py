@@ -240,8 +240,9 @@ def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu
         value = params[name].default_value
         got = value.string_value if isinstance(default, str) else value.number_value
         assert got == default, name
-    assert params["config_overrides"].parameter_type == pb.ParameterType.LIST
-    assert list(params["config_overrides"].default_value.list_value.values) == []
+    # one text field in the UI, one section.field=value per line; no JSON to write
+    assert params["config_overrides"].parameter_type == pb.ParameterType.STRING
+    assert params["config_overrides"].default_value.string_value == ""
     # the weights stay on the shared volume unless a run asks for a copy in the artifact store
     assert params["copy_model"].parameter_type == pb.ParameterType.BOOLEAN and not params["copy_model"].default_value.bool_value
     assert params["keep_checkpoints"].default_value.number_value == 2
@@ -252,6 +253,49 @@ def test_run_time_parameters_are_the_knobs_with_the_config_defaults(compiled_npu
         assert ref.producer_task == "resolve-config", step
     for name, executor in deployment.executors.items():  # images carry kfp: nothing installed at pod start
         assert "pip install" not in " ".join(executor.container.command), name
+
+
+@pytest.mark.parametrize("pipeline", ["grpo-local", "grpo-kubernetes", "rescore"])
+def test_every_parameter_of_every_pipeline_has_a_description(pipeline, tmp_path):
+    """What the Kubeflow UI shows beside each parameter of a run: the pipeline function's docstring, read
+    by the compiler into the IR's inputDefinitions."""
+    from dockrl.pipelines.grpo import compile_pipeline
+    from dockrl.pipelines.rescore import compile_rescore
+
+    if pipeline == "rescore":
+        path = compile_rescore(tmp_path / "rescore.yaml")
+    else:
+        path = compile_pipeline(tmp_path / "grpo.yaml", platform="npu", worker_backend=pipeline.removeprefix("grpo-"))
+    spec = next(yaml.safe_load_all(path.read_text()))
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params and {name: p.get("description", "") for name, p in params.items() if len(p.get("description", "")) < 20} == {}
+    for name, field in RUN_PARAMETERS.items() if pipeline != "rescore" else ():
+        assert f"({field})" in " ".join(params[name]["description"].split()), name  # the config field it sets
+    if pipeline != "rescore":
+        assert "one section.field=value per line" in params["config_overrides"]["description"]
+
+
+def test_the_dataset_step_is_never_cached_and_the_summary_is_a_markdown_visualization(compiled_npu):
+    """prepare-dataset's cache key is its overrides, which name a data file by its path: a file changed at the
+    same path must not give a cached dataset (nor, through the same dataset artifact, a cached training)."""
+    spec, _, _ = parse_ir(compiled_npu)
+    body = spec.components["comp-exit-handler-1"].dag.tasks
+    assert not body["prepare-dataset"].caching_options.enable_cache and not body["train"].caching_options.enable_cache
+    assert body["resolve-config"].caching_options.enable_cache  # a function of the run's parameters alone
+    outputs = spec.components["comp-train"].output_definitions.artifacts
+    assert outputs["summary"].artifact_type.schema_title == "system.Markdown"
+    assert outputs["metrics"].artifact_type.schema_title == "system.Metrics"
+
+
+def test_a_finished_runs_workflow_ttl_is_a_compile_setting(compiled_npu, tmp_path):
+    from dockrl.pipelines.grpo import PipelineSettings, compile_pipeline
+
+    assert "pipelineConfig" not in list(yaml.safe_load_all(compiled_npu.read_text()))[1]["platforms"]["kubernetes"]  # the cluster's
+    path = compile_pipeline(tmp_path / "ttl.yaml", settings=PipelineSettings(ttl_after_finished_s=3 * 86400))
+    platform = json_format.ParseDict(list(yaml.safe_load_all(path.read_text()))[1], pb.PlatformSpec(), ignore_unknown_fields=False)
+    assert platform.platforms["kubernetes"].pipelineConfig.resource_ttl_on_completion == 3 * 86400
+    with pytest.raises(ValueError, match="ttl_after_finished_s=-1: expected seconds"):
+        PipelineSettings(ttl_after_finished_s=-1)
 
 
 def test_steps_run_in_order_inside_an_exit_handler_that_tears_workers_down(compiled_npu):

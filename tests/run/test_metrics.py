@@ -183,3 +183,40 @@ def test_metrics_report_html_holds_the_plot_and_a_table_of_every_metric(tmp_path
     assert re.findall(r"<td>([^<]*)</td>", kl) == ["0", "0.02", "0", "0.02"]  # the nan is left out
     assert "<td>eval/accuracy_before</td><td>0.07</td>" in page
     assert "No metrics: metrics.jsonl was not written" in metrics_report_html(tmp_path / "empty")
+
+
+def test_the_runs_summary_is_a_few_named_numbers_whatever_the_iterations(tmp_path):
+    """What the pipeline's KFP Metrics artifact holds: one scalar per summary number, not one per metric and iteration."""
+    from dockrl.run.metrics import SUMMARY_SERIES, run_summary
+
+    with MetricsWriter(tmp_path) as w:
+        for it in range(50):
+            w.log(it, {"reward/mean": it / 100, "reward/accuracy": 0.5 if it == 7 else 0.25, "actor/kl": 0.01 * (it % 5),
+                       "perf/response_tokens_per_s": 100.0 + it, "actor/loss": float("nan") if it == 49 else 1.0, "other": it})
+        w.log_summary({"eval/accuracy_before": 0.07, "run/seconds": 12.5, "eval/accuracy_after": float("nan")})  # written as null
+    summary = run_summary(tmp_path)
+    assert summary == {
+        "run/iterations": 50.0, "reward/accuracy/final": 0.25, "reward/accuracy/best": 0.5, "reward/mean/final": 0.49,
+        "reward/mean/best": 0.49, "actor/kl/final": 0.04, "actor/kl/max": 0.04, "perf/response_tokens_per_s/mean": 124.5,
+        "eval/accuracy_before": 0.07, "run/seconds": 12.5,
+    }
+    assert len(summary) < 2 * sum(map(len, SUMMARY_SERIES.values()))  # not a number per iteration
+    assert run_summary(tmp_path / "empty") == {"run/iterations": 0.0}
+
+
+def test_the_runs_markdown_summary_has_the_run_and_a_table_per_metric(tmp_path):
+    from dockrl.config import load_config, save_config
+    from dockrl.run.metrics import run_summary_markdown
+
+    save_config(load_config(None, ["algorithm.adv_estimator=rloo", "trainer.lr=2e-6"]), tmp_path / "config.yaml")
+    with MetricsWriter(tmp_path) as w:
+        for it, reward in enumerate([0.1, 0.4, 0.3]):
+            w.log(it, {"reward/mean": reward, "actor/kl": 0.01})
+        w.log_summary({"eval/accuracy_before": 0.07, "run/seconds": 125.0})
+    page = run_summary_markdown(tmp_path)
+    assert page.startswith("# dockrl run\n")
+    assert "| algorithm | rloo (KL coefficient 0.0) |" in page and "| learning rate | 2e-06 |" in page
+    assert "| iterations | 3 |" in page and "| wall time | 2.1 min (125 s) |" in page
+    assert "| reward/mean | 0.1 | 0.3 | 0.4 | 0.2667 |" in page  # first, final, best, mean
+    assert "| eval/accuracy_before | 0.07 |" in page
+    assert "No iteration ran" in run_summary_markdown(tmp_path / "empty")

@@ -25,11 +25,11 @@ from dockrl import driver
 from dockrl.config import ConfigError, load_config, load_config_text
 from dockrl.dock.tls import RunCertificates
 from dockrl.launch.backend import WorkerFailed
-from dockrl.launch.distributed import worker_groups
+from dockrl.launch.distributed import stage_rights, worker_groups
 from dockrl.launch.local import LocalBackend, free_ports
 from dockrl.launch.procfs import process_environ
 from dockrl.launch.run_records import local_runs, teardown_local
-from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, TOKEN_ENV
+from dockrl.process.env import CONFIG_ENV, DRIVER_TOKEN_ENV, stage_token_env
 from dockrl.rewards.guard import build_scorer
 from dockrl.stages.loop import Report
 from dockrl.stages.table import iteration_reports
@@ -123,9 +123,12 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     groups = worker_groups(cfg, local, [5001, 5002], "127.0.0.1:29500", "secret")
     assert [g.name for g in groups] == ["dock-shard", "rollout", "reward", "reference", "actor"]
     assert groups[0].replicas == 2  # the shards: one group, member s serving on ports[s]
-    assert all(g.secret_env == {TOKEN_ENV: "secret"} for g in groups)  # the token travels as a secret only
-    assert all(TOKEN_ENV not in g.env for g in groups)
-    assert all("secret" not in " ".join(g.command) for g in groups)
+    # the tokens travel as secrets only: the driver's and every stage's for the shards, each stage its own
+    tokens = {stage_token_env(g.name): g.secret_env[stage_token_env(g.name)] for g in groups[1:]}
+    assert groups[0].secret_env == {DRIVER_TOKEN_ENV: "secret", **tokens} and len(set(tokens.values())) == 4
+    assert all(g.secret_env == {stage_token_env(g.name): tokens[stage_token_env(g.name)]} for g in groups[1:])
+    assert all(not set(g.env) & set(groups[0].secret_env) for g in groups)
+    assert all(not {"secret", *tokens.values()} & set(" ".join(g.command).split()) for g in groups)
     assert all(load_config_text(g.env[CONFIG_ENV], "env") == cfg for g in groups[1:])  # so does the config
     assert "device: auto" in groups[1].env[CONFIG_ENV]  # a stage resolves parallel.device=auto where it runs
     # this interpreter's dockrl command line, as the images' entry point is dockrl
@@ -133,7 +136,9 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert all(g.command[:6] == (sys.executable, "-m", "dockrl", "worker", "--stage", g.name) for g in groups[1:])
     shard = groups[0].command
     assert shard[shard.index("--host"):shard.index("--host") + 8] == (
-        "--host", "127.0.0.1", "--port", "5001,5002", "--token-env", TOKEN_ENV, "--timeout-s", "120.0")
+        "--host", "127.0.0.1", "--port", "5001,5002", "--token-env", DRIVER_TOKEN_ENV, "--timeout-s", "120.0")
+    rights = [shard[i + 1] for i, arg in enumerate(shard) if arg == "--stage-rights"]
+    assert rights == [stage_rights(cfg, g.name).to_arg(stage_token_env(g.name)) for g in groups[1:]]
     assert shard[shard.index("--payload") + 1] == "memory"
     stored = worker_groups(run_config(tiny_model_dir, tmp_path, "dock.warehouse=directory"), local, [1], "h:2", "t", "run-7")
     assert stored[0].command[stored[0].command.index("--payload") + 1] == "store"  # shards keep metadata only
@@ -149,13 +154,14 @@ def test_the_launcher_starts_shards_on_their_ports_and_only_the_needed_stages(ti
     assert [(g.name, g.devices) for g in groups if g.accelerators] == [("rollout", 1), ("reference", 1), ("actor", 1)]
     assert iteration_reports(cfg) == [Report.ROLLOUT, Report.REWARD, Report.REFERENCE, Report.ACTOR, Report.WEIGHT_SYNC]
 
-    # the run's tokens and certificates: the driver's token and the server's key for the shards only
+    # the run's certificates: the server's key for the shards only
     certs = RunCertificates.generate(["127.0.0.1"])
-    secured = worker_groups(cfg, local, [5001], "127.0.0.1:29500", "stage", driver_token="driver", tls=certs)
+    secured = worker_groups(cfg, local, [5001], "127.0.0.1:29500", "driver", tls=certs)
     shard, stages = secured[0], secured[1:]
-    assert shard.secret_env == {TOKEN_ENV: "stage", DRIVER_TOKEN_ENV: "driver", **certs.server.env("server")}
-    assert all(g.secret_env == {TOKEN_ENV: "stage", **certs.client.env("client")} for g in stages)
-    assert ("--token-env", DRIVER_TOKEN_ENV, "--stage-token-env", TOKEN_ENV) == shard.command[8:12] and "--tls" in shard.command
+    assert shard.secret_env.items() >= {DRIVER_TOKEN_ENV: "driver", **certs.server.env("server")}.items()
+    assert all(g.secret_env == {stage_token_env(g.name): shard.secret_env[stage_token_env(g.name)], **certs.client.env("client")}
+               for g in stages)
+    assert "--tls" in shard.command
     assert f"--snapshot-place {(tmp_path / 'run').resolve()}" in " ".join(shard.command)
     assert all(g.command[g.command.index("--dock") + 1] == "grpc+tls://127.0.0.1:5001" for g in stages)
 

@@ -12,11 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver
-from dockrl.config import ConfigError, load_config
-from dockrl.dock import GRPO_SCHEMA
-from dockrl.dock.roles import AccessDenied, ShardAccess
-from dockrl.engines.micro_batching import adamw
-from dockrl.run.metrics import MetricsWriter
 from dockrl.checkpoint.optimizer_state import load_optimizer, optimizer_file, save_optimizer
 from dockrl.checkpoint.resume import (
     STATE_FILE,
@@ -31,7 +26,12 @@ from dockrl.checkpoint.resume import (
     write_final_state,
 )
 from dockrl.checkpoint.resume_point import check_resume_prompts, find_resume, prompts_fingerprint
+from dockrl.config import ConfigError, load_config
+from dockrl.dock import GRPO_SCHEMA
+from dockrl.dock.roles import AccessDenied, ShardAccess
+from dockrl.engines.micro_batching import adamw
 from dockrl.process.seeding import iteration_seed
+from dockrl.run.metrics import MetricsWriter
 
 FAKES = Path(__file__).parents[1]  # fake_scorers.py
 VARYING = ("timing_s/", "perf/", "dock/", "memory/", "weight_sync/seconds", "rollouts/wait_s")
@@ -242,12 +242,12 @@ def test_dock_snapshots_go_to_the_run_folder_or_the_runs_s3_store(tmp_path):
     # the shards take snapshots there and nowhere else (dockrl.dock.roles): every uri lies under the run's places
     for cfg in (config(tmp_path), s3, custom):
         assert cfg.run.output_dir == str(tmp_path / "run")
-        access = ShardAccess("d", "s", GRPO_SCHEMA, snapshot_places=dock_snapshot_places(cfg, "r1"))
+        access = ShardAccess("d", GRPO_SCHEMA, snapshot_places=dock_snapshot_places(cfg, "r1"))
         access.check_place(dock_snapshot_uri(cfg, ckpt, "r1"))
         with pytest.raises(AccessDenied):
             access.check_place(dock_snapshot_uri(cfg, checkpoint_dir(tmp_path / "other", 4), "r2"))
     resumed = dock_snapshot_places(s3, "r2", restore=dock_snapshot_uri(s3, ckpt, "r1"))  # a resume reads the old run's
-    ShardAccess("d", "s", GRPO_SCHEMA, snapshot_places=resumed).check_place(dock_snapshot_uri(s3, ckpt, "r1"))
+    ShardAccess("d", GRPO_SCHEMA, snapshot_places=resumed).check_place(dock_snapshot_uri(s3, ckpt, "r1"))
 
 
 def test_a_resumed_writer_keeps_the_iterations_before_the_checkpoint(tmp_path):

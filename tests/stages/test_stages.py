@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -15,20 +16,34 @@ from dockrl import driver
 from dockrl.config import load_config
 from dockrl.dock import GRPO_SCHEMA, Dock
 from dockrl.dock.schema import Column
+from dockrl.process.env import SINGLE_MACHINE_ENV
 from dockrl.stages import inprocess
 from dockrl.stages import table as stages
 from dockrl.stages.inprocess import InProcessContext, InProcessParts
 from dockrl.stages.loop import Report
-from dockrl.stages.table import STAGES, Stage, checkpoint_reports, iteration_reports, load, stage, stage_processes
+from dockrl.stages.table import STAGES, Stage, checkpoint_reports, iteration_reports, load, process_rows, stage, stage_processes
 
 
 def test_rows_name_real_columns_and_loops():
     assert len({row.name for row in STAGES}) == len(STAGES)
     columns = {c.name for c in GRPO_SCHEMA.columns}
     for row in STAGES:
-        assert set(row.claims) <= columns and set(row.writes) <= columns, row.name
+        assert set(row.claims) <= columns and set(row.writes + row.sampling_writes) <= columns, row.name
         for path in (row.process, row.inprocess):
             assert not path or callable(load(path)), (row.name, path)
+    # the rights of the stages' tokens (dockrl.launch.distributed.stage_rights): every consumer is a row's, every
+    # column a stage produces is written by exactly one row, the one of its producer
+    assert sorted(c for row in STAGES for c in row.consumers) == sorted(GRPO_SCHEMA.consumers)
+    for column in GRPO_SCHEMA.columns:
+        writers = [row for row in STAGES if column.name in row.writes]
+        if column.producer == "driver":
+            assert writers == [], column.name
+        else:
+            assert len(writers) == 1 and column.producer.startswith(writers[0].consumers[0]), (column.name, writers)
+    assert [row.name for row in STAGES if row.sampling_writes] == ["advantage"]
+    assert [(r.name, r.inside) for r in STAGES if r.kind == "in-process"] == [("advantage", "reward")]
+    assert [r.name for r in process_rows("hybrid")] == ["hybrid", "rollout", "actor"]
+    assert [r.name for r in process_rows("reward")] == ["reward", "advantage"]
     with pytest.raises(KeyError, match="'length'.*expected one of"):
         stage("length")
 
@@ -82,7 +97,10 @@ def test_a_toy_stage_is_one_row_and_its_loop(tiny_model_dir, tmp_path, monkeypat
         "trainer.eval_before=false", "trainer.eval_after=false", "data.generate_train=8", "data.generate_test=4", "data.eval_size=4",
     ])
     assert "length" in stage_processes(cfg) and iteration_reports(cfg)[:3] == [Report.ROLLOUT, Report.REWARD, "length"]
+    for name in SINGLE_MACHINE_ENV:  # as a machine with a network might have them: the run's process groups keep to this machine
+        monkeypatch.setenv(name, "eth0" if name.endswith("IFNAME") else "10.1.2.3")
     driver.train(cfg)
+    assert {name: os.environ[name] for name in SINGLE_MACHINE_ENV} == SINGLE_MACHINE_ENV
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     for r in rows:  # the stage read every response the rollout wrote

@@ -1,8 +1,9 @@
 """The shard's side of the dock over Arrow Flight: ``DockShardServer`` serves one
 ``dockrl.dock.shard.service.ShardService`` behind gRPC (``dockrl.dock.flight.shards`` maps its requests onto
 Flight; ``dockrl.dock.flight.wire`` holds the messages), with bearer-token auth
-(``BearerTokenMiddlewareFactory``): the token a call presents is the driver's or the stages'
-(``dockrl.dock.roles``), and a call its role may not make is refused (``FlightUnauthorizedError``).
+(``BearerTokenMiddlewareFactory``): the token a call presents is the driver's or a stage's
+(``dockrl.dock.roles``), and a call its role may not make (a driver's action, another stage's
+consumer or columns) is refused (``FlightUnauthorizedError``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from dockrl.dock.flight.wire import (
     encode_claim_result,
     version_error,
 )
-from dockrl.dock.roles import AccessDenied, Role, ShardAccess
+from dockrl.dock.roles import DRIVER, AccessDenied, ShardAccess, StageRights
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard.controller import ShardController
-from dockrl.dock.shard.requests import Payload
+from dockrl.dock.shard.requests import ROW, Payload
 from dockrl.dock.shard.service import ShardService
 from dockrl.dock.tls import DockTLS, scheme
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 class RoleMiddleware(flight.ServerMiddleware):
     """The role of one call's token (read by the handlers)."""
 
-    def __init__(self, role: Role) -> None:
+    def __init__(self, role: str) -> None:
         self.role = role
 
 
@@ -58,8 +59,8 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         if role is None:
             raise flight.FlightUnauthenticatedError(
                 "dock shard: missing or wrong 'authorization: Bearer <token>' header; pass the token the shard was "
-                "started with: DOCKRL_DOCK_TOKEN in the environment of `dockrl worker` (the launcher sets it), "
-                "or DockClient(token=...) in code"
+                "started with: its stage's DOCKRL_DOCK_TOKEN_<STAGE>, or DOCKRL_DOCK_TOKEN in the environment of "
+                "`dockrl worker` (the launcher sets it), or DockClient(token=...) in code"
             )
         return RoleMiddleware(role)
 
@@ -72,9 +73,8 @@ class DockShardServer(flight.FlightServerBase):
         location: where to listen; port 0 picks a free port (see ``location``).
         token: the driver's secret, every right (``authorization: Bearer <token>``); None
             accepts every call (single-machine runs).
-        stage_token: the stages' secret (``dockrl.dock.roles``: no driver action, no driver
-            column); None: the driver's token is the only one.
-        stages_sample: dynamic sampling runs: the stages may ``drop`` and write its gate.
+        stages: (token, rights) of each stage process (``dockrl.dock.roles.StageRights``: its
+            consumers and columns, no driver action); empty: the driver's token is the only one.
         snapshot_places: folders or ``s3://`` prefixes snapshots may go to and come from; empty: anywhere.
         tls: the run's mutual TLS, server end (``dockrl.dock.tls``): the shard serves ``grpc+tls://``
             and takes connections only from clients with a certificate of the run's authority.
@@ -89,15 +89,14 @@ class DockShardServer(flight.FlightServerBase):
 
     def __init__(
         self, schema: Schema, location: str = "grpc://127.0.0.1:0", *, token: str | None = None, timeout_s: float = 600.0,
-        payload: Payload = "memory", lease_s: float = 300.0, stage_token: str | None = None, stages_sample: bool = False,
+        payload: Payload = "memory", lease_s: float = 300.0, stages: Sequence[tuple[str, StageRights]] = (),
         snapshot_places: Sequence[str] = (), tls: DockTLS | None = None,
     ) -> None:
         if payload not in ("memory", "store"):
             raise ValueError(f"DockShardServer payload: got {payload!r}; expected 'memory' or 'store'")
-        if stage_token and not token:
-            raise ValueError("DockShardServer: a stage_token needs the driver's token too")
-        self.access = ShardAccess(token or "", stage_token, schema, stages_sample=stages_sample,
-                                  snapshot_places=tuple(snapshot_places))
+        if stages and not token:
+            raise ValueError("DockShardServer: stage tokens need the driver's token too")
+        self.access = ShardAccess(token or "", schema, tuple(stages), snapshot_places=tuple(snapshot_places))
         middleware = {"auth": BearerTokenMiddlewareFactory(self.access)} if token else {}
         address = location.split("://", 1)[-1]
         mutual = {"tls_certificates": [flight.CertKeyPair(cert=tls.cert, key=tls.key)], "verify_client": True,
@@ -156,10 +155,10 @@ class DockShardServer(flight.FlightServerBase):
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [(name, "see dockrl.dock.shard.service") for name in self.service.actions]
 
-    def _role(self, context: flight.ServerCallContext) -> Role:
+    def _role(self, context: flight.ServerCallContext) -> str:
         """The role of the call's token; the driver's when the shard takes calls without one."""
         middleware = context.get_middleware("auth")
-        return middleware.role if isinstance(middleware, RoleMiddleware) else "driver"
+        return middleware.role if isinstance(middleware, RoleMiddleware) else DRIVER
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
         body = action.body.to_pybytes()
@@ -187,8 +186,8 @@ class DockShardServer(flight.FlightServerBase):
         role = self._role(context)
 
         def put() -> None:
-            self.access.check_columns(role, reader.schema.names)
             iteration, ack = decode_put(command)
+            self._check_put(role, reader.schema.names, ack)
             self.service.write(iteration, reader.read_all(), ack, from_ipc=True)
             self._count(len(command))  # the descriptor is metadata: it counts as controller bytes
 
@@ -197,14 +196,15 @@ class DockShardServer(flight.FlightServerBase):
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
         """A read (JSON ticket ``{iteration, columns, rows}``), or with a binary claim ticket
         (``encode_claim``) a claim and the read of its rows in one round trip (``ShardService.claim_cells``)."""
-        data = ticket.ticket
+        data, role = ticket.ticket, self._role(context)
         if data[:3] == CLAIM_MAGIC:
-            return _guard("claim", lambda: self._claim_stream(data, context))
+            return _guard("claim", lambda: self._claim_stream(data, context, role))
 
         def get() -> pa.Table:
             req = json.loads(data)
             if "claim" in req:  # the JSON claim ticket of wire version 1
                 raise version_error("claim", 1)
+            self.access.check(role, reads=req["columns"])
             batch = self.service.get(req)
             return pa.Table.from_batches([batch], schema=batch.schema)
 
@@ -222,10 +222,11 @@ class DockShardServer(flight.FlightServerBase):
         role = self._role(context)
 
         def exchange() -> tuple[np.ndarray, int, int, pa.RecordBatch] | DockError:
-            self.access.check_columns(role, reader.schema.names)
             put, ticket = decode_exchange(command)
             iteration, ack = decode_put(put)
             req = decode_claim(ticket, self._fixed_parts)
+            self._check_put(role, reader.schema.names, ack)
+            self.access.check(role, consumer=req.consumer, reads=req.columns)
             return self.service.put_claim(iteration, reader.read_all(), ack, req, from_ipc=True)
 
         result = _guard("put", exchange)
@@ -239,8 +240,14 @@ class DockShardServer(flight.FlightServerBase):
             writer.write_with_metadata(batch, pa.py_buffer(meta))
         self._count(len(command) + len(meta))
 
-    def _claim_stream(self, data: bytes, context: flight.ServerCallContext) -> flight.GeneratorStream:
-        rows, pending, held, batch = self.service.claim_cells(decode_claim(data, self._fixed_parts), context.is_cancelled)
+    def _check_put(self, role: str, names: Sequence[str], ack: tuple[str, str] | None) -> None:
+        """Raises ``AccessDenied`` unless ``role`` may put the columns ``names`` (and the ``row`` column) and ack as ``ack``'s consumer."""
+        self.access.check(role, consumer=None if ack is None else ack[0], writes=[n for n in names if n != ROW])
+
+    def _claim_stream(self, data: bytes, context: flight.ServerCallContext, role: str) -> flight.GeneratorStream:
+        req = decode_claim(data, self._fixed_parts)
+        self.access.check(role, consumer=req.consumer, reads=req.columns)
+        rows, pending, held, batch = self.service.claim_cells(req, context.is_cancelled)
         meta = encode_claim_result(rows, pending, held)
         self._count(len(data) + len(meta))
         # the result as the batch's app_metadata: the batch keeps its (cached) schema, and a stream of a

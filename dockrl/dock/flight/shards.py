@@ -50,6 +50,7 @@ import sys
 import time
 
 from dockrl.dock.flight.server import DockShardServer
+from dockrl.dock.roles import StageRights
 from dockrl.dock.schema import Schema
 from dockrl.dock.shard.requests import Payload
 from dockrl.dock.tls import CA_ENV, DockTLS
@@ -122,10 +123,9 @@ def serve_shard(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", default="0", help="port; 0 picks a free one (printed on stdout); or one port per "
                         "shard of the group, comma-separated: this member's is the one at its index (DOCKRL_REPLICA)")
     parser.add_argument("--token-env", default=None, help="environment variable holding the driver's bearer token (every right)")
-    parser.add_argument("--stage-token-env", default=None,
-                        help="environment variable holding the stages' bearer token (no driver action; dockrl.dock.roles)")
-    parser.add_argument("--stages-sample", action="store_true",
-                        help="dynamic sampling runs: the stages' token may drop rows and write the round gate")
+    parser.add_argument("--stage-rights", action="append", default=[], metavar="JSON",
+                        help="a stage process's token and rights (repeatable; dockrl.dock.roles.StageRights.to_arg: "
+                        "{stage, token_env, consumers, reads, writes, drop}); needs --token-env for the driver's token")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS with the run's certificates from the environment (dockrl.dock.tls: CA, server cert and key)")
     parser.add_argument("--snapshot-place", action="append", default=[], metavar="PATH_OR_S3_URI",
@@ -146,11 +146,16 @@ def serve_shard(argv: list[str] | None = None) -> int:
         token = os.environ.get(args.token_env)
         if not token:
             parser.error(f"--token-env {args.token_env}: the environment variable is unset or empty; export the shard token")
-    stage_token = None
-    if args.stage_token_env:
-        stage_token = os.environ.get(args.stage_token_env)
+    stages: list[tuple[str, StageRights]] = []
+    for text in args.stage_rights:
+        try:
+            env, rights = StageRights.from_arg(text)
+        except ValueError as e:
+            parser.error(str(e))
+        stage_token = os.environ.get(env)
         if not stage_token or token is None:
-            parser.error(f"--stage-token-env {args.stage_token_env}: unset or empty, or no --token-env for the driver's token")
+            parser.error(f"--stage-rights of {rights.stage}: its token_env {env} is unset or empty, or no --token-env for the driver's token")
+        stages.append((stage_token, rights))
     try:
         tls = DockTLS.from_env(os.environ, "server") if args.tls else None
     except ValueError as e:
@@ -161,11 +166,13 @@ def serve_shard(argv: list[str] | None = None) -> int:
         parser.error(f"--host {args.host}: a shard reachable from other machines must require a bearer token; "
                      "pass --token-env DOCKRL_DOCK_TOKEN (with the token in that variable), or bind --host 127.0.0.1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server = DockShardServer(
-        _load_schema(args.schema), f"grpc://{args.host}:{port}", token=token, timeout_s=args.timeout_s,
-        payload=args.payload, lease_s=args.lease_s, stage_token=stage_token, stages_sample=args.stages_sample,
-        snapshot_places=args.snapshot_place, tls=tls,
-    )
+    try:
+        server = DockShardServer(
+            _load_schema(args.schema), f"grpc://{args.host}:{port}", token=token, timeout_s=args.timeout_s,
+            payload=args.payload, lease_s=args.lease_s, stages=stages, snapshot_places=args.snapshot_place, tls=tls,
+        )
+    except ValueError as e:  # rights naming a column the schema lacks
+        parser.error(str(e))
     # gRPC threads serve already; the main thread only waits for a signal. Not server.serve():
     # on a signal it shuts gRPC down first, which waits for claims blocked in the shard (up to
     # their timeout), and only then runs Python's handler; close() wakes them first.
