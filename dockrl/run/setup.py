@@ -116,7 +116,7 @@ def set_aside_stopped_run(run_dir: Path) -> Path | None:
     left into ``RUN.stopped-<n>`` beside it (n = 1, 2, …), as a retried pipeline task does with a failed attempt
     (``dockrl.kubeflow.train_retry``): its logs, metrics and config kept, its incomplete checkpoints removed, and
     nothing of it mixes with this run's. Returns that folder; None when the run folder held no run."""
-    if not any((run_dir / name).exists() for name in ("config.yaml", *RUN_MARKERS)):  # config.yaml: stopped while it started
+    if not any((run_dir / name).exists() for name in RUN_MARKERS):  # stopped before training: its config.yaml is rewritten
         return None
     n = 1 + sum(1 for p in run_dir.parent.glob(f"{run_dir.name}.stopped-*") if p.is_dir())
     aside = run_dir.with_name(f"{run_dir.name}.stopped-{n}")

@@ -50,7 +50,7 @@ def test_prepare_dataset_copies_configured_files(tmp_path):
 
 
 def test_prepare_dataset_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(ConfigError, match=r"^data.train_path: data file .*nope.jsonl does not exist$"):
         prepare_dataset([f"data.train_path={tmp_path / 'nope.jsonl'}"], tmp_path / "ds")
     with pytest.raises(ConfigError, match="data.generate_test"):
         prepare_dataset(["data.generate_test=many"], tmp_path / "ds")
