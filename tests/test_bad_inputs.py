@@ -90,8 +90,8 @@ def full_disk(tmp: Path, model: Path) -> list[str]:
     return run_args(tmp, model)
 
 
-NO_CHECKPOINT = ("no checkpoint of the run in <run.output_dir> is complete: the same command starts it again there (what it wrote "
-                 "is set aside in <run.output_dir>.stopped-<n>)")
+NO_CHECKPOINT = ("no checkpoint of the run in <run.output_dir> is complete: the same command starts it again there (the files of the "
+                 "iterations it ran are set aside in <run.output_dir>.stopped-<n>)")
 CTRL_C = f"interrupted (Ctrl-C); {NO_CHECKPOINT}"
 SIGTERM = f"stopped (SIGTERM); {NO_CHECKPOINT}"
 """A run stopped before its first checkpoint (the tests below); after one, the message names it and run.resume=latest."""
