@@ -193,8 +193,8 @@ def resume_hint(run_dir: str | None) -> str:
     found = latest_checkpoint(run_dir)
     if found is not None:
         return f"the run goes on from its last complete checkpoint ({found}) with run.resume=latest"
-    return (f"no checkpoint of the run in {run_dir} is complete: start it again in another run.output_dir "
-            "(or delete that folder)")
+    return (f"no checkpoint of the run in {run_dir} is complete: the same command starts it again there (the files of the "
+            f"iterations it ran are set aside in {run_dir}.stopped-<n>)")
 
 
 def describe_error(e: BaseException, run_dir: str | None = None) -> tuple[int, str]:

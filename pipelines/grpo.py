@@ -401,12 +401,17 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
 
 def compile_pipeline(out: str | Path, platform: str = "npu", worker_backend: WorkerBackendName = "local", *,
                      settings: PipelineSettings | None = None) -> Path:
-    """Compile the pipeline IR to ``out`` (``.yaml``); returns the path (see ``build_pipeline``)."""
+    """Compile the pipeline IR to ``out`` (``.yaml``); returns the path (see ``build_pipeline``).
+
+    Raises:
+        ValueError: ``out`` is not a ``.yaml``/``.json`` file name, or its folder does not exist.
+    """
     out = Path(out)
     if out.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"pipeline package {out}: expected a .yaml or .json file name")
+    if not out.parent.is_dir():  # a mistyped path is named, not created
+        raise ValueError(f"pipeline package {out}: the folder {out.parent} does not exist")
     pipeline = build_pipeline(platform, worker_backend, settings=settings)
-    out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline, str(out))
     return out
 
@@ -451,14 +456,16 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
     Raises:
         ConfigError: an invalid override, before any task starts.
-        ValueError: ``shared_dir`` holds ``pipeline_root``.
+        ValueError: ``shared_dir`` holds ``pipeline_root``, or the folder above it does not exist.
         OSError: ``isolate=True`` where this process may not create mount namespaces.
         RuntimeError: a task failed (kfp.local names the task and shows its log).
     """
     load_config(None, overrides)  # fail here, naming the field, before any task starts
     root = Path(pipeline_root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
     shared = Path(shared_dir).resolve() if shared_dir else root / "shared"
+    if shared_dir and not shared.parent.is_dir():  # a mistyped path is named, not created
+        raise ValueError(f"shared_dir {shared}: the folder above it, {shared.parent}, does not exist")
+    root.mkdir(parents=True, exist_ok=True)
     if root.is_relative_to(shared):
         raise ValueError(f"shared_dir {shared} holds the pipeline root {root}: the tasks that do not mount the shared "
                          "volume could not write their outputs; give a folder beside it")
@@ -483,8 +490,9 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
 
 def local_summary(run_dir: str | Path) -> dict:
     """What ``dockrl pipeline run --local`` prints: where the artifacts are (the exported model: where its
-    artifact names it, on the shared volume), the greedy test accuracy before training (train step) and of
-    the exported model (evaluate step), and the training seconds."""
+    artifact names it, on the shared volume; the kept rollouts and their page only when the run kept them,
+    ``run.keep_rollouts``), the greedy test accuracy before training (train step) and of the exported model
+    (evaluate step), and the training seconds."""
     run = Path(run_dir)
     train = task_metadata(run, "train", "metrics")
     summary = {
@@ -493,9 +501,9 @@ def local_summary(run_dir: str | Path) -> dict:
         "model": task_metadata(run, "export-model", "model").get("path", str(run / "export-model" / "model")),
         "train_run_dir": str(run / "train" / "run_dir"),
         "curves": str(run / "train" / "curves"),
-        "rollouts": str(run / "train" / "rollouts"),
-        "rollouts_page": str(run / "train" / "rollouts_page"),
     }
+    if task_metadata(run, "train", "rollouts").get("keep_rollouts", "off") != "off":  # an empty Dataset otherwise
+        summary |= {"rollouts": str(run / "train" / "rollouts"), "rollouts_page": str(run / "train" / "rollouts_page")}
     summary |= {k: train[k] for k in ("eval/accuracy_before", "eval/format_rate_before", "run/seconds") if k in train}
     return summary | task_metadata(run, "evaluate", "metrics")
 

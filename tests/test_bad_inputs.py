@@ -77,7 +77,10 @@ def parquet_with_int_questions(tmp: Path) -> Path:
 
 
 def used_run_folder(tmp: Path, model: Path) -> list[str]:
+    from dockrl.checkpoint.resume import FORMAT, STATE_FILE
+
     write(tmp / "run" / "metrics.jsonl", '{"iteration": 0}\n')
+    write(tmp / "run" / "checkpoints" / "iter_000001" / STATE_FILE, json.dumps({"format": FORMAT, "next_iteration": 1}))
     return run_args(tmp, model)
 
 
@@ -87,7 +90,8 @@ def full_disk(tmp: Path, model: Path) -> list[str]:
     return run_args(tmp, model)
 
 
-NO_CHECKPOINT = "no checkpoint of the run in <run.output_dir> is complete: start it again in another run.output_dir (or delete that folder)"
+NO_CHECKPOINT = ("no checkpoint of the run in <run.output_dir> is complete: the same command starts it again there (the files of the "
+                 "iterations it ran are set aside in <run.output_dir>.stopped-<n>)")
 CTRL_C = f"interrupted (Ctrl-C); {NO_CHECKPOINT}"
 SIGTERM = f"stopped (SIGTERM); {NO_CHECKPOINT}"
 """A run stopped before its first checkpoint (the tests below); after one, the message names it and run.resume=latest."""
@@ -154,8 +158,8 @@ CASES = [
     Case("data", "`data.train_path` Parquet with an integer `question` column",
          lambda t, m: run_args(t, m, f"data.train_path={parquet_with_int_questions(t)}"),
          "data.train_path: data file <path>/rows.parquet: column 'question' is int64; expected strings"),
-    Case("run folder", "a fresh run into a folder that holds a run", used_run_folder,
-         "run.output_dir: <path>/run already holds a run (metrics.jsonl); a fresh run there would mix with it"),
+    Case("run folder", "a fresh run into a folder that holds a run with a complete checkpoint", used_run_folder,
+         "run.output_dir: <path>/run already holds a run (metrics.jsonl, checkpoints); a fresh run there would mix with it"),
     Case("run folder", "`run.output_dir` that is a file", lambda t, m: run_args(t, m, f"run.output_dir={write(t / 'f', '')}"),
          "run.output_dir: cannot create the run folder's lock file <path>/f/.dockrl.lock"),
     Case("run", "a full disk (a write fails with ENOSPC)", full_disk, "a write failed because the disk is full", code=1),
@@ -239,6 +243,10 @@ def test_a_stopped_run_is_one_line_and_its_exit_code(sig, code, line, tiny_model
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == code, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == f"dockrl: {line.replace('<run.output_dir>', str(tmp_path / 'run'))}"
+    # stopped before its first checkpoint: the same command starts it again there (what the stopped run wrote set aside:
+    # tests/run/test_run_lock.py)
+    assert main(run_args(tmp_path, tiny_model_dir)) == 0
+    assert [row["iteration"] for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())] == [0]
 
 
 def test_a_stopped_run_says_whether_a_checkpoint_resumes_it(tmp_path):

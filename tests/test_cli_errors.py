@@ -19,18 +19,27 @@ CASES = [
     (["pipeline", "upload", "--host", "http://127.0.0.1:9", "--package", "{tmp}/nope.yaml"], "nope.yaml does not exist"),
     (["pipeline", "submit", "--host", "http://127.0.0.1:9", "--package", "{tmp}/nope.yaml", "--version", "1"],
      "give the package or the version of a registered pipeline, not both"),
+    (["pipeline", "compile", "{tmp}/grpo.yaml", "--overlay", "{tmp}/build/images-digests.yaml"],
+     "{tmp}/build/images-digests.yaml does not exist; --overlay takes a kustomize overlay folder (its kustomization.yaml, e.g. "
+     "manifests/overlays/npu) or a file of images: entries"),
+    (["pipeline", "compile", "{tmp}/typo/grpo.yaml"], "pipeline package {tmp}/typo/grpo.yaml: the folder {tmp}/typo does not exist"),
     (["pipeline", "run", "--local", "trainer.lr=abc"], "trainer.lr: got 'abc'"),
     (["rollouts", "show", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
     (["rollouts", "replay", "{tmp}", "--iteration", "0"], "holds no kept rollouts"),
     (["export", "{tmp}/no-checkpoint", "{tmp}/out"], "is not an HF checkpoint"),
     (["teardown", "{tmp}/no-run"], "is neither a run folder nor a run id"),
+    (["teardown", "{tmp}"], "{tmp} is not a run folder: it has no .dockrl.lock"),
     (["ranks", "parallel.tp=abc"], "parallel.tp"),
     (["node", "--bogus"], "the following arguments are required: --nproc-per-node"),
     (["worker", "--bogus"], "the following arguments are required"),
     (["dock-shard", "--bogus"], "unrecognized arguments: --bogus"),
+    (["fork-server", "--bogus"], "unrecognized arguments: --bogus"),
     (["sandbox", "env.sandbox.require=disks"], "env.sandbox.require: got ['disks']"),
     (["sandbox", "env.sandbox.backend=pod"], "env.sandbox.backend=pod: DOCKRL_SANDBOX_URL is unset"),
     (["sandbox", "serve", "env.sandbox.pod_slots=0"], "env.sandbox.pod_slots: got 0"),
+    (["evaluate", "{tmp}/model", "{tmp}", "--out", "{tmp}/m.json", "trainer.lr=abc"], "trainer.lr: got 'abc'"),
+    (["evaluate", "{tmp}/model", "{tmp}", "--out", "{tmp}/m.json"], "DATASET {tmp}: a folder without dataset.json"),
+    (["prepare-data", "data.train_path={tmp}/no.jsonl"], "data.train_path: data file {tmp}/no.jsonl does not exist"),
 ]
 
 
@@ -45,6 +54,7 @@ def run(argv: list[str]) -> int:
 def test_a_user_error_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing a command might write lands in the repository
     code = run([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    says = says.replace("{tmp}", str(tmp_path))
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith((" ", "usage:"))]
@@ -52,3 +62,13 @@ def test_a_user_error_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monke
     assert lines and lines[-1].startswith("dockrl") and says in lines[-1], err
     assert len([line for line in lines if not line.startswith("20")]) == 1, err  # one message (log lines start with their date)
 
+
+
+SUBCOMMANDS = ["train", "prepare-model", "prepare-data", "pipeline", "worker", "dock-shard", "fork-server", "node", "ranks", "smoke",
+               "evaluate", "runs", "rollouts", "teardown", "sandbox", "export"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_prints_its_help_and_exits_0(command, capsys):
+    assert run([command, "--help"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"usage: dockrl {command}")

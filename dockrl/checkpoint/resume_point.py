@@ -16,6 +16,9 @@ from typing import Any, Sequence
 from dockrl.checkpoint.resume import FINAL_DIR, FORMAT, STATE_FILE, VERSION, actor_layout, critic_dir, latest_checkpoint, read_state
 from dockrl.config import Config, ConfigError, RolloutConfig
 
+RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+"""What a run that started training leaves in its folder (``find_resume``, ``dockrl.run.setup.set_aside_stopped_run``)."""
+
 
 def prompts_fingerprint(prompt_ids: Sequence[Sequence[int]]) -> str:
     """SHA-256 (hex, 16 chars) of the training prompts' token ids in order: the sampler's input."""
@@ -55,9 +58,12 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
     ``prompts_fingerprint``; None checks all but the prompts (a run does so before it prepares
     its model and loads its data, then ``check_resume_prompts`` checks them).
 
+    A fresh run may go into a folder whose run stopped before its first complete checkpoint: nothing
+    there resumes, and the run sets what it left aside (``dockrl.run.setup.set_aside_stopped_run``).
+
     Raises:
-        ConfigError: a fresh run in a ``run.output_dir`` that holds another run's metrics or
-            checkpoints (they would mix, and ``latest`` would find the other run's); no such
+        ConfigError: a fresh run in a ``run.output_dir`` that holds another run with a complete
+            checkpoint (they would mix, and ``latest`` would find the other run's); no such
             folder, no complete checkpoint, another format or version, or a setting the
             sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
             ``rollout.n``, the training prompts), or nothing is left to run.
@@ -65,13 +71,10 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
     value = cfg.run.resume
     if not value:
         run_dir = Path(cfg.run.output_dir)
-        held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
-        if held:
-            how = ("continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)"
-                   if latest_checkpoint(run_dir) is not None else
-                   "it has no complete checkpoint to continue with run.resume=latest (one is written every trainer.save_every "
-                   "iterations and at the end): choose another run.output_dir (or delete that folder)")
-            raise ConfigError(f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix with it: {how}")
+        held = [name for name in RUN_MARKERS if (run_dir / name).exists()]
+        if held and latest_checkpoint(run_dir) is not None:  # one that stopped before any is set aside (dockrl.run.setup)
+            raise ConfigError(f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix "
+                              "with it: continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)")
         return None
     if value == "latest":
         path = latest_checkpoint(cfg.run.output_dir)

@@ -66,7 +66,7 @@ def load_code_problems(path: str | Path = CODE_PROBLEMS) -> dict[str, list[str]]
         ValueError: a line without an integer ``task_id`` or a non-empty list of ``tests`` strings (names the line).
     """
     tests: dict[str, list[str]] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), start=1):  # -sig: a BOM is no row
         if not line.strip():
             continue
         row = json.loads(line)

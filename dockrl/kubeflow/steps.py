@@ -54,7 +54,7 @@ from dockrl.launch.kubernetes_watch import get_field
 from dockrl.launch.local import LocalBackend
 from dockrl.launch.platform import Platform
 from dockrl.process.vllm_support import vllm_support
-from dockrl.run.data import load_prompts
+from dockrl.run.data import check_data_file, load_prompts
 
 if TYPE_CHECKING:
     from dockrl.engines.rollout_engine import RolloutEngine
@@ -74,7 +74,7 @@ def _count_rows(path: Path) -> int:
         import pyarrow.parquet as pq  # lazy: only a parquet dataset needs pyarrow; teardown_run stays light
 
         return pq.ParquetFile(path).metadata.num_rows
-    with path.open() as f:
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is counted as the loader reports it, one bad line
         return sum(1 for line in f if line.strip())
 
 
@@ -90,8 +90,9 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
         Metadata for the Dataset artifact: file names, row counts, seed.
 
     Raises:
-        ConfigError: an override is invalid (the message names the field).
-        FileNotFoundError: a configured data file does not exist (in this pod, or in the object store).
+        ConfigError: an override is invalid, or a configured data file does not exist in this pod or is not a
+            data file (the message names the field).
+        FileNotFoundError: a configured ``s3://`` data file is not in the object store.
     """
     from dockrl.run.setup import resolve_data  # lazy: dockrl.run.setup imports torch
 
@@ -103,10 +104,7 @@ def prepare_dataset(overrides: Sequence[str], out_dir: str | Path) -> dict[str, 
         fetched: dict[str, Any] = {f: str(fetch_s3(getattr(cfg.data, f), Path(tmp) / "s3" / f, cfg.dock))
                    for f in ("train_path", "test_path") if is_s3(getattr(cfg.data, f))}
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, cache_dir=tmp), data=dataclasses.replace(cfg.data, **fetched))
-        train_src, test_src = resolve_data(cfg)
-        for src in (train_src, test_src):
-            if not Path(src).is_file():
-                raise FileNotFoundError(f"data file {src} does not exist")
+        train_src, test_src = resolve_data(cfg)  # a configured file that is not there fails here, naming its field
         train_dst, test_dst = out / f"train{train_src.suffix}", out / f"test{test_src.suffix}"
         shutil.copyfile(train_src, train_dst)
         shutil.copyfile(test_src, test_dst)
@@ -239,10 +237,40 @@ def evaluation_engine(cfg: Config, model_dir: Path) -> RolloutEngine:
     return ROLLOUT_ENGINES[name](cfg, model_dir, device, seed=cfg.trainer.seed, lora=None, sized=False)
 
 
-def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Sequence[str], *,
+def evaluation_file(dataset: str | Path | None, cfg: Config, scratch: str | Path) -> Path:
+    """The test file ``evaluate_model`` reads: ``dataset`` is a dataset folder (``prepare_dataset``'s:
+    its test split), a data file (``.jsonl``, ``.parquet``), or None: the run's own test data as
+    ``dockrl train`` takes it (``data.test_path``, ``champ``, an ``s3://`` URI fetched into ``scratch``,
+    or the seeded generated test problems, in ``run.cache_dir``).
+
+    Raises:
+        FileNotFoundError: ``dataset`` does not exist, or is a folder without ``dataset.json``.
+        ConfigError: ``dataset`` (or ``data.test_path``) is not a data file ``load_prompts`` reads.
+    """
+    from dockrl.run.setup import resolve_data  # lazy: dockrl.run.setup imports torch
+
+    if dataset is None:
+        if is_s3(cfg.data.test_path):
+            fetched = str(fetch_s3(cfg.data.test_path, Path(scratch) / "s3" / "test_path", cfg.dock))
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, test_path=fetched))
+        return resolve_data(cfg)[1]
+    path = Path(dataset)
+    if path.is_dir() and not (path / DATASET_MANIFEST).is_file():
+        raise FileNotFoundError(f"DATASET {path}: a folder without {DATASET_MANIFEST}; expected a folder written by prepare-dataset, "
+                                "a .jsonl or .parquet test file, or none: the run's data.test_path (or its generated test problems)")
+    if path.is_dir():
+        return dataset_files(path)[1]
+    try:
+        return check_data_file(path)
+    except ValueError as e:  # a directory, another extension: the user's input
+        raise ConfigError(f"DATASET: {e}") from None
+
+
+def evaluate_model(model_dir: str | Path, dataset_dir: str | Path | None, overrides: Sequence[str], *,
                    device: str = "cpu") -> dict[str, float]:
     """Greedy accuracy of ``model_dir`` (a model folder, or an artifact naming one: ``artifacts.resolve_model``)
-    on the test split of ``dataset_dir``.
+    on the test data ``dataset_dir`` names (``evaluation_file``: a dataset folder's test split, a data file, or
+    None for the run's own ``data.test_path``).
 
     Prompt formatting, ``data.eval_size``, the response length, the rollout engine and dtype
     (``rollout.engine=auto``: vLLM where it runs on ``device``, else HF) and the reward settings
@@ -259,13 +287,14 @@ def evaluate_model(model_dir: str | Path, dataset_dir: str | Path, overrides: Se
         ``eval/accuracy``, ``eval/format_rate`` (fractions in [0, 1]) and ``eval/count``.
 
     Raises:
-        ConfigError: an invalid override or ``device``.
+        ConfigError: an invalid override or ``device``, or test data that is not a data file.
         RuntimeError: ``device`` is an accelerator kind that this process does not see.
-        FileNotFoundError: the model the artifact names is not there (the volume not mounted, nothing at the URI).
+        FileNotFoundError: the model the artifact names is not there (the volume not mounted, nothing at the URI),
+            or the test data (``evaluation_file``).
     """
     cfg = resolve_auto(load_config(None, [*overrides, f"parallel.device={device}"]))  # dtype and engine for this step's device
-    _, test_file = dataset_files(dataset_dir)
     with tempfile.TemporaryDirectory(prefix="dockrl-eval-model-") as scratch:
+        test_file = evaluation_file(dataset_dir, cfg, scratch)
         # the export step's artifact names the model: on the shared volume, or in the object store (fetched here)
         return _evaluate(cfg, resolve_model(model_dir, cfg.dock, scratch), test_file)
 
@@ -312,16 +341,22 @@ def _evaluate(cfg: Config, model_dir: Path, test_file: Path) -> dict[str, float]
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """``dockrl evaluate --out metrics.json MODEL DATASET [overrides]``: ``evaluate_model``, its
-    metrics written as JSON (the command of the evaluate step's pod)."""
-    parser = argparse.ArgumentParser(prog="dockrl evaluate", description="greedy accuracy of a model on the test split of a "
-                                     "dataset folder (prepare-dataset's), written as JSON")
+    """``dockrl evaluate --out metrics.json MODEL [DATASET] [overrides]``: ``evaluate_model``, its
+    metrics written as JSON (the command of the evaluate step's pod). Options and overrides go in any order."""
+    parser = argparse.ArgumentParser(prog="dockrl evaluate", description="greedy accuracy of a model on test data, written as "
+                                     "JSON: a dataset folder's test split (prepare-dataset's), a .jsonl or .parquet file, or "
+                                     "without DATASET the run's own test data as dockrl train takes it (data.test_path, or the "
+                                     "seeded generated test problems)")
     parser.add_argument("model", help="an HF model folder, or a model artifact naming one (dockrl-checkpoint.json)")
-    parser.add_argument("dataset", help="a dataset folder written by prepare-dataset")
+    parser.add_argument("dataset", nargs="?", help="a dataset folder written by prepare-dataset, or a .jsonl/.parquet test file "
+                        "(default: the run's data.test_path)")
     parser.add_argument("--out", required=True, help="the metrics' JSON file (written whole, or not at all)")
     parser.add_argument("--device", default="auto", help="cpu, or auto: the accelerator this process sees (default auto)")
-    parser.add_argument("overrides", nargs="*", help="the run's section.field=value overrides")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="the run's section.field=value overrides, e.g. data.test_path=test.jsonl")
+    args = parser.parse_intermixed_args(argv)
+    if args.dataset is not None and "=" in args.dataset and not Path(args.dataset).exists():  # no DATASET: the first override
+        args.overrides.insert(0, args.dataset)
+        args.dataset = None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         metrics = evaluate_model(args.model, args.dataset, args.overrides, device=args.device)

@@ -27,6 +27,7 @@ after importing them, a torch ``DataLoader``'s workers among them): a member has
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
@@ -90,11 +91,13 @@ def serve(argv: list[str]) -> int:
     """``dockrl fork-server``: ``preload``, then fork a member per request until stdin closes.
 
     Exits the process (code 0) in the server once stdin closes; returns in a forked member, with that member's
-    exit code (see the module docstring), and 1 or 2 where the server cannot serve.
+    exit code (see the module docstring); 1 where the driver is already gone; ``--help`` prints the help and exits 0,
+    any argument exits 2 (``argparse``).
     """
-    if argv:
-        print(f"dockrl fork-server: takes no arguments, got {argv}; it is started by the local worker backend", file=sys.stderr)
-        return 2
+    argparse.ArgumentParser(prog="dockrl fork-server", description=(
+        "Forks a local run's stage processes (dockrl worker) from one process that has imported their code; takes no "
+        "arguments: the local worker backend starts it and sends it one JSON request a line on its stdin "
+        "(dockrl/launch/fork_server.py)")).parse_args(argv)  # --help: the help, exit 0; any argument: exit 2
     driver = os.environ.get(DRIVER_PID_ENV, "")
     die_with_parent(signal.SIGKILL)
     if driver and str(os.getppid()) != driver:  # the driver died before the kernel was asked to tell us

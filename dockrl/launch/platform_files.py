@@ -75,7 +75,7 @@ def images_from_kustomization(path: str | Path) -> dict[str, Any]:
     ``digests``. What the overlay does not set is absent.
 
     Raises:
-        FileNotFoundError: no ``kustomization.yaml`` at ``path`` (a folder or the file).
+        FileNotFoundError: ``path`` is neither a folder with ``kustomization.yaml`` nor a file (names the one missing).
         ValueError: an entry's ``newName`` is not ``<registry>/dockrl-<name>``, its tag is
             ``latest``, or the entries disagree on the registry or the tag.
     """
@@ -83,7 +83,9 @@ def images_from_kustomization(path: str | Path) -> dict[str, Any]:
     if file.is_dir():
         file = file / "kustomization.yaml"
     if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist: expected a kustomize overlay, e.g. manifests/overlays/npu")
+        raise FileNotFoundError(f"--overlay: {file} does not exist; --overlay takes a kustomize overlay folder (its "
+                                "kustomization.yaml, e.g. manifests/overlays/npu) or a file of images: entries (the digests "
+                                "file `make images PUSH=1` writes, build/images-digests.yaml)")
     entries = (yaml.safe_load(file.read_text()) or {}).get("images") or []
     registries, tags, digests = set(), set(), {}
     for entry in entries:

@@ -24,7 +24,7 @@ from typing import Iterator
 # these records always agree on it (tests move it with one monkeypatch of local.default_state_dir)
 from dockrl.launch import local
 from dockrl.launch.procfs import run_processes, start_time
-from dockrl.run.lock import lock_holder
+from dockrl.run.lock import LOCK_FILE, lock_holder
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
         ``{"driver": pid or None, "runs": {run_id: workers stopped}}``.
 
     Raises:
-        ValueError: ``target`` is neither an existing folder nor a run id this machine knows.
+        ValueError: ``target`` is neither a run folder (one with a run's lock file, or recorded for a run) nor a run id
+            this machine knows.
     """
     runs = local_runs(state_dir)
     folder = Path(target)
@@ -92,6 +93,9 @@ def teardown_local(target: str, *, state_dir: str | Path | None = None, grace_s:
     if folder.is_dir():
         where = str(folder.resolve())
         ids = [r["run_id"] for r in runs if r["run_dir"] == where]
+        if not ids and not (folder / LOCK_FILE).exists():  # every run leaves its lock file in its folder
+            raise ValueError(f"{folder} is not a run folder: it has no {LOCK_FILE} and no run is recorded for it; give a run's "
+                             "run.output_dir or a run id (`dockrl runs` lists them)")
         holder = lock_holder(folder)
         if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             out["driver"] = _stop_driver(holder["pid"], grace_s)

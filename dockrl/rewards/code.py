@@ -151,5 +151,5 @@ class CodeScorer:
 
 def reference_solutions(path: str | Path = CODE_PROBLEMS) -> dict[str, str]:
     """Each problem's reference answer (``answer`` of its row), by ``task_id``: a response that passes every test."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     return {str(row["task_id"]): row["answer"] for row in rows}

@@ -188,12 +188,32 @@ def read_rollouts(location: Path | str, iteration: int | None = None, columns: l
     return table.sort_by([("iteration", "ascending"), ("row", "ascending")])
 
 
+def read_kept(kept: KeptRollouts, iteration: int | None = None, columns: list[str] | None = None) -> pa.Table:
+    """``read_rollouts`` of ``kept``; an ``iteration`` asked for must have kept rows.
+
+    Raises:
+        ValueError: the run kept no row of ``iteration`` (names the iterations it kept).
+    """
+    table = read_rollouts(kept.rows, iteration, columns)
+    if iteration is not None and table.num_rows == 0:
+        import pyarrow.compute as pc  # lazy: as pyarrow.dataset
+
+        found = sorted(pc.unique(rollouts_dataset(kept.rows).to_table(columns=["iteration"]).column("iteration")).to_pylist())
+        where = kept.config.run.rollouts_uri or kept.root  # never kept.rows: its query may carry the store's settings
+        raise ValueError(f"iteration {iteration} has no kept rows in {where}; "
+                         + (f"the kept iterations are {', '.join(map(str, found))}" if found else "it holds no kept rows yet"))
+    return table
+
+
 def show_table(kept: KeptRollouts, iteration: int, limit: int, width: int = 60) -> str:
     """The text of ``dockrl rollouts show``: one line per kept row of ``iteration`` (at most ``limit``), its response
-    decoded with the run's tokenizer (``load_rollouts_tokenizer``)."""
+    decoded with the run's tokenizer (``load_rollouts_tokenizer``).
+
+    Raises:
+        ValueError: the run kept no row of ``iteration`` (``read_kept``).
+    """
+    table = read_kept(kept, iteration, ["iteration", "row", "weight_version", "rm_score", "correct", "response_length", "response_ids"])
     tokenizer = load_rollouts_tokenizer(kept)
-    table = read_rollouts(kept.rows, iteration,
-                          ["iteration", "row", "weight_version", "rm_score", "correct", "response_length", "response_ids"])
     rows = table.slice(0, limit).to_pylist()
     lines = [f"{'iteration':>9} {'row':>5} {'weights':>7} {'reward':>7} {'correct':>7} {'length':>6}  response"]
     for r in rows:

@@ -30,7 +30,7 @@ from dockrl.dock.schema import GRPO_SCHEMA
 from dockrl.dock.shard.kept_rollouts import LEADING
 from dockrl.engines.factory import build_train_engine, process_ranks
 from dockrl.process.seeding import seed_iteration
-from dockrl.rollouts.keep import KeptRollouts, read_rollouts
+from dockrl.rollouts.keep import KeptRollouts, read_kept
 from dockrl.run.setup import resolve_model
 from dockrl.stages.actor import ActorWorker
 
@@ -118,14 +118,14 @@ def replay(kept: KeptRollouts, iteration: int) -> dict[str, Any]:
         ``old_log_prob`` equal the kept ones bit for bit).
 
     Raises:
-        ValueError: a run replay cannot reproduce (``check_replayable``), or the iteration's kept rows are not
-            the whole batch (``trainer.global_batch`` × ``rollout.n``).
+        ValueError: a run replay cannot reproduce (``check_replayable``), the iteration has no kept rows
+            (``read_kept``), or its kept rows are not the whole batch (``trainer.global_batch`` × ``rollout.n``).
         FileNotFoundError: the iteration's weights are not kept (``starting_weights``).
     """
     cfg = kept.config
     check_replayable(cfg, kept)
     assert kept.run_dir is not None, "checked above"
-    table = read_rollouts(kept.rows, iteration)
+    table = read_kept(kept, iteration)
     rows, n = cfg.trainer.global_batch * cfg.rollout.n, cfg.rollout.n
     if table.num_rows != rows:
         raise ValueError(f"dockrl rollouts replay: iteration {iteration} kept {table.num_rows} rows; the actor trained on "

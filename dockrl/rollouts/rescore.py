@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dockrl.rewards.guard import build_scorer, check_rewards
-from dockrl.rollouts.keep import KeptRollouts, kept_rollouts, load_rollouts_tokenizer, read_rollouts
+from dockrl.rollouts.keep import KeptRollouts, kept_rollouts, load_rollouts_tokenizer, read_kept
 
 RESCORED_FILE = "rescored.parquet"
 """The rescored table in a ``rescore_artifact`` folder."""
@@ -41,9 +41,10 @@ def rescore(kept: KeptRollouts, scorer: str, *, iteration: int | None = None, ba
 
     Raises:
         ConfigError: ``scorer`` does not import (``algorithm.scorer: ...``).
+        ValueError: ``iteration`` has no kept rows (``read_kept``).
         ScorerError: the scorer raised or its process died.
     """
-    table = read_rollouts(kept.rows, iteration, ["iteration", "row", "response_ids", "ground_truth", "rm_score"])
+    table = read_kept(kept, iteration, ["iteration", "row", "response_ids", "ground_truth", "rm_score"])
     tokenizer = load_rollouts_tokenizer(kept)
     built = build_scorer(dataclasses.replace(kept.config.algorithm, scorer=scorer))
     new: list[float] = []

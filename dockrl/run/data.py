@@ -7,12 +7,15 @@ tokenizes, and reports every unusable line with its number and reason.
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import itertools
 import json
 import logging
+import os
 import random
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
@@ -105,12 +108,16 @@ class LoadReport:
     duplicates: int = 0
     """Kept rows whose question an earlier row already asked (kept: a data set may weigh a problem so)."""
 
-    def summary(self) -> str:
+    def summary(self, *, one_line: bool = False, shown: int = 20) -> str:
+        """The counts and the first ``shown`` dropped lines with their reasons: one per line, or ``one_line``
+        (for an error message) in parentheses after the counts."""
         head = f"{self.path}: kept {self.kept} rows, dropped {len(self.bad)}"
         if self.duplicates:
             head += f", {self.duplicates} repeat an earlier question"
-        more = f"\n  ... and {len(self.bad) - 20} more" if len(self.bad) > 20 else ""
-        return head + "".join(f"\n  line {n}: {why}" for n, why in self.bad[:20]) + more
+        lines = [f"line {n}: {why}" for n, why in self.bad[:shown]] + ([f"... and {len(self.bad) - shown} more"] if len(self.bad) > shown else [])
+        if one_line:
+            return head + (f" ({'; '.join(lines)})" if lines else "")
+        return head + "".join(f"\n  {line}" for line in lines)
 
 
 def check_data_file(path: str | Path) -> Path:
@@ -118,13 +125,15 @@ def check_data_file(path: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a directory, or another extension.
+        ValueError: a directory, a file this user may not read, or another extension.
     """
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"data file {path} is a directory; expected a .jsonl or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"data file {path} is not readable by this user (its permissions: {stat.filemode(path.stat().st_mode)})")
     if path.suffix not in (".jsonl", ".json", ".parquet"):
         raise ValueError(f"data file {path}: a {path.suffix or 'extension-less'} file; expected a .jsonl or .parquet file with "
                          "'question' and 'answer' (a CSV converts with pandas: read_csv(...).to_json(lines=True, orient='records'))")
@@ -179,7 +188,7 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
             yield i, RowTooLong(f"a row of {size} bytes > {MAX_ROW_BYTES}") if size > MAX_ROW_BYTES else row
         return
     with path.open("rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         if head.startswith(b"["):
             raise ValueError(f"data file {path}: a JSON array; expected JSON Lines, one object per line "
                              "(convert it: jq -c '.[]' FILE > FILE.jsonl)")
@@ -191,7 +200,7 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
             if not raw.strip():
                 continue
             try:
-                yield i, json.loads(raw.decode("utf-8"))
+                yield i, json.loads(raw.decode("utf-8-sig"))  # -sig: a file saved with a BOM keeps its first row
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 yield i, e
 
@@ -293,10 +302,10 @@ def load_prompts(
         seen.add(row["question"])
         prompts.append(Prompt(len(prompts), row["question"], truth, list(ids)))
     report.kept = len(prompts)
+    if not prompts:  # the reasons once, in the error's one line
+        raise ValueError(f"no usable row in {report.summary(one_line=True, shown=5)}")
     if report.bad or report.duplicates:
         logger.warning(report.summary())
-    if not prompts:
-        raise ValueError(f"no usable row in {report.summary()}")
     return prompts, report
 
 

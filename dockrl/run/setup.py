@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -18,10 +19,11 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 from safetensors import safe_open
 
-from dockrl.checkpoint.resume_point import ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
+from dockrl.checkpoint.resume_point import RUN_MARKERS, ResumePoint, check_resume_prompts, find_resume, prompts_fingerprint
 from dockrl.config import Config, ConfigError, TrainerConfig, resolve_auto, save_config
 from dockrl.envs.prompting import tool_prompt
 from dockrl.run.data import Prompt, check_chat_template, check_data_file, export_champ, generate_problems, load_prompts, write_jsonl
+from dockrl.run.lock import LOCK_FILE
 from dockrl.run.models import prepare_smollm2
 
 logger = logging.getLogger(__name__)
@@ -63,9 +65,7 @@ def plan_run(cfg: Config) -> RunPlan:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.trainer.seed)
     point = find_resume(cfg, None)  # what run.resume and the folder allow, in a second, before model and data take their time
-    for field, path in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
-        if path and path != "champ":
-            as_config_error(field, check_data_file, path)
+    check_data_paths(cfg)
     model_path = resolve_model(cfg)  # prepared here once, before any stage looks for it
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)
@@ -78,13 +78,68 @@ def plan_run(cfg: Config) -> RunPlan:
                                                    tools=tools)
     fingerprint = prompts_fingerprint([p.prompt_ids for p in train_prompts])
     check_resume_prompts(point, fingerprint)
+    if point is None:
+        set_aside_stopped_run(Path(cfg.run.output_dir))
     # run.resume as given (`latest` stays `latest`): config.yaml run again continues the run, where the
     # checkpoint `latest` found now would rewind it to that iteration and cut the metrics after it
-    save_config(cfg, Path(cfg.run.output_dir) / "config.yaml")
+    save_config(recorded_paths(cfg), Path(cfg.run.output_dir) / "config.yaml")
     if point:  # the stages all continue from the one checkpoint found here
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(point.checkpoint)))
     return RunPlan(cfg=cfg, model_path=model_path, train_prompts=train_prompts, test_prompts=test_prompts,
                    fingerprint=fingerprint, resume=point)
+
+
+def recorded_paths(cfg: Config) -> Config:
+    """``cfg`` as ``RUN/config.yaml`` records it: every local path absolute (resolved against this process's
+    working folder), so that the run's files are found from any folder (``dockrl train --config RUN/config.yaml
+    run.resume=latest``, ``dockrl rollouts``). What is not a local path stays as given: the packaged model, ``champ``,
+    ``latest``, ``s3://`` URIs and empty fields."""
+    def local(value: str, *names: str) -> str:
+        return value if not value or value in names or "://" in value else str(Path(value).resolve())
+
+    rm = cfg.reward_model
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=local(cfg.model.path, PACKAGED_MODEL)),
+        data=dataclasses.replace(cfg.data, train_path=local(cfg.data.train_path), test_path=local(cfg.data.test_path, "champ")),
+        reward_model=dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=local(rm.model.path))),
+        critic=dataclasses.replace(cfg.critic, model_path=local(cfg.critic.model_path)),
+        dock=dataclasses.replace(cfg.dock, directory=local(cfg.dock.directory)),
+        run=dataclasses.replace(cfg.run, output_dir=local(cfg.run.output_dir), cache_dir=local(cfg.run.cache_dir),
+                                resume=local(cfg.run.resume, "latest")),
+    )
+
+
+def set_aside_stopped_run(run_dir: Path) -> Path | None:
+    """A fresh run in a folder whose run stopped before its first complete checkpoint (``find_resume`` lets it
+    in: nothing there resumes, and the lock this run holds says no live process writes there) moves what that run
+    left into ``RUN.stopped-<n>`` beside it (n = 1, 2, …), as a retried pipeline task does with a failed attempt
+    (``dockrl.kubeflow.train_retry``): its logs, metrics and config kept, its incomplete checkpoints removed, and
+    nothing of it mixes with this run's. Returns that folder; None when the run folder held no run."""
+    if not any((run_dir / name).exists() for name in RUN_MARKERS):  # stopped before training: its config.yaml is rewritten
+        return None
+    n = 1 + sum(1 for p in run_dir.parent.glob(f"{run_dir.name}.stopped-*") if p.is_dir())
+    aside = run_dir.with_name(f"{run_dir.name}.stopped-{n}")
+    aside.mkdir()
+    for entry in run_dir.iterdir():
+        if entry.name != LOCK_FILE:  # held by this run
+            entry.rename(aside / entry.name)
+    shutil.rmtree(aside / "checkpoints", ignore_errors=True)
+    logger.warning("run.output_dir: %s held a run that stopped before its first complete checkpoint; what it left (logs, metrics, "
+                   "config) is set aside in %s and this run starts fresh", run_dir, aside)
+    return aside
+
+
+def check_data_paths(cfg: Config) -> None:
+    """The configured data files (``data.train_path``, ``data.test_path``; not ``champ``, an ``s3://`` URI or
+    empty: generated) exist and are of a kind ``load_prompts`` reads (``check_data_file``).
+
+    Raises:
+        ConfigError: naming the field and the file.
+    """
+    for field, path in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
+        if path and path != "champ" and "://" not in path:
+            as_config_error(field, check_data_file, path)
 
 
 def resolve_model(cfg: Config) -> Path:
@@ -158,7 +213,12 @@ def check_model_dir(path: Path, trust_remote_code: bool = False, *, field: str =
 
 
 def resolve_data(cfg: Config) -> tuple[Path, Path]:
-    """Train and test files: the configured ones, or seeded generated problems (held-out test)."""
+    """Train and test files: the configured ones, or seeded generated problems (held-out test).
+
+    Raises:
+        ConfigError: a configured file does not exist, is not readable or not a data file (``check_data_paths``).
+    """
+    check_data_paths(cfg)
     d = cfg.data
     key = f"arith-s{cfg.trainer.seed}-steps{d.min_steps}-{d.max_steps}-max{d.max_number}"
     folder = Path(cfg.run.cache_dir) / "data" / key

@@ -28,6 +28,12 @@ def test_the_reference_solutions_pass_every_test(scorer):
     assert scorer.score(list(references.values()), list(references)) == [1.0] * 10
 
 
+def test_a_problems_file_saved_with_a_utf8_bom_keeps_its_first_problem(tmp_path):
+    path = tmp_path / "problems.jsonl"
+    path.write_text(CODE_PROBLEMS.read_text(encoding="utf-8"), encoding="utf-8-sig")
+    assert load_code_problems(path) == load_code_problems() and reference_solutions(path) == reference_solutions()
+
+
 def test_the_reward_is_the_pass_rate(scorer):
     responses = [
         "```python\ndef gcd(a, b):\n    return 1\n```",  # passes gcd(7, 13) == 1 only

@@ -50,7 +50,7 @@ def test_prepare_dataset_copies_configured_files(tmp_path):
 
 
 def test_prepare_dataset_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(ConfigError, match=r"^data.train_path: data file .*nope.jsonl does not exist$"):
         prepare_dataset([f"data.train_path={tmp_path / 'nope.jsonl'}"], tmp_path / "ds")
     with pytest.raises(ConfigError, match="data.generate_test"):
         prepare_dataset(["data.generate_test=many"], tmp_path / "ds")
@@ -179,6 +179,27 @@ def test_evaluate_model_reports_fractions(tiny_model_dir, tmp_path):
     res = evaluate_model(tiny_model_dir, tmp_path / "ds", ["rollout.max_response_length=8", "data.eval_size=4", "rollout.dtype=float32"])
     assert set(res) == {"eval/accuracy", "eval/format_rate", "eval/count"}
     assert res["eval/count"] == 4.0 and 0 <= res["eval/accuracy"] <= 1 and 0 <= res["eval/format_rate"] <= 1
+
+
+def test_evaluate_takes_the_data_inputs_of_train(tiny_model_dir, tmp_path, capsys):
+    """A data file, the run's ``data.test_path``, or (neither) its generated test problems, as ``dockrl train`` takes them;
+    options and overrides in any order."""
+    from dockrl.cli import main
+
+    test = write_jsonl(generate_problems(3, seed=5), tmp_path / "test.jsonl")
+    common = ["rollout.max_response_length=4", "rollout.dtype=float32", f"run.cache_dir={tmp_path / 'cache'}", "data.generate_train=8",
+              "data.generate_test=2"]
+    assert evaluate_model(tiny_model_dir, test, common)["eval/count"] == 3.0
+    assert evaluate_model(tiny_model_dir, None, [*common, f"data.test_path={test}"])["eval/count"] == 3.0
+    assert evaluate_model(tiny_model_dir, None, common)["eval/count"] == 2.0  # the seeded test split dockrl train generates
+    out = tmp_path / "metrics.json"
+    assert main(["evaluate", str(tiny_model_dir), "--out", str(out), "--device", "cpu", f"data.test_path={test}", *common]) == 0
+    assert json.loads(out.read_text())["eval/count"] == 3.0
+    with pytest.raises(FileNotFoundError, match=rf"DATASET {tmp_path}: a folder without dataset.json; expected a folder written by "
+                                                r"prepare-dataset, a .jsonl or .parquet test file, or none"):
+        evaluate_model(tiny_model_dir, tmp_path, common)
+    with pytest.raises(ConfigError, match=r"data.test_path: data file .*no.jsonl does not exist"):
+        evaluate_model(tiny_model_dir, None, [*common, f"data.test_path={tmp_path / 'no.jsonl'}"])
 
 
 def test_evaluate_model_runs_on_the_device_the_pipeline_gave_the_step(tiny_model_dir, tmp_path, caplog):

@@ -425,5 +425,5 @@ def test_a_site_overlay_sets_registry_tag_and_digest(tmp_path):
         {"name": "ghcr.io/dockrl/dockrl-npu", "newName": "registry.example.com/npu-image", "newTag": "1"}]}))
     with pytest.raises(ValueError, match="expected <registry>/dockrl-npu"):
         images_from_kustomization(tmp_path)
-    with pytest.raises(FileNotFoundError, match="expected a kustomize overlay"):
+    with pytest.raises(FileNotFoundError, match="missing does not exist; --overlay takes a kustomize overlay folder"):
         images_from_kustomization(tmp_path / "missing")

@@ -476,6 +476,28 @@ def test_the_wheel_ships_the_pipeline_and_its_components():
     assert set(config["packages"]) == set(find_packages(str(root), include=["dockrl", "dockrl.*"])) | set(mapped)
 
 
+def test_the_wheel_builds_without_a_packaging_warning_and_ships_the_bundled_tasks(tmp_path):
+    """setuptools warns of a folder of data inside a package that it is not given ("Package would be ignored", as
+    ``pip install -e .`` showed it): the wheel of what pyproject.toml packages builds without it, the tasks' JSONL in it."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "src"
+    for name in ("dockrl", "pipelines", "components"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                           str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    [wheel] = (tmp_path / "wheel").glob("dockrl-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"dockrl/envs/data/{p.name}" for p in (root / "dockrl" / "envs" / "data").glob("*.jsonl")} <= names
+
+
 def test_train_retries_and_a_sites_platform_file_are_compiled_in(tmp_path):
     from dockrl.launch.platform_files import platform_from_file
     from dockrl.pipelines.grpo import PipelineSettings, compile_pipeline

@@ -90,6 +90,33 @@ def test_local_pipeline_run_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     check_rescore_pipeline(run / "train" / "rollouts", tmp_path, rows=2 * 4 * 4)
 
 
+@pytest.mark.parametrize("keep", ["all", "off"])
+def test_the_summary_names_the_kept_rollouts_only_when_the_run_kept_them(tmp_path, keep):
+    """``local_summary`` over a run folder as kfp.local leaves it: each task's ``executor_output.json`` (written here,
+    with the metadata the tasks give their artifacts)."""
+    from dockrl.pipelines.grpo import local_summary
+
+    outputs = {"train": {"metrics": {"run/seconds": 3.0}, "rollouts": {"keep_rollouts": keep, "rows": 32 if keep == "all" else 0}},
+               "export-model": {"model": {"path": str(tmp_path / "export")}}, "evaluate": {"metrics": {"eval/accuracy": 0.5}}}
+    for task, artifacts in outputs.items():
+        (tmp_path / task).mkdir()
+        doc = {"artifacts": {name: {"artifacts": [{"metadata": meta}]} for name, meta in artifacts.items()}}
+        (tmp_path / task / "executor_output.json").write_text(json.dumps(doc))
+    out = local_summary(tmp_path)
+    assert out["model"] == str(tmp_path / "export") and out["eval/accuracy"] == 0.5 and out["run/seconds"] == 3.0
+    named = {k: out[k] for k in ("rollouts", "rollouts_page") if k in out}
+    assert named == ({"rollouts": str(tmp_path / "train" / "rollouts"), "rollouts_page": str(tmp_path / "train" / "rollouts_page")}
+                     if keep == "all" else {})
+
+
+def test_a_shared_dir_whose_parent_does_not_exist_is_refused_before_anything_is_made(tmp_path):
+    from dockrl.pipelines.grpo import run_local
+
+    with pytest.raises(ValueError, match=f"^shared_dir {tmp_path}/typo/shared: the folder above it, {tmp_path}/typo, does not exist$"):
+        run_local([], tmp_path / "root", shared_dir=tmp_path / "typo" / "shared")
+    assert list(tmp_path.iterdir()) == []
+
+
 def check_rollouts_artifact(run: Path, out: dict, rows: int) -> None:
     """The train task's ``rollouts`` Dataset: every trained row, readable without the run folder, its lineage in the metadata."""
     import pyarrow.dataset as ds
@@ -143,7 +170,7 @@ def test_failed_step_still_runs_the_exit_handler_and_fails_the_command(tmp_path)
     assert "prepare-dataset" in proc.stderr + proc.stdout and str(missing) in proc.stderr + proc.stdout
     # the end names the failed task and its error, not kfp's "Inner task failed" alone; no colour codes in a file
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"dockrl pipeline run: task 'prepare-dataset' failed: FileNotFoundError: data file {missing} does not exist")
+        f"dockrl pipeline run: task 'prepare-dataset' failed: dockrl.config.errors.ConfigError: data.train_path: data file {missing} does not exist")
     assert "\x1b[" not in proc.stdout + proc.stderr
     [run] = (tmp_path / "root").glob("dockrl-grpo-*")
     assert (run / "teardown-workers" / "executor_output.json").is_file()  # teardown ran after the failure

@@ -4,6 +4,7 @@ hive-partitioned Parquet dataset in the background; ``dockrl rollouts show`` rea
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import numpy as np
@@ -18,6 +19,7 @@ from dockrl.dock.client.dock_client import open_dock
 from dockrl.dock.schema import GRPO_SCHEMA
 from dockrl.dock.shard.kept_rollouts import META_KEY, SCHEMA_VERSION, KeepSpec, kept, kept_columns
 from dockrl.rollouts.keep import read_rollouts
+from dockrl.run.metrics import read_metrics
 
 SHORT = ["run.progress=false", "trainer.iterations=2", "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4",
          "rollout.n=4", "rollout.max_response_length=8", "rollout.dtype=float32", "trainer.autocast_bf16=false",
@@ -137,6 +139,28 @@ def test_a_run_keeps_every_row_it_trained_and_rollouts_show_prints_them(tiny_mod
     assert [line.split()[:3] for line in lines[1:4]] == [["1", str(r), "1"] for r in range(3)]
     assert lines[-1] == "(3 of 8 kept rows of iteration 1)"
     assert main(["rollouts", "show", str(tmp_path), "--iteration", "0"]) == 2  # no kept rollouts there
+    capsys.readouterr()
+    assert main(["rollouts", "show", str(run), "--iteration", "7"]) == 2  # an iteration the run did not keep
+    assert capsys.readouterr().err.strip() == (f"dockrl rollouts show: iteration 7 has no kept rows in {run / 'rollouts'}; "
+                                               "the kept iterations are 0, 1")
+
+
+def test_a_run_given_relative_paths_is_read_and_resumed_from_another_folder(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """``config.yaml`` records the run's paths absolute: ``rollouts show`` and a resume work from any working folder."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(tiny_model_dir, here / "model")
+    monkeypatch.chdir(here)
+    driver.train(load_config(None, ["model.path=model", "run.output_dir=run", "run.cache_dir=cache", *SHORT, "run.keep_rollouts=all"]))
+    recorded = load_config(here / "run" / "config.yaml")
+    assert (recorded.model.path, recorded.run.output_dir, recorded.run.cache_dir) == (
+        str((here / "model").resolve()), str((here / "run").resolve()), str((here / "cache").resolve()))
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["rollouts", "show", "../here/run", "--iteration", "1"]) == 0, capsys.readouterr().err
+    assert main(["train", "--config", "../here/run/config.yaml", "run.resume=latest", "trainer.iterations=3"]) == 0, capsys.readouterr().err
+    assert [row["iteration"] for row in read_metrics(here / "run" / "metrics.jsonl")] == [0, 1, 2]
+    assert list(elsewhere.iterdir()) == []  # nothing of the run went to the working folder
 
 
 def test_keep_rollouts_needs_the_payload_in_the_shards(tiny_model_dir, tmp_path):

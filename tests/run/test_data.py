@@ -149,6 +149,27 @@ def test_no_usable_row_raises_with_the_reasons(tmp_path, tokenizer):
     assert "kept 0 rows" in msg
 
 
+def test_no_usable_row_says_each_reason_once_in_one_line(tmp_path, tokenizer, caplog):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('not json\n{"question": "q", "answer": "no hashes"}\n')
+    with caplog.at_level("WARNING"), pytest.raises(ValueError) as info:
+        load_prompts(path, tokenizer, system_prompt="", max_prompt_length=256)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"no usable row in {path}: kept 0 rows, dropped 2 (line 1: invalid JSON: ")
+    assert (caplog.text + msg).count("line 2: answer has no final '#### <number>'") == 1
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_file_saved_with_a_utf8_bom_keeps_its_first_row(tmp_path, tokenizer, suffix):
+    path = tmp_path / f"bom{suffix}"
+    path.write_text("".join(json.dumps(row) + "\n" for row in GOOD), encoding="utf-8-sig")  # as Excel and Notepad save UTF-8
+    prompts, report = load_prompts(path, tokenizer, system_prompt="", max_prompt_length=256)
+    assert [p.ground_truth for p in prompts] == GOOD_TRUTHS and report.bad == []
+    path.write_text(json.dumps(GOOD), encoding="utf-8-sig")
+    with pytest.raises(ValueError, match="a JSON array; expected JSON Lines"):  # recognised behind the BOM too
+        load_prompts(path, tokenizer, system_prompt="", max_prompt_length=256)
+
+
 def test_empty_file_raises(tmp_path, tokenizer):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")

@@ -234,7 +234,9 @@ def test_a_start_that_fails_to_make_the_lock_file_removes_the_folders_it_made(tm
 def test_a_refused_run_leaves_the_lock_file_of_a_stopped_run_and_an_empty_folder_as_they_were(tiny_model_dir, tmp_path):
     cfg = tiny_run(tiny_model_dir, tmp_path)
     run = Path(cfg.run.output_dir)
-    run.mkdir()
+    ckpt = checkpoint_dir(run, 2)
+    ckpt.mkdir(parents=True)
+    write_driver_state(ckpt, cfg, next_iteration=2, dock_uri=str(ckpt / "dock"), open_iteration=2, summary={}, prompts="p")
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')  # a run stopped since: its lock file names its pid
     (run / LOCK_FILE).write_text('{"pid": 999999, "host": "h", "since": "2024-01-01T00:00:00+0000"}\n')
     before = (run / LOCK_FILE).read_bytes()
@@ -246,6 +248,31 @@ def test_a_refused_run_leaves_the_lock_file_of_a_stopped_run_and_an_empty_folder
     with pytest.raises(ConfigError, match="run.resume: got 'latest'"):
         driver.train(tiny_run(tiny_model_dir, tmp_path, "run.resume=latest", f"run.output_dir={empty}"))
     assert list(empty.iterdir()) == []  # no lock file of a run that never ran there
+
+
+def test_a_run_stopped_before_its_first_checkpoint_does_not_block_a_fresh_run_there(tiny_model_dir, tmp_path):
+    cfg = tiny_run(tiny_model_dir, tmp_path, "trainer.iterations=1")
+    run = Path(cfg.run.output_dir)
+    partial = checkpoint_dir(run, 2)
+    partial.mkdir(parents=True)
+    (partial / "optimizer.pt.tmp").write_bytes(b"cut short")  # killed while writing it: incomplete
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    (run / "logs").mkdir()
+    (run / "logs" / "actor.log").write_text("the stopped run's log\n")
+    (run / LOCK_FILE).write_text('{"pid": 999999, "host": "h", "since": "2024-01-01T00:00:00+0000"}\n')  # its holder is gone
+    driver.train(cfg)
+    aside = tmp_path / "run.stopped-1"
+    assert (aside / "metrics.jsonl").read_text() == '{"iteration": 0}\n{"iteration": 1}\n'  # kept beside, not mixed in
+    assert (aside / "logs" / "actor.log").is_file() and not (aside / "checkpoints").exists()
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert latest_checkpoint(run) is not None and lock_holder(run) is None
+    holder = hold_lock(run)  # a live run in the folder still refuses a second one
+    try:
+        with pytest.raises(RunLockedError, match=f"pid {holder.pid}"):
+            driver.train(cfg)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_run_accepted_in_an_existing_folder_leaves_its_pid_in_the_lock_file(tmp_path):

@@ -199,6 +199,8 @@ def test_a_fresh_run_refuses_a_folder_with_another_run(tmp_path):
     cfg = config(tmp_path)
     assert find_resume(cfg, "p") is None  # an empty (or missing) folder
     (Path(cfg.run.output_dir) / "checkpoints").mkdir(parents=True)
+    assert find_resume(cfg, "p") is None  # a run stopped before its first complete checkpoint: nothing to resume, set aside
+    complete(cfg, 2)
     with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints\).*run.resume=latest.*another run.output_dir"):
         find_resume(cfg, "p")
 
