@@ -148,7 +148,7 @@ def row_example(row: dict, tokenizer, s: SFTConfig, d: DataConfig, model: str) -
         BadRow: the row has none of the format's fields, or they do not hold what it needs.
         ConfigError: as ``conversation_tokens``.
     """
-    fmt = s.format
+    fmt: str = s.format
     if fmt == "auto":
         fmt = ("messages" if s.messages_field in row else "prompt_completion" if s.prompt_field in row and s.completion_field in row
                else "gsm8k" if "question" in row and "answer" in row else "")
