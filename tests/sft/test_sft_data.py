@@ -121,3 +121,15 @@ def test_a_file_without_a_usable_row_names_the_file(tokenizer, tmp_path):
     path.write_text(json.dumps({"prompt": 1, "completion": 2}) + "\n")
     with pytest.raises(ValueError, match=r"no usable row in .*empty.jsonl: kept 0 rows, dropped 1\n  line 1: fields 'prompt' and"):
         load_examples(path, tokenizer, SFTConfig(), DataConfig(), model="tiny")
+
+
+def test_a_parquet_file_of_conversations_reads_as_jsonl_does(tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "chats.parquet"
+    pq.write_table(pa.table({"messages": [CONVERSATION, CONVERSATION[:1]]}), path)
+    examples, report = load_examples(path, tokenizer, SFTConfig(), DataConfig(), model="tiny")
+    assert len(examples) == 1 and report.bad == [(2, "field 'messages' has no assistant turn to train on")]
+    ids, mask = conversation_tokens(tokenizer, CONVERSATION, model="tiny")
+    assert examples[0].prompt_ids + examples[0].response_ids == ids
