@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -50,6 +51,7 @@ from dockrl.checkpoint.resume import (
 from dockrl.checkpoint.resume_point import ResumePoint, data_order_differs, prompts_fingerprint, resume_state
 from dockrl.config import Config, ConfigError, TrainerConfig, resolve_auto, save_config
 from dockrl.engines.train_engine import TrainEngine
+from dockrl.launch.run_records import recorded_run
 from dockrl.process.lifeline import sigterm_as_exit
 from dockrl.run.data import Prompt, check_data_file, load_prompts
 from dockrl.run.lock import RunLock
@@ -201,7 +203,8 @@ def sft(cfg: Config, *, on_step: OnStep | None = None) -> dict[str, float]:
     """Run SFT as configured (the module docstring); returns the run summary.
 
     ``on_step(step, metrics)`` is called once each step's metrics are written. A checkpoint whose
-    write an error, Ctrl-C or SIGTERM cut short is removed (``CheckpointInProgress``).
+    write an error, Ctrl-C or SIGTERM cut short is removed (``CheckpointInProgress``). The run folder
+    is locked for the run (``RunLock``), and ``dockrl runs`` lists the run while it runs (``recorded_run``).
 
     Raises:
         RunLockedError: another live run holds ``run.output_dir``.
@@ -212,7 +215,8 @@ def sft(cfg: Config, *, on_step: OnStep | None = None) -> dict[str, float]:
         lock.accept()
         in_progress = CheckpointInProgress()
         try:
-            summary = fit(plan, in_progress=in_progress, on_step=on_step, check_stop=stop.raise_if_stopped)
+            with recorded_run(f"dockrl-sft-{secrets.token_hex(6)}", cfg.run.output_dir):
+                summary = fit(plan, in_progress=in_progress, on_step=on_step, check_stop=stop.raise_if_stopped)
         finally:
             in_progress.remove()
     run_dir = Path(cfg.run.output_dir)
@@ -255,7 +259,6 @@ def fit(plan: SFTPlan, *, in_progress: CheckpointInProgress, on_step: OnStep | N
             for step in range(first, plan.steps):
                 check_stop()
                 start = time.perf_counter()
-                in_progress.folder = checkpoint_dir(run_dir, step + 1) if checkpoint_due(t, step) else None
                 metrics = engine.optimizer_step(partial(accumulate_sft, engine, batches[step], micro_batch=t.micro_batch,
                                                         micro_batch_tokens=t.micro_batch_tokens))
                 seconds = time.perf_counter() - start
@@ -263,12 +266,9 @@ def fit(plan: SFTPlan, *, in_progress: CheckpointInProgress, on_step: OnStep | N
                             "perf/tokens_per_s": sum(len(e.prompt_ids) + len(e.response_ids) for e in batches[step]) / seconds}
                 writer.log(step, metrics)
                 progress.update(metrics)
-                if in_progress.folder is not None:
-                    save_checkpoint(engine, plan, in_progress.folder, step + 1, summary)
-                    in_progress.folder = None
-            in_progress.folder = final_dir(run_dir)
-            save_checkpoint(engine, plan, in_progress.folder, plan.steps, summary)
-            in_progress.folder = None
+                if checkpoint_due(t, step):
+                    save_checkpoint(engine, plan, checkpoint_dir(run_dir, step + 1), step + 1, summary, in_progress)
+            save_checkpoint(engine, plan, final_dir(run_dir), plan.steps, summary, in_progress)
             if rollout is not None and t.eval_after:
                 if not shares_actor_module(cfg, engine):
                     rollout.load_weights(weights_to_send(cfg, engine)[0])  # the trained weights (LoRA: the adapter)
@@ -280,10 +280,13 @@ def fit(plan: SFTPlan, *, in_progress: CheckpointInProgress, on_step: OnStep | N
     return summary
 
 
-def save_checkpoint(engine: TrainEngine, plan: SFTPlan, folder: Path, next_step: int, summary: dict[str, float]) -> None:
-    """Weights and optimizer into ``folder``, then its state (complete from then on); then older
-    checkpoints pruned to ``trainer.keep_checkpoints``."""
+def save_checkpoint(engine: TrainEngine, plan: SFTPlan, folder: Path, next_step: int, summary: dict[str, float],
+                    in_progress: CheckpointInProgress) -> None:
+    """Weights and optimizer into ``folder``, then its state (complete from then on; ``in_progress``
+    names it until then); then older checkpoints pruned to ``trainer.keep_checkpoints``."""
+    in_progress.folder = folder
     save_optimizer(engine, engine.save(prepare_checkpoint(folder)))
     write_sft_state(folder, plan, next_step, summary)
+    in_progress.folder = None
     logger.info("checkpoint %s written; step %d resumes from it", folder, next_step)
     prune_checkpoints(plan.cfg.run.output_dir, plan.cfg.trainer.keep_checkpoints, folder)
