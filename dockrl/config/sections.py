@@ -34,7 +34,8 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train_path: str = ""
-    """JSONL/Parquet training prompts in GSM8K format; empty: generate seeded problems."""
+    """JSONL/Parquet training prompts in GSM8K format (``dockrl sft``: also chat rows, ``sft.format``); empty:
+    generate seeded problems."""
     test_path: str = ""
     """JSONL/Parquet evaluation prompts; empty: a seeded held-out split; ``champ``: the CHAMP
     problems with numeric answers (needs the ``champ`` extra)."""
