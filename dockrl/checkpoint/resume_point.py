@@ -58,8 +58,8 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
     Raises:
         ConfigError: a fresh run in a ``run.output_dir`` that holds another run's metrics or
             checkpoints (they would mix, and ``latest`` would find the other run's); no such
-            folder, no complete checkpoint, another format or version, or a setting the
-            sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
+            folder, no complete checkpoint, another format or version (``resume_state``); an SFT
+            run's checkpoint (``dockrl sft``); a setting the sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
             ``rollout.n``, the training prompts), or nothing is left to run.
     """
     found = resume_state(cfg)
