@@ -1,9 +1,10 @@
-"""Command line: ``dockrl prepare-model | prepare-data | train | pipeline | runs | rollouts | teardown | worker | dock-shard | node |
-ranks | smoke | trainer-runtime | from-env | evaluate``.
+"""Command line: ``dockrl prepare-model | prepare-data | train | sft | pipeline | runs | rollouts | teardown | worker | dock-shard |
+node | ranks | smoke | trainer-runtime | from-env | evaluate``.
 
     dockrl train                                   # the demo: SmolLM2-135M, GRPO, 20 iterations
     dockrl train --config my.yaml trainer.lr=1e-5  # a config file plus overrides
     dockrl train --print-config rollout.n=16       # the config as YAML (auto fields stay auto), nothing run
+    dockrl sft data.train_path=chats.jsonl         # supervised fine-tuning on the same engine (docs/sft.md)
     dockrl pipeline -h                             # the Kubeflow pipeline (dockrl/kubeflow/pipeline_cli.py)
     dockrl worker -h                               # one stage of a distributed run (dockrl/stages/main.py)
     dockrl dock-shard -h                           # one dock shard (dockrl/dock/flight/shards.py)
@@ -101,13 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in [
         ("train", "run RL post-training: GRPO by default; RLOO, REINFORCE++, Dr. GRPO by algorithm.adv_estimator; "
                   "PPO with algorithm.adv_estimator=gae critic.enable=true"),
+        ("sft", "supervised fine-tuning on data.train_path (chat messages, prompt/completion, or GSM8K question/answer), "
+                "loss on the assistant's tokens; the sft section and trainer's engine, LoRA, lr and checkpoints (docs/sft.md)"),
         ("prepare-model", "export the packaged SmolLM2-135M-Instruct (or check model.path)"),
         ("prepare-data", "write the seeded train/test files"),
     ]:
         p = sub.add_parser(name, help=help_, description=help_, epilog=config_fields_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="YAML config file (default: the demo config)")
-        if name == "train":
+        if name in ("train", "sft"):
             p.add_argument("--print-config", action="store_true",
                            help="print the config (every field, defaults included; fields set to auto stay auto) as YAML and exit")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             print(run_setup.resolve_model(cfg))
         elif args.command == "prepare-data":
             print("\n".join(str(p) for p in run_setup.resolve_data(cfg)))
+        elif args.command == "sft":
+            from dockrl.sft import sft  # lazy: as the driver
+
+            print(json.dumps(sft(cfg), indent=2))
         else:
             summary = driver.train(cfg)
             print(json.dumps(summary, indent=2))

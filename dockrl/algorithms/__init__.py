@@ -18,6 +18,7 @@ from dockrl.algorithms.losses import (
     entropy_from_logits,
     kl_k3,
     kl_penalty,
+    nll_loss,
     policy_loss,
     sequence_ratio_log,
     tis_weight,
@@ -37,6 +38,6 @@ from dockrl.algorithms.rollout_correction import (
 __all__ = [
     "ActorLoss", "Correction", "PolicyLoss", "actor_loss", "aggregate_loss", "compute_advantages", "correction_weight",
     "discounted_returns", "entropy_from_logits", "gae", "grpo_advantages", "icepop_weight", "kl_k3", "kl_penalty", "masked_whiten",
-    "mis_sequence_weight", "mis_token_weight", "mismatch_metrics", "mixed_groups", "policy_loss", "reinforce_plus_plus_advantages",
+    "mis_sequence_weight", "mis_token_weight", "mismatch_metrics", "mixed_groups", "nll_loss", "policy_loss", "reinforce_plus_plus_advantages",
     "response_mask", "right_pad", "rloo_advantages", "sequence_ratio_log", "tis_weight", "token_rewards", "token_staleness", "value_loss",
 ]

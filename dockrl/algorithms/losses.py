@@ -1,4 +1,4 @@
-"""Policy and value losses, KL estimators, entropy, importance weights and loss aggregation.
+"""Policy and value losses, KL estimators, entropy, importance weights, loss aggregation, and SFT's NLL.
 
 Shapes: ``B`` sequences, ``T`` response tokens (right-padded); ``mask`` is 1 on response
 tokens that count (the EOS token included) and 0 on padding.
@@ -209,3 +209,21 @@ def aggregate_loss(
     else:
         raise ValueError(f"algorithm.loss_agg_mode: got {mode!r}; expected one of 'token-mean', 'seq-mean-token-mean', "
                          "'seq-mean-token-sum', 'seq-mean-token-sum-norm'")
+
+
+def nll_loss(log_prob: torch.Tensor, mask: torch.Tensor, total_tokens: float) -> torch.Tensor:
+    """Supervised fine-tuning's loss: the negative log-likelihood of the masked tokens, summed and
+    divided by ``total_tokens``, the masked tokens of the whole mini-batch (not of this micro-batch),
+    so that micro-batches' losses add up to the mini-batch's token mean whichever rows go together:
+    ``L = -Σ_{b,t} mask_{b,t} · log π(y_{b,t} | y_{b,<t}) / N`` (transformers' ``Trainer`` with
+    ``num_items_in_batch``, TRL's SFT default).
+
+    Args:
+        log_prob: ``(B, T)`` per-token log-probs (nats) of the target tokens.
+        mask: ``(B, T)`` 1 on the tokens that count (the assistant's), 0 elsewhere and on padding.
+        total_tokens: ``N``, the mini-batch's counted tokens (at least 1 is used).
+
+    Returns:
+        A scalar tensor (nats per token).
+    """
+    return -(log_prob * mask).sum() / max(total_tokens, 1.0)

@@ -169,6 +169,13 @@ def write_driver_state(
         "generated_through": next_iteration - 1 if generated_through is None else generated_through,
         "reports": {str(k): v for k, v in (reports or {}).items()},
     }
+    write_state(checkpoint, doc)
+
+
+def write_state(checkpoint: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as ``CHECKPOINT/driver_state.json`` atomically, after syncing every file of the
+    folder (``sync_tree``): its presence marks the checkpoint complete. The driver's state
+    (``write_driver_state``) and an SFT run's (``dockrl.sft.loop``) are written by it."""
     folder = Path(checkpoint)
     sync_tree(folder)  # the weights, optimizer and local dock snapshot on disk before the marker says they are
     path = folder / STATE_FILE

@@ -63,41 +63,23 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
 
     Raises:
         ConfigError: a fresh run in a ``run.output_dir`` that holds another run with a complete
-            checkpoint (they would mix, and ``latest`` would find the other run's); no such
-            folder, no complete checkpoint, another format or version, or a setting the
-            sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
+            checkpoint (they would mix, and ``latest`` would find the other run's); no such folder, no
+            complete checkpoint, another format or version (``resume_state``); an SFT run's checkpoint
+            (``dockrl sft``); a setting the sampler depends on differs (``trainer.seed``, ``trainer.global_batch``,
             ``rollout.n``, the training prompts), or nothing is left to run.
     """
-    value = cfg.run.resume
-    if not value:
-        run_dir = Path(cfg.run.output_dir)
-        held = [name for name in RUN_MARKERS if (run_dir / name).exists()]
-        if held and latest_checkpoint(run_dir) is not None:  # one that stopped before any is set aside (dockrl.run.setup)
-            raise ConfigError(f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix "
-                              "with it: continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)")
+    found = resume_state(cfg)
+    if found is None:
         return None
-    if value == "latest":
-        path = latest_checkpoint(cfg.run.output_dir)
-        if path is None:
-            raise ConfigError(
-                f"run.resume: got 'latest'; no complete checkpoint under {Path(cfg.run.output_dir) / 'checkpoints'} "
-                f"(folders iter_NNNNNN with {STATE_FILE}); start fresh without run.resume, in another run.output_dir "
-                "(or delete that folder)"
-            )
-    else:
-        path = Path(value)
-        if not path.is_dir():
-            raise ConfigError(f"run.resume: got {value!r}; expected 'latest' or an existing checkpoint folder")
-    doc = read_state(path)
-    if doc is None:
-        raise ConfigError(f"run.resume: {path} is not a complete checkpoint: no readable {STATE_FILE} of format {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise ConfigError(f"run.resume: {path} has checkpoint version {doc.get('version')!r}; this dockrl reads {VERSION}")
+    path, doc = found
+    if doc.get("kind") == "sft":
+        raise ConfigError(f"run.resume: {path} is a checkpoint of an SFT run (dockrl sft): continue that run with dockrl sft, "
+                          f"or start RL from its weights with model.path={path} and no run.resume")
     ours = {"seed": cfg.trainer.seed, "global_batch": cfg.trainer.global_batch, "group_size": cfg.rollout.n, "prompts": prompts}
     fields = {"seed": "trainer.seed", "global_batch": "trainer.global_batch", "group_size": "rollout.n", "prompts": "the training prompts"}
     for key, mine in ours.items():
         if doc.get(key) != mine and mine is not None:
-            raise _data_order_differs(path, fields[key], doc.get(key), mine)
+            raise data_order_differs(path, fields[key], doc.get(key), mine)
     layout = actor_layout(cfg)
     if doc.get("actor_layout", layout) != layout:  # checkpoints of older versions name none
         raise ConfigError(
@@ -141,6 +123,45 @@ def find_resume(cfg: Config, prompts: str | None) -> ResumePoint | None:
                        open_iterations=tuple(opened), reports=reports, prompts=doc.get("prompts"))
 
 
+def resume_state(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint ``run.resume`` names and its state, read and of this version; None for a fresh run
+    (``run.resume`` empty), whose ``run.output_dir`` must not hold another run with a complete checkpoint (one that
+    stopped before its first is set aside, ``dockrl.run.setup.set_aside_stopped_run``). ``find_resume`` and an
+    SFT run's ``dockrl.sft.loop.find_sft_resume`` then check it against their run.
+
+    Raises:
+        ConfigError: a fresh run in a ``run.output_dir`` that holds another run with a complete checkpoint
+            (they would mix, and ``latest`` would find the other run's); no such folder, no complete
+            checkpoint, another format or version.
+    """
+    value = cfg.run.resume
+    if not value:
+        run_dir = Path(cfg.run.output_dir)
+        held = [name for name in RUN_MARKERS if (run_dir / name).exists()]
+        if held and latest_checkpoint(run_dir) is not None:  # one that stopped before any is set aside (dockrl.run.setup)
+            raise ConfigError(f"run.output_dir: {run_dir} already holds a run ({', '.join(held)}); a fresh run there would mix "
+                              "with it: continue it with run.resume=latest, or choose another run.output_dir (or delete that folder)")
+        return None
+    if value == "latest":
+        path = latest_checkpoint(cfg.run.output_dir)
+        if path is None:
+            raise ConfigError(
+                f"run.resume: got 'latest'; no complete checkpoint under {Path(cfg.run.output_dir) / 'checkpoints'} "
+                f"(folders iter_NNNNNN with {STATE_FILE}); start fresh without run.resume, in another run.output_dir "
+                "(or delete that folder)"
+            )
+    else:
+        path = Path(value)
+        if not path.is_dir():
+            raise ConfigError(f"run.resume: got {value!r}; expected 'latest' or an existing checkpoint folder")
+    doc = read_state(path)
+    if doc is None:
+        raise ConfigError(f"run.resume: {path} is not a complete checkpoint: no readable {STATE_FILE} of format {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise ConfigError(f"run.resume: {path} has checkpoint version {doc.get('version')!r}; this dockrl reads {VERSION}")
+    return path, doc
+
+
 def check_resume_prompts(point: ResumePoint | None, prompts: str) -> None:
     """What ``find_resume(cfg, None)`` left out: the checkpoint ``point`` was written with these
     training prompts (``prompts_fingerprint``). Nothing to check for a fresh run (None).
@@ -149,9 +170,9 @@ def check_resume_prompts(point: ResumePoint | None, prompts: str) -> None:
         ConfigError: other prompts (the data order depends on them).
     """
     if point is not None and point.prompts != prompts:
-        raise _data_order_differs(point.checkpoint, "the training prompts", point.prompts, prompts)
+        raise data_order_differs(point.checkpoint, "the training prompts", point.prompts, prompts)
 
 
-def _data_order_differs(path: Path, field: str, theirs: Any, mine: Any) -> ConfigError:
+def data_order_differs(path: Path, field: str, theirs: Any, mine: Any) -> ConfigError:
     return ConfigError(f"run.resume: {path} was written with {field}={theirs!r}, this run has {mine!r}; "
                        "the data order depends on it: resume with the checkpoint's settings")

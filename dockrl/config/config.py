@@ -27,10 +27,12 @@ from dockrl.config.sections import (
     DataConfig,
     ModelConfig,
     RolloutConfig,
+    SFTConfig,
     TrainerConfig,
     check_critic,
     check_data,
     check_rollout,
+    check_sft,
     check_trainer,
 )
 from dockrl.parallel.layout import LayoutError, ModelShape, ParallelLayout
@@ -51,6 +53,7 @@ class Config:
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     run: RunConfig = field(default_factory=RunConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
         check_rules(self)  # every Config is valid, also one made by dataclasses.replace
@@ -76,6 +79,7 @@ def check_rules(c: Config) -> None:
     check_run(c.run)
     check_reward_model(c.reward_model)
     check_env(c.env)
+    check_sft(c.sft)
     t, r, a, k = c.trainer, c.rollout, c.algorithm, c.dock
     if r.n < 2 and ESTIMATORS[a.adv_estimator].grouped:  # gae and reinforce_plus_plus need no group (verl's PPO)
         raise fail("rollout.n", r.n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the responses to one prompt: "

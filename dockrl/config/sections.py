@@ -1,4 +1,4 @@
-"""The run configuration's sections for the model, its prompts, the rollout and the trainers: frozen,
+"""The run configuration's sections for the model, its prompts, the rollout, the trainers and SFT: frozen,
 keyword-only dataclasses, one docstring per field.
 
 The algorithm's sections (``algorithm``, ``reward_model``) are in ``dockrl.config.algorithm_sections``,
@@ -34,7 +34,8 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train_path: str = ""
-    """JSONL/Parquet training prompts in GSM8K format; empty: generate seeded problems."""
+    """JSONL/Parquet training prompts in GSM8K format (``dockrl sft``: also chat rows, ``sft.format``); empty:
+    generate seeded problems."""
     test_path: str = ""
     """JSONL/Parquet evaluation prompts; empty: a seeded held-out split; ``champ``: the CHAMP
     problems with numeric answers (needs the ``champ`` extra)."""
@@ -331,3 +332,57 @@ def check_critic(k: CriticConfig) -> None:
         if k.warmup_iterations:
             raise fail("critic.warmup_iterations", k.warmup_iterations, "warms up a critic, but critic.enable is false: "
                         "enable the critic or use 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """Supervised fine-tuning (``dockrl sft``, docs/sft.md): the actor of ``trainer`` (its engine, LoRA,
+    learning rate, micro-batches, seed, checkpoints) trained on ``data.train_path``'s examples by the
+    mean negative log-likelihood of the assistant's tokens. ``dockrl train`` does not read it."""
+
+    epochs: int = 1
+    """Passes over the training examples (each a fresh seeded permutation, ``trainer.seed``)."""
+    batch_size: int = 16
+    """Examples per optimizer step (split into ``trainer.micro_batch`` sequences or
+    ``trainer.micro_batch_tokens`` tokens per forward/backward)."""
+    max_length: int = 1024
+    """Longest example in tokens (the whole rendered conversation); longer rows are dropped and reported."""
+    format: Literal["auto", "messages", "prompt_completion", "gsm8k"] = "auto"
+    """Rows of ``data.train_path``: ``messages`` (a list of system/user/assistant turns, loss on the
+    assistant's), ``prompt_completion`` (text, or lists of turns as ``messages``; loss on the
+    completion), ``gsm8k`` (``question``/``answer``: the RL run's chat prompt and the worked answer).
+    ``auto``: each row by the fields it has, in that order."""
+    messages_field: str = "messages"
+    """Field of a row's conversation (``messages`` format)."""
+    prompt_field: str = "prompt"
+    """Field of a row's prompt (``prompt_completion`` format)."""
+    completion_field: str = "completion"
+    """Field of a row's completion (``prompt_completion`` format)."""
+
+
+MAX_SFT_EPOCHS = 1000
+MAX_SFT_LENGTH = 1 << 20
+
+
+def check_sft(s: SFTConfig) -> None:
+    """The ``sft`` section's ranges, and its field names only with the format that reads them.
+
+    Raises:
+        ConfigError: names the field, its value and the rule.
+    """
+    require_positive({"sft.epochs": s.epochs, "sft.batch_size": s.batch_size, "sft.max_length": s.max_length})
+    if s.epochs > MAX_SFT_EPOCHS:
+        raise fail("sft.epochs", s.epochs, f"expected at most {MAX_SFT_EPOCHS} passes over the examples")
+    if s.max_length > MAX_SFT_LENGTH:
+        raise fail("sft.max_length", s.max_length, f"expected at most {MAX_SFT_LENGTH} tokens")
+    reads = {"messages_field": ("auto", "messages"), "prompt_field": ("auto", "prompt_completion"),
+             "completion_field": ("auto", "prompt_completion")}
+    for name, formats in reads.items():
+        value = getattr(s, name)
+        if not value.strip():
+            raise fail(f"sft.{name}", value, "expected a field name")
+        if s.format not in formats and value != getattr(SFTConfig(), name):
+            raise fail(f"sft.{name}", value, f"is set but sft.format={s.format!r} does not read it: set sft.format="
+                       f"{formats[1]!r} or leave the field unset")
+    if s.prompt_field == s.completion_field:
+        raise fail("sft.completion_field", s.completion_field, "expected a field other than sft.prompt_field")

@@ -8,6 +8,7 @@ tokenizes, and reports every unusable line with its number and reason.
 from __future__ import annotations
 
 import codecs
+import functools
 import importlib.util
 import itertools
 import json
@@ -166,7 +167,16 @@ def _jsonl_lines(f: BinaryIO) -> Iterator[tuple[int, bytes | RowTooLong]]:
         yield i, RowTooLong(f"a line of {size} bytes > {MAX_ROW_BYTES} (dropped unread)")
 
 
-def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
+def read_rows(path: Path, text_columns: Sequence[str] = ("question", "answer")) -> Iterable[tuple[int, Any]]:
+    """(line or row number, row) of a JSONL or Parquet data file: a dict, or for a bad line the
+    exception saying why (invalid JSON, ``RowTooLong``).
+
+    ``text_columns``: the string columns a Parquet file must have (GSM8K's by default), whose
+    lengths bound a row's size; with none, each row's size is that of its JSON text.
+
+    Raises:
+        ValueError: not a readable Parquet file, or one without ``text_columns`` as strings; a JSON array.
+    """
     if path.suffix == ".parquet":
         import pyarrow as pa  # lazy: pyarrow.parquet loads in ~0.15 s, only for a Parquet file; this module stays light
         import pyarrow.compute as pc  # lazy: as pyarrow
@@ -176,15 +186,19 @@ def _read_rows(path: Path) -> Iterable[tuple[int, Any]]:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"data file {path}: not a readable Parquet file ({e})") from None
-        for name in ("question", "answer"):
+        for name in text_columns:
             if name not in table.schema.names:
                 raise ValueError(f"data file {path}: no column {name!r} (columns: {table.schema.names}); "
-                                 "expected string columns 'question' and 'answer' (GSM8K format)")
+                                 f"expected string columns {', '.join(repr(c) for c in text_columns)}")
             if not (pa.types.is_string(table.schema.field(name).type) or pa.types.is_large_string(table.schema.field(name).type)):
-                raise ValueError(f"data file {path}: column {name!r} is {table.schema.field(name).type}; "
-                                 "expected strings (GSM8K format: 'answer' ends in '#### <number>')")
-        sizes = pc.add(pc.fill_null(pc.binary_length(table["question"]), 0), pc.fill_null(pc.binary_length(table["answer"]), 0))
-        for i, (row, size) in enumerate(zip(table.to_pylist(), sizes.to_pylist()), start=1):
+                raise ValueError(f"data file {path}: column {name!r} is {table.schema.field(name).type}; expected strings")
+        rows = table.to_pylist()
+        if text_columns:
+            lengths = [pc.fill_null(pc.binary_length(table[name]), 0) for name in text_columns]
+            sizes = functools.reduce(pc.add, lengths).to_pylist()
+        else:
+            sizes = [len(json.dumps(row, default=str).encode()) for row in rows]
+        for i, (row, size) in enumerate(zip(rows, sizes), start=1):
             yield i, RowTooLong(f"a row of {size} bytes > {MAX_ROW_BYTES}") if size > MAX_ROW_BYTES else row
         return
     with path.open("rb") as f:
@@ -274,7 +288,7 @@ def load_prompts(
     check_chat_template(tokenizer, chat_template, model)
     path = check_data_file(path)
     report, prompts, seen = LoadReport(str(path)), list[Prompt](), set[str]()
-    for line_no, row in _read_rows(path):
+    for line_no, row in read_rows(path):
         if isinstance(row, RowTooLong):
             report.bad.append((line_no, str(row)))
             continue

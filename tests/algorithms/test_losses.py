@@ -8,6 +8,7 @@ from dockrl.algorithms import (
     entropy_from_logits,
     kl_k3,
     kl_penalty,
+    nll_loss,
     policy_loss,
     sequence_ratio_log,
     tis_weight,
@@ -158,3 +159,13 @@ def test_aggregate_modes_and_dr_grpo_constant_normalizer():
     torch.testing.assert_close(loss.grad, mask / 16)
     with pytest.raises(ValueError, match="needs the constant horizon"):
         aggregate_loss(loss, mask, "seq-mean-token-sum-norm", total_tokens=4, total_sequences=2)
+
+
+def test_nll_loss_is_the_masked_tokens_nll_over_the_mini_batch_count():
+    log_prob = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -7.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert nll_loss(log_prob, mask, 3.0).item() == pytest.approx((1.0 + 3.0 + 0.5) / 3)
+    assert nll_loss(log_prob, mask, 6.0).item() == pytest.approx(4.5 / 6)  # a micro-batch's share of a bigger mini-batch
+    nll_loss(log_prob, mask, 3.0).backward()
+    assert torch.equal(log_prob.grad, -mask / 3)
+    assert nll_loss(log_prob, torch.zeros_like(mask), 0.0).item() == 0.0  # no counted token: 0, not NaN
