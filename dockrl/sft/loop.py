@@ -57,7 +57,16 @@ from dockrl.run.data import Prompt, load_prompts
 from dockrl.run.lock import RunLock
 from dockrl.run.metrics import MetricsWriter, plot_metrics
 from dockrl.run.progress import Progress
-from dockrl.run.setup import as_config_error, check_data_paths, prompt_batches, recorded_paths, resolve_data, resolve_model, seed_everything, set_aside_stopped_run
+from dockrl.run.setup import (
+    as_config_error,
+    check_data_paths,
+    prompt_batches,
+    recorded_paths,
+    resolve_data,
+    resolve_model,
+    seed_everything,
+    set_aside_stopped_run,
+)
 from dockrl.sft.data import Example, load_examples
 
 logger = logging.getLogger(__name__)
