@@ -11,9 +11,10 @@ is its function plus one entry here (and its name in ``AdvEstimator``, for mypy;
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
+
+from dockrl.process.imports import import_object
 
 AdvEstimator = Literal["grpo", "rloo", "reinforce_plus_plus", "gae", "dr_grpo"]
 """The built-in estimators' names, for mypy: ``ESTIMATORS``' keys."""
@@ -39,8 +40,7 @@ class Estimator:
         Raises:
             ImportError, AttributeError: it does not import.
         """
-        module, _, name = self.function.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return import_object(self.function)
 
 
 _ADVANTAGES = "dockrl.algorithms.advantages"

@@ -10,9 +10,10 @@ Adding a tracker is its class plus one entry here (and its name in ``TrackerName
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from dockrl.process.imports import import_object
 
 TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 """The built-in trackers' names, for mypy: ``TRACKERS``' keys."""
@@ -37,8 +38,7 @@ class TrackerEntry:
         Raises:
             ImportError, AttributeError: it does not import.
         """
-        module, _, name = self.cls.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return import_object(self.cls)
 
 
 _TRACKERS = "dockrl.run.trackers"

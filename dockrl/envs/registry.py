@@ -6,7 +6,7 @@ from dockrl.config import Config, ConfigError
 from dockrl.config.env_sections import BUILT_IN_ENVIRONMENTS
 from dockrl.envs.base import Environment
 from dockrl.envs.user import UserEnvironment
-from dockrl.isolation.user_code import import_object
+from dockrl.process.imports import import_object
 
 
 def build_environment(cfg: Config) -> Environment | None:

@@ -6,7 +6,6 @@ killed at once. The callers word the errors (``EnvironmentFailure``, ``ScorerErr
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import traceback
@@ -14,23 +13,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
+from dockrl.process.imports import import_object
 from dockrl.process.lifeline import guard_pool_worker
 
 START_TIMEOUT_S = 120.0
 """Longest a user's child process may take to start and build its class, seconds."""
-
-
-def import_object(path: str) -> Any:
-    """The object ``module:Name`` names (nested names with dots: ``module:Outer.Inner``).
-
-    Raises:
-        ImportError, AttributeError: it does not import.
-    """
-    module, _, name = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class ChildRaised(Exception):

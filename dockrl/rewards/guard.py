@@ -24,7 +24,8 @@ from collections import Counter
 from typing import Any, Protocol, Sequence
 
 from dockrl.config import AlgorithmConfig, ConfigError
-from dockrl.isolation.user_code import START_TIMEOUT_S, ChildDied, ChildRaised, UserProcess, import_object
+from dockrl.isolation.user_code import START_TIMEOUT_S, ChildDied, ChildRaised, UserProcess
+from dockrl.process.imports import import_object
 from dockrl.rewards.scorer import RewardScorer
 
 logger = logging.getLogger(__name__)

@@ -16,11 +16,11 @@ one: the worker backends import this module, and it imports neither torch nor py
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from dockrl.config import Config
+from dockrl.process.imports import import_object
 from dockrl.stages.loop import Report
 
 Kind = Literal["process", "hybrid-part", "in-process"]
@@ -166,5 +166,4 @@ def checkpoint_reports(cfg: Config) -> list[str]:
 
 def load(path: str) -> Any:
     """The object a row names as ``module:attribute`` (a process body, an in-process builder), imported now."""
-    module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return import_object(path)
