@@ -289,10 +289,6 @@ def runs_main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def sandbox_main(argv: list[str]) -> int:
     """``dockrl sandbox [env.sandbox.FIELD=VALUE ...]``: runs an empty program in the sandbox of this machine (run it
     in a worker pod of the site: the same image, user and security context) and prints the layers in force; exit 2,
@@ -341,3 +337,6 @@ def export_main(argv: list[str]) -> int:
     print(json.dumps(info, indent=2))
     return 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())
