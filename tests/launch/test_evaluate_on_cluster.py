@@ -81,7 +81,7 @@ def test_dockrl_evaluate_refuses_a_folder_that_is_no_dataset_in_one_line(tmp_pat
     with pytest.raises(SystemExit) as exit_:
         main(["evaluate", "--out", str(tmp_path / "m.json"), str(tmp_path / "model"), str(tmp_path / "no-dataset")])
     assert exit_.value.code == 2
-    assert "no-dataset/dataset.json does not exist" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
+    assert f"data file {tmp_path / 'no-dataset'} does not exist" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
 
 
 def _backend(cluster, shared: Path) -> KubernetesBackend:
