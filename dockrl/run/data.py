@@ -260,6 +260,25 @@ def prompt_token_ids(tokenizer, question: str, *, system_prompt: str, chat_templ
     return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 
+def object_rows(path: Path, report: LoadReport, text_columns: Sequence[str] = ("question", "answer"), *,
+                not_object: str = "not a JSON object") -> Iterable[tuple[int, dict]]:
+    """(line or row number, row) of each JSON object ``read_rows`` reads from ``path``; a line too long, of invalid JSON
+    or not an object is counted in ``report.bad`` with its number and why (``not_object`` for the last), and skipped.
+
+    Raises:
+        ValueError: as ``read_rows``.
+    """
+    for line_no, row in read_rows(path, text_columns):
+        if isinstance(row, RowTooLong):
+            report.bad.append((line_no, str(row)))
+        elif isinstance(row, Exception):
+            report.bad.append((line_no, f"invalid JSON: {row}"))
+        elif not isinstance(row, dict):
+            report.bad.append((line_no, not_object))
+        else:
+            yield line_no, row
+
+
 def load_prompts(
     path: str | Path, tokenizer, *, system_prompt: str, max_prompt_length: int, chat_template: str = "auto", model: str = "",
     tools: Sequence[dict] | None = None,
@@ -288,15 +307,10 @@ def load_prompts(
     check_chat_template(tokenizer, chat_template, model)
     path = check_data_file(path)
     report, prompts, seen = LoadReport(str(path)), list[Prompt](), set[str]()
-    for line_no, row in read_rows(path):
-        if isinstance(row, RowTooLong):
-            report.bad.append((line_no, str(row)))
-            continue
-        if isinstance(row, Exception):
-            report.bad.append((line_no, f"invalid JSON: {row}"))
-            continue
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-            report.bad.append((line_no, "missing 'question' or 'answer' string field"))
+    missing = "missing 'question' or 'answer' string field"
+    for line_no, row in object_rows(path, report, not_object=missing):
+        if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+            report.bad.append((line_no, missing))
             continue
         if not row["question"].strip():
             report.bad.append((line_no, "the question is empty"))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dockrl.config import ConfigError, DataConfig, SFTConfig
-from dockrl.run.data import LoadReport, RowTooLong, check_chat_template, check_data_file, prompt_token_ids, read_rows
+from dockrl.run.data import LoadReport, check_chat_template, check_data_file, object_rows, prompt_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -189,16 +189,7 @@ def load_examples(path: str | Path, tokenizer, s: SFTConfig, d: DataConfig, *, m
     """
     path = check_data_file(path)
     report, examples = LoadReport(str(path)), list[Example]()
-    for line_no, row in read_rows(path, text_columns=()):
-        if isinstance(row, RowTooLong):
-            report.bad.append((line_no, str(row)))
-            continue
-        if isinstance(row, Exception):
-            report.bad.append((line_no, f"invalid JSON: {row}"))
-            continue
-        if not isinstance(row, dict):
-            report.bad.append((line_no, "not a JSON object"))
-            continue
+    for line_no, row in object_rows(path, report, text_columns=()):
         try:
             example = row_example(row, tokenizer, s, d, model)
         except BadRow as e:

@@ -184,14 +184,14 @@ def test_stage_rights_travel_as_an_argument_and_bad_ones_are_named():
         ShardAccess(DRIVER_TOKEN, GRPO_SCHEMA, (("t", unknown),))
 
 
-def test_s3_places_need_the_same_bucket_prefix_and_endpoint():
+def test_s3_places_need_the_same_bucket_prefix_and_endpoint(tmp_path):
     place = "s3://dockrl/runs/r1?endpoint_override=minio%3A9000&scheme=http"
     places = ShardAccess(DRIVER_TOKEN, GRPO_SCHEMA, snapshot_places=(place,))
     places.check_place("s3://dockrl/runs/r1/checkpoints/iter_1/dock?endpoint_override=minio%3A9000&scheme=http")
     for uri in ("s3://dockrl/runs/r1/dock?endpoint_override=evil%3A9000&scheme=http",  # another endpoint
                 "s3://other/runs/r1/dock?endpoint_override=minio%3A9000&scheme=http",  # another bucket
                 "s3://dockrl/runs/r10/dock?endpoint_override=minio%3A9000&scheme=http",  # a sibling prefix
-                "s3://dockrl/runs/r1/../r2/dock?endpoint_override=minio%3A9000&scheme=http", "/tmp/run"):
+                "s3://dockrl/runs/r1/../r2/dock?endpoint_override=minio%3A9000&scheme=http", str(tmp_path / "run")):
         with pytest.raises(AccessDenied, match="outside the run's places"):
             places.check_place(uri)
 

@@ -29,7 +29,7 @@ class Payload:
     def __reduce__(self):
         return (exec, ({code!r},))
 reached = []
-for path in sorted(set(glob.glob({tmp!r} + "/pymp-*/listener-*") + glob.glob("/tmp/pymp-*/listener-*"))):
+for path in sorted(glob.glob({tmp!r} + "/pymp-*/listener-*")):
     r, w = os.pipe()
     os.write(w, pickle.dumps(Payload()))
     try:
