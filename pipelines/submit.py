@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import re
-import subprocess
 import urllib.error
 import urllib.request
 import warnings
@@ -41,6 +40,7 @@ from kfp_server_api import ApiException
 
 import dockrl
 from dockrl.config import ConfigError, parse_override_lines, parse_overrides
+from dockrl.process.source import source_commit
 
 HEALTHZ = "/apis/v2beta1/healthz"
 
@@ -312,26 +312,6 @@ def _api_call(host: str, what: str, fn, *args, **kwargs):
 
 
 # ---- registered pipelines and their versions ----
-
-def source_commit(folder: str | Path | None = None) -> tuple[str, bool] | None:
-    """``(commit, dirty)`` of the git checkout the ``dockrl`` package is imported from (or ``folder``):
-    its abbreviated commit, and whether tracked files have changes not committed. None for an installed
-    package (no checkout around it, or one that does not track dockrl's files), or where git is missing."""
-    where = Path(folder) if folder is not None else Path(dockrl.__file__).parent
-
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10, check=False)
-
-    try:
-        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
-            return None
-        commit, status = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if commit.returncode != 0 or status.returncode != 0:
-        return None
-    return commit.stdout.strip(), bool(status.stdout.strip())
-
 
 def version_name(package: str | Path, source: tuple[str, bool] | None) -> tuple[str, str]:
     """The name and description ``upload`` registers ``package`` under, from ``source`` (``source_commit``).

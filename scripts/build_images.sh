@@ -27,6 +27,8 @@
 #   CPU_PLATFORMS, GPU_PLATFORMS, NPU_PLATFORMS   comma-separated platforms of each (defaults above);
 #                 more than one needs PUSH=1 or OCI=1
 #   DOCKER        the docker CLI (default: docker); it needs buildx
+#   COMMIT        the commit the images record (DOCKRL_COMMIT in them, and their OCI revision label)
+#                 (default: this checkout's, 12 hex digits, with -dirty where tracked files changed)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -37,6 +39,10 @@ IMAGES=${IMAGES:-"cpu gpu npu"}
 PUSH=${PUSH:-0}
 OCI=${OCI:-0}
 DIGESTS_FILE=${DIGESTS_FILE:-build/images-digests.yaml}
+if [[ -z "${COMMIT:-}" ]] && COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null); then
+    if [[ -n "$(git status --porcelain --untracked-files=no)" ]]; then COMMIT="$COMMIT-dirty"; fi
+fi
+COMMIT=${COMMIT:-}
 
 REGISTRY=${REGISTRY%/}
 if [[ -z "$TAG" || "$TAG" == "latest" ]]; then
@@ -116,7 +122,8 @@ for name in $IMAGES; do
     fi
     echo "build_images: $ref from $folder/Dockerfile ($platforms)"
     "$DOCKER" buildx build --platform "$platforms" -f "$folder/Dockerfile" -t "$ref" \
-        --label "org.opencontainers.image.version=$TAG" --metadata-file "$metadata" "${output[@]}" .
+        --label "org.opencontainers.image.version=$TAG" --label "org.opencontainers.image.revision=$COMMIT" \
+        --build-arg "DOCKRL_COMMIT=$COMMIT" --metadata-file "$metadata" "${output[@]}" .
     if [[ "$PUSH" == 1 ]]; then
         digest=$(sed -n 's/.*"containerimage.digest": *"\(sha256:[0-9a-f]\{64\}\)".*/\1/p' "$metadata" | head -n 1)
         if [[ -z "$digest" ]]; then

@@ -110,6 +110,10 @@ def test_dockerfile_is_pinned_non_root_and_enters_dockrl(folder):
     entry = {"npu": ["dockrl-npu-entrypoint"]}.get(folder, ["dockrl"])
     assert [json.loads(a) for op, a in ins if op == "ENTRYPOINT"] == [entry] and ENTRY_POINT == ()
     assert ins[-1][0] in ("CMD", "ENTRYPOINT") and not any("pip" in a for op, a in ins if op in ("CMD", "ENTRYPOINT"))
+    # the commit it is built from (scripts/build_images.sh's DOCKRL_COMMIT) is declared after the last RUN,
+    # so that a new commit rebuilds no layer, and reaches the processes as DOCKRL_COMMIT
+    last_run = max(i for i, (op, _) in enumerate(ins) if op == "RUN")
+    assert ("ARG", 'DOCKRL_COMMIT=""') in ins[last_run:] and ("ENV", "DOCKRL_COMMIT=${DOCKRL_COMMIT}") in ins[last_run:]
     for op, a in ins:
         if op == "COPY":
             for src in [s for s in a.split() if not s.startswith("--")][:-1]:
@@ -394,12 +398,19 @@ def test_build_script_builds_every_architecture_of_each_image_and_writes_their_d
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     folders = {"cpu": "images/cpu", "gpu": "images/cuda", "npu": "images/npu"}
     assert len(calls) == 3
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    commit += "-dirty" if dirty else ""
     for call, name in zip(calls, ["cpu", "gpu", "npu"]):
         # the script's default platforms are IMAGE_ARCHITECTURES (dockrl/launch/platform.py)
         platforms = ",".join(f"linux/{arch}" for arch in IMAGE_ARCHITECTURES[name])
         assert call.startswith(f"buildx build --platform {platforms} -f {folders[name]}/Dockerfile "
                                f"-t registry.example.com/ml/dockrl-{name}:{version} "), call
         assert call.endswith(" --push .")
+        # the commit they record: DOCKRL_COMMIT for lineage and pipeline versions (dockrl.process.source)
+        assert f"--label org.opencontainers.image.revision={commit} --build-arg DOCKRL_COMMIT={commit} " in call
     # the digests file is an images: list that `dockrl pipeline compile --overlay` reads
     images = images_from_kustomization(tmp_path / "digests.yaml")
     assert images["registry"] == "registry.example.com/ml" and images["tag"] == version

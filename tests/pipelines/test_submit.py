@@ -22,12 +22,12 @@ from dockrl.pipelines.submit import (
     check_host,
     default_run_name,
     schedule,
-    source_commit,
     submit,
     upload,
     validate_cron,
     version_name,
 )
+from dockrl.process.source import checkout_commit, commit_label, source_commit
 
 OVERRIDES = ["trainer.iterations=3", "trainer.lr=5e-6"]
 API = "/apis/v2beta1"
@@ -106,16 +106,25 @@ def test_the_source_commit_is_that_of_the_checkout_holding_dockrl(tmp_path):
         return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
 
     git("init", "-q")
-    assert source_commit(repo / "dockrl") is None  # not tracked: a checkout around an installed package
+    assert checkout_commit(repo / "dockrl") is None  # not tracked: a checkout around an installed package
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "c")
     commit = git("rev-parse", "--short=12", "HEAD")
-    assert source_commit(repo / "dockrl") == (commit, False)
+    assert checkout_commit(repo / "dockrl") == (commit, False)
     (repo / "notes.txt").write_text("untracked files do not change the package")
-    assert source_commit(repo / "dockrl") == (commit, False)
+    assert checkout_commit(repo / "dockrl") == (commit, False)
     (repo / "dockrl" / "__init__.py").write_text("x = 1\n")
-    assert source_commit(repo / "dockrl") == (commit, True)
-    assert source_commit(tmp_path) is None  # no checkout at all
+    assert checkout_commit(repo / "dockrl") == (commit, True)
+    assert checkout_commit(tmp_path) is None  # no checkout at all
+
+
+def test_an_images_commit_comes_from_its_build_argument(monkeypatch):
+    monkeypatch.setenv("DOCKRL_COMMIT", "0123456789ab-dirty")  # what scripts/build_images.sh bakes into an image
+    assert source_commit() == ("0123456789ab", True) and commit_label() == "0123456789ab-dirty"
+    monkeypatch.setenv("DOCKRL_COMMIT", "0123456789ab")
+    assert source_commit() == ("0123456789ab", False)
+    monkeypatch.delenv("DOCKRL_COMMIT")
+    assert source_commit() == checkout_commit()
 
 
 def test_submit_uploads_the_package_and_runs_that_version_named_from_its_parameters(kfp_server, compiled_npu, capsys):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
+
+from dockrl.process.source import commit_label
 
 if TYPE_CHECKING:
     from dockrl.checkpoint.resume_point import ResumePoint
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
 
 IMAGE_ENV = "DOCKRL_IMAGE"
 """The image the run's driver runs in (the pipeline sets it on its train task); unset on a laptop."""
-COMMIT_ENV = "DOCKRL_COMMIT"
-"""The source commit of dockrl, where the package is not a git checkout (an image built from one)."""
 IDS_FILE = "trackers.json"
 """``<run_dir>/trackers.json``: each tracker's run id, so a resumed run continues the same tracker run."""
 
@@ -68,18 +67,6 @@ class RunInfo:
         return self.name or self.run_dir.resolve().name
 
 
-def source_commit() -> str:
-    """The commit dockrl runs from: ``$DOCKRL_COMMIT``, else the git checkout the package lies in, else ''."""
-    if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-                             timeout=5, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
 def run_info(cfg: Config, point: ResumePoint | None) -> RunInfo:
     """The ``RunInfo`` of a planned run (``point``: the checkpoint it resumes from, or None)."""
     from dockrl.config import dump_config
@@ -87,7 +74,7 @@ def run_info(cfg: Config, point: ResumePoint | None) -> RunInfo:
 
     lineage = {"config_sha256": config_hash(cfg), "resumed_from": str(point.checkpoint) if point else "",
                "resume_iteration": str(point.next_iteration) if point else "", "image": os.environ.get(IMAGE_ENV, ""),
-               "commit": source_commit()}
+               "commit": commit_label()}
     return RunInfo(run_dir=Path(cfg.run.output_dir), config=cfg.to_dict(), config_yaml=dump_config(cfg), lineage=lineage,
                    resume_from=point.next_iteration if point else None, project=cfg.run.tracker_project,
                    wandb_mode=cfg.run.wandb_mode)
