@@ -1,5 +1,5 @@
 """The run configuration's algorithm sections: ``algorithm`` (with DAPO's ``filter_groups`` and
-``overlong_buffer``) and ``reward_model``; frozen, keyword-only dataclasses, one docstring per field.
+``overlong_buffer``), ``reward_model`` and ``teacher``; frozen, keyword-only dataclasses, one docstring per field.
 
 Their rules (ranges and runnable combinations of ``algorithm``, DAPO's settings and ``reward_model``) are beside them,
 below; ``Config`` (``dockrl.config.config``) holds one of each.
@@ -178,6 +178,47 @@ class RewardModelConfig:
     rule_weight: float = 1.0
     """Weight of the rule verifier's reward in ``rm_score`` (0: the reward model alone; the
     verifier still decides ``correct`` and ``reward/accuracy``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherPathConfig:
+    path: str = ""
+    """Local HF folder of the teacher, a causal LM with the student's tokenizer (``model.path``'s); frozen, never trained."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; keep off unless the model directory is yours."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherConfig:
+    """On-policy distillation (GKD, Agarwal et al., 2024, arXiv 2306.13649; Thinking Machines, "On-Policy
+    Distillation", 2025): the student samples, a frozen teacher scores every sampled token (its stage,
+    ``dockrl/stages/teacher.py``, writes ``teacher_log_prob``) and each token's advantage becomes
+    ``reward_weight · A_t + coef · (log p_teacher(y_t) - log p_student(y_t))``
+    (``dockrl.algorithms.distillation.distillation_advantages``)."""
+
+    enable: bool = False
+    """Run the teacher stage and add the per-token reverse-KL advantage to the task's."""
+    model: TeacherPathConfig = field(default_factory=TeacherPathConfig)
+    """The teacher (``teacher.model.path``)."""
+    coef: float = 1.0
+    """λ: weight of the per-token reverse-KL advantage ``log p_teacher - log p_student`` (nats)."""
+    reward_weight: float = 1.0
+    """Weight of the task reward's advantages (``algorithm.adv_estimator``'s); 0: distillation alone."""
+
+
+def check_teacher(t: TeacherConfig, a: AlgorithmConfig) -> None:
+    """The teacher's ranges, and what it runs with."""
+    if not t.enable:
+        _refuse_settings_when_off("teacher", t, type(t)())
+        return
+    if not t.model.path.strip():
+        raise fail("teacher.model.path", t.model.path, "teacher.enable=true needs the folder of the teacher, a causal LM "
+                   "with the student's tokenizer (or teacher.enable=false)")
+    require_finite({"teacher.coef": t.coef}, zero=False)
+    require_finite({"teacher.reward_weight": t.reward_weight}, zero=True)
+    if a.filter_groups.enable:
+        raise fail("teacher.enable", t.enable, "not supported with algorithm.filter_groups.enable=true (dynamic sampling "
+                   "keeps groups by the task reward before the teacher's scores are in): set one of them false")
 
 
 def _refuse_settings_when_off(where: str, section: Any, unset: Any, switch: str = "") -> None:

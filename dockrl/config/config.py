@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig, check_algorithm, check_dapo, check_reward_model
+from dockrl.config.algorithm_sections import (
+    AlgorithmConfig,
+    RewardModelConfig,
+    TeacherConfig,
+    check_algorithm,
+    check_dapo,
+    check_reward_model,
+    check_teacher,
+)
 from dockrl.config.env_sections import BUILT_IN_ENVIRONMENTS, EnvConfig, check_env
 from dockrl.config.errors import ConfigError, fail
 from dockrl.config.estimators import ESTIMATORS, estimator_names
@@ -47,6 +55,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     dock: DockConfig = field(default_factory=DockConfig)
@@ -78,6 +87,7 @@ def check_rules(c: Config) -> None:
     check_dock(c.dock)
     check_run(c.run)
     check_reward_model(c.reward_model)
+    check_teacher(c.teacher, c.algorithm)
     check_env(c.env)
     check_sft(c.sft)
     t, r, a, k = c.trainer, c.rollout, c.algorithm, c.dock
