@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 from fake_scorers import FakeRandomScorer
-
 from transformers import AutoModelForCausalLM
 
 from dockrl import driver
