@@ -203,13 +203,13 @@ def resolve_teacher(cfg: Config, student_path: Path) -> Path:
     return path
 
 
-def check_same_tokenizer(student: Any, teacher: Any, student_path: Path, teacher_path: Path) -> None:
+def check_same_tokenizer(student: Any, teacher: Any, student_path: Path, teacher_path: Path, *, field: str = "teacher.model.path") -> None:
     """Refuse a teacher whose tokenizer differs from the student's: the same token → id map (special
     tokens included) and the same EOS. Cross-tokenizer distillation (ULD, GOLD) aligns text spans instead;
     dockrl does not.
 
     Raises:
-        ConfigError: naming ``teacher.model.path`` and ``model.path``, both folders and the first difference.
+        ConfigError: naming ``field`` (the teacher's) and ``model.path``, both folders and the first difference.
     """
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
     diff = ""
@@ -220,7 +220,7 @@ def check_same_tokenizer(student: Any, teacher: Any, student_path: Path, teacher
     elif student.eos_token_id != teacher.eos_token_id:
         diff = f"EOS id {teacher.eos_token_id} against the student's {student.eos_token_id}"
     if diff:
-        raise ConfigError(f"teacher.model.path: the teacher's tokenizer ({teacher_path}) is not the student's "
+        raise ConfigError(f"{field}: the teacher's tokenizer ({teacher_path}) is not the student's "
                           f"(model.path: {student_path}): {diff}. On-policy distillation scores the student's token ids "
                           "under the teacher, so both must share one tokenizer: pick a teacher of the student's family")
 

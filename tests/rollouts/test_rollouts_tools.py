@@ -1,5 +1,5 @@
-"""What reads a run's kept rollouts back: ``dockrl rollouts rescore`` (a new reward beside the old one),
-``replay`` (an iteration's actor loss and gradient norm, recomputed) and ``page`` (the HTML page)."""
+"""What reads a run's kept rollouts back: ``dockrl rollouts rescore`` (a new reward beside the old one), ``distill``
+(a teacher's reverse KL to the policy), ``replay`` (an iteration's actor loss and gradient norm, recomputed) and ``page`` (the HTML page)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from dockrl.cli import main
 from dockrl.config import ConfigError, load_config
 from dockrl.rollouts.keep import kept_rollouts, load_rollouts_tokenizer, read_rollouts
 from dockrl.rollouts.rescore import rescore
+from dockrl.rollouts.teacher import teacher_kl
+from dockrl.run.models import build_tiny_model
 
 SHORT = ["run.progress=false", "trainer.iterations=3", "trainer.global_batch=2", "trainer.mini_batch=1", "trainer.micro_batch=2",
          "rollout.n=4", "rollout.max_response_length=8", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-3",
@@ -205,3 +207,30 @@ def test_the_same_reward_again_changes_no_row(kept_run):
     stats = per_iteration(table)
     assert stats["rescore/changed"] == 0 and stats["rescore/rows"] == 8
     assert stats["rescore/old_mean/iter_0000"] == pytest.approx(stats["rescore/new_mean/iter_0000"], abs=1e-6)
+
+
+def test_distill_measures_the_policy_s_reverse_kl_to_a_teacher(kept_run, tiny_model_dir, tmp_path, capsys):
+    """The run's own initial model as the teacher: the rows of iteration 0 were sampled by those weights, so their
+    reverse KL is 0 up to float noise; later iterations' policies have moved away from it."""
+    table = teacher_kl(kept_rollouts(kept_run), tiny_model_dir)
+    assert table.num_rows == 3 * 2 * 4 and table.column_names == ["iteration", "row", "tokens", "reverse_kl"]
+    rows = table.to_pylist()
+    assert all(r["tokens"] >= 1 for r in rows)
+    assert max(abs(r["reverse_kl"]) for r in rows if r["iteration"] == 0) < 1e-4
+    assert max(abs(r["reverse_kl"]) for r in rows if r["iteration"] == 2) > 1e-3
+
+    capsys.readouterr()
+    out = tmp_path / "kl.parquet"
+    assert main(["rollouts", "distill", str(kept_run), "--teacher", str(tiny_model_dir), "--iteration", "2", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    two = [r for r in rows if r["iteration"] == 2]
+    tokens = sum(r["tokens"] for r in two)
+    assert lines[0].split() == ["iteration", "rows", "tokens", "reverse_kl"]
+    assert lines[1].split() == ["2", "8", str(tokens), f"{sum(r['reverse_kl'] * r['tokens'] for r in two) / tokens:.4f}"]
+    assert pq.read_table(out).to_pylist() == [pytest.approx(r) for r in two]
+
+    other = build_tiny_model(tmp_path / "other-tokenizer", vocab_size=400)
+    capsys.readouterr()  # the build's progress bar
+    assert main(["rollouts", "distill", str(kept_run), "--teacher", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dockrl rollouts distill: --teacher: the teacher's tokenizer ({other}) is not the student's"), err
