@@ -14,6 +14,7 @@ The defaults are the demo run.
 from dockrl.config.algorithm_sections import (
     AlgorithmConfig,
     FilterGroupsConfig,
+    GenerativeJudgeConfig,
     OverlongBufferConfig,
     RewardModelConfig,
     RewardModelPathConfig,
@@ -38,9 +39,8 @@ from dockrl.config.sections import (
 
 __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DockConfig", "FilterGroupsConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
-    "RolloutConfig", "RunConfig", "SFTConfig", "TeacherConfig", "TeacherPathConfig", "TrainerConfig",
-    "auto_rollout_engine", "check_rules", "critic_batches", "dump_config",
-    "load_config", "load_config_text", "multi_turn", "parse_override_lines", "parse_overrides", "pyarrow_s3_query", "resolve_auto",
-    "s3_endpoint", "save_config",
+    "DockConfig", "FilterGroupsConfig", "GenerativeJudgeConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig",
+    "RewardModelConfig", "RewardModelPathConfig", "RolloutConfig", "RunConfig", "SFTConfig", "TeacherConfig", "TeacherPathConfig",
+    "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config", "load_config", "load_config_text",
+    "multi_turn", "parse_override_lines", "parse_overrides", "pyarrow_s3_query", "resolve_auto", "s3_endpoint", "save_config",
 ]

@@ -164,11 +164,12 @@ def resolve_model(cfg: Config) -> Path:
 
 def resolve_reward_model(cfg: Config) -> Path:
     """The reward model's folder (``reward_model.model.path``), checked as ``check_model_dir``
-    does and as a one-label classifier or value head (``dockrl.engines.reward_model.check_reward_model_dir``).
+    does and as a one-label classifier or value head (``dockrl.engines.reward_model.check_reward_model_dir``);
+    with ``reward_model.kind=generative`` a judge, any causal LM ``check_model_dir`` takes.
 
     Raises:
         ConfigError: naming ``reward_model.model.path``: not a local HF folder, unreadable
-            weights, or not a sequence-classification model with one label.
+            weights, or (a classifier) not a sequence-classification model with one label.
     """
     from dockrl.engines.reward_model import check_reward_model_dir  # lazy: transformers' models, only with reward_model.enable
 
@@ -176,9 +177,11 @@ def resolve_reward_model(cfg: Config) -> Path:
     path = Path(m.path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"reward_model.model.path: got {m.path!r}; expected a local HF folder with config.json of a "
-                          "sequence-classification reward model (nothing is fetched from a hub)")
+                          f"{'causal LM judge' if cfg.reward_model.kind == 'generative' else 'sequence-classification reward model'} "
+                          "(nothing is fetched from a hub)")
     check_model_dir(path, m.trust_remote_code, field="reward_model.model.path")
-    check_reward_model_dir(path)
+    if cfg.reward_model.kind == "classifier":
+        check_reward_model_dir(path)
     return path
 
 

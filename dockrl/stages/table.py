@@ -82,7 +82,8 @@ STAGES: tuple[Stage, ...] = (
           devices=True, weight_sync=True, programs=True, reports=(Report.ROLLOUT,), process="dockrl.stages.rollout_process:run_rollout"),
     Stage(name="hybrid", kind="process", when="trainer.hybrid", devices=True, trains=True, weight_sync=True, layout=True, programs=True,
           process="dockrl.stages.hybrid:run_hybrid"),  # its reports are those of its parts, rollout and actor
-    Stage(name="reward-model", kind="process", when="reward_model.enable", consumers=("reward_model",), claims=("prompt_ids", "response_ids"),
+    Stage(name="reward-model", kind="process", when="reward_model.enable", consumers=("reward_model",),
+          claims=("prompt_ids", "response_ids", "ground_truth"),
           writes=("rm_model_score",), devices=True, reports=(Report.REWARD_MODEL,),
           process="dockrl.stages.reward_model:run_reward_model", inprocess="dockrl.stages.reward_model:inprocess_parts"),
     Stage(name="reward", kind="process", consumers=("reward",),
