@@ -30,14 +30,16 @@ def path_readers(spec) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("platform, worker_backend", [(p, b) for p in ("npu", "gpu", "cpu") for b in ("local", "kubernetes")])
-def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(platform, worker_backend, tmp_path):
+@pytest.mark.parametrize("kind, platform, worker_backend", [(k, p, b) for k in ("grpo", "sft", "alignment") for p in ("npu", "gpu", "cpu")
+                                                         for b in ("local", "kubernetes")])
+def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(kind, platform, worker_backend, tmp_path):
     from dockrl.pipelines.grpo import compile_pipeline
 
     preset = PLATFORMS[platform]
-    spec, _, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform=platform, worker_backend=worker_backend))
+    spec, _, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform=platform, worker_backend=worker_backend, kind=kind))
     readers = path_readers(spec)
-    assert {"exec-prepare-dataset", "exec-train", "exec-export-model", "exec-evaluate"} <= set(readers)
+    trains = {"grpo": {"exec-train"}, "sft": {"exec-sft"}, "alignment": {"exec-sft", "exec-start-from", "exec-train"}}[kind]
+    assert {"exec-prepare-dataset", "exec-export-model", "exec-evaluate", *trains} <= set(readers)
     unmounted, no_secret = [], []
     for executor, why in sorted(readers.items()):
         if (preset.shared_volume_claim, preset.shared_mount_path) not in [(m.constant, m.mount_path) for m in k8s[executor].pvc_mount]:
@@ -48,7 +50,8 @@ def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(platform, w
     assert not unmounted, f"no volume holding {preset.shared_mount_path} mounted where a task reads a path: {unmounted}"
     assert not no_secret, f"no object-store Secret where a task reads an s3:// URI: {no_secret}"
     # the exit task reads nothing of the run's: it neither mounts nor needs the Secret
-    assert not k8s["exec-teardown-workers"].pvc_mount and "exec-teardown-workers" not in readers
+    if kind != "sft":  # the SFT pipeline starts no workers: no exit task
+        assert not k8s["exec-teardown-workers"].pvc_mount and "exec-teardown-workers" not in readers
 
 
 
