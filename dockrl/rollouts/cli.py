@@ -31,7 +31,10 @@ def main(argv: list[str]) -> int:
     show.add_argument("--limit", type=int, default=20, help="rows shown at most (default 20)")
     show.add_argument("--width", type=int, default=60, help="characters of each response shown (default 60)")
     rescore = sub.add_parser("rescore", help="a new reward over the kept rows, beside the one the run trained with")
-    rescore.add_argument("--scorer", required=True, help="the new reward: module:Class (as algorithm.scorer)")
+    rescore.add_argument("--scorer", default="", help="the new reward: module:Class (as algorithm.scorer)")
+    rescore.add_argument("--judge", action="append", default=[], metavar="reward_model.FIELD=VALUE",
+                         help="instead of --scorer: a generative judge's setting (repeatable): reward_model.model.path, "
+                              "reward_model.generative.template, .parser, ... (reward_model.kind=generative implied)")
     rescore.add_argument("--iteration", type=int, default=None, help="only this iteration (default: all)")
     rescore.add_argument("--out", default=None, help="also write the table (iteration, row, old, new, new_bad) as Parquet here")
     distill = sub.add_parser("distill", help="a teacher's per-token reverse KL to the policy over the kept rows")
@@ -50,7 +53,7 @@ def main(argv: list[str]) -> int:
         if args.command == "show":
             print(show_table(kept, args.iteration, args.limit, args.width))
         elif args.command == "rescore":
-            print(rescore_command(kept, args.scorer, args.iteration, args.out))
+            print(rescore_command(kept, args.scorer, args.iteration, args.out, judge=args.judge))
         elif args.command == "distill":
             print(teacher_kl_command(kept, args.teacher, args.iteration, args.out))
         elif args.command == "replay":
