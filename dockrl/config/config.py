@@ -110,7 +110,19 @@ def check_rules(c: Config) -> None:
     _check_engines(c)
     _check_lora(c)
     _check_critic(c)
+    _check_judge(c)
     check_turns(c.rollout, c.env, c.trainer, c.algorithm)
+
+
+def _check_judge(c: Config) -> None:
+    """A vLLM judge has a process of its own: vLLM runs one engine per process, and in-process the judge would share
+    the rollout's (``dockrl.engines.vllm.engine``)."""
+    m = c.reward_model
+    if m.enable and m.kind == "generative" and m.generative.engine == "vllm" and c.dock.mode == "inprocess" \
+            and c.rollout.engine != "hf":
+        raise fail("reward_model.generative.engine", m.generative.engine, f"with dock.mode='inprocess' the judge shares the "
+                   f"rollout's process, and rollout.engine={c.rollout.engine!r} may be vLLM too (one vLLM engine per process): "
+                   "set dock.mode=distributed, rollout.engine=hf, or reward_model.generative.engine=hf")
 
 
 def _check_inflight(c: Config) -> None:

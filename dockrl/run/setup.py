@@ -187,7 +187,7 @@ def resolve_reward_model(cfg: Config) -> Path:
 
 def resolve_teacher(cfg: Config, student_path: Path) -> Path:
     """The teacher's folder (``teacher.model.path``), checked as ``check_model_dir`` does, with the
-    student's tokenizer (``same_tokenizer``): distillation scores the student's token ids under the teacher.
+    student's tokenizer (``check_same_tokenizer``): distillation scores the student's token ids under the teacher.
 
     Raises:
         ConfigError: naming ``teacher.model.path``: not a local HF folder, unreadable weights, or a

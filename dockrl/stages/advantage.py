@@ -62,19 +62,17 @@ class AdvantageWorker:
         distill = {"distill/reverse_kl": kl_sum / max(kl_tokens, 1)} if self.teacher else {}
         return spread | distill | {"timing_s/advantage": time.perf_counter() - start}
 
-    def student_teacher(self, batch: pa.RecordBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """``(student, teacher, mask, lengths)``: the rollout's and the teacher's per-token log-probs and the
-        response mask, each ``(B, T)``, and the responses' lengths."""
+    def mask(self, batch: pa.RecordBatch) -> tuple[torch.Tensor, list[int]]:
+        """The ``(B, T)`` response mask of ``batch`` (a multi-turn row's ``loss_mask`` in it) and the responses' lengths."""
         lengths = [len(r) for r in batch.column("response_ids").to_pylist()]
         T = max(max(lengths, default=1), 1)
-        mask = response_mask(lengths, T, batch.column("loss_mask").to_pylist() if self.multi_turn else None)
-        student, teacher = (right_pad(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "teacher_log_prob"))
-        return student, teacher, mask, lengths
+        return response_mask(lengths, T, batch.column("loss_mask").to_pylist() if self.multi_turn else None), lengths
 
     def reverse_kl(self, batch: pa.RecordBatch) -> tuple[float, int]:
         """``(Σ_t (log p_student - log p_teacher), tokens)`` over the batch's response tokens: the k1 estimate of
         ``KL(student ‖ teacher)`` summed, for ``distill/reverse_kl`` (nats per token)."""
-        student, teacher, mask, _ = self.student_teacher(batch)
+        mask, _ = self.mask(batch)
+        student, teacher = (right_pad(batch.column(c).to_pylist(), mask.shape[1]) for c in ("rollout_log_prob", "teacher_log_prob"))
         return float(((student - teacher) * mask).sum()), int(mask.sum())
 
     def advantages(self, batch: pa.RecordBatch, n: int) -> dict[str, list]:
@@ -85,9 +83,8 @@ class AdvantageWorker:
         the discounted returns with ``reinforce_plus_plus`` and the advantages themselves with the
         outcome estimators, as verl."""
         scores = torch.tensor(batch.column("rm_score").to_pylist(), dtype=torch.float64)
-        lengths = [len(r) for r in batch.column("response_ids").to_pylist()]
-        T = max(max(lengths, default=1), 1)
-        mask = response_mask(lengths, T, batch.column("loss_mask").to_pylist() if self.multi_turn else None)
+        mask, lengths = self.mask(batch)
+        T = mask.shape[1]
         kl = None
         if self.cfg.kl_in_reward_coef > 0:
             policy, ref = (right_pad(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "ref_log_prob"))
@@ -95,7 +92,7 @@ class AdvantageWorker:
         values = right_pad(batch.column("values").to_pylist(), T) if self.needs_values else None
         adv, returns = compute_advantages(self.cfg, scores, mask, group_size=n, values=values, kl=kl)
         if self.teacher:
-            student, teacher, _, _ = self.student_teacher(batch)
+            student, teacher = (right_pad(batch.column(c).to_pylist(), T) for c in ("rollout_log_prob", "teacher_log_prob"))
             adv = distillation_advantages(adv, teacher, student, mask, coef=self.teacher.coef, reward_weight=self.teacher.reward_weight)
         return {"advantages": [row[:k] for row, k in zip(adv.tolist(), lengths)],
                 "returns": [row[:k] for row, k in zip(returns.tolist(), lengths)]}

@@ -122,6 +122,10 @@ def test_config_errors_name_the_judge_fields(tmp_path, tiny_model_dir):
     ):
         with pytest.raises(ConfigError, match=says):
             load_config(None, [*on, *extra])
+    with pytest.raises(ConfigError, match=r"reward_model.generative.engine: got 'vllm'; with dock.mode='inprocess' the judge shares"):
+        load_config(None, [*on, "reward_model.generative.template={response}", "reward_model.generative.engine=vllm", "rollout.engine=vllm"])
+    load_config(None, [*on, "reward_model.generative.template={response}", "reward_model.generative.engine=vllm", "rollout.engine=vllm",
+                       "dock.mode=distributed"])  # a process of its own
     with pytest.raises(ConfigError, match=r"reward_model.generative.template: got '\{response\}'; is set but reward_model.kind=generative"):
         load_config(None, ["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.generative.template={response}"])
     base = [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
