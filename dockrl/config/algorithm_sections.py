@@ -191,7 +191,8 @@ class GenerativeJudgeConfig:
     timeout_s: float = 300.0
     """Longest the judge may take over one claim of rows (``micro_batch_size × 4``); more fails the run, naming this field."""
     engine: Literal["hf", "vllm"] = "hf"
-    """The judge's generation engine (``dockrl.engines.factory.ROLLOUT_ENGINES``): transformers or vLLM, greedy."""
+    """The judge's generation engine, greedy: transformers (``HFRolloutEngine``) or vLLM (``VLLMRolloutEngine``, a process of its
+    own: ``dock.mode=distributed``, or beside an HF rollout)."""
     chat: bool = True
     """Wrap the rendered template as a user turn of the judge's chat template (with the generation prompt); false: as is."""
 

@@ -2,7 +2,7 @@
 
 ``GenerativeJudge`` renders ``reward_model.generative.template`` for each row (the prompt and response decoded
 from the policy's token ids, special tokens skipped, and the row's reference answer), wraps it as a user turn of
-the judge's chat template, generates greedily with a rollout engine (``ROLLOUT_ENGINES``: transformers or vLLM) at
+the judge's chat template, generates greedily with a rollout engine (``HFRolloutEngine`` or ``VLLMRolloutEngine``) at
 most ``max_new_tokens`` tokens, and parses each verdict (``dockrl.rewards.verdicts``). The judge may have any
 tokenizer: it reads text. Nothing here is trained.
 """
