@@ -4,7 +4,8 @@
     dockrl pipeline compile alignment.yaml --kind alignment --platform gpu
     dockrl pipeline run --local --kind alignment --sft-override sft.epochs=2 trainer.iterations=2
 
-* ``dockrl-sft``: resolve-config → prepare-dataset → sft → export-model → evaluate.
+* ``dockrl-sft``: resolve-config → prepare-dataset → sft → export-model → evaluate, the workers (evaluate's, with
+  the kubernetes backend) torn down on exit.
 * ``dockrl-alignment``: resolve-config of each phase → prepare-dataset → sft → start-from → train (GRPO) →
   export-model → evaluate, the workers torn down on exit as in the GRPO pipeline. The GRPO phase starts from
   the SFT step's model: ``start-from`` (``components/start_from.py``) takes the sft task's ``model`` artifact,
@@ -40,6 +41,15 @@ from dockrl.pipelines.grpo import (
 
 SFT_PIPELINE_NAME = "dockrl-sft"
 ALIGNMENT_PIPELINE_NAME = "dockrl-alignment"
+
+
+def teardown_step(s: PipelineSettings) -> dsl.PipelineTask:
+    """The exit task that tears the run's worker groups down, whatever happened (as the GRPO pipeline's)."""
+    teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
+    teardown.set_caching_options(False)
+    place_task(teardown, "teardown-workers", s)
+    kubernetes.use_field_path_as_env(teardown, env_name="POD_NAMESPACE", field_path="metadata.namespace")
+    return teardown
 
 
 def sft_step(s: PipelineSettings, resolved: dsl.PipelineTask, data: dsl.PipelineTask) -> dsl.PipelineTask:
@@ -81,12 +91,13 @@ def build_sft_pipeline(settings: PipelineSettings):
             copy_model: Also put the exported model's weights into KFP's artifact store.
             export_uri: s3://<bucket>/<key> to put the exported model in the object store; empty: the shared volume.
         """
-        resolved = resolve_step(s, p, config_overrides, model_path=model_path, train_data=train_data, test_data=test_data,
-                                keep_checkpoints=keep_checkpoints)
-        data = dataset_step(s, resolved.outputs["overrides"])
-        tuned = sft_step(s, resolved, data)
-        export_and_evaluate(s, tuned.outputs["model"], data, resolved.outputs["overrides"], export_dtype=export_dtype,
-                            copy_model=copy_model, export_uri=export_uri)
+        with dsl.ExitHandler(teardown_step(s), name="sft-run"):  # evaluate's worker group with the kubernetes backend
+            resolved = resolve_step(s, p, config_overrides, model_path=model_path, train_data=train_data, test_data=test_data,
+                                    keep_checkpoints=keep_checkpoints)
+            data = dataset_step(s, resolved.outputs["overrides"])
+            tuned = sft_step(s, resolved, data)
+            export_and_evaluate(s, tuned.outputs["model"], data, resolved.outputs["overrides"], export_dtype=export_dtype,
+                                copy_model=copy_model, export_uri=export_uri)
 
     return sft_pipeline
 
@@ -139,11 +150,7 @@ def build_alignment_pipeline(settings: PipelineSettings):
             copy_model: Also put the exported model's weights into KFP's artifact store.
             export_uri: s3://<bucket>/<key> to put the exported model in the object store; empty: the shared volume.
         """
-        teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
-        teardown.set_caching_options(False)
-        place_task(teardown, "teardown-workers", s)
-        kubernetes.use_field_path_as_env(teardown, env_name="POD_NAMESPACE", field_path="metadata.namespace")
-        with dsl.ExitHandler(teardown, name="alignment-run"):
+        with dsl.ExitHandler(teardown_step(s), name="alignment-run"):
             shared = dict(model_path=model_path, train_data=train_data, test_data=test_data, keep_checkpoints=keep_checkpoints)
             resolved_sft = resolve_step(s, p, sft_config_overrides, **shared)
             resolved = resolve_step(

@@ -49,7 +49,8 @@ def test_the_sft_pipeline_exports_and_evaluates_the_sft_model(platform, tmp_path
     assert pipeline_cli.main(["compile", str(tmp_path / "sft.yaml"), "--kind", "sft", "--platform", platform]) == 0
     spec, deployment, _ = parse_ir(Path(capsys.readouterr().out.strip()))
     assert spec.pipeline_info.name == "dockrl-sft"
-    tasks = spec.root.dag.tasks
+    assert set(spec.root.dag.tasks) == {"exit-handler-1", "teardown-workers"}
+    tasks = spec.components["comp-exit-handler-1"].dag.tasks
     assert set(tasks) == {"resolve-config", "prepare-dataset", "sft", "export-model", "evaluate"}
     assert tasks["export-model"].inputs.artifacts["checkpoint"].task_output_artifact.producer_task == "sft"
     assert (deployment.executors["exec-sft"].container.resources.accelerator.resource_type or None) == ACCELERATORS[platform]

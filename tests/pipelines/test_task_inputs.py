@@ -50,8 +50,7 @@ def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(kind, platf
     assert not unmounted, f"no volume holding {preset.shared_mount_path} mounted where a task reads a path: {unmounted}"
     assert not no_secret, f"no object-store Secret where a task reads an s3:// URI: {no_secret}"
     # the exit task reads nothing of the run's: it neither mounts nor needs the Secret
-    if kind != "sft":  # the SFT pipeline starts no workers: no exit task
-        assert not k8s["exec-teardown-workers"].pvc_mount and "exec-teardown-workers" not in readers
+    assert not k8s["exec-teardown-workers"].pvc_mount and "exec-teardown-workers" not in readers
 
 
 
