@@ -59,6 +59,7 @@ import logging
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 from kfp import compiler, dsl, kubernetes, local
@@ -81,7 +82,8 @@ logger = logging.getLogger(__name__)
 PIPELINE_NAME = "dockrl-grpo"
 POD_FIELDS_AS_ENV = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid",
                      "POD_IP": "status.podIP"}
-STEPS = ("resolve-config", "prepare-dataset", "train", "export-model", "evaluate", "teardown-workers")
+STEPS = ("resolve-config", "prepare-dataset", "sft", "start-from", "train", "export-model", "evaluate", "teardown-workers")
+"""Every task of the GRPO pipeline and of the SFT and alignment ones (``pipelines/alignment.py``)."""
 SHM_VOLUME = "dshm"
 """The memory-backed emptyDir mounted at ``/dev/shm`` in the tasks that hold accelerators."""
 
@@ -108,6 +110,7 @@ class Requests:
 DEFAULT_REQUESTS: dict[str, Requests] = {
     "resolve-config": Requests(cpu="500m", memory="1Gi"),
     "prepare-dataset": Requests(cpu="1", memory="4Gi"),
+    "start-from": Requests(cpu="250m", memory="512Mi"),
     "train": Requests(cpu="2", memory="8Gi"),  # with the kubernetes backend (drives only); local: sized by its devices
     "export-model": Requests(cpu="2", memory="16Gi"),
     "evaluate": Requests(cpu="4", memory="16Gi"),  # on the CPU image; with an accelerator: a one-device pod's size
@@ -140,8 +143,8 @@ class PipelineSettings:
     ``ttlStrategy.secondsAfterCompletion``); the run's record, artifacts and metrics stay in KFP. 0: the
     cluster's own clean-up (KFP's persistence agent, ``TTL_SECONDS_AFTER_WORKFLOW_FINISH``)."""
     requests: dict[str, Requests] = field(default_factory=dict)
-    """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend
-    defaults to the size of a pod holding the devices its run uses: ``Platform.pod_requests``;
+    """Task name -> requests, over ``DEFAULT_REQUESTS`` (the train task with the local backend, and the sft task,
+    default to the size of a pod holding the devices its run uses: ``Platform.pod_requests``;
     evaluate with an accelerator to that of a pod holding one)."""
 
     def __post_init__(self) -> None:
@@ -155,11 +158,11 @@ class PipelineSettings:
             raise ValueError(f"requests for {unknown}: no such task; expected some of {', '.join(STEPS)}")
 
     def requests_of(self, task: str) -> Requests | None:
-        """The CPU and memory requests of ``task``; None for the train task of a ``local`` run
+        """The CPU and memory requests of ``task``; None for the train task of a ``local`` run and the sft task
         without explicit ones: they follow its run's config (resolve-config's outputs)."""
         if task in self.requests:
             return self.requests[task]
-        if task == "train" and self.worker_backend == "local":
+        if (task == "train" and self.worker_backend == "local") or task == "sft":
             return None
         if task == "evaluate" and self.worker_backend == "kubernetes":  # drives a worker group, as the train task
             return DEFAULT_REQUESTS["train"]
@@ -170,15 +173,15 @@ class PipelineSettings:
 
     def image_of(self, task: str) -> str:
         """Which image (``cpu``, ``npu``, ``gpu``) ``task`` runs: the platform's for the tasks that
-        hold its accelerators (train and evaluate with the local backend), else ``cpu``."""
-        if task == "train" and self.worker_backend == "local":
+        hold its accelerators (sft; train and evaluate with the local backend), else ``cpu``."""
+        if task == "sft" or (task == "train" and self.worker_backend == "local"):
             return self.platform.name
         if task == "evaluate" and self.platform.accelerator and self.worker_backend == "local":
             return self.platform.name
         return "cpu"
 
 
-def _common(task: dsl.PipelineTask, name: str, settings: PipelineSettings) -> None:
+def place_task(task: dsl.PipelineTask, name: str, settings: PipelineSettings) -> None:
     """Image, node architectures, requests, pull secret and label of every task."""
     platform, image = settings.platform, settings.image_of(name)
     task.set_container_image(platform.image_of(image))
@@ -239,7 +242,7 @@ def _object_store(task: dsl.PipelineTask, platform: Platform) -> None:
                                      secret_key_to_env={k: k for k in OBJECT_STORE_KEYS}, optional=True)
 
 
-def _reads_run_inputs(task: dsl.PipelineTask, platform: Platform) -> None:
+def reads_run_inputs(task: dsl.PipelineTask, platform: Platform) -> None:
     """A task that reads the run's inputs or the model: the shared volume (a path there: the user's
     model and data, the run folder, an exported model's folder) and the object-store Secret (an
     ``s3://`` URI). Every task whose config or model artifact may name one of them gets both, so
@@ -248,8 +251,8 @@ def _reads_run_inputs(task: dsl.PipelineTask, platform: Platform) -> None:
     _object_store(task, platform)
 
 
-def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
-    """The train task: the shared volume and the object-store Secret (``_reads_run_inputs``); with the
+def configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
+    """The train task: the shared volume and the object-store Secret (``reads_run_inputs``); with the
     local backend the platform's accelerators and scheduling, sized by ``size`` (resolve-config: the
     devices its run uses, and the CPU and memory of a pod holding them)."""
     platform = settings.platform
@@ -263,7 +266,7 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
             _accelerator_nodes(task, platform, platform.devices_per_node)
     # the run folder lives on the shared volume with either backend (dockrl.kubeflow.train_task): a retry of
     # the task finds its checkpoints there and resumes instead of starting over
-    _reads_run_inputs(task, platform)
+    reads_run_inputs(task, platform)
     if settings.train_retries:
         task.set_retry(num_retries=settings.train_retries, backoff_duration="60s")
     for env, path in POD_FIELDS_AS_ENV.items():
@@ -276,12 +279,26 @@ def _configure_launcher(task: dsl.PipelineTask, settings: PipelineSettings, size
                                      secret_key_to_env={k: k for k in TRACKER_KEYS}, optional=True)
 
 
-def _configure_evaluate(task: dsl.PipelineTask, settings: PipelineSettings) -> None:
-    """Evaluate (the shared volume and the object-store Secret: ``_reads_run_inputs``): with the kubernetes
+def configure_sft(task: dsl.PipelineTask, settings: PipelineSettings, size: dsl.PipelineTask) -> None:
+    """The sft task (``pipelines/alignment.py``): one process on one device in its own pod with either worker
+    backend, sized by ``size`` (its resolve-config: the devices, CPU and memory of a pod holding them), the
+    platform's accelerators and scheduling, the shared volume and the object-store Secret; never cached."""
+    platform = settings.platform
+    task.set_caching_options(False)  # a training run is never served from the cache
+    if settings.requests_of("sft") is None:
+        task.set_cpu_request(size.outputs["cpu"]).set_memory_request(size.outputs["memory"])
+    if platform.accelerator:
+        task.set_accelerator_type(platform.accelerator).set_accelerator_limit(size.outputs["devices"])
+        _accelerator_nodes(task, platform, 1)
+    reads_run_inputs(task, platform)
+
+
+def configure_evaluate(task: dsl.PipelineTask, settings: PipelineSettings) -> None:
+    """Evaluate (the shared volume and the object-store Secret: ``reads_run_inputs``): with the kubernetes
     backend a launcher of its worker group (the pod's own name, namespace and uid: the JobSet's owner); else
     on a platform with accelerators one of them and its nodes."""
     platform = settings.platform
-    _reads_run_inputs(task, platform)
+    reads_run_inputs(task, platform)
     if settings.worker_backend == "kubernetes":
         for env, path in POD_FIELDS_AS_ENV.items():
             kubernetes.use_field_path_as_env(task, env_name=env, field_path=path)
@@ -364,55 +381,100 @@ def build_pipeline(platform: Platform | str = "npu", worker_backend: WorkerBacke
         """
         teardown = teardown_workers(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, worker_backend=s.worker_backend)
         teardown.set_caching_options(False)
-        _common(teardown, "teardown-workers", s)
+        place_task(teardown, "teardown-workers", s)
         kubernetes.use_field_path_as_env(teardown, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(teardown, name="grpo-run"):
-            resolved = resolve_config(
-                iterations=iterations, global_batch=global_batch, mini_batch=mini_batch, group_size=group_size,
+            resolved = resolve_step(
+                s, p, config_overrides, iterations=iterations, global_batch=global_batch, mini_batch=mini_batch, group_size=group_size,
                 learning_rate=learning_rate, kl_loss_coef=kl_loss_coef, max_response_length=max_response_length, adv_estimator=adv_estimator,
-                model_path=model_path, train_data=train_data, test_data=test_data, keep_checkpoints=keep_checkpoints,
-                config_overrides=config_overrides,
-                platform=s.platform.to_json())
-            _common(resolved, "resolve-config", s)
-            _reads_run_inputs(resolved, s.platform)  # the model's shape is checked against the layout
+                model_path=model_path, train_data=train_data, test_data=test_data, keep_checkpoints=keep_checkpoints)
             overrides = resolved.outputs["overrides"]
-            data = prepare_dataset(config_overrides=overrides)
-            # never from the cache: its key is the overrides, which name a data file by its path, so a file changed
-            # at the same path would give yesterday's data (docs/kubeflow.md, What a run keeps, and what is never cached)
-            data.set_caching_options(False)
-            _common(data, "prepare-dataset", s)
-            _reads_run_inputs(data, s.platform)
-            trained = train(config_overrides=overrides, dataset=data.outputs["dataset"], worker_backend=s.worker_backend,
-                            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
-            _common(trained, "train", s)
-            _configure_launcher(trained, s, resolved)
-            exported = export_model(checkpoint=trained.outputs["model"], dtype=export_dtype, copy=copy_model, uri=export_uri,
-                                    config_overrides=overrides)
-            _common(exported, "export-model", s)
-            _reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
-            evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,
-                                 device="auto" if s.platform.accelerator else "cpu", worker_backend=s.worker_backend,
-                                 run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
-            _common(evaluated, "evaluate", s)
-            _configure_evaluate(evaluated, s)
+            data = dataset_step(s, overrides)
+            trained = train_step(s, resolved, data, overrides)
+            export_and_evaluate(s, trained.outputs["model"], data, overrides, export_dtype=export_dtype, copy_model=copy_model,
+                                export_uri=export_uri)
 
     return grpo
 
 
-def compile_pipeline(out: str | Path, platform: str = "npu", worker_backend: WorkerBackendName = "local", *,
-                     settings: PipelineSettings | None = None) -> Path:
-    """Compile the pipeline IR to ``out`` (``.yaml``); returns the path (see ``build_pipeline``).
+def resolve_step(s: PipelineSettings, p: dict, config_overrides, **params) -> dsl.PipelineTask:
+    """The resolve-config task of ``params`` (run parameters; the rest at their defaults ``p``) and ``config_overrides``."""
+    names = ("iterations", "global_batch", "mini_batch", "group_size", "learning_rate", "kl_loss_coef", "max_response_length",
+             "adv_estimator", "model_path", "train_data", "test_data", "keep_checkpoints")
+    resolved = resolve_config(**{n: params.get(n, p[n]) for n in names}, config_overrides=config_overrides, platform=s.platform.to_json())
+    place_task(resolved, "resolve-config", s)
+    reads_run_inputs(resolved, s.platform)  # the model's shape is checked against the layout
+    return resolved
+
+
+def dataset_step(s: PipelineSettings, overrides) -> dsl.PipelineTask:
+    """The prepare-dataset task of ``overrides``."""
+    data = prepare_dataset(config_overrides=overrides)
+    # never from the cache: its key is the overrides, which name a data file by its path, so a file changed
+    # at the same path would give yesterday's data (docs/kubeflow.md, What a run keeps, and what is never cached)
+    data.set_caching_options(False)
+    place_task(data, "prepare-dataset", s)
+    reads_run_inputs(data, s.platform)
+    return data
+
+
+def train_step(s: PipelineSettings, resolved: dsl.PipelineTask, data: dsl.PipelineTask, overrides) -> dsl.PipelineTask:
+    """The train task (the GRPO launcher) on ``data``'s dataset, sized by ``resolved``."""
+    trained = train(config_overrides=overrides, dataset=data.outputs["dataset"], worker_backend=s.worker_backend,
+                    run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
+    place_task(trained, "train", s)
+    configure_launcher(trained, s, resolved)
+    return trained
+
+
+def export_and_evaluate(s: PipelineSettings, model, data: dsl.PipelineTask, overrides, *, export_dtype, copy_model, export_uri) -> None:
+    """The export-model task of ``model`` (a model artifact) and the evaluate task of its export."""
+    exported = export_model(checkpoint=model, dtype=export_dtype, copy=copy_model, uri=export_uri, config_overrides=overrides)
+    place_task(exported, "export-model", s)
+    reads_run_inputs(exported, s.platform)  # the final checkpoint stays on the shared volume
+    evaluated = evaluate(model=exported.outputs["model"], dataset=data.outputs["dataset"], config_overrides=overrides,
+                         device="auto" if s.platform.accelerator else "cpu", worker_backend=s.worker_backend,
+                         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, platform=s.platform.to_json())
+    place_task(evaluated, "evaluate", s)
+    configure_evaluate(evaluated, s)
+
+
+PIPELINE_KINDS = ("grpo", "sft", "alignment")
+"""The pipelines ``dockrl pipeline compile --kind`` builds: GRPO (this module), SFT and SFT → GRPO (``pipelines/alignment.py``)."""
+
+
+def build_kind(kind: str, settings: PipelineSettings):
+    """The pipeline of ``kind`` (``PIPELINE_KINDS``) for ``settings``.
 
     Raises:
-        ValueError: ``out`` is not a ``.yaml``/``.json`` file name, or its folder does not exist.
+        ValueError: an unknown kind.
+    """
+    if kind == "grpo":
+        return build_pipeline(settings=settings)
+    from dockrl.pipelines.alignment import build_alignment_pipeline, build_sft_pipeline  # lazy: it imports this module
+
+    builders = {"sft": build_sft_pipeline, "alignment": build_alignment_pipeline}
+    if kind not in builders:
+        raise ValueError(f"pipeline kind {kind!r}: expected one of {', '.join(PIPELINE_KINDS)}")
+    return builders[kind](settings)
+
+
+def compile_pipeline(out: str | Path, platform: Platform | str = "npu", worker_backend: WorkerBackendName = "local", *,
+                     settings: PipelineSettings | None = None, kind: str = "grpo") -> Path:
+    """Compile the pipeline IR of ``kind`` (``PIPELINE_KINDS``) to ``out`` (``.yaml``); returns the path (see ``build_pipeline``).
+
+    Raises:
+        ValueError: ``out`` is not a ``.yaml``/``.json`` file name, or its folder does not exist; an unknown kind.
     """
     out = Path(out)
     if out.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"pipeline package {out}: expected a .yaml or .json file name")
     if not out.parent.is_dir():  # a mistyped path is named, not created
         raise ValueError(f"pipeline package {out}: the folder {out.parent} does not exist")
-    pipeline = build_pipeline(platform, worker_backend, settings=settings)
-    compiler.Compiler().compile(pipeline, str(out))
+    if settings is None:
+        settings = PipelineSettings(platform=get_platform(platform) if isinstance(platform, str) else platform,
+                                    worker_backend=worker_backend)
+    compiler.Compiler().compile(build_kind(kind, settings), str(out))
     return out
 
 
@@ -438,7 +500,8 @@ def compiled_worker_backend(package: str | Path) -> str:
 
 
 def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: str = "bfloat16",
-              shared_dir: str | Path | None = None, isolate: bool | None = None, parameters: dict | None = None) -> Path:
+              shared_dir: str | Path | None = None, isolate: bool | None = None, parameters: dict | None = None,
+              kind: str = "grpo", sft_overrides: Sequence[str] = ()) -> Path:
     """Run the whole pipeline on this machine with ``kfp.local`` (tasks as subprocesses), shaped like the cluster.
 
     Needs no Docker, cluster or network: tasks run in this Python environment one at a time;
@@ -448,6 +511,9 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
     namespace where it is hidden (``dockrl.launch.task_mounts``), as it is from that task's pod. ``isolate``
     None: where this process may (root), else a warning. Put a run's own model and data there and give
     their paths (``model_path``, ``train_data``, ``test_data`` in ``parameters``, or the overrides) as on the cluster.
+
+    ``kind`` (``PIPELINE_KINDS``): the pipeline; with ``alignment`` the SFT phase reads ``overrides`` then
+    ``sft_overrides`` (which win), the GRPO phase ``overrides``.
 
     Returns:
         The run's folder under ``pipeline_root``: one sub-folder per task with its artifacts
@@ -461,6 +527,11 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
         RuntimeError: a task failed (kfp.local names the task and shows its log).
     """
     load_config(None, overrides)  # fail here, naming the field, before any task starts
+    if sft_overrides:
+        if kind != "alignment":
+            raise ValueError(f"sft_overrides: only the alignment pipeline has an SFT phase of its own (kind={kind!r}); "
+                             "give them as the overrides")
+        load_config(None, [*overrides, *sft_overrides])
     root = Path(pipeline_root).resolve()
     shared = Path(shared_dir).resolve() if shared_dir else root / "shared"
     if shared_dir and not shared.parent.is_dir():  # a mistyped path is named, not created
@@ -471,7 +542,7 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
                          "volume could not write their outputs; give a folder beside it")
     shared.mkdir(parents=True, exist_ok=True)
     platform = replace(get_platform("cpu"), shared_mount_path=str(shared))
-    pipeline = build_pipeline(platform, "local")
+    pipeline = build_kind(kind, PipelineSettings(platform=platform, worker_backend="local"))
     if isolate is None:
         isolate = can_isolate()
         if not isolate:
@@ -479,10 +550,12 @@ def run_local(overrides: list[str], pipeline_root: str | Path, *, export_dtype: 
                            "tasks that mount the shared volume see it", shared)
     if isolate:
         isolate_volumes(pipeline, {platform.shared_volume_claim: shared})
-    before = set(root.glob(f"{PIPELINE_NAME}-*"))
+    name = pipeline.pipeline_spec.pipeline_info.name
+    before = set(root.glob(f"{name}-*"))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    pipeline(**{"config_overrides": "\n".join(overrides), "export_dtype": export_dtype, **(parameters or {})})
-    new = sorted(set(root.glob(f"{PIPELINE_NAME}-*")) - before)
+    sft = {"sft_config_overrides": "\n".join([*overrides, *sft_overrides])} if kind == "alignment" else {}
+    pipeline(**{"config_overrides": "\n".join(overrides), "export_dtype": export_dtype, **sft, **(parameters or {})})
+    new = sorted(set(root.glob(f"{name}-*")) - before)
     if len(new) != 1:
         raise RuntimeError(f"expected one new run folder under {root}, found {[p.name for p in new]}")
     return new[0]
@@ -492,19 +565,24 @@ def local_summary(run_dir: str | Path) -> dict:
     """What ``dockrl pipeline run --local`` prints: where the artifacts are (the exported model: where its
     artifact names it, on the shared volume; the kept rollouts and their page only when the run kept them,
     ``run.keep_rollouts``), the greedy test accuracy before training (train step) and of the exported model
-    (evaluate step), and the training seconds."""
+    (evaluate step), and the training seconds; with an sft step its numbers too, as ``sft/...``."""
     run = Path(run_dir)
-    train = task_metadata(run, "train", "metrics")
     summary = {
         "run_dir": str(run),
         "dataset": str(run / "prepare-dataset" / "dataset"),
         "model": task_metadata(run, "export-model", "model").get("path", str(run / "export-model" / "model")),
-        "train_run_dir": str(run / "train" / "run_dir"),
-        "curves": str(run / "train" / "curves"),
     }
-    if task_metadata(run, "train", "rollouts").get("keep_rollouts", "off") != "off":  # an empty Dataset otherwise
-        summary |= {"rollouts": str(run / "train" / "rollouts"), "rollouts_page": str(run / "train" / "rollouts_page")}
-    summary |= {k: train[k] for k in ("eval/accuracy_before", "eval/format_rate_before", "run/seconds") if k in train}
+    if (run / "sft").is_dir():  # the SFT and alignment pipelines
+        sft = task_metadata(run, "sft", "metrics")
+        summary |= {"sft_run_dir": str(run / "sft" / "run_dir")}
+        named = {"eval/accuracy_before": "sft/eval/accuracy_before", "sft/steps": "sft/steps", "run/seconds": "sft/run/seconds"}
+        summary |= {to: sft[k] for k, to in named.items() if k in sft}
+    if (run / "train").is_dir():
+        train = task_metadata(run, "train", "metrics")
+        summary |= {"train_run_dir": str(run / "train" / "run_dir"), "curves": str(run / "train" / "curves")}
+        if task_metadata(run, "train", "rollouts").get("keep_rollouts", "off") != "off":  # an empty Dataset otherwise
+            summary |= {"rollouts": str(run / "train" / "rollouts"), "rollouts_page": str(run / "train" / "rollouts_page")}
+        summary |= {k: train[k] for k in ("eval/accuracy_before", "eval/format_rate_before", "run/seconds") if k in train}
     return summary | task_metadata(run, "evaluate", "metrics")
 
 
@@ -517,5 +595,6 @@ def task_metadata(run_dir: str | Path, task: str, artifact: str) -> dict:
     return dict(outputs[artifact]["artifacts"][0].get("metadata", {}))
 
 
-__all__ = ["DEFAULT_REQUESTS", "PIPELINE_NAME", "PipelineSettings", "Requests", "build_pipeline", "kfp_unapplied_hooks",
-           "compile_pipeline", "compiled_worker_backend", "local_summary", "run_local", "task_metadata"]
+__all__ = ["DEFAULT_REQUESTS", "PIPELINE_KINDS", "PIPELINE_NAME", "PipelineSettings", "Requests", "build_kind", "build_pipeline",
+           "compile_pipeline", "compiled_worker_backend", "configure_sft", "dataset_step", "export_and_evaluate", "kfp_unapplied_hooks",
+           "local_summary", "place_task", "reads_run_inputs", "resolve_step", "run_local", "task_metadata", "train_step"]

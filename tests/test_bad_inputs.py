@@ -70,6 +70,13 @@ def model_copy(tmp: Path, model: Path, *, weights: str = "keep", model_type: str
     return out
 
 
+def other_tokenizer_model(tmp: Path) -> Path:
+    """A tiny model whose tokenizer is not the tiny student's (another vocabulary size)."""
+    from dockrl.run.models import build_tiny_model
+
+    return build_tiny_model(tmp / "teacher", vocab_size=400)
+
+
 def parquet_with_int_questions(tmp: Path) -> Path:
     path = tmp / "rows.parquet"
     pq.write_table(pa.table({"question": [1, 2], "answer": ["#### 1", "#### 2"]}), path)
@@ -141,6 +148,13 @@ CASES = [
     Case("model", "`model.path` of an unknown architecture",
          lambda t, m: ["prepare-model", f"model.path={model_copy(t, m, model_type='fancy-arch')}"],
          "has model_type='fancy-arch', an architecture this transformers does not know"),
+    Case("model", "`teacher.model.path` with another tokenizer than the student's",
+         lambda t, m: run_args(t, m, "teacher.enable=true", f"teacher.model.path={other_tokenizer_model(t)}"),
+         "teacher.model.path: the teacher's tokenizer (<path>/teacher) is not the student's"),
+    Case("config", "`reward_model.kind=generative` with a template without `{response}`",
+         lambda t, m: ["train", "reward_model.enable=true", "reward_model.model.path=judge", "reward_model.kind=generative",
+                       "reward_model.generative.template=Rate it"],
+         "reward_model.generative.template: got 'Rate it'; expected a prompt with a {response} field"),
     Case("data", "`data.train_path` a directory", lambda t, m: run_args(t, m, f"data.train_path={t}"),
          "data.train_path: data file <path> is a directory; expected a .jsonl or .parquet file"),
     Case("data", "`data.train_path` that does not exist", lambda t, m: run_args(t, m, f"data.train_path={t / 'no.jsonl'}"),

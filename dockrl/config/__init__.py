@@ -4,7 +4,7 @@
 fields that may be ``auto`` stay ``auto``. ``resolve_auto(cfg)`` (``resolve``) is the one step that
 asks the machine (device, bf16 speed, whether vLLM runs); each process that needs the answer calls
 it where it runs. The sections' dataclasses are in ``sections`` (model, data, rollout, trainer, critic, sft),
-``algorithm_sections`` (algorithm, reward_model), ``env_sections`` (env) and ``run_sections`` (dock, run), the
+``algorithm_sections`` (algorithm, reward_model, teacher), ``env_sections`` (env) and ``run_sections`` (dock, run), the
 last three with their rules beside them; ``Config`` and the cross-field rules it checks when built (those of
 ``sections``' fields among them) in ``config``; the advantage estimators' registry in ``estimators``;
 ``ConfigError`` in ``errors``.
@@ -14,9 +14,12 @@ The defaults are the demo run.
 from dockrl.config.algorithm_sections import (
     AlgorithmConfig,
     FilterGroupsConfig,
+    GenerativeJudgeConfig,
     OverlongBufferConfig,
     RewardModelConfig,
     RewardModelPathConfig,
+    TeacherConfig,
+    TeacherPathConfig,
 )
 from dockrl.config.config import Config, check_rules, critic_batches, multi_turn
 from dockrl.config.errors import ConfigError
@@ -36,8 +39,8 @@ from dockrl.config.sections import (
 
 __all__ = [
     "AUTO_ENGINE_ENV", "DEFAULT_SYSTEM_PROMPT", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DockConfig", "FilterGroupsConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "RewardModelConfig", "RewardModelPathConfig",
-    "RolloutConfig", "RunConfig", "SFTConfig", "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config",
-    "load_config", "load_config_text", "multi_turn", "parse_override_lines", "parse_overrides", "pyarrow_s3_query", "resolve_auto",
-    "s3_endpoint", "save_config",
+    "DockConfig", "FilterGroupsConfig", "GenerativeJudgeConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig",
+    "RewardModelConfig", "RewardModelPathConfig", "RolloutConfig", "RunConfig", "SFTConfig", "TeacherConfig", "TeacherPathConfig",
+    "TrainerConfig", "auto_rollout_engine", "check_rules", "critic_batches", "dump_config", "load_config", "load_config_text",
+    "multi_turn", "parse_override_lines", "parse_overrides", "pyarrow_s3_query", "resolve_auto", "s3_endpoint", "save_config",
 ]

@@ -1,5 +1,5 @@
 """The run configuration's algorithm sections: ``algorithm`` (with DAPO's ``filter_groups`` and
-``overlong_buffer``) and ``reward_model``; frozen, keyword-only dataclasses, one docstring per field.
+``overlong_buffer``), ``reward_model`` and ``teacher``; frozen, keyword-only dataclasses, one docstring per field.
 
 Their rules (ranges and runnable combinations of ``algorithm``, DAPO's settings and ``reward_model``) are beside them,
 below; ``Config`` (``dockrl.config.config``) holds one of each.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import string
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -156,9 +157,44 @@ class RewardModelPathConfig:
     path: str = ""
     """Local HF folder of a reward model with one label: a sequence classifier
     (``AutoModelForSequenceClassification``, e.g. ``Qwen2ForSequenceClassification``) or a value head
-    per token (``…ForTokenClassification``, as verl's), read at the last token; frozen, never trained."""
+    per token (``…ForTokenClassification``, as verl's), read at the last token; with ``reward_model.kind=generative``
+    a causal LM, the judge. Frozen, never trained."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained``; keep off unless the model directory is yours."""
+
+
+JUDGE_FIELDS = ("prompt", "response", "ground_truth")
+"""The placeholders of ``reward_model.generative.template``."""
+JUDGE_PARSERS = ("number", "label")
+"""The built-in verdict parsers (``dockrl.rewards.verdicts.PARSERS``); else a user's ``module:function``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerativeJudgeConfig:
+    """A generative reward model (LLM-as-judge, ``reward_model.kind=generative``): the model writes a verdict on
+    each response from ``template``, and ``parser`` turns the verdict into ``rm_model_score``
+    (``dockrl.engines.judge.GenerativeJudge``)."""
+
+    template: str = ""
+    """The judge's prompt, with ``{response}`` and optionally ``{prompt}`` and ``{ground_truth}`` (Python
+    ``str.format`` fields; ``{{``/``}}`` for braces): the response and prompt as text (special tokens skipped), the
+    row's reference answer. Sent as a user turn of the judge's chat template (``chat``)."""
+    parser: str = "number"
+    """``number``: the verdict's first number; ``label``: the score of the first of ``labels`` in it; or
+    ``module:function`` taking the verdict text and returning a float, or None when it cannot tell."""
+    labels: tuple[str, ...] = ()
+    """``label=score`` pairs of the ``label`` parser (``correct=1,incorrect=0``), matched as whole words, any case."""
+    unparsed_score: float = 0.0
+    """The score of a verdict the parser cannot read (counted: ``reward_model/unparsed_frac``)."""
+    max_new_tokens: int = 16
+    """Longest verdict in tokens (a verdict cut there is parsed as it is)."""
+    timeout_s: float = 300.0
+    """Longest the judge may take over one claim of rows (``micro_batch_size × 4``); more fails the run, naming this field."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """The judge's generation engine, greedy: transformers (``HFRolloutEngine``) or vLLM (``VLLMRolloutEngine``, a process of its
+    own: ``dock.mode=distributed``, or beside an HF rollout)."""
+    chat: bool = True
+    """Wrap the rendered template as a user turn of the judge's chat template (with the generation prompt); false: as is."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +205,11 @@ class RewardModelConfig:
 
     enable: bool = False
     """Run the reward-model stage and add its score to the rule reward."""
+    kind: Literal["classifier", "generative"] = "classifier"
+    """``classifier``: a one-label sequence classifier or value head scores each response; ``generative``: a causal
+    LM writes a verdict that ``reward_model.generative`` parses (LLM-as-judge)."""
+    generative: GenerativeJudgeConfig = field(default_factory=GenerativeJudgeConfig)
+    """The judge's template, parser and bounds (``reward_model.kind=generative``)."""
     model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
     """The reward model (``reward_model.model.path``)."""
     micro_batch_size: int = 8
@@ -178,6 +219,47 @@ class RewardModelConfig:
     rule_weight: float = 1.0
     """Weight of the rule verifier's reward in ``rm_score`` (0: the reward model alone; the
     verifier still decides ``correct`` and ``reward/accuracy``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherPathConfig:
+    path: str = ""
+    """Local HF folder of the teacher, a causal LM with the student's tokenizer (``model.path``'s); frozen, never trained."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; keep off unless the model directory is yours."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherConfig:
+    """On-policy distillation (GKD, Agarwal et al., 2024, arXiv 2306.13649; Thinking Machines, "On-Policy
+    Distillation", 2025): the student samples, a frozen teacher scores every sampled token (its stage,
+    ``dockrl/stages/teacher.py``, writes ``teacher_log_prob``) and each token's advantage becomes
+    ``reward_weight · A_t + coef · (log p_teacher(y_t) - log p_student(y_t))``
+    (``dockrl.algorithms.distillation.distillation_advantages``)."""
+
+    enable: bool = False
+    """Run the teacher stage and add the per-token reverse-KL advantage to the task's."""
+    model: TeacherPathConfig = field(default_factory=TeacherPathConfig)
+    """The teacher (``teacher.model.path``)."""
+    coef: float = 1.0
+    """λ: weight of the per-token reverse-KL advantage ``log p_teacher - log p_student`` (nats)."""
+    reward_weight: float = 1.0
+    """Weight of the task reward's advantages (``algorithm.adv_estimator``'s); 0: distillation alone."""
+
+
+def check_teacher(t: TeacherConfig, a: AlgorithmConfig) -> None:
+    """The teacher's ranges, and what it runs with."""
+    if not t.enable:
+        _refuse_settings_when_off("teacher", t, type(t)())
+        return
+    if not t.model.path.strip():
+        raise fail("teacher.model.path", t.model.path, "teacher.enable=true needs the folder of the teacher, a causal LM "
+                   "with the student's tokenizer (or teacher.enable=false)")
+    require_finite({"teacher.coef": t.coef}, zero=False)
+    require_finite({"teacher.reward_weight": t.reward_weight}, zero=True)
+    if a.filter_groups.enable:
+        raise fail("teacher.enable", t.enable, "not supported with algorithm.filter_groups.enable=true (dynamic sampling "
+                   "keeps groups by the task reward before the teacher's scores are in): set one of them false")
 
 
 def _refuse_settings_when_off(where: str, section: Any, unset: Any, switch: str = "") -> None:
@@ -199,7 +281,8 @@ def check_reward_model(m: RewardModelConfig) -> None:
         return
     if not m.model.path.strip():
         raise fail("reward_model.model.path", m.model.path, "reward_model.enable=true needs the folder of a "
-                    "sequence-classification reward model (or reward_model.enable=false)")
+                    "sequence-classification reward model, or with reward_model.kind=generative of a causal LM judge "
+                    "(or reward_model.enable=false)")
     if m.micro_batch_size < 1:
         raise fail("reward_model.micro_batch_size", m.micro_batch_size, "expected a positive integer")
     for where, x in (("reward_model.model_weight", m.model_weight), ("reward_model.rule_weight", m.rule_weight)):
@@ -208,6 +291,45 @@ def check_reward_model(m: RewardModelConfig) -> None:
     if m.model_weight == 0:
         raise fail("reward_model.model_weight", m.model_weight, "the reward model would run for nothing: "
                     "give it a weight, or set reward_model.enable=false")
+    if m.kind == "generative":
+        check_judge(m.generative)
+    else:
+        _refuse_settings_when_off("reward_model.generative", m.generative, GenerativeJudgeConfig(),
+                                  switch="reward_model.kind=generative")
+
+
+def check_judge(g: GenerativeJudgeConfig) -> None:
+    """The generative judge's template, parser and bounds."""
+    where = "reward_model.generative.template"
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(g.template) if name is not None}
+    except ValueError as e:
+        raise fail(where, g.template, f"is no str.format template ({e}); write braces as {{{{ and }}}}") from None
+    if "response" not in names:
+        raise fail(where, g.template, "expected a prompt with a {response} field (and optionally {prompt}, {ground_truth})")
+    if names - set(JUDGE_FIELDS):
+        raise fail(where, g.template, f"unknown field(s) {sorted(names - set(JUDGE_FIELDS))}; expected "
+                   f"{', '.join('{' + f + '}' for f in JUDGE_FIELDS)} (braces of the text itself as {{{{ and }}}})")
+    if g.parser not in JUDGE_PARSERS and not IMPORT_PATH.match(g.parser):
+        raise fail("reward_model.generative.parser", g.parser, f"expected {' or '.join(map(repr, JUDGE_PARSERS))}, "
+                   "or a function as 'package.module:function'")
+    if (g.parser == "label") != bool(g.labels):
+        raise fail("reward_model.generative.labels", list(g.labels), "the label parser needs label=score pairs (e.g. "
+                   "correct=1,incorrect=0), and only it reads them" if g.parser == "label" else
+                   f"only read by reward_model.generative.parser='label' (got {g.parser!r}): leave it empty")
+    for pair in g.labels:
+        label, _, score = pair.rpartition("=")
+        try:
+            ok = bool(label.strip()) and math.isfinite(float(score))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise fail("reward_model.generative.labels", list(g.labels), f"{pair!r} is not label=score with a finite score")
+    require_finite({"reward_model.generative.timeout_s": g.timeout_s}, zero=False)
+    if not math.isfinite(g.unparsed_score):
+        raise fail("reward_model.generative.unparsed_score", g.unparsed_score, "expected a finite number")
+    if g.max_new_tokens < 1:
+        raise fail("reward_model.generative.max_new_tokens", g.max_new_tokens, "expected a positive integer")
 
 
 def check_algorithm(a: AlgorithmConfig, critic: CriticConfig) -> None:

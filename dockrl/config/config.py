@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dockrl.config.algorithm_sections import AlgorithmConfig, RewardModelConfig, check_algorithm, check_dapo, check_reward_model
+from dockrl.config.algorithm_sections import (
+    AlgorithmConfig,
+    RewardModelConfig,
+    TeacherConfig,
+    check_algorithm,
+    check_dapo,
+    check_reward_model,
+    check_teacher,
+)
 from dockrl.config.env_sections import BUILT_IN_ENVIRONMENTS, EnvConfig, check_env
 from dockrl.config.errors import ConfigError, fail
 from dockrl.config.estimators import ESTIMATORS, estimator_names
@@ -47,6 +55,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     dock: DockConfig = field(default_factory=DockConfig)
@@ -78,6 +87,7 @@ def check_rules(c: Config) -> None:
     check_dock(c.dock)
     check_run(c.run)
     check_reward_model(c.reward_model)
+    check_teacher(c.teacher, c.algorithm)
     check_env(c.env)
     check_sft(c.sft)
     t, r, a, k = c.trainer, c.rollout, c.algorithm, c.dock
@@ -100,7 +110,19 @@ def check_rules(c: Config) -> None:
     _check_engines(c)
     _check_lora(c)
     _check_critic(c)
+    _check_judge(c)
     check_turns(c.rollout, c.env, c.trainer, c.algorithm)
+
+
+def _check_judge(c: Config) -> None:
+    """A vLLM judge has a process of its own: vLLM runs one engine per process, and in-process the judge would share
+    the rollout's (``dockrl.engines.vllm.engine``)."""
+    m = c.reward_model
+    if m.enable and m.kind == "generative" and m.generative.engine == "vllm" and c.dock.mode == "inprocess" \
+            and c.rollout.engine != "hf":
+        raise fail("reward_model.generative.engine", m.generative.engine, f"with dock.mode='inprocess' the judge shares the "
+                   f"rollout's process, and rollout.engine={c.rollout.engine!r} may be vLLM too (one vLLM engine per process): "
+                   "set dock.mode=distributed, rollout.engine=hf, or reward_model.generative.engine=hf")
 
 
 def _check_inflight(c: Config) -> None:

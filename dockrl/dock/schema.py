@@ -65,7 +65,8 @@ _TOKENS = pa.list_(pa.int32())
 _FLOATS = pa.list_(pa.float32())
 
 GRPO_SCHEMA = Schema(
-    version=4,  # v2: advantages per token; v3: partial rollout's carry-over columns; v4: multi-turn trajectories, weight versions
+    version=5,  # v2: advantages per token; v3: partial rollout's carry-over columns; v4: multi-turn trajectories, weight versions;
+    # v5: the teacher's log-probs (on-policy distillation)
     columns=(
         Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
         Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
@@ -112,10 +113,12 @@ GRPO_SCHEMA = Schema(
         Column(name="advantages", type=_FLOATS, producer="advantage",
                doc="per-token advantage (R,) of algorithm.adv_estimator; outcome estimators repeat the response's value"),
         Column(name="ref_log_prob", type=_FLOATS, producer="reference", doc="per-token log-prob under the frozen reference (R,), nats"),
+        Column(name="teacher_log_prob", type=_FLOATS, producer="teacher",
+               doc="per-token log-prob under the distillation teacher (R,), nats (teacher.enable only)"),
         Column(name="old_log_prob", type=_FLOATS, producer="actor", doc="per-token log-prob under the actor before the update (R,), nats"),
         Column(name="values", type=_FLOATS, producer="critic", doc="per-token value V(s_t) under the critic before its update (R,)"),
         Column(name="returns", type=_FLOATS, producer="advantage", doc="per-token return (R,): GAE's A_t + V(s_t), else the advantages"),
     ),
     # the critic consumes twice per iteration: responses (→ values), then returns (its update)
-    consumers=("rollout", "reward_model", "reward", "advantage", "reference", "actor", "critic", "critic_update"),
+    consumers=("rollout", "reward_model", "reward", "advantage", "reference", "teacher", "actor", "critic", "critic_update"),
 )

@@ -183,6 +183,13 @@ def build_reference_engine(cfg: Config, model_path: Path, ranks: ProcessRanks, *
                          trust_remote_code=cfg.model.trust_remote_code, device=ranks.device)
 
 
+def build_teacher_engine(cfg: Config, teacher_path: Path, ranks: ProcessRanks) -> ScoringEngine:
+    """The frozen distillation teacher (``teacher.model``) on this process's device: an ``HFTrainEngine``
+    (``trainable=False``, fp32 weights; ``trainer.autocast_bf16`` as the reference)."""
+    return HFTrainEngine(teacher_path, trainable=False, autocast_bf16=cfg.trainer.autocast_bf16 is True,
+                         trust_remote_code=cfg.teacher.model.trust_remote_code, device=ranks.device)
+
+
 def build_train_engine(cfg: Config, model_path: Path, ranks: ProcessRanks) -> TrainEngine:
     """The trainable actor engine of ``trainer.engine``, on this process's device.
 

@@ -4,6 +4,8 @@
         --registry registry.example.com/ml --tag 0.1.0 --pull-secret regcred
     dockrl pipeline compile grpo.yaml --platform npu --overlay manifests/overlays/npu   # images from the overlay
     dockrl pipeline run --local trainer.iterations=2           # whole pipeline via kfp.local
+    dockrl pipeline compile alignment.yaml --kind alignment --platform gpu   # SFT → GRPO (pipelines/alignment.py)
+    dockrl pipeline run --local --kind alignment --sft-override sft.epochs=2 trainer.iterations=2
     dockrl pipeline upload --host http://localhost:8080 --package grpo.yaml   # a new version of pipeline dockrl-grpo
     dockrl pipeline submit --host http://localhost:8080 --pipeline dockrl-grpo trainer.lr=5e-6   # its newest version
     dockrl pipeline submit --host https://kubeflow.example.com/pipeline --namespace team-a --package grpo.yaml
@@ -39,6 +41,7 @@ from dockrl.launch.platform import get_platform
 from dockrl.launch.platform_files import images_from_kustomization, platform_from_file, with_images
 from dockrl.pipelines import submit
 from dockrl.pipelines.grpo import (
+    PIPELINE_KINDS,
     PIPELINE_NAME,
     PipelineSettings,
     Requests,
@@ -51,7 +54,7 @@ from dockrl.pipelines.grpo import (
 PLATFORM_CHOICES = ("npu", "gpu", "cpu")
 
 
-COMPILE_OPTIONS = ("platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "request", "platform_config",
+COMPILE_OPTIONS = ("kind", "platform", "worker_backend", "registry", "tag", "pull_secret", "overlay", "request", "platform_config",
                    "train_retries", "ttl_after_finished")
 """Options of ``compile`` (and of ``upload``/``submit``/``schedule`` without ``--package``): compile-time settings."""
 
@@ -101,10 +104,13 @@ def _package(args: argparse.Namespace, tmp: str) -> Path | None:
             raise ValueError(f"{', '.join(others)}: compile options, but --package {args.package} is already compiled; "
                              "recompile it with them, or drop --package to compile one now")
         return Path(args.package)
-    return compile_pipeline(Path(tmp) / "dockrl-grpo.yaml", settings=_settings(args))
+    kind = args.kind or "grpo"
+    return compile_pipeline(Path(tmp) / f"dockrl-{kind}.yaml", settings=_settings(args), kind=kind)
 
 
 def _add_compile_options(p: argparse.ArgumentParser, *, when: str = "") -> None:
+    p.add_argument("--kind", choices=PIPELINE_KINDS, default=None,
+                   help=f"the pipeline: grpo, sft, or alignment (SFT, then GRPO from the SFT model){when} (default: grpo)")
     p.add_argument("--platform", choices=PLATFORM_CHOICES, default=None,
                    help=f"accelerators, node selector, tolerations and image of the accelerator pods{when} (default: npu)")
     p.add_argument("--worker-backend", default=None, choices=WORKER_BACKENDS,
@@ -146,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--shared-dir", default="", help="the folder that plays the shared volume: put the run's own model and "
                    "data there (default: <pipeline-root>/shared); as root, the tasks that do not mount it do not see it")
+    p.add_argument("--kind", choices=PIPELINE_KINDS, default="grpo", help="the pipeline: grpo, sft, or alignment (default: grpo)")
+    p.add_argument("--sft-override", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="--kind alignment: an override of the SFT phase alone, over the overrides of both (repeatable)")
     p.add_argument("overrides", nargs="*", help="section.field=value, e.g. trainer.iterations=2")
 
     p = sub.add_parser("upload", help="register a package as a new version of a pipeline on Kubeflow Pipelines")
@@ -201,13 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "overrides", None) is not None:
             load_config(None, args.overrides)  # a bad override fails here, naming its field
         if args.action == "compile":
-            print(compile_pipeline(args.out, settings=_settings(args)))
+            print(compile_pipeline(args.out, settings=_settings(args), kind=args.kind or "grpo"))
             return 0
         if args.action == "run":
             forward_sigterm()
             with LocalRunOutput() as output:  # the failed task and its error come last, not 45 lines up
                 try:
-                    run_dir = run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype, shared_dir=args.shared_dir or None)
+                    run_dir = run_local(args.overrides, args.pipeline_root, export_dtype=args.export_dtype, shared_dir=args.shared_dir or None,
+                                        kind=args.kind, sft_overrides=args.sft_override)
                 except RuntimeError as e:
                     raise RuntimeError(output.failure(e)) from None
             print(json.dumps(local_summary(run_dir), indent=2))

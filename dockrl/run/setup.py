@@ -69,6 +69,8 @@ def plan_run(cfg: Config) -> RunPlan:
     model_path = resolve_model(cfg)  # prepared here once, before any stage looks for it
     if cfg.reward_model.enable:
         resolve_reward_model(cfg)
+    if cfg.teacher.enable:
+        resolve_teacher(cfg, model_path)
     train_file, test_file = resolve_data(cfg)
     from dockrl.engines.hf.load import load_tokenizer  # transformers' models: seconds, after the model and data are known to be there
     from dockrl.envs.registry import environment_tools  # lazy: the rewards it imports need math_verify; the actor does not
@@ -103,6 +105,7 @@ def recorded_paths(cfg: Config) -> Config:
         model=dataclasses.replace(cfg.model, path=local(cfg.model.path, PACKAGED_MODEL)),
         data=dataclasses.replace(cfg.data, train_path=local(cfg.data.train_path), test_path=local(cfg.data.test_path, "champ")),
         reward_model=dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=local(rm.model.path))),
+        teacher=dataclasses.replace(cfg.teacher, model=dataclasses.replace(cfg.teacher.model, path=local(cfg.teacher.model.path))),
         critic=dataclasses.replace(cfg.critic, model_path=local(cfg.critic.model_path)),
         dock=dataclasses.replace(cfg.dock, directory=local(cfg.dock.directory)),
         run=dataclasses.replace(cfg.run, output_dir=local(cfg.run.output_dir), cache_dir=local(cfg.run.cache_dir),
@@ -161,11 +164,12 @@ def resolve_model(cfg: Config) -> Path:
 
 def resolve_reward_model(cfg: Config) -> Path:
     """The reward model's folder (``reward_model.model.path``), checked as ``check_model_dir``
-    does and as a one-label classifier or value head (``dockrl.engines.reward_model.check_reward_model_dir``).
+    does and as a one-label classifier or value head (``dockrl.engines.reward_model.check_reward_model_dir``);
+    with ``reward_model.kind=generative`` a judge, any causal LM ``check_model_dir`` takes.
 
     Raises:
         ConfigError: naming ``reward_model.model.path``: not a local HF folder, unreadable
-            weights, or not a sequence-classification model with one label.
+            weights, or (a classifier) not a sequence-classification model with one label.
     """
     from dockrl.engines.reward_model import check_reward_model_dir  # lazy: transformers' models, only with reward_model.enable
 
@@ -173,10 +177,55 @@ def resolve_reward_model(cfg: Config) -> Path:
     path = Path(m.path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"reward_model.model.path: got {m.path!r}; expected a local HF folder with config.json of a "
-                          "sequence-classification reward model (nothing is fetched from a hub)")
+                          f"{'causal LM judge' if cfg.reward_model.kind == 'generative' else 'sequence-classification reward model'} "
+                          "(nothing is fetched from a hub)")
     check_model_dir(path, m.trust_remote_code, field="reward_model.model.path")
-    check_reward_model_dir(path)
+    if cfg.reward_model.kind == "classifier":
+        check_reward_model_dir(path)
     return path
+
+
+def resolve_teacher(cfg: Config, student_path: Path) -> Path:
+    """The teacher's folder (``teacher.model.path``), checked as ``check_model_dir`` does, with the
+    student's tokenizer (``check_same_tokenizer``): distillation scores the student's token ids under the teacher.
+
+    Raises:
+        ConfigError: naming ``teacher.model.path``: not a local HF folder, unreadable weights, or a
+            tokenizer other than the student's at ``student_path`` (both named).
+    """
+    from dockrl.engines.hf.load import load_tokenizer  # lazy: transformers' tokenizers, only with teacher.enable
+
+    m = cfg.teacher.model
+    path = Path(m.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"teacher.model.path: got {m.path!r}; expected a local HF folder with config.json of a causal LM "
+                          "(nothing is fetched from a hub)")
+    check_model_dir(path, m.trust_remote_code, field="teacher.model.path")
+    check_same_tokenizer(load_tokenizer(student_path, cfg.model.trust_remote_code), load_tokenizer(path, m.trust_remote_code),
+                         student_path, path)
+    return path
+
+
+def check_same_tokenizer(student: Any, teacher: Any, student_path: Path, teacher_path: Path, *, field: str = "teacher.model.path") -> None:
+    """Refuse a teacher whose tokenizer differs from the student's: the same token → id map (special
+    tokens included) and the same EOS. Cross-tokenizer distillation (ULD, GOLD) aligns text spans instead;
+    dockrl does not.
+
+    Raises:
+        ConfigError: naming ``field`` (the teacher's) and ``model.path``, both folders and the first difference.
+    """
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    diff = ""
+    if s_vocab != t_vocab:
+        token = next((tok for tok in sorted(s_vocab.keys() | t_vocab.keys()) if s_vocab.get(tok) != t_vocab.get(tok)), "")
+        diff = (f"{len(t_vocab)} tokens against the student's {len(s_vocab)}; token {token!r} is id "
+                f"{t_vocab.get(token)} in the teacher's, {s_vocab.get(token)} in the student's")
+    elif student.eos_token_id != teacher.eos_token_id:
+        diff = f"EOS id {teacher.eos_token_id} against the student's {student.eos_token_id}"
+    if diff:
+        raise ConfigError(f"{field}: the teacher's tokenizer ({teacher_path}) is not the student's "
+                          f"(model.path: {student_path}): {diff}. On-policy distillation scores the student's token ids "
+                          "under the teacher, so both must share one tokenizer: pick a teacher of the student's family")
 
 
 def check_model_dir(path: Path, trust_remote_code: bool = False, *, field: str = "model.path") -> None:

@@ -156,13 +156,13 @@ class InProcessStages:
         sampling = [stages[0], *(w for p in parts for w in p.sample)]
         scoring = [w for p in parts for w in p.score]
         self.workers: list[StageWorker]
+        advantage = AdvantageWorker(a, multi_turn=multi_turn(cfg.env), teacher=cfg.teacher)
         if a.filter_groups.enable:  # the advantage stage releases the rollout's next round: these run side by side
-            side_by_side = SideBySide([*sampling, AdvantageWorker(a, multi_turn=multi_turn(cfg.env))], timeout_s=cfg.dock.timeout_s)
+            side_by_side = SideBySide([*sampling, advantage], timeout_s=cfg.dock.timeout_s)
             built.callback(side_by_side.close)
             self.workers = [side_by_side, *scoring, stages[1]]
         else:  # the reference before the advantages: a KL penalty in the reward reads the reference's log-probs
-            self.workers = [*sampling, *scoring, AdvantageWorker(a, multi_turn=multi_turn(cfg.env)), *(w for p in parts for w in p.learn),
-                            stages[1]]
+            self.workers = [*sampling, *scoring, advantage, *(w for p in parts for w in p.learn), stages[1]]
         self.dock = open_dock(cfg.dock, GRPO_SCHEMA, run=self.run)
         built.callback(self.dock.close)
 

@@ -33,6 +33,7 @@ class Report(enum.StrEnum):
     REWARD_MODEL = "reward-model"  # an iteration's reward-model scores are written (reward_model.enable)
     REWARD = "reward"  # an iteration's reward/* metrics (and the advantages')
     REFERENCE = "reference"  # an iteration's reference log-probs are written (algorithm.uses_reference)
+    TEACHER = "teacher"  # an iteration's teacher log-probs are written (teacher.enable)
     ACTOR = "actor"  # an iteration's update is done (with trainer.hybrid its weight sync too)
     WEIGHT_SYNC = "weight_sync"  # the rollout holds the weights of the iteration's update (a separate rollout only)
     CRITIC = "critic"  # an iteration's values are written and the critic's update is done (critic.enable)

@@ -18,13 +18,18 @@ from dockrl.stages.loop import Report, final_report, serve_iterations, snapshot_
 
 
 class ReferenceWorker:
-    """Args: ``after_advantages`` — with dynamic sampling, claim rows once their advantages are
+    """Puts the log-prob of every response token under a frozen model: the reference's
+    ``ref_log_prob``, or with ``consumer="teacher"`` and ``output="teacher_log_prob"`` the
+    distillation teacher's (``dockrl/stages/teacher.py``), at the rollout's temperature, as the
+    rollout's own log-probs are.
+
+    Args: ``after_advantages`` — with dynamic sampling, claim rows once their advantages are
     written: the groups the advantage stage keeps, never those it filters out."""
 
     def __init__(self, engine: ScoringEngine, *, temperature: float, micro_batch: int, after_advantages: bool = False,
-                 micro_batch_tokens: int = 0) -> None:
+                 micro_batch_tokens: int = 0, consumer: str = "reference", output: str = "ref_log_prob") -> None:
         self.engine, self.temperature, self.micro_batch = engine, temperature, micro_batch
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens, self.consumer, self.output = micro_batch_tokens, consumer, output
         self.columns = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantages else [])
 
     @classmethod
@@ -34,7 +39,7 @@ class ReferenceWorker:
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         start = time.perf_counter()
-        while claim := dock.claim("reference", self.columns, self.micro_batch * 4):
+        while claim := dock.claim(self.consumer, self.columns, self.micro_batch * 4):
             lps = self.engine.log_probs(
                 claim.batch.column("prompt_ids").to_pylist(),
                 claim.batch.column("response_ids").to_pylist(),
@@ -42,8 +47,8 @@ class ReferenceWorker:
                 micro_batch=self.micro_batch,
                 micro_batch_tokens=self.micro_batch_tokens,
             )
-            dock.put(claim.rows, {"ref_log_prob": lps}, ack=claim)
-        return {"timing_s/reference": time.perf_counter() - start}
+            dock.put(claim.rows, {self.output: lps}, ack=claim)
+        return {f"timing_s/{self.consumer}": time.perf_counter() - start}
 
 
 def run_reference(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:

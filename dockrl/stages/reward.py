@@ -138,7 +138,7 @@ def run_reward(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = 
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
     scorer = build_scorer(cfg.algorithm, cfg.env.sandbox.backend)
     reward = RewardWorker.from_config(scorer, tokenizer, cfg.algorithm, cfg.reward_model, cfg)
-    advantage = AdvantageWorker(cfg.algorithm, multi_turn=multi_turn(cfg.env))
+    advantage = AdvantageWorker(cfg.algorithm, multi_turn=multi_turn(cfg.env), teacher=cfg.teacher)
     side_by_side = None  # the advantage stage releases the rounds the reward scores: side by side, threads kept for the run
     if cfg.algorithm.filter_groups.enable:
         side_by_side = SideBySide([reward, advantage], timeout_s=cfg.dock.timeout_s)

@@ -2,6 +2,8 @@
 
 Only started with ``reward_model.enable``; the reward stage then waits for this column and
 writes ``rm_score = rule_weight · rule + model_weight · rm_model_score`` (``dockrl/stages/reward.py``).
+The model is a classifier (``HFRewardModel``) or, with ``reward_model.kind=generative``, a judge that writes a
+verdict on each response (``GenerativeJudge``; it reads the rows' ``ground_truth`` too).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from dockrl.config import Config
 from dockrl.dock import Dock, StageDock
 from dockrl.engines.hf.load import load_tokenizer
+from dockrl.engines.judge import GenerativeJudge, build_judge
 from dockrl.engines.reward_model import HFRewardModel, build_reward_model
 from dockrl.parallel.ranks import ProcessRanks
 from dockrl.run.setup import resolve_model, resolve_reward_model
@@ -21,15 +24,17 @@ from dockrl.stages.loop import Report, final_report, serve_iterations, snapshot_
 
 
 class RewardModelWorker:
-    """Args: ``micro_batch`` — rows per forward pass of the reward model; a claim takes four of them."""
+    """Args: ``micro_batch`` — rows per forward pass (a judge: per generate call) of the reward model; a claim
+    takes four of them."""
 
-    def __init__(self, model: HFRewardModel, *, micro_batch: int, round_rows: int = 0) -> None:
+    def __init__(self, model: HFRewardModel | GenerativeJudge, *, micro_batch: int, round_rows: int = 0) -> None:
         self.model, self.micro_batch = model, micro_batch
+        self.columns = ["prompt_ids", "response_ids"] + (["ground_truth"] if isinstance(model, GenerativeJudge) else [])
         # dynamic sampling: a claim never waits for a round not yet released (dockrl.stages.dynamic_sampling)
         self.claim_rows = divisor_at_most(round_rows, micro_batch * 4) if round_rows else micro_batch * 4
 
     @classmethod
-    def from_config(cls, model: HFRewardModel, cfg: Config) -> RewardModelWorker:
+    def from_config(cls, model: HFRewardModel | GenerativeJudge, cfg: Config) -> RewardModelWorker:
         return cls(model, micro_batch=cfg.reward_model.micro_batch_size, round_rows=groups_per_round(cfg) * cfg.rollout.n)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
@@ -38,10 +43,17 @@ class RewardModelWorker:
         Raises:
             ValueError: the reward model gave a score that is not a finite number (naming ``reward_model.model.path``).
         """
-        start, scores = time.perf_counter(), []
-        while claim := dock.claim("reward_model", ["prompt_ids", "response_ids"], self.claim_rows):
-            batch = self.model.score(claim.batch.column("prompt_ids").to_pylist(), claim.batch.column("response_ids").to_pylist(),
-                                     micro_batch=self.micro_batch)
+        start, scores, unparsed, verdict_tokens = time.perf_counter(), [], 0, 0
+        while claim := dock.claim("reward_model", self.columns, self.claim_rows):
+            prompts, responses = claim.batch.column("prompt_ids").to_pylist(), claim.batch.column("response_ids").to_pylist()
+            if isinstance(self.model, GenerativeJudge):
+                verdicts = self.model.verdicts(prompts, responses, claim.batch.column("ground_truth").to_pylist(),
+                                               micro_batch=self.micro_batch)
+                batch = [v.score for v in verdicts]
+                unparsed += sum(not v.parsed for v in verdicts)
+                verdict_tokens += sum(v.tokens for v in verdicts)
+            else:
+                batch = self.model.score(prompts, responses, micro_batch=self.micro_batch)
             bad = [s for s in batch if not math.isfinite(s)]
             if bad:
                 raise ValueError(f"reward_model.model.path: the reward model scored {len(bad)} of {len(batch)} responses "
@@ -50,7 +62,9 @@ class RewardModelWorker:
             scores += batch
         n = len(scores)
         mean = sum(scores) / n
-        return {
+        judge = {"reward_model/unparsed_frac": unparsed / n, "reward_model/verdict_tokens": verdict_tokens / n} \
+            if isinstance(self.model, GenerativeJudge) else {}
+        return judge | {
             "reward_model/score_mean": mean,
             "reward_model/score_std": (sum((s - mean) ** 2 for s in scores) / n) ** 0.5,
             "timing_s/reward_model": time.perf_counter() - start,
@@ -60,7 +74,7 @@ class RewardModelWorker:
 def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str = "", first_wait_s: float | None = None) -> None:
     """The ``reward-model`` stage process: score every iteration's responses (``REWARD_MODEL``)."""
     tokenizer = load_tokenizer(resolve_model(cfg), cfg.model.trust_remote_code)
-    worker = RewardModelWorker.from_config(build_reward_model(cfg, resolve_reward_model(cfg), tokenizer, ranks), cfg)
+    worker = RewardModelWorker.from_config(reward_model(cfg, tokenizer, ranks), cfg)
     serve_iterations(dock, Report.REWARD_MODEL, lambda it: worker.run_iteration(dock), timeout_s=cfg.dock.timeout_s,
                      seed=cfg.trainer.seed, first_timeout_s=first_wait_s, hold=snapshot_after(cfg))
     dock.report(cfg.trainer.iterations, final_report("reward-model"), {})
@@ -68,5 +82,12 @@ def run_reward_model(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: 
 
 def inprocess_parts(ctx: InProcessContext) -> InProcessParts:
     """The stage in-process: it scores with the rollout, before the reward stage that waits for it."""
-    return InProcessParts(sample=[RewardModelWorker.from_config(build_reward_model(ctx.cfg, resolve_reward_model(ctx.cfg), ctx.tokenizer,
-                                                                                   ctx.ranks), ctx.cfg)])
+    return InProcessParts(sample=[RewardModelWorker.from_config(reward_model(ctx.cfg, ctx.tokenizer, ctx.ranks), ctx.cfg)])
+
+
+def reward_model(cfg: Config, policy_tokenizer: object, ranks: ProcessRanks) -> HFRewardModel | GenerativeJudge:
+    """The run's reward model on this process's device: the classifier, or the judge (``reward_model.kind``)."""
+    path = resolve_reward_model(cfg)
+    if cfg.reward_model.kind == "generative":
+        return build_judge(cfg, path, policy_tokenizer, ranks.device)
+    return build_reward_model(cfg, path, policy_tokenizer, ranks)

@@ -16,7 +16,8 @@ def test_the_rescore_pipeline_imports_the_rollouts_dataset_into_its_step(tmp_pat
     spec = json_format.ParseDict(yaml.safe_load(path.read_text()), pb.PipelineSpec(), ignore_unknown_fields=False)
     assert spec.pipeline_info.name == "dockrl-rescore"
     params = spec.root.input_definitions.parameters
-    assert {k: params[k].parameter_type for k in params} == {"rollouts_uri": pb.ParameterType.STRING, "scorer": pb.ParameterType.STRING}
+    assert {k: params[k].parameter_type for k in params} == {"rollouts_uri": pb.ParameterType.STRING, "scorer": pb.ParameterType.STRING,
+                                                                 "judge": pb.ParameterType.STRING}
     tasks = spec.root.dag.tasks
     assert set(tasks) == {"importer", "rescore-rollouts"}
     importer = spec.deployment_spec["executors"]["exec-importer"]["importer"]

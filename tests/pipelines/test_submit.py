@@ -442,3 +442,17 @@ def test_max_concurrency_is_checked(kfp_server, compiled_npu):
     with pytest.raises(PipelineError, match="--max-concurrency 0"):
         schedule(kfp_server.url, compiled_npu, cron="0 0 3 * * *", max_concurrency=0)
     assert kfp_server.requests == []
+
+
+def test_cli_schedule_compiles_and_schedules_the_alignment_pipeline(kfp_server, capsys):
+    """A recurring alignment run (SFT → GRPO), compiled now with ``--kind alignment``, as a GRPO one is."""
+    rc, out, err = _cli(capsys, "schedule", "--host", kfp_server.url, "--kind", "alignment", "--platform", "gpu", "--cron", "0 0 3 * * *",
+                        *OVERRIDES)
+    assert rc == 0, err
+    assert _json(out)["recurring_run_id"] == "rr-1"
+    [version] = kfp_server.versions[pipeline_id(kfp_server, "dockrl-alignment")]
+    tasks = version["pipeline_spec"]["pipeline_spec"]["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert {"sft", "start-from", "train"} <= set(tasks)
+    [rec] = kfp_server.posts(f"{API}/recurringruns")
+    assert rec["runtime_config"]["parameters"]["config_overrides"] == "\n".join(OVERRIDES)
+    assert rec["trigger"] == {"cron_schedule": {"cron": "0 0 3 * * *"}} and rec["no_catchup"] is True

@@ -30,14 +30,16 @@ def path_readers(spec) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("platform, worker_backend", [(p, b) for p in ("npu", "gpu", "cpu") for b in ("local", "kubernetes")])
-def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(platform, worker_backend, tmp_path):
+@pytest.mark.parametrize("kind, platform, worker_backend", [(k, p, b) for k in ("grpo", "sft", "alignment") for p in ("npu", "gpu", "cpu")
+                                                         for b in ("local", "kubernetes")])
+def test_a_task_that_reads_a_path_field_mounts_the_volume_holding_it(kind, platform, worker_backend, tmp_path):
     from dockrl.pipelines.grpo import compile_pipeline
 
     preset = PLATFORMS[platform]
-    spec, _, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform=platform, worker_backend=worker_backend))
+    spec, _, k8s = parse_ir(compile_pipeline(tmp_path / "p.yaml", platform=platform, worker_backend=worker_backend, kind=kind))
     readers = path_readers(spec)
-    assert {"exec-prepare-dataset", "exec-train", "exec-export-model", "exec-evaluate"} <= set(readers)
+    trains = {"grpo": {"exec-train"}, "sft": {"exec-sft"}, "alignment": {"exec-sft", "exec-start-from", "exec-train"}}[kind]
+    assert {"exec-prepare-dataset", "exec-export-model", "exec-evaluate", *trains} <= set(readers)
     unmounted, no_secret = [], []
     for executor, why in sorted(readers.items()):
         if (preset.shared_volume_claim, preset.shared_mount_path) not in [(m.constant, m.mount_path) for m in k8s[executor].pvc_mount]:

@@ -1,5 +1,6 @@
-"""What reads a run's kept rollouts back: ``dockrl rollouts rescore`` (a new reward beside the old one),
-``replay`` (an iteration's actor loss and gradient norm, recomputed) and ``page`` (the HTML page)."""
+"""What reads a run's kept rollouts back: ``dockrl rollouts rescore`` (a new reward beside the old one; with a
+generative judge too, and as the rescore pipeline), ``distill`` (a teacher's reverse KL to the policy), ``replay`` (an
+iteration's actor loss and gradient norm, recomputed) and ``page`` (the HTML page)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from fake_scorers import FakeDigitScorer
 
 from dockrl import driver
 from dockrl.cli import main
-from dockrl.config import ConfigError, load_config
+from dockrl.config import ConfigError, GenerativeJudgeConfig, load_config
+from dockrl.engines.hf.rollout import HFRolloutEngine
+from dockrl.engines.judge import GenerativeJudge
 from dockrl.rollouts.keep import kept_rollouts, load_rollouts_tokenizer, read_rollouts
 from dockrl.rollouts.rescore import rescore
+from dockrl.rollouts.teacher import teacher_kl
+from dockrl.run.models import build_tiny_model
 
 SHORT = ["run.progress=false", "trainer.iterations=3", "trainer.global_batch=2", "trainer.mini_batch=1", "trainer.micro_batch=2",
          "rollout.n=4", "rollout.max_response_length=8", "rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.lr=1e-3",
@@ -205,3 +210,75 @@ def test_the_same_reward_again_changes_no_row(kept_run):
     stats = per_iteration(table)
     assert stats["rescore/changed"] == 0 and stats["rescore/rows"] == 8
     assert stats["rescore/old_mean/iter_0000"] == pytest.approx(stats["rescore/new_mean/iter_0000"], abs=1e-6)
+
+
+def test_distill_measures_the_policy_s_reverse_kl_to_a_teacher(kept_run, tiny_model_dir, tmp_path, capsys):
+    """The run's own initial model as the teacher: the rows of iteration 0 were sampled by those weights, so their
+    reverse KL is 0 up to float noise; later iterations' policies have moved away from it."""
+    table = teacher_kl(kept_rollouts(kept_run), tiny_model_dir)
+    assert table.num_rows == 3 * 2 * 4 and table.column_names == ["iteration", "row", "tokens", "reverse_kl"]
+    rows = table.to_pylist()
+    assert all(r["tokens"] >= 1 for r in rows)
+    assert max(abs(r["reverse_kl"]) for r in rows if r["iteration"] == 0) < 1e-4
+    assert max(abs(r["reverse_kl"]) for r in rows if r["iteration"] == 2) > 1e-3
+
+    capsys.readouterr()
+    out = tmp_path / "kl.parquet"
+    assert main(["rollouts", "distill", str(kept_run), "--teacher", str(tiny_model_dir), "--iteration", "2", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    two = [r for r in rows if r["iteration"] == 2]
+    tokens = sum(r["tokens"] for r in two)
+    assert lines[0].split() == ["iteration", "rows", "tokens", "reverse_kl"]
+    assert lines[1].split() == ["2", "8", str(tokens), f"{sum(r['reverse_kl'] * r['tokens'] for r in two) / tokens:.4f}"]
+    assert pq.read_table(out).to_pylist() == [pytest.approx(r) for r in two]
+
+    other = build_tiny_model(tmp_path / "other-tokenizer", vocab_size=400)
+    capsys.readouterr()  # the build's progress bar
+    assert main(["rollouts", "distill", str(kept_run), "--teacher", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dockrl rollouts distill: --teacher: the teacher's tokenizer ({other}) is not the student's"), err
+
+
+JUDGE = ["reward_model.generative.template=Question: {prompt} Answer: {response} Score 0 to 10.",
+         "reward_model.generative.max_new_tokens=4", "reward_model.micro_batch_size=8"]
+
+
+def test_rescore_with_a_generative_judge_gives_its_verdicts_beside_the_old_reward(kept_run, tiny_model_dir, capsys):
+    kept = kept_rollouts(kept_run)
+    judge = [f"reward_model.model.path={tiny_model_dir}", "reward_model.generative.parser=judge_parsers:verdict_length", *JUDGE]
+    table, bad = rescore(kept, judge=judge, iteration=1)
+    stored = read_rollouts(kept.root, 1, ["iteration", "row", "prompt_ids", "response_ids", "ground_truth", "rm_score"])
+    cfg = GenerativeJudgeConfig(template=JUDGE[0].split("=", 1)[1], parser="judge_parsers:verdict_length", max_new_tokens=4)
+    alone = GenerativeJudge(HFRolloutEngine(tiny_model_dir, dtype="float32"), load_rollouts_tokenizer(kept), cfg)
+    want = alone.verdicts(stored.column("prompt_ids").to_pylist(), stored.column("response_ids").to_pylist(),
+                          stored.column("ground_truth").to_pylist(), micro_batch=8)
+    assert table.column("new").to_pylist() == pytest.approx([v.score for v in want]) and not bad
+    assert table.column("old").to_pylist() == stored.column("rm_score").to_pylist()
+
+    unread, bad = rescore(kept, judge=[f"reward_model.model.path={tiny_model_dir}", "reward_model.generative.parser=judge_parsers:undecided",
+                                       "reward_model.generative.unparsed_score=-1", *JUDGE], iteration=1)
+    assert unread.column("new").to_pylist() == [-1.0] * 8 and all(unread.column("new_bad").to_pylist()) and bad == {"unparsed": 8}
+    with pytest.raises(ConfigError, match=r"^judge: got \['trainer.lr=1'\]; expected reward_model.\* settings"):
+        rescore(kept, judge=["trainer.lr=1"])
+    with pytest.raises(ValueError, match=r"exactly one"):
+        rescore(kept, "fake_scorers:FakeDigitScorer", judge=judge)
+    capsys.readouterr()
+    assert main(["rollouts", "rescore", str(kept_run), "--iteration", "1", *[f"--judge={j}" for j in judge]]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "(8 rows rescored, 8 changed)"
+
+
+@pytest.mark.slow
+def test_the_rescore_pipeline_runs_the_judge_locally(kept_run, tiny_model_dir, tmp_path, monkeypatch):
+    """The rescore pipeline with a judge (the built-in number parser) over a run's kept rollouts, through kfp.local."""
+    from dockrl.pipelines.grpo import task_metadata
+    from dockrl.pipelines.rescore import run_rescore_local
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    judge = [f"reward_model.model.path={tiny_model_dir}", "reward_model.generative.unparsed_score=-1", *JUDGE]
+    run = run_rescore_local(kept_run, "", tmp_path / "root", judge=judge)
+    table = pq.read_table(run / "rescore-rollouts" / "rescored" / "rescored.parquet")
+    want, _ = rescore(kept_rollouts(kept_run), judge=judge)
+    assert table.num_rows == 3 * 2 * 4 and table.to_pylist() == want.to_pylist()
+    meta = task_metadata(run, "rescore-rollouts", "rescored")
+    assert meta["judge"] == judge and meta["rows"] == 24
+    assert task_metadata(run, "rescore-rollouts", "metrics")["rescore/rows"] == 24
