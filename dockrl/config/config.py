@@ -251,9 +251,11 @@ def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: Algorithm
         raise fail("env.tool_call_reward", env.tool_call_reward, f"only the built-in environments "
                     f"({', '.join(BUILT_IN_ENVIRONMENTS)}) give it; env.name={env.name!r} "
                     + ("is none" if not env.name else "gives its own rewards (Step.reward)") + ": set env.tool_call_reward=0")
-    if env.tool_call_reward * r.max_turns >= a.correct_reward:
+    paid_turns = 1 if env.tool_call_reward_once else r.max_turns
+    if env.tool_call_reward * paid_turns >= a.correct_reward:
+        times = "once: env.tool_call_reward_once" if env.tool_call_reward_once else f"× rollout.max_turns={r.max_turns}"
         raise fail("env.tool_call_reward", env.tool_call_reward, f"the most a trajectory can earn from tool calls "
-                    f"(× rollout.max_turns={r.max_turns}) must stay below algorithm.correct_reward={a.correct_reward:g}, "
+                    f"({times}) must stay below algorithm.correct_reward={a.correct_reward:g}, "
                     "so a right answer outweighs any number of calls")
     if not multi_turn(env):
         if r.max_turns != 1:

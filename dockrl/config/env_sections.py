@@ -74,6 +74,10 @@ class EnvConfig:
     a GRPO group has variance before any answer is right (rewarding the call's form and success, as
     ToolRL does with its format and correctness terms: Qian et al. 2025, arXiv 2504.13958). It is added to the trajectory's
     reward through ``turn_rewards``; ``correct`` stays the verifier's verdict. 0: no such reward."""
+    tool_call_reward_once: bool = True
+    """Pay ``tool_call_reward`` for the first model turn of a trajectory whose calls all ran only, so that calls
+    cannot outweigh the answer however many turns they take (a model paid per turn learns to spend every turn on
+    a call and none on the answer: docs/agents.md). false: every such turn earns it."""
     timeout_s: float = 60.0
     """Longest a user environment (``package.module:Class``) may take to answer one call (open, a step,
     close), seconds; past it the rollout fails naming the environment."""

@@ -89,6 +89,8 @@ class Trajectory:
     """The environment's reward of each model turn (0 for a turn it did not see)."""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_calls_right: int = 0
+    """Calls that ran and returned the reference answer (``Step.tool_calls_right``): a metric, not a dock column."""
     truncated: bool = False
     """The last model turn was cut at its budget (no EOS), or the token budget ended the trajectory before the environment did."""
 
@@ -174,6 +176,7 @@ def roll_out(
                 trajectory.turn_rewards[-1] = step.reward
                 trajectory.tool_calls += step.tool_calls
                 trajectory.tool_errors += step.tool_errors
+                trajectory.tool_calls_right += step.tool_calls_right
                 if step.done or step.observation is None or turn == limits.max_turns - 1:
                     continue
                 observation = end_of_turn + observe(step.observation)
@@ -220,8 +223,9 @@ def trajectory_columns(trajectories: Sequence[Trajectory]) -> dict[str, list]:
 
 def multi_turn_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """``rollout/*`` metrics of the trajectories: turns per trajectory (mean, max), tool calls and
-    tool errors per trajectory, the share of tool calls that failed, the environment's reward per
-    trajectory (sum over its turns) and the tokens the model sampled per trajectory.
+    tool errors per trajectory, the share of tool calls that failed, the calls per trajectory that returned the
+    reference answer (``Step.tool_calls_right``), the environment's reward per trajectory (sum over its turns) and
+    the tokens the model sampled per trajectory.
 
     Raises:
         ValueError: no trajectory.
@@ -236,6 +240,7 @@ def multi_turn_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/tool_calls_mean": calls / n,
         "rollout/tool_errors_mean": errors / n,
         "rollout/tool_error_ratio": errors / calls if calls else 0.0,
+        "rollout/tool_calls_right_mean": sum(t.tool_calls_right for t in trajectories) / n,
         "rollout/env_reward_mean": sum(sum(t.turn_rewards) for t in trajectories) / n,
         "rollout/sampled_tokens_mean": sum(sum(t.loss_mask) for t in trajectories) / n,
     }

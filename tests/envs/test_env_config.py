@@ -59,9 +59,14 @@ def test_the_tool_call_reward_is_for_built_in_environments_and_below_a_right_ans
     assert c.env.tool_call_reward == 0.2
     with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 0.2; .*env.name='my_pkg.envs:Shop' gives its own rewards"):
         load_config_text("", "test.yaml", ["env.name=my_pkg.envs:Shop", "env.tool_call_reward=0.2"])
+    assert c.env.tool_call_reward_once  # paid once per trajectory by default: any number of turns stays below the answer
+    assert load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=8", "env.tool_call_reward=0.5"]).env.tool_call_reward == 0.5
     with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 0.25; the most a trajectory can earn from tool calls "
                                           r"\(× rollout.max_turns=4\) must stay below algorithm.correct_reward=1"):
-        load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=4", "env.tool_call_reward=0.25"])
+        load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=4", "env.tool_call_reward=0.25",
+                                           "env.tool_call_reward_once=false"])
+    with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 1.0; .*\(once: env.tool_call_reward_once\) must stay below"):
+        load_config_text("", "test.yaml", ["env.name=python", "env.tool_call_reward=1.0"])
 
 
 def test_the_documented_task_configurations_load():
