@@ -236,8 +236,9 @@ def _check_parallel(c: Config) -> None:
 
 def multi_turn(env: EnvConfig) -> bool:
     """Whether the rollout runs the multi-turn loop (``dockrl.stages.multi_turn``): the run has an
-    environment (``env.name``); its rows then carry ``loss_mask`` and the turn columns."""
-    return bool(env.name)
+    environment (``env.name``) or an agent behind the gateway (``env.agent.command``, ``dockrl.stages.gateway``); its
+    rows then carry ``loss_mask`` and the turn columns."""
+    return bool(env.name or env.agent.command)
 
 
 def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: AlgorithmConfig) -> None:

@@ -63,7 +63,16 @@ class ObservationTokens:
 
     def __call__(self, text: str) -> list[int]:
         """The ids of the observation ``text`` (tokens, in the policy's vocabulary)."""
-        full = self._render([*_PROBE, {"role": self.role, "content": text}], generation_prompt=True)
+        return self.messages([{"role": self.role, "content": text}])
+
+    def messages(self, messages: Sequence[dict]) -> list[int]:
+        """The ids of the turns ``messages`` (chat messages: a tool's results, a user's turn), each rendered by the
+        template as it renders them after an assistant turn, then the generation prompt of the next assistant turn.
+
+        Raises:
+            ValueError: as the constructor's, when the template renders the turns before them differently.
+        """
+        full = self._render([*_PROBE, *messages], generation_prompt=True)
         if not full.startswith(self.base):
             raise ValueError("multi-turn rollout: the chat template renders the conversation before an observation differently "
                              f"once one follows ({self.base[-40:]!r} vs {full[len(self.base) - 40:len(self.base)]!r}); the "
@@ -164,7 +173,7 @@ def roll_out(
             for i, sample, text in zip(rows, samples, texts):
                 trajectory = out[i]
                 ids, log_probs, truncated, end_of_turn = sample.response_ids, sample.log_probs, sample.truncated, []
-                cut = _calls_cut(engine.tokenizer, episodes[i], ids, text, truncated)
+                cut = cut_at_calls(engine.tokenizer, getattr(episodes[i], "calls_end", None), ids, text, truncated)
                 if cut is not None:  # ends at its calls: the assistant's end-of-turn token is the template's, not sampled
                     ids, log_probs, truncated, end_of_turn = ids[:cut], log_probs[:cut], False, [engine.eos_id]
                     text = engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -189,11 +198,11 @@ def roll_out(
     return out
 
 
-def _calls_cut(tokenizer: Any, episode: Episode, ids: Sequence[int], text: str, truncated: bool) -> int | None:
-    """How many of a turn's sampled ``ids`` to keep when it went on past its tool calls (``Episode.calls_end``):
-    the fewest whose text holds the calls whole. None: no complete call, or nothing but whitespace and the
-    end of turn after it."""
-    calls_end: Callable[[str], int | None] | None = getattr(episode, "calls_end", None)
+def cut_at_calls(tokenizer: Any, calls_end: Callable[[str], int | None] | None, ids: Sequence[int], text: str,
+                 truncated: bool) -> int | None:
+    """How many of a turn's sampled ``ids`` to keep when it went on past its tool calls (``calls_end``: where they end in
+    a turn's text, as ``Episode.calls_end``; None: the turn is kept whole): the fewest whose text holds the calls whole.
+    None: no complete call, or nothing but whitespace and the end of turn after it."""
     if calls_end is None:
         return None
     find, end = calls_end, calls_end(text)
