@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
 
+from dockrl.config import Config, ConfigError
 from dockrl.engines.rollout_engine import RolloutEngine, Sample
 from dockrl.envs.tool_calls import ToolCall, ToolCallError, ToolParser, calls_end, parse_tool_calls
 from dockrl.stages.multi_turn import ObservationTokens, Trajectory, TurnLimits, cut_at_calls
@@ -104,6 +105,29 @@ class SessionResult:
     """Why the session failed ("" when it did not)."""
     requests: int = 0
     """Requests the session answered with a generation."""
+
+
+def build_gateway(cfg: Config, engine: RolloutEngine, prompts: Sequence[Any]) -> tuple[AgentGateway, AgentTasks] | tuple[None, None]:
+    """The run's gateway (``env.agent.*``) and the tasks of its training ``prompts`` (``dockrl.run.data.Prompt``: each
+    one's ``data.system_prompt`` and question as chat messages, the messages its ids render); none without an agent.
+
+    Raises:
+        ConfigError: ``data.chat_template=none`` (a prompt that is not a chat has no messages to give the agent).
+    """
+    a, r = cfg.env.agent, cfg.rollout
+    if not a.command:
+        return None, None
+    if cfg.data.chat_template == "none":
+        raise ConfigError("env.agent.command: the agent is given its prompt as chat messages, and data.chat_template=none "
+                          "renders plain text: set data.chat_template=auto")
+    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    tasks = {tuple(p.prompt_ids): {"messages": [*system, {"role": "user", "content": p.question}], "tools": []} for p in prompts}
+    limits = GatewayLimits(turns=TurnLimits(max_turns=r.max_turns, max_turn_tokens=r.max_response_length, max_total_tokens=r.max_total_tokens),
+                           session_timeout_s=a.session_timeout_s, request_timeout_s=a.request_timeout_s, max_sessions=a.max_sessions,
+                           batch_wait_s=a.batch_wait_s, failed_reward=a.failed_reward)
+    gateway = AgentGateway(engine, a.command, limits, tool_parser=cfg.env.tool_parser, temperature=r.temperature, top_p=r.top_p,
+                           host=a.host)
+    return gateway, lambda ids: tasks[tuple(ids)]
 
 
 class SessionError(Exception):
