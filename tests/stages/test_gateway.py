@@ -7,6 +7,7 @@ never ends, crashes, sleeps or edits the conversation fails alone, scored as fai
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 from fake_envs import ending_model
 from test_multi_turn import RecordingEngine, build_engine
 
-from dockrl.config import DockConfig, RolloutConfig
+from dockrl import driver
+from dockrl.config import DockConfig, RolloutConfig, load_config
 from dockrl.dock import GRPO_SCHEMA, open_dock
 from dockrl.engines.hf.rollout import HFRolloutEngine
 from dockrl.engines.hf.train import HFTrainEngine
@@ -220,3 +222,21 @@ def test_a_request_without_a_session_key_is_refused(model_dir):
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     finally:
         gateway.close()
+
+
+@pytest.mark.slow  # one short in-process run of the tiny model whose rollout serves the agent's sessions
+def test_an_inprocess_run_trains_through_the_gateway(model_dir, tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model.path={model_dir}", f"run.output_dir={run}", f"run.cache_dir={tmp_path / 'cache'}", "run.progress=false",
+        "trainer.iterations=2", "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=2",
+        "rollout.max_response_length=32", "rollout.max_turns=3", "rollout.engine=hf", "rollout.dtype=float32",
+        "trainer.autocast_bf16=false", "trainer.eval_before=false", "trainer.eval_after=false", "data.generate_train=8",
+        "data.generate_test=4", "data.eval_size=4", "trainer.lr=1e-3", f"env.agent.command={shlex.join(AGENT)}",
+    ])
+    driver.train(cfg)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for r in rows:  # every session is a row the actor trained on; the reward stage took the failed ones' reward as decided
+        assert r["rollout/sessions"] == 4 and r["rollout/turns_max"] >= 2 and r["actor/sequences"] == 4
+        assert r["reward/sessions_decided"] == r["rollout/sessions_failed"]  # no agent here posts a reward
