@@ -273,7 +273,8 @@ def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: Algorithm
                                              "a trajectory's length counts observations, not rollout.max_response_length's tokens",
                                              False),
     }
+    source = f"env.name={env.name!r}" if env.name else f"env.agent.command={env.agent.command!r}"
     for where, (value, bad, why, off) in refused.items():
         if bad:
-            raise fail(where, value, f"not supported with an environment (env.name={env.name!r}: a multi-turn rollout; {why}); "
-                        f"set {where}={str(off).lower()}, or env.name=''")
+            raise fail(where, value, f"not supported with an environment or an agent ({source}: a multi-turn rollout; {why}); "
+                        f"set {where}={str(off).lower()}, or {source.split('=')[0]}=''")
