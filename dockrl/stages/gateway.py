@@ -243,6 +243,7 @@ class AgentGateway:
         self._sessions: dict[str, _Session] = {}
         self._jobs: list[_Job] = []
         self._cond = threading.Condition()
+        self._tokenizing = threading.Lock()  # the server's threads share the tokenizer: one at a time
         gateway = self
 
         class Handler(_Handler):
@@ -382,10 +383,9 @@ class AgentGateway:
                 self._cond.wait(timeout=0.02)
             if not self._jobs:
                 return
-            first = min(job.since for job in self._jobs)
-            all_in = sum(s.waiting for s in live) >= len(live)
-            if not all_in and time.monotonic() - first < self.limits.batch_wait_s:
-                self._cond.wait(timeout=self.limits.batch_wait_s - (time.monotonic() - first))
+            deadline = min(job.since for job in self._jobs) + self.limits.batch_wait_s
+            while sum(s.waiting for s in live) < len(live) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(timeout=left)
             jobs, self._jobs = self._jobs, []
         by_budget: dict[int, list[_Job]] = {}
         for job in jobs:
@@ -459,17 +459,19 @@ class AgentGateway:
                 raise SessionError(400, "invalid_request", "no message after the assistant's last turn")
             if any(m["role"] == "assistant" for m in got[known:]):
                 raise SessionError(400, "conversation_mismatch", "an assistant message the model did not write")
-            inserted = s.observe.messages([_template_message(m) for m in new]) if new else []
+            with self._tokenizing:
+                inserted = s.observe.messages([_template_message(m) for m in new]) if new else []
             sample = self._generate(s, inserted, body)
             s.messages += got[known:]
-            text, calls, finish = self._turn_text(s, sample, tools)
+            with self._tokenizing:
+                text, calls, finish = self._turn_text(s, sample, tools)
+                logprobs = self._chat_logprobs(s) if body.get("logprobs") else None
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 message["tool_calls"] = [{"id": f"call_{s.trajectory.turns}_{k}", "type": "function",
                                           "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for k, c in enumerate(calls)]
             s.messages.append(_canonical(message))
-            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
-                                      "logprobs": self._chat_logprobs(s) if body.get("logprobs") else None}
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
             return self._answer(s, "chat.completion", choice, len(inserted))
 
     def complete(self, s: _Session, body: Mapping[str, Any]) -> dict:
@@ -479,23 +481,26 @@ class AgentGateway:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise SessionError(400, "invalid_request", "'prompt' must be one string")
+        tok = self.engine.tokenizer
         with self._turn(s, body):
-            so_far = self.engine.tokenizer.decode(s.prompt_ids + s.trajectory.response_ids + s.end_of_turn, skip_special_tokens=False)
-            if not prompt.startswith(so_far):
-                raise SessionError(400, "conversation_mismatch", "'prompt' must begin with the session's text so far (its token ids "
-                                   f"decoded, special tokens kept); it differs at character {_differs_at(prompt, so_far)}")
-            added = prompt[len(so_far):]
-            if s.trajectory.turns and not added:
-                raise SessionError(400, "invalid_request", "no text after the model's last turn")
-            inserted = list(self.engine.tokenizer.encode(added, add_special_tokens=False)) if added else []
+            with self._tokenizing:
+                so_far = tok.decode(s.prompt_ids + s.trajectory.response_ids + s.end_of_turn, skip_special_tokens=False)
+                if not prompt.startswith(so_far):
+                    raise SessionError(400, "conversation_mismatch", "'prompt' must begin with the session's text so far (its token "
+                                       f"ids decoded, special tokens kept); it differs at character {_differs_at(prompt, so_far)}")
+                added = prompt[len(so_far):]
+                if s.trajectory.turns and not added:
+                    raise SessionError(400, "invalid_request", "no text after the model's last turn")
+                inserted = list(tok.encode(added, add_special_tokens=False)) if added else []
             sample = self._generate(s, inserted, body, end_of_turn=False)
-            text, _, finish = self._turn_text(s, sample, [])
-            logprobs = None
-            if body.get("logprobs") is not None:
-                start, end = s.trajectory.turn_starts[-1], s.trajectory.turn_ends[-1]
-                ids = s.trajectory.response_ids[start:end]
-                logprobs = {"tokens": [self.engine.tokenizer.decode([i]) for i in ids], "token_logprobs": s.trajectory.log_probs[start:end],
-                            "top_logprobs": None, "text_offset": None}
+            with self._tokenizing:
+                text, _, finish = self._turn_text(s, sample, [])
+                logprobs = None
+                if body.get("logprobs") is not None:
+                    start, end = s.trajectory.turn_starts[-1], s.trajectory.turn_ends[-1]
+                    ids = s.trajectory.response_ids[start:end]
+                    logprobs = {"tokens": [tok.decode([i]) for i in ids], "token_logprobs": s.trajectory.log_probs[start:end],
+                                "top_logprobs": None, "text_offset": None}
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
             return self._answer(s, "text_completion", choice, len(inserted))
 

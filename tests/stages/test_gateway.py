@@ -240,3 +240,42 @@ def test_an_inprocess_run_trains_through_the_gateway(model_dir, tmp_path):
     for r in rows:  # every session is a row the actor trained on; the reward stage took the failed ones' reward as decided
         assert r["rollout/sessions"] == 4 and r["rollout/turns_max"] >= 2 and r["actor/sequences"] == 4
         assert r["reward/sessions_decided"] == r["rollout/sessions_failed"]  # no agent here posts a reward
+
+
+COMPLETIONS_AGENT = """
+import json, os, sys
+import openai
+
+task = json.load(sys.stdin)
+client = openai.OpenAI(max_retries=0, timeout=120)
+first = client.completions.create(model="policy", prompt=task["prompt"], logprobs=1)
+prompt = task["prompt"] + first.choices[0].text + "<|im_end|>" + sys.argv[1]
+second = client.completions.create(model="policy", prompt=prompt, logprobs=1)
+with open(os.path.join(os.environ["AGENT_TRANSCRIPTS"], first.id + ".json"), "w") as f:
+    json.dump({"ids": [first.id], "logprobs": [c.choices[0].logprobs.token_logprobs for c in (first, second)]}, f)
+"""
+
+
+def test_completions_extend_the_session_text_with_the_agents_text_as_ids(model_dir, tmp_path, monkeypatch):
+    """``/v1/completions``: the agent's prompt begins with the session's text, what it adds is tokenized once and
+    appended after the sampled ids; the log-probs it gets are the trained ones."""
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(model_dir, dtype="float32")
+    agent = tmp_path / "completions_agent.py"
+    agent.write_text(COMPLETIONS_AGENT)
+    added = "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"
+    transcripts = tmp_path / "transcripts"
+    transcripts.mkdir()
+    monkeypatch.setenv("AGENT_TRANSCRIPTS", str(transcripts))
+    prompts, tasks = tasks_of(engine.tokenizer, ["What is 12 times 34?"])
+    gateway = AgentGateway(engine, [sys.executable, str(agent), added], GatewayLimits(turns=TurnLimits(max_turns=2, max_turn_tokens=64)))
+    try:
+        (result,) = gateway.run(prompts, [tasks[tuple(prompts[0])]])
+    finally:
+        gateway.close()
+    t = result.trajectory
+    assert not result.failure and t.turns == 2 and t.response_ids[t.turn_ends[0] - 1] == engine.eos_id
+    assert t.response_ids[t.turn_ends[0]:t.turn_starts[1]] == engine.tokenizer.encode(added, add_special_tokens=False)
+    (transcript,) = [json.loads(f.read_text()) for f in transcripts.iterdir()]
+    for k, logprobs in enumerate(transcript["logprobs"]):
+        assert logprobs == pytest.approx(t.log_probs[t.turn_starts[k]:t.turn_ends[k]], abs=1e-6)
