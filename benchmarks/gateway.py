@@ -8,9 +8,11 @@ same loop on its side. The two paths alternate (direct, gateway, direct, ...) af
 
     python benchmarks/gateway.py --model MODEL_DIR [--engine vllm] [--prompts 8 --n 4]
 
-Prints one row per path (medians over ``--repeats``): sessions, model turns (requests), sampled tokens, seconds,
-sessions per second, seconds per model turn, and the gateway's ratios to the direct path; then its overhead per
-request (seconds per model turn, gateway minus direct) and what starting one agent process costs alone.
+Prints one row per path (medians over ``--repeats``): sessions, model turns (requests), sampled tokens, seconds, of
+which in the engine's ``generate``, sessions per second, seconds per model turn outside ``generate``, and the
+gateway's ratio to the direct path; then the gateway's overhead per request (seconds outside ``generate`` per model
+turn, gateway minus direct: the agents' processes, HTTP, JSON, tokenizing their messages) and what starting one
+agent process costs alone.
 """
 
 from __future__ import annotations
@@ -38,6 +40,21 @@ from dockrl.stages.gateway import AgentGateway, GatewayLimits  # noqa: E402
 from dockrl.stages.multi_turn import ObservationTokens, TurnLimits, roll_out  # noqa: E402
 
 AGENT = [sys.executable, str(HERE / "calculator_agent.py")]
+
+
+class TimedEngine:
+    """The engine, with the seconds spent in its ``generate`` summed."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.seconds = engine, 0.0
+        self.tokenizer, self.eos_id, self.pad_id = engine.tokenizer, engine.eos_id, engine.pad_id
+
+    def generate(self, prompts, **kw):
+        start = time.perf_counter()
+        try:
+            return self.engine.generate(prompts, **kw)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def build_engine(kind: str, model: str, dtype: str):
@@ -69,7 +86,7 @@ def main() -> None:
         from dockrl.run.models import build_tiny_model
 
         args.model = str(build_tiny_model(tempfile.mkdtemp(prefix="tiny-model-")))
-    engine = build_engine(args.engine, args.model, args.dtype)
+    engine = TimedEngine(build_engine(args.engine, args.model, args.dtype))
     tok = engine.tokenizer
     env = CalculatorEnvironment(args.parser)
     system = SYSTEM_PROMPTS["calculator"] + "\n\n" + describe_tools(env.tools, args.parser)
@@ -95,16 +112,16 @@ def main() -> None:
         return sum(r.trajectory.turns for r in out), sum(sum(r.trajectory.loss_mask) for r in out)
 
     paths = {"direct multi-turn rollout": direct, "gateway (openai agents)": served}
-    results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in paths}
+    results: dict[str, list[tuple[float, int, int, float]]] = {name: [] for name in paths}
     try:
         for run in paths.values():  # warm-up
             run()
         for _ in range(args.repeats):
             for name, run in paths.items():
                 torch.manual_seed(0)
-                start = time.perf_counter()
+                engine.seconds, start = 0.0, time.perf_counter()
                 turns, tokens = run()
-                results[name].append((time.perf_counter() - start, turns, tokens))
+                results[name].append((time.perf_counter() - start, turns, tokens, engine.seconds))
     finally:
         gateway.close()
     start = time.perf_counter()
@@ -113,20 +130,19 @@ def main() -> None:
 
     print(f"{args.engine} engine, {args.dtype}, {len(rows)} sessions ({args.prompts} prompts × {args.n}), ≤ {args.max_turns} turns of "
           f"≤ {args.max_new_tokens} tokens, temperature {args.temperature:g}, medians of {args.repeats}\n")
-    print("| path | sessions | model turns | sampled tokens | seconds | sessions/s | s per model turn | sessions/s ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    per_turn, rates = {}, {}
+    print("| path | sessions | model turns | sampled tokens | seconds | in generate | sessions/s | s outside generate per model turn | "
+          "sessions/s ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    outside, rates = {}, {}
     for name, runs in results.items():
-        seconds = statistics.median(r[0] for r in runs)
-        turns = statistics.median(r[1] for r in runs)
-        tokens = statistics.median(r[2] for r in runs)
-        rates[name], per_turn[name] = len(rows) / seconds, seconds / turns
+        seconds, turns, tokens, generating = (statistics.median(r[k] for r in runs) for k in range(4))
+        rates[name], outside[name] = len(rows) / seconds, (seconds - generating) / turns
         base = rates["direct multi-turn rollout"]
-        print(f"| {name} | {len(rows)} | {turns:g} | {tokens:g} | {seconds:.2f} | {rates[name]:.2f} | {per_turn[name]:.3f} | "
-              f"{rates[name] / base:.2f} |")
-    overhead = per_turn["gateway (openai agents)"] - per_turn["direct multi-turn rollout"]
-    print(f"\ngateway overhead per request: {overhead * 1000:.0f} ms (seconds per model turn, gateway minus direct); "
-          f"starting one agent process (python, import openai): {agent_start:.2f} s")
+        print(f"| {name} | {len(rows)} | {turns:g} | {tokens:g} | {seconds:.2f} | {generating:.2f} | {rates[name]:.3f} | "
+              f"{outside[name]:.3f} | {rates[name] / base:.2f} |")
+    overhead = outside["gateway (openai agents)"] - outside["direct multi-turn rollout"]
+    print(f"\ngateway overhead per request: {overhead * 1000:.0f} ms (seconds outside generate per model turn, gateway minus "
+          f"direct); starting one agent process (python, import openai): {agent_start:.2f} s")
 
 
 if __name__ == "__main__":
