@@ -4,7 +4,8 @@ The model (default: the packaged SmolLM2-135M-Instruct, ``model.path=smollm2-135
 bundled tool task (``dockrl/envs/data/tool_arithmetic_{train,test}.jsonl``: products and sums of 3- to
 5-digit numbers, which a 135M model cannot compute in its head) in an environment (``--env``:
 ``calculator`` or ``python``) whose tool computes them; the verifier scores the last model turn's
-``#### <number>``, plus ``--tool-call-reward`` for each model turn whose tool calls all ran. One run of
+``#### <number>``, plus ``--tool-call-reward`` for the first model turn whose tool calls all ran (every such turn with
+``--tool-call-reward-every``). One run of
 ``--iterations`` iterations of ``--prompts`` prompts × ``--n`` trajectories (≤ ``--max-turns`` model turns
 of ≤ ``--max-new-tokens`` tokens, temperature ``--temperature``), in fp32 (``--precision``), one update per iteration.
 
@@ -13,8 +14,9 @@ of ≤ ``--max-new-tokens`` tokens, temperature ``--temperature``), in fp32 (``-
 
 Prints two markdown tables and the command that reproduces them: the greedy evaluation on
 ``--eval-size`` test prompts before and after training (accuracy, answers in the ``####`` format,
-model turns, tool calls and tool errors per trajectory, the share of tool calls that ran), and every
-training iteration's sampled trajectories (reward, accuracy, the same tool counts, seconds).
+model turns, tool calls and tool errors per trajectory, the share of tool calls that ran, the calls that returned
+the reference answer), and every training iteration's sampled trajectories (reward, the share of it the verifier
+gave for the answer, accuracy, the same tool counts, seconds); each iteration's row also goes to stderr as it ends.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def overrides(args: argparse.Namespace, out: str) -> list[str]:
         f"trainer.iterations={args.iterations}", f"trainer.global_batch={args.prompts}", f"trainer.mini_batch={args.prompts}",
         f"trainer.micro_batch={args.micro_batch}", f"trainer.lr={args.lr}", "algorithm.kl_loss_coef=0", "trainer.save_every=0",
         f"trainer.seed={args.seed}", f"env.tool_call_reward={args.tool_call_reward}",
+        f"env.tool_call_reward_once={str(not args.tool_call_reward_every).lower()}",
+        *(["run.keep_rollouts=all"] if args.keep_rollouts else []),
         *([f"algorithm.format_reward={args.format_reward}"] if args.format_reward is not None else []),
     ]
 
@@ -61,21 +65,37 @@ def success(calls: float, errors: float) -> str:
     return f"{1 - errors / calls:.2f}" if calls else "-"
 
 
+def answer_share(s: dict[str, float]) -> str:
+    """The share of the mean reward the verifier gave for the answers (``reward/verifier_mean / reward/mean``), or ``-``
+    without a reward."""
+    return f"{s['reward/verifier_mean'] / s['reward/mean']:.2f}" if s["reward/mean"] > 0 else "-"
+
+
+ITERATION_HEADER = ["| iteration (sampled) | reward | from the answer | accuracy | turns / trajectory | tool calls / trajectory | "
+                    "tool errors / trajectory | tool-call success | right calls / trajectory | seconds |",
+                    "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def iteration_row(i: int, s: dict[str, float]) -> str:
+    """One training iteration's row of the sampled table."""
+    return (f"| {i} | {s['reward/mean']:.3f} | {answer_share(s)} | {s['reward/accuracy']:.3f} | {s['rollout/turns_mean']:.2f} | "
+            f"{s['rollout/tool_calls_mean']:.2f} | {s['rollout/tool_errors_mean']:.2f} | "
+            f"{success(s['rollout/tool_calls_mean'], s['rollout/tool_errors_mean'])} | {s['rollout/tool_calls_right_mean']:.2f} | "
+            f"{s['timing_s/iteration']:.0f} |")
+
+
 def tables(summary: dict[str, float], steps: list[dict[str, float]]) -> str:
     e = {tag: {k: summary.get(f"eval/{k}_{tag}", float("nan")) for k in
-               ("accuracy", "format_rate", "turns_mean", "tool_calls_mean", "tool_errors_mean")} for tag in ("before", "after")}
+               ("accuracy", "format_rate", "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_calls_right_mean")}
+         for tag in ("before", "after")}
     rows = ["| greedy, test prompts | accuracy | `####` format | turns / trajectory | tool calls / trajectory | "
-            "tool errors / trajectory | tool-call success |", "|---|---|---|---|---|---|---|"]
+            "tool errors / trajectory | tool-call success | right calls / trajectory |", "|---|---|---|---|---|---|---|---|"]
     for tag in ("before", "after"):
         m = e[tag]
         rows.append(f"| {tag} | {m['accuracy']:.3f} | {m['format_rate']:.3f} | {m['turns_mean']:.2f} | {m['tool_calls_mean']:.2f} | "
-                    f"{m['tool_errors_mean']:.2f} | {success(m['tool_calls_mean'], m['tool_errors_mean'])} |")
-    rows += ["", "| iteration (sampled) | reward | accuracy | turns / trajectory | tool calls / trajectory | tool errors / trajectory | "
-             "tool-call success | seconds |", "|---|---|---|---|---|---|---|---|"]
-    for i, s in enumerate(steps):
-        rows.append(f"| {i} | {s['reward/mean']:.3f} | {s['reward/accuracy']:.3f} | {s['rollout/turns_mean']:.2f} | "
-                    f"{s['rollout/tool_calls_mean']:.2f} | {s['rollout/tool_errors_mean']:.2f} | "
-                    f"{success(s['rollout/tool_calls_mean'], s['rollout/tool_errors_mean'])} | {s['timing_s/iteration']:.0f} |")
+                    f"{m['tool_errors_mean']:.2f} | {success(m['tool_calls_mean'], m['tool_errors_mean'])} | "
+                    f"{m['tool_calls_right_mean']:.2f} |")
+    rows += ["", *ITERATION_HEADER, *(iteration_row(i, s) for i, s in enumerate(steps))]
     return "\n".join(rows)
 
 
@@ -88,7 +108,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--engine", default="vllm", choices=["hf", "vllm"], help="rollout.engine")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-turns", type=int, default=2)
+    parser.add_argument("--max-turns", type=int, default=3, help="rollout.max_turns: room for calls and the answer")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="rollout.max_response_length: tokens of one model turn")
     parser.add_argument("--max-total-tokens", type=int, default=96)
     parser.add_argument("--max-prompt-length", type=int, default=384, help="data.max_prompt_length (the tools' description is in it)")
@@ -101,6 +121,9 @@ def main(argv: list[str] | None = None) -> str:
                         help="auto: the config's defaults (bf16 where the CPU computes it faster, docs/benchmarks.md)")
     parser.add_argument("--tool-call-reward", type=float, default=0.0,
                         help="env.tool_call_reward: the reward of a model turn whose tool calls all ran (0: the verifier's reward only)")
+    parser.add_argument("--tool-call-reward-every", action="store_true",
+                        help="env.tool_call_reward_once=false: every such turn earns it, not only the first")
+    parser.add_argument("--keep-rollouts", action="store_true", help="run.keep_rollouts=all: the sampled rows under --out/rollouts")
     parser.add_argument("--format-reward", type=float, default=None,
                         help="algorithm.format_reward: the reward of a wrong answer in the #### format (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -115,8 +138,13 @@ def main(argv: list[str] | None = None) -> str:
     from dockrl.config import load_config
 
     steps: list[dict[str, Any]] = []
+
+    def progress(_: int, metrics: dict[str, Any]) -> None:  # a run cut short (a timeout) still shows its iterations
+        steps.append(dict(metrics))
+        print(*(ITERATION_HEADER if len(steps) == 1 else []), iteration_row(len(steps) - 1, steps[-1]), sep="\n", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(prefix="agents-bench-") as tmp:
-        summary = driver.train(load_config(None, overrides(args, args.out or tmp)), on_iteration=lambda _, m: steps.append(dict(m)))
+        summary = driver.train(load_config(None, overrides(args, args.out or tmp)), on_iteration=progress)
     out = tables(summary, steps) + "\n\n" + shlex.join([Path(sys.executable).name, "benchmarks/agents.py", *(argv or sys.argv[1:])])
     print(out)
     print(json.dumps({"summary": summary, "iterations": steps}), file=sys.stderr)

@@ -258,8 +258,9 @@ def _check_parallel(c: Config) -> None:
 
 def multi_turn(env: EnvConfig) -> bool:
     """Whether the rollout runs the multi-turn loop (``dockrl.stages.multi_turn``): the run has an
-    environment (``env.name``); its rows then carry ``loss_mask`` and the turn columns."""
-    return bool(env.name)
+    environment (``env.name``) or an agent behind the gateway (``env.agent.command``, ``dockrl.stages.gateway``); its
+    rows then carry ``loss_mask`` and the turn columns."""
+    return bool(env.name or env.agent.command)
 
 
 def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: AlgorithmConfig) -> None:
@@ -273,9 +274,11 @@ def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: Algorithm
         raise fail("env.tool_call_reward", env.tool_call_reward, f"only the built-in environments "
                     f"({', '.join(BUILT_IN_ENVIRONMENTS)}) give it; env.name={env.name!r} "
                     + ("is none" if not env.name else "gives its own rewards (Step.reward)") + ": set env.tool_call_reward=0")
-    if env.tool_call_reward * r.max_turns >= a.correct_reward:
+    paid_turns = 1 if env.tool_call_reward_once else r.max_turns
+    if env.tool_call_reward * paid_turns >= a.correct_reward:
+        times = "once: env.tool_call_reward_once" if env.tool_call_reward_once else f"× rollout.max_turns={r.max_turns}"
         raise fail("env.tool_call_reward", env.tool_call_reward, f"the most a trajectory can earn from tool calls "
-                    f"(× rollout.max_turns={r.max_turns}) must stay below algorithm.correct_reward={a.correct_reward:g}, "
+                    f"({times}) must stay below algorithm.correct_reward={a.correct_reward:g}, "
                     "so a right answer outweighs any number of calls")
     if not multi_turn(env):
         if r.max_turns != 1:
@@ -292,7 +295,8 @@ def check_turns(r: RolloutConfig, env: EnvConfig, t: TrainerConfig, a: Algorithm
                                              "a trajectory's length counts observations, not rollout.max_response_length's tokens",
                                              False),
     }
+    source = f"env.name={env.name!r}" if env.name else f"env.agent.command={env.agent.command!r}"
     for where, (value, bad, why, off) in refused.items():
         if bad:
-            raise fail(where, value, f"not supported with an environment (env.name={env.name!r}: a multi-turn rollout; {why}); "
-                        f"set {where}={str(off).lower()}, or env.name=''")
+            raise fail(where, value, f"not supported with an environment or an agent ({source}: a multi-turn rollout; {why}); "
+                        f"set {where}={str(off).lower()}, or {source.split('=')[0]}=''")

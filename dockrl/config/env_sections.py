@@ -59,6 +59,28 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """A user's agent served by the rollout's OpenAI-compatible gateway (``dockrl.stages.gateway``, docs/agents.md)."""
+
+    command: str = ""
+    """The agent's command line (``shlex`` syntax), run once per trajectory row with ``OPENAI_BASE_URL`` and
+    ``OPENAI_API_KEY`` (its session's key) in its environment and its task (JSON: ``messages``, ``tools``, ``prompt``)
+    on stdin. Set, the rollout serves the gateway instead of an environment (``env.name`` must be empty). "": none."""
+    session_timeout_s: float = 300.0
+    """Longest a session may last from its agent's start, seconds; past it the session fails and its agent is killed."""
+    request_timeout_s: float = 120.0
+    """Longest one request may wait for its generation, seconds; past it the session fails."""
+    max_sessions: int = 16
+    """Agents running at once in one rollout process."""
+    batch_wait_s: float = 0.05
+    """Longest a waiting request waits for the other live sessions' requests to join its generation, seconds."""
+    failed_reward: float = 0.0
+    """The reward of a failed session (its agent crashed, went past a limit or never asked): the scorer does not score it."""
+    host: str = "127.0.0.1"
+    """The address the gateway binds; the agents get ``http://<host>:<port>/v1`` (a free port)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str = ""
     """The rollout's environment: ``""`` (single-turn: no environment), ``python`` (a Python tool run in
@@ -74,11 +96,17 @@ class EnvConfig:
     a GRPO group has variance before any answer is right (rewarding the call's form and success, as
     ToolRL does with its format and correctness terms: Qian et al. 2025, arXiv 2504.13958). It is added to the trajectory's
     reward through ``turn_rewards``; ``correct`` stays the verifier's verdict. 0: no such reward."""
+    tool_call_reward_once: bool = True
+    """Pay ``tool_call_reward`` for the first model turn of a trajectory whose calls all ran only, so that calls
+    cannot outweigh the answer however many turns they take (a model paid per turn learns to spend every turn on
+    a call and none on the answer: docs/agents.md). false: every such turn earns it."""
     timeout_s: float = 60.0
     """Longest a user environment (``package.module:Class``) may take to answer one call (open, a step,
     close), seconds; past it the rollout fails naming the environment."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the sandbox that runs the ``python`` environment's tool calls (``env.sandbox.*``)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """A user's agent driving the model through the gateway (``env.agent.*``), in place of an environment."""
 
 
 BUILT_IN_ENVIRONMENTS: dict[str, str] = {
@@ -109,6 +137,19 @@ def check_env(e: EnvConfig) -> None:
     if not (0 < e.timeout_s < math.inf):
         raise fail("env.timeout_s", e.timeout_s, "expected a finite number of seconds > 0")
     require_finite({"env.tool_call_reward": e.tool_call_reward}, zero=True)
+    g = e.agent
+    if g.command and e.name:
+        raise fail("env.agent.command", g.command, f"an agent drives the trajectories in place of an environment; env.name={e.name!r} "
+                   "is set too: set one of them")
+    for name in ("session_timeout_s", "request_timeout_s"):
+        if not 0 < getattr(g, name) < math.inf:
+            raise fail(f"env.agent.{name}", getattr(g, name), "expected a finite number of seconds > 0")
+    if not 0 <= g.batch_wait_s <= 10:
+        raise fail("env.agent.batch_wait_s", g.batch_wait_s, "expected seconds >= 0 and <= 10")
+    if not 1 <= g.max_sessions <= 4096:
+        raise fail("env.agent.max_sessions", g.max_sessions, "expected an integer >= 1 and <= 4096")
+    if not math.isfinite(g.failed_reward):
+        raise fail("env.agent.failed_reward", g.failed_reward, "expected a finite number (a penalty may be negative)")
     s = e.sandbox
     if not (0 < s.wall_s <= SANDBOX_MAX["wall_s"]):
         raise fail("env.sandbox.wall_s", s.wall_s, f"expected seconds > 0 and <= {SANDBOX_MAX['wall_s']:g}")

@@ -66,7 +66,7 @@ _FLOATS = pa.list_(pa.float32())
 
 GRPO_SCHEMA = Schema(
     version=5,  # v2: advantages per token; v3: partial rollout's carry-over columns; v4: multi-turn trajectories, weight versions;
-    # v5: the teacher's log-probs (on-policy distillation)
+    # v5: the teacher's log-probs (on-policy distillation), the gateway's session_reward
     columns=(
         Column(name="prompt_ids", type=_TOKENS, producer="driver", doc="chat-formatted prompt token ids (P,)"),
         Column(name="ground_truth", type=pa.string(), producer="driver", doc="reference final answer"),
@@ -104,6 +104,9 @@ GRPO_SCHEMA = Schema(
         Column(name="tool_calls", type=pa.int32(), producer="rollout_turns", doc="multi-turn: tool calls in the trajectory's model turns"),
         Column(name="tool_errors", type=pa.int32(), producer="rollout_turns",
                doc="multi-turn: of those, the calls that failed (unparsable, unknown tool, error, sandbox limit)"),
+        Column(name="session_reward", type=pa.float32(), producer="rollout_turns",
+               doc="gateway (env.agent.command): the session's reward when the rollout decided it (the agent posted one, or "
+                   "the session failed: env.agent.failed_reward); null: the scorer scores the last turn"),
         Column(name="rm_model_score", type=pa.float32(), producer="reward_model",
                doc="reward model's score of prompt + response (reward_model.enable only)"),
         Column(name="rm_score", type=pa.float32(), producer="reward",

@@ -27,6 +27,9 @@ class Step:
     """Tool calls the turn held (parsed from its text)."""
     tool_errors: int = 0
     """Of those, the calls that failed: unparsable, unknown tool, an error, a timeout or a limit hit in the sandbox."""
+    tool_calls_right: int = 0
+    """Of those, the calls that ran and whose value is the trajectory's reference answer (the call computed what the
+    question asks: a metric, never a reward; 0 where the environment does not check)."""
 
 
 @runtime_checkable

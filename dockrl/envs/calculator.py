@@ -93,20 +93,22 @@ class CalculatorEnvironment:
     Args:
         tool_parser: ``env.tool_parser``; with ``fenced``, a fenced block's text is the expression.
         call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
+        reward_once: ``env.tool_call_reward_once``: only the first such turn of a trajectory earns it.
     """
 
     @classmethod
     def from_config(cls, e: EnvConfig) -> CalculatorEnvironment:
         """``env.name=calculator`` (``BUILT_IN_ENVIRONMENTS``): the tool-call format and reward of ``env.*``."""
-        return cls(e.tool_parser, e.tool_call_reward)
+        return cls(e.tool_parser, e.tool_call_reward, e.tool_call_reward_once)
 
-    def __init__(self, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
-        self.tool_parser, self.call_reward = tool_parser, call_reward
+    def __init__(self, tool_parser: ToolParser = "hermes", call_reward: float = 0.0, reward_once: bool = True) -> None:
+        self.tool_parser, self.call_reward, self.reward_once = tool_parser, call_reward, reward_once
         self.tools = [tool_schema("calculator", "Evaluate an arithmetic expression exactly (integers of any size, + - * / // % **, "
                                   "abs, round, min, max, sqrt) and return its value.", "expression", "The expression, e.g. 123456 * 789.")]
 
     def open(self, ground_truth: str) -> ToolEpisode:
-        return ToolEpisode(self.tool_parser, ("calculator", "expression"), _run_calculator, self.call_reward)
+        return ToolEpisode(self.tool_parser, ("calculator", "expression"), _run_calculator, self.call_reward,
+                           reward_once=self.reward_once, ground_truth=ground_truth)
 
     def close(self) -> None:
         """Nothing to release."""

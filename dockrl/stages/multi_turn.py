@@ -63,7 +63,16 @@ class ObservationTokens:
 
     def __call__(self, text: str) -> list[int]:
         """The ids of the observation ``text`` (tokens, in the policy's vocabulary)."""
-        full = self._render([*_PROBE, {"role": self.role, "content": text}], generation_prompt=True)
+        return self.messages([{"role": self.role, "content": text}])
+
+    def messages(self, messages: Sequence[dict]) -> list[int]:
+        """The ids of the turns ``messages`` (chat messages: a tool's results, a user's turn), each rendered by the
+        template as it renders them after an assistant turn, then the generation prompt of the next assistant turn.
+
+        Raises:
+            ValueError: as the constructor's, when the template renders the turns before them differently.
+        """
+        full = self._render([*_PROBE, *messages], generation_prompt=True)
         if not full.startswith(self.base):
             raise ValueError("multi-turn rollout: the chat template renders the conversation before an observation differently "
                              f"once one follows ({self.base[-40:]!r} vs {full[len(self.base) - 40:len(self.base)]!r}); the "
@@ -89,6 +98,8 @@ class Trajectory:
     """The environment's reward of each model turn (0 for a turn it did not see)."""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_calls_right: int = 0
+    """Calls that ran and returned the reference answer (``Step.tool_calls_right``): a metric, not a dock column."""
     truncated: bool = False
     """The last model turn was cut at its budget (no EOS), or the token budget ended the trajectory before the environment did."""
 
@@ -162,7 +173,7 @@ def roll_out(
             for i, sample, text in zip(rows, samples, texts):
                 trajectory = out[i]
                 ids, log_probs, truncated, end_of_turn = sample.response_ids, sample.log_probs, sample.truncated, []
-                cut = _calls_cut(engine.tokenizer, episodes[i], ids, text, truncated)
+                cut = cut_at_calls(engine.tokenizer, getattr(episodes[i], "calls_end", None), ids, text, truncated)
                 if cut is not None:  # ends at its calls: the assistant's end-of-turn token is the template's, not sampled
                     ids, log_probs, truncated, end_of_turn = ids[:cut], log_probs[:cut], False, [engine.eos_id]
                     text = engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -174,6 +185,7 @@ def roll_out(
                 trajectory.turn_rewards[-1] = step.reward
                 trajectory.tool_calls += step.tool_calls
                 trajectory.tool_errors += step.tool_errors
+                trajectory.tool_calls_right += step.tool_calls_right
                 if step.done or step.observation is None or turn == limits.max_turns - 1:
                     continue
                 observation = end_of_turn + observe(step.observation)
@@ -186,11 +198,11 @@ def roll_out(
     return out
 
 
-def _calls_cut(tokenizer: Any, episode: Episode, ids: Sequence[int], text: str, truncated: bool) -> int | None:
-    """How many of a turn's sampled ``ids`` to keep when it went on past its tool calls (``Episode.calls_end``):
-    the fewest whose text holds the calls whole. None: no complete call, or nothing but whitespace and the
-    end of turn after it."""
-    calls_end: Callable[[str], int | None] | None = getattr(episode, "calls_end", None)
+def cut_at_calls(tokenizer: Any, calls_end: Callable[[str], int | None] | None, ids: Sequence[int], text: str,
+                 truncated: bool) -> int | None:
+    """How many of a turn's sampled ``ids`` to keep when it went on past its tool calls (``calls_end``: where they end in
+    a turn's text, as ``Episode.calls_end``; None: the turn is kept whole): the fewest whose text holds the calls whole.
+    None: no complete call, or nothing but whitespace and the end of turn after it."""
     if calls_end is None:
         return None
     find, end = calls_end, calls_end(text)
@@ -220,8 +232,9 @@ def trajectory_columns(trajectories: Sequence[Trajectory]) -> dict[str, list]:
 
 def multi_turn_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """``rollout/*`` metrics of the trajectories: turns per trajectory (mean, max), tool calls and
-    tool errors per trajectory, the share of tool calls that failed, the environment's reward per
-    trajectory (sum over its turns) and the tokens the model sampled per trajectory.
+    tool errors per trajectory, the share of tool calls that failed, the calls per trajectory that returned the
+    reference answer (``Step.tool_calls_right``), the environment's reward per trajectory (sum over its turns) and
+    the tokens the model sampled per trajectory.
 
     Raises:
         ValueError: no trajectory.
@@ -236,6 +249,7 @@ def multi_turn_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/tool_calls_mean": calls / n,
         "rollout/tool_errors_mean": errors / n,
         "rollout/tool_error_ratio": errors / calls if calls else 0.0,
+        "rollout/tool_calls_right_mean": sum(t.tool_calls_right for t in trajectories) / n,
         "rollout/env_reward_mean": sum(sum(t.turn_rewards) for t in trajectories) / n,
         "rollout/sampled_tokens_mean": sum(sum(t.loss_mask) for t in trajectories) / n,
     }

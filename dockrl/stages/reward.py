@@ -43,13 +43,17 @@ class RewardWorker:
     ``multi_turn`` — the rows are multi-turn trajectories: the verifier sees the text of the
     **last model turn** alone (the answer; earlier turns are tool calls, and observations are not
     the model's text), and the environment's rewards of every turn (``turn_rewards``) are added:
-    ``rm_score = verifier(last turn) + Σ turn rewards`` (``correct`` stays the verifier's verdict)."""
+    ``rm_score = verifier(last turn) + Σ turn rewards`` (``correct`` stays the verifier's verdict).
+    ``sessions`` — the rows are the gateway's sessions (``env.agent.command``): a row whose ``session_reward`` the rollout
+    decided (the agent posted it, or the session failed) gets it as ``rm_score`` alone, unscored, ``correct`` when it
+    reaches ``correct_reward``."""
 
     def __init__(self, scorer: Scorer, tokenizer, *, correct_reward: float, batch_size: int = 64,
                  max_bad_frac: float = 1.0, scorer_name: str = "", model_weight: float | None = None,
                  rule_weight: float = 1.0, overlong: OverlongBufferConfig | None = None, max_length: int = 0,
-                 round_rows: int = 0, multi_turn: bool = False) -> None:
-        self.scorer, self.tokenizer, self.batch_size, self.multi_turn = scorer, tokenizer, batch_size, multi_turn
+                 round_rows: int = 0, multi_turn: bool = False, sessions: bool = False) -> None:
+        self.scorer, self.tokenizer, self.batch_size, self.multi_turn = scorer, tokenizer, batch_size, multi_turn or sessions
+        self.sessions = sessions
         self.correct_reward, self.max_bad_frac, self.scorer_name = correct_reward, max_bad_frac, scorer_name
         self.model_weight, self.rule_weight = model_weight, rule_weight
         self.overlong = overlong if overlong is not None and overlong.enable else None
@@ -65,7 +69,8 @@ class RewardWorker:
         return cls(scorer, tokenizer, correct_reward=a.correct_reward, max_bad_frac=a.max_bad_reward_frac, scorer_name=a.scorer,
                    model_weight=weights[0], rule_weight=weights[1], overlong=a.overlong_buffer,
                    max_length=cfg.rollout.max_response_length if cfg else 0,
-                   round_rows=groups_per_round(cfg) * cfg.rollout.n if cfg else 0, multi_turn=multi_turn(cfg.env) if cfg else False)
+                   round_rows=groups_per_round(cfg) * cfg.rollout.n if cfg else 0, multi_turn=multi_turn(cfg.env) if cfg else False,
+                   sessions=bool(cfg.env.agent.command) if cfg else False)
 
     def run_iteration(self, dock: StageDock) -> dict[str, float]:
         """Score every row of the open iteration; returns ``reward/*`` metrics.
@@ -74,32 +79,42 @@ class RewardWorker:
             ScorerError: more than ``max_bad_frac`` of the rewards were bad (the message counts them by reason).
         """
         start, scores, rules, correct, bad, penalties, env = time.perf_counter(), [], [], [], Counter[str](), 0.0, 0.0
+        decided_total = 0
         before = self.scorer.counters()
         columns = (["response_ids", "ground_truth"] + ([] if self.model_weight is None else ["rm_model_score"])
-                   + (["turn_starts", "turn_ends", "turn_rewards"] if self.multi_turn else []))
+                   + (["turn_starts", "turn_ends", "turn_rewards"] if self.multi_turn else [])
+                   + (["session_reward"] if self.sessions else []))
         while claim := dock.claim("reward", columns, self.batch_size):
             responses = claim.batch.column("response_ids").to_pylist()
-            answers = responses
+            decided = claim.batch.column("session_reward").to_pylist() if self.sessions else [None] * len(responses)
+            scored = [k for k, d in enumerate(decided) if d is None]  # the rows the scorer scores
+            answers = [responses[k] for k in scored]
             if self.multi_turn:  # the last model turn's tokens: the answer the verifier checks
                 starts, ends = claim.batch.column("turn_starts").to_pylist(), claim.batch.column("turn_ends").to_pylist()
-                answers = [r[s[-1]:e[-1]] for r, s, e in zip(responses, starts, ends)]
+                answers = [responses[k][starts[k][-1]:ends[k][-1]] for k in scored]
             texts = self.tokenizer.batch_decode(answers, skip_special_tokens=True)
             truths = claim.batch.column("ground_truth").to_pylist()
-            batch_rules, batch_bad = check_rewards(self.scorer.score(texts, truths), len(texts))
+            rules_scored, batch_bad = check_rewards(self.scorer.score(texts, [truths[k] for k in scored]), len(texts)) if scored else ([], Counter())
             bad += batch_bad
+            batch_rules = list(decided)
+            for k, score in zip(scored, rules_scored):
+                batch_rules[k] = score
+            decided_total += len(responses) - len(scored)
             batch_correct = [score >= self.correct_reward for score in batch_rules]
-            batch_scores = batch_rules
+            batch_scores = list(batch_rules)
             if self.model_weight is not None:
                 model = claim.batch.column("rm_model_score").to_pylist()
-                batch_scores = [self.rule_weight * r + self.model_weight * m for r, m in zip(batch_rules, model)]
+                batch_scores = [r if d is not None else self.rule_weight * r + self.model_weight * m
+                                for r, m, d in zip(batch_rules, model, decided)]
             if self.overlong is not None:
                 o = self.overlong
                 penalty = overlong_penalty(torch.tensor([len(r) for r in responses]), max_length=self.max_length,
                                            buffer_length=o.len, penalty_factor=o.penalty_factor).tolist()
+                penalty = [0.0 if d is not None else p for p, d in zip(penalty, decided)]
                 batch_scores = [score + p for score, p in zip(batch_scores, penalty)]
                 penalties += sum(penalty)
             if self.multi_turn:
-                turn_rewards = [sum(r) for r in claim.batch.column("turn_rewards").to_pylist()]
+                turn_rewards = [0.0 if d is not None else sum(r) for r, d in zip(claim.batch.column("turn_rewards").to_pylist(), decided)]
                 batch_scores = [score + r for score, r in zip(batch_scores, turn_rewards)]
                 env += sum(turn_rewards)
             dock.put(claim.rows, {"rm_score": batch_scores, "correct": batch_correct}, ack=claim)
@@ -129,6 +144,7 @@ class RewardWorker:
             "reward/invalid": sum(bad.values()),
             **({"reward/overlong_penalty_mean": penalties / n} if self.overlong is not None else {}),
             **({"reward/env_mean": env / n, "reward/verifier_mean": sum(rules) / n} if self.multi_turn else {}),
+            **({"reward/sessions_decided": decided_total} if self.sessions else {}),
             "timing_s/reward": time.perf_counter() - start,
         }
 

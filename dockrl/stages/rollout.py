@@ -24,6 +24,7 @@ from dockrl.dock import Dock, StageDock
 from dockrl.engines.rollout_engine import RolloutEngine, Sample
 from dockrl.envs.base import Environment
 from dockrl.stages.dynamic_sampling import GATE, divisor_at_most
+from dockrl.stages.gateway import AgentGateway, AgentTasks, session_metrics
 from dockrl.stages.multi_turn import ObservationTokens, Trajectory, TurnLimits, multi_turn_metrics, roll_out, trajectory_columns
 
 
@@ -72,12 +73,19 @@ class RolloutWorker:
         environment: the run's environment (``env.name``): each row is a multi-turn trajectory
             (``dockrl.stages.multi_turn``) with an episode of its own, opened with the row's
             ``ground_truth``; the rows get the turn columns too (``loss_mask``, ``turn_*``, ``tool_*``).
+        gateway: the run's agent gateway (``env.agent.command``, ``dockrl.stages.gateway``): each row is a session of
+            the user's agent, whose task ``tasks`` gives by the row's prompt ids; the rows get the turn columns and
+            ``session_reward``.
     """
 
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, shares: int = 1, round_groups: int = 0,
-                 environment: Environment | None = None) -> None:
+                 environment: Environment | None = None, gateway: AgentGateway | None = None, tasks: AgentTasks | None = None) -> None:
+        if (gateway is None) != (tasks is None):
+            raise ValueError("rollout: an agent gateway needs the tasks of its prompts, and tasks need a gateway")
         self.engine, self.cfg, self.shares, self.round_groups = engine, cfg, shares, round_groups
-        self.environment = environment
+        self.environment, self.gateway, self.tasks = environment, gateway, tasks
+        self.failures: list[str] = []
+        """Gateway: why each failed session of the last ``generate_iteration`` failed."""
         self.observe = ObservationTokens(engine.tokenizer, tools=environment.tools) if environment is not None else None
         self.trajectories: list[Trajectory] = []
         """Multi-turn: the trajectories of the last ``generate_iteration``."""
@@ -105,7 +113,7 @@ class RolloutWorker:
             lengths (tokens) of the responses finished in this pass, how many were truncated, seconds taken.
         """
         start, lengths, truncated = time.perf_counter(), [], 0
-        self.cut, self.trajectories = [], []
+        self.cut, self.trajectories, self.failures = [], [], []
         groups, columns = max(self.cfg.batch_size // dock.group_size, 1), ["prompt_ids"]
         if self.environment is not None:  # each trajectory's episode opens with its prompt's reference answer
             columns.append("ground_truth")
@@ -116,10 +124,19 @@ class RolloutWorker:
             groups, columns = divisor_at_most(self.round_groups, groups), ["prompt_ids", GATE]
         while claim := dock.claim("rollout", columns, groups * dock.group_size, whole_groups=True):
             prompts = claim.batch.column("prompt_ids").to_pylist()
-            if self.environment is not None:  # the config refuses partial rollout (budget) with an environment
-                trajectories = self._roll_out(prompts, claim.batch.column("ground_truth").to_pylist())
+            if self.environment is not None or self.gateway is not None:  # the config refuses partial rollout with either
+                extra: dict[str, list] = {}
+                if self.gateway is not None:
+                    assert self.tasks is not None
+                    results = self.gateway.run(prompts, [self.tasks(p) for p in prompts])
+                    trajectories = [r.trajectory for r in results]
+                    extra["session_reward"] = [r.reward for r in results]
+                    self.failures += [r.failure for r in results if r.failure]
+                    self.generated += sum(sum(t.loss_mask) for t in trajectories)
+                else:
+                    trajectories = self._roll_out(prompts, claim.batch.column("ground_truth").to_pylist())
                 versions = weight_versions([t.response_ids for t in trajectories], self._version(claim.iteration))
-                dock.put(claim.rows, trajectory_columns(trajectories) | {"weight_version": versions}, ack=claim)
+                dock.put(claim.rows, trajectory_columns(trajectories) | {"weight_version": versions} | extra, ack=claim)
                 self.trajectories += trajectories
                 lengths += [len(t.response_ids) for t in trajectories]
                 truncated += sum(t.truncated for t in trajectories)
@@ -279,6 +296,8 @@ class RolloutWorker:
         self.generated = 0
         lengths, truncated, seconds = self.generate_iteration(dock)
         metrics = rollout_metrics(lengths, truncated, seconds)
-        if self.environment is not None:
+        if self.environment is not None or self.gateway is not None:
             metrics |= multi_turn_metrics(self.trajectories) | {"perf/rollout_tokens_per_s": self.generated / seconds}
+        if self.gateway is not None:
+            metrics |= session_metrics(len(self.trajectories), self.failures)
         return metrics

@@ -20,6 +20,7 @@ from dockrl.rewards.guard import build_scorer
 from dockrl.run.setup import load_run_prompts, resolve_data, resolve_model
 from dockrl.stages.dynamic_sampling import groups_per_round
 from dockrl.stages.evaluate import evaluate
+from dockrl.stages.gateway import build_gateway
 from dockrl.stages.loop import Report, final_report, serve_iterations
 from dockrl.stages.rollout import RolloutWorker
 
@@ -55,10 +56,12 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
     train_file, test_file = resolve_data(cfg)
     engine = build_rollout_engine(cfg, weights_path(cfg, model_path), ranks)
     environment = build_environment(cfg)  # None: single-turn
-    _, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file, tools=environment.tools if environment else [])
+    train_prompts, test_prompts = load_run_prompts(cfg, engine.tokenizer, train_file, test_file,
+                                                   tools=environment.tools if environment else [])
     scorer = build_scorer(cfg.algorithm, cfg.env.sandbox.backend)
     params = receive_params(engine, cfg, model_path)
-    worker = RolloutWorker(engine, cfg.rollout, round_groups=groups_per_round(cfg), environment=environment)
+    gateway, tasks = build_gateway(cfg, engine, train_prompts)  # None: no agent (env.agent.command)
+    worker = RolloutWorker(engine, cfg.rollout, round_groups=groups_per_round(cfg), environment=environment, gateway=gateway, tasks=tasks)
     channel: WeightChannel | None = None
 
     t, m = cfg.trainer, cfg.dock.max_inflight
@@ -116,5 +119,7 @@ def run_rollout(cfg: Config, dock: Dock, ranks: ProcessRanks, weight_sync: str, 
         scorer.close()
         if environment is not None:
             environment.close()
+        if gateway is not None:
+            gateway.close()
         if channel is not None:
             channel.close()

@@ -37,7 +37,9 @@ def test_quick_mode_prints_the_tables_of_the_runs_metrics(tiny_model_dir, tmp_pa
     for line, m in zip(iterations, metrics):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[1]) == pytest.approx(m["reward/mean"], abs=5e-4)
-        assert float(cells[4]) == pytest.approx(m["rollout/tool_calls_mean"], abs=5e-3)
+        assert float(cells[5]) == pytest.approx(m["rollout/tool_calls_mean"], abs=5e-3)
+        assert float(cells[8]) == pytest.approx(m["rollout/tool_calls_right_mean"], abs=5e-3)
+        assert cells[2] == (f"{m['reward/verifier_mean'] / m['reward/mean']:.2f}" if m["reward/mean"] > 0 else "-")
     assert lines[-1].endswith("benchmarks/agents.py --quick --model " + f"{tiny_model_dir} --engine hf --cache {tmp_path / 'cache'} "
                               f"--out {tmp_path / 'run'} --tool-call-reward 0.1 --format-reward 0")
     assert "tool_call_reward: 0.1" in (tmp_path / "run" / "config.yaml").read_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dockrl.config import ConfigError, load_config_text
+from dockrl.config import ConfigError, load_config_text, multi_turn
 
 
 def test_default_is_single_turn_with_sane_sandbox_limits():
@@ -59,9 +59,14 @@ def test_the_tool_call_reward_is_for_built_in_environments_and_below_a_right_ans
     assert c.env.tool_call_reward == 0.2
     with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 0.2; .*env.name='my_pkg.envs:Shop' gives its own rewards"):
         load_config_text("", "test.yaml", ["env.name=my_pkg.envs:Shop", "env.tool_call_reward=0.2"])
+    assert c.env.tool_call_reward_once  # paid once per trajectory by default: any number of turns stays below the answer
+    assert load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=8", "env.tool_call_reward=0.5"]).env.tool_call_reward == 0.5
     with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 0.25; the most a trajectory can earn from tool calls "
                                           r"\(× rollout.max_turns=4\) must stay below algorithm.correct_reward=1"):
-        load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=4", "env.tool_call_reward=0.25"])
+        load_config_text("", "test.yaml", ["env.name=python", "rollout.max_turns=4", "env.tool_call_reward=0.25",
+                                           "env.tool_call_reward_once=false"])
+    with pytest.raises(ConfigError, match=r"env.tool_call_reward: got 1.0; .*\(once: env.tool_call_reward_once\) must stay below"):
+        load_config_text("", "test.yaml", ["env.name=python", "env.tool_call_reward=1.0"])
 
 
 def test_the_documented_task_configurations_load():
@@ -73,3 +78,21 @@ def test_the_documented_task_configurations_load():
     c = load_config_text("", "test.yaml", ["algorithm.scorer=dockrl.rewards.code:CodeScorer", f"data.train_path={data}code_problems.jsonl",
                                            f"data.test_path={data}code_problems.jsonl"])
     assert c.algorithm.scorer == "dockrl.rewards.code:CodeScorer"
+
+
+def test_an_agent_is_a_multi_turn_rollout_in_place_of_an_environment():
+    c = load_config_text("", "test.yaml", ["env.agent.command=python my_agent.py", "rollout.max_turns=4", "env.agent.failed_reward=-0.5"])
+    assert multi_turn(c.env) and c.env.agent.failed_reward == -0.5 and c.env.agent.max_sessions == 16
+    with pytest.raises(ConfigError, match=r"env.agent.command: got 'python a.py'; an agent drives the trajectories in place of an "
+                                          r"environment; env.name='calculator' is set too"):
+        load_config_text("", "test.yaml", ["env.agent.command=python a.py", "env.name=calculator"])
+    with pytest.raises(ConfigError, match=r"rollout.partial_tokens: got 8; not supported with an environment or an agent "
+                                          r"\(env.agent.command='python a.py': a multi-turn rollout"):
+        load_config_text("", "test.yaml", ["env.agent.command=python a.py", "rollout.partial_tokens=8", "dock.max_inflight=2",
+                                           "dock.mode=distributed"])
+    for override, message in (("env.agent.session_timeout_s=0", "env.agent.session_timeout_s: got 0"),
+                              ("env.agent.max_sessions=0", "env.agent.max_sessions: got 0"),
+                              ("env.agent.batch_wait_s=-1", "env.agent.batch_wait_s: got -1"),
+                              ("env.agent.failed_reward=nan", "env.agent.failed_reward: got nan")):
+        with pytest.raises(ConfigError, match=message):
+            load_config_text("", "test.yaml", ["env.agent.command=python a.py", override])

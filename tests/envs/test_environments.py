@@ -66,17 +66,34 @@ def test_calculator_environment_steps():
 
 
 @pytest.mark.parametrize("make, call", [
-    (lambda reward: CalculatorEnvironment("fenced", reward), "```\n6 * 7\n```"),
-    (lambda reward: PythonEnvironment(SandboxConfig(wall_s=5.0), "fenced", reward), "```python\nprint(6 * 7)\n```"),
+    (lambda reward, once=True: CalculatorEnvironment("fenced", reward, once), "```\n6 * 7\n```"),
+    (lambda reward, once=True: PythonEnvironment(SandboxConfig(wall_s=5.0), "fenced", reward, once), "```python\nprint(6 * 7)\n```"),
 ])
 def test_a_turn_whose_calls_all_ran_earns_the_tool_call_reward(make, call):
     assert make(0.0).open("42").step(call).reward == 0.0  # off by default
-    episode = make(0.2).open("42")
+    episode = make(0.2, False).open("42")
     ran = episode.step(call)
-    assert (ran.observation, ran.tool_calls, ran.tool_errors, ran.reward) == ("42", 1, 0, 0.2)
+    assert (ran.observation, ran.tool_calls, ran.tool_errors, ran.tool_calls_right, ran.reward) == ("42", 1, 0, 1, 0.2)
     failed = episode.step(call + "\n```\n1 / 0\n```")  # one of the two calls fails: no reward
-    assert (failed.tool_calls, failed.tool_errors, failed.reward) == (2, 1, 0.0)
+    assert (failed.tool_calls, failed.tool_errors, failed.tool_calls_right, failed.reward) == (2, 1, 1, 0.0)
+    assert episode.step(call).reward == 0.2  # every turn whose calls ran, with reward_once off
     assert episode.step("#### 42") == Step(observation=None, done=True)  # the answer turn: no call, no reward
+
+
+@pytest.mark.parametrize("make, call", [
+    (lambda: CalculatorEnvironment("fenced", 0.2), "```\n6 * 7\n```"),
+    (lambda: PythonEnvironment(SandboxConfig(wall_s=5.0), "fenced", 0.2), "```python\nprint(6 * 7)\n```"),
+])
+def test_the_tool_call_reward_is_paid_once_and_right_calls_are_counted(make, call):
+    """By default only the first turn whose calls ran earns the reward, whatever turns follow; a call that returns
+    the reference answer counts as right, one that returns another number does not."""
+    episode = make().open("42")
+    assert episode.step(call + "\n```\n1 / 0\n```").reward == 0.0  # a failed call earns nothing, and is not the one paid
+    first, again = episode.step(call), episode.step(call)
+    assert (first.reward, first.tool_calls_right, again.reward, again.tool_calls_right) == (0.2, 1, 0.0, 1)
+    other = make().open("43")
+    assert (other.step(call).tool_calls_right, other.step(call.replace("7", "7.0")).tool_calls_right) == (0, 0)
+    assert make().open("42.0").step(call).tool_calls_right == 1  # the same number, written otherwise
 
 
 def test_python_environment_runs_calls_in_the_sandbox_and_counts_failures():

@@ -66,5 +66,5 @@ def test_evaluate_with_an_environment_reports_turns_and_tool_calls(engine, tiny_
     assert set(single) == {"eval/accuracy_before", "eval/format_rate_before"}
     multi = evaluate(engine, prompts, FakeRecordingScorer(), cfg, "after", FakeScriptedToolEnvironment())
     assert set(multi) == {"eval/accuracy_after", "eval/format_rate_after", "eval/turns_mean_after", "eval/tool_calls_mean_after",
-                          "eval/tool_errors_mean_after"}
+                          "eval/tool_errors_mean_after", "eval/tool_calls_right_mean_after"}
     assert multi["eval/turns_mean_after"] >= 1

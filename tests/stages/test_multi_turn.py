@@ -288,7 +288,7 @@ def test_a_turn_ends_where_its_tool_call_ends(tiny_model_dir):
     observation = t.response_ids[t.turn_ends[0]:t.turn_starts[1]]
     assert observation == [engine.eos_id] + ObservationTokens(tok)("408")
     assert engine.given[1] == [prompt + kept + observation]  # the next turn continues from the cut
-    assert (t.tool_calls, t.tool_errors, t.turn_rewards, t.truncated) == (1, 0, [0.2, 0.0], False)
+    assert (t.tool_calls, t.tool_errors, t.tool_calls_right, t.turn_rewards, t.truncated) == (1, 0, 1, [0.2, 0.0], False)
     assert t.loss_mask == [1] * len(kept) + [0] * len(observation) + [1] * (len(t.response_ids) - t.turn_starts[1])
     assert t.log_probs[:len(kept)] == [-0.5] * len(kept) and set(t.log_probs[len(kept):t.turn_starts[1]]) == {0.0}
 
