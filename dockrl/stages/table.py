@@ -78,7 +78,8 @@ STAGES: tuple[Stage, ...] = (
     # in dataflow order: the driver waits for their reports in this order (each may take dock.timeout_s after the one before)
     Stage(name="rollout", kind="hybrid-part", consumers=("rollout",), claims=("prompt_ids", "released", "ground_truth"),
           writes=("response_ids", "truncated", "rollout_log_prob", "weight_version", "rollout_cut", "partial_ids", "partial_log_prob",
-                  "partial_weight_version", "loss_mask", "turn_starts", "turn_ends", "turn_rewards", "tool_calls", "tool_errors"),
+                  "partial_weight_version", "loss_mask", "turn_starts", "turn_ends", "turn_rewards", "tool_calls", "tool_errors",
+                  "session_reward"),
           devices=True, weight_sync=True, programs=True, reports=(Report.ROLLOUT,), process="dockrl.stages.rollout_process:run_rollout"),
     Stage(name="hybrid", kind="process", when="trainer.hybrid", devices=True, trains=True, weight_sync=True, layout=True, programs=True,
           process="dockrl.stages.hybrid:run_hybrid"),  # its reports are those of its parts, rollout and actor
@@ -87,7 +88,8 @@ STAGES: tuple[Stage, ...] = (
           writes=("rm_model_score",), devices=True, reports=(Report.REWARD_MODEL,),
           process="dockrl.stages.reward_model:run_reward_model", inprocess="dockrl.stages.reward_model:inprocess_parts"),
     Stage(name="reward", kind="process", consumers=("reward",),
-          claims=("response_ids", "ground_truth", "rm_model_score", "turn_starts", "turn_ends", "turn_rewards"), writes=("rm_score", "correct"),
+          claims=("response_ids", "ground_truth", "rm_model_score", "turn_starts", "turn_ends", "turn_rewards", "session_reward"),
+          writes=("rm_score", "correct"),
           programs=True,
           reports=(Report.REWARD,), process="dockrl.stages.reward:run_reward", inprocess="dockrl.stages.reward:inprocess_parts"),
     Stage(name="reference", kind="process", when="algorithm.uses_reference", consumers=("reference",),
