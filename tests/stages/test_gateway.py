@@ -225,9 +225,12 @@ def test_a_request_without_a_session_key_is_refused(model_dir):
 
 
 @pytest.mark.slow  # one short in-process run of the tiny model whose rollout serves the agent's sessions
-def test_an_inprocess_run_trains_through_the_gateway(model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["inprocess", pytest.param("distributed", marks=pytest.mark.slow)])
+def test_a_run_trains_through_the_gateway(model_dir, tmp_path, mode):
+    """In process, and with the rollout and reward as processes of their own whose stage tokens (the stage table's
+    rights) let the rollout write ``session_reward`` and the reward claim it."""
     run = tmp_path / "run"
-    cfg = load_config(None, [
+    cfg = load_config(None, [f"dock.mode={mode}", "dock.timeout_s=120", 
         f"model.path={model_dir}", f"run.output_dir={run}", f"run.cache_dir={tmp_path / 'cache'}", "run.progress=false",
         "trainer.iterations=2", "trainer.global_batch=2", "trainer.mini_batch=2", "trainer.micro_batch=4", "rollout.n=2",
         "rollout.max_response_length=32", "rollout.max_turns=3", "rollout.engine=hf", "rollout.dtype=float32",
