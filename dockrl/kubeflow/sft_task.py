@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
 from dockrl.config import load_config
-from dockrl.kubeflow.train_task import MODEL_COPY, fetch_model, shared_mount
-from dockrl.launch.artifacts import dataset_files, resolve_checkpoint, write_checkpoint_pointer
+from dockrl.kubeflow.train_task import MODEL_COPY, fetch_model, hand_over_model, shared_mount
+from dockrl.launch.artifacts import dataset_files, resolve_checkpoint
 from dockrl.launch.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -70,19 +69,7 @@ def run_sft_training(
     cfg = load_config(None, ["trainer.eval_after=false", *overrides, f"data.train_path={train_file}", f"data.test_path={test_file}",
                              f"run.output_dir={out}", "run.progress=false", *([f"model.path={model_copy}"] if model_copy else [])])
     summary = sft(cfg)
-    final = out / "checkpoints" / "final"
-    if not (final / "config.json").is_file():
-        raise RuntimeError(f"SFT finished without a final checkpoint in {final}")
-    if model_copy is not None:
-        shutil.rmtree(model_copy, ignore_errors=True)
-    dst = Path(checkpoint_dir)
-    if out == run:
-        if dst.is_dir() and not any(dst.iterdir()):
-            dst.rmdir()
-        shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
-    else:
-        write_checkpoint_pointer(dst, final)
-        shutil.copytree(out, run, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
+    hand_over_model(out, run, checkpoint_dir, model_copy, "SFT")
     for key, value in summary.items():
         if isinstance(value, (int, float)) and math.isfinite(value):
             log_metric(key, float(value))

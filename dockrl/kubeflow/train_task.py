@@ -165,33 +165,48 @@ def run_training(
                        "Kueue's admission", run_id, paused.reason)
         clear_failed_attempt(backend)
 
-    final = out / "checkpoints" / "final"
-    if not (final / "config.json").is_file():
-        raise RuntimeError(f"training finished without a final checkpoint in {final}")
-    if model_copy is not None:  # the final checkpoint holds what a later step needs; the copy is a model's size
-        shutil.rmtree(model_copy, ignore_errors=True)
-    dst = Path(checkpoint_dir)
-    if out == run:
-        if dst.is_dir() and not any(dst.iterdir()):
-            dst.rmdir()
-        shutil.move(final, dst)  # a move, not a copy: a checkpoint can be many GB
-    else:
-        # The checkpoints stay on the shared volume (never in this pod's emptyDir), where a retry or
-        # run.resume finds them; the run_dir artifact gets the small files (metrics, TensorBoard
-        # events, plot, config); the shared folder stays, for TensorBoard and reuse.
-        # the model artifact names the final checkpoint, never copies it into KFP's artifact store: every task
-        # that reads a model mounts the volume (pipelines/grpo.py)
-        write_checkpoint_pointer(dst, final)
-        if backend is not None:
-            shutil.rmtree(out / "data", ignore_errors=True)
-        skip = ("checkpoints",) if rollouts_dir is None else ("checkpoints", ROLLOUTS_DIR)
-        shutil.copytree(out, run, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)
+    dst = hand_over_model(out, run, checkpoint_dir, model_copy, "training",
+                          skip=("checkpoints",) if rollouts_dir is None else ("checkpoints", ROLLOUTS_DIR),
+                          drop_data=backend is not None)
     if rollouts_dir is not None:  # the train task's Dataset artifact (docs/rollouts.md)
         place_rollouts(out / ROLLOUTS_DIR, rollouts_dir, checkpoint=dst, config=out / "config.yaml", move=out == run)
 
     for key, value in run_summary(out).items():
         log_metric(key, value)
     return summary
+
+
+def hand_over_model(out: Path, run: Path, checkpoint_dir: str | Path, model_copy: Path | None, what: str, *,
+                    skip: Sequence[str] = ("checkpoints",), drop_data: bool = False) -> Path:
+    """Give a finished run's final checkpoint to the ``model`` artifact ``checkpoint_dir`` and its other files to ``run``.
+
+    ``out`` is the run's folder: ``run`` itself (the final checkpoint moves into the artifact: a move, not a copy, as a
+    checkpoint can be many GB), or one on the shared volume, where the checkpoints stay (a retry or ``run.resume``
+    finds them there, never in the pod's emptyDir) and the artifact only names the final one
+    (``write_checkpoint_pointer``: every task that reads a model mounts the volume, pipelines/grpo.py); ``run`` then
+    gets the small files (metrics, TensorBoard events, plot, config), less ``skip`` (and ``data/`` with ``drop_data``).
+    ``model_copy`` (the fetched ``s3://`` start model, a model's size) is removed: the final checkpoint holds what a
+    later step needs. Returns ``checkpoint_dir`` as a Path.
+
+    Raises:
+        RuntimeError: ``what`` (training, SFT) finished without a final checkpoint.
+    """
+    final = out / "checkpoints" / "final"
+    if not (final / "config.json").is_file():
+        raise RuntimeError(f"{what} finished without a final checkpoint in {final}")
+    if model_copy is not None:
+        shutil.rmtree(model_copy, ignore_errors=True)
+    dst = Path(checkpoint_dir)
+    if out == run:
+        if dst.is_dir() and not any(dst.iterdir()):
+            dst.rmdir()
+        shutil.move(final, dst)
+    else:
+        write_checkpoint_pointer(dst, final)
+        if drop_data:
+            shutil.rmtree(out / "data", ignore_errors=True)
+        shutil.copytree(out, run, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)
+    return dst
 
 
 MODEL_COPY = "model"
