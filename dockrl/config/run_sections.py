@@ -52,8 +52,13 @@ class DockConfig:
     ``distributed``: each stage is its own process and they share only ``shards`` Arrow Flight
     dock shard processes (and the actor → rollout weight channel). A checkpoint resumes in either."""
     shards: int = 1
-    """Dock shards (in either mode); an iteration's rows are split over them by whole prompt
+    """Dock shards (in either mode, with ``placement: apart``); an iteration's rows are split over them by whole prompt
     groups, so at most ``trainer.global_batch``."""
+    placement: Literal["apart", "beside"] = "apart"
+    """Where the shards of ``mode: distributed`` run. ``apart``: ``shards`` shard processes of their own (pods of their
+    own on Kubernetes). ``beside``: one shard beside the stage processes of every node, ``shards`` unused: on
+    Kubernetes a sidecar container of every stage pod, on this machine one shard process per stage group; each stage
+    process claims from its node's shard first (docs/dock.md "Shards beside the stages")."""
     prefetch: bool = True
     """A stage's put that acks its claim carries its next claim of the same shape (one round trip per claim
     cycle instead of two; docs/dock.md "Claims ride on puts"); those rows stay leased to the stage until it

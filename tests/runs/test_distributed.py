@@ -187,6 +187,26 @@ def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path,
 
 
 @pytest.mark.slow
+def test_a_shard_beside_each_stage_group_is_its_local_shard(tiny_model_dir, tmp_path, workers_path):
+    """dock.placement=beside on this machine: one shard process per stage group, and each stage's client claims from
+    its group's shard first (its DockClient's local_shard, which the worker logs with the shard's location)."""
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "dock.placement=beside",
+                     "trainer.iterations=1", "trainer.save_every=0", "trainer.eval_before=false", "trainer.eval_after=false")
+    driver.train(cfg)
+    run = tmp_path / "run"
+    logs = run / "logs"
+    stages = ["rollout", "reward", "reference", "actor"]
+    listening = {}
+    for shard in range(len(stages)):
+        [line] = [x for x in (logs / f"dock-shard-{shard}.log").read_text().splitlines() if "dock shard listening at" in x]
+        listening[shard] = line.rsplit(" ", 1)[1]
+    for shard, stage in enumerate(stages):  # shard s beside stage group s, the stage table's order
+        assert f"local dock shard {shard} of 4: {listening[shard]}" in (logs / f"{stage}-0.log").read_text()
+    [metrics] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["dock/shards"] == 4 and math.isfinite(metrics["actor/loss"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("warehouse", ["memory", "directory"])
 def test_two_iterations_over_two_shards_update_every_parameter(tiny_model_dir, tmp_path, workers_path, warehouse):
     cfg = run_config(
