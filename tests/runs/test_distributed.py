@@ -8,6 +8,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,8 +199,7 @@ def test_a_shard_beside_each_stage_group_is_its_local_shard(tiny_model_dir, tmp_
     stages = ["rollout", "reward", "reference", "actor"]
     listening = {}
     for shard in range(len(stages)):
-        [line] = [x for x in (logs / f"dock-shard-{shard}.log").read_text().splitlines() if "dock shard listening at" in x]
-        listening[shard] = line.rsplit(" ", 1)[1]
+        [listening[shard]] = re.findall(r"dock shard listening at (\S+)", (logs / f"dock-shard-{shard}.log").read_text())
     for shard, stage in enumerate(stages):  # shard s beside stage group s, the stage table's order
         assert f"local dock shard {shard} of 4: {listening[shard]}" in (logs / f"{stage}-0.log").read_text()
     [metrics] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
