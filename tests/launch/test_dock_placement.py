@@ -17,7 +17,6 @@ import pytest
 
 from dockrl.config import ConfigError, load_config
 from dockrl.launch.distributed import SHARDS_GROUP, dock_shards, shard_nodes, worker_groups
-from dockrl.launch.jobset import jobset_name
 from dockrl.launch.kubernetes import SHARD_PORT, KubernetesBackend
 from dockrl.launch.local import LocalBackend
 from dockrl.launch.platform import PLATFORMS
