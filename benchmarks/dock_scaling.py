@@ -16,7 +16,7 @@ process carries (``link_bytes``) and the measured costs of a claim and of the co
   traffic spread over the nodes' links (``φd·SP·(K−1)/(K²·R)``, or the shard process's ``SP/(K·G)``); the **drain**,
   the last claim of the actor (``claim_rows`` rows, all five columns) read over one link pair; plus the controller
   (claims per shard × ``claim_cpu_s``) and the driver's calls to every shard, one after the other
-  (``fanouts·K·rpc_s``).
+  (``fanouts·K·rpc_s``; with ``--concurrent-calls``, ``fanouts·K·call_cpu_s``).
 * **dock + locality**: each node's stages claim from its own shard, so only the prompts cross links: the fill, then
   the **steal**: when the last shard's prompts land every other node is idle, and where that shard holds more than
   one claim of rows for a stage, an idle node's stage steals one (the shard's own stage, waiting longest, takes the
@@ -95,6 +95,7 @@ class Costs:
     rpc_s: float
     call_cpu_s: float
     fanouts: int
+    concurrent: bool
 
 
 @dataclass
@@ -117,7 +118,7 @@ def predict(side: str, w: Workload, k: int, rate: float, c: Costs) -> Prediction
     inputs, outputs, prompts = w.totals()
     payload = inputs + outputs
     claims_per_shard = sum(math.ceil(w.rows / w.claim_rows) for _ in flow.STAGES) / k
-    control = claims_per_shard * c.claim_cpu_s + c.fanouts * k * c.rpc_s
+    control = claims_per_shard * c.claim_cpu_s + c.fanouts * k * (c.call_cpu_s if c.concurrent else c.rpc_s)
     fill = max(c.phi_central * prompts / rate, prompts / c.process_bytes_s)
     if side == "centralized":
         parts = {"link": c.phi_central * payload / rate, "process": payload / c.process_bytes_s,
@@ -244,6 +245,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--call-cpu-us", type=float, default=300.0,
                    help="the driver's CPU per call it makes concurrently (the centralized scatter and gather run from a "
                         "thread pool), µs (dock_claims.py: ~150 µs of client Python per cycle beside the Flight call)")
+    p.add_argument("--concurrent-calls", action="store_true",
+                   help="the dock driver's calls to the shards concurrent (each costs its core --call-cpu-us), not one "
+                        "after the other as today")
     p.add_argument("--fanouts", type=int, default=4, help="driver calls per shard per iteration (open, prompts put, stats, close)")
     a = p.parse_args(argv)
     if min(a.nodes) < 1 or a.link_gbit <= 0 or min(a.prompts, a.samples, a.prompt_tokens, a.response_tokens, a.claim_rows) < 1:
@@ -254,16 +258,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     g = measure_process_bytes_s() if a.measure_g else a.process_gbyte_s * 1e9
-    costs = Costs(a.phi_central, a.phi_dock, g, a.claim_cpu_us * 1e-6, a.rpc_us * 1e-6, a.call_cpu_us * 1e-6, a.fanouts)
+    costs = Costs(a.phi_central, a.phi_dock, g, a.claim_cpu_us * 1e-6, a.rpc_us * 1e-6, a.call_cpu_us * 1e-6, a.fanouts,
+                  a.concurrent_calls)
     w = Workload(a.prompts, a.samples, a.prompt_tokens, a.response_tokens, a.claim_rows)
     inputs, outputs, prompts = w.totals()
     rate = a.link_gbit * 1e9 / 8
+    calls = f"concurrent: {a.call_cpu_us:g} µs of CPU each" if a.concurrent_calls else "one after the other"
     groups = w.prompts
     print(f"# scaling model: {w.rows:,} rows ({w.prompts} prompts x {w.samples}), {w.prompt_tokens} + {w.response_tokens} "
           f"tokens; stage payload {(inputs + outputs) / 1e9:.2f} GB per iteration (prompts {prompts / 1e9:.3f} GB); "
           f"{w.claim_rows} rows per claim; links {a.link_gbit:g} Gbit/s each way; G = {g / 1e9:.2f} GB/s per process"
           f"{' (measured here)' if a.measure_g else ''}; phi {a.phi_central:g} / {a.phi_dock:g}; claim {a.claim_cpu_us:g} µs, "
-          f"driver call {a.rpc_us:g} µs")
+          f"driver call {a.rpc_us:g} µs ({calls})")
     print("# the flow of one iteration (no compute, no weight broadcast): seconds, speed vs the centralized driver, the "
           "busiest link's bytes, the part that dominates")
     print(scale_table(w, a.nodes, rate, costs))
