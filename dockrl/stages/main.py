@@ -39,6 +39,7 @@ from dockrl.stages.table import STAGES, load, stage
 
 logger = logging.getLogger(__name__)
 
+
 def local_shard(spec: str, shards: int) -> int:
     """The shard ``--local-shard spec`` names: ``S``, or ``S+pod`` = S + this process's pod index in its group
     (``REPLICA_ENV``, which ``dockrl node`` leaves to its rank processes: the pod's).
@@ -104,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     locations = [loc for loc in args.dock.split(",") if loc]
+    near_shard: int | None = None  # the shard on this member's node or pod: its claims take from it first
+    if args.local_shard:
+        try:
+            near_shard = local_shard(args.local_shard, len(locations))
+        except ValueError as e:
+            parser.error(str(e))
     # a run's groups start at once: a shard's pod may come up after this one
     wait_for_shards(locations, token, args.first_wait_s or cfg.dock.timeout_s, tls=tls)
     # and with any backend once its lease on the dock goes quiet
@@ -113,12 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = process_ranks(cfg, trains=row.trains, replica=index, replicas=size, store_address=args.weight_sync,
                           local_rank=local_rank())
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
-    near_shard = index % len(locations) if args.local_shard_of_replica else None
-    if args.local_shard:
-        try:
-            near_shard = local_shard(args.local_shard, len(locations))
-        except ValueError as e:
-            parser.error(str(e))
+    if args.local_shard_of_replica:
+        near_shard = index % len(locations)
     if near_shard is not None:
         logger.info("local dock shard %d of %d: %s", near_shard, len(locations), locations[near_shard])
     with DockClient(locations, GRPO_SCHEMA, token=token, tls=tls, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
