@@ -219,6 +219,9 @@ def check_dock(k: DockConfig) -> None:
     if not 0 <= k.store_retries <= 10:
         raise fail("dock.store_retries", k.store_retries, "expected an integer from 0 to 10")
     require_positive({"dock.shards": k.shards})
+    if k.placement == "beside" and k.mode != "distributed":
+        raise fail("dock.placement", k.placement, f"places shards beside stage processes, which dock.mode={k.mode!r} does not have: "
+                   "use dock.mode=distributed, or dock.placement=apart")
     if not 1 <= k.max_inflight <= 8:
         raise fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
     if k.warehouse == "directory" and not k.directory.strip():

@@ -158,6 +158,8 @@ def test_a_local_shard_spec_names_a_shard_of_the_list_or_is_refused(monkeypatch)
             local_shard(spec, 4)
 
 
-def test_beside_refuses_dynamic_sampling_which_needs_one_shard(tiny_model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="dock.placement"):
+def test_beside_refuses_dynamic_sampling_which_needs_one_shard_and_runs_without_stage_processes(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="dock.placement.*needs one dock shard"):
         config(tiny_model_dir, tmp_path, "algorithm.filter_groups.enable=true")
+    with pytest.raises(ConfigError, match="dock.placement.*use dock.mode=distributed"):
+        config(tiny_model_dir, tmp_path, "dock.mode=inprocess")
