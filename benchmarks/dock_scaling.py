@@ -15,8 +15,9 @@ process carries (``link_bytes``) and the measured costs of a claim and of the co
   prompts P shard after shard (``φc·P/R``; the stages work on the few rows already in); the **middle**, the stage
   traffic spread over the nodes' links (``φd·SP·(K−1)/(K²·R)``, or the shard process's ``SP/(K·G)``); the **drain**,
   the last claim of the actor (``claim_rows`` rows, all five columns) read over one link pair; plus the controller
-  (claims per shard × ``claim_cpu_s``) and the driver's calls to every shard, one after the other
-  (``fanouts·K·rpc_s``; with ``--concurrent-calls``, ``fanouts·K·call_cpu_s``).
+  (claims per shard × ``claim_cpu_s``) and the driver's calls to every shard: the prompts' put one shard after
+  the other (``K·rpc_s``), the others at once (``(fanouts − 1)·K·call_cpu_s``; ``--serial-calls``: one after the
+  other, as the dock client did before).
 * **dock + locality**: each node's stages claim from its own shard, so only the prompts cross links: the fill, then
   the **steal**: when the last shard's prompts land every other node is idle, and where that shard holds more than
   one claim of rows for a stage, an idle node's stage steals one (the shard's own stage, waiting longest, takes the
@@ -34,12 +35,14 @@ Run::
 
     python benchmarks/dock_scaling.py                  # the table at K = 16 … 1,024, 100 Gbit/s, 7B-shaped workload
     python benchmarks/dock_scaling.py --measure-g      # G measured on this machine instead of --process-gbyte-s
+    python benchmarks/dock_scaling.py --measure-calls  # the driver's cost of a call to every shard, measured here
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import secrets
 import statistics
 import sys
 import threading
@@ -95,7 +98,7 @@ class Costs:
     rpc_s: float
     call_cpu_s: float
     fanouts: int
-    concurrent: bool
+    serial: bool
 
 
 @dataclass
@@ -118,7 +121,9 @@ def predict(side: str, w: Workload, k: int, rate: float, c: Costs) -> Prediction
     inputs, outputs, prompts = w.totals()
     payload = inputs + outputs
     claims_per_shard = sum(math.ceil(w.rows / w.claim_rows) for _ in flow.STAGES) / k
-    control = claims_per_shard * c.claim_cpu_s + c.fanouts * k * (c.call_cpu_s if c.concurrent else c.rpc_s)
+    # the prompts' put goes shard after shard (their rows arrive early on the first shards); open, stats and close go
+    # to every shard at once (DockClient), or one after the other as before it (--serial-calls)
+    control = claims_per_shard * c.claim_cpu_s + k * c.rpc_s + (c.fanouts - 1) * k * (c.rpc_s if c.serial else c.call_cpu_s)
     fill = max(c.phi_central * prompts / rate, prompts / c.process_bytes_s)
     if side == "centralized":
         parts = {"link": c.phi_central * payload / rate, "process": payload / c.process_bytes_s,
@@ -169,6 +174,29 @@ def measure_process_bytes_s(mbytes: int = 256) -> float:
         return table.nbytes / best
     finally:
         server.shutdown()
+
+
+def measure_call_us(shards: int = 32, repeats: int = 10) -> float:
+    """µs per shard of ``DockClient.stats`` (one call to every shard, at once) over ``shards`` Arrow Flight shard servers
+    of this process (median of ``repeats``): what a call the driver makes to every shard costs it."""
+    from dockrl.dock.client.dock_client import DockClient
+    from dockrl.dock.flight.shards import start_local_shards
+    from dockrl.dock.schema import GRPO_SCHEMA
+
+    token = secrets.token_hex(16)
+    servers, locations = start_local_shards(shards, GRPO_SCHEMA, token)
+    try:
+        with DockClient(locations, GRPO_SCHEMA, token=token, timeout_s=60) as dock:
+            dock.stats()  # connections and the thread pool made
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dock.stats()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) / shards * 1e6
+    finally:
+        for server in servers:
+            server.close()
 
 
 # dock_network.py at R = 1 Mbit/s: seconds per side, docs/benchmarks.md ("The dock over an emulated network": the two
@@ -242,12 +270,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="one call of the driver to a shard or worker, µs: the driver makes them one after the other "
                         "(DockClient.open_iteration loops over the shards) (dock_claims.py (a): a claim cycle, one round "
                         "trip with both ends' Python, 1.04 ms)")
-    p.add_argument("--call-cpu-us", type=float, default=300.0,
-                   help="the driver's CPU per call it makes concurrently (the centralized scatter and gather run from a "
-                        "thread pool), µs (dock_claims.py: ~150 µs of client Python per cycle beside the Flight call)")
-    p.add_argument("--concurrent-calls", action="store_true",
-                   help="the dock driver's calls to the shards concurrent (each costs its core --call-cpu-us), not one "
-                        "after the other as today")
+    p.add_argument("--call-cpu-us", type=float, default=500.0,
+                   help="the driver's CPU per call it makes to many shards or workers at once (the dock's open, stats, "
+                        "close; the centralized scatter and gather), µs (--measure-calls here: 415-575 over four runs)")
+    p.add_argument("--serial-calls", action="store_true",
+                   help="the dock driver's open, stats and close one shard after the other (the dock client before "
+                        "ClientCore.each), not at once")
+    p.add_argument("--measure-calls", action="store_true",
+                   help="measure --call-cpu-us: DockClient.stats over 32 Flight shards of this process, per shard")
     p.add_argument("--fanouts", type=int, default=4, help="driver calls per shard per iteration (open, prompts put, stats, close)")
     a = p.parse_args(argv)
     if min(a.nodes) < 1 or a.link_gbit <= 0 or min(a.prompts, a.samples, a.prompt_tokens, a.response_tokens, a.claim_rows) < 1:
@@ -258,12 +288,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     g = measure_process_bytes_s() if a.measure_g else a.process_gbyte_s * 1e9
-    costs = Costs(a.phi_central, a.phi_dock, g, a.claim_cpu_us * 1e-6, a.rpc_us * 1e-6, a.call_cpu_us * 1e-6, a.fanouts,
-                  a.concurrent_calls)
+    call_cpu = measure_call_us() if a.measure_calls else a.call_cpu_us
+    costs = Costs(a.phi_central, a.phi_dock, g, a.claim_cpu_us * 1e-6, a.rpc_us * 1e-6, call_cpu * 1e-6, a.fanouts,
+                  a.serial_calls)
     w = Workload(a.prompts, a.samples, a.prompt_tokens, a.response_tokens, a.claim_rows)
     inputs, outputs, prompts = w.totals()
     rate = a.link_gbit * 1e9 / 8
-    calls = f"concurrent: {a.call_cpu_us:g} µs of CPU each" if a.concurrent_calls else "one after the other"
+    calls = "one after the other" if a.serial_calls else f"open, stats, close at once: {call_cpu:.0f} µs of CPU each"
     groups = w.prompts
     print(f"# scaling model: {w.rows:,} rows ({w.prompts} prompts x {w.samples}), {w.prompt_tokens} + {w.response_tokens} "
           f"tokens; stage payload {(inputs + outputs) / 1e9:.2f} GB per iteration (prompts {prompts / 1e9:.3f} GB); "

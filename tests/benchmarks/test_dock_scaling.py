@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dock_scaling import EMULATED, Costs, Workload, predict  # noqa: E402
 
 COSTS = Costs(phi_central=1.0, phi_dock=1.0, process_bytes_s=1e18, claim_cpu_s=0.0, rpc_s=0.0, call_cpu_s=0.0, fanouts=4,
-              concurrent=False)
+              serial=False)
 RATE = 1e6
 
 
