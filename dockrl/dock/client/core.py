@@ -105,7 +105,7 @@ class ClientCore:
         self.heartbeat = LeaseHeartbeat(self.owner, lease_s, len(self.transports), lambda s: self.action(s, "renew", {"owner": self.owner}))
         self.closed = False
         self.lock = threading.Lock()
-        self.pool: ThreadPoolExecutor | None = None  # the calls to every shard at once (``each``), made at the first
+        self.pool: ThreadPoolExecutor | None = None  # the calls to every shard at once (``each``), made at its first call
         self.layout: ShardLayout | None = None  # this client's current iteration (opened or waited for last), else the shards' newest
         self.confirmed: int | None = None  # the iteration of _layout when this client opened it or waited for it
         self.known: dict[int, ShardLayout] = {}  # layouts of open iterations seen, by iteration
