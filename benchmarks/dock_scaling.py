@@ -264,8 +264,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--process-gbyte-s", type=float, default=1.0,
                    help="G, GB/s one process moves through Arrow Flight (--measure-g measures it here)")
     p.add_argument("--measure-g", action="store_true", help="measure G: one loopback do_get stream of 256 MB")
-    p.add_argument("--claim-cpu-us", type=float, default=78.0,
-                   help="shard CPU per claim, µs (dock_claims.py (b), 1,024 claimers, 65,536 rows)")
+    p.add_argument("--claim-cpu-us", type=float, default=37.0,
+                   help="shard CPU per claim, µs (dock_claims.py (b): 34-37 µs up to 1,024 claimers and 131,072 rows)")
     p.add_argument("--rpc-us", type=float, default=1000.0,
                    help="one call of the driver to a shard or worker, µs: the driver makes them one after the other "
                         "(DockClient.open_iteration loops over the shards) (dock_claims.py (a): a claim cycle, one round "
