@@ -88,12 +88,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_stage_process_claims_first_from_the_shard_in_its_own_pod(name, tiny_model_dir, tmp_path, validate_jobset, monkeypatch):
+def test_every_stage_process_claims_first_from_the_shard_in_its_own_pod(name, tiny_model_dir, tmp_path, validate_jobset,
+                                                                        validate_strict, monkeypatch):
     overrides, changes, pods, processes = CASES[name]
     cfg = config(tiny_model_dir, tmp_path, *overrides)
     jobset = rendered_jobset(cfg, dataclasses.replace(PLATFORMS["npu"], **changes))
     validate_jobset(jobset)
     rjobs = {r["name"]: r["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]}
+    for group, job in rjobs.items():  # native sidecars: Kubernetes 1.29 and later (restartPolicy of a container)
+        validate_strict({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": group}, "spec": job}, ("1.29.0", "1.37.0"))
     assert {g: j["completions"] for g, j in rjobs.items()} == pods  # no pods of shards of their own
     assert SHARDS_GROUP not in rjobs
 
