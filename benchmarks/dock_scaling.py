@@ -200,18 +200,21 @@ def measure_call_us(shards: int = 32, repeats: int = 10) -> float:
 
 
 # dock_network.py at R = 1 Mbit/s: seconds per side, docs/benchmarks.md ("The dock over an emulated network": the two
-# K = 2, 4, 8 runs, the K = 8 runs after them, and "The scaling model": the K = 2, 4 run of 30f02b1, the last entry)
+# K = 2, 4, 8 runs, the K = 8 runs after them, and "The scaling model": the K = 2, 4 run of 30f02b1, the last entry
+# of K = 2, 4; the K = 8 runs of 516cfd0, the last four of K = 8, the dock's without its run with the prompts in rounds)
 MEASURED = {
     2: {"centralized": [85.2, 87.4, 84.80], "dock": [50.8, 40.7, 41.27], "dock+locality": [17.2, 18.2, 17.68]},
     4: {"centralized": [84.2, 83.1, 102.81], "dock": [35.2, 40.3, 39.70], "dock+locality": [17.2, 18.9, 24.15]},
-    8: {"centralized": [80.2, 97.5, 94.65, 83.99, 95.03, 81.14, 96.05], "dock": [34.3, 25.8, 28.12, 26.79, 34.79, 29.35, 27.77],
-        "dock+locality": [12.5, 10.1, 9.40, 9.22, 9.24, 9.20, 9.21]},
+    8: {"centralized": [80.2, 97.5, 94.65, 83.99, 95.03, 81.14, 96.05, 81.40, 84.70, 81.60, 81.43],
+        "dock": [34.3, 25.8, 28.12, 26.79, 34.79, 29.35, 27.77, 30.19, 29.07],
+        "dock+locality": [12.5, 10.1, 9.40, 9.22, 9.24, 9.20, 9.21, 9.24, 9.62, 9.24, 9.62]},
 }
 # the same runs' busiest link direction, MB (bridge port counters)
 MEASURED_MB = {
     2: {"centralized": [7.60, 7.601], "dock": [4.86, 3.731], "dock+locality": [1.51, 1.510]},
     4: {"centralized": [7.65, 7.646], "dock": [3.07, 2.951], "dock+locality": [1.29, 1.299]},
-    8: {"centralized": [7.86, 7.66, 7.68], "dock": [2.13, 2.00, 2.09], "dock+locality": [1.10, 1.11, 1.10]},
+    8: {"centralized": [7.86, 7.66, 7.68, 7.655, 7.689, 7.652, 7.642], "dock": [2.13, 2.00, 2.09, 2.634, 2.212],
+        "dock+locality": [1.10, 1.11, 1.10, 1.101, 1.105, 1.101, 1.104]},
 }
 EMULATED = Workload(prompts=64, samples=8, prompt_tokens=512, response_tokens=512, claim_rows=64)
 """``dock_network.py``'s defaults: 512 rows in groups of 8, 512 + ~512 tokens, 64 rows per claim."""
