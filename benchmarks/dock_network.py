@@ -75,6 +75,7 @@ import dock as flow  # noqa: E402 - after the path
 
 from dockrl.dock.client.dock_client import DockClient  # noqa: E402
 from dockrl.dock.schema import GRPO_SCHEMA  # noqa: E402
+from dockrl.dock.shard.layout import shard_ranges  # noqa: E402
 
 MAX_NODES = 16
 """Most worker nodes (namespaces) one run creates."""
@@ -280,6 +281,19 @@ class Sample:
         return int(self.links[i, d]), f"{'driver' if i == 0 else f'node {i - 1}'} {'up' if d == 0 else 'down'}"
 
 
+def striped(ranges: list[tuple[int, int]], group_size: int, pieces: int) -> list[np.ndarray]:
+    """The driver's prompt puts: ``pieces`` puts, the i-th holding the i-th of ``pieces`` runs of whole groups of every
+    shard's rows ``ranges`` (each put goes to the shards one after the other), so every shard gets rows early; with 1,
+    one put, shard after shard."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(pieces)]
+    for start, stop in ranges:
+        groups = (stop - start) // group_size
+        for i in range(pieces):
+            a, b = start + i * groups // pieces * group_size, start + (i + 1) * groups // pieces * group_size
+            parts[i].append(np.arange(a, b))
+    return [rows for rows in (np.concatenate(p) for p in parts) if len(rows)]
+
+
 @dataclass
 class Bench:
     """Everything the driver node's process measures with, for one run of the benchmark."""
@@ -323,7 +337,9 @@ class Bench:
         driver.open_iteration(job.iteration, self.shape.rows, self.shape.group_size)
         for conn in self.pool.conns[:n]:
             conn.send(NodeJob(job, locality))
-        driver.put(range(self.shape.rows), {"prompt_ids": self.prompts.column("prompt_ids")})
+        pieces = 1 if locality else self.args.prompt_pieces  # a local claim waits for its shard's rows: whole shards first
+        for rows in striped(shard_ranges(self.shape.rows, self.shape.group_size, n), self.shape.group_size, pieces):
+            driver.put(rows, {"prompt_ids": self.prompts.column("prompt_ids").take(rows)})
         done = self.pool.collect(f"dock iteration {job.iteration}", n)
         driver.close_iteration()
         for stage in flow.STAGES:
@@ -444,7 +460,8 @@ def report(bench: Bench, rate: float, control: dict, shaped: dict, halved: dict[
     out = [
         f"# dock over an emulated network: {shape.rows:,} rows in groups of {shape.group_size}, prompts {shape.prompt_tokens} "
         f"tokens, responses ~{shape.tokens} tokens; stage payload {bench.payload / 1e6:.3g} MB per iteration "
-        f"(prompts {prompt_bytes / 1e6:.3g} MB); {a.claim_rows} rows per dock claim",
+        f"(prompts {prompt_bytes / 1e6:.3g} MB); {a.claim_rows} rows per dock claim; the dock's driver puts the prompts "
+        f"{'shard after shard' if a.prompt_pieces == 1 else f'in {a.prompt_pieces} rounds over the shards (not with locality)'}",
         f"# nodes: one driver and K workers (network namespaces, veth pairs on a bridge), every link tbf-limited to "
         f"R = {rate / 1e6:.4g} Mbit/s each way; each worker node runs one dock shard and one worker process (four stage "
         "threads for the dock); stage compute is not run",
@@ -547,12 +564,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeline", action="store_true", help="print each shaped run's link use second by second (stderr)")
     p.add_argument("--sides", type=lambda s: s.split(","), default=list(SIDES),
                    help=f"sides to run, of {','.join(SIDES)} (without centralized no speed ratio is printed)")
+    p.add_argument("--prompt-pieces", type=int, default=1,
+                   help="the dock's driver (without locality) puts its prompts in this many rounds over the shards (1: shard "
+                        "after shard)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit of every wait (claims, calls, start-up), seconds")
     a = p.parse_args(argv)
     if a.quick:
         a.nodes, a.rows, a.group_size, a.prompt_tokens, a.tokens, a.claim_rows = [2], 64, 4, 16, 32, 8
         a.repeats, a.warmup, a.rate_mbit, a.timeout_s = 1, 0, a.rate_mbit or 2.0, 60.0
-    for name in ("rows", "group_size", "prompt_tokens", "tokens", "claim_rows", "repeats"):
+    for name in ("rows", "group_size", "prompt_tokens", "tokens", "claim_rows", "repeats", "prompt_pieces"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}: got {getattr(a, name)}; must be >= 1")
     if a.rows % a.group_size or a.claim_rows % a.group_size:

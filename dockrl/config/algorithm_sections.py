@@ -409,6 +409,9 @@ def check_dapo(a: AlgorithmConfig, r: RolloutConfig, dock: DockConfig, critic: C
     if not f.enable:
         _refuse_settings_when_off("algorithm.filter_groups", f, type(f)())
         return
+    if dock.mode == "distributed" and dock.placement == "beside":
+        raise fail("dock.placement", dock.placement, "algorithm.filter_groups.enable needs one dock shard (dock.placement=apart, "
+                    "dock.shards=1); beside puts a shard beside every stage node (docs/algorithms.md)")
     if dock.shards != 1:
         raise fail("dock.shards", dock.shards, "algorithm.filter_groups.enable needs dock.shards=1: a claim across "
                     "shards waits on one shard at a time, and the rows of a round released later may all lie on another, "

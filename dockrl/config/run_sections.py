@@ -52,8 +52,13 @@ class DockConfig:
     ``distributed``: each stage is its own process and they share only ``shards`` Arrow Flight
     dock shard processes (and the actor → rollout weight channel). A checkpoint resumes in either."""
     shards: int = 1
-    """Dock shards (in either mode); an iteration's rows are split over them by whole prompt
+    """Dock shards (in either mode, with ``placement: apart``); an iteration's rows are split over them by whole prompt
     groups, so at most ``trainer.global_batch``."""
+    placement: Literal["apart", "beside"] = "apart"
+    """Where the shards of ``mode: distributed`` run. ``apart``: ``shards`` shard processes of their own (pods of their
+    own on Kubernetes). ``beside``: one shard beside the stage processes of every node, ``shards`` unused: on
+    Kubernetes a sidecar container of every stage pod, on this machine one shard process per stage group; each stage
+    process claims from its node's shard first (docs/dock.md "Shards beside the stages")."""
     prefetch: bool = True
     """A stage's put that acks its claim carries its next claim of the same shape (one round trip per claim
     cycle instead of two; docs/dock.md "Claims ride on puts"); those rows stay leased to the stage until it
@@ -214,6 +219,9 @@ def check_dock(k: DockConfig) -> None:
     if not 0 <= k.store_retries <= 10:
         raise fail("dock.store_retries", k.store_retries, "expected an integer from 0 to 10")
     require_positive({"dock.shards": k.shards})
+    if k.placement == "beside" and k.mode != "distributed":
+        raise fail("dock.placement", k.placement, f"places shards beside stage processes, which dock.mode={k.mode!r} does not have: "
+                   "use dock.mode=distributed, or dock.placement=apart")
     if not 1 <= k.max_inflight <= 8:
         raise fail("dock.max_inflight", k.max_inflight, "expected an integer from 1 (on-policy) to 8")
     if k.warehouse == "directory" and not k.directory.strip():

@@ -97,6 +97,9 @@ class WorkerGroup:
     secret_env: dict[str, str] = field(default_factory=dict)
     """Environment of every member whose values are secrets (the dock's bearer tokens): a
     Kubernetes backend keeps them in a Secret of the run (``secretKeyRef``), never in a pod spec."""
+    sidecar: WorkerGroup | None = None
+    """A dock shard beside each pod of the group (``dock.placement=beside`` on a backend with ``sidecars``): its
+    command, port, requests and secrets, run as a container of every pod of the group; None: none."""
 
     @property
     def accelerators(self) -> bool:
@@ -170,6 +173,13 @@ class WorkerBackend(Protocol):
     start_spread_s: float
     """Longest between the first and the last member of a run starting to run, seconds: how much
     longer than their own loading the stages may wait for the shards and the first iteration."""
+    sidecars: bool
+    """Whether a group's ``sidecar`` runs beside each of its pods (Kubernetes); else the launcher starts the shards of
+    ``dock.placement=beside`` as a group of their own, one per stage group, on the stages' machine (local processes)."""
+
+    def nodes(self, group: WorkerGroup) -> int:
+        """Nodes the members of ``group`` are placed on: its pods on Kubernetes (``pod_spec.pod_shape``), 1 for local
+        processes (one machine)."""
 
     @property
     def shared_dir(self) -> Path | None:

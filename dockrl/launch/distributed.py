@@ -20,6 +20,7 @@ waited for in short slices that check the workers in between (``wait_reports``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -59,9 +60,36 @@ SHARDS_GROUP = "dock-shard"
 of ``dock.shards`` indexed pods, so a run's PodSets do not grow with its shards)."""
 
 
-def shard_locations(backend: WorkerBackend, ports: Sequence[int], protocol: str = "grpc") -> list[str]:
-    """``<protocol>://host:port`` of every dock shard (member ``s`` of group ``dock-shard`` on ``ports[s]``), in shard order."""
+def shard_locations(backend: WorkerBackend, ports: Sequence[int], protocol: str = "grpc",
+                    beside: Sequence[tuple[str, int]] = ()) -> list[str]:
+    """``<protocol>://host:port`` of every dock shard, in shard order: member ``s`` of group ``dock-shard`` on
+    ``ports[s]``, or with ``beside`` (``shard_nodes``, on a backend with ``sidecars``) the sidecar of pod ``p`` of
+    stage group ``g`` for shard ``s`` at ``beside[s] = (g, p)``."""
+    if beside:
+        return [f"{protocol}://{backend.address(group, pod, port)}" for (group, pod), port in zip(beside, ports, strict=True)]
     return [f"{protocol}://{backend.address(SHARDS_GROUP, s, port)}" for s, port in enumerate(ports)]
+
+
+def _stage_shape(cfg: Config, stage: str) -> WorkerGroup:
+    """The members of ``stage``'s group as ``worker_groups`` places them (devices, replicas, blocks), with no command yet."""
+    replicas, colocate = stage_members(cfg.parallel, stage)
+    return WorkerGroup(name=stage, command=("worker",), devices=member_devices(cfg, stage), replicas=replicas, colocate=colocate)
+
+
+def shard_nodes(cfg: Config, backend: WorkerBackend) -> list[tuple[str, int]]:
+    """Where the dock shards of ``dock.placement=beside`` run: shard ``s`` beside node ``p`` of stage group ``g`` at
+    ``[s] = (g, p)``, the stage groups in ``stage_processes`` order, each one's nodes (``backend.nodes``: its pods
+    on Kubernetes, one on this machine) in order. The members on node ``p`` of ``g`` claim from that shard first
+    (``dockrl worker --local-shard``); the driver's prompts, split over the shards by whole groups, so land on
+    every node that runs stages. Empty with ``dock.placement=apart``."""
+    if cfg.dock.placement != "beside":
+        return []
+    return [(stage, p) for stage in stage_processes(cfg) for p in range(backend.nodes(_stage_shape(cfg, stage)))]
+
+
+def dock_shards(cfg: Config, backend: WorkerBackend) -> int:
+    """The dock shards of a distributed run: ``dock.shards``, or with ``dock.placement=beside`` one per stage node (``shard_nodes``)."""
+    return len(shard_nodes(cfg, backend)) or cfg.dock.shards
 
 
 def member_devices(cfg: Config, stage: str) -> int:
@@ -201,11 +229,18 @@ def worker_groups(
         "--token-env", DRIVER_TOKEN_ENV, "--timeout-s", str(cfg.dock.timeout_s), "--lease-s", str(cfg.dock.lease_s),
         "--payload", payload, "--driver-timeout-s", str(cfg.run.driver_timeout_s), *access,
     ))
-    dock = ",".join(shard_locations(backend, ports, scheme(tls.server if tls else None)))
+    beside = shard_nodes(cfg, backend)
+    if beside and len(beside) != len(ports):
+        raise ValueError(f"dock.placement=beside: {len(ports)} shard port(s) for the {len(beside)} stage nodes {beside}; "
+                         "expected one each (dock_shards)")
+    sidecars = backend.sidecars and bool(beside)
+    dock = ",".join(shard_locations(backend, ports, scheme(tls.server if tls else None), beside if sidecars else ()))
     wait = ["--first-wait-s", f"{first_wait:g}"] if first_wait else []
     replicas = {stage: stage_members(cfg.parallel, stage)[0] for stage in stages}
-    # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
-    local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
+    if beside:  # a stage node's members claim from the shard beside them; in pods, shard first + the pod's index
+        local = {stage: ["--local-shard", f"{beside.index((stage, 0))}{'+pod' if sidecars else ''}"] for stage in stages}
+    else:  # a backend on loopback runs every shard on each member's machine: replica r claims from shard r mod shards first
+        local = {stage: ["--local-shard-of-replica"] if n > 1 and is_loopback(backend.bind_host) else [] for stage, n in replicas.items()}
     served = program_stages(cfg)
     if len(executor_ports) != len(served) or (served and not sandbox_secret):
         raise ValueError(f"sandbox executors of {served}: got {len(executor_ports)} port(s) and "
@@ -218,9 +253,9 @@ def worker_groups(
         env[stage] |= {SANDBOX_URL_ENV: f"http://{backend.address(group.name, 0, group.port)}",
                        SANDBOX_WAIT_ENV: f"{first_wait or cfg.dock.timeout_s:g}"}
         secret_env[stage][SANDBOX_SECRET_ENV] = sandbox_secret
-    return [shards] + [
-        WorkerGroup(name=stage, env=env[stage], secret_env=secret_env[stage], devices=member_devices(cfg, stage),
-                    replicas=replicas[stage], colocate=stage_members(cfg.parallel, stage)[1], object_store=s3, command=(
+    sidecar = dataclasses.replace(shards, replicas=1) if sidecars else None  # one in every pod of every stage group
+    return ([] if sidecars else [shards]) + [
+        dataclasses.replace(_stage_shape(cfg, stage), env=env[stage], secret_env=secret_env[stage], object_store=s3, sidecar=sidecar, command=(
             *program, "worker", "--stage", stage, "--config-env", CONFIG_ENV,
             "--dock", dock, "--weight-sync", weight_address, "--run", run, *wait, *local[stage],
         ))
@@ -290,11 +325,13 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     launcher_host = backend.launcher_host  # before the store: fails at once if members cannot reach this process
     # on the backend's bind host only (loopback for a local run); members connect to launcher_host
     weight_store = serve_store(backend.bind_host, timeout_s=cfg.dock.timeout_s)
-    ports = backend.serve_ports(cfg.dock.shards + len(program_stages(cfg)))  # the shards', then the sandbox executors'
-    ports, executor_ports = ports[:cfg.dock.shards], ports[cfg.dock.shards:]
-    hosts = [backend.address(SHARDS_GROUP, s, port).rsplit(":", 1)[0] for s, port in enumerate(ports)]
+    n_shards = dock_shards(cfg, backend)
+    ports = backend.serve_ports(n_shards + len(program_stages(cfg)))  # the shards', then the sandbox executors'
+    ports, executor_ports = ports[:n_shards], ports[n_shards:]
+    beside = shard_nodes(cfg, backend) if backend.sidecars else []
+    hosts = [loc.split("://", 1)[1].rsplit(":", 1)[0] for loc in shard_locations(backend, ports, beside=beside)]
     tls = RunCertificates.generate(hosts, run=backend.run_id)  # the run's own: no other run can talk to its shards
-    locations = shard_locations(backend, ports, scheme(tls.server))
+    locations = shard_locations(backend, ports, scheme(tls.server), beside)
     groups = worker_groups(cfg, backend, ports, f"{launcher_host}:{weight_store.port}", driver_token, backend.run_id,
                            first_wait=first_wait_s(cfg, len(plan.test_prompts)) + backend.start_spread_s,
                            restore=plan.resume.dock_uri if plan.resume else "", tls=tls,
@@ -323,7 +360,7 @@ def start_processes(plan: RunPlan, backend: WorkerBackend | None = None) -> Proc
     except BaseException:
         stop()
         raise
-    logger.info("started %d dock shards and stages %s; logs in %s", cfg.dock.shards, stage_processes(cfg), backend.logs)
+    logger.info("started %d dock shards and stages %s; logs in %s", n_shards, stage_processes(cfg), backend.logs)
     return ProcessStages(cfg, dock, backend, test_prompts=len(plan.test_prompts), stop=stop)
 
 

@@ -114,7 +114,7 @@ def run_labels(run_id: str, group: str | None = None) -> dict[str, str]:
 def _secret_keys(groups: Sequence[WorkerGroup]) -> dict[str, str]:
     """Environment variable → value of every group's ``secret_env``; one value per name."""
     values: dict[str, str] = {}
-    for g in groups:
+    for g in [*groups, *(g.sidecar for g in groups if g.sidecar is not None)]:
         for key, value in g.secret_env.items():
             if values.setdefault(key, value) != value:
                 raise ValueError(f"worker groups: secret_env {key!r} differs between groups; a run has one value per name")

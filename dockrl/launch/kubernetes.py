@@ -103,6 +103,7 @@ class KubernetesBackend:
     """
 
     bind_host = "0.0.0.0"  # a pod's own network namespace: every interface is the pod's
+    sidecars = True  # dock.placement=beside: a shard container in every stage pod
 
     def __init__(self, run_id: str, *, namespace: str, platform: Platform, core_api: Any, custom_api: Any,
                  owner: OwnerPod | None = None, launcher_ip: str = "", poll_s: float = 2.0, log_lines: int = 50,
@@ -174,6 +175,9 @@ class KubernetesBackend:
         if served_stage(group):  # a sandbox executor: its Sandbox's Service (sandbox_pod.py)
             return f"{sandbox_host(self.run_id, group, self.namespace)}:{port}"
         return f"{member_host(self.run_id, group, replica, self.namespace)}:{port}"
+
+    def nodes(self, group: WorkerGroup) -> int:
+        return pod_shape(group, self.platform).pods
 
     @classmethod
     def from_cluster(cls, run_id: str, *, namespace: str = "", platform: str | Platform = "cpu", **kwargs) -> KubernetesBackend:
@@ -345,7 +349,7 @@ def trainer_runtime_main(argv: list[str] | None = None) -> int:
     import yaml
 
     from dockrl.config import load_config
-    from dockrl.launch.distributed import worker_groups  # lazy: the driver's side of a run, only to know its groups
+    from dockrl.launch.distributed import dock_shards, worker_groups  # lazy: the driver's side of a run, only to know its groups
     from dockrl.launch.platform_files import platform_from_file
     from dockrl.launch.trainjob import render_training_runtime
 
@@ -362,6 +366,6 @@ def trainer_runtime_main(argv: list[str] | None = None) -> int:
         platform = platform_from_file(platform, args.platform_config)
     # the shape alone matters: what addresses, tokens and the run's name give is patched in by each TrainJob
     backend = KubernetesBackend("runtime", namespace="default", platform=platform, core_api=None, custom_api=None)
-    groups = worker_groups(cfg, backend, backend.serve_ports(cfg.dock.shards), "launcher:29500", "token", "runtime")
+    groups = worker_groups(cfg, backend, backend.serve_ports(dock_shards(cfg, backend)), "launcher:29500", "token", "runtime")
     print(yaml.safe_dump(render_training_runtime(groups, name=args.name, platform=platform), sort_keys=False), end="")
     return 0

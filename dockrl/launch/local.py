@@ -207,6 +207,7 @@ class LocalBackend:
     shared_dir = None  # one machine: every path is the same for all
     start_timeout_s = 60.0
     start_spread_s = 0.0  # every process starts at once
+    sidecars = False  # processes, not pods: the shards of dock.placement=beside are a group of their own
 
     def __init__(self, run_id: str, *, state_dir: str | Path | None = None, log_dir: str | Path | None = None, grace_s: float = 5.0,
                  run_dir: str | Path | None = None, fork_server: bool = True):
@@ -233,6 +234,9 @@ class LocalBackend:
 
     def address(self, group: str, replica: int, port: int) -> str:
         return f"{HOST}:{port}"
+
+    def nodes(self, group: WorkerGroup) -> int:
+        return 1
 
     @property
     def state_file(self) -> Path:

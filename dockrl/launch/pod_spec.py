@@ -155,6 +155,31 @@ def arch_affinity(archs: Sequence[str]) -> dict[str, Any]:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
+SIDECAR_START_S = 120
+"""Longest a pod's dock shard may take to answer on its port before the pod fails (its startup probe), seconds."""
+
+
+def shard_sidecar(run_id: str, shard: WorkerGroup, platform: Platform, *, secret: str, image: str, pods: int,
+                  mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The dock shard beside the stage processes of a pod (``dock.placement=beside``, ``WorkerGroup.sidecar``): a
+    native sidecar (an init container with ``restartPolicy: Always``, Kubernetes >= 1.29), so it answers on its port
+    (the startup probe) before the stage's container starts, and is stopped once that container has ended: the pod
+    completes with its stage. It has the shard group's requests and secrets (the stage container has neither: each
+    container reads only its own ``secretKeyRef``), the pod's image, and the pod's index as ``DOCKRL_REPLICA``."""
+    container: dict[str, Any] = {
+        "name": shard.name, "image": image, "imagePullPolicy": "IfNotPresent", "restartPolicy": "Always",
+        "args": list(shard.command), "env": _env(run_id, shard, platform, secret, PodShape(pods, 1), master_addr=""),
+        "resources": _resources(shard, platform, PodShape(pods, 1)),
+        "ports": [{"name": "dock", "containerPort": shard.port, "protocol": "TCP"}],
+        "startupProbe": {"tcpSocket": {"port": shard.port}, "periodSeconds": 1, "failureThreshold": SIDECAR_START_S},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if mounts:
+        container["volumeMounts"] = mounts
+    return container
+
+
 def pod_spec(run_id: str, group: WorkerGroup, platform: Platform, *, secret: str, master_addr: str) -> dict[str, Any]:
     """The pod of a member of ``group`` (see the module docstring): ``secret`` is the run's Secret, ``master_addr``
     pod 0 of the group in the JobSet's DNS (the collectives' rendezvous, ``jobset.member_host``)."""
@@ -197,6 +222,10 @@ def pod_spec(run_id: str, group: WorkerGroup, platform: Platform, *, secret: str
         "containers": [container],
         "volumes": volumes,
     }
+    if group.sidecar is not None:
+        shared = [m for m in mounts if m["name"] == SHARED_VOLUME]  # dock snapshots go with the checkpoints
+        spec["initContainers"] = [shard_sidecar(run_id, group.sidecar, platform, secret=secret, image=container["image"],
+                                                pods=shape.pods, mounts=shared)]
     if group.devices:
         if platform.accelerator_device_gid:
             security["supplementalGroups"] = [platform.accelerator_device_gid]

@@ -56,12 +56,22 @@ NODE_GROUPS = ("hybrid", "actor")
 _PLACEHOLDER_RUN = "runtime"  # render_jobset needs a run; what of it lands in the pods is taken out again
 
 
+def refuse_sidecars(groups: Sequence[WorkerGroup]) -> None:
+    """Raises ``ValueError`` when ``groups`` carry dock shards as sidecars (``dock.placement=beside``): a TrainJob's
+    runtime patches reach the containers of its pods, not their init containers."""
+    if any(g.sidecar is not None for g in groups):
+        raise ValueError("dock.placement=beside: the stage pods' dock shard sidecars are rendered for Platform.workload='jobset' "
+                         "only; a TrainJob's runtime patches reach its containers, not its init containers")
+
+
 def trainer_group(groups: Sequence[WorkerGroup]) -> WorkerGroup:
     """The runtime's trainer step: the hybrid actor's group, else the actor's.
 
     Raises:
-        ValueError: the run has neither (no group the Trainer can call its trainer).
+        ValueError: the run has neither (no group the Trainer can call its trainer), or its groups carry dock shards
+            as sidecars (``dock.placement=beside``), whose arguments and environment the runtime's patches do not reach.
     """
+    refuse_sidecars(groups)
     by_name = {g.name: g for g in groups}
     for name in NODE_GROUPS:
         if name in by_name:
@@ -113,8 +123,9 @@ def render_trainjob(groups: Sequence[WorkerGroup], *, run_id: str, namespace: st
     Args: as ``render_jobset``'s.
 
     Raises:
-        ValueError: as ``render_jobset``.
+        ValueError: as ``render_jobset``, or dock shard sidecars (``refuse_sidecars``).
     """
+    refuse_sidecars(groups)
     objects = render_jobset(groups, run_id=run_id, namespace=namespace, platform=platform, owner=owner, attempt=attempt)
     [jobset] = [o for o in objects if o["kind"] == "JobSet"]
     patched = []

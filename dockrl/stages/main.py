@@ -31,11 +31,31 @@ from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse.stores import make_warehouse
 from dockrl.engines.factory import process_ranks
-from dockrl.process.env import CONFIG_ENV, TOKEN_ENV, local_rank, replica, stage_token_env
+from dockrl.process.env import CONFIG_ENV, REPLICA_ENV, TOKEN_ENV, local_rank, replica, stage_token_env
 from dockrl.process.lifeline import driver_pid_from_env, watch_driver
 from dockrl.run.driver_lease import shard_lease_quiet, wait_for_shards
 from dockrl.run.setup import seed_everything
 from dockrl.stages.table import STAGES, load, stage
+
+logger = logging.getLogger(__name__)
+
+
+def local_shard(spec: str, shards: int) -> int:
+    """The shard ``--local-shard spec`` names: ``S``, or ``S+pod`` = S + this process's pod index in its group
+    (``REPLICA_ENV``, which ``dockrl node`` leaves to its rank processes: the pod's).
+
+    Raises:
+        ValueError: ``spec`` not of that form, the pod index unset or not an integer, or the shard not in ``[0, shards)``.
+    """
+    base, plus, what = spec.partition("+")
+    pod = os.environ.get(REPLICA_ENV, "") if plus else "0"
+    if not base.isdigit() or (plus and what != "pod") or not pod.isdigit():
+        raise ValueError(f"--local-shard {spec!r} with {REPLICA_ENV}={pod!r}: expected S or S+pod (S an integer >= 0, "
+                         f"{REPLICA_ENV} the pod's index, set by the worker backend)")
+    shard = int(base) + int(pod)
+    if shard >= shards:
+        raise ValueError(f"--local-shard {spec!r}: shard {shard} (pod {pod}), but --dock names {shards} shard(s)")
+    return shard
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default="run", help="the run's name: lease owner ids and the warehouse objects' root")
     parser.add_argument("--weight-sync", default="", help="host:port of the launcher's TCPStore: the weight channel's "
                         "(rollout and actor) or the hybrid actor ranks' rendezvous")
-    parser.add_argument("--local-shard-of-replica", action="store_true",
-                        help="this member shares its machine with dock shard (replica index mod shards): its claims take "
-                        "from that shard first (the DockClient's local_shard)")
+    near = parser.add_mutually_exclusive_group()
+    near.add_argument("--local-shard-of-replica", action="store_true",
+                      help="this member shares its machine with dock shard (replica index mod shards): its claims take "
+                      "from that shard first (the DockClient's local_shard)")
+    near.add_argument("--local-shard", metavar="S[+pod]",
+                      help="dock shard S runs beside this member (dock.placement=beside), or with +pod shard S + the index "
+                      f"of this member's pod in its group ({REPLICA_ENV}: a shard beside every pod): its claims take from "
+                      "that shard first")
     parser.add_argument("--first-wait-s", type=float, default=None,
                         help="longest wait for the dock shards to answer and for the first iteration, seconds (default "
                         "dock.timeout_s); the launcher adds the time of the rollout's evaluation before training, which "
@@ -80,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     locations = [loc for loc in args.dock.split(",") if loc]
+    near_shard: int | None = None  # the shard on this member's node or pod: its claims take from it first
+    if args.local_shard:
+        try:
+            near_shard = local_shard(args.local_shard, len(locations))
+        except ValueError as e:
+            parser.error(str(e))
     # a run's groups start at once: a shard's pod may come up after this one
     wait_for_shards(locations, token, args.first_wait_s or cfg.dock.timeout_s, tls=tls)
     # and with any backend once its lease on the dock goes quiet
@@ -89,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ranks = process_ranks(cfg, trains=row.trains, replica=index, replicas=size, store_address=args.weight_sync,
                           local_rank=local_rank())
     owner = f"{args.run}/{args.stage}" + (f"-{ranks.replica}" if ranks.replicas > 1 else "")  # members of a group of several differ
+    if args.local_shard_of_replica:
+        near_shard = index % len(locations)
+    if near_shard is not None:
+        logger.info("local dock shard %d of %d: %s", near_shard, len(locations), locations[near_shard])
     with DockClient(locations, GRPO_SCHEMA, token=token, tls=tls, timeout_s=cfg.dock.timeout_s, warehouse=make_warehouse(cfg.dock, args.run),
-                    lease_s=cfg.dock.lease_s, owner=owner, prefetch=cfg.dock.prefetch,
-                    local_shard=index % len(locations) if args.local_shard_of_replica else None) as dock:
+                    lease_s=cfg.dock.lease_s, owner=owner, prefetch=cfg.dock.prefetch, local_shard=near_shard) as dock:
         load(row.process)(cfg, dock, ranks, args.weight_sync, args.first_wait_s)
     return 0
 

@@ -52,3 +52,16 @@ def test_quick_mode_prints_every_side_with_finite_numbers_and_leaves_no_namespac
         assert all(math.isfinite(v) and v > 0 for v in values), r
     assert [r[0] for r in table(proc.stdout, "halving R")] == SIDES
     assert "- dock+locality:" in proc.stdout and "its own link bound" in proc.stdout
+
+
+def test_striped_prompt_puts_cover_every_row_once_in_whole_groups_each_round_on_every_shard():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from dock_network import striped
+
+    ranges = [(0, 64), (64, 128), (128, 192), (192, 256)]
+    puts = striped(ranges, 8, 4)
+    assert sorted(r for put in puts for r in put.tolist()) == list(range(256))
+    for put in puts:  # two groups of every shard per round
+        assert [sum(a <= r < b for r in put.tolist()) for a, b in ranges] == [16, 16, 16, 16]
+        assert all(len(set(put.tolist()) & set(range(g, g + 8))) in (0, 8) for g in range(0, 256, 8))
+    assert [p.tolist() for p in striped(ranges, 8, 1)] == [list(range(256))]  # shard after shard, one put

@@ -8,6 +8,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,6 +185,25 @@ def test_a_custom_scorer_is_built_from_its_import_path(tiny_model_dir, tmp_path,
         build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=no_such_module:X").algorithm)
     with pytest.raises(ConfigError, match="AttributeError"):
         build_scorer(run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:NoSuchScorer").algorithm)
+
+
+@pytest.mark.slow
+def test_a_shard_beside_each_stage_group_is_its_local_shard(tiny_model_dir, tmp_path, workers_path):
+    """dock.placement=beside on this machine: one shard process per stage group, and each stage's client claims from
+    its group's shard first (its DockClient's local_shard, which the worker logs with the shard's location)."""
+    cfg = run_config(tiny_model_dir, tmp_path, "algorithm.scorer=fake_scorers:FakeRandomScorer", "dock.placement=beside",
+                     "trainer.iterations=1", "trainer.save_every=0", "trainer.eval_before=false", "trainer.eval_after=false")
+    driver.train(cfg)
+    run = tmp_path / "run"
+    logs = run / "logs"
+    stages = ["rollout", "reward", "reference", "actor"]
+    listening = {}
+    for shard in range(len(stages)):
+        [listening[shard]] = re.findall(r"dock shard listening at (\S+)", (logs / f"dock-shard-{shard}.log").read_text())
+    for shard, stage in enumerate(stages):  # shard s beside stage group s, the stage table's order
+        assert f"local dock shard {shard} of 4: {listening[shard]}" in (logs / f"{stage}-0.log").read_text()
+    [metrics] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["dock/shards"] == 4 and math.isfinite(metrics["actor/loss"])
 
 
 @pytest.mark.slow

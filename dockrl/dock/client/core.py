@@ -27,7 +27,8 @@ import random
 import socket
 import threading
 import uuid
-from typing import Any, NamedTuple, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +44,17 @@ from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse.base import Warehouse
 
 logger = logging.getLogger(__name__)
+
+FANOUT = 32
+"""Most calls one client has in flight at once to different shards (``ClientCore.each``)."""
+T = TypeVar("T")
+
+
+def _result(call: Callable[[int], T], s: int) -> T | Exception:
+    try:
+        return call(s)
+    except Exception as e:  # noqa: BLE001 - handed to the caller, which raises it
+        return e
 
 
 def _one(layouts: list[dict[str, int]]) -> list[dict[str, int]] | dict[str, int] | None:
@@ -93,6 +105,7 @@ class ClientCore:
         self.heartbeat = LeaseHeartbeat(self.owner, lease_s, len(self.transports), lambda s: self.action(s, "renew", {"owner": self.owner}))
         self.closed = False
         self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None  # the calls to every shard at once (``each``), made at its first call
         self.layout: ShardLayout | None = None  # this client's current iteration (opened or waited for last), else the shards' newest
         self.confirmed: int | None = None  # the iteration of _layout when this client opened it or waited for it
         self.known: dict[int, ShardLayout] = {}  # layouts of open iterations seen, by iteration
@@ -109,6 +122,18 @@ class ClientCore:
     # --- calls --------------------------------------------------------------------------------
     def action(self, shard: int, name: str, body: dict[str, Any], timeout: float | None = None) -> Any:
         return self.transports[shard].action(name, body, self.rpc_timeout_s if timeout is None else timeout)
+
+    def each(self, call: Callable[[int], T], shards: Sequence[int]) -> list[T | Exception]:
+        """``call(s)`` for every shard of ``shards`` at once (at most ``FANOUT`` calls in flight): the driver's calls to
+        every shard (open, close, stats) wait one round trip, not one per shard. Returns each shard's result, or the
+        exception its call raised, in the order of ``shards``."""
+        if len(shards) <= 1:
+            return [_result(call, s) for s in shards]
+        with self.lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(min(FANOUT, len(self.transports)), thread_name_prefix="dock-fanout")
+            pool = self.pool
+        return list(pool.map(lambda s: _result(call, s), shards))
 
     @property
     def controller_bytes(self) -> int:

@@ -187,19 +187,17 @@ class DockClient:
             DockError: an iteration is still open (nothing is left opened), or bad sizes.
         """
         layout = ShardLayout(int(iteration), int(num_rows), int(group_size), len(self.core.locations))
-        opened: list[int] = []
         limit = {"max_open": self.core.max_inflight} if self.core.max_inflight != 1 else {}
-        try:
-            for s in range(layout.num_shards):
-                self.core.action(s, "open_iteration", layout.shard_meta(s) | limit)
-                opened.append(s)
-        except BaseException:
-            for s in opened:  # leave no shard half-opened
-                try:
-                    self.core.action(s, "close_iteration", {"iteration": layout.iteration})
-                except Exception as e:  # noqa: BLE001 - the open's own error is what the caller needs
-                    logger.warning("could not close half-opened iteration %d on dock shard %d: %s", iteration, s, e)
-            raise
+        shards = range(layout.num_shards)
+        results = self.core.each(lambda s: self.core.action(s, "open_iteration", layout.shard_meta(s) | limit), shards)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            opened = [s for s, r in zip(shards, results) if not isinstance(r, Exception)]
+            closed = self.core.each(lambda s: self.core.action(s, "close_iteration", {"iteration": layout.iteration}), opened)
+            for s, r in zip(opened, closed):  # leave no shard half-opened
+                if isinstance(r, Exception):  # the open's own error is what the caller needs
+                    logger.warning("could not close half-opened iteration %d on dock shard %d: %s", iteration, s, r)
+            raise failed[0]
         with self.core.lock:
             self.core.layout, self.core.confirmed = layout, layout.iteration
             self.core.known[layout.iteration] = layout
@@ -234,9 +232,12 @@ class DockClient:
             self.core.known = {} if iteration is None else {k: v for k, v in self.core.known.items() if k != iteration}
         self.puts.forget_prefetched(iteration)
         body: dict[str, Any] = ({} if iteration is None else {"iteration": int(iteration)}) | ({} if keep is None else {"keep": keep.body()})
-        for s in range(len(self.core.locations)):
-            # a shard whose writer is QUEUE iterations behind answers once it has room: the rpc deadline covers the wait
-            self.core.action(s, "close_iteration", body, timeout=None if keep is None else self.core.timeout_s + self.core.rpc_timeout_s)
+        # a shard whose writer is QUEUE iterations behind answers once it has room: the rpc deadline covers the wait
+        timeout = None if keep is None else self.core.timeout_s + self.core.rpc_timeout_s
+        failed = [r for r in self.core.each(lambda s: self.core.action(s, "close_iteration", body, timeout=timeout),
+                                            range(len(self.core.locations))) if isinstance(r, Exception)]
+        if failed:  # every shard was asked: one that failed leaves the others closed
+            raise failed[0]
         for it in closing:
             try:
                 delete_iteration(self.core.warehouse, it)  # type: ignore[arg-type]  # closing is empty without a warehouse
@@ -311,6 +312,8 @@ class DockClient:
         for consumer, taken in prefetched.items():
             self.puts.drop_prefetched(consumer, taken)
         self.core.heartbeat.close(self.core.rpc_timeout_s)
+        if self.core.pool is not None:
+            self.core.pool.shutdown(wait=True)
         for t in self.core.transports:
             t.close()
 

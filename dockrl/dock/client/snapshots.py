@@ -109,8 +109,10 @@ class Snapshots:
         ``dock/store_bytes_written``, ``dock/store_bytes_read`` (Arrow IPC bytes),
         ``dock/store_objects_written``, ``dock/store_objects_read``."""
         total: dict[str, float] = {}
-        for s in range(len(self.core.locations)):
-            for key, value in self.core.action(s, "stats", {}).items():
+        for counters in self.core.each(lambda s: self.core.action(s, "stats", {}), range(len(self.core.locations))):
+            if isinstance(counters, Exception):
+                raise counters
+            for key, value in counters.items():
                 total[key] = total.get(key, 0) + value
         with self.core.lock:
             store = dict(self.core.store) if self.core.warehouse is not None else {}
