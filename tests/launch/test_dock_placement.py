@@ -84,6 +84,8 @@ CASES = {
     # name: (overrides, platform changes, {group: pods}, stage processes)
     "hybrid tp2·dp4 on two 4-device nodes": (HYBRID, {"devices_per_node": 4}, {"hybrid": 2, "reward": 1, "reference": 1}, 8 + 1 + 1),
     "grpo, one process per stage": ((), {}, {"rollout": 1, "reward": 1, "reference": 1, "actor": 1}, 4),
+    "grpo with a teacher (on-policy distillation)": (("teacher.enable=true", "teacher.model.path={model}"), {},
+                                                      {"rollout": 1, "reward": 1, "reference": 1, "teacher": 1, "actor": 1}, 5),
 }
 
 
@@ -91,7 +93,7 @@ CASES = {
 def test_every_stage_process_claims_first_from_the_shard_in_its_own_pod(name, tiny_model_dir, tmp_path, validate_jobset,
                                                                         validate_strict, monkeypatch):
     overrides, changes, pods, processes = CASES[name]
-    cfg = config(tiny_model_dir, tmp_path, *overrides)
+    cfg = config(tiny_model_dir, tmp_path, *(o.format(model=tiny_model_dir) for o in overrides))
     jobset = rendered_jobset(cfg, dataclasses.replace(PLATFORMS["npu"], **changes))
     validate_jobset(jobset)
     rjobs = {r["name"]: r["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]}
