@@ -63,6 +63,12 @@ def replica() -> tuple[int, int]:
     return index, size
 
 
+def pod_index() -> str:
+    """The index of this process's pod in its group, as set (``REPLICA_ENV``; '' when unset): under ``dockrl node``
+    the pod's, which it leaves to its rank processes, where ``replica`` gives the rank. Checked by its reader."""
+    return os.environ.get(REPLICA_ENV, "")
+
+
 def local_rank() -> int | None:
     """The device index on its node of a rank process of ``dockrl node`` (torchrun's ``LOCAL_RANK``);
     None for a process that is its pod's only member (its device follows from its rank).

@@ -31,7 +31,7 @@ from dockrl.dock.client.dock_client import DockClient
 from dockrl.dock.tls import DockTLS
 from dockrl.dock.warehouse.stores import make_warehouse
 from dockrl.engines.factory import process_ranks
-from dockrl.process.env import CONFIG_ENV, REPLICA_ENV, TOKEN_ENV, local_rank, replica, stage_token_env
+from dockrl.process.env import CONFIG_ENV, REPLICA_ENV, TOKEN_ENV, local_rank, pod_index, replica, stage_token_env
 from dockrl.process.lifeline import driver_pid_from_env, watch_driver
 from dockrl.run.driver_lease import shard_lease_quiet, wait_for_shards
 from dockrl.run.setup import seed_everything
@@ -48,7 +48,7 @@ def local_shard(spec: str, shards: int) -> int:
         ValueError: ``spec`` not of that form, the pod index unset or not an integer, or the shard not in ``[0, shards)``.
     """
     base, plus, what = spec.partition("+")
-    pod = os.environ.get(REPLICA_ENV, "") if plus else "0"
+    pod = pod_index() if plus else "0"
     if not base.isdigit() or (plus and what != "pod") or not pod.isdigit():
         raise ValueError(f"--local-shard {spec!r} with {REPLICA_ENV}={pod!r}: expected S or S+pod (S an integer >= 0, "
                          f"{REPLICA_ENV} the pod's index, set by the worker backend)")

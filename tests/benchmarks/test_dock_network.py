@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDES = ["centralized", "dock", "dock+locality"]
@@ -55,8 +56,7 @@ def test_quick_mode_prints_every_side_with_finite_numbers_and_leaves_no_namespac
 
 
 def test_striped_prompt_puts_cover_every_row_once_in_whole_groups_each_round_on_every_shard():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from dock_network import striped
+    striped = load_benchmark("dock_network").striped
 
     ranges = [(0, 64), (64, 128), (128, 192), (192, 256)]
     puts = striped(ranges, 8, 4)

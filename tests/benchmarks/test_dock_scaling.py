@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from dock_scaling import EMULATED, Costs, Workload, predict  # noqa: E402
+scaling = load_benchmark("dock_scaling")
+EMULATED, Costs, Workload, predict = scaling.EMULATED, scaling.Costs, scaling.Workload, scaling.predict
 
 COSTS = Costs(phi_central=1.0, phi_dock=1.0, process_bytes_s=1e18, claim_cpu_s=0.0, rpc_s=0.0, call_cpu_s=0.0, fanouts=4,
               serial=False)
