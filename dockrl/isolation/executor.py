@@ -110,6 +110,17 @@ def pod_problems(*, environ: Mapping[str, str], root: str = "/", token: Path = S
     return problems
 
 
+
+def send_reply(handler: BaseHTTPRequestHandler, status: int, body: dict[str, Any] | str) -> None:
+    """Answer ``handler``'s request: ``body`` as JSON (a dict) or plain text, with its length (the sandbox executor's
+    and the agent gateway's replies)."""
+    data = (json.dumps(body) if isinstance(body, dict) else body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json" if isinstance(body, dict) else "text/plain")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
 class ExecutorServer(ThreadingHTTPServer):
     """The executor's HTTP server (module docstring): ``serve_forever`` answers each request in a thread of its own.
 
@@ -183,12 +194,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s %s", self.address_string(), format % args)
 
     def _answer(self, status: int, body: dict[str, Any] | str) -> None:
-        data = (json.dumps(body) if isinstance(body, dict) else body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json" if isinstance(body, dict) else "text/plain")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_reply(self, status, body)
 
     def _authorized(self) -> bool:
         given = self.headers.get("Authorization", "")

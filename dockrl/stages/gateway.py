@@ -54,6 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 from dockrl.config import Config, ConfigError
 from dockrl.engines.rollout_engine import RolloutEngine, Sample
 from dockrl.envs.tool_calls import ToolCall, ToolCallError, ToolParser, calls_end, parse_tool_calls
+from dockrl.isolation.executor import send_reply
 from dockrl.stages.multi_turn import ObservationTokens, Trajectory, TurnLimits, cut_at_calls
 
 logger = logging.getLogger(__name__)
@@ -638,12 +639,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("agent gateway: " + format, *args)
 
     def _send(self, status: int, body: dict | str) -> None:
-        data = (json.dumps(body) if isinstance(body, dict) else body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json" if isinstance(body, dict) else "text/plain")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_reply(self, status, body)
 
     def _error(self, e: SessionError) -> None:
         self._send(e.status, {"error": {"message": str(e), "type": "invalid_request_error" if e.status < 500 else "server_error",
